@@ -1,0 +1,419 @@
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+
+import blake3
+import numpy as np
+import pytest
+
+from weightlift.cache import (
+    DIGEST_SIZE,
+    STALE_TEMP_SECONDS,
+    CacheWriter,
+    TensorCache,
+    digest_hex,
+    disk_unusable,
+)
+from weightlift.errors import CacheError, OptionError
+
+
+def _data(n: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def _digest(b: bytes) -> bytes:
+    return blake3.blake3(b).digest()
+
+
+def _files(root) -> list[str]:
+    """Every file under the cache root, temporary or not, relative to it."""
+    out = []
+    for dirpath, _dirs, names in os.walk(root):
+        out += [os.path.relpath(os.path.join(dirpath, n), root) for n in names]
+    return sorted(out)
+
+
+def _put(cache: TensorCache, data: bytes) -> bytes:
+    d = _digest(data)
+    with cache.writer(d, len(data)) as w:
+        w.write(data)
+        w.commit()
+    return d
+
+
+def test_digest_hex():
+    d = bytes(range(32))
+    assert DIGEST_SIZE == 32
+    assert digest_hex(d) == d.hex()
+    with pytest.raises(OptionError):
+        digest_hex(b"short")
+
+
+def test_round_trip_layout_and_exact_bytes(tmp_path):
+    cache = TensorCache(tmp_path / "c")
+    data = _data(100_003)
+    d = _digest(data)
+    assert not cache.has(d)
+    _put(cache, data)
+    hx = d.hex()
+    assert _files(tmp_path / "c") == [os.path.join(hx[:2], hx)]
+    assert cache.path_for(d) == str(tmp_path / "c" / hx[:2] / hx)
+    assert cache.has(d) and cache.has(d, len(data))
+    assert not cache.has(d, len(data) + 1)
+    out = bytearray(len(data))
+    cache.read_into(d, out)
+    assert bytes(out) == data
+    assert cache.total_bytes == len(data)
+
+
+def test_read_into_numpy_destination(tmp_path):
+    cache = TensorCache(tmp_path)
+    src = np.arange(50_000, dtype=np.float32)
+    d = _digest(src.tobytes())
+    with cache.writer(d, src.nbytes) as w:
+        w.write(src)  # a typed buffer, not bytes
+        w.commit()
+    dest = np.empty_like(src)
+    cache.read_into(d, dest)
+    np.testing.assert_array_equal(dest, src)
+
+
+def test_chunked_writes_of_odd_sizes(tmp_path):
+    cache = TensorCache(tmp_path)
+    data = _data(3 * 1024 * 1024 + 17, seed=1)  # over 1 MiB: the parallel hasher path
+    d = _digest(data)
+    mv = memoryview(data)
+    sizes = [1, 7, 4093, 65537, 300_000, 1 << 20]
+    with cache.writer(d, len(data)) as w:
+        off, i = 0, 0
+        while off < len(data):
+            n = sizes[i % len(sizes)]
+            w.write(mv[off : off + n])
+            off += n
+            i += 1
+        assert w.written == len(data)
+        w.commit()
+    out = bytearray(len(data))
+    cache.read_into(d, out)
+    assert bytes(out) == data
+
+
+def test_empty_entry(tmp_path):
+    cache = TensorCache(tmp_path)
+    d = _put(cache, b"")
+    assert cache.has(d, 0)
+    cache.read_into(d, bytearray())
+
+
+def test_commit_with_wrong_digest_leaves_nothing(tmp_path):
+    cache = TensorCache(tmp_path)
+    data = _data(5000)
+    wrong = _digest(data + b"x")
+    w = cache.writer(wrong, len(data))
+    w.write(data)
+    with pytest.raises(CacheError, match="digest"):
+        w.commit()
+    assert _files(tmp_path) == []
+    assert not cache.has(wrong)
+
+
+def test_commit_with_wrong_length_leaves_nothing(tmp_path):
+    cache = TensorCache(tmp_path)
+    data = _data(5000)
+    d = _digest(data)
+    w = cache.writer(d, len(data) + 1)
+    w.write(data)
+    with pytest.raises(CacheError, match="declared"):
+        w.commit()
+    assert _files(tmp_path) == []
+    # Writing past the declared length is refused at once.
+    w = cache.writer(d, 10)
+    with pytest.raises(CacheError, match="more than"):
+        w.write(data)
+    assert _files(tmp_path) == []
+    with pytest.raises(CacheError):
+        w.write(b"x")
+
+
+def test_abort_and_context_manager_leave_nothing(tmp_path):
+    cache = TensorCache(tmp_path)
+    data = _data(5000)
+    d = _digest(data)
+    w = cache.writer(d, len(data))
+    w.write(data[:100])
+    assert len(_files(tmp_path)) == 1  # the temporary file
+    w.abort()
+    w.abort()
+    assert _files(tmp_path) == []
+    with pytest.raises(RuntimeError):
+        with cache.writer(d, len(data)) as w:
+            w.write(data)
+            raise RuntimeError("boom")
+    assert _files(tmp_path) == []
+    # Leaving the block without commit discards too.
+    with cache.writer(d, len(data)) as w:
+        w.write(data)
+    assert _files(tmp_path) == [] and not cache.has(d)
+
+
+def _stored(tmp_path) -> tuple[TensorCache, bytes, bytes]:
+    cache = TensorCache(tmp_path)
+    data = _data(200_000, seed=2)
+    return cache, data, _put(cache, data)
+
+
+def test_truncated_entry_is_dropped(tmp_path):
+    cache, data, d = _stored(tmp_path)
+    os.truncate(cache.path_for(d), len(data) - 1)
+    with pytest.raises(CacheError, match="expected"):
+        cache.read_into(d, bytearray(len(data)))
+    assert not os.path.exists(cache.path_for(d))
+    with pytest.raises(CacheError, match="missing"):
+        cache.read_into(d, bytearray(len(data)))
+
+
+def test_oversize_entry_is_dropped(tmp_path):
+    cache, data, d = _stored(tmp_path)
+    with open(cache.path_for(d), "ab") as f:
+        f.write(b"\0")
+    assert not cache.has(d, len(data))
+    with pytest.raises(CacheError):
+        cache.read_into(d, bytearray(len(data)))
+    assert not os.path.exists(cache.path_for(d))
+
+
+def test_corrupted_byte_is_dropped(tmp_path):
+    cache, data, d = _stored(tmp_path)
+    with open(cache.path_for(d), "r+b") as f:
+        f.seek(123_457)
+        b = f.read(1)
+        f.seek(123_457)
+        f.write(bytes([b[0] ^ 1]))
+    assert cache.has(d, len(data))  # a stat cannot tell; the read must
+    with pytest.raises(CacheError, match="does not match"):
+        cache.read_into(d, bytearray(len(data)))
+    assert not os.path.exists(cache.path_for(d))
+
+
+def test_unreadable_entry_is_dropped(tmp_path):
+    # Tests may run as root, where chmod 000 does not stop a read: a folder in the entry's
+    # place cannot be read as a file by anyone.
+    cache, data, d = _stored(tmp_path)
+    path = cache.path_for(d)
+    os.unlink(path)
+    os.mkdir(path)
+    (tmp_path / path / "junk").write_bytes(b"x")
+    assert not cache.has(d)
+    with pytest.raises(CacheError, match="unreadable|not a regular"):
+        cache.read_into(d, bytearray(len(data)))
+    assert not os.path.exists(path)
+
+
+def test_read_error_mid_entry_is_dropped(tmp_path, monkeypatch):
+    cache, data, d = _stored(tmp_path)
+
+    class FailingFile:
+        """A real file whose reads fail with EIO once the first bytes are in."""
+
+        def __init__(self, path, mode, buffering=-1):
+            self._f = open(path, mode, buffering=buffering)
+
+        def fileno(self):
+            return self._f.fileno()
+
+        def readinto(self, b):
+            if self._f.tell() > 0:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            return self._f.readinto(memoryview(b)[:4096])
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._f.close()
+
+    monkeypatch.setattr("weightlift.cache.open", FailingFile, raising=False)
+    with pytest.raises(CacheError, match="unreadable"):
+        cache.read_into(d, bytearray(len(data)))
+    monkeypatch.undo()
+    assert not os.path.exists(cache.path_for(d))
+
+
+def test_wrong_destination_size_drops_entry(tmp_path):
+    cache, data, d = _stored(tmp_path)
+    with pytest.raises(OptionError):
+        cache.read_into(d, bytes(len(data)))  # read-only destination: an argument error
+    assert cache.has(d)
+    with pytest.raises(CacheError):
+        cache.read_into(d, bytearray(len(data) - 1))
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EIO])
+def test_disk_error_on_write_raises_and_removes_temp(tmp_path, monkeypatch, code):
+    cache = TensorCache(tmp_path)
+    data = _data(10_000)
+    d = _digest(data)
+    w = cache.writer(d, len(data))
+    w.write(data[:3000])
+    real_write = os.write
+
+    def half_then_fail(fd, buf):
+        if fd == w._fd:
+            n = real_write(fd, memoryview(buf)[:100])
+            if n:
+                raise OSError(code, os.strerror(code))
+        return real_write(fd, buf)
+
+    monkeypatch.setattr(os, "write", half_then_fail)
+    with pytest.raises(CacheError, match=os.strerror(code)) as info:
+        w.write(data[3000:])
+    monkeypatch.undo()
+    assert disk_unusable(info.value)
+    assert _files(tmp_path) == []
+    with pytest.raises(CacheError):
+        w.commit()
+    assert not cache.has(d)
+
+
+def test_not_every_cache_error_is_a_disk_error(tmp_path):
+    cache = TensorCache(tmp_path)
+    w = cache.writer(_digest(b"a"), 1)
+    w.write(b"b")
+    with pytest.raises(CacheError) as info:
+        w.commit()
+    assert not disk_unusable(info.value)
+
+
+def test_lru_eviction_under_max_bytes(tmp_path):
+    cache = TensorCache(tmp_path, max_bytes=3000)
+    a, b, c = (_data(1000, seed=s) for s in (10, 11, 12))
+    da, db, dc = (_put(cache, x) for x in (a, b, c))
+    # Give the entries distinct, known ages, oldest first: a, b, c.
+    base = time.time_ns() - 3600 * 10**9
+    for i, d in enumerate((da, db, dc)):
+        os.utime(cache.path_for(d), ns=(base + i * 10**9, base + i * 10**9))
+    cache.read_into(da, bytearray(1000))  # a is now the most recent
+    dd = _put(cache, _data(1000, seed=13))
+    assert [cache.has(x) for x in (da, db, dc, dd)] == [True, False, True, True]
+    assert cache.total_bytes == 3000
+    de = _put(cache, _data(2000, seed=14))
+    assert [cache.has(x) for x in (da, dc, dd, de)] == [False, False, True, True]
+    assert cache.total_bytes == 3000
+    with pytest.raises(CacheError):
+        cache.writer(_digest(b"big"), 3001)
+
+
+def test_eviction_ignores_temp_files_and_reopen_counts_entries(tmp_path):
+    cache = TensorCache(tmp_path, max_bytes=2500)
+    d1 = _put(cache, _data(1000, seed=1))
+    pending = cache.writer(_digest(_data(2000, seed=3)), 2000)
+    pending.write(_data(2000, seed=3))
+    d2 = _put(cache, _data(1000, seed=2))
+    assert cache.has(d1) and cache.has(d2)  # the 2000 temporary bytes do not count
+    pending.commit()
+    assert TensorCache(tmp_path).total_bytes == cache.total_bytes <= 2500
+
+
+def test_stale_temp_files_cleaned_on_open(tmp_path):
+    cache, data, d = _stored(tmp_path)
+    folder = os.path.dirname(cache.path_for(d))
+    stale = os.path.join(folder, ".tmp-dead-1-aa")
+    fresh = os.path.join(folder, ".tmp-live-2-bb")
+    for p in (stale, fresh):
+        with open(p, "wb") as f:
+            f.write(b"partial")
+    old = time.time() - STALE_TEMP_SECONDS - 60
+    os.utime(stale, (old, old))
+    cache2 = TensorCache(tmp_path)
+    assert not os.path.exists(stale) and os.path.exists(fresh)
+    assert cache2.total_bytes == len(data)
+    out = bytearray(len(data))
+    cache2.read_into(d, out)
+    assert bytes(out) == data
+
+
+def test_read_via_staging_gives_same_bytes(tmp_path):
+    cache = TensorCache(tmp_path)
+    data = _data(1_000_003, seed=5)
+    d = _put(cache, data)
+    target = bytearray(len(data))
+    calls = []
+
+    def write(offset: int, chunk: memoryview) -> None:
+        calls.append((offset, len(chunk)))
+        target[offset : offset + len(chunk)] = chunk
+
+    staging = bytearray(65536)
+    cache.read_into_target(d, len(data), write, staging)
+    assert bytes(target) == data
+    assert calls[0] == (0, 65536) and calls[-1] == (len(data) - len(data) % 65536, len(data) % 65536)
+    assert sum(n for _, n in calls) == len(data)
+
+
+def test_staging_read_of_corrupt_entry_raises_and_drops(tmp_path):
+    cache = TensorCache(tmp_path)
+    data = _data(300_000, seed=6)
+    d = _put(cache, data)
+    with open(cache.path_for(d), "r+b") as f:
+        f.seek(299_999)
+        f.write(bytes([data[-1] ^ 0xFF]))
+    got = []
+    with pytest.raises(CacheError):
+        cache.read_into_target(d, len(data), lambda off, c: got.append(len(c)), bytearray(100_000))
+    assert sum(got) == len(data)  # everything was delivered; the caller must discard it
+    assert not os.path.exists(cache.path_for(d))
+    with pytest.raises(CacheError, match="missing"):
+        cache.read_into_target(d, len(data), lambda off, c: None, bytearray(100_000))
+
+
+def test_concurrent_writers_of_same_digest(tmp_path):
+    cache = TensorCache(tmp_path)
+    data = _data(2_000_000, seed=7)
+    d = _digest(data)
+    writers = [cache.writer(d, len(data)) for _ in range(2)]
+    # Interleave the writes so both temporary files exist at once.
+    mv = memoryview(data)
+    for off in range(0, len(data), 250_000):
+        for w in writers:
+            w.write(mv[off : off + 250_000])
+    errors: list[BaseException] = []
+
+    def commit(w: CacheWriter) -> None:
+        try:
+            w.commit()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=commit, args=(w,)) for w in writers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    hx = d.hex()
+    assert _files(tmp_path) == [os.path.join(hx[:2], hx)]
+    out = bytearray(len(data))
+    cache.read_into(d, out)
+    assert bytes(out) == data
+
+
+def test_bad_digest_argument(tmp_path):
+    cache = TensorCache(tmp_path)
+    with pytest.raises(OptionError):
+        cache.has(b"\0" * 31)
+    with pytest.raises(OptionError):
+        cache.writer(b"\0" * 33, 1)
+
+
+def test_error_from_write_callback_keeps_entry(tmp_path):
+    cache, data, d = _stored(tmp_path)
+
+    def write(offset: int, chunk: memoryview) -> None:
+        raise OSError(5, "device copy failed")
+
+    with pytest.raises(OSError, match="device copy failed"):
+        cache.read_into_target(d, len(data), write, bytearray(4096))
+    assert cache.has(d, len(data))

@@ -1,0 +1,331 @@
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+
+import blake3
+import ml_dtypes
+import numpy as np
+import pytest
+
+from weightlift.digests import (
+    HASH_THRESHOLD,
+    MANIFEST_SUFFIX,
+    DigestPool,
+    Manifest,
+    byte_view,
+    hash_buffer,
+    hash_tensors,
+)
+from weightlift.errors import NotFoundError, OptionError
+
+
+def _data(n: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture(autouse=True)
+def _private_home(tmp_path, monkeypatch):
+    # The fallback manifest folder lives under the user's cache; keep it inside the test.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+
+
+# -- hash_buffer --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [0, 1, 1023, 1025, 2 * 1024 * 1024 + 3])
+def test_hash_buffer_equals_blake3_of_bytes(n):
+    data = _data(n)
+    expected = blake3.blake3(data).digest()
+    assert hash_buffer(data) == expected
+    assert hash_buffer(bytearray(data)) == expected
+    assert hash_buffer(memoryview(data)) == expected
+    assert hash_buffer(data, max_threads=1) == expected
+
+
+def test_hash_buffer_typed_and_mmap(tmp_path):
+    a = np.arange(10_000, dtype=np.float32).reshape(100, 100)
+    assert hash_buffer(a) == blake3.blake3(a.tobytes()).digest()
+    bf = np.arange(1000, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    assert hash_buffer(bf) == blake3.blake3(bf.tobytes()).digest()
+    p = tmp_path / "f.bin"
+    data = _data(50_000)
+    p.write_bytes(data)
+    with open(p, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        view = memoryview(m)[1000:40_000]
+        assert hash_buffer(view) == blake3.blake3(data[1000:40_000]).digest()
+        view.release()
+
+
+def test_byte_view_refuses_non_contiguous():
+    a = np.arange(100, dtype=np.float32).reshape(10, 10)
+    with pytest.raises(OptionError):
+        hash_buffer(a[:, ::2])
+    with pytest.raises(OptionError):
+        hash_buffer(memoryview(b"abcdef")[::2])
+    with pytest.raises(OptionError):
+        hash_buffer(object())
+    assert byte_view(a).nbytes == 400 and byte_view(a).format == "B"
+
+
+# -- Manifest -----------------------------------------------------------------------------------
+
+
+def _checkpoint(tmp_path, data: bytes = b"") -> str:
+    folder = tmp_path / "model"
+    folder.mkdir(exist_ok=True)
+    p = folder / "model.safetensors"
+    p.write_bytes(data or _data(4096))
+    return str(p)
+
+
+D1 = bytes(range(32))
+D2 = bytes(range(32, 64))
+
+
+def test_manifest_round_trip(tmp_path):
+    path = _checkpoint(tmp_path)
+    m = Manifest.load(path)
+    assert len(m) == 0 and m.get("a", 0, 10) is None
+    m.put("a", 0, 10, D1)
+    m.put("b", 10, 20, D2)
+    m.save()
+    assert os.path.exists(path + MANIFEST_SUFFIX)
+    doc = json.loads(open(path + MANIFEST_SUFFIX).read())
+    assert doc["tensors"]["a"] == {"offset": 0, "length": 10, "blake3": D1.hex()}
+    st = os.stat(path)
+    assert (doc["file"]["size"], doc["file"]["mtime_ns"], doc["file"]["inode"]) == (
+        st.st_size,
+        st.st_mtime_ns,
+        st.st_ino,
+    )
+    again = Manifest.load(path)
+    assert len(again) == 2
+    assert again.get("a", 0, 10) == D1 and again.get("b", 10, 20) == D2
+    # A digest counts only for exactly the bytes it was taken of.
+    assert again.get("a", 0, 11) is None and again.get("a", 1, 10) is None and again.get("c", 0, 10) is None
+
+
+def test_manifest_invalidated_by_mtime(tmp_path):
+    path = _checkpoint(tmp_path)
+    m = Manifest.load(path)
+    m.put("a", 0, 10, D1)
+    m.save()
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    assert len(Manifest.load(path)) == 0
+
+
+def test_manifest_invalidated_by_size(tmp_path):
+    path = _checkpoint(tmp_path)
+    m = Manifest.load(path)
+    m.put("a", 0, 10, D1)
+    m.save()
+    st = os.stat(path)
+    with open(path, "ab") as f:
+        f.write(b"x")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # same mtime, other size
+    assert len(Manifest.load(path)) == 0
+
+
+def test_manifest_invalidated_by_rewrite(tmp_path):
+    path = _checkpoint(tmp_path, _data(4096, seed=1))
+    m = Manifest.load(path)
+    m.put("a", 0, 10, D1)
+    m.save()
+    st = os.stat(path)
+    # Same size and mtime, new bytes in a new inode: a download tool replacing the file.
+    tmp = path + ".new"
+    with open(tmp, "wb") as f:
+        f.write(_data(4096, seed=2))
+    keep = open(path, "rb")  # hold the old inode so the new file cannot reuse its number
+    try:
+        os.replace(tmp, path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert os.stat(path).st_ino != st.st_ino
+        assert len(Manifest.load(path)) == 0
+    finally:
+        keep.close()
+
+
+def test_manifest_invalidated_by_in_place_write_with_mtime_restored(tmp_path):
+    # What rsync -t or touch -r leave: new bytes, old size and mtime, same inode.
+    path = _checkpoint(tmp_path)
+    m = Manifest.load(path)
+    m.put("a", 0, 10, D1)
+    m.save()
+    st = os.stat(path)
+    time.sleep(0.01)
+    with open(path, "r+b") as f:
+        f.write(b"changed!")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert len(Manifest.load(path)) == 0
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"{not json",
+        b"[]",
+        b'{"version": 1}',
+        b"\xff\xfe\x00garbage",
+        None,  # a well-formed document with a bad digest, filled in below
+    ],
+)
+def test_manifest_ignores_corrupt_sidecar(tmp_path, content):
+    path = _checkpoint(tmp_path)
+    if content is None:
+        m = Manifest.load(path)
+        m.put("a", 0, 10, D1)
+        m.save()
+        doc = json.loads(open(path + MANIFEST_SUFFIX).read())
+        doc["tensors"]["a"]["blake3"] = "zz" * 32
+        content = json.dumps(doc).encode()
+    with open(path + MANIFEST_SUFFIX, "wb") as f:
+        f.write(content)
+    m = Manifest.load(path)
+    assert len(m) == 0
+    m.put("a", 0, 10, D2)
+    m.save()  # overwrites the corrupt one
+    assert Manifest.load(path).get("a", 0, 10) == D2
+
+
+def test_manifest_of_missing_file(tmp_path):
+    with pytest.raises(NotFoundError):
+        Manifest.load(tmp_path / "absent.safetensors")
+
+
+def _refuse_in(monkeypatch, folder: str) -> None:
+    """Make creating files in ``folder`` fail as a read-only folder would (tests may run as root)."""
+    real_open = os.open
+
+    def guarded(path, flags, *args, **kwargs):
+        if os.path.dirname(os.path.abspath(path)) == folder and flags & os.O_CREAT:
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", guarded)
+
+
+def test_manifest_falls_back_when_folder_read_only(tmp_path, monkeypatch):
+    path = _checkpoint(tmp_path)
+    _refuse_in(monkeypatch, os.path.dirname(path))
+    m = Manifest.load(path)
+    m.put("a", 0, 10, D1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m.save()
+    assert not os.path.exists(path + MANIFEST_SUFFIX)
+    assert m.fallback_path.startswith(str(tmp_path / "xdg" / "weightlift" / "manifests"))
+    assert os.path.exists(m.fallback_path)
+    assert Manifest.load(path).get("a", 0, 10) == D1
+    assert [n for n in os.listdir(os.path.dirname(m.fallback_path)) if n.endswith(".tmp")] == []
+
+
+def test_manifest_save_never_fails_the_caller(tmp_path, monkeypatch):
+    path = _checkpoint(tmp_path)
+    m = Manifest.load(path)
+    m.put("a", 0, 10, D1)
+    _refuse_in(monkeypatch, os.path.dirname(path))
+    _refuse_in(monkeypatch, os.path.dirname(m.fallback_path))
+    with pytest.warns(UserWarning, match="cannot save"):
+        m.save()
+    monkeypatch.undo()
+    assert len(Manifest.load(path)) == 0
+
+
+def test_manifest_not_saved_if_file_changed_since_load(tmp_path):
+    path = _checkpoint(tmp_path)
+    m = Manifest.load(path)
+    with open(path, "ab") as f:
+        f.write(b"more")
+    m.put("a", 0, 10, D1)
+    with pytest.warns(UserWarning, match="changed"):
+        m.save()
+    assert not os.path.exists(path + MANIFEST_SUFFIX)
+
+
+# -- DigestPool and hash_tensors ----------------------------------------------------------------
+
+
+class _Recorder:
+    enabled = True
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self._lock = threading.Lock()
+
+    def record(self, phase, t0_ns, t1_ns, nbytes=0, *, name=None, background=False):
+        with self._lock:
+            self.calls.append((phase, t1_ns >= t0_ns, nbytes, name, background))
+
+
+def test_digest_pool_many_buffers():
+    bufs = {f"t{i}": _data(1000 * i + i, seed=i) for i in range(40)}
+    with DigestPool(threads=3) as pool:
+        futs = {name: pool.submit(name, memoryview(b)) for name, b in bufs.items()}
+        got = {name: f.result(timeout=60) for name, f in futs.items()}
+    assert got == {name: blake3.blake3(b).digest() for name, b in bufs.items()}
+
+
+def test_digest_pool_records_hash_phase():
+    prof = _Recorder()
+    pool = DigestPool(threads=2, profiler=prof)
+    a = np.arange(1000, dtype=np.int64)
+    assert pool.submit("w", a).result(timeout=60) == blake3.blake3(a.tobytes()).digest()
+    pool.close()
+    assert prof.calls == [("hash", True, 8000, "w", True)]
+    with pytest.raises(OptionError):
+        DigestPool(threads=0)
+
+
+@dataclass(frozen=True)
+class _T:
+    name: str
+    file: str
+    offset: int
+    length: int
+
+
+def test_hash_tensors_uses_and_fills_manifest(tmp_path):
+    data = _data(20_000, seed=9)
+    path = _checkpoint(tmp_path, data)
+    tensors = [_T("small", path, 0, 100), _T("a", path, 100, 9000), _T("b", path, 9100, 10_900)]
+    views: list[str] = []
+
+    def view(t: _T) -> memoryview:
+        views.append(t.name)
+        return memoryview(data)[t.offset : t.offset + t.length]
+
+    expected = {t.name: blake3.blake3(data[t.offset : t.offset + t.length]).digest() for t in tensors[1:]}
+    with DigestPool(threads=2) as pool:
+        futs = hash_tensors(tensors, view=view, pool=pool, threshold=1000)
+        assert {n: f.result(timeout=60) for n, f in futs.items()} == expected
+    assert sorted(views) == ["a", "b"]
+    # The manifest was saved when the last digest arrived: the second pass hashes nothing.
+    views.clear()
+    futs = hash_tensors(tensors, view=view, threshold=1000)
+    assert {n: f.result() for n, f in futs.items()} == expected
+    assert views == []
+    # Without a pool digests are computed inline.
+    futs = hash_tensors(tensors, view=view, threshold=1000, manifests=False)
+    assert {n: f.result() for n, f in futs.items()} == expected and sorted(views) == ["a", "b"]
+
+
+def test_hash_threshold():
+    assert HASH_THRESHOLD == 10 * 1024 * 1024
+
+
+def test_hash_tensors_default_view_reads_the_file(tmp_path):
+    data = _data(30_000, seed=4)
+    path = _checkpoint(tmp_path, data)
+    tensors = [_T("x", path, 5000, 20_000)]
+    futs = hash_tensors(tensors, threshold=1, manifests=False)
+    assert futs["x"].result() == blake3.blake3(data[5000:25_000]).digest()
