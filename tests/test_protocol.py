@@ -1,0 +1,244 @@
+"""The wire spec: pinned command values, golden bytes per message, versioned layouts, limits."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+import weightlift.protocol as P
+from weightlift.errors import LocalProtocolError
+from weightlift.protocol import (
+    Alloc,
+    Auth,
+    Barrier,
+    BarrierReply,
+    Bye,
+    Capability,
+    Command,
+    Decoder,
+    Error,
+    FillFromCache,
+    Free,
+    FreeReply,
+    Have,
+    HaveReply,
+    Hello,
+    ListEntry,
+    ListReply,
+    ListRequest,
+    Read,
+    ReadReply,
+    WriteHeader,
+    send,
+)
+
+D1 = bytes(range(32))
+D2 = bytes(range(32, 64))
+
+
+def test_command_values_are_pinned():
+    assert Command.HELLO == 0  # the handshake is always the first byte a server sees
+    assert {c.name: int(c) for c in Command} == {
+        "HELLO": 0, "AUTH": 1, "ALLOC": 2, "WRITE": 3, "HAVE": 4, "FILL_FROM_CACHE": 5, "READ": 6,
+        "LIST": 7, "FREE": 8, "BARRIER": 9, "BYE": 10, "ERROR": 11, "HAVE_REPLY": 0x84,
+        "READ_REPLY": 0x86, "LIST_REPLY": 0x87, "FREE_REPLY": 0x88, "BARRIER_REPLY": 0x89,
+    }
+    assert int(Capability.CACHE) == 1 and int(Capability.AUTH) == 2
+    assert [int(c) for c in P.ErrorCode] == [1, 2, 3, 4, 5, 6]
+
+
+def test_versions_and_limits_are_pinned():
+    assert (P.PROTOCOL_MAJOR, P.PROTOCOL_MINOR, P.PREVIOUS_MINOR) == (1, 1, 0)
+    assert P.MAX_FRAME == 16 << 20
+    assert (P.MAX_NAME, P.MAX_DIMS, P.MAX_TENSORS) == (4096, 64, 65536)
+    assert P.MAX_TENSOR_BYTES == 1 << 40
+    assert (P.MAX_ERRORS, P.MAX_MESSAGE, P.DIGEST_SIZE, P.NONCE_SIZE) == (256, 1024, 32, 32)
+    assert P.PREFIX.size == 8
+    assert P.HELLO_LAYOUT_PREVIOUS.size == 52 and P.HELLO_LAYOUT.size == 60
+    assert P.HELLO_LAYOUT.format.startswith(P.HELLO_LAYOUT_PREVIOUS.format)
+
+
+def _hello() -> Hello:
+    return Hello(1, 1, Capability.CACHE | Capability.AUTH, 1 << 20, 1 << 30, D1, 5 << 30)
+
+
+# (message, exact frame bytes in hex) - written out by hand from the layouts in messages.py
+GOLDEN = [
+    (
+        _hello(),
+        "00000000" "3c000000" "0100" "0100" "03000000" "00001000" "0000004000000000" + D1.hex() + "0000004001000000",
+    ),
+    (Auth(D2), "01000000" "20000000" + D2.hex()),
+    (
+        Alloc(3, "a.b", "BF16", (2, 3), 12, D1),
+        "02000000" "45000000" "03000000" "0800" "02" "01" "0c00000000000000" "0300" "612e62"
+        "0200000000000000" "0300000000000000" + D1.hex(),
+    ),
+    (
+        Alloc(7, "x", "F32", (), 4),
+        "02000000" "13000000" "07000000" "0b00" "00" "00" "0400000000000000" "0100" "78",
+    ),
+    (WriteHeader(3, 16, 4096), "03000000" "14000000" "03000000" "1000000000000000" "0010000000000000"),
+    (Have((D1, D2)), "04000000" "44000000" "02000000" + D1.hex() + D2.hex()),
+    (FillFromCache(9, D2), "05000000" "24000000" "09000000" + D2.hex()),
+    (Read("w", 8, 24), "06000000" "13000000" "0800000000000000" "1800000000000000" "0100" "77"),
+    (ListRequest("ab"), "07000000" "04000000" "0200" "6162"),
+    (ListRequest(), "07000000" "02000000" "0000"),
+    (Free(("a", "bc")), "08000000" "0b000000" "02000000" "0100" "61" "0200" "6263"),
+    (Barrier(), "09000000" "00000000"),
+    (Bye(), "0a000000" "00000000"),
+    (Error(4, "full"), "0b000000" "08000000" "0400" "0400" "66756c6c"),
+    (
+        HaveReply((True, False, True, False, False, False, False, False, True)),
+        "84000000" "06000000" "09000000" "05" "01",
+    ),
+    (ReadReply(24), "86000000" "08000000" "1800000000000000"),
+    (
+        ListReply((ListEntry("a", "I64", (2,), 16),), more=True),
+        "87000000" "1b000000" "01" "01000000" "0100" "0d00" "01" "1000000000000000" "61" "0200000000000000",
+    ),
+    (FreeReply(2), "88000000" "04000000" "02000000"),
+    (
+        BarrierReply(2, 4096, ("bad",), (5, 6)),
+        "89000000" "21000000" "02000000" "0010000000000000" "01000000" "0300" "626164"
+        "02000000" "05000000" "06000000",
+    ),
+]
+
+
+@pytest.mark.parametrize("msg,hexbytes", GOLDEN, ids=[f"{m.COMMAND.name}{i}" for i, (m, _) in enumerate(GOLDEN)])
+def test_golden_bytes(msg, hexbytes):
+    raw = bytes.fromhex(hexbytes)
+    assert send(msg) == raw
+    role = "server" if msg.COMMAND in P.CLIENT_COMMANDS else "client"
+    dec = Decoder(our_role=role)
+    dec.feed(raw)
+    assert dec.next_event() == msg
+    assert dec.at_boundary or msg.COMMAND in P.PAYLOAD_COMMANDS
+
+
+def test_every_command_has_a_message_type_and_golden_case():
+    assert set(P.MESSAGE_TYPES) == set(Command)
+    assert {m.COMMAND for m, _ in GOLDEN} == set(Command)
+    for cmd, cls in P.MESSAGE_TYPES.items():
+        assert cls.COMMAND is cmd
+        assert cls.HAS_PAYLOAD == (cmd in P.PAYLOAD_COMMANDS)
+
+
+def test_messages_are_frozen():
+    m = WriteHeader(1, 2, 3)
+    with pytest.raises(AttributeError):
+        m.offset = 5  # type: ignore[misc]
+
+
+def test_dtype_codes_on_the_wire_follow_the_dtype_table():
+    from weightlift.dtypes import CODES, DTYPES
+
+    for d in DTYPES:
+        raw = send(Alloc(0, "t", d.name, (8,), 8 * d.bits // 8))
+        assert struct.unpack_from("<H", raw, 8 + 4)[0] == CODES[d.name]
+
+
+# ----- versioning -----------------------------------------------------------------------------
+
+
+def test_previous_minor_hello_is_the_shorter_layout():
+    old = Hello(1, P.PREVIOUS_MINOR, 0, 1 << 20, 1 << 30, D1, max_memory=123)
+    raw = send(old)
+    assert len(raw) == 8 + P.HELLO_LAYOUT_PREVIOUS.size
+    assert raw[8:] == P.HELLO_LAYOUT_PREVIOUS.pack(1, 0, 0, 1 << 20, 1 << 30, D1)
+    dec = Decoder(our_role="client")
+    dec.feed(raw)
+    got = dec.next_event()
+    assert got == Hello(1, 0, 0, 1 << 20, 1 << 30, D1, max_memory=0)  # absent field -> default
+
+
+def test_longer_message_from_a_newer_minor_is_accepted_and_tail_ignored():
+    body = P.HELLO_LAYOUT.pack(1, 7, 0xFF00 | 1, 1 << 20, 1 << 30, D1, 99) + b"future fields"
+    raw = P.PREFIX.pack(Command.HELLO, len(body)) + body
+    dec = Decoder(our_role="server")
+    dec.feed(raw + send(Barrier()))
+    hello = dec.next_event()
+    assert hello == Hello(1, 7, 0xFF01, 1 << 20, 1 << 30, D1, 99)
+    assert hello.has(Capability.CACHE) and not hello.has(Capability.AUTH)  # unknown bits ignored
+    assert dec.next_event() == Barrier()  # the tail did not bleed into the next frame
+
+
+def test_barrier_reply_need_list_is_minor_one():
+    msg = BarrierReply(1, 10, ("x",))
+    old = send(msg, minor=0)
+    new = send(msg, minor=1)
+    assert new == old[:4] + struct.pack("<I", len(new) - 8) + old[8:] + b"\0\0\0\0"
+    dec = Decoder(our_role="client", minor=0)
+    dec.feed(send(BarrierReply(1, 10, (), (3,)), minor=1))
+    assert dec.next_event() == BarrierReply(1, 10, (), (3,))  # old reader just skips; ours knows it
+    with pytest.raises(LocalProtocolError):
+        send(BarrierReply(0, 0, (), (1,)), minor=0)
+
+
+def test_cache_commands_do_not_exist_in_the_previous_minor():
+    for msg in (Have((D1,)), FillFromCache(1, D1), HaveReply((True,))):
+        with pytest.raises(LocalProtocolError, match="minor"):
+            send(msg, minor=P.PREVIOUS_MINOR)
+        send(msg, minor=P.PROTOCOL_MINOR)
+
+
+# ----- encoding refuses what it cannot represent ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        Alloc(1, "t", "F32", (-1,), 4),
+        Alloc(1, "t", "F32", (1,), -4),
+        Alloc(1, "t", "NOPE", (1,), 4),
+        Alloc(1, "x" * (P.MAX_NAME + 1), "F32", (1,), 4),
+        Alloc(1, "t", "U8", (1,) * (P.MAX_DIMS + 1), 1),
+        Alloc(1, "t", "U8", (1,), 1, b"short"),
+        Alloc(-1, "t", "U8", (1,), 1),
+        WriteHeader(1, -1, 4),
+        WriteHeader(1 << 32, 0, 4),
+        Hello(1, 1, nonce=b"short"),
+        Auth(b"short"),
+        Read("t", -1, 1),
+        Have(tuple([D1] * (P.MAX_TENSORS + 1))),
+        BarrierReply(0, 0, ("e",) * (P.MAX_ERRORS + 1)),
+    ],
+)
+def test_send_rejects_invalid_fields(msg):
+    with pytest.raises(LocalProtocolError):
+        send(msg)
+
+
+def test_send_rejects_a_body_over_the_peers_frame_limit():
+    msg = Have(tuple([D1] * 100))
+    assert len(send(msg, max_frame=3204)) == 8 + 3204
+    with pytest.raises(LocalProtocolError, match="limit"):
+        send(msg, max_frame=3203)
+
+
+def test_long_error_text_is_cut_on_a_character_boundary():
+    raw = send(Error(6, "é" * 1000))
+    (n,) = struct.unpack_from("<H", raw, 10)
+    assert n <= P.MAX_MESSAGE and n % 2 == 0
+    dec = Decoder(our_role="client")
+    dec.feed(raw)
+    assert dec.next_event().message == "é" * (n // 2)
+
+
+def test_protocol_package_does_no_io():
+    import ast
+    import pathlib
+
+    forbidden = {"socket", "threading", "asyncio", "torch", "selectors", "ssl"}
+    pkg = pathlib.Path(P.__file__).parent
+    for path in pkg.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            for n in names:
+                assert n.split(".")[0] not in forbidden, f"{path.name} imports {n}"

@@ -1,0 +1,653 @@
+"""Encoding and incremental decoding of frames, and the server's connection state table.
+
+Theory of operation: there is no I/O here. ``send(msg)`` turns a message into the bytes of its
+prefix and body; a payload (WRITE, READ_REPLY) is never copied in - the caller sends it after the
+header from wherever it lies. A :class:`Decoder` is fed whatever bytes arrived, in any
+fragmentation, and ``next_event()`` returns a message once its whole frame is buffered, or
+``NEED_DATA``. After a payload-bearing header it switches to payload mode: ``bytes_wanted()`` says
+how many payload bytes are still due, and the caller either receives them straight into its own
+buffer and reports them with ``payload_received(n)`` (the fast path: the decoder never sees
+them), or feeds them and gets :class:`Payload` events. ``bytes_wanted()`` never asks past the end
+of the current frame, so a caller that reads exactly that many bytes never over-reads a socket.
+
+Every count and length is checked against a named limit before anything is sized from it; any
+violation raises RemoteProtocolError (the peer's fault) and the decoder stays failed. Building a
+message that cannot be encoded raises LocalProtocolError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import struct
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Callable, Final, Literal, Union
+
+from ..dtypes import DTYPES, CODES, byte_length
+from ..errors import AuthError, LocalProtocolError, RemoteProtocolError, WeightliftError
+from .messages import (
+    BARRIER_NEED_LAYOUT,
+    CLIENT_COMMANDS,
+    COMMAND_SINCE,
+    DIGEST_SIZE,
+    HELLO_LAYOUT,
+    HELLO_LAYOUT_PREVIOUS,
+    MAX_DIMS,
+    MAX_ERRORS,
+    MAX_FRAME,
+    MAX_MESSAGE,
+    MAX_NAME,
+    MAX_TENSOR_BYTES,
+    MAX_TENSORS,
+    NONCE_SIZE,
+    PREFIX,
+    PROTOCOL_MAJOR,
+    PROTOCOL_MINOR,
+    SERVER_COMMANDS,
+    Alloc,
+    Auth,
+    Barrier,
+    BarrierReply,
+    Bye,
+    Command,
+    Error,
+    FillFromCache,
+    Free,
+    FreeReply,
+    Have,
+    HaveReply,
+    Hello,
+    ListEntry,
+    ListReply,
+    ListRequest,
+    Message,
+    Read,
+    ReadReply,
+    WriteHeader,
+)
+
+__all__ = [
+    "send",
+    "Decoder",
+    "Payload",
+    "NEED_DATA",
+    "Event",
+    "ServerSession",
+    "SessionState",
+    "new_nonce",
+    "client_mac",
+    "server_mac",
+    "verify_mac",
+]
+
+_DTYPE_NAMES = [d.name for d in DTYPES]
+_NAME = struct.Struct("<H")
+_DIM = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+
+
+class _NeedData:
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+NEED_DATA: Final = _NeedData()
+"""``next_event()`` returns this when the buffered bytes do not yet complete an event."""
+
+
+@dataclass(frozen=True, slots=True)
+class Payload:
+    """Payload bytes that were fed to the decoder (the slow path; see ``payload_received``)."""
+
+    data: bytes
+
+
+Event = Union[Message, Payload, _NeedData]
+
+
+# ---------------------------------------------------------------------------------------------
+# encoding
+
+
+def _name(s: str, what: str) -> bytes:
+    raw = s.encode("utf-8")
+    if len(raw) > MAX_NAME:
+        raise LocalProtocolError(f"{what} is {len(raw)} bytes; the limit is {MAX_NAME}")
+    return _NAME.pack(len(raw)) + raw
+
+
+def _dims(shape: tuple[int, ...]) -> bytes:
+    if len(shape) > MAX_DIMS:
+        raise LocalProtocolError(f"shape {shape} has more than {MAX_DIMS} dimensions")
+    return b"".join(_DIM.pack(d) for d in shape)
+
+
+def _code(dtype: str) -> int:
+    try:
+        return CODES[dtype]
+    except KeyError:
+        raise LocalProtocolError(f"dtype {dtype!r} has no wire code") from None
+
+
+def _digest(d: bytes, what: str) -> bytes:
+    if len(d) != DIGEST_SIZE:
+        raise LocalProtocolError(f"{what} is {len(d)} bytes, not {DIGEST_SIZE}")
+    return bytes(d)
+
+
+def _enc_hello(m: Hello, minor: int) -> bytes:
+    if len(m.nonce) != NONCE_SIZE:
+        raise LocalProtocolError(f"HELLO nonce is {len(m.nonce)} bytes, not {NONCE_SIZE}")
+    head = (m.major, m.minor, m.flags, m.max_frame, m.max_tensor_bytes, m.nonce)
+    # A HELLO is laid out for the minor it announces: that is the only minor its reader can assume.
+    if m.minor < 1:
+        return HELLO_LAYOUT_PREVIOUS.pack(*head)
+    return HELLO_LAYOUT.pack(*head, m.max_memory)
+
+
+def _enc_alloc(m: Alloc, minor: int) -> bytes:
+    flags = Alloc.FLAG_DIGEST if m.digest is not None else 0
+    if any(d < 0 for d in m.shape) or m.nbytes < 0:
+        raise LocalProtocolError(f"ALLOC {m.name!r}: negative shape {m.shape} or size {m.nbytes}")
+    name = _name(m.name, "tensor name")
+    out = Alloc.LAYOUT.pack(m.tensor_id, _code(m.dtype), len(m.shape), flags, m.nbytes, len(name) - 2)
+    out += name[2:] + _dims(m.shape)
+    if m.digest is not None:
+        out += _digest(m.digest, "ALLOC digest")
+    return out
+
+
+def _enc_have(m: Have, minor: int) -> bytes:
+    if len(m.digests) > MAX_TENSORS:
+        raise LocalProtocolError(f"HAVE asks about {len(m.digests)} digests; the limit is {MAX_TENSORS}")
+    return Have.LAYOUT.pack(len(m.digests)) + b"".join(_digest(d, "HAVE digest") for d in m.digests)
+
+
+def _enc_have_reply(m: HaveReply, minor: int) -> bytes:
+    bits = bytearray((len(m.have) + 7) // 8)
+    for i, h in enumerate(m.have):
+        if h:
+            bits[i >> 3] |= 1 << (i & 7)
+    return HaveReply.LAYOUT.pack(len(m.have)) + bytes(bits)
+
+
+def _enc_read(m: Read, minor: int) -> bytes:
+    name = _name(m.name, "tensor name")
+    return Read.LAYOUT.pack(m.offset, m.length, len(name) - 2) + name[2:]
+
+
+def _enc_list_reply(m: ListReply, minor: int) -> bytes:
+    parts = [ListReply.LAYOUT.pack(1 if m.more else 0, len(m.entries))]
+    for e in m.entries:
+        name = _name(e.name, "tensor name")
+        parts.append(ListEntry.LAYOUT.pack(len(name) - 2, _code(e.dtype), len(e.shape), e.nbytes))
+        parts.append(name[2:] + _dims(e.shape))
+    return b"".join(parts)
+
+
+def _text(s: str) -> bytes:
+    # Error strings are advisory: cut at MAX_MESSAGE on a character boundary rather than refuse.
+    raw = s.encode("utf-8")[:MAX_MESSAGE].decode("utf-8", "ignore").encode("utf-8")
+    return _NAME.pack(len(raw)) + raw
+
+
+def _enc_barrier_reply(m: BarrierReply, minor: int) -> bytes:
+    if len(m.errors) > MAX_ERRORS:
+        raise LocalProtocolError(f"BARRIER_REPLY carries {len(m.errors)} errors; the limit is {MAX_ERRORS}")
+    out = BarrierReply.LAYOUT.pack(m.tensors, m.nbytes, len(m.errors))
+    out += b"".join(_text(e) for e in m.errors)
+    if minor >= 1:
+        out += BARRIER_NEED_LAYOUT.pack(len(m.need)) + b"".join(_U32.pack(i) for i in m.need)
+    elif m.need:
+        raise LocalProtocolError("BARRIER_REPLY need list requires minor 1")
+    return out
+
+
+def _enc_error(m: Error, minor: int) -> bytes:
+    raw = _text(m.message)[_NAME.size :]
+    return Error.LAYOUT.pack(m.code, len(raw)) + raw
+
+
+_ENCODERS: dict[type, Callable[[Any, int], bytes]] = {
+    Hello: _enc_hello,
+    Auth: lambda m, minor: Auth.LAYOUT.pack(_digest(m.mac, "AUTH mac")),
+    Alloc: _enc_alloc,
+    WriteHeader: lambda m, minor: WriteHeader.LAYOUT.pack(m.tensor_id, m.offset, m.length),
+    Have: _enc_have,
+    HaveReply: _enc_have_reply,
+    FillFromCache: lambda m, minor: FillFromCache.LAYOUT.pack(m.tensor_id, _digest(m.digest, "digest")),
+    Read: _enc_read,
+    ReadReply: lambda m, minor: ReadReply.LAYOUT.pack(m.length),
+    ListRequest: lambda m, minor: _name(m.after, "LIST cursor"),
+    ListReply: _enc_list_reply,
+    Free: lambda m, minor: Free.LAYOUT.pack(len(m.names)) + b"".join(_name(n, "tensor name") for n in m.names),
+    FreeReply: lambda m, minor: FreeReply.LAYOUT.pack(m.freed),
+    Barrier: lambda m, minor: b"",
+    BarrierReply: _enc_barrier_reply,
+    Error: _enc_error,
+    Bye: lambda m, minor: b"",
+}
+
+
+def send(msg: Message, *, minor: int = PROTOCOL_MINOR, max_frame: int = MAX_FRAME) -> bytes:
+    """The prefix and body of ``msg`` laid out for ``minor`` (a payload is sent separately).
+
+    LocalProtocolError if the message is invalid, too large for ``max_frame``, or uses a command
+    the negotiated minor does not have.
+    """
+    if COMMAND_SINCE[msg.COMMAND] > minor:
+        raise LocalProtocolError(f"{msg.COMMAND.name} needs minor {COMMAND_SINCE[msg.COMMAND]}; peer speaks {minor}")
+    try:
+        body = _ENCODERS[type(msg)](msg, minor)
+    except struct.error as e:
+        raise LocalProtocolError(f"{msg.COMMAND.name}: a field is out of range: {e}") from None
+    if len(body) > max_frame:
+        raise LocalProtocolError(f"{msg.COMMAND.name} body is {len(body)} bytes; the peer's limit is {max_frame}")
+    return PREFIX.pack(msg.COMMAND, len(body)) + body
+
+
+# ---------------------------------------------------------------------------------------------
+# decoding
+
+
+class _Reader:
+    """Cursor over one frame body; every take is bounds-checked and names the command."""
+
+    __slots__ = ("buf", "pos", "cmd")
+
+    def __init__(self, buf: memoryview, cmd: Command):
+        self.buf = buf
+        self.pos = 0
+        self.cmd = cmd
+
+    @property
+    def remaining(self) -> int:
+        return len(self.buf) - self.pos
+
+    def fail(self, why: str) -> RemoteProtocolError:
+        return RemoteProtocolError(f"{self.cmd.name}: {why}")
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n > self.remaining:
+            raise self.fail(f"{what} needs {n} bytes at body offset {self.pos}; the body has {self.remaining} left")
+        out = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def unpack(self, layout: struct.Struct, what: str) -> tuple:
+        return layout.unpack(self.take(layout.size, what))
+
+    def count(self, layout: struct.Struct, item_size: int, limit: int, what: str) -> int:
+        (n,) = self.unpack(layout, f"{what} count")
+        if n > limit:
+            raise self.fail(f"{n} {what} exceed the limit of {limit}")
+        if n * item_size > self.remaining:
+            raise self.fail(f"{n} {what} need at least {n * item_size} bytes; the body has {self.remaining} left")
+        return n
+
+    def text(self, n: int, limit: int, what: str, *, empty_ok: bool = False) -> str:
+        if n > limit:
+            raise self.fail(f"{what} is {n} bytes; the limit is {limit}")
+        if n == 0 and not empty_ok:
+            raise self.fail(f"{what} is empty")
+        try:
+            return str(self.take(n, what), "utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} is not valid UTF-8") from None
+
+    def name(self, what: str = "name", *, empty_ok: bool = False, limit: int = MAX_NAME) -> str:
+        (n,) = self.unpack(_NAME, f"{what} length")
+        return self.text(n, limit, what, empty_ok=empty_ok)
+
+    def dtype(self, code: int) -> str:
+        if code >= len(_DTYPE_NAMES):
+            raise self.fail(f"unknown dtype code {code}")
+        return _DTYPE_NAMES[code]
+
+    def shape(self, ndims: int) -> tuple[int, ...]:
+        if ndims > MAX_DIMS:
+            raise self.fail(f"{ndims} dimensions exceed the limit of {MAX_DIMS}")
+        raw = self.take(ndims * _DIM.size, "dims")
+        return struct.unpack(f"<{ndims}Q", raw)
+
+    def sized(self, dtype: str, shape: tuple[int, ...], nbytes: int, limit: int, what: str) -> None:
+        try:
+            expected = byte_length(dtype, shape)
+        except WeightliftError:
+            raise self.fail(f"{what}: {dtype} {shape} is not a whole number of bytes") from None
+        if expected != nbytes:
+            raise self.fail(f"{what}: {dtype} {shape} is {expected} bytes, not {nbytes}")
+        if nbytes > limit:
+            raise self.fail(f"{what}: {nbytes} bytes exceed the limit of {limit}")
+
+
+def _dec_hello(r: _Reader, lim: _Limits) -> Hello:
+    major, minor, flags, max_frame, max_tensor, nonce = r.unpack(HELLO_LAYOUT_PREVIOUS, "HELLO")
+    max_memory = 0
+    if r.remaining >= _DIM.size:  # appended in minor 1; an older peer leaves the default
+        (max_memory,) = r.unpack(_DIM, "max_memory")
+    return Hello(major, minor, flags, max_frame, max_tensor, bytes(nonce), max_memory)
+
+
+def _dec_alloc(r: _Reader, lim: _Limits) -> Alloc:
+    tid, code, ndims, flags, nbytes, name_len = r.unpack(Alloc.LAYOUT, "ALLOC head")
+    dtype = r.dtype(code)
+    name = r.text(name_len, MAX_NAME, "tensor name")
+    shape = r.shape(ndims)
+    r.sized(dtype, shape, nbytes, lim.max_tensor_bytes, f"tensor {name!r}")
+    digest = bytes(r.take(DIGEST_SIZE, "digest")) if flags & Alloc.FLAG_DIGEST else None
+    return Alloc(tid, name, dtype, shape, nbytes, digest)
+
+
+def _dec_write(r: _Reader, lim: _Limits) -> WriteHeader:
+    tid, offset, length = r.unpack(WriteHeader.LAYOUT, "WRITE head")
+    if offset + length > lim.max_tensor_bytes:
+        raise r.fail(f"bytes [{offset}, {offset + length}) exceed the tensor limit of {lim.max_tensor_bytes}")
+    return WriteHeader(tid, offset, length)
+
+
+def _dec_have(r: _Reader, lim: _Limits) -> Have:
+    n = r.count(Have.LAYOUT, DIGEST_SIZE, MAX_TENSORS, "digests")
+    raw = bytes(r.take(n * DIGEST_SIZE, "digests"))
+    return Have(tuple(raw[i : i + DIGEST_SIZE] for i in range(0, len(raw), DIGEST_SIZE)))
+
+
+def _dec_have_reply(r: _Reader, lim: _Limits) -> HaveReply:
+    (n,) = r.unpack(HaveReply.LAYOUT, "bit count")
+    if n > MAX_TENSORS:
+        raise r.fail(f"{n} bits exceed the limit of {MAX_TENSORS}")
+    bits = r.take((n + 7) // 8, "bitmap")
+    return HaveReply(tuple(bool(bits[i >> 3] >> (i & 7) & 1) for i in range(n)))
+
+
+def _dec_read(r: _Reader, lim: _Limits) -> Read:
+    offset, length, name_len = r.unpack(Read.LAYOUT, "READ head")
+    name = r.text(name_len, MAX_NAME, "tensor name")
+    if offset + length > lim.max_tensor_bytes:
+        raise r.fail(f"bytes [{offset}, {offset + length}) exceed the tensor limit of {lim.max_tensor_bytes}")
+    return Read(name, offset, length)
+
+
+def _dec_read_reply(r: _Reader, lim: _Limits) -> ReadReply:
+    (length,) = r.unpack(ReadReply.LAYOUT, "length")
+    if length > lim.max_tensor_bytes:
+        raise r.fail(f"{length} payload bytes exceed the tensor limit of {lim.max_tensor_bytes}")
+    return ReadReply(length)
+
+
+def _dec_list_reply(r: _Reader, lim: _Limits) -> ListReply:
+    more, n = r.unpack(ListReply.LAYOUT, "LIST_REPLY head")
+    if n > MAX_TENSORS:
+        raise r.fail(f"{n} entries exceed the limit of {MAX_TENSORS}")
+    entries = []
+    for _ in range(n):
+        name_len, code, ndims, nbytes = r.unpack(ListEntry.LAYOUT, "entry head")
+        dtype = r.dtype(code)
+        name = r.text(name_len, MAX_NAME, "tensor name")
+        shape = r.shape(ndims)
+        r.sized(dtype, shape, nbytes, MAX_TENSOR_BYTES, f"tensor {name!r}")
+        entries.append(ListEntry(name, dtype, shape, nbytes))
+    return ListReply(tuple(entries), bool(more))
+
+
+def _dec_free(r: _Reader, lim: _Limits) -> Free:
+    n = r.count(Free.LAYOUT, _NAME.size + 1, MAX_TENSORS, "names")
+    return Free(tuple(r.name("tensor name") for _ in range(n)))
+
+
+def _dec_barrier_reply(r: _Reader, lim: _Limits) -> BarrierReply:
+    tensors, nbytes, n_err = r.unpack(BarrierReply.LAYOUT, "BARRIER_REPLY head")
+    if n_err > MAX_ERRORS:
+        raise r.fail(f"{n_err} errors exceed the limit of {MAX_ERRORS}")
+    errors = tuple(r.name("error message", limit=MAX_MESSAGE) for _ in range(n_err))
+    need: tuple[int, ...] = ()
+    if r.remaining:  # appended in minor 1
+        n = r.count(BARRIER_NEED_LAYOUT, _U32.size, MAX_TENSORS, "needed tensors")
+        need = struct.unpack(f"<{n}I", r.take(n * _U32.size, "need list"))
+    return BarrierReply(tensors, nbytes, errors, need)
+
+
+def _dec_error(r: _Reader, lim: _Limits) -> Error:
+    code, n = r.unpack(Error.LAYOUT, "ERROR head")
+    return Error(code, r.text(n, MAX_MESSAGE, "message", empty_ok=True))
+
+
+@dataclass(frozen=True, slots=True)
+class _Limits:
+    max_frame: int
+    max_tensor_bytes: int
+
+
+_DECODERS: dict[Command, Callable[[_Reader, _Limits], Message]] = {
+    Command.HELLO: _dec_hello,
+    Command.AUTH: lambda r, lim: Auth(bytes(r.take(DIGEST_SIZE, "mac"))),
+    Command.ALLOC: _dec_alloc,
+    Command.WRITE: _dec_write,
+    Command.HAVE: _dec_have,
+    Command.HAVE_REPLY: _dec_have_reply,
+    Command.FILL_FROM_CACHE: lambda r, lim: FillFromCache(*r.unpack(FillFromCache.LAYOUT, "FILL_FROM_CACHE")),
+    Command.READ: _dec_read,
+    Command.READ_REPLY: _dec_read_reply,
+    Command.LIST: lambda r, lim: ListRequest(r.name("LIST cursor", empty_ok=True)),
+    Command.LIST_REPLY: _dec_list_reply,
+    Command.FREE: _dec_free,
+    Command.FREE_REPLY: lambda r, lim: FreeReply(*r.unpack(FreeReply.LAYOUT, "FREE_REPLY")),
+    Command.BARRIER: lambda r, lim: Barrier(),
+    Command.BARRIER_REPLY: _dec_barrier_reply,
+    Command.ERROR: _dec_error,
+    Command.BYE: lambda r, lim: Bye(),
+}
+
+
+class Decoder:
+    """Incremental frame decoder for one direction of one connection.
+
+    ``our_role`` is the side doing the decoding: a server's decoder accepts only client commands
+    and vice versa. ``minor`` is the minor this side speaks: commands added later are unknown to
+    it, exactly as they would be to an older implementation.
+    """
+
+    def __init__(
+        self,
+        *,
+        our_role: Literal["client", "server"],
+        minor: int = PROTOCOL_MINOR,
+        max_frame: int = MAX_FRAME,
+        max_tensor_bytes: int = MAX_TENSOR_BYTES,
+    ):
+        if our_role not in ("client", "server"):
+            raise LocalProtocolError(f"our_role must be 'client' or 'server', not {our_role!r}")
+        peer = CLIENT_COMMANDS if our_role == "server" else SERVER_COMMANDS
+        self._accept = frozenset(c for c in peer if COMMAND_SINCE[c] <= minor)
+        self._limits = _Limits(min(max_frame, MAX_FRAME), min(max_tensor_bytes, MAX_TENSOR_BYTES))
+        self._buf = bytearray()
+        self._frame_len = -1  # body length of the frame being assembled, once its prefix is in
+        self._cmd: Command | None = None
+        self._payload_left = 0
+        self._failed: RemoteProtocolError | None = None
+
+    @property
+    def payload_remaining(self) -> int:
+        """Payload bytes of the current WRITE / READ_REPLY not yet delivered (0 between frames)."""
+        return self._payload_left
+
+    @property
+    def at_boundary(self) -> bool:
+        """True between frames with nothing buffered: the peer may close here cleanly."""
+        return not self._buf and self._payload_left == 0 and self._frame_len < 0
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """Buffer bytes as they arrived; nothing is decoded until ``next_event()``."""
+        self._buf += data
+
+    def bytes_wanted(self) -> int:
+        """How many more bytes complete the next step, never counting past the current frame."""
+        if self._payload_left:
+            return max(0, self._payload_left - len(self._buf))
+        if self._frame_len < 0:
+            if len(self._buf) < PREFIX.size:
+                return PREFIX.size - len(self._buf)
+            return max(0, PREFIX.size + self._peek_length() - len(self._buf))
+        return max(0, PREFIX.size + self._frame_len - len(self._buf))
+
+    def _peek_length(self) -> int:
+        code, n = PREFIX.unpack_from(self._buf)
+        self._check_prefix(code, n)
+        return n
+
+    def _check_prefix(self, code: int, n: int) -> Command:
+        try:
+            cmd = Command(code)
+        except ValueError:
+            raise self._fail(f"unknown command {code}") from None
+        if cmd not in self._accept:
+            raise self._fail(f"command {cmd.name} is not valid in this direction or minor")
+        if n > self._limits.max_frame:
+            raise self._fail(f"{cmd.name} body of {n} bytes exceeds the frame limit of {self._limits.max_frame}")
+        return cmd
+
+    def _fail(self, why: str) -> RemoteProtocolError:
+        self._failed = RemoteProtocolError(why)
+        return self._failed
+
+    def next_event(self) -> Event:
+        """The next message, a :class:`Payload` chunk, or NEED_DATA; RemoteProtocolError on a bad frame."""
+        if self._failed is not None:
+            raise self._failed
+        if self._payload_left:
+            if not self._buf:
+                return NEED_DATA
+            n = min(len(self._buf), self._payload_left)
+            chunk = bytes(self._buf[:n])
+            del self._buf[:n]
+            self._payload_left -= n
+            return Payload(chunk)
+        if self._frame_len < 0:
+            if len(self._buf) < PREFIX.size:
+                return NEED_DATA
+            code, n = PREFIX.unpack_from(self._buf)
+            self._cmd = self._check_prefix(code, n)
+            self._frame_len = n
+        end = PREFIX.size + self._frame_len
+        if len(self._buf) < end:
+            return NEED_DATA
+        cmd = self._cmd
+        assert cmd is not None
+        with memoryview(self._buf) as view:
+            body = view[PREFIX.size : end]
+            try:
+                msg = _DECODERS[cmd](_Reader(body, cmd), self._limits)
+            except RemoteProtocolError as e:
+                self._failed = e
+                raise
+            except struct.error as e:  # a layout and its bounds check disagree: still the peer's bytes
+                raise self._fail(f"{cmd.name}: {e}") from None
+            finally:
+                body.release()
+        del self._buf[:end]
+        self._frame_len = -1
+        self._cmd = None
+        if msg.HAS_PAYLOAD:
+            self._payload_left = msg.length  # type: ignore[attr-defined]
+        return msg
+
+    def payload_into(self, dest: memoryview) -> int:
+        """Move already-buffered payload bytes into ``dest``; returns how many (maybe 0)."""
+        n = min(len(self._buf), self._payload_left, len(dest))
+        if n:
+            dest[:n] = self._buf[:n]
+            del self._buf[:n]
+            self._payload_left -= n
+        return n
+
+    def payload_received(self, n: int) -> None:
+        """Account for ``n`` payload bytes the caller received itself, bypassing the decoder."""
+        if self._buf and self._payload_left:
+            raise LocalProtocolError("payload bytes are buffered in the decoder; take them with payload_into first")
+        if n < 0 or n > self._payload_left:
+            raise LocalProtocolError(f"{n} payload bytes reported; {self._payload_left} were due")
+        self._payload_left -= n
+
+
+# ---------------------------------------------------------------------------------------------
+# the server's view of a connection
+
+
+class SessionState(Enum):
+    AWAIT_HELLO = "await_hello"
+    AWAIT_AUTH = "await_auth"
+    READY = "ready"
+    CLOSED = "closed"
+
+
+_ALLOWED: dict[SessionState, frozenset[Command]] = {
+    SessionState.AWAIT_HELLO: frozenset({Command.HELLO}),
+    SessionState.AWAIT_AUTH: frozenset({Command.AUTH}),
+    SessionState.READY: CLIENT_COMMANDS - {Command.HELLO, Command.AUTH},
+    SessionState.CLOSED: frozenset(),
+}
+
+
+class ServerSession:
+    """Which client commands are allowed now: HELLO first, then AUTH if wanted, then the rest."""
+
+    def __init__(self, *, minor: int = PROTOCOL_MINOR, auth_required: bool = False):
+        self.state = SessionState.AWAIT_HELLO
+        self.our_minor = minor
+        self.minor = minor  # negotiated at HELLO
+        self.auth_required = auth_required
+
+    def check(self, msg: Message) -> None:
+        """RemoteProtocolError if ``msg`` may not come now."""
+        if msg.COMMAND not in _ALLOWED[self.state]:
+            raise RemoteProtocolError(f"{msg.COMMAND.name} is not allowed in state {self.state.value}")
+
+    def hello(self, msg: Hello) -> int:
+        """Take the client's HELLO; returns the minor both sides will use."""
+        self.check(msg)
+        if msg.major != PROTOCOL_MAJOR:
+            self.state = SessionState.CLOSED
+            raise RemoteProtocolError(f"client speaks protocol {msg.major}.{msg.minor}; this server speaks {PROTOCOL_MAJOR}.x")
+        self.minor = min(self.our_minor, msg.minor)
+        self.state = SessionState.AWAIT_AUTH if self.auth_required else SessionState.READY
+        return self.minor
+
+    def authenticated(self) -> None:
+        if self.state is not SessionState.AWAIT_AUTH:
+            raise RemoteProtocolError("AUTH is not expected now")
+        self.state = SessionState.READY
+
+    def close(self) -> None:
+        self.state = SessionState.CLOSED
+
+
+# ---------------------------------------------------------------------------------------------
+# challenge-response
+
+
+def new_nonce() -> bytes:
+    """A fresh random nonce for HELLO."""
+    return os.urandom(NONCE_SIZE)
+
+
+def _mac(token: bytes, role: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    # The role label keeps a client's proof from being replayed back as the server's.
+    return hmac.new(token, b"weightlift-auth-" + role + client_nonce + server_nonce, hashlib.sha256).digest()
+
+
+def client_mac(token: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """The proof a client sends in AUTH."""
+    return _mac(token, b"client", client_nonce, server_nonce)
+
+
+def server_mac(token: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """The proof a server sends back, so the client knows it reached a holder of the token."""
+    return _mac(token, b"server", client_nonce, server_nonce)
+
+
+def verify_mac(expected: bytes, got: bytes, *, who: str) -> None:
+    """AuthError unless the MACs match (compared in constant time)."""
+    if not hmac.compare_digest(expected, got):
+        raise AuthError(f"{who} did not prove it holds the token")

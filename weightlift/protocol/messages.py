@@ -1,0 +1,412 @@
+"""The wire spec: commands, limits, and one frozen dataclass with one ``struct`` layout per message.
+
+Framing (all integers little-endian)::
+
+    frame   := prefix body [payload]
+    prefix  := command:u8  pad:3 bytes (sent as 0, ignored)  body_len:u32        8 bytes
+    body    := fixed head (the message's LAYOUT) then its variable part (names, dims, lists),
+               then extension fields added by later minors, in the order they were added
+    payload := WRITE and READ_REPLY only: exactly ``length`` raw bytes, where ``length`` is a
+               field of the body. The payload is not part of the message object; the decoder
+               hands it to the caller, who receives it straight into its destination.
+
+    name    := len:u16 utf8[len]            dims := u64 * ndims
+    digest  := 32 raw bytes (BLAKE3)
+
+A conversation::
+
+    client                                server
+    HELLO(major, minor, flags, limits, nonce) ->
+                                          <- HELLO(major, minor, flags, limits, nonce)
+    [AUTH(mac) ->                         <- AUTH(mac)]          when the server wants auth
+    [HAVE(digests) ->                     <- HAVE_REPLY(bitmap)] when the server keeps a cache
+    ALLOC(id, name, dtype, shape, nbytes[, digest]) ->           no reply
+    WRITE(id, offset, length) payload ->                         no reply
+    FILL_FROM_CACHE(id, digest) ->                               no reply
+    BARRIER ->                            <- BARRIER_REPLY(tensors, bytes, errors, need)
+    READ / LIST / FREE ->                 <- READ_REPLY + payload / LIST_REPLY / FREE_REPLY
+    BYE ->                                   (server closes)
+                                          <- ERROR(code, message) in place of any reply;
+                                             after a protocol violation it then closes
+
+Writes have no reply so a client can keep the connection busy; errors of the writes between two
+barriers come back in the BARRIER_REPLY. Versioning: a new minor may only append fields at the
+end of a message or add commands. A decoder ignores bytes past the fields it knows (a newer
+peer) and fills defaults for fields that are absent (an older peer); each side uses only what
+both minors support. The ``*_PREVIOUS`` layouts pin what the previous minor sent.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from enum import IntEnum, IntFlag
+from typing import ClassVar
+
+__all__ = [
+    "PROTOCOL_MAJOR",
+    "PROTOCOL_MINOR",
+    "PREVIOUS_MINOR",
+    "MAX_FRAME",
+    "MAX_NAME",
+    "MAX_DIMS",
+    "MAX_TENSORS",
+    "MAX_TENSOR_BYTES",
+    "MAX_ERRORS",
+    "MAX_MESSAGE",
+    "DIGEST_SIZE",
+    "NONCE_SIZE",
+    "PREFIX",
+    "Command",
+    "Capability",
+    "ErrorCode",
+    "COMMAND_SINCE",
+    "CLIENT_COMMANDS",
+    "SERVER_COMMANDS",
+    "PAYLOAD_COMMANDS",
+    "Message",
+    "Hello",
+    "Auth",
+    "Alloc",
+    "WriteHeader",
+    "Have",
+    "HaveReply",
+    "FillFromCache",
+    "Read",
+    "ReadReply",
+    "ListRequest",
+    "ListEntry",
+    "ListReply",
+    "Free",
+    "FreeReply",
+    "Barrier",
+    "BarrierReply",
+    "Error",
+    "Bye",
+    "MESSAGE_TYPES",
+    "HELLO_LAYOUT",
+    "HELLO_LAYOUT_PREVIOUS",
+]
+
+PROTOCOL_MAJOR = 1
+# Minor 1 added the content cache (HAVE, FILL_FROM_CACHE, the CACHE flag, BARRIER_REPLY's need
+# list) and HELLO's max_memory.
+PROTOCOL_MINOR = 1
+PREVIOUS_MINOR = 0
+
+# Limits checked by the decoder before anything is allocated from a length on the wire.
+MAX_FRAME = 16 * 1024 * 1024  # body bytes of one frame (payloads are not frames)
+MAX_NAME = 4096  # bytes of one UTF-8 tensor name
+MAX_DIMS = 64
+MAX_TENSORS = 65536  # entries in one HAVE / FREE / LIST_REPLY, and live allocations per connection
+MAX_TENSOR_BYTES = 1 << 40
+MAX_ERRORS = 256  # error strings in one BARRIER_REPLY; the server drops the rest and says so
+MAX_MESSAGE = 1024  # bytes of one error string
+DIGEST_SIZE = 32
+NONCE_SIZE = 32
+
+PREFIX = struct.Struct("<B3xI")
+
+
+class Command(IntEnum):
+    """The first byte of every frame. Values are pinned by tests: never renumber, only append."""
+
+    HELLO = 0  # both directions; always the first frame
+    AUTH = 1  # both directions
+    ALLOC = 2
+    WRITE = 3
+    HAVE = 4
+    FILL_FROM_CACHE = 5
+    READ = 6
+    LIST = 7
+    FREE = 8
+    BARRIER = 9
+    BYE = 10
+    ERROR = 11  # server -> client
+    HAVE_REPLY = 0x84
+    READ_REPLY = 0x86
+    LIST_REPLY = 0x87
+    FREE_REPLY = 0x88
+    BARRIER_REPLY = 0x89
+
+
+# The minor that introduced each command; a peer speaking an older minor never sees it.
+COMMAND_SINCE: dict[Command, int] = {c: 0 for c in Command}
+COMMAND_SINCE.update({Command.HAVE: 1, Command.FILL_FROM_CACHE: 1, Command.HAVE_REPLY: 1})
+
+CLIENT_COMMANDS = frozenset(
+    {
+        Command.HELLO, Command.AUTH, Command.ALLOC, Command.WRITE, Command.HAVE,
+        Command.FILL_FROM_CACHE, Command.READ, Command.LIST, Command.FREE, Command.BARRIER, Command.BYE,
+    }
+)
+SERVER_COMMANDS = frozenset(
+    {
+        Command.HELLO, Command.AUTH, Command.ERROR, Command.HAVE_REPLY, Command.READ_REPLY,
+        Command.LIST_REPLY, Command.FREE_REPLY, Command.BARRIER_REPLY,
+    }
+)
+PAYLOAD_COMMANDS = frozenset({Command.WRITE, Command.READ_REPLY})
+
+
+class Capability(IntFlag):
+    """HELLO flag bits. Bits a peer does not know are ignored, so new ones can be added freely."""
+
+    CACHE = 1  # the server keeps a content cache: HAVE can answer yes
+    AUTH = 2  # the server wants AUTH before anything else
+
+
+class ErrorCode(IntEnum):
+    """ERROR reply codes."""
+
+    PROTOCOL = 1  # malformed or forbidden frame; the server closes after replying
+    VERSION = 2  # incompatible major version
+    AUTH = 3  # AUTH missing or wrong
+    LIMIT = 4  # a request exceeds a limit (memory, tensor size)
+    NOT_FOUND = 5  # no such tensor
+    INTERNAL = 6  # the server failed for its own reasons
+
+
+class Message:
+    """Base of every message: ``COMMAND`` says which frame it is, ``LAYOUT`` its fixed head."""
+
+    __slots__ = ()
+
+    COMMAND: ClassVar[Command]
+    LAYOUT: ClassVar[struct.Struct]
+    HAS_PAYLOAD: ClassVar[bool] = False
+
+
+# HELLO's fixed part in the previous minor, and now: max_memory was appended in minor 1.
+HELLO_LAYOUT_PREVIOUS = struct.Struct("<HHIIQ32s")
+HELLO_LAYOUT = struct.Struct("<HHIIQ32sQ")
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    """Version, capability flags, the sender's limits, and a fresh nonce for AUTH.
+
+    A limit of 0 means "not stated". The client states what it accepts in replies; the server
+    states what it accepts in requests and how much memory it will allocate in all.
+    """
+
+    COMMAND = Command.HELLO
+    LAYOUT = HELLO_LAYOUT
+
+    major: int
+    minor: int
+    flags: int = 0
+    max_frame: int = MAX_FRAME
+    max_tensor_bytes: int = MAX_TENSOR_BYTES
+    nonce: bytes = bytes(NONCE_SIZE)
+    max_memory: int = 0  # since minor 1
+
+    def has(self, cap: Capability) -> bool:
+        return bool(self.flags & cap)
+
+
+@dataclass(frozen=True, slots=True)
+class Auth(Message):
+    """HMAC-SHA256 proof of the shared token over both nonces; the token itself never travels."""
+
+    COMMAND = Command.AUTH
+    LAYOUT = struct.Struct("<32s")
+
+    mac: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Alloc(Message):
+    """Make room for a named tensor under a connection-local id; it stays invisible until full.
+
+    Wire: LAYOUT(id, dtype code, ndims, flags, nbytes, name_len) name dims [digest if flags&1].
+    """
+
+    COMMAND = Command.ALLOC
+    LAYOUT = struct.Struct("<IHBBQH")
+    FLAG_DIGEST: ClassVar[int] = 1
+
+    tensor_id: int
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    digest: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WriteHeader(Message):
+    """Bytes [offset, offset+length) of an allocated tensor; ``length`` payload bytes follow."""
+
+    COMMAND = Command.WRITE
+    LAYOUT = struct.Struct("<IQQ")
+    HAS_PAYLOAD = True
+
+    tensor_id: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class Have(Message):
+    """Which of these digests does the server's cache hold? Wire: LAYOUT(count) digest*count."""
+
+    COMMAND = Command.HAVE
+    LAYOUT = struct.Struct("<I")
+
+    digests: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class HaveReply(Message):
+    """One bit per asked digest, LSB first. Wire: LAYOUT(count) bitmap[ceil(count/8)]."""
+
+    COMMAND = Command.HAVE_REPLY
+    LAYOUT = struct.Struct("<I")
+
+    have: tuple[bool, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FillFromCache(Message):
+    """Fill an allocated tensor from the server's cache entry ``digest`` instead of a WRITE."""
+
+    COMMAND = Command.FILL_FROM_CACHE
+    LAYOUT = struct.Struct("<I32s")
+
+    tensor_id: int
+    digest: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Read(Message):
+    """Bytes [offset, offset+length) of a complete tensor. Wire: LAYOUT(offset, length, name_len) name."""
+
+    COMMAND = Command.READ
+    LAYOUT = struct.Struct("<QQH")
+
+    name: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadReply(Message):
+    """Answer to READ: ``length`` payload bytes follow."""
+
+    COMMAND = Command.READ_REPLY
+    LAYOUT = struct.Struct("<Q")
+    HAS_PAYLOAD = True
+
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class ListRequest(Message):
+    """Complete tensors whose names sort after ``after`` (paging). Wire: LAYOUT(name_len) name."""
+
+    COMMAND = Command.LIST
+    LAYOUT = struct.Struct("<H")
+
+    after: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ListEntry:
+    """One LIST_REPLY entry. Wire: LAYOUT(name_len, dtype code, ndims, nbytes) name dims."""
+
+    LAYOUT: ClassVar[struct.Struct] = struct.Struct("<HHBQ")
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ListReply(Message):
+    """A page of tensors in name order; ``more`` says another LIST is needed. Wire: LAYOUT(more, count) entries."""
+
+    COMMAND = Command.LIST_REPLY
+    LAYOUT = struct.Struct("<BI")
+
+    entries: tuple[ListEntry, ...]
+    more: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Free(Message):
+    """Drop these tensors. Wire: LAYOUT(count) name*count."""
+
+    COMMAND = Command.FREE
+    LAYOUT = struct.Struct("<I")
+
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FreeReply(Message):
+    """How many of the named tensors existed and were dropped."""
+
+    COMMAND = Command.FREE_REPLY
+    LAYOUT = struct.Struct("<I")
+
+    freed: int
+
+
+@dataclass(frozen=True, slots=True)
+class Barrier(Message):
+    """Report what happened since the last barrier; the reply comes after every earlier frame."""
+
+    COMMAND = Command.BARRIER
+    LAYOUT = struct.Struct("<")
+
+
+# BARRIER_REPLY's head; minor 1 appended need_count:u32 and need ids:u32*need_count after the errors.
+BARRIER_NEED_LAYOUT = struct.Struct("<I")
+
+
+@dataclass(frozen=True, slots=True)
+class BarrierReply(Message):
+    """Tensors completed and bytes received since the last barrier, errors, and ids to resend.
+
+    ``need`` lists tensors that FILL_FROM_CACHE could not fill (entry gone or corrupt): the client
+    sends their bytes with WRITE. Wire: LAYOUT(tensors, bytes, error_count) name-encoded errors,
+    then (minor 1) need_count:u32 u32*need_count.
+    """
+
+    COMMAND = Command.BARRIER_REPLY
+    LAYOUT = struct.Struct("<IQI")
+
+    tensors: int
+    nbytes: int
+    errors: tuple[str, ...] = ()
+    need: tuple[int, ...] = field(default=())  # since minor 1
+
+
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    """A request failed. Wire: LAYOUT(code, message_len) message."""
+
+    COMMAND = Command.ERROR
+    LAYOUT = struct.Struct("<HH")
+
+    code: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Bye(Message):
+    """The client is done; the server closes the connection."""
+
+    COMMAND = Command.BYE
+    LAYOUT = struct.Struct("<")
+
+
+MESSAGE_TYPES: dict[Command, type[Message]] = {
+    m.COMMAND: m
+    for m in (
+        Hello, Auth, Alloc, WriteHeader, Have, HaveReply, FillFromCache, Read, ReadReply,
+        ListRequest, ListReply, Free, FreeReply, Barrier, BarrierReply, Error, Bye,
+    )
+}
