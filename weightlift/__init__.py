@@ -1,5 +1,18 @@
-"""weightlift: model weights from disk or another machine into memory, fast, every byte checked."""
+"""weightlift: model weights from disk or another machine into memory, fast, every byte checked.
 
+The public API is a handful of verbs; everything else lives in submodules::
+
+    weightlift.load(path, *, device="cpu", framework="numpy", select=None, dtype=None, copy=True, ...)
+    weightlift.open(path) -> Checkpoint      # tensors listed, no data read
+    weightlift.Server(...)                  # a tensor server that receives pushed weights
+    weightlift.Client(address, ...)         # push, pull, list against a server
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .checkpoint import Checkpoint, open_checkpoint as open
 from .errors import (
     AuthError,
     CacheError,
@@ -11,5 +24,38 @@ from .errors import (
     TransportError,
     WeightliftError,
 )
+from .formats import TensorInfo
+from .load import load
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "load",
+    "open",
+    "Checkpoint",
+    "TensorInfo",
+    "Server",
+    "Client",
+    "WeightliftError",
+    "FormatError",
+    "NotFoundError",
+    "OptionError",
+    "ProtocolError",
+    "AuthError",
+    "TransportError",
+    "CacheError",
+    "DeviceError",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # the remote half imports sockets and threads; a plain local load should not pay for it
+    if name == "Server":
+        from .server import Server
+
+        return Server
+    if name == "Client":
+        from .client import Client
+
+        return Client
+    raise AttributeError(f"module 'weightlift' has no attribute {name!r}")

@@ -1,0 +1,199 @@
+"""Opening a checkpoint: a path becomes a list of tensor descriptions, without reading data.
+
+A path is a ``.safetensors`` file, a shard index (``*.safetensors.index.json`` as transformers
+writes it, with a ``weight_map``), a ``.gguf`` file, or a folder holding one of those. Headers
+are read and validated here (through the pure parsers in :mod:`weightlift.formats`); tensor
+bytes are not touched until a load asks for them.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Pattern, Union
+
+from .errors import FormatError, NotFoundError, OptionError, WeightliftError
+from .formats import TensorInfo
+from .formats import safetensors as st
+
+__all__ = ["Checkpoint", "open_checkpoint", "Select", "MAX_INDEX_SIZE"]
+
+MAX_INDEX_SIZE = 64 * 1024 * 1024
+Select = Union[None, str, Pattern[str], Iterable[str]]
+
+
+@dataclass
+class Checkpoint:
+    """The tensors of a checkpoint (file order, file by file), its files and its metadata."""
+
+    path: str
+    format: str
+    files: list[str]
+    tensors: list[TensorInfo]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    _by_name: dict[str, TensorInfo] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self._by_name:
+            self._by_name = {t.name: t for t in self.tensors}
+
+    def __getitem__(self, name: str) -> TensorInfo:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise NotFoundError("no such tensor", file=self.path, tensor=name) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    def __iter__(self) -> Iterator[TensorInfo]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.length for t in self.tensors)
+
+    def select(self, select: Select = None) -> list[TensorInfo]:
+        """Tensors whose name matches ``select``: None (all), a glob, a compiled regex, or globs.
+
+        A string starting with ``re:`` is a regex (``re:layers\\.[0-3]\\.``). A selection that
+        matches nothing is an error, since it is almost always a typo.
+        """
+        if select is None:
+            return list(self.tensors)
+        match = _matcher(select)
+        chosen = [t for t in self.tensors if match(t.name)]
+        if not chosen:
+            raise NotFoundError(f"selection {_describe(select)} matches no tensor", file=self.path)
+        return chosen
+
+
+def _matcher(select: Select) -> Any:
+    """A predicate on names: globs match the whole name, regexes (``re:``) search within it."""
+    if isinstance(select, re.Pattern):
+        rx = select
+        return lambda n: rx.search(n) is not None
+    if isinstance(select, str):
+        select = [select]
+    tests = []
+    for s in select:  # type: ignore[union-attr]
+        if not isinstance(s, str):
+            raise OptionError(f"select: expected glob strings or a regex, got {s!r}")
+        if s.startswith("re:"):
+            try:
+                tests.append(re.compile(s[3:]).search)
+            except re.error as e:
+                raise OptionError(f"select: bad regex {s[3:]!r}: {e}") from None
+        else:
+            tests.append(re.compile(fnmatch.translate(s)).match)
+    return lambda n: any(t(n) is not None for t in tests)
+
+
+def _describe(select: Select) -> str:
+    if isinstance(select, re.Pattern):
+        return f"re:{select.pattern}"
+    if isinstance(select, str):
+        return repr(select)
+    return ", ".join(repr(s) for s in select)  # type: ignore[union-attr]
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Open ``path`` and parse every header it involves; no tensor data is read."""
+    p = os.fspath(path)
+    if not os.path.exists(p):
+        raise NotFoundError("no such file or folder", file=p)
+    if os.path.isdir(p):
+        p = _pick_in_folder(p)
+    if p.endswith(".json"):
+        return _open_index(p)
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        return _open_gguf(p)
+    tensors, meta = _read_safetensors(p)
+    return Checkpoint(p, "safetensors", [p], tensors, dict(meta))
+
+
+def _pick_in_folder(d: str) -> str:
+    names = sorted(os.listdir(d))
+    indexes = [n for n in names if n.endswith(".safetensors.index.json")]
+    if len(indexes) == 1:
+        return os.path.join(d, indexes[0])
+    if len(indexes) > 1:
+        raise FormatError(f"several shard indexes ({', '.join(indexes)}); name one", file=d)
+    st_files = [n for n in names if n.endswith(".safetensors")]
+    if len(st_files) == 1:
+        return os.path.join(d, st_files[0])
+    gguf = [n for n in names if n.endswith(".gguf")]
+    if len(gguf) == 1 and not st_files:
+        return os.path.join(d, gguf[0])
+    if len(st_files) > 1:
+        raise FormatError(f"several .safetensors files and no index; name one", file=d)
+    raise NotFoundError("holds no .safetensors, shard index or .gguf file", file=d)
+
+
+def _read_safetensors(path: str) -> tuple[list[TensorInfo], dict[str, str]]:
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(st.PREFIX_SIZE)
+            n = st.header_length(prefix, file=path, file_size=size)
+            header = f.read(n)
+    except OSError as e:
+        raise WeightliftError(f"{path}: cannot read: {e.strerror}") from None
+    if len(header) != n:
+        raise FormatError("file shrank while its header was read", file=path)
+    return st.parse_header(header, file=path, file_size=size)
+
+
+def _open_gguf(path: str) -> Checkpoint:
+    from .formats import gguf
+    from .source import mapped
+
+    m = mapped(path)
+    head = gguf.parse_gguf(m.buffer, file=path, file_size=m.size)
+    meta = dict(head.metadata)
+    return Checkpoint(path, "gguf", [path], list(head.tensors), meta)
+
+
+def _open_index(path: str) -> Checkpoint:
+    try:
+        size = os.path.getsize(path)
+        if size > MAX_INDEX_SIZE:
+            raise FormatError(f"index is {size} bytes, over the limit of {MAX_INDEX_SIZE}", file=path)
+        with open(path, "rb") as f:
+            obj = json.loads(f.read())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise FormatError(f"index is not valid JSON: {e}", file=path) from None
+    except OSError as e:
+        raise WeightliftError(f"{path}: cannot read: {e.strerror}") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("weight_map"), dict):
+        raise FormatError("index has no weight_map object", file=path)
+    weight_map: dict[str, Any] = obj["weight_map"]
+    base = os.path.dirname(os.path.abspath(path))
+    shards: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or os.path.isabs(shard) or ".." in shard.split("/"):
+            raise FormatError(f"weight_map names shard {shard!r}, not a file beside the index", file=path, tensor=name)
+        shards.setdefault(shard, []).append(name)
+    files, tensors = [], []
+    for shard in sorted(shards):
+        sp = os.path.join(base, shard)
+        if not os.path.isfile(sp):
+            raise NotFoundError(f"shard {shard!r} named by the index does not exist", file=path)
+        infos, _ = _read_safetensors(sp)
+        by_name = {t.name: t for t in infos}
+        for name in shards[shard]:
+            if name not in by_name:
+                raise FormatError(f"index places this tensor in {shard!r}, which lacks it", file=path, tensor=name)
+        wanted = set(shards[shard])
+        files.append(sp)
+        tensors.extend(t for t in infos if t.name in wanted)
+    meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+    return Checkpoint(path, "safetensors", files, tensors, dict(meta))

@@ -1,0 +1,525 @@
+"""The local loader: runs a plan from checkpoint files into host or device memory.
+
+Theory of operation.
+
+1. **Open and select.** Headers are parsed and validated (:mod:`weightlift.checkpoint`); the
+   selection picks tensors; nothing else is read yet.
+2. **Probe once.** For each file, :func:`~weightlift.source.resident_fraction` says how much is
+   already in the page cache (memoized per process). At 90 % or more the warmer is skipped.
+3. **Plan.** Tensors become runs of back-to-back bytes going to the same kind of target, runs
+   become one arena whose layout mirrors the file (so each run is one copy and each tensor a
+   view), and the arena is cut into chunks for the worker threads.
+4. **Move.** Worker threads take chunks in file order. Host targets in the checkpoint's dtype
+   take a plain copy straight into the arena: ``preadv`` from the file (the default: no soft
+   faults on a source mapping, no second copy of the file in this process's RSS) or a copy out
+   of the one mapping of the file. A CUDA target gets the same reads into pinned slots, each
+   worker double-buffering its own two slots so the disk or page-cache read of one chunk
+   overlaps the device copy of the previous one. A cast target converts straight out of the
+   mapping in its own fill step. While the workers copy, warmers read ahead of them on cold files.
+5. **Page cache.** Kept, unless it competes with the destination for RAM (a unified-memory
+   device, or ``page_cache="evict"``): then each chunk is dropped from the cache once copied.
+
+``copy=False`` skips 3-5 for host targets: tensors are read-only views of the mapping.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from .checkpoint import Checkpoint, Select, open_checkpoint
+from .dtypes import DTYPES, dtype_info, from_numpy, from_torch
+from .errors import OptionError, WeightliftError
+from .formats import TensorInfo
+from .plan import CHUNK, Run, layout, make_chunks, make_runs
+from .source import (
+    RESIDENT_THRESHOLD,
+    Warmer,
+    evict_range,
+    mapped,
+    page_eviction_override,
+    resident_fraction,
+)
+from .targets import CastTarget, CudaTarget, HostTarget, Target, fresh_host, make_target, view_as
+
+__all__ = ["load", "DEFAULT_THREADS"]
+
+DEFAULT_THREADS = max(1, min(8, os.cpu_count() or 1))
+_PLAIN = {d.name for d in DTYPES}
+
+
+def load(
+    path: str | os.PathLike[str] | Checkpoint,
+    *,
+    device: str = "cpu",
+    framework: str = "numpy",
+    select: Select = None,
+    dtype: Any = None,
+    copy: bool = True,
+    page_cache: str | None = None,
+    warm: bool | None = None,
+    threads: int | None = None,
+    engine: str = "pread",
+    dequantize: bool = False,
+    profile: Any = None,
+    progress: bool | None = None,
+    report: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Load tensors from a checkpoint into memory; returns ``{name: array}`` in file order.
+
+    ``path`` is a .safetensors file, a shard index, a .gguf file, or a folder holding one.
+    ``device`` is "cpu" or "cuda[:N]" (CUDA needs ``framework="torch"``). ``select`` is a glob,
+    a list of globs, ``"re:<regex>"`` or a compiled regex. ``dtype`` (a name like "F16", a numpy
+    or a torch dtype) casts floating-point tensors on load. ``copy=False`` (host only) returns
+    read-only arrays backed by the file's mapping. ``page_cache`` is "keep" or "evict" (default:
+    keep, evict on unified-memory devices; WEIGHTLIFT_PAGE_EVICTION overrides the default).
+    ``warm`` forces the read-ahead warmer on or off (default: on when under 90 % of a file is
+    resident). ``engine`` is "pread" or "mmap" for host copies. GGUF quantized tensors come
+    back as their raw blocks (uint8) unless ``dequantize=True``. ``profile`` is True, False,
+    None (env WEIGHTLIFT_LOADPROF) or a :class:`~weightlift.profile.Profiler`. ``report``, if
+    given, is filled with the load's figures (bytes, seconds, residency, profile).
+    """
+    t_start = time.perf_counter()
+    ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
+    infos = ckpt.select(select)
+    cast = _dtype_name(dtype)
+    if engine not in ("pread", "mmap"):
+        raise OptionError(f"engine must be 'pread' or 'mmap', not {engine!r}")
+    if page_cache not in (None, "keep", "evict"):
+        raise OptionError(f"page_cache must be 'keep' or 'evict', not {page_cache!r}")
+    if cast is not None and ckpt.format == "gguf" and any(t.dtype not in _PLAIN for t in infos):
+        pass  # quantized tensors keep their raw blocks; only float tensors are cast
+    nthreads = DEFAULT_THREADS if threads is None else int(threads)
+    if nthreads < 1:
+        raise OptionError("threads must be at least 1")
+    prof = _profiler(profile)
+    if prof is not None:
+        prof.count(tensors=len(infos))
+    files = list(dict.fromkeys(t.file for t in infos))
+    resident = {f: resident_fraction(f) for f in files}
+    if not copy:
+        if str(device) != "cpu" or cast is not None:
+            raise OptionError("copy=False returns views of the file's mapping: only for device='cpu' without dtype")
+        out = _borrow(infos, framework, dequantize)
+    else:
+        target = make_target(device, framework, None)
+        evict = _evict_policy(page_cache, target)
+        mover = _Mover(
+            infos,
+            target,
+            framework=framework,
+            cast=cast,
+            threads=nthreads,
+            engine=engine,
+            evict=evict,
+            warm={f: (warm if warm is not None else resident[f] < RESIDENT_THRESHOLD) for f in files},
+            prof=prof,
+            progress=_progress(progress, sum(t.length for t in infos)),
+        )
+        out = mover.run()
+        if dequantize:
+            out = {t.name: _dequantized(t, out[t.name], framework) if _quantized(t) else out[t.name] for t in infos}
+    if report is not None:
+        seconds = time.perf_counter() - t_start
+        nbytes = sum(t.length for t in infos)
+        report.update(
+            tensors=len(infos),
+            bytes=nbytes,
+            seconds=seconds,
+            gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+            resident_before=(
+                sum(resident[f] * mapped(f).size for f in files) / max(1, sum(mapped(f).size for f in files))
+            ),
+            files=len(files),
+            copy=copy,
+            device=str(device),
+            framework=framework,
+        )
+        if prof is not None and prof.enabled:
+            report["profile"] = prof.report()
+    return out
+
+
+# -- options -------------------------------------------------------------------------------
+
+
+def _dtype_name(dtype: Any) -> str | None:
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        up = dtype.upper()
+        if up in _PLAIN:
+            return up
+        try:
+            return from_numpy(np.dtype(dtype))
+        except (TypeError, OptionError):
+            pass
+        try:
+            import ml_dtypes
+
+            return from_numpy(np.dtype(getattr(ml_dtypes, dtype)))
+        except (AttributeError, TypeError, ImportError, OptionError):
+            raise OptionError(f"unknown dtype {dtype!r}") from None
+    if type(dtype).__module__.startswith("torch"):
+        return from_torch(dtype)
+    try:
+        return from_numpy(np.dtype(dtype))
+    except TypeError:
+        raise OptionError(f"unknown dtype {dtype!r}") from None
+
+
+def _profiler(profile: Any) -> Any:
+    if profile is False or (profile is None and os.environ.get("WEIGHTLIFT_LOADPROF", "") in ("", "0")):
+        return None  # the one check a load pays with the profiler off
+    from .profile import Profiler
+
+    if isinstance(profile, Profiler):
+        return profile
+    p = Profiler(enabled=True if profile is True else None)
+    return p if p.enabled else None
+
+
+def _evict_policy(page_cache: str | None, target: Target) -> bool:
+    if page_cache is not None:
+        return page_cache == "evict"
+    env = page_eviction_override()
+    if env is not None:
+        return env
+    return _unified_memory(target)
+
+
+def _unified_memory(target: Target) -> bool:
+    # On an integrated GPU the page cache and the "device" memory are the same RAM: keeping the
+    # cache would hold the checkpoint twice.
+    if not isinstance(target, CudaTarget):
+        return False
+    import torch
+
+    try:
+        return bool(getattr(torch.cuda.get_device_properties(torch.device(target.device)), "is_integrated", False))
+    except Exception:  # noqa: BLE001 - a property query that fails means a discrete device
+        return False
+
+
+def _progress(progress: bool | None, total: int) -> Callable[[int], None] | None:
+    if progress is False or (progress is None and not sys.stderr.isatty()):
+        return None
+    from .progress import Progress
+
+    return Progress(total).update
+
+
+# -- views and conversions -----------------------------------------------------------------
+
+
+def _quantized(t: TensorInfo) -> bool:
+    return t.dtype not in _PLAIN
+
+
+def _raw_view(raw: np.ndarray, t: TensorInfo, framework: str) -> Any:
+    if not _quantized(t):
+        return view_as(raw, t.dtype, t.shape, framework)
+    shaped = raw.reshape(t.extra.get("raw_shape", (raw.size,)))
+    if framework == "numpy":
+        return shaped
+    return view_as(shaped, "U8", shaped.shape, "torch")
+
+
+def _dequantized(t: TensorInfo, raw: Any, framework: str) -> Any:
+    from .formats.gguf import dequantize
+
+    arr = raw if isinstance(raw, np.ndarray) else raw.numpy()
+    out = dequantize(arr, t.ggml_type)  # type: ignore[arg-type]
+    if framework == "numpy":
+        return out
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(out))
+
+
+def _borrow(infos: list[TensorInfo], framework: str, dequantize: bool) -> dict[str, Any]:
+    out = {}
+    for t in infos:
+        m = mapped(t.file)
+        raw = np.frombuffer(m.buffer, dtype=np.uint8, count=t.length, offset=t.offset) if t.length else np.empty(0, np.uint8)
+        if not t.length:
+            raw.flags.writeable = False
+        v = _raw_view(raw, t, framework)
+        out[t.name] = _dequantized(t, v, framework) if dequantize and _quantized(t) else v
+    return out
+
+
+# -- the mover -----------------------------------------------------------------------------
+
+
+class _Mover:
+    """Moves the selected tensors into their target with a pool of worker threads."""
+
+    def __init__(
+        self,
+        infos: list[TensorInfo],
+        target: Target,
+        *,
+        framework: str,
+        cast: str | None,
+        threads: int,
+        engine: str,
+        evict: bool,
+        warm: Mapping[str, bool],
+        prof: Any,
+        progress: Callable[[int], None] | None,
+    ):
+        self.infos = infos
+        self.target = target
+        self.framework = framework
+        self.cast = cast
+        self.threads = threads
+        self.engine = engine
+        self.evict = evict
+        self.warm = warm
+        self.prof = prof
+        self.progress = progress
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+
+    def _casts(self, t: TensorInfo) -> bool:
+        return self.cast is not None and t.dtype in _PLAIN and dtype_info(t.dtype).numpy.startswith(
+            ("float", "bfloat")
+        ) and t.dtype != self.cast
+
+    def run(self) -> dict[str, Any]:
+        direct = [t for t in self.infos if not self._casts(t)]
+        casted = [t for t in self.infos if self._casts(t)]
+        out: dict[str, Any] = {}
+        if direct:
+            out.update(self._move(direct))
+        if casted:
+            out.update(self._convert(casted))
+        return {t.name: out[t.name] for t in self.infos}
+
+    # Host or device copies of runs, through the arena.
+    def _move(self, infos: list[TensorInfo]) -> dict[str, Any]:
+        runs = make_runs(infos)
+        starts, total = layout(runs)
+        device = isinstance(self.target, CudaTarget)
+        chunk = CHUNK if not device else _DEVICE_CHUNK
+        chunks = make_chunks(runs, chunk=chunk)
+        if device:
+            import torch
+
+            arena_dev = torch.empty(total, dtype=torch.uint8, device=self.target.device)
+            arena = None
+        else:
+            arena = fresh_host(total)
+        warmers = self._start_warmers(runs)
+        try:
+            self._work(runs, starts, chunks, arena, arena_dev if device else None)
+        finally:
+            for w in warmers:
+                w.stop()
+        if self._error is not None:
+            raise self._error
+        out = {}
+        for r, s in zip(runs, starts):
+            for t in r.tensors:
+                a = s + (t.offset - r.offset)
+                if device:
+                    out[t.name] = _device_view(arena_dev, a, t)
+                else:
+                    out[t.name] = _raw_view(arena[a : a + t.length], t, self.framework)  # type: ignore[index]
+        return out
+
+    def _start_warmers(self, runs: list[Run]) -> list[Warmer]:
+        ws = []
+        by_file: dict[str, list[tuple[int, int]]] = {}
+        for r in runs:
+            by_file.setdefault(r.file, []).append((r.offset, r.length))
+        for f, ranges in by_file.items():
+            if not self.warm.get(f):
+                continue
+            cb = None
+            if self.prof is not None:
+                prof = self.prof
+
+                def cb(off: int, n: int, t0: int, t1: int) -> None:
+                    prof.record("read", t0, t1, n, name="warm chunk", background=True)
+
+            ws.append(Warmer(mapped(f).fileno(), ranges, on_chunk=cb).start())
+        self._warmers = {f: w for f, w in zip([f for f in by_file if self.warm.get(f)], ws)}
+        return ws
+
+    def _work(self, runs: list[Run], starts: list[int], chunks: list[Any], arena: Any, arena_dev: Any) -> None:
+        nxt = [0]
+        workers = min(self.threads, max(1, len(chunks)))
+        device = arena_dev is not None
+
+        def worker() -> None:
+            slots = _pinned_get() if device else None
+            flip = 0
+            try:
+                while self._error is None:
+                    with self._lock:
+                        i = nxt[0]
+                        nxt[0] += 1
+                    if i >= len(chunks):
+                        break
+                    c = chunks[i]
+                    r = runs[c.run]
+                    src_off = r.offset + c.start
+                    dst_off = starts[c.run] + c.start
+                    w = self._warmers.get(r.file)
+                    if w is not None:
+                        w.advance(src_off)
+                    if device:
+                        flip ^= 1
+                        self._device_chunk(r.file, src_off, c.length, arena_dev, dst_off, slots, flip)  # type: ignore[arg-type]
+                    else:
+                        self._host_chunk(r.file, src_off, c.length, arena[dst_off : dst_off + c.length])
+                    if self.evict:
+                        evict_range(r.file, src_off, c.length)
+                    if self.progress is not None:
+                        self.progress(c.length)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread below
+                with self._lock:
+                    if self._error is None:
+                        self._error = _mapped_error(e, "load")
+            finally:
+                if slots is not None:
+                    _pinned_put(slots)
+
+        if workers == 1:
+            worker()
+            return
+        ts = [threading.Thread(target=worker, name=f"wl-load-{k}", daemon=True) for k in range(workers)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    def _read_into(self, file: str, off: int, dst: np.ndarray) -> None:
+        m = mapped(file)
+        n = dst.size
+        if self.engine == "mmap":
+            np.copyto(dst, np.frombuffer(m.buffer, dtype=np.uint8, count=n, offset=off))
+            return
+        mv = memoryview(dst)
+        done = 0
+        while done < n:
+            got = os.preadv(m.fileno(), [mv[done:]], off + done)
+            if got <= 0:
+                raise WeightliftError(f"{file}: file ended at byte {off + done} while reading tensors")
+            done += got
+
+    def _host_chunk(self, file: str, off: int, n: int, dst: np.ndarray) -> None:
+        prof = self.prof
+        t0 = time.perf_counter_ns() if prof is not None else 0
+        self._read_into(file, off, dst)
+        if prof is not None:
+            prof.record("read", t0, time.perf_counter_ns(), n)
+            prof.count(calls=1, nbytes=n)
+
+    def _device_chunk(self, file: str, off: int, n: int, arena_dev: Any, dst_off: int, slots: Any, k: int) -> None:
+        bufs, nps, events, stream = slots
+        prof = self.prof
+        if events[k] is not None:
+            t0 = time.perf_counter_ns() if prof is not None else 0
+            events[k].synchronize()
+            if prof is not None:
+                prof.record("device", t0, time.perf_counter_ns(), 0)
+        t0 = time.perf_counter_ns() if prof is not None else 0
+        self._read_into(file, off, nps[k][:n])
+        t1 = time.perf_counter_ns() if prof is not None else 0
+        import torch
+
+        with torch.cuda.stream(stream):
+            arena_dev[dst_off : dst_off + n].copy_(bufs[k][:n], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        events[k] = ev
+        if prof is not None:
+            prof.record("stage", t0, t1, n)
+            prof.record("device", t1, time.perf_counter_ns(), n)
+            prof.count(calls=1, nbytes=n)
+
+    # Cast targets: one conversion pass straight out of the mapping, per tensor.
+    def _convert(self, infos: list[TensorInfo]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if isinstance(self.target, CudaTarget):
+            import torch
+
+            from .dtypes import torch_dtype
+
+            for t in infos:
+                dest = torch.empty(t.shape, dtype=torch_dtype(self.cast), device=self.target.device)  # type: ignore[arg-type]
+                ct = CudaTarget(self.target.device, self.cast)
+                ct._src[id(dest)] = t.dtype
+                ct.write(dest, 0, mapped(t.file).view(t.offset, t.length))
+                out[t.name] = ct.finish(dest)
+            return out
+        ct = CastTarget(self.framework, self.cast)  # type: ignore[arg-type]
+        for t in infos:
+            prof = self.prof
+            t0 = time.perf_counter_ns() if prof is not None else 0
+            out[t.name] = ct.convert(mapped(t.file).view(t.offset, t.length), t.dtype, t.shape)
+            if prof is not None:
+                prof.record("stage", t0, time.perf_counter_ns(), t.length)
+                prof.count(calls=1, nbytes=t.length)
+            if self.progress is not None:
+                self.progress(t.length)
+        return out
+
+
+_DEVICE_CHUNK = 16 * 1024 * 1024
+_pinned_pool: list[Any] = []
+_pinned_lock = threading.Lock()
+
+
+def _pinned_get() -> tuple[list[Any], list[np.ndarray], list[Any], Any]:
+    """Two pinned slots and a stream for one worker, reused across loads in this process.
+
+    Pinning memory costs far more than using it, so slots outlive a load.
+    """
+    import torch
+
+    with _pinned_lock:
+        if _pinned_pool:
+            bufs, stream = _pinned_pool.pop()
+        else:
+            bufs = [torch.empty(_DEVICE_CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            stream = torch.cuda.Stream()
+    return (bufs, [b.numpy() for b in bufs], [None, None], stream)
+
+
+def _pinned_put(slots: tuple[list[Any], list[np.ndarray], list[Any], Any]) -> None:
+    bufs, _, events, stream = slots
+    for ev in events:
+        if ev is not None:
+            ev.synchronize()
+    with _pinned_lock:
+        _pinned_pool.append((bufs, stream))
+
+
+def _device_view(arena: Any, a: int, t: TensorInfo) -> Any:
+    import torch
+
+    from .dtypes import torch_dtype
+
+    raw = arena[a : a + t.length]
+    if _quantized(t):
+        return raw.reshape(t.extra.get("raw_shape", (t.length,)))
+    if dtype_info(t.dtype).bits % 8:
+        return raw
+    return raw.view(torch_dtype(t.dtype)).reshape(t.shape)
+
+
+def _mapped_error(e: BaseException, what: str) -> BaseException:
+    if isinstance(e, WeightliftError):
+        return e
+    if isinstance(e, OSError):
+        return WeightliftError(f"{what} failed: {e.strerror or e}")
+    return e

@@ -1,0 +1,313 @@
+"""File access: one mapping per file, pread, the residency probe, page-cache policy, the warmer.
+
+Theory of operation. A checkpoint's bytes reach the caller along one of two paths:
+
+* **mapping** (the default): each file is mapped once per process, read-only, and tensors are
+  copied straight out of the mapping (borrowed slices; no staging copy in between). When the
+  file is already in the page cache this costs one memcpy per byte.
+* **pread**: ``os.preadv`` straight into the destination; used where the mapping is off, and on
+  a cold file, where several readers can beat the kernel's serial fault-in readahead.
+
+The page cache is kept by default: on a machine whose destination is separate memory (a
+discrete GPU, or host arrays that the caller keeps) a second load then costs no disk time. It is
+evicted (``posix_fadvise(DONTNEED)`` over what was read) where it competes with the
+destination for the same RAM: a unified-memory device, or a host load asked to keep its
+footprint at one copy. ``WEIGHTLIFT_PAGE_EVICTION=1``/``0`` overrides the choice both ways.
+
+Before a load, :func:`resident_fraction` asks ``mincore`` how much of each file is already in
+memory; it runs once per file per process (memoized on the file's identity), never per tensor.
+When less than :data:`RESIDENT_THRESHOLD` is resident, a :class:`Warmer` reads ahead of the copy
+cursor in large chunks on worker threads, so a cold load is not serial on disk latency. The
+number of readers adapts: it starts with one and adds another only while that raises the
+throughput, since on some disks parallel readers are slower than one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from .errors import NotFoundError, OptionError, WeightliftError
+
+__all__ = [
+    "MappedFile",
+    "mapped",
+    "resident_fraction",
+    "evict",
+    "evict_range",
+    "Warmer",
+    "page_eviction_override",
+    "RESIDENT_THRESHOLD",
+    "WARM_CHUNK",
+]
+
+RESIDENT_THRESHOLD = 0.90
+WARM_CHUNK = 16 * 1024 * 1024
+MAX_WARMERS = 4
+PAGE = mmap.PAGESIZE
+
+
+@dataclass(frozen=True)
+class _Identity:
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+
+def _identity(path: str) -> tuple[str, _Identity]:
+    try:
+        real = os.path.realpath(path)
+        st = os.stat(real)
+    except FileNotFoundError:
+        raise NotFoundError("no such file", file=str(path)) from None
+    except OSError as e:
+        raise WeightliftError(f"{path}: cannot stat: {e.strerror}") from None
+    return real, _Identity(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class MappedFile:
+    """A read-only mapping of one whole file, kept alive for as long as anything borrows from it."""
+
+    def __init__(self, path: str, ident: _Identity):
+        self.path = path
+        self.size = ident.size
+        self.identity = ident
+        try:
+            self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise WeightliftError(f"{path}: cannot open: {e.strerror}") from None
+        if self.size:
+            self._mmap: mmap.mmap | None = mmap.mmap(self._fd, self.size, access=mmap.ACCESS_READ)
+            self.buffer = memoryview(self._mmap)
+        else:  # an empty file cannot be mapped
+            self._mmap = None
+            self.buffer = memoryview(b"")
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def view(self, offset: int, length: int) -> memoryview:
+        """A borrowed slice of the mapping: no copy."""
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise WeightliftError(f"{self.path}: range [{offset}, {offset + length}) is outside the file")
+        return self.buffer[offset : offset + length]
+
+    def address(self) -> int:
+        """The mapping's base address (for mincore and madvise)."""
+        if self._mmap is None:
+            return 0
+        import numpy as np
+
+        return int(np.frombuffer(self._mmap, dtype=np.uint8).ctypes.data)
+
+    def advise(self, advice: int, offset: int = 0, length: int | None = None) -> None:
+        if self._mmap is None:
+            return
+        start = offset - offset % PAGE
+        end = self.size if length is None else min(self.size, offset + length)
+        try:
+            self._mmap.madvise(advice, start, end - start)
+        except (OSError, ValueError):
+            pass  # advice is a hint; a kernel without it loads the same bytes
+
+
+_maps: dict[str, MappedFile] = {}
+_maps_lock = threading.Lock()
+
+
+def mapped(path: str | os.PathLike[str]) -> MappedFile:
+    """The process's one mapping of ``path``; remapped only if the file changed on disk."""
+    real, ident = _identity(os.fspath(path))
+    with _maps_lock:
+        m = _maps.get(real)
+        if m is None or m.identity != ident:
+            m = MappedFile(real, ident)
+            _maps[real] = m
+        return m
+
+
+# -- residency -----------------------------------------------------------------------------
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+_resident_memo: dict[tuple[str, _Identity], float] = {}
+
+
+def resident_fraction(path: str | os.PathLike[str], *, refresh: bool = False) -> float:
+    """Fraction of the file's pages in the page cache, by ``mincore`` over its mapping.
+
+    Memoized per file identity for the life of the process: the probe walks the whole file, and
+    asking it per tensor or per layer would cost more than it saves. ``refresh=True`` asks again.
+    """
+    real, ident = _identity(os.fspath(path))
+    key = (real, ident)
+    if not refresh and key in _resident_memo:
+        return _resident_memo[key]
+    frac = _probe(mapped(real))
+    _resident_memo[key] = frac
+    return frac
+
+
+def _probe(m: MappedFile) -> float:
+    if m.size == 0:
+        return 1.0
+    pages = (m.size + PAGE - 1) // PAGE
+    vec = (ctypes.c_ubyte * pages)()
+    if _libc.mincore(ctypes.c_void_p(m.address()), ctypes.c_size_t(m.size), vec) != 0:
+        return 0.0  # unknown: treat as cold, which only costs a warmer
+    import numpy as np
+
+    return float(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1)) / pages
+
+
+def evict(path: str | os.PathLike[str]) -> None:
+    """Drop the file's pages from the page cache (clean pages only; a hint to the kernel)."""
+    evict_range(os.fspath(path), 0, 0)
+    _resident_memo.clear()
+
+
+def evict_range(path: str, offset: int, length: int) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise WeightliftError(f"{path}: cannot open: {e.strerror}") from None
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def page_eviction_override() -> bool | None:
+    """WEIGHTLIFT_PAGE_EVICTION: "1" forces eviction, "0" forbids it, unset leaves the default."""
+    v = os.environ.get("WEIGHTLIFT_PAGE_EVICTION", "").strip().lower()
+    if v in ("", "auto"):
+        return None
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise OptionError(f"WEIGHTLIFT_PAGE_EVICTION={v!r}: expected 1, 0 or auto")
+
+
+# -- warmer --------------------------------------------------------------------------------
+
+
+class Warmer:
+    """Worker threads that read ranges of a file ahead of the copy cursor into the page cache.
+
+    ``ranges`` are (offset, length) in the order the loader will copy them. Readers claim chunks
+    in that order, skip whatever the cursor (``advance``) has already passed, and stay at most
+    ``lead`` bytes ahead of it so that warmed pages are not evicted before use on a small-memory
+    machine. Stopped by :meth:`stop` (or the context manager) when the load ends or fails.
+    """
+
+    def __init__(
+        self,
+        fd: int,
+        ranges: list[tuple[int, int]],
+        *,
+        chunk: int = WARM_CHUNK,
+        max_readers: int = MAX_WARMERS,
+        lead: int = 1 << 30,
+        on_chunk: Callable[[int, int, int, int], None] | None = None,
+    ):
+        self._fd = fd
+        self._chunks = [(o + i, min(chunk, n - i)) for o, n in ranges for i in range(0, n, chunk)]
+        self._chunk = chunk
+        self._next = 0
+        self._cursor_chunk = 0
+        self._lead_chunks = max(1, lead // chunk)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._max = max(1, max_readers)
+        self._on_chunk = on_chunk
+        self.bytes_read = 0
+        self.readers = 0
+        self._rates: list[float] = []
+        self._started_at = 0.0
+
+    def start(self) -> "Warmer":
+        self._started_at = time.perf_counter()
+        self._spawn()
+        if self._max > 1:
+            threading.Thread(target=self._adapt, name="wl-warm-adapt", daemon=True).start()
+        return self
+
+    def _spawn(self) -> None:
+        t = threading.Thread(target=self._run, name=f"wl-warm-{len(self._threads)}", daemon=True)
+        self._threads.append(t)
+        self.readers = len(self._threads)
+        t.start()
+
+    def _adapt(self) -> None:
+        # Add a reader while the last one raised throughput by at least a tenth; on storage where
+        # parallel readers interfere (one spinning disk, a throttled volume) we stay at one.
+        window = 0.25
+        last_bytes, last_rate = 0, 0.0
+        while not self._stop.wait(window):
+            with self._lock:
+                done = self._next >= len(self._chunks)
+                total = self.bytes_read
+            if done:
+                return
+            rate = (total - last_bytes) / window
+            last_bytes = total
+            if len(self._threads) < self._max and rate > last_rate * 1.10:
+                last_rate = rate
+                self._spawn()
+            elif rate < last_rate * 0.9 and len(self._threads) > 1:
+                return  # the added reader did not pay; keep what runs (readers are cheap to idle)
+
+    def advance(self, offset_done: int) -> None:
+        """The loader has copied everything up to ``offset_done``: don't warm behind it."""
+        with self._lock:
+            i = self._cursor_chunk
+            while i < len(self._chunks) and self._chunks[i][0] + self._chunks[i][1] <= offset_done:
+                i += 1
+            self._cursor_chunk = i
+            if self._next < i:
+                self._next = i
+            self._wake.notify_all()
+
+    def _run(self) -> None:
+        buf = bytearray(self._chunk)
+        mv = memoryview(buf)
+        while not self._stop.is_set():
+            with self._lock:
+                while self._next - self._cursor_chunk >= self._lead_chunks and not self._stop.is_set():
+                    self._wake.wait(0.05)
+                if self._next >= len(self._chunks) or self._stop.is_set():
+                    return
+                off, n = self._chunks[self._next]
+                self._next += 1
+            t0 = time.perf_counter_ns()
+            try:
+                got = os.preadv(self._fd, [mv[:n]], off)
+            except OSError:
+                return  # warming is best effort; the copy itself will report a real read error
+            if self._on_chunk is not None:
+                self._on_chunk(off, got, t0, time.perf_counter_ns())
+            with self._lock:
+                self.bytes_read += got
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._wake.notify_all()
+        for t in self._threads:
+            t.join()
+
+    def __enter__(self) -> "Warmer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
