@@ -1,0 +1,231 @@
+"""Byte streams between a client and a server: the only module that touches sockets.
+
+Theory of operation: the protocol (``weightlift.protocol``) knows nothing of I/O, and the client
+and server know nothing of sockets; both talk to a :class:`Stream`, which has four verbs:
+
+* ``send_parts(parts)``: send several buffers as one, without joining them (scatter-gather
+  ``sendmsg``): a frame header and a tensor's bytes leave together with no staging copy.
+* ``sendfile(fd, offset, count)``: send a file range straight from the page cache.
+* ``recv_into(buf)``: receive into the caller's memory (a tensor's own storage); 0 means EOF.
+* ``close()``.
+
+:class:`SocketStream` implements them over TCP (or a Unix socket); an RDMA or UCX stream would
+implement the same four and the protocol, client and server would not change. Every OSError is
+mapped to TransportError here, so nothing above sees a socket exception.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Protocol, Sequence, Union
+
+from .errors import OptionError, TransportError
+
+__all__ = ["Buffer", "Stream", "SocketStream", "Listener", "connect", "parse_address", "SOCKET_BUFFER"]
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+# Large kernel buffers let a fast link run without the sender stalling on every window; the
+# kernel caps the request at its own limit (net.core.wmem_max / rmem_max) without complaint.
+SOCKET_BUFFER = 8 * 1024 * 1024
+# Linux refuses more than IOV_MAX (1024) buffers in one sendmsg.
+_MAX_IOV = 512
+_SENDFILE_CHUNK = 1 << 30
+
+
+class Stream(Protocol):
+    """What the client and server need from a connection."""
+
+    def send_parts(self, parts: Sequence[Buffer]) -> None: ...
+
+    def sendfile(self, fd: int, offset: int, count: int) -> None: ...
+
+    def recv_into(self, buf: memoryview) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def _tune(sock: socket.socket) -> None:
+    for level, opt, value in (
+        (socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER),
+        (socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER),
+        (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),
+    ):
+        try:
+            sock.setsockopt(level, opt, value)
+        except OSError:
+            pass  # not TCP, or not allowed here: a tuning, never a requirement
+
+
+class SocketStream:
+    """A connected, blocking socket."""
+
+    def __init__(self, sock: socket.socket, *, peer: str = ""):
+        self._sock = sock
+        self.peer = peer
+        self.closed = False
+        sock.settimeout(None)  # sendfile and partial sendmsg need a blocking socket
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            _tune(sock)
+
+    def _error(self, e: OSError, what: str) -> TransportError:
+        return TransportError(f"{what} {self.peer or 'peer'} failed: {e.strerror or e}")
+
+    def send_parts(self, parts: Sequence[Buffer]) -> None:
+        """Send every buffer, in order, as one byte stream; no buffer is copied or joined."""
+        views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
+        i = 0
+        try:
+            while i < len(views):
+                sent = self._sock.sendmsg(views[i : i + _MAX_IOV])
+                # A partial send stops anywhere: drop what went, slice the buffer it stopped in.
+                while sent and i < len(views):
+                    n = len(views[i])
+                    if sent >= n:
+                        sent -= n
+                        i += 1
+                    else:
+                        views[i] = views[i][sent:]
+                        sent = 0
+        except OSError as e:
+            raise self._error(e, "sending to") from None
+
+    def sendfile(self, fd: int, offset: int, count: int) -> None:
+        """Send ``count`` bytes of the file ``fd`` from ``offset`` (kernel to kernel where possible)."""
+        if not hasattr(os, "sendfile"):
+            self._sendfile_by_reads(fd, offset, count)
+            return
+        end = offset + count
+        try:
+            while offset < end:
+                n = os.sendfile(self._sock.fileno(), fd, offset, min(end - offset, _SENDFILE_CHUNK))
+                if n == 0:
+                    raise TransportError(f"file ended {end - offset} bytes before the range sent to {self.peer}")
+                offset += n
+        except OSError as e:
+            raise self._error(e, "sending a file to") from None
+
+    def _sendfile_by_reads(self, fd: int, offset: int, count: int) -> None:
+        buf = bytearray(min(count, 4 << 20))
+        view = memoryview(buf)
+        while count:
+            try:
+                n = os.preadv(fd, [view[: min(count, len(buf))]], offset)
+            except OSError as e:
+                raise TransportError(f"reading the file to send to {self.peer} failed: {e.strerror or e}") from None
+            if n == 0:
+                raise TransportError(f"file ended {count} bytes before the range sent to {self.peer}")
+            self.send_parts([view[:n]])
+            offset += n
+            count -= n
+
+    def recv_into(self, buf: memoryview) -> int:
+        """Receive up to len(buf) bytes into ``buf``; 0 means the peer closed."""
+        try:
+            return self._sock.recv_into(buf)
+        except OSError as e:
+            raise self._error(e, "receiving from") from None
+
+    def recv_exactly(self, buf: memoryview) -> None:
+        """Fill all of ``buf``; TransportError if the peer closes first."""
+        got = 0
+        while got < len(buf):
+            n = self.recv_into(buf[got:])
+            if n == 0:
+                raise TransportError(f"{self.peer or 'peer'} closed the connection {len(buf) - got} bytes early")
+            got += n
+
+    def shutdown(self) -> None:
+        """Wake any thread blocked on this stream (it sees EOF or an error); idempotent."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def set_timeout(self, seconds: float | None) -> None:
+        """A receive timeout (for draining an error reply); None restores blocking mode."""
+        self._sock.settimeout(seconds)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+
+    def __enter__(self) -> SocketStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
+    """``"host:port"``, ``"[v6]:port"`` or ``(host, port)`` -> (host, port); OptionError if malformed."""
+    if isinstance(address, tuple):
+        if len(address) != 2:
+            raise OptionError(f"address {address!r} is not (host, port)")
+        host, port = address
+    else:
+        host, sep, port_s = str(address).rpartition(":")
+        if not sep or not host:
+            raise OptionError(f"address {address!r} is not HOST:PORT")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        try:
+            port = int(port_s)
+        except ValueError:
+            raise OptionError(f"port {port_s!r} in {address!r} is not a number") from None
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+        raise OptionError(f"port {port!r} is out of range")
+    return str(host), port
+
+
+def connect(address: str | tuple[str, int], *, timeout: float | None = 30.0) -> SocketStream:
+    """Connect to a server; TransportError if it cannot be reached."""
+    host, port = parse_address(address)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as e:
+        raise TransportError(f"cannot connect to {host}:{port}: {e.strerror or e}") from None
+    return SocketStream(sock, peer=f"{host}:{port}")
+
+
+class Listener:
+    """A listening TCP socket."""
+
+    def __init__(self, host: str, port: int, *, backlog: int = 64):
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            family, _, _, _, addr = infos[0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as e:
+            raise TransportError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(backlog)
+        except OSError as e:
+            sock.close()
+            raise TransportError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        self._sock = sock
+        self.address: tuple[str, int] = sock.getsockname()[:2]
+
+    def accept(self, timeout: float | None = None) -> SocketStream | None:
+        """The next connection, or None if none came within ``timeout`` seconds."""
+        self._sock.settimeout(timeout)
+        try:
+            sock, addr = self._sock.accept()
+        except socket.timeout:
+            return None
+        except OSError as e:
+            raise TransportError(f"accept on {self.address[0]}:{self.address[1]} failed: {e.strerror or e}") from None
+        return SocketStream(sock, peer=f"{addr[0]}:{addr[1]}")
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
