@@ -1,0 +1,348 @@
+"""GGUF: a little-endian header of metadata and tensor descriptions, then an aligned data region.
+
+Layout (v2 and v3 are the same; v1 used 32-bit counts and is refused)::
+
+    magic "GGUF" | u32 version | u64 n_tensors | u64 n_kv
+    n_kv x      (string key, u32 value_type, value)
+    n_tensors x (string name, u32 n_dims, u64 ne[n_dims], u32 ggml_type, u64 offset)
+    padding to `general.alignment` (default 32)  <- data_start; tensor offsets count from here
+
+A string is a u64 byte length and UTF-8 bytes; an array is a u32 element type, a u64 count and
+the elements back to back (arrays may nest). ``ne`` lists dimensions fastest-first, so the numpy
+shape is its reverse. Quantized types store blocks of ``block_size`` elements in ``type_size``
+bytes (``gguf.constants.GGML_QUANT_SIZES``), so a row's length must be a whole number of blocks.
+
+The parser reads only what it is given, through a cursor that checks every read against the
+buffer first, so a truncated or hostile file always ends in a FormatError. Counts and lengths
+are checked against named limits and against the bytes left before anything is allocated, and
+numeric arrays (tokenizer scores, token types) are decoded by numpy in one call. Nothing here
+touches the data region: ``TensorInfo`` says where each tensor lies and how to view its bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
+
+from ..errors import FormatError, OptionError
+from . import TensorInfo, check_layout
+
+__all__ = [
+    "GGUFHeader",
+    "parse_gguf",
+    "numpy_dtype_and_shape",
+    "dequantize",
+    "MAGIC",
+    "VERSIONS",
+    "MAX_TENSORS",
+    "MAX_KV",
+    "MAX_STRING",
+    "MAX_ARRAY",
+    "MAX_DIMS",
+    "MAX_NESTING",
+]
+
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+MAX_TENSORS = 1 << 20  # far above any real model (a large MoE has a few thousand)
+MAX_KV = 1 << 20
+MAX_STRING = 1 << 28  # one string: chat templates run to tens of KiB, nothing near this
+MAX_ARRAY = 1 << 28  # one array's elements: vocabularies and merges are under a million
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_NESTING = 8  # arrays of arrays: the format allows them, nothing real nests deeply
+_MAX_ELEMENTS = (1 << 63) - 1  # ggml keeps element counts in int64
+_WINDOW = 1 << 20  # bytes copied at a time when decoding string arrays
+
+_ALIGNMENT_KEY = "general.alignment"
+
+# The little-endian struct format and numpy dtype of each fixed-size value type.
+_SCALARS: dict[int, tuple[str, str]] = {
+    GGUFValueType.UINT8: ("<B", "<u1"),
+    GGUFValueType.INT8: ("<b", "<i1"),
+    GGUFValueType.UINT16: ("<H", "<u2"),
+    GGUFValueType.INT16: ("<h", "<i2"),
+    GGUFValueType.UINT32: ("<I", "<u4"),
+    GGUFValueType.INT32: ("<i", "<i4"),
+    GGUFValueType.FLOAT32: ("<f", "<f4"),
+    GGUFValueType.BOOL: ("<?", "<u1"),
+    GGUFValueType.UINT64: ("<Q", "<u8"),
+    GGUFValueType.INT64: ("<q", "<i8"),
+    GGUFValueType.FLOAT64: ("<d", "<f8"),
+}
+# The fewest bytes one array element of a type can take, to bound counts before reading them.
+_MIN_SIZE = {t: struct.calcsize(f) for t, (f, _) in _SCALARS.items()}
+_MIN_SIZE |= {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
+_STRUCTS = {t: struct.Struct(f) for t, (f, _) in _SCALARS.items()}
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+
+# ggml types that GGUFReader presents as typed arrays, and their little-endian numpy dtypes.
+# BF16 is plain too, but numpy has no bfloat16, so GGUFReader presents it (and so do we) as
+# rows of raw bytes, like the quantized types. The ggml names of all the plain types (F32, F16,
+# BF16, F64, I8, I16, I32, I64) are also their safetensors names, so ``dtype`` is the ggml name.
+_NUMPY: dict[int, str] = {
+    GGMLQuantizationType.F32: "<f4",
+    GGMLQuantizationType.F16: "<f2",
+    GGMLQuantizationType.F64: "<f8",
+    GGMLQuantizationType.I8: "<i1",
+    GGMLQuantizationType.I16: "<i2",
+    GGMLQuantizationType.I32: "<i4",
+    GGMLQuantizationType.I64: "<i8",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFHeader:
+    """A parsed GGUF header: metadata in file order and the tensors it describes, in file order."""
+
+    version: int
+    alignment: int
+    data_start: int
+    metadata: dict[str, Any]
+    tensors: list[TensorInfo]
+
+
+class _Cursor:
+    """Reads little-endian values from a buffer, never past its end."""
+
+    __slots__ = ("mv", "pos", "file", "file_size")
+
+    def __init__(self, mv: memoryview, *, file: str, file_size: int):
+        self.mv, self.pos, self.file, self.file_size = mv, 0, file, file_size
+
+    def need(self, n: int, what: str) -> int:
+        """Step over the next ``n`` bytes; their start, or FormatError if they are not all there."""
+        start = self.pos
+        self.check(n, what)
+        self.pos = start + n
+        return start
+
+    def check(self, n: int, what: str) -> None:
+        end = self.pos + n
+        if end > len(self.mv):
+            where = "file" if end > self.file_size else f"{len(self.mv)}-byte buffer"
+            msg = f"header runs past the end of the {where} reading {what} at byte {self.pos}"
+            raise FormatError(msg, file=self.file)
+
+    def count(self, what: str, limit: int, min_size: int) -> int:
+        """A u64 count, checked against ``limit`` and, at ``min_size`` bytes each, the bytes left.
+
+        Checking before the items are read keeps a hostile count from allocating anything.
+        """
+        n = self.unpack(_U64, what)
+        if n > limit:
+            raise FormatError(f"{what} {n} exceeds the limit of {limit}", file=self.file)
+        self.check(n * min_size, f"{n} items of {what}")
+        return n
+
+    def unpack(self, s: struct.Struct, what: str) -> Any:
+        return s.unpack_from(self.mv, self.need(s.size, what))[0]
+
+    def string(self, what: str, *, strict: bool = False) -> str:
+        n = self.unpack(_U64, f"{what} length")
+        if n > MAX_STRING:
+            raise FormatError(f"{what} length {n} exceeds the limit of {MAX_STRING} bytes", file=self.file)
+        raw = self.mv[self.need(n, what) : self.pos]
+        try:
+            # Keys and names must be real text; values keep any bytes (surrogateescape is lossless).
+            return str(raw, "utf-8", "strict" if strict else "surrogateescape")
+        except UnicodeDecodeError:
+            raise FormatError(f"{what} at byte {self.pos - n} is not valid UTF-8", file=self.file) from None
+
+    def value_type(self, what: str) -> int:
+        t = self.unpack(_U32, what)
+        if t not in _SCALARS and t not in (GGUFValueType.STRING, GGUFValueType.ARRAY):
+            raise FormatError(f"unknown value type {t} for {what} at byte {self.pos - 4}", file=self.file)
+        return t
+
+    def value(self, t: int, what: str, depth: int = 0) -> Any:
+        if t == GGUFValueType.STRING:
+            return self.string(what)
+        if t != GGUFValueType.ARRAY:
+            return self.unpack(_STRUCTS[t], what)
+        if depth >= MAX_NESTING:
+            raise FormatError(f"{what} nests arrays deeper than {MAX_NESTING}", file=self.file)
+        et = self.value_type(f"{what} element type")
+        n = self.count(f"{what} length", MAX_ARRAY, _MIN_SIZE.get(et, 1))
+        if et in _SCALARS:
+            dt = np.dtype(_SCALARS[et][1])
+            start = self.need(n * dt.itemsize, what)
+            arr = np.frombuffer(self.mv, dtype=dt, count=n, offset=start)
+            return (arr != 0).tolist() if et == GGUFValueType.BOOL else arr.tolist()
+        if et == GGUFValueType.STRING:
+            return self.strings(n, what)
+        return [self.value(et, what, depth + 1) for _ in range(n)]
+
+    def strings(self, n: int, what: str) -> list[str]:
+        """``n`` strings back to back, as in vocabularies and merges.
+
+        These run to hundreds of thousands of strings, so the loop reads from a window copied
+        out of the buffer a MiB at a time (slicing bytes is cheaper than slicing a memoryview)
+        and leaves any fault to ``string`` to describe.
+        """
+        mv, size, unpack = self.mv, len(self.mv), _U64.unpack_from
+        out: list[str] = []
+        append = out.append
+        base, win, p = self.pos, b"", 0
+        for _ in range(n):
+            if p + 8 > len(win):
+                base, p = base + p, 0
+                win = bytes(mv[base : base + _WINDOW])
+                if len(win) < 8:
+                    break
+            (k,) = unpack(win, p)
+            if p + 8 + k > len(win):
+                if k > MAX_STRING or base + p + 8 + k > size:
+                    break
+                base, p = base + p, 0
+                win = bytes(mv[base : base + max(_WINDOW, 8 + k)])
+            p += 8 + k
+            append(win[p - k : p].decode("utf-8", "surrogateescape"))
+        self.pos = base + p
+        if len(out) < n:
+            self.string(what)  # raises: truncated, or over the limit
+            raise AssertionError("unreachable: string() accepted what the fast path refused")
+        return out
+
+
+def parse_gguf(buf: Any, *, file: str, file_size: int) -> GGUFHeader:
+    """Parse the GGUF header at the start of ``buf`` (bytes-like, at least the whole header).
+
+    ``file_size`` is the size of the whole file, against which every tensor is checked; ``buf``
+    may be the whole file (a memoryview of an mmap is never copied) or just a prefix of it.
+    """
+    try:
+        mv = memoryview(buf)
+        if not mv.c_contiguous:
+            raise TypeError("the buffer is not contiguous")
+        if mv.ndim != 1 or mv.itemsize != 1:
+            mv = mv.cast("B")
+    except TypeError as e:
+        raise OptionError(f"cannot read a GGUF header from {type(buf).__name__}: {e}") from None
+    cur = _Cursor(mv, file=file, file_size=file_size)
+    if bytes(mv[cur.need(4, "the magic") : 4]) != MAGIC:
+        raise FormatError(f"not a GGUF file (magic {bytes(mv[:4])!r}, expected {MAGIC!r})", file=file)
+    version = cur.unpack(_U32, "the version")
+    if version not in VERSIONS:
+        swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+        if swapped in VERSIONS or swapped == 1:
+            raise FormatError(f"big-endian GGUF (v{swapped}) is not supported", file=file)
+        if version == 1:
+            raise FormatError("GGUF v1 is not supported (it predates 64-bit counts); convert it to v3", file=file)
+        raise FormatError(f"unknown GGUF version {version} (supported: {VERSIONS})", file=file)
+    n_tensors = cur.count("the tensor count", MAX_TENSORS, 0)
+    n_kv = cur.count("the metadata count", MAX_KV, 0)
+    # The smallest key/value is a string and a type and a byte; the smallest tensor record is
+    # a string, a dimension count, a type and an offset.
+    cur.check(n_kv * 13 + n_tensors * 24, f"{n_kv} key/values and {n_tensors} tensor records")
+
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string("a metadata key", strict=True)
+        if key in metadata:
+            raise FormatError(f"metadata key {key!r} appears twice", file=file)
+        vtype = cur.value_type(f"the type of {key!r}")
+        if key == _ALIGNMENT_KEY and vtype != GGUFValueType.UINT32:
+            # ggml reads the alignment as a u32 and nothing else.
+            raise FormatError(f"{_ALIGNMENT_KEY} has value type {vtype}, not uint32", file=file)
+        metadata[key] = cur.value(vtype, repr(key))
+    alignment = metadata.get(_ALIGNMENT_KEY, GGUF_DEFAULT_ALIGNMENT)
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise FormatError(f"alignment {alignment} is not a power of two", file=file)
+
+    records = [_tensor_record(cur) for _ in range(n_tensors)]
+    data_start = -(-cur.pos // alignment) * alignment
+    tensors: list[TensorInfo] = []
+    seen: set[str] = set()
+    for name, ne, ggml_type, rel in records:
+        if name in seen:
+            raise FormatError("tensor name appears twice", file=file, tensor=name)
+        seen.add(name)
+        tensors.append(_tensor_info(name, ne, ggml_type, rel, file=file, data_start=data_start, alignment=alignment))
+    check_layout(tensors, file=file, data_start=data_start, file_size=file_size)
+    return GGUFHeader(version, alignment, data_start, metadata, tensors)
+
+
+def _tensor_record(cur: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
+    name = cur.string("a tensor name", strict=True)
+    n_dims = cur.unpack(_U32, f"the dimension count of {name!r}")
+    if n_dims > MAX_DIMS:
+        raise FormatError(f"{n_dims} dimensions exceed the limit of {MAX_DIMS}", file=cur.file, tensor=name)
+    start = cur.need(8 * n_dims, f"the dimensions of {name!r}")
+    ne = struct.unpack_from(f"<{n_dims}Q", cur.mv, start)
+    ggml_type = cur.unpack(_U32, f"the type of {name!r}")
+    rel = cur.unpack(_U64, f"the offset of {name!r}")
+    return name, ne, ggml_type, rel
+
+
+def _tensor_info(
+    name: str, ne: tuple[int, ...], ggml_type: int, rel: int, *, file: str, data_start: int, alignment: int
+) -> TensorInfo:
+    try:
+        qtype = GGMLQuantizationType(ggml_type)
+        block, type_size = GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        raise FormatError(f"unknown ggml type {ggml_type}", file=file, tensor=name) from None
+    n = 1
+    for d in ne:
+        n *= d
+    if n > _MAX_ELEMENTS:
+        raise FormatError(f"dimensions {list(ne)} hold more than 2**63 elements", file=file, tensor=name)
+    ne0 = ne[0] if ne else 1
+    if ne0 % block:
+        msg = f"row length {ne0} is not a multiple of the {qtype.name} block size {block}"
+        raise FormatError(msg, file=file, tensor=name)
+    if rel % alignment:
+        raise FormatError(f"offset {rel} is not a multiple of the alignment {alignment}", file=file, tensor=name)
+    shape = tuple(reversed(ne))
+    raw_shape = shape if qtype in _NUMPY else (*shape[:-1], ne0 // block * type_size)
+    return TensorInfo(
+        name=name,
+        dtype=qtype.name,
+        shape=shape,
+        file=file,
+        offset=data_start + rel,
+        length=n // block * type_size,
+        ggml_type=int(qtype),
+        alignment=alignment,
+        extra={"raw_shape": raw_shape},
+    )
+
+
+def numpy_dtype_and_shape(t: TensorInfo) -> tuple[np.dtype, tuple[int, ...]]:
+    """The dtype and shape under which GGUFReader presents this tensor's bytes.
+
+    Plain types: their numpy dtype and the logical shape. BF16 and quantized types: uint8 and
+    ``extra["raw_shape"]`` (rows of raw bytes); ``dequantize`` turns those into float32.
+    """
+    if t.ggml_type is None:
+        raise OptionError(f"tensor {t.name!r} is not from a GGUF file")
+    if t.ggml_type in _NUMPY:
+        return np.dtype(_NUMPY[t.ggml_type]), t.shape
+    return np.dtype(np.uint8), tuple(t.extra["raw_shape"])
+
+
+def dequantize(raw: np.ndarray, ggml_type: int) -> np.ndarray:
+    """Decode a tensor's raw bytes (as ``numpy_dtype_and_shape`` views them) to float32.
+
+    Quantized types and BF16 go through ``gguf.quants.dequantize``; plain types are cast. An
+    F32 tensor comes back as a view of ``raw`` when it already is float32.
+    """
+    try:
+        qtype = GGMLQuantizationType(ggml_type)
+    except ValueError:
+        raise OptionError(f"unknown ggml type {ggml_type}") from None
+    raw = np.ascontiguousarray(raw)
+    if qtype in _NUMPY:
+        return raw.view(_NUMPY[qtype]).astype(np.float32, copy=False)
+    from gguf.quants import dequantize as _dequantize
+
+    try:
+        return np.asarray(_dequantize(raw.view(np.uint8), qtype), dtype=np.float32)
+    except NotImplementedError:
+        raise OptionError(f"the gguf package cannot dequantize {qtype.name}") from None
+    except ValueError as e:
+        raise OptionError(f"raw bytes of shape {raw.shape} are not whole {qtype.name} rows: {e}") from None
