@@ -24,6 +24,7 @@ Theory of operation.
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 import threading
@@ -99,7 +100,8 @@ def load(
         raise OptionError("threads must be at least 1")
     prof = _profiler(profile)
     if prof is not None:
-        prof.count(tensors=len(infos))
+        # tensor bytes, not the padding a coalesced run copies along with them
+        prof.count(tensors=len(infos), nbytes=sum(t.length for t in infos))
     files = list(dict.fromkeys(t.file for t in infos))
     resident = {f: resident_fraction(f) for f in files}
     if not copy:
@@ -406,6 +408,10 @@ class _Mover:
         n = dst.size
         if self.engine == "mmap":
             np.copyto(dst, np.frombuffer(m.buffer, dtype=np.uint8, count=n, offset=off))
+            if _RELEASE:
+                # drop this process's page-table entries for what was copied (the page cache
+                # keeps the pages): otherwise the mapped file doubles the load's RSS
+                m.advise(mmap.MADV_DONTNEED, off, n)
             return
         mv = memoryview(dst)
         done = 0
@@ -421,7 +427,7 @@ class _Mover:
         self._read_into(file, off, dst)
         if prof is not None:
             prof.record("read", t0, time.perf_counter_ns(), n)
-            prof.count(calls=1, nbytes=n)
+            prof.count(calls=1)
 
     def _device_chunk(self, file: str, off: int, n: int, arena_dev: Any, dst_off: int, slots: Any, k: int) -> None:
         bufs, nps, events, stream = slots
@@ -444,7 +450,7 @@ class _Mover:
         if prof is not None:
             prof.record("stage", t0, t1, n)
             prof.record("device", t1, time.perf_counter_ns(), n)
-            prof.count(calls=1, nbytes=n)
+            prof.count(calls=1)
 
     # Cast targets: one conversion pass straight out of the mapping, per tensor.
     def _convert(self, infos: list[TensorInfo]) -> dict[str, Any]:
@@ -468,12 +474,13 @@ class _Mover:
             out[t.name] = ct.convert(mapped(t.file).view(t.offset, t.length), t.dtype, t.shape)
             if prof is not None:
                 prof.record("stage", t0, time.perf_counter_ns(), t.length)
-                prof.count(calls=1, nbytes=t.length)
+                prof.count(calls=1)
             if self.progress is not None:
                 self.progress(t.length)
         return out
 
 
+_RELEASE = os.environ.get('WL_REL','1')=='1'
 _DEVICE_CHUNK = 16 * 1024 * 1024
 _pinned_pool: list[Any] = []
 _pinned_lock = threading.Lock()

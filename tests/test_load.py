@@ -1,0 +1,260 @@
+"""The local loader: exact bytes for every dtype, shards and GGUF, cross-checked with the reference packages."""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import weightlift as wl
+from weightlift.errors import FormatError, NotFoundError, OptionError
+
+from _checkpoints import every_dtype, raw_bytes, write, write_sharded
+
+torch = pytest.importorskip("torch")
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+@pytest.fixture()
+def ckpt(tmp_path: Path) -> tuple[Path, list]:
+    tensors = every_dtype()
+    return write(tmp_path / "m.safetensors", tensors, {"format": "pt"}), tensors
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("copy", [True, False])
+@pytest.mark.parametrize("engine", ["pread", "mmap"])
+def test_every_dtype_exact_bytes(ckpt, framework, copy, engine):
+    path, tensors = ckpt
+    out = wl.load(path, framework=framework, copy=copy, engine=engine)
+    assert list(out) == [t.name for t in wl.open(path)]
+    for name, dtype, shape, raw in tensors:
+        got = out[name]
+        assert raw_bytes(got) == raw, name
+        if wl.dtypes.dtype_info(dtype).bits % 8 == 0:  # packed types come back as raw bytes
+            assert tuple(got.shape) == shape, name
+
+
+def test_matches_safetensors_packages(ckpt):
+    """Byte for byte what safetensors' own numpy and torch loaders read, for every dtype they know."""
+    path, tensors = ckpt
+    np_known = {"F64", "F32", "F16", "I64", "U64", "I32", "U32", "I16", "U16", "I8", "U8", "BOOL", "C64"}
+    pt_known = np_known | {"BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"}
+    sub = [t for t in tensors if t[1] in np_known]
+    sub_path = write(path.parent / "np.safetensors", sub)
+    ref = safetensors_numpy.load_file(str(sub_path))
+    ours = wl.load(sub_path)
+    assert ref.keys() == ours.keys()
+    for name in ref:
+        assert raw_bytes(ref[name]) == raw_bytes(ours[name]) and ref[name].dtype == ours[name].dtype, name
+        assert ref[name].shape == ours[name].shape
+    sub = [t for t in tensors if t[1] in pt_known]
+    sub_path = write(path.parent / "pt.safetensors", sub)
+    ref = safetensors_torch.load_file(str(sub_path))
+    ours = wl.load(sub_path, framework="torch")
+    assert ref.keys() == ours.keys()
+    for name in ref:
+        assert raw_bytes(ref[name]) == raw_bytes(ours[name]) and ref[name].dtype == ours[name].dtype, name
+        assert ref[name].shape == ours[name].shape
+
+
+def test_metadata_kept(ckpt):
+    path, _ = ckpt
+    assert wl.open(path).metadata == {"format": "pt"}
+
+
+def test_copy_false_is_readonly_view(ckpt):
+    path, tensors = ckpt
+    out = wl.load(path, copy=False)
+    a = out["t.f32"]
+    assert not a.flags.writeable
+    with pytest.raises(ValueError):
+        a[0, 0] = 1
+
+
+def test_sharded_index_and_folder(tmp_path):
+    tensors = every_dtype(seed=3)
+    idx = write_sharded(tmp_path / "sh", tensors, shards=3)
+    for p in (idx, idx.parent):
+        ck = wl.open(p)
+        assert len(ck.files) == 3
+        out = wl.load(p, framework="torch")
+        for name, _, _, raw in tensors:
+            assert raw_bytes(out[name]) == raw
+
+
+def test_sharded_missing_shard_names_it(tmp_path):
+    idx = write_sharded(tmp_path / "sh", every_dtype(), shards=2)
+    (idx.parent / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(NotFoundError, match="model-00002-of-00002"):
+        wl.open(idx)
+
+
+def test_sharded_index_names_absent_tensor(tmp_path):
+    import json
+
+    idx = write_sharded(tmp_path / "sh", every_dtype(), shards=2)
+    obj = json.loads(idx.read_text())
+    obj["weight_map"]["ghost"] = "model-00001-of-00002.safetensors"
+    idx.write_text(json.dumps(obj))
+    with pytest.raises(FormatError, match="ghost"):
+        wl.open(idx)
+
+
+def test_index_escaping_folder_refused(tmp_path):
+    idx = tmp_path / "model.safetensors.index.json"
+    idx.write_text('{"weight_map": {"a": "../../etc/passwd"}}')
+    with pytest.raises(FormatError, match="not a file beside the index"):
+        wl.open(idx)
+
+
+@pytest.mark.parametrize("select,expect", [
+    ("t.f*", {"t.f8_e5m2", "t.f8_e4m3", "t.f16", "t.f32", "t.f64", "t.f8_e4m3fnuz", "t.f8_e5m2fnuz", "t.f8_e8m0", "t.f4", "t.f6_e2m3", "t.f6_e3m2"}),
+    (["t.u8", "t.i64"], {"t.u8", "t.i64"}),
+    ("re:^t\\.[ui]16$", {"t.u16", "t.i16"}),
+])
+def test_select(ckpt, select, expect):
+    path, _ = ckpt
+    assert set(wl.load(path, select=select)) == expect
+
+
+def test_select_matching_nothing_is_an_error(ckpt):
+    with pytest.raises(NotFoundError, match="matches no tensor"):
+        wl.load(ckpt[0], select="nope.*")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+def test_dtype_cast_on_load(ckpt):
+    path, tensors = ckpt
+    ref = wl.load(path, select=["t.f32", "t.bf16", "t.i32"])
+    out = wl.load(path, select=["t.f32", "t.bf16", "t.i32"], dtype="F16")
+    assert out["t.f32"].dtype == np.float16
+    np.testing.assert_array_equal(out["t.f32"], ref["t.f32"].astype(np.float16))
+    np.testing.assert_array_equal(out["t.bf16"], ref["t.bf16"].astype(np.float16))
+    assert raw_bytes(out["t.i32"]) == raw_bytes(ref["t.i32"])  # integers are never cast
+    out_t = wl.load(path, select=["t.f32"], dtype=torch.bfloat16, framework="torch")
+    assert out_t["t.f32"].dtype == torch.bfloat16
+    assert torch.equal(out_t["t.f32"], torch.from_numpy(ref["t.f32"]).to(torch.bfloat16))
+
+
+def test_bad_options(ckpt):
+    path, _ = ckpt
+    with pytest.raises(OptionError):
+        wl.load(path, framework="jax")
+    with pytest.raises(OptionError):
+        wl.load(path, device="tpu")
+    with pytest.raises(OptionError):
+        wl.load(path, device="cuda", framework="numpy")
+    with pytest.raises(OptionError):
+        wl.load(path, copy=False, dtype="F16")
+    with pytest.raises(OptionError):
+        wl.load(path, page_cache="sometimes")
+    with pytest.raises(OptionError):
+        wl.load(path, dtype="float77")
+
+
+def test_coalesced_runs_same_bytes_as_per_tensor(tmp_path):
+    rng = np.random.default_rng(5)
+    tensors = [(f"experts.{i}.w", "F32", (64, 33), rng.integers(0, 256, 64 * 33 * 4, dtype=np.uint8).tobytes()) for i in range(40)]
+    path = write(tmp_path / "moe.safetensors", tensors)
+    from weightlift.plan import make_runs
+
+    runs = make_runs(wl.open(path).tensors)
+    assert len(runs) == 1 and len(runs[0].tensors) == 40
+    out = wl.load(path, threads=3)
+    for name, _, _, raw in tensors:
+        assert raw_bytes(out[name]) == raw
+        assert out[name].flags.aligned
+
+
+def test_page_cache_evict_and_warm_paths_same_bytes(ckpt, monkeypatch):
+    path, tensors = ckpt
+    for kw in ({"page_cache": "evict"}, {"warm": True}, {"warm": False}, {"threads": 1}):
+        out = wl.load(path, **kw)
+        for name, _, _, raw in tensors:
+            assert raw_bytes(out[name]) == raw
+    monkeypatch.setenv("WEIGHTLIFT_PAGE_EVICTION", "maybe")
+    with pytest.raises(OptionError):
+        wl.load(path)
+
+
+def test_report_figures(ckpt):
+    path, tensors = ckpt
+    rep: dict = {}
+    wl.load(path, report=rep, profile=True)
+    assert rep["tensors"] == len(tensors)
+    assert rep["bytes"] == sum(len(t[3]) for t in tensors)
+    assert 0.0 <= rep["resident_before"] <= 1.0
+    assert rep["profile"]["bytes"] == rep["bytes"]
+    assert rep["profile"]["tensors"] == len(tensors)
+
+
+def test_truncated_file_is_a_format_error(ckpt, tmp_path):
+    path, _ = ckpt
+    data = path.read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[:-5])
+    with pytest.raises(FormatError, match="cut.safetensors"):
+        wl.load(cut)
+
+
+# -- GGUF ----------------------------------------------------------------------------------
+
+def test_gguf_matches_reader(tmp_path):
+    from gguf import GGUFReader
+
+    from _gguf_files import write_sample
+
+    path = tmp_path / "m.gguf"
+    write_sample(path)
+    reader = GGUFReader(str(path))
+    for fw in ("numpy", "torch"):
+        for copy in (True, False):
+            out = wl.load(path, framework=fw, copy=copy)
+            assert len(out) == len(reader.tensors)
+            for rt in reader.tensors:
+                assert raw_bytes(out[rt.name]) == np.ascontiguousarray(rt.data).tobytes(), rt.name
+    ck = wl.open(path)
+    assert ck.format == "gguf"
+    q = [t for t in ck if t.quantized]
+    assert q and all(t.alignment for t in q)
+    deq = wl.load(path, select=[t.name for t in q], dequantize=True)
+    from gguf.quants import dequantize
+
+    for rt in reader.tensors:
+        if rt.name in deq:
+            np.testing.assert_array_equal(deq[rt.name], dequantize(rt.data, rt.tensor_type))
+
+
+# -- memory --------------------------------------------------------------------------------
+
+_RSS = """
+import resource, sys, weightlift as wl
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = wl.load(sys.argv[1], copy=sys.argv[2] == "1", progress=False)
+if sys.argv[2] == "0":
+    pass  # views only: nothing touched
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(before * 1024, after * 1024)
+"""
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_peak_rss(tmp_path, copy):
+    size = 192 * 2**20
+    rng = np.random.default_rng(1)
+    tensors = [(f"w{i}", "U8", (size // 8,), rng.integers(0, 256, size // 8, dtype=np.uint8).tobytes()) for i in range(8)]
+    path = write(tmp_path / "big.safetensors", tensors)
+    del tensors
+    res = subprocess.run([sys.executable, "-c", _RSS, str(path), "1" if copy else "0"], capture_output=True, text=True, check=True)
+    before, after = map(int, res.stdout.split())
+    grown = after - before
+    if copy:
+        assert grown <= size * 1.10, f"peak RSS grew {grown / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB checkpoint"
+    else:
+        assert grown <= 16 * 2**20, f"copy=False grew RSS by {grown / 2**20:.0f} MiB"

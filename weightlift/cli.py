@@ -1,0 +1,204 @@
+"""The command line: parses arguments and calls the library; nothing else lives here.
+
+A user mistake (missing file, bad checkpoint, bad option) prints one line naming the file and
+the problem and exits with status 2; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+from .errors import WeightliftError
+
+__all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # one line, like every other user mistake, instead of argparse's usage dump
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def _add_select(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--select",
+        action="append",
+        metavar="PATTERN",
+        help="tensor names to take: a glob, or re:<regex>; repeat for several",
+    )
+
+
+def _cmd_inspect(a: argparse.Namespace) -> int:
+    from .checkpoint import open_checkpoint
+
+    ck = open_checkpoint(a.path)
+    tensors = ck.select(a.select)
+    if a.json:
+        print(
+            json.dumps(
+                {
+                    "path": ck.path,
+                    "format": ck.format,
+                    "files": ck.files,
+                    "tensors": [
+                        {
+                            "name": t.name,
+                            "dtype": t.dtype,
+                            "shape": list(t.shape),
+                            "file": t.file,
+                            "offset": t.offset,
+                            "length": t.length,
+                        }
+                        for t in tensors
+                    ],
+                    "total_bytes": sum(t.length for t in tensors),
+                    "metadata": {k: v for k, v in ck.metadata.items() if _jsonable(v)},
+                },
+                indent=1,
+            )
+        )
+        return 0
+    w = max([len(t.name) for t in tensors] + [4])
+    print(f"{'name':<{w}}  {'dtype':<8} {'shape':<22} {'offset':>14} {'bytes':>14}")
+    for t in tensors:
+        print(f"{t.name:<{w}}  {t.dtype:<8} {str(list(t.shape)):<22} {t.offset:>14} {t.length:>14}")
+    total = sum(t.length for t in tensors)
+    print(f"{len(tensors)} tensors, {total:,} bytes ({total / 2**30:.3f} GiB) in {len(ck.files)} file(s), format {ck.format}")
+    return 0
+
+
+def _jsonable(v: Any) -> bool:
+    try:
+        json.dumps(v)
+        return len(json.dumps(v)) < 4096
+    except (TypeError, ValueError):
+        return False
+
+
+def _cmd_load(a: argparse.Namespace) -> int:
+    from .load import load
+    from .profile import Profiler
+
+    prof = Profiler(enabled=True, trace=bool(a.trace)) if (a.profile or a.trace) else None
+    report: dict[str, Any] = {}
+    kwargs = dict(
+        device=a.device,
+        framework=a.framework,
+        dtype=a.dtype,
+        copy=not a.no_copy,
+        page_cache=a.page_cache,
+        threads=a.threads,
+        dequantize=a.dequantize,
+        profile=prof,
+        report=report,
+    )
+    if a.remote:
+        from .split import parse_remote, split_load
+
+        result = split_load(a.path, parse_remote(a.remote), select=a.select, **kwargs)
+        report["remote"] = result.remote
+        report["seconds"] = result.seconds
+    else:
+        load(a.path, select=a.select, **kwargs)
+    if prof is not None and a.trace:
+        prof.write_trace(a.trace)
+    if a.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(
+        f"loaded {report['tensors']} tensors, {report['bytes']:,} bytes in {report['seconds']:.3f} s "
+        f"({report['bytes'] / max(report['seconds'], 1e-9) / 1e9:.2f} GB/s) to {a.device}/{a.framework}; "
+        f"{report['resident_before'] * 100:.0f} % of the file was resident before the load"
+    )
+    for addr, r in report.get("remote", {}).items():
+        print(f"pushed {r['tensors']} tensors, {r['bytes']:,} bytes to {addr}")
+    if prof is not None:
+        print(prof.format())
+    return 0
+
+
+def _cmd_demo(a: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    out = run_demo(rounds=a.rounds, push=not a.no_push)
+    if a.json:
+        print(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="weightlift", description="Model weights from disk or another machine into memory, fast.")
+    p.add_argument("--version", action="version", version=f"weightlift {_version()}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    d = sub.add_parser("demo", help="make (once) and load a ~1 GiB synthetic checkpoint; compare with safetensors")
+    d.add_argument("--rounds", type=int, default=3)
+    d.add_argument("--no-push", action="store_true", help="skip the push to a loopback tensor server")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=_cmd_demo)
+
+    i = sub.add_parser("inspect", help="list a checkpoint's tensors without reading data")
+    i.add_argument("path")
+    _add_select(i)
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=_cmd_inspect)
+
+    ld = sub.add_parser("load", help="load a checkpoint into memory and report the time to ready")
+    ld.add_argument("path")
+    ld.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    ld.add_argument("--framework", default="numpy", choices=["numpy", "torch"])
+    _add_select(ld)
+    ld.add_argument("--dtype", help="cast floating-point tensors on load (e.g. F16, BF16, F32)")
+    ld.add_argument("--no-copy", action="store_true", help="host only: read-only views of the mapping")
+    ld.add_argument("--page-cache", choices=["keep", "evict"], help="override the page-cache policy")
+    ld.add_argument("--threads", type=int)
+    ld.add_argument("--dequantize", action="store_true", help="GGUF: dequantize to float32")
+    ld.add_argument(
+        "--remote",
+        action="append",
+        metavar="HOST:PORT=SELECT",
+        help="split load: push the tensors matching SELECT to the server at HOST:PORT at the same time",
+    )
+    ld.add_argument("--profile", action="store_true", help="report the load by phase")
+    ld.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the load")
+    ld.add_argument("--json", action="store_true")
+    ld.set_defaults(func=_cmd_load)
+
+    for mod in ("cli_remote", "benchmark"):
+        try:
+            module = __import__(f"weightlift.{mod}", fromlist=["register"])
+        except ImportError:
+            continue
+        register = getattr(module, "register", None)
+        if register is not None:
+            register(sub)
+    return p
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except WeightliftError as e:
+        sys.stderr.write(f"weightlift: error: {e}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("weightlift: interrupted\n")
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

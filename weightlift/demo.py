@@ -1,0 +1,174 @@
+"""The built-in default: a synthetic checkpoint shaped like a small LLM, loaded and checked.
+
+``weightlift demo`` makes the checkpoint once (about 1 GiB, in the cache folder), then loads it
+with weightlift and with ``safetensors`` in the same run, interleaved, checks every byte of
+weightlift's result against digests recorded when the file was written, prints both times to
+ready and weightlift's own phase breakdown, and, where the remote half is available, pushes the
+checkpoint to a tensor server on loopback and checks what arrived.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .formats.safetensors import build_header
+
+__all__ = ["demo_dir", "ensure_demo_checkpoint", "demo_tensors", "run_demo"]
+
+DEMO_NAME = "demo-llm-1g"
+
+
+def demo_dir() -> Path:
+    base = os.environ.get("WEIGHTLIFT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "weightlift"
+    )
+    return Path(base) / DEMO_NAME
+
+
+def demo_tensors(*, layers: int = 8, hidden: int = 2048, inter: int = 5632, vocab: int = 32000, kv: int = 256) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, shape) of a Llama-shaped model: BF16 weights, F32 norms."""
+    out: list[tuple[str, str, tuple[int, ...]]] = [("model.embed_tokens.weight", "BF16", (vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "input_layernorm.weight", "F32", (hidden,)),
+            (p + "self_attn.q_proj.weight", "BF16", (hidden, hidden)),
+            (p + "self_attn.k_proj.weight", "BF16", (kv, hidden)),
+            (p + "self_attn.v_proj.weight", "BF16", (kv, hidden)),
+            (p + "self_attn.o_proj.weight", "BF16", (hidden, hidden)),
+            (p + "post_attention_layernorm.weight", "F32", (hidden,)),
+            (p + "mlp.gate_proj.weight", "BF16", (inter, hidden)),
+            (p + "mlp.up_proj.weight", "BF16", (inter, hidden)),
+            (p + "mlp.down_proj.weight", "BF16", (hidden, inter)),
+        ]
+    out += [("model.norm.weight", "F32", (hidden,)), ("lm_head.weight", "BF16", (vocab, hidden))]
+    return out
+
+
+def write_checkpoint(path: Path, tensors: list[tuple[str, str, tuple[int, ...]]], *, seed: int = 0) -> dict[str, str]:
+    """Write a safetensors file of deterministic pseudo-random bytes; returns BLAKE3 per tensor."""
+    import blake3
+
+    from .dtypes import byte_length
+
+    entries = [(n, d, s, byte_length(d, s)) for n, d, s in tensors]
+    header, _ = build_header(entries, {"format": "pt", "weightlift": "demo"})
+    rng = np.random.default_rng(seed)
+    digests = {}
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(header)
+        for name, _, _, n in entries:
+            data = rng.bytes(n)
+            digests[name] = blake3.blake3(data).hexdigest()
+            f.write(data)
+    os.replace(tmp, path)
+    return digests
+
+
+def ensure_demo_checkpoint(*, layers: int = 8) -> Path:
+    """The demo checkpoint's path, written on first use and reused afterwards."""
+    d = demo_dir()
+    path = d / "model.safetensors"
+    sums = d / "digests.json"
+    if path.exists() and sums.exists():
+        return path
+    d.mkdir(parents=True, exist_ok=True)
+    print(f"writing the demo checkpoint (once): {path}")
+    digests = write_checkpoint(path, demo_tensors(layers=layers))
+    sums.write_text(json.dumps(digests, indent=0))
+    return path
+
+
+def verify(tensors: dict[str, Any], digests: dict[str, str]) -> int:
+    """BLAKE3 of every loaded tensor against the recorded digest; returns bytes checked."""
+    from .digests import hash_buffer
+    from .targets import as_bytes
+
+    checked = 0
+    missing = set(digests) - set(tensors)
+    if missing:
+        raise AssertionError(f"demo: tensors missing from the load: {sorted(missing)[:3]}")
+    for name, arr in tensors.items():
+        raw = as_bytes(arr.cpu() if hasattr(arr, "cpu") else arr)
+        if hash_buffer(raw).hex() != digests[name]:
+            raise AssertionError(f"demo: tensor {name!r} differs from what was written")
+        checked += raw.size
+    return checked
+
+
+def run_demo(*, rounds: int = 3, push: bool = True, layers: int = 8) -> dict[str, Any]:
+    """Load the demo checkpoint with weightlift and safetensors, interleaved; print and return figures."""
+    from . import load
+    from .profile import Profiler
+
+    path = ensure_demo_checkpoint(layers=layers)
+    digests = json.loads((path.parent / "digests.json").read_text())
+    size = path.stat().st_size
+    try:
+        from safetensors.numpy import load_file as st_load
+    except ImportError:
+        st_load = None
+    times: dict[str, list[float]] = {"weightlift": [], "safetensors": []}
+    out: dict[str, Any] = {"checkpoint": str(path), "bytes": size}
+    report: dict[str, Any] = {}
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        got = load(path, progress=False)
+        times["weightlift"].append(time.perf_counter() - t0)
+        if r == 0:
+            out["bytes_verified"] = verify(got, digests)
+        del got
+        if st_load is not None:
+            t0 = time.perf_counter()
+            ref = st_load(str(path))
+            times["safetensors"].append(time.perf_counter() - t0)
+            del ref
+    prof = Profiler(enabled=True)
+    got = load(path, progress=False, profile=prof, report=report)
+    del got
+    med = {k: statistics.median(v) for k, v in times.items() if v}
+    out["median_s"] = med
+    out["profile"] = prof.report()
+    print(f"checkpoint  {path}  ({size / 2**30:.2f} GiB, {len(digests)} tensors)")
+    print(f"verified    {out['bytes_verified']:,} bytes: every tensor's BLAKE3 matches what was written")
+    print(f"page cache  {report.get('resident_before', 0) * 100:.0f} % resident before the profiled load")
+    print(f"time to ready, median of {rounds} interleaved runs (host memory, owned copies):")
+    for k, v in med.items():
+        print(f"  {k:<12} {v:7.3f} s   {size / v / 1e9:6.2f} GB/s")
+    if "safetensors" in med and med["weightlift"] > 0:
+        print(f"  speed-up over safetensors: {med['safetensors'] / med['weightlift']:.2f}x")
+    elif st_load is None:
+        print("  safetensors: not installed (pip install safetensors), skipped")
+    print("weightlift's load, by phase (profiler):")
+    print(prof.format())
+    if push:
+        out["push"] = _demo_push(path, digests)
+    return out
+
+
+def _demo_push(path: Path, digests: dict[str, str]) -> dict[str, Any] | None:
+    try:
+        from .client import Client
+        from .server import Server
+    except ImportError as e:
+        print(f"remote push: not available ({e})")
+        return None
+    with Server(port=0) as srv:
+        host, port = srv.start()
+        with Client(f"{host}:{port}") as c:
+            res = c.push(path)
+        got = srv.tensors()
+        checked = verify(got, digests)
+    secs = getattr(res, "seconds", 0.0) or 0.0
+    nbytes = getattr(res, "bytes", checked)
+    print(f"remote push to a server on {host}:{port}: {nbytes / 2**30:.2f} GiB in {secs:.3f} s"
+          f" ({nbytes / secs / 1e9 if secs else 0:.2f} GB/s), {checked:,} bytes verified on the server")
+    return {"seconds": secs, "bytes": nbytes, "verified": checked}
