@@ -1,0 +1,284 @@
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from weightlift import bench_arms
+from weightlift.benchmark import (
+    SCHEMA,
+    Arm,
+    ArmFailed,
+    ArmSkipped,
+    build_arms,
+    child_argv,
+    describe_checkpoint,
+    evict_files,
+    expand_arm_names,
+    format_table,
+    make_checkpoint,
+    max_resident,
+    paired_ratio,
+    register,
+    run_arms,
+    run_benchmark,
+    run_once,
+    summarize,
+)
+from weightlift.errors import OptionError
+
+
+def _marker_arm(name: str, payload: dict | None = None, *, sleep: float = 0.0, **kw) -> Arm:
+    code = (
+        "import json,time\n"
+        f"time.sleep({sleep})\n"
+        f"print('WL_READY', time.time_ns(), json.dumps({payload or {'inner_s': 0.0}!r}), flush=True)\n"
+    )
+    return Arm(name, [sys.executable, "-c", code], **kw)
+
+
+@pytest.fixture(autouse=True)
+def _bench_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("WEIGHTLIFT_BENCH_DIR", str(tmp_path / "bench"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("ck") / "tiny.safetensors")
+    return make_checkpoint(path, 2 * 1024 * 1024, seed=3)
+
+
+# -- statistics --
+
+
+def test_summarize_fixed_inputs() -> None:
+    s = summarize([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert s == {"n": 5, "median": 3.0, "min": 1.0, "max": 5.0, "q1": 2.0, "q3": 4.0, "iqr": 2.0}
+    s = summarize([4.0, None, 2.0])  # failed runs are left out
+    assert (s["n"], s["median"], s["min"], s["max"], s["iqr"]) == (2, 3.0, 2.0, 4.0, 1.0)
+    assert summarize([7.0])["iqr"] == 0.0
+    assert summarize([])["median"] is None
+
+
+def test_paired_ratio_pairs_runs_of_the_same_round() -> None:
+    # pairwise 0.5, 2, 0.5 -> 0.5; the ratio of the medians would be 3/5
+    r = paired_ratio([1.0, 10.0, 3.0], [2.0, 5.0, 6.0])
+    assert r["ratios"] == [0.5, 2.0, 0.5]
+    assert r["median"] == 0.5
+    r = paired_ratio([2.0, 4.0, None, 8.0], [1.0, 2.0, 2.0, None])
+    assert r["ratios"] == [2.0, 2.0] and r["median"] == 2.0
+    assert paired_ratio([None], [1.0])["median"] is None
+
+
+def test_expand_arm_names() -> None:
+    assert expand_arm_names("wl.numpy, safetensors.numpy") == ["wl.numpy", "safetensors.numpy"]
+    assert "wl.push" in expand_arm_names("remote") and "runai" not in expand_arm_names("remote")
+    assert expand_arm_names("local,wl.numpy").count("wl.numpy") == 1
+    assert expand_arm_names(None, quick=True) == ["safetensors.numpy", "wl.numpy", "wl.numpy.nocopy", "wl.push"]
+    with pytest.raises(OptionError):
+        expand_arm_names("no.such.arm")
+    with pytest.raises(OptionError):
+        expand_arm_names("base.copy")  # a baseline is not an arm
+
+
+# -- running arms in fresh processes --
+
+
+def test_run_once_reads_the_marker_and_the_childs_json() -> None:
+    s = run_once(_marker_arm("a", {"inner_s": 0.25, "bytes": 10}, sleep=0.05).argv)
+    assert s.info == {"inner_s": 0.25, "bytes": 10}
+    assert s.window_s >= 0.05  # the child slept that long before it could print
+
+
+def test_run_once_failures() -> None:
+    with pytest.raises(ArmFailed, match="exit status 3"):
+        run_once([sys.executable, "-c", "import sys; print('hello'); sys.exit(3)"])
+    with pytest.raises(ArmFailed, match="no ready line within"):
+        run_once([sys.executable, "-c", "import time; time.sleep(30)"], timeout=0.5)
+    with pytest.raises(ArmFailed, match="malformed JSON"):
+        run_once([sys.executable, "-c", "print('WL_READY 1 {not json')"])
+    with pytest.raises(ArmSkipped, match="no GPU here"):
+        run_once([sys.executable, "-c", "print('WL_SKIP no GPU here')"])
+
+
+def test_arms_are_interleaved_with_an_uncounted_warmup() -> None:
+    arms = [_marker_arm(n) for n in "ABC"]
+    res = run_arms(arms, runs=2, warmup=1, profile_round=False)
+    assert [o["arm"] for o in res["order"]] == list("ABCABCABC")
+    assert [o["counted"] for o in res["order"]] == [False] * 3 + [True] * 6
+    assert [o["round"] for o in res["order"]] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    for n in "ABC":
+        assert len(res["arms"][n]["times_s"]) == 2
+        assert res["arms"][n]["summary"]["n"] == 2
+
+
+def test_end_to_end_two_trivial_arms_and_json_shape() -> None:
+    arms = [_marker_arm("fast", {"inner_s": 0.01, "bytes": 5, "tensors": 1}),
+            _marker_arm("slow", {"inner_s": 0.02, "load_s": 0.01, "bytes": 5, "tensors": 1}, sleep=0.1)]
+    res = run_arms(arms, runs=3, warmup=1, baseline="fast")
+    assert res["baseline"] == "fast" and res["mode"] == "warm" and res["cold_check"] is None
+    fast, slow = res["arms"]["fast"], res["arms"]["slow"]
+    assert fast["status"] == slow["status"] == "ok"
+    assert len(slow["times_s"]) == 3 and all(t >= 0.1 for t in slow["times_s"])
+    assert slow["inner_s"] == [0.02] * 3 and slow["load_s"] == [0.01] * 3
+    assert fast["ratio"]["median"] == 1.0
+    assert len(slow["ratio"]["ratios"]) == 3
+    assert slow["ratio"]["median"] == pytest.approx(
+        sorted(a / b for a, b in zip(slow["times_s"], fast["times_s"]))[1])
+    assert (slow["bytes"], slow["tensors"]) == (5, 1)
+    back = json.loads(json.dumps(res))
+    assert set(back) >= {"arms", "order", "baseline", "runs", "warmup", "mode", "cold_check"}
+    assert set(back["arms"]["slow"]) >= {"status", "reason", "times_s", "inner_s", "load_s", "summary",
+                                         "ratio", "bytes", "tensors", "profile"}
+
+
+def test_failed_and_skipped_arms_do_not_stop_the_others() -> None:
+    arms = [
+        _marker_arm("good"),
+        Arm("crash", [sys.executable, "-c", "import sys; sys.stderr.write('boom\\n'); sys.exit(2)"]),
+        Arm("runtime-skip", [sys.executable, "-c", "print('WL_SKIP nothing to do')"]),
+        Arm("pre-skip", ["/nonexistent/never-run"], skip="module x is not installed"),
+    ]
+    res = run_arms(arms, runs=2, warmup=0, profile_round=False)
+    a = res["arms"]
+    assert a["good"]["status"] == "ok" and a["good"]["summary"]["n"] == 2
+    assert a["crash"]["status"] == "failed" and "boom" in a["crash"]["reason"]
+    assert a["crash"]["times_s"] == [None, None]
+    assert a["runtime-skip"] == {**a["runtime-skip"], "status": "skipped", "reason": "nothing to do"}
+    assert a["pre-skip"]["status"] == "skipped" and a["pre-skip"]["reason"] == "module x is not installed"
+    # a failed arm is not started again in later rounds; a skipped one never is
+    assert [o["arm"] for o in res["order"]] == ["good", "crash", "runtime-skip", "good"]
+
+
+def test_profile_round_is_extra_and_uncounted() -> None:
+    arm = _marker_arm("w", {"inner_s": 0.0})
+    arm.profile_argv = _marker_arm("w", {"inner_s": 0.0, "profile": {"span_s": 1.5}}).argv
+    res = run_arms([arm], runs=1, warmup=0)
+    assert res["arms"]["w"]["profile"] == {"span_s": 1.5}
+    assert len(res["arms"]["w"]["times_s"]) == 1
+
+
+# -- cold mode --
+
+
+def _evictable(path: str) -> bool:
+    evict_files([path])
+    return max_resident([path]) == 0.0
+
+
+def test_cold_eviction_of_a_small_file(tmp_path) -> None:
+    p = tmp_path / "blob.bin"
+    p.write_bytes(os.urandom(4 * 1024 * 1024))
+    p.read_bytes()
+    assert bench_arms.resident_fraction(str(p)) > 0.5
+    evict_files([str(p)])
+    after = max_resident([str(p)])
+    if after > 0.0:
+        pytest.skip(f"this filesystem keeps {after:.0%} of the file after DONTNEED (tmpfs cannot evict)")
+    assert after == 0.0
+    p.read_bytes()  # mincore is asked afresh each time, not memoized
+    assert bench_arms.resident_fraction(str(p)) > 0.5
+
+
+def test_cold_mode_records_residency_before_each_run(tmp_path) -> None:
+    p = tmp_path / "blob.bin"
+    p.write_bytes(os.urandom(1024 * 1024))
+    if not _evictable(str(p)):
+        pytest.skip("this filesystem cannot evict pages (tmpfs)")
+    reader = (f"import json,time\nopen({str(p)!r},'rb').read()\n"
+              "print('WL_READY', time.time_ns(), '{}', flush=True)\n")
+    arm = Arm("reader", [sys.executable, "-c", reader], files=(str(p),))
+    res = run_arms([arm], runs=2, warmup=1, cold=True, profile_round=False)
+    assert res["mode"] == "cold"
+    assert res["arms"]["reader"]["resident_before"] == [0.0, 0.0]
+    assert res["cold_check"] == {"runs_checked": 2, "max_resident_before": 0.0}
+
+
+# -- real arm bodies and the whole benchmark on a tiny checkpoint --
+
+
+def test_synthetic_checkpoint_is_valid_safetensors(tiny) -> None:
+    from safetensors.numpy import load_file
+
+    ck = describe_checkpoint(tiny)
+    assert ck["format"] == "safetensors" and ck["files"] == [os.path.abspath(tiny)]
+    import ml_dtypes  # noqa: F401
+
+    ref = load_file(tiny)
+    assert sorted(ref) == sorted(ck["names"])
+    assert ck["bytes"] == sum(a.nbytes for a in ref.values())
+    assert any(a.dtype == np.float32 for a in ref.values()) and len(ref) == ck["tensors"]
+
+
+def test_real_arm_bodies_report_every_byte(tiny) -> None:
+    ck = describe_checkpoint(tiny)
+    for name in ("safetensors.numpy", "wl.numpy", "wl.numpy.nocopy"):
+        arm = build_arms(ck, [name])[0]
+        assert arm.skip is None, arm.skip
+        s = run_once(arm.argv)
+        assert (s.info["tensors"], s.info["bytes"]) == (ck["tensors"], ck["bytes"]), name
+        assert s.info["inner_s"] >= s.info["load_s"] >= 0
+
+
+def test_weightlift_arm_profiled_round_carries_a_report(tiny) -> None:
+    ck = describe_checkpoint(tiny)
+    arm = build_arms(ck, ["wl.numpy"])[0]
+    s = run_once(arm.profile_argv)
+    rep = s.info["profile"]
+    assert rep["bytes"] == ck["bytes"]
+    assert set(rep["phases_s"]) == {"read", "hash", "stage", "wire", "device", "gap"}
+
+
+def test_baseline_children(tiny) -> None:
+    size = os.path.getsize(tiny)
+    for name in ("base.read", "base.tcp", "base.copy"):
+        s = run_once(child_argv(name, {"files": [tiny], "repeats": 1}))
+        assert s.info["bytes"] == size and s.info["gbps"] > 0, name
+    s = run_once(child_argv("base.read", {"files": [tiny], "repeats": 1}))
+    assert set(s.info["by_threads"]) == {"1", "2", "4"}
+
+
+def test_missing_module_and_device_are_skips_not_errors(tiny, monkeypatch) -> None:
+    import weightlift.benchmark as b
+
+    ck = describe_checkpoint(tiny)
+    monkeypatch.setattr(b, "_cuda_memo", ["no CUDA device (test)"])
+    arms = {a.name: a for a in build_arms(ck, ["wl.cuda", "safetensors.cuda", "wl.numpy"])}
+    assert arms["wl.cuda"].skip == "no CUDA device (test)"
+    assert arms["safetensors.cuda"].skip == "no CUDA device (test)"
+    assert arms["wl.numpy"].skip is None
+    assert b._missing("no_such_module_xyz") == "module no_such_module_xyz is not installed"
+
+
+def test_run_benchmark_json_table_and_png(tiny, tmp_path) -> None:
+    out = tmp_path / "r.json"
+    png = tmp_path / "r.png"
+    res = run_benchmark(tiny, arms="safetensors.numpy,wl.numpy", runs=1, warmup=0, baselines=("base.read",),
+                        json_path=str(out), png_path=str(png))
+    obj = json.loads(out.read_text())
+    assert obj["schema"] == SCHEMA
+    assert obj["baseline"] == "safetensors.numpy"
+    assert obj["checkpoint"]["bytes"] == describe_checkpoint(tiny)["bytes"]
+    assert obj["arms"]["wl.numpy"]["status"] == "ok"
+    assert obj["arms"]["wl.numpy"]["bytes_match"] is True
+    assert obj["arms"]["wl.numpy"]["profile"]["bytes"] == obj["checkpoint"]["bytes"]
+    assert obj["baselines"]["base.read"]["status"] == "ok"
+    assert "runai" in obj["not_selected"]
+    table = format_table(res)
+    assert "wl.numpy" in table and "safetensors.numpy" in table and "(baseline)" in table
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_register_adds_the_bench_command() -> None:
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="command")
+    register(sub)
+    args = p.parse_args(["bench", "ck.safetensors", "--quick", "--cold", "--runs", "7",
+                         "--arms", "wl.numpy,runai", "--json", "o.json", "--png", "o.png"])
+    assert (args.path, args.quick, args.cold, args.runs) == ("ck.safetensors", True, True, 7)
+    assert (args.arms, args.json, args.png) == ("wl.numpy,runai", "o.json", "o.png")
+    assert callable(args.func)

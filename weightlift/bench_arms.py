@@ -1,0 +1,561 @@
+"""Arm bodies for :mod:`weightlift.benchmark`, each run in a fresh child process.
+
+Theory of operation. The parent starts ``python -c BOOT <this file> <arm> <options JSON>``.
+BOOT loads this file by path, not as ``weightlift.bench_arms``, so an arm that measures a peer
+library never pays for importing weightlift; only weightlift's own arms import it. Every arm
+ends the same way, which is what makes the windows comparable: every tensor is in memory and
+every page of it has been touched (one byte in each 4096, plus the last), or, for a device
+destination, the device has synchronised. Then the child prints one line::
+
+    WL_READY <wall clock ns> <JSON: inner_s, load_s, tensors, bytes, profile, ...>
+
+and leaves with ``os._exit(0)``: tearing down gigabytes of arrays is no part of any window. An
+arm that finds at run time that it cannot run prints ``WL_SKIP <reason>`` instead.
+
+``inner_s`` is the child's own time from its first line to ready (imports included);
+``load_s`` starts after the arm's imports, right before the load call.
+
+Baselines use the same protocol: they print their measured bandwidths in the ready JSON.
+This module imports nothing heavy at the top, so the parent may import it for the arm table.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+READY = "WL_READY"
+SKIP = "WL_SKIP"
+PAGE = mmap.PAGESIZE
+BLOCK = 8 * 1024 * 1024  # baseline read / copy granule
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """What the parent needs to know about an arm before starting it."""
+
+    name: str
+    kind: str  # "local", "remote" or "baseline"
+    description: str
+    requires: tuple[str, ...] = ()  # modules that must be importable
+    cuda: bool = False  # needs a CUDA device
+    uses_pt: bool = False  # reads the .pt copy of the checkpoint, not the safetensors files
+    weightlift: bool = False  # weightlift's own arm: takes a profiler, feeds the phase chart
+    safetensors_only: bool = False  # a peer that reads safetensors files only
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class Skip(Exception):
+    """Raised by an arm body that cannot run here; the parent lists it as skipped."""
+
+
+# -- residency (strict: a failed mincore is an error, never "0 % resident") -------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def resident_fraction(path: str) -> float:
+    """Fraction of ``path``'s pages in the page cache, asked afresh with mincore on each call."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return 0.0
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, _MAP_FAILED):
+            raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+        try:
+            pages = (size + PAGE - 1) // PAGE
+            vec = (ctypes.c_ubyte * pages)()
+            if _libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore on {path} failed")
+            return sum(memoryview(vec).cast("B").tobytes().translate(_LOW_BIT)) / pages
+        finally:
+            _libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+_LOW_BIT = bytes(b & 1 for b in range(256))
+
+
+def evict(path: str) -> None:
+    """Write back then drop ``path`` from the page cache (DONTNEED skips dirty pages)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+# -- touching: the common definition of "ready" -------------------------------------------------
+
+
+def touch_numpy(arrays: Any) -> tuple[int, int]:
+    """Read one byte per page of every array; returns (tensors, bytes)."""
+    import numpy as np
+
+    n = nbytes = 0
+    for a in arrays:
+        n += 1
+        nbytes += a.nbytes
+        if a.nbytes:
+            b = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+            int(b[::PAGE].sum()) + int(b[-1])
+    return n, nbytes
+
+
+def touch_torch(tensors: Any) -> tuple[int, int]:
+    """Read one byte per page of every CPU tensor, synchronise CUDA; returns (tensors, bytes)."""
+    import torch
+
+    n = nbytes = 0
+    cuda = False
+    for t in tensors:
+        n += 1
+        size = t.numel() * t.element_size()
+        nbytes += size
+        if t.is_cuda:
+            cuda = True
+        elif size:
+            b = t.contiguous().reshape(-1).view(torch.uint8)
+            int(b[::PAGE].sum()) + int(b[-1])
+    if cuda:
+        torch.cuda.synchronize()
+    return n, nbytes
+
+
+def _touch_any(values: Any) -> tuple[int, int]:
+    values = list(values)
+    if values and type(values[0]).__module__.startswith("torch"):
+        return touch_torch(values)
+    return touch_numpy(values)
+
+
+# -- peer arms --------------------------------------------------------------------------------
+
+
+def _st_numpy(o: dict[str, Any]) -> dict[str, Any]:
+    try:
+        import ml_dtypes  # noqa: F401  (registers bfloat16 and float8 with numpy, as a user must)
+    except ImportError:
+        pass
+    from safetensors.numpy import load_file
+
+    t0 = time.perf_counter_ns()
+    out: dict[str, Any] = {}
+    for f in o["files"]:
+        out.update(load_file(f))
+    n, b = touch_numpy(out.values())
+    return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n, "bytes": b}
+
+
+def _st_torch(o: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    t0 = time.perf_counter_ns()
+    out: dict[str, Any] = {}
+    for f in o["files"]:
+        out.update(load_file(f, device=device))
+    n, b = touch_torch(out.values())
+    return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n, "bytes": b}
+
+
+def _torch_load(o: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    t0 = time.perf_counter_ns()
+    out = torch.load(o["pt"], mmap=True, weights_only=True)
+    n, b = touch_torch(out.values())
+    return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n, "bytes": b}
+
+
+def _runai(o: dict[str, Any]) -> dict[str, Any]:
+    from runai_model_streamer import SafetensorsStreamer
+
+    t0 = time.perf_counter_ns()
+    out: dict[str, Any] = {}
+    with SafetensorsStreamer() as s:
+        s.stream_files(list(o["files"]), device="cpu")
+        for name, t in s.get_tensors():
+            out[name] = t  # owned by the caller (the default), so keeping it is safe
+    n, b = touch_torch(out.values())
+    return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n, "bytes": b}
+
+
+# -- weightlift arms --------------------------------------------------------------------------
+
+
+class _Off:
+    enabled = False
+
+    def report(self) -> dict[str, Any]:
+        return {}
+
+
+def _profiler(o: dict[str, Any]) -> Any:
+    """A recording profiler for the profiled round; otherwise a stand-in that is off."""
+    if not o.get("profile"):
+        return _Off()
+    from weightlift.profile import Profiler
+
+    return Profiler(enabled=True)
+
+
+def _prof_arg(prof: Any) -> Any:
+    # False, not a disabled Profiler: the load then takes exactly the path a user gets with
+    # profiling off
+    return prof if prof.enabled else False
+
+
+def _wl_load(o: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    import weightlift
+
+    load = getattr(weightlift, "load", None)
+    if load is None:
+        raise Skip("weightlift.load is not available in this build")
+    prof = _profiler(o)
+    t0 = time.perf_counter_ns()
+    out = load(o["path"], profile=_prof_arg(prof), **kw)
+    n, b = _touch_any(out.values())
+    info: dict[str, Any] = {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n, "bytes": b}
+    if prof.enabled:
+        info["profile"] = prof.report()
+    return info
+
+
+def _wl_push(o: dict[str, Any], *, cache: bool = False) -> dict[str, Any]:
+    """Push the checkpoint to a weightlift Server in this process, over loopback."""
+    import weightlift
+
+    server_cls = getattr(weightlift, "Server", None)
+    client_cls = getattr(weightlift, "Client", None)
+    if server_cls is None or client_cls is None:
+        raise Skip("weightlift.Server / weightlift.Client are not available in this build")
+    prof = _profiler(o)
+    server_kw: dict[str, Any] = {"host": "127.0.0.1", "port": 0}
+    if cache:
+        server_kw["cache_dir"] = o["cache_dir"]
+    t0 = time.perf_counter_ns()
+    server = server_cls(**server_kw)
+    server.start()
+    try:
+        with client_cls(server.address, profile=_prof_arg(prof)) as client:
+            client.push(o["path"])
+        n, b = _touch_any(server.tensors().values())
+    finally:
+        server.stop()
+    info: dict[str, Any] = {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n, "bytes": b}
+    if prof.enabled:
+        info["profile"] = prof.report()
+    return info
+
+
+def _wl_split(o: dict[str, Any]) -> dict[str, Any]:
+    """Half the tensors from the local file, half pushed through a server in this process."""
+    import weightlift
+
+    load = getattr(weightlift, "load", None)
+    server_cls = getattr(weightlift, "Server", None)
+    if load is None or server_cls is None:
+        raise Skip("weightlift.load / weightlift.Server are not available in this build")
+    prof = _profiler(o)
+    t0 = time.perf_counter_ns()
+    server = server_cls(host="127.0.0.1", port=0)
+    server.start()
+    try:
+        host, port = server.address[:2]
+        with open(o["split_file"], encoding="utf-8") as f:
+            remote_names = json.load(f)
+        out = load(o["path"], remote={f"{host}:{port}": remote_names}, profile=_prof_arg(prof))
+        n, b = _touch_any(out.values())
+        if hasattr(server, "tensors"):
+            rn, rb = _touch_any(server.tensors().values())
+            n, b = n + rn, b + rb
+    finally:
+        server.stop()
+    info: dict[str, Any] = {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n, "bytes": b}
+    if prof.enabled:
+        info["profile"] = prof.report()
+    return info
+
+
+# -- baselines --------------------------------------------------------------------------------
+
+
+def _data_size(path: str) -> int:
+    return os.stat(path).st_size
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def _run_threads(fn: Callable[[int], None], k: int) -> float:
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(k)]
+    t0 = time.perf_counter_ns()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return (time.perf_counter_ns() - t0) / 1e9
+
+
+def _shares(size: int, k: int) -> list[tuple[int, int]]:
+    step = -(-size // k)
+    step += -step % PAGE
+    return [(i * step, min(size, (i + 1) * step)) for i in range(k) if i * step < size]
+
+
+def _baseline_copy(o: dict[str, Any]) -> dict[str, Any]:
+    """The copy limit: the file's bytes out of a fresh mapping into memory, on every core."""
+    import numpy as np
+
+    path = o["files"][0] if len(o["files"]) == 1 else None
+    if path is None:
+        raise Skip("copy baseline measures a single file")
+    size = _data_size(path)
+    k = os.cpu_count() or 1
+    shares = _shares(size, k)
+    touched = np.ones(size, dtype=np.uint8)
+    out: dict[str, Any] = {"bytes": size, "threads": len(shares)}
+    for mode in ("fresh", "touched"):
+        times = []
+        for _ in range(o.get("repeats", 3)):
+            with open(path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            src = np.frombuffer(mm, dtype=np.uint8)
+            dst = np.empty(size, dtype=np.uint8) if mode == "fresh" else touched
+
+            def work(i: int, src: Any = src, dst: Any = dst) -> None:
+                a, b = shares[i]
+                for x in range(a, b, 8 * BLOCK):
+                    y = min(b, x + 8 * BLOCK)
+                    np.copyto(dst[x:y], src[x:y])
+
+            times.append(_run_threads(work, len(shares)))
+            del src, dst, work
+            mm.close()
+        out[mode] = {"seconds": sorted(times), "gbps": _gbps(size, min(times))}
+    out["gbps"] = max(out["fresh"]["gbps"], out["touched"]["gbps"])
+    return out
+
+
+def _baseline_read(o: dict[str, Any]) -> dict[str, Any]:
+    """Best raw read: 1, 2 and 4 threads of preadv into buffers already touched."""
+    path = o["files"][0] if len(o["files"]) == 1 else None
+    if path is None:
+        raise Skip("read baseline measures a single file")
+    size = _data_size(path)
+    fd = os.open(path, os.O_RDONLY)
+    out: dict[str, Any] = {"bytes": size, "cold": bool(o.get("cold")), "by_threads": {}}
+    resident: list[float] = []
+    try:
+        for k in (1, 2, 4):
+            bufs = [bytearray(BLOCK) for _ in range(k)]  # zero-filled: touched
+            shares = _shares(size, k)
+            times = []
+            for _ in range(o.get("repeats", 3)):
+                if o.get("cold"):
+                    evict(path)
+                    resident.append(resident_fraction(path))
+
+                def work(i: int, shares: Any = shares, bufs: Any = bufs) -> None:
+                    a, b = shares[i]
+                    buf = bufs[i]
+                    pos = a
+                    while pos < b:
+                        n = os.preadv(fd, [memoryview(buf)[: min(BLOCK, b - pos)]], pos)
+                        if n <= 0:
+                            raise OSError(f"short read at {pos}")
+                        pos += n
+
+                times.append(_run_threads(work, len(shares)))
+            out["by_threads"][str(k)] = {"seconds": sorted(times), "gbps": _gbps(size, min(times))}
+    finally:
+        os.close(fd)
+    best = max(out["by_threads"].items(), key=lambda kv: kv[1]["gbps"])
+    out["best_threads"] = int(best[0])
+    out["gbps"] = best[1]["gbps"]
+    if resident:
+        out["max_resident_before"] = max(resident)
+    return out
+
+
+def _baseline_tcp(o: dict[str, Any]) -> dict[str, Any]:
+    """Raw loopback TCP: sendfile from the file into a socket, recv_into a reused buffer."""
+    import socket
+
+    path = o["files"][0]
+    size = _data_size(path)
+    times = []
+    for _ in range(o.get("repeats", 3)):
+        lsock = socket.create_server(("127.0.0.1", 0))
+        port = lsock.getsockname()[1]
+        errors: list[BaseException] = []
+
+        def send(port: int = port) -> None:
+            try:
+                with socket.create_connection(("127.0.0.1", port)) as s, open(path, "rb") as f:
+                    off = 0
+                    while off < size:
+                        n = os.sendfile(s.fileno(), f.fileno(), off, size - off)
+                        if n <= 0:
+                            raise OSError("sendfile returned 0")
+                        off += n
+            except BaseException as e:  # reported by the receiving side
+                errors.append(e)
+
+        t0 = time.perf_counter_ns()
+        th = threading.Thread(target=send)
+        th.start()
+        conn, _ = lsock.accept()
+        buf = bytearray(BLOCK)
+        view = memoryview(buf)
+        got = 0
+        with conn:
+            while got < size:
+                n = conn.recv_into(view)
+                if n == 0:
+                    break
+                got += n
+        dt = (time.perf_counter_ns() - t0) / 1e9
+        th.join()
+        lsock.close()
+        if errors or got != size:
+            raise RuntimeError(f"loopback transfer failed after {got} of {size} bytes: {errors}")
+        times.append(dt)
+    return {"bytes": size, "seconds": sorted(times), "gbps": _gbps(size, min(times))}
+
+
+def _baseline_h2d(o: dict[str, Any]) -> dict[str, Any]:
+    """Pinned host to device bandwidth, timed with CUDA events."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise Skip("no CUDA device")
+    size = min(_data_size(o["files"][0]), 1 << 30)
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    host.fill_(1)
+    dev = torch.empty(size, dtype=torch.uint8, device="cuda")
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(max(3, o.get("repeats", 3))):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dev.copy_(host, non_blocking=True)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return {"bytes": size, "seconds": sorted(times), "gbps": _gbps(size, min(times)),
+            "device": torch.cuda.get_device_name(0)}
+
+
+def _make_pt(o: dict[str, Any]) -> dict[str, Any]:
+    """Write the checkpoint's tensors as a torch zip file (for the torch.load arm)."""
+    import torch
+    from safetensors.torch import load_file
+
+    tensors: dict[str, Any] = {}
+    for f in o["files"]:
+        tensors.update(load_file(f))
+    tmp = o["pt"] + ".tmp"
+    torch.save(tensors, tmp)
+    os.replace(tmp, o["pt"])
+    return {"tensors": len(tensors)}
+
+
+# -- the arm table ------------------------------------------------------------------------------
+
+_WL_PUSH_REQ = ("weightlift.server", "weightlift.client")
+
+SPECS: dict[str, ArmSpec] = {
+    s.name: s
+    for s in (
+        ArmSpec("safetensors.numpy", "local", "safetensors.numpy.load_file", ("safetensors", "numpy"),
+                safetensors_only=True),
+        ArmSpec("safetensors.torch", "local", "safetensors.torch.load_file", ("safetensors", "torch"),
+                safetensors_only=True),
+        ArmSpec("safetensors.cuda", "local", "safetensors.torch.load_file(device='cuda:0')",
+                ("safetensors", "torch"), cuda=True, safetensors_only=True),
+        ArmSpec("torch.load", "local", "torch.load(mmap=True) of a .pt copy", ("torch", "safetensors"),
+                uses_pt=True, safetensors_only=True),
+        ArmSpec("runai", "local", "runai_model_streamer SafetensorsStreamer to cpu",
+                ("runai_model_streamer", "torch"), safetensors_only=True),
+        ArmSpec("wl.numpy", "local", "weightlift.load(framework='numpy', copy=True)", ("weightlift.load",),
+                weightlift=True),
+        ArmSpec("wl.numpy.nocopy", "local", "weightlift.load(framework='numpy', copy=False) + touch",
+                ("weightlift.load",), weightlift=True),
+        ArmSpec("wl.torch", "local", "weightlift.load(framework='torch')", ("weightlift.load", "torch"),
+                weightlift=True),
+        ArmSpec("wl.cuda", "local", "weightlift.load(device='cuda', framework='torch')",
+                ("weightlift.load", "torch"), cuda=True, weightlift=True),
+        ArmSpec("wl.push", "remote", "weightlift.Client push to a Server over loopback", _WL_PUSH_REQ,
+                weightlift=True),
+        ArmSpec("wl.push.legacy", "remote", "the same push with WEIGHTLIFT_LOAD_OPT=0", _WL_PUSH_REQ,
+                weightlift=True, env={"WEIGHTLIFT_LOAD_OPT": "0"}),
+        ArmSpec("wl.push.cached", "remote", "a second push to a caching server (cache filled by the warm-up)",
+                (*_WL_PUSH_REQ, "weightlift.cache"), weightlift=True),
+        ArmSpec("wl.split", "remote", "weightlift.load with half the tensors remote",
+                ("weightlift.load", "weightlift.server"), weightlift=True),
+        ArmSpec("base.copy", "baseline", "copy limit: mmap -> memory on every core (fresh / touched)",
+                ("numpy",)),
+        ArmSpec("base.read", "baseline", "best raw read: preadv, 1/2/4 threads, touched buffers"),
+        ArmSpec("base.tcp", "baseline", "raw loopback TCP: sendfile -> recv_into"),
+        ArmSpec("base.h2d", "baseline", "pinned host -> device copy", ("torch",), cuda=True),
+    )
+}
+
+BODIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "safetensors.numpy": _st_numpy,
+    "safetensors.torch": _st_torch,
+    "safetensors.cuda": lambda o: _st_torch(o, device="cuda:0"),
+    "torch.load": _torch_load,
+    "runai": _runai,
+    "wl.numpy": lambda o: _wl_load(o, framework="numpy", copy=True),
+    "wl.numpy.nocopy": lambda o: _wl_load(o, framework="numpy", copy=False),
+    "wl.torch": lambda o: _wl_load(o, framework="torch"),
+    "wl.cuda": lambda o: _wl_load(o, framework="torch", device="cuda"),
+    "wl.push": _wl_push,
+    "wl.push.legacy": _wl_push,
+    "wl.push.cached": lambda o: _wl_push(o, cache=True),
+    "wl.split": _wl_split,
+    "base.copy": _baseline_copy,
+    "base.read": _baseline_read,
+    "base.tcp": _baseline_tcp,
+    "base.h2d": _baseline_h2d,
+    "make-pt": _make_pt,
+}
+
+
+def main(t0_ns: int, argv: list[str]) -> None:
+    """Child entry point: run one arm, print the marker, leave without teardown."""
+    name, opts = argv[0], json.loads(argv[1])
+    try:
+        info = BODIES[name](opts)
+    except Skip as e:
+        print(f"{SKIP} {e}", flush=True)
+        os._exit(0)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    info["inner_s"] = (time.perf_counter_ns() - t0_ns) / 1e9
+    print(f"{READY} {time.time_ns()} {json.dumps(info)}", flush=True)
+    os._exit(0)

@@ -1,0 +1,849 @@
+"""Benchmark harness: time to ready per arm, in fresh processes, interleaved, with baselines.
+
+Theory of operation
+-------------------
+An *arm* is one way of getting a checkpoint into memory, run as a command in a fresh process.
+Its window runs from the moment the parent spawns the child to the moment the parent reads the
+child's ready line (``WL_READY <ns> <json>``), which every arm prints at the same point: all
+tensors loaded and every page of them touched (see :mod:`weightlift.bench_arms`). The parent
+also keeps the child's own ``inner_s`` (its first line to ready) and ``load_s`` (load call to
+ready, imports excluded).
+
+Arms run interleaved, A B C A B C ..., so a slow minute on a shared machine lands on every arm
+alike; the first round is a warm-up and is not counted. Per arm the harness reports the median
+window and its spread (min, max, IQR), the GB/s that median means, and the ratio to a
+baseline arm taken pair by pair: run *i* of an arm over run *i* of the baseline in the same
+round, then the median of those ratios.
+
+Cold mode evicts every file an arm reads (``posix_fadvise(DONTNEED)`` after writing back
+dirty pages) before each of its runs and checks with ``mincore`` that nothing stayed
+resident; the output says how much did. Baselines measured in the same run bound what an arm
+could reach: the copy limit (mapped file to memory on every core), the best raw read
+(preadv, 1/2/4 threads), raw loopback TCP (sendfile to recv_into) and pinned host-to-device
+bandwidth where a CUDA device is present. An arm whose module is missing or that needs a
+device that is not here is listed as skipped with the reason; one that crashes is listed as
+failed with the tail of its stderr, and the others go on.
+
+The result is one JSON-able dict (``SCHEMA``): ``checkpoint``, ``mode``, ``cold_check``,
+``runs``, ``order``, ``baseline``, ``arms`` ({name: status, reason, times_s, inner_s,
+load_s, summary, gbps, load_gbps, ratio, bytes, tensors, profile}), ``baselines``, ``notes``
+and ``machine``; :func:`format_table` and :func:`plot` render it, :func:`register` adds
+``weightlift bench`` to the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import selectors
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from . import bench_arms
+from .bench_arms import READY, SKIP, SPECS
+from .errors import OptionError, WeightliftError
+
+__all__ = [
+    "SCHEMA",
+    "Arm",
+    "ArmFailed",
+    "ArmSkipped",
+    "Sample",
+    "summarize",
+    "paired_ratio",
+    "run_once",
+    "run_arms",
+    "child_argv",
+    "evict_files",
+    "max_resident",
+    "bench_dir",
+    "make_checkpoint",
+    "synthetic_checkpoint",
+    "describe_checkpoint",
+    "build_arms",
+    "run_benchmark",
+    "LOCAL_ARMS",
+    "REMOTE_ARMS",
+    "QUICK_ARMS",
+    "BASELINES",
+]
+
+SCHEMA = "weightlift-bench/1"
+GIB = 1 << 30
+MIB = 1 << 20
+
+LOCAL_ARMS = ("safetensors.numpy", "safetensors.torch", "safetensors.cuda", "torch.load", "runai",
+              "wl.numpy", "wl.numpy.nocopy", "wl.torch", "wl.cuda")
+REMOTE_ARMS = ("wl.push", "wl.push.legacy", "wl.push.cached", "wl.split")
+QUICK_ARMS = ("safetensors.numpy", "wl.numpy", "wl.numpy.nocopy", "wl.push")
+BASELINES = ("base.copy", "base.read", "base.tcp", "base.h2d")
+
+_ARMS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_arms.py")
+# Loads bench_arms.py by path, so peer arms never import the weightlift package.
+BOOT = (
+    "import time;_t0=time.perf_counter_ns();import sys,importlib.util as u;"
+    "s=u.spec_from_file_location('wl_bench_arms',sys.argv[1]);m=u.module_from_spec(s);"
+    "sys.modules[s.name]=m;s.loader.exec_module(m);m.main(_t0,sys.argv[2:])"
+)
+
+
+def child_argv(arm: str, opts: dict[str, Any]) -> list[str]:
+    """The command line that runs arm body ``arm`` of :mod:`weightlift.bench_arms` in a child."""
+    return [sys.executable, "-c", BOOT, _ARMS_FILE, arm, json.dumps(opts)]
+
+
+# -- statistics ---------------------------------------------------------------------------------
+
+
+def summarize(values: Sequence[float]) -> dict[str, Any]:
+    """Median, min, max, quartiles and IQR of ``values`` (inclusive quartiles)."""
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return {"n": 0, "median": None, "min": None, "max": None, "q1": None, "q3": None, "iqr": None}
+    if len(xs) >= 2:
+        q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    else:
+        q1 = q3 = xs[0]
+    return {"n": len(xs), "median": statistics.median(xs), "min": xs[0], "max": xs[-1],
+            "q1": q1, "q3": q3, "iqr": q3 - q1}
+
+
+def paired_ratio(times: Sequence[float | None], base: Sequence[float | None]) -> dict[str, Any]:
+    """Run i over baseline run i of the same round, for the rounds both finished; their median."""
+    ratios = [a / b for a, b in zip(times, base) if a is not None and b is not None and b > 0]
+    return {"ratios": ratios, "median": statistics.median(ratios) if ratios else None}
+
+
+# -- running one arm ---------------------------------------------------------------------------
+
+
+@dataclass
+class Arm:
+    """A named command run in a fresh process; ``files`` are evicted before each run when cold."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    files: tuple[str, ...] = ()
+    skip: str | None = None
+    description: str = ""
+    kind: str = "local"
+    profile_argv: list[str] | None = None  # the same arm with the profiler on (weightlift arms)
+
+
+class ArmFailed(WeightliftError):
+    """An arm's child exited without a ready line, or timed out."""
+
+
+class ArmSkipped(WeightliftError):
+    """An arm's child found it cannot run here (it printed WL_SKIP)."""
+
+
+@dataclass
+class Sample:
+    """One run: the parent's window and what the child said in its ready line."""
+
+    window_s: float
+    info: dict[str, Any]
+    resident_before: float | None = None
+
+
+def run_once(argv: list[str], *, env: dict[str, str] | None = None, timeout: float = 600.0) -> Sample:
+    """Spawn ``argv`` and time it from spawn to the ready line read here."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    with tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter_ns()
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
+                                env=full_env, close_fds=True)
+        assert proc.stdout is not None
+        fd = proc.stdout.fileno()
+        deadline = t0 + int(timeout * 1e9)
+        pending = b""
+        others: list[bytes] = []
+        found: tuple[int, bytes] | None = None
+        skipped: str | None = None
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while found is None and skipped is None:
+                left = deadline - time.perf_counter_ns()
+                if left <= 0:
+                    proc.kill()
+                    proc.wait()
+                    raise ArmFailed(f"no ready line within {timeout:.0f} s")
+                if not sel.select(left / 1e9):
+                    continue
+                chunk = os.read(fd, 65536)
+                now = time.perf_counter_ns()
+                if not chunk:
+                    break
+                pending += chunk
+                while b"\n" in pending and found is None and skipped is None:
+                    line, pending = pending.split(b"\n", 1)
+                    if line.startswith(READY.encode() + b" "):
+                        found = (now, line)
+                    elif line.startswith(SKIP.encode() + b" "):
+                        skipped = line[len(SKIP) + 1:].decode(errors="replace").strip()
+                    else:
+                        others = (others + [line])[-5:]
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        proc.stdout.close()
+        if skipped is not None:
+            raise ArmSkipped(skipped)
+        if found is None:
+            err.seek(0)
+            tail = err.read().decode(errors="replace").strip().splitlines()[-6:]
+            out = [o.decode(errors="replace") for o in others]
+            raise ArmFailed(f"exit status {rc} without a ready line: " + " | ".join(out + tail))
+    t_ready, line = found
+    parts = line.decode().split(" ", 2)
+    try:
+        info = json.loads(parts[2]) if len(parts) > 2 else {}
+    except ValueError:
+        raise ArmFailed(f"ready line carries malformed JSON: {line[:200]!r}") from None
+    if not isinstance(info, dict):
+        info = {"value": info}
+    return Sample((t_ready - t0) / 1e9, info)
+
+
+# -- cold mode -------------------------------------------------------------------------------
+
+
+def _expand(paths: Sequence[str]) -> list[str]:
+    out = []
+    for p in paths:
+        if os.path.isdir(p):
+            for root, _, names in os.walk(p):
+                out.extend(os.path.join(root, n) for n in names)
+        elif os.path.exists(p):
+            out.append(p)
+    return out
+
+
+def evict_files(paths: Sequence[str]) -> None:
+    """Drop every file (folders: every file under them) from the page cache."""
+    try:
+        from .source import evict as lib_evict
+    except ImportError:
+        lib_evict = None
+    for p in _expand(paths):
+        bench_arms.evict(p)  # writes dirty pages back first, which DONTNEED alone would skip
+        if lib_evict is not None:
+            lib_evict(p)
+
+
+def max_resident(paths: Sequence[str]) -> float:
+    """The largest resident fraction among the files, by a fresh mincore each call."""
+    return max((bench_arms.resident_fraction(p) for p in _expand(paths)), default=0.0)
+
+
+# -- the loop --------------------------------------------------------------------------------
+
+
+def run_arms(
+    arms: Sequence[Arm],
+    *,
+    runs: int = 5,
+    warmup: int = 1,
+    cold: bool = False,
+    baseline: str | None = None,
+    timeout: float = 600.0,
+    profile_round: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run the arms interleaved, ``warmup`` uncounted rounds then ``runs`` counted ones."""
+    if runs < 1 or warmup < 0:
+        raise OptionError("runs must be at least 1 and warmup at least 0")
+    say = log or (lambda s: None)
+    res: dict[str, dict[str, Any]] = {}
+    for a in arms:
+        res[a.name] = {"status": "skipped" if a.skip else "ok", "reason": a.skip, "kind": a.kind,
+                       "description": a.description, "times_s": [], "inner_s": [], "load_s": [],
+                       "resident_before": [], "bytes": None, "tensors": None, "profile": None}
+    order: list[dict[str, Any]] = []
+    live = [a for a in arms if not a.skip]
+    for rnd in range(warmup + runs):
+        counted = rnd >= warmup
+        for a in live:
+            r = res[a.name]
+            if r["status"] != "ok":
+                if counted:
+                    for k in ("times_s", "inner_s", "load_s"):
+                        r[k].append(None)
+                continue
+            order.append({"round": rnd, "arm": a.name, "counted": counted})
+            s = _one(a, a.argv, cold=cold, timeout=timeout, r=r)
+            if s is not None:
+                say(f"  {'run ' + str(rnd - warmup + 1) if counted else 'warm-up'} {a.name}: {s.window_s:.3f} s")
+                r["bytes"], r["tensors"] = s.info.get("bytes"), s.info.get("tensors")
+            if counted:
+                r["times_s"].append(s.window_s if s else None)
+                r["inner_s"].append(s.info.get("inner_s") if s else None)
+                r["load_s"].append(s.info.get("load_s") if s else None)
+                if s is not None and s.resident_before is not None:
+                    r["resident_before"].append(s.resident_before)
+    if profile_round:
+        for a in live:
+            if a.profile_argv and res[a.name]["status"] == "ok":
+                s = _one(a, a.profile_argv, cold=cold, timeout=timeout, r=None)
+                if s is not None:
+                    res[a.name]["profile"] = s.info.get("profile")
+    base = baseline if baseline in res and res[baseline]["status"] == "ok" else None
+    if base is None:
+        base = next((n for n, r in res.items() if r["status"] == "ok"), None)
+    for r in res.values():
+        r["summary"] = summarize(r["times_s"])
+        r["inner"] = summarize(r["inner_s"])
+        r["load"] = summarize(r["load_s"])
+        r["ratio"] = paired_ratio(r["times_s"], res[base]["times_s"]) if base and r["status"] == "ok" else None
+    residents = [x for r in res.values() for x in r["resident_before"]]
+    return {"arms": res, "order": order, "baseline": base, "runs": runs, "warmup": warmup,
+            "mode": "cold" if cold else "warm",
+            "cold_check": {"runs_checked": len(residents),
+                           "max_resident_before": max(residents) if residents else None} if cold else None}
+
+
+def _one(a: Arm, argv: list[str], *, cold: bool, timeout: float, r: dict[str, Any] | None) -> Sample | None:
+    resident = None
+    if cold and a.files:
+        evict_files(a.files)
+        resident = max_resident(a.files)
+    try:
+        s = run_once(argv, env=a.env, timeout=timeout)
+    except ArmSkipped as e:
+        if r is not None:
+            r["status"], r["reason"] = "skipped", str(e)
+        return None
+    except ArmFailed as e:
+        if r is not None:
+            r["status"], r["reason"] = "failed", str(e)
+        return None
+    s.resident_before = resident
+    return s
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+
+
+def bench_dir() -> str:
+    """Where synthetic checkpoints and .pt copies are cached (WEIGHTLIFT_BENCH_DIR overrides)."""
+    d = os.environ.get("WEIGHTLIFT_BENCH_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "weightlift", "bench")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def _synthetic_layout(size: int) -> list[tuple[str, str, tuple[int, ...], int]]:
+    """A decoder-shaped tensor list near ``size`` bytes: big matrices, tiny norms, two embeddings."""
+    h = 1024 if size >= 128 * MIB else 128
+    ff = (h * 11 // 4 + 63) // 64 * 64
+    layer = 4 * h * h * 2 + 3 * h * ff * 2 + 2 * h * 4
+    vocab = max(64, int(size * 0.12) // (h * 2))
+    layers = max(1, (size - 2 * vocab * h * 2) // layer)
+    e: list[tuple[str, str, tuple[int, ...], int]] = [("model.embed_tokens.weight", "BF16", (vocab, h), vocab * h * 2)]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        e.append((p + "input_layernorm.weight", "F32", (h,), h * 4))
+        e += [(p + f"self_attn.{x}_proj.weight", "BF16", (h, h), h * h * 2) for x in "qkvo"]
+        e.append((p + "post_attention_layernorm.weight", "F32", (h,), h * 4))
+        e += [(p + f"mlp.{x}_proj.weight", "BF16", (ff, h), ff * h * 2) for x in ("gate", "up")]
+        e.append((p + "mlp.down_proj.weight", "BF16", (h, ff), ff * h * 2))
+    e.append(("model.norm.weight", "F32", (h,), h * 4))
+    e.append(("lm_head.weight", "BF16", (vocab, h), vocab * h * 2))
+    return e
+
+
+def make_checkpoint(path: str, size: int, *, seed: int = 0) -> str:
+    """Write a synthetic safetensors file of about ``size`` bytes of random tensor data."""
+    import numpy as np
+
+    from .formats.safetensors import build_header
+
+    entries = _synthetic_layout(size)
+    header, _ = build_header(entries, {"format": "pt", "source": "weightlift bench"})
+    rng = np.random.default_rng(seed)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(header)
+        for _, _, _, n in entries:
+            while n > 0:
+                k = min(n, 64 * MIB)
+                words = rng.integers(0, 2**63, size=(k + 7) // 8, dtype=np.uint64)
+                f.write(memoryview(words).cast("B")[:k])
+                n -= k
+    os.replace(tmp, path)
+    return path
+
+
+def synthetic_checkpoint(size: int) -> str:
+    """The cached synthetic checkpoint of about ``size`` bytes, made on first use."""
+    path = os.path.join(bench_dir(), f"synthetic-{size // MIB}m.safetensors")
+    return path if os.path.exists(path) else make_checkpoint(path, size)
+
+
+def default_checkpoint(*, quick: bool, size: int | None = None) -> str:
+    """The demo checkpoint where weightlift.demo provides one; a synthetic one otherwise."""
+    if size is None and not quick:
+        try:
+            from .demo import ensure_demo_checkpoint  # type: ignore[attr-defined]
+        except ImportError:
+            pass
+        else:
+            return str(ensure_demo_checkpoint())
+    return synthetic_checkpoint(size if size else (256 * MIB if quick else 2 * GIB))
+
+
+def describe_checkpoint(path: str) -> dict[str, Any]:
+    """Files, tensor names, payload bytes and format of a checkpoint."""
+    try:
+        from .checkpoint import open_checkpoint
+    except ImportError:
+        open_checkpoint = None  # type: ignore[assignment]
+    if open_checkpoint is not None:
+        ck = open_checkpoint(path)
+        files, fmt, tensors = list(ck.files), ck.format, list(ck.tensors)
+    else:
+        from .formats.safetensors import PREFIX_SIZE, header_length, parse_header
+
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            n = header_length(f.read(PREFIX_SIZE), file=path, file_size=size)
+            tensors, _ = parse_header(f.read(n), file=path, file_size=size)
+        files, fmt = [path], "safetensors"
+    return {"path": os.path.abspath(path), "format": fmt, "files": [os.path.abspath(f) for f in files],
+            "tensors": len(tensors), "bytes": sum(t.length for t in tensors), "names": [t.name for t in tensors],
+            "file_bytes": sum(os.path.getsize(f) for f in files)}
+
+
+def ensure_pt(ck: dict[str, Any], *, timeout: float = 1800.0) -> str:
+    """A torch zip-file copy of the checkpoint for the torch.load arm, made once in a child."""
+    stem = os.path.splitext(os.path.basename(ck["files"][0]))[0]
+    st = os.stat(ck["files"][0])
+    pt = os.path.join(bench_dir(), f"{stem}-{ck['file_bytes']}-{st.st_mtime_ns}.pt")
+    if not os.path.exists(pt):
+        run_once(child_argv("make-pt", {"files": ck["files"], "pt": pt}), timeout=timeout)
+    return pt
+
+
+# -- which arms can run here -------------------------------------------------------------------
+
+_cuda_memo: list[str | None] = []
+
+
+def cuda_reason() -> str | None:
+    """None when a CUDA device is usable from torch; otherwise why not."""
+    if _cuda_memo:
+        return _cuda_memo[0]
+    reason: str | None
+    if not (os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version")):
+        reason = "no CUDA device (no NVIDIA driver on this machine)"
+    elif _missing("torch"):
+        reason = "torch is not installed"
+    else:
+        probe = "import torch,sys;sys.exit(0 if torch.cuda.is_available() else 3)"
+        rc = subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=300).returncode
+        reason = None if rc == 0 else "torch sees no CUDA device (CPU build of torch, or no GPU)"
+    _cuda_memo.append(reason)
+    return reason
+
+
+def _missing(module: str) -> str | None:
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        return None
+    if module.startswith("weightlift."):
+        return f"{module} is not in this build of weightlift"
+    return f"module {module} is not installed"
+
+
+def _weightlift_reason(name: str) -> str | None:
+    """Why one of weightlift's own arms cannot run with the installed weightlift, if it cannot."""
+    import inspect
+
+    try:
+        from .load import load
+    except ImportError as e:
+        return f"weightlift.load does not import: {e}"
+    params = inspect.signature(load).parameters
+    if name == "wl.split" and "remote" not in params:
+        return "weightlift.load has no remote= option in this build"
+    if name.startswith("wl.push") or name == "wl.split":
+        try:
+            from .client import Client  # noqa: F401
+            from .server import Server  # noqa: F401
+        except ImportError as e:
+            return f"weightlift's server/client do not import: {e}"
+    return None
+
+
+def arm_reason(name: str, ck: dict[str, Any]) -> str | None:
+    """None if arm ``name`` can run on checkpoint ``ck`` here; otherwise the reason it cannot."""
+    spec = SPECS[name]
+    if spec.safetensors_only and ck["format"] != "safetensors":
+        return f"reads safetensors files only; this checkpoint is {ck['format']}"
+    for mod in spec.requires:
+        r = _missing(mod)
+        if r:
+            return r
+    if spec.cuda:
+        r = cuda_reason()
+        if r:
+            return r
+    if spec.weightlift:
+        return _weightlift_reason(name)
+    return None
+
+
+def expand_arm_names(text: str | Sequence[str] | None, *, quick: bool = False) -> list[str]:
+    """Arm names from a comma list; "local", "remote" and "all" name groups."""
+    if text is None:
+        return list(QUICK_ARMS if quick else LOCAL_ARMS + REMOTE_ARMS)
+    items = text.split(",") if isinstance(text, str) else list(text)
+    out: list[str] = []
+    groups = {"local": LOCAL_ARMS, "remote": REMOTE_ARMS, "all": LOCAL_ARMS + REMOTE_ARMS}
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        names = groups.get(item, (item,))
+        for n in names:
+            if n not in SPECS or SPECS[n].kind == "baseline":
+                known = ", ".join(n for n, s in SPECS.items() if s.kind != "baseline")
+                raise OptionError(f"unknown arm {n!r}; known arms: {known} (groups: local, remote, all)")
+            if n not in out:
+                out.append(n)
+    return out
+
+
+def build_arms(ck: dict[str, Any], names: Sequence[str], *, cache_dir: str | None = None) -> list[Arm]:
+    """Arms for ``names`` on checkpoint ``ck`` (from :func:`describe_checkpoint`), skips decided."""
+    arms = []
+    for name in names:
+        spec = SPECS[name]
+        reason = arm_reason(name, ck)
+        opts: dict[str, Any] = {"path": ck["path"], "files": ck["files"]}
+        files: tuple[str, ...] = tuple(ck["files"])
+        if spec.uses_pt and reason is None:
+            try:
+                opts["pt"] = ensure_pt(ck)
+                files = (opts["pt"],)
+            except WeightliftError as e:
+                reason = f"could not write the .pt copy: {e}"
+        if name == "wl.push.cached":
+            opts["cache_dir"] = cache_dir or os.path.join(bench_dir(), "server-cache")
+            files += (opts["cache_dir"],)
+        if name == "wl.split":
+            # through a file: a long name list would not fit in one command-line argument
+            split = os.path.join(bench_dir(), "split-names.json")
+            with open(split, "w", encoding="utf-8") as f:
+                json.dump(ck["names"][len(ck["names"]) // 2:], f)
+            opts["split_file"] = split
+        arms.append(Arm(name, child_argv(name, opts), env=dict(spec.env), files=files, skip=reason,
+                        description=spec.description, kind=spec.kind,
+                        profile_argv=child_argv(name, {**opts, "profile": True}) if spec.weightlift else None))
+    return arms
+
+
+# -- baselines ---------------------------------------------------------------------------------
+
+
+def _warm(path: str) -> None:
+    buf = bytearray(bench_arms.BLOCK)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+
+
+def run_baselines(ck: dict[str, Any], names: Sequence[str], *, cold: bool = False, repeats: int = 3,
+                  timeout: float = 600.0, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Measure each baseline in its own child, on the checkpoint's largest file."""
+    say = log or (lambda s: None)
+    target = max(ck["files"], key=os.path.getsize)
+    out: dict[str, Any] = {"file": target}
+    for name in names:
+        spec = SPECS[name]
+        reason = next((r for r in (_missing(m) for m in spec.requires) if r), None)
+        if reason is None and spec.cuda:
+            reason = cuda_reason()
+        if reason:
+            out[name] = {"status": "skipped", "reason": reason}
+            continue
+        if name != "base.read" or not cold:
+            _warm(target)  # memory and socket limits, measured without the disk
+        try:
+            s = run_once(child_argv(name, {"files": [target], "repeats": repeats, "cold": cold}), timeout=timeout)
+            out[name] = {"status": "ok", "description": spec.description, **s.info}
+            say(f"  baseline {name}: {s.info.get('gbps', 0):.2f} GB/s")
+        except ArmSkipped as e:
+            out[name] = {"status": "skipped", "reason": str(e)}
+        except ArmFailed as e:
+            out[name] = {"status": "failed", "reason": str(e)}
+    return out
+
+
+# -- the whole benchmark -----------------------------------------------------------------------
+
+
+def run_benchmark(
+    path: str | None = None,
+    *,
+    arms: str | Sequence[str] | None = None,
+    quick: bool = False,
+    cold: bool = False,
+    runs: int | None = None,
+    warmup: int = 1,
+    baseline: str | None = None,
+    size: int | None = None,
+    baselines: Sequence[str] | None = None,
+    timeout: float = 600.0,
+    profile_round: bool = True,
+    json_path: str | None = None,
+    png_path: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Baselines, then the arms interleaved; returns the result dict and writes JSON / PNG if asked."""
+    say = log or (lambda s: None)
+    started = time.time()
+    names = expand_arm_names(arms, quick=quick)
+    if path is None:
+        path = default_checkpoint(quick=quick, size=size)
+    ck = describe_checkpoint(path)
+    runs = runs or (3 if quick else 5)
+    cache_dir = os.path.join(bench_dir(), "server-cache")
+    shutil.rmtree(cache_dir, ignore_errors=True)  # the warm-up push fills it; counted pushes hit it
+    say(f"checkpoint {ck['path']}: {ck['tensors']} tensors, {ck['bytes'] / GIB:.2f} GiB ({ck['format']})")
+    arm_list = build_arms(ck, names, cache_dir=cache_dir)
+    base_names = list(BASELINES if baselines is None else baselines)
+    bl = run_baselines(ck, base_names, cold=cold, repeats=2 if quick else 3, timeout=timeout, log=say)
+    if baseline is None:
+        baseline = "safetensors.numpy" if "safetensors.numpy" in names else None
+    say(f"arms ({'cold' if cold else 'warm'}, 1 warm-up + {runs} runs, interleaved): {', '.join(names)}")
+    result = run_arms(arm_list, runs=runs, warmup=warmup, cold=cold, baseline=baseline, timeout=timeout,
+                      profile_round=profile_round, log=say)
+    _derive(result, ck, bl)
+    result.update({
+        "schema": SCHEMA,
+        "checkpoint": {k: v for k, v in ck.items() if k != "names"},
+        "baselines": bl,
+        "quick": quick,
+        "not_selected": [n for n, s in SPECS.items() if s.kind != "baseline" and n not in names],
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "platform": platform.platform(), "cuda": cuda_reason() or "available"},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "elapsed_s": time.time() - started,
+    })
+    result["notes"] = _notes(result)
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+    if png_path:
+        result["png"] = plot(result, png_path)
+    return result
+
+
+def _derive(result: dict[str, Any], ck: dict[str, Any], bl: dict[str, Any]) -> None:
+    """GB/s per arm from the checkpoint bytes, and the share of the matching limit."""
+    limits = {"local": bl.get("base.copy", {}).get("fresh", {}).get("gbps"),
+              "remote": bl.get("base.tcp", {}).get("gbps")}
+    for r in result["arms"].values():
+        med, load = r["summary"]["median"], r["load"]["median"]
+        r["gbps"] = ck["bytes"] / med / 1e9 if med else None
+        r["load_gbps"] = ck["bytes"] / load / 1e9 if load else None
+        lim = limits.get(r["kind"])
+        r["limit_share"] = r["load_gbps"] / lim if r["load_gbps"] and lim else None
+        r["bytes_match"] = None if r["bytes"] is None else r["bytes"] == ck["bytes"]
+
+
+def _notes(result: dict[str, Any]) -> list[str]:
+    notes = []
+    cc = result.get("cold_check")
+    if cc is not None:
+        worst = cc["max_resident_before"]
+        if worst is None:
+            notes.append("cold: no run was checked")
+        elif worst <= 0.001:
+            notes.append(f"cold: evicted, {100 * worst:.1f} % resident before each run "
+                         f"({cc['runs_checked']} runs checked with mincore)")
+        else:
+            notes.append(f"cold: eviction incomplete, up to {100 * worst:.1f} % resident before a run "
+                         "(this filesystem may keep pages, e.g. tmpfs)")
+    else:
+        notes.append("warm: the page cache is left as it is (the warm-up round fills it)")
+    for name, r in result["arms"].items():
+        if r["status"] == "ok" and r["bytes_match"] is False:
+            notes.append(f"{name} reported {r['bytes']} bytes; the checkpoint holds {result['checkpoint']['bytes']}")
+    return notes
+
+
+# -- rendering ---------------------------------------------------------------------------------
+
+
+def _f(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The result as a terminal table, then the baselines, the skips and the notes."""
+    ck = result["checkpoint"]
+    lines = [f"checkpoint: {ck['path']} ({ck['tensors']} tensors, {ck['bytes'] / GIB:.2f} GiB, {ck['format']}); "
+             f"{result['mode']}, 1 warm-up + {result['runs']} runs per arm, fresh process per run",
+             "time to ready = spawn -> every tensor in memory and every page touched (device: synchronised)",
+             f"{'arm':<18} {'median s':>9} {'min-max s':>15} {'IQR s':>7} {'GB/s':>6} {'load s':>7} "
+             f"{'load GB/s':>9} {'of limit':>8} {'ratio':>6}"]
+    base = result["baseline"]
+    skipped = []
+    for name, r in result["arms"].items():
+        if r["status"] != "ok":
+            skipped.append(f"  {name}: {r['status']}: {r['reason']}")
+            continue
+        s = r["summary"]
+        ratio = r["ratio"]["median"] if r["ratio"] else None
+        lines.append(
+            f"{name:<18} {_f(s['median']):>9} {_f(s['min']) + '-' + _f(s['max']):>15} {_f(s['iqr']):>7} "
+            f"{_f(r['gbps'], '.2f'):>6} {_f(r['load']['median']):>7} {_f(r['load_gbps'], '.2f'):>9} "
+            f"{_f(100 * r['limit_share'] if r['limit_share'] else None, '.0f') + '%':>8} "
+            f"{_f(ratio, '.2f'):>6}{'  (baseline)' if name == base else ''}")
+    lines.append(f"ratio: run i over run i of {base} in the same round, median; "
+                 "of limit: load GB/s over the copy limit (local) or raw loopback TCP (remote)")
+    bl = result["baselines"]
+    lines.append(f"baselines on {bl.get('file')}:")
+    for name in BASELINES:
+        b = bl.get(name)
+        if b is None:
+            continue
+        if b["status"] != "ok":
+            lines.append(f"  {name}: {b['status']}: {b['reason']}")
+        elif name == "base.copy":
+            lines.append(f"  copy limit: {b['fresh']['gbps']:.2f} GB/s into fresh memory, "
+                         f"{b['touched']['gbps']:.2f} GB/s into touched memory ({b['threads']} threads)")
+        elif name == "base.read":
+            per = ", ".join(f"{k}: {v['gbps']:.2f}" for k, v in b["by_threads"].items())
+            lines.append(f"  raw read ({'cold' if b.get('cold') else 'warm'}): best {b['gbps']:.2f} GB/s "
+                         f"with {b['best_threads']} threads (threads: GB/s {per})")
+        elif name == "base.tcp":
+            lines.append(f"  raw loopback TCP (sendfile -> recv_into): {b['gbps']:.2f} GB/s")
+        elif name == "base.h2d":
+            lines.append(f"  pinned host -> device: {b['gbps']:.2f} GB/s ({b.get('device', '')})")
+    if skipped:
+        lines.append("not run:")
+        lines += skipped
+    if result.get("not_selected"):
+        why = "left out by --quick" if result.get("quick") else "not selected"
+        lines.append(f"{why}: {', '.join(result['not_selected'])}")
+    lines += result.get("notes", [])
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: str) -> str | None:
+    """Time to ready per arm (median, min-max bars) and weightlift's phases; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    ok = [(n, r) for n, r in result["arms"].items() if r["status"] == "ok" and r["summary"]["median"]]
+    prof = [(n, r["profile"]) for n, r in ok if r.get("profile")]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, max(4.0, 0.5 * len(ok) + 2)),
+                                   gridspec_kw={"width_ratios": [3, 2]})
+    names = [n for n, _ in ok]
+    med = [r["summary"]["median"] for _, r in ok]
+    err = [[m - r["summary"]["min"] for m, (_, r) in zip(med, ok)],
+           [r["summary"]["max"] - m for m, (_, r) in zip(med, ok)]]
+    colors = ["tab:orange" if n.startswith("wl.") else "tab:blue" for n in names]
+    ax1.barh(names, med, xerr=err, color=colors, capsize=3)
+    ax1.invert_yaxis()
+    ax1.set_xlabel("seconds, spawn to ready (median; bars: min-max)")
+    ck = result["checkpoint"]
+    ax1.set_title(f"{ck['bytes'] / GIB:.2f} GiB, {result['mode']}, {result['runs']} runs")
+    for y, (_, r) in enumerate(ok):
+        if r["gbps"]:
+            ax1.text(r["summary"]["max"], y, f"  {r['gbps']:.2f} GB/s", va="center", fontsize=8)
+    phases = ("read", "hash", "stage", "wire", "device", "gap")
+    if prof:
+        left = [0.0] * len(prof)
+        for ph in phases:
+            vals = [p["phases_s"].get(ph, 0.0) for _, p in prof]
+            ax2.barh([n for n, _ in prof], vals, left=left, label=ph)
+            left = [a + b for a, b in zip(left, vals)]
+        ax2.invert_yaxis()
+        ax2.legend(fontsize=8, loc="lower right")
+        ax2.set_xlabel("seconds of the load span, by phase (profiled round)")
+    else:
+        ax2.text(0.5, 0.5, "no weightlift arm was profiled", ha="center", va="center")
+        ax2.set_axis_off()
+    ax2.set_title("weightlift phases")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def add_arguments(p: Any, *, default_arms: str | None = None, default_baseline: str | None = None,
+                  default_size_gib: float | None = None) -> None:
+    """The options shared by ``weightlift bench`` and the bench/ scripts."""
+    p.add_argument("path", nargs="?", help="checkpoint (default: the demo checkpoint, or a synthetic one)")
+    p.add_argument("--quick", action="store_true", help="256 MiB synthetic checkpoint, 3 runs, fewer arms")
+    p.add_argument("--cold", action="store_true", help="evict the files before every run and check with mincore")
+    p.add_argument("--runs", type=int, help="counted runs per arm (default 5; 3 with --quick)")
+    p.add_argument("--warmup", type=int, default=1, help="uncounted rounds first (default 1)")
+    p.add_argument("--arms", default=default_arms,
+                   help="comma list of arms, or the groups local, remote, all (see --list)")
+    p.add_argument("--baseline", default=default_baseline, help="arm the ratios are taken against")
+    p.add_argument("--size-gib", type=float, default=default_size_gib,
+                   help="size of the synthetic checkpoint when no PATH is given")
+    p.add_argument("--no-baselines", action="store_true", help="skip the copy/read/TCP/H2D baselines")
+    p.add_argument("--no-profile", action="store_true", help="skip the extra profiled round of weightlift arms")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
+    p.add_argument("--json", metavar="FILE", help="write the full result as JSON")
+    p.add_argument("--png", metavar="FILE", help="draw time to ready and weightlift's phases (matplotlib)")
+    p.add_argument("--list", action="store_true", help="list the arms and baselines, then exit")
+
+
+def command(args: Any) -> int:
+    """Run the benchmark for parsed arguments; prints the table. 0 if any arm ran."""
+    if args.list:
+        for name, spec in SPECS.items():
+            if name != "make-pt":
+                print(f"{name:<18} {spec.kind:<9} {spec.description}")
+        return 0
+    size = int(args.size_gib * GIB) if args.size_gib else None
+    result = run_benchmark(
+        args.path, arms=args.arms, quick=args.quick, cold=args.cold, runs=args.runs, warmup=args.warmup,
+        baseline=args.baseline, size=size, baselines=() if args.no_baselines else None, timeout=args.timeout,
+        profile_round=not args.no_profile, json_path=args.json, png_path=args.png,
+        log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(format_table(result))
+    if args.json:
+        print(f"wrote {args.json}")
+    if args.png:
+        print(f"wrote {args.png}" if result.get("png") else "no PNG: matplotlib is not installed")
+    return 0 if any(r["status"] == "ok" for r in result["arms"].values()) else 1
+
+
+def register(subparsers: Any) -> Any:
+    """Add ``weightlift bench`` to the CLI's subparsers."""
+    p = subparsers.add_parser("bench", help="time to ready of weightlift and its peers, fresh process per run",
+                              description=__doc__.split("\n\n")[0] if __doc__ else None)
+    add_arguments(p)
+    p.set_defaults(func=command)
+    return p
