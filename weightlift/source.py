@@ -168,8 +168,18 @@ def _probe(m: MappedFile) -> float:
 
 
 def evict(path: str | os.PathLike[str]) -> None:
-    """Drop the file's pages from the page cache (clean pages only; a hint to the kernel)."""
-    evict_range(os.fspath(path), 0, 0)
+    """Drop the whole file from the page cache; dirty pages are written back first, since the
+    kernel cannot drop a page that has not reached the disk (a just-written checkpoint)."""
+    p = os.fspath(path)
+    try:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise WeightliftError(f"{p}: cannot open: {e.strerror}") from None
+    evict_range(p, 0, 0)
     _resident_memo.clear()
 
 

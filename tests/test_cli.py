@@ -1,0 +1,60 @@
+"""The CLI: one clear line and exit status 2 for user mistakes, JSON that scripts can read."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from weightlift.cli import main
+
+from _checkpoints import every_dtype, write
+
+
+@pytest.fixture()
+def ckpt(tmp_path):
+    return write(tmp_path / "m.safetensors", every_dtype())
+
+
+def test_inspect_table_and_json(ckpt, capsys):
+    assert main(["inspect", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert "t.bf16" in out and "tensors" in out
+    assert main(["inspect", str(ckpt), "--json", "--select", "t.f32"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert [t["name"] for t in obj["tensors"]] == ["t.f32"]
+    assert obj["tensors"][0]["length"] == 60
+
+
+def test_load_json_has_figures_and_profile(ckpt, capsys, tmp_path):
+    trace = tmp_path / "t.json"
+    assert main(["load", str(ckpt), "--json", "--profile", "--trace", str(trace), "--framework", "torch"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    for k in ("tensors", "bytes", "seconds", "gbps", "resident_before", "profile"):
+        assert k in obj
+    assert obj["tensors"] == len(every_dtype())
+    assert "traceEvents" in json.loads(trace.read_text())
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["load", "/nonexistent/model.safetensors"], "/nonexistent/model.safetensors: no such file"),
+        (["inspect", "{bad}"], "{bad}"),
+        (["load", "{ckpt}", "--framework", "jax"], "invalid choice"),
+        (["load", "{ckpt}", "--device", "tpu"], "unknown device"),
+        (["load", "{ckpt}", "--select", "zzz*"], "matches no tensor"),
+    ],
+)
+def test_user_mistakes_are_one_line_exit_2(ckpt, tmp_path, argv, needle):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    argv = [a.replace("{ckpt}", str(ckpt)).replace("{bad}", str(bad)) for a in argv]
+    needle = needle.replace("{bad}", str(bad))
+    res = subprocess.run([sys.executable, "-m", "weightlift.cli", *argv], capture_output=True, text=True)
+    assert res.returncode == 2, res.stderr
+    assert needle in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "Traceback" not in res.stderr

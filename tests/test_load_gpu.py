@@ -1,0 +1,38 @@
+"""Loads into CUDA memory: the same bytes as a host load (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import weightlift as wl
+
+from _checkpoints import every_dtype, raw_bytes, write
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+
+
+def test_cuda_every_dtype(tmp_path):
+    tensors = every_dtype()
+    path = write(tmp_path / "m.safetensors", tensors)
+    out = wl.load(path, device="cuda", framework="torch")
+    for name, dtype, shape, raw in tensors:
+        assert out[name].device.type == "cuda"
+        assert raw_bytes(out[name]) == raw, name
+
+
+def test_cuda_large_multi_chunk_and_cast(tmp_path):
+    rng = np.random.default_rng(2)
+    tensors = [(f"w{i}", "F32", (1024, 1024 + i), rng.standard_normal((1024, 1024 + i), dtype=np.float32).tobytes()) for i in range(24)]
+    path = write(tmp_path / "big.safetensors", tensors)
+    out = wl.load(path, device="cuda:0", framework="torch", threads=4)
+    for name, _, _, raw in tensors:
+        assert raw_bytes(out[name]) == raw
+    half = wl.load(path, device="cuda", framework="torch", dtype="BF16", select=["w0", "w5"])
+    for name in ("w0", "w5"):
+        ref = torch.from_numpy(np.frombuffer(dict((t[0], t[3]) for t in tensors)[name], np.float32).copy())
+        assert torch.equal(half[name].cpu().reshape(-1), ref.to(torch.bfloat16))
+    rep: dict = {}
+    wl.load(path, device="cuda", framework="torch", profile=True, report=rep)
+    assert rep["profile"]["phases_s"]["device"] > 0

@@ -1,0 +1,86 @@
+"""File access: one mapping per file, the residency probe, eviction and the warmer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from weightlift import source
+from weightlift.errors import NotFoundError
+
+
+@pytest.fixture()
+def blob(tmp_path):
+    p = tmp_path / "f.bin"
+    p.write_bytes(os.urandom(8 * 2**20 + 123))
+    return p
+
+
+def test_one_mapping_per_file(blob):
+    a, b = source.mapped(blob), source.mapped(str(blob))
+    assert a is b
+    assert bytes(a.view(10, 5)) == blob.read_bytes()[10:15]
+    blob.write_bytes(b"changed")
+    c = source.mapped(blob)
+    assert c is not a and bytes(c.buffer) == b"changed"
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(NotFoundError):
+        source.mapped(tmp_path / "nope")
+
+
+def test_empty_file(tmp_path):
+    p = tmp_path / "e"
+    p.write_bytes(b"")
+    assert bytes(source.mapped(p).buffer) == b""
+    assert source.resident_fraction(p) == 1.0
+
+
+def test_residency_probe_memoized_and_eviction(blob):
+    with open(blob, "rb") as f:
+        f.read()
+    assert source.resident_fraction(blob, refresh=True) > 0.9
+    source.evict(blob)
+    frac = source.resident_fraction(blob, refresh=True)
+    if frac > 0.5:
+        pytest.skip(f"this filesystem keeps pages after DONTNEED ({frac:.0%} resident)")
+    # memoized: a second call without refresh does not walk the file again
+    with open(blob, "rb") as f:
+        f.read()
+    assert source.resident_fraction(blob) == frac
+    assert source.resident_fraction(blob, refresh=True) > 0.9
+
+
+def test_page_eviction_override(monkeypatch):
+    monkeypatch.delenv("WEIGHTLIFT_PAGE_EVICTION", raising=False)
+    assert source.page_eviction_override() is None
+    monkeypatch.setenv("WEIGHTLIFT_PAGE_EVICTION", "1")
+    assert source.page_eviction_override() is True
+    monkeypatch.setenv("WEIGHTLIFT_PAGE_EVICTION", "0")
+    assert source.page_eviction_override() is False
+
+
+def test_warmer_reads_every_chunk_and_stops(blob):
+    m = source.mapped(blob)
+    seen = []
+    w = source.Warmer(m.fileno(), [(0, m.size)], chunk=2**20, on_chunk=lambda o, n, a, b: seen.append((o, n)))
+    with w:
+        import time
+
+        deadline = time.time() + 10
+        while w.bytes_read < m.size and time.time() < deadline:
+            w.advance(0)
+            time.sleep(0.01)
+    assert w.bytes_read == m.size
+    assert sorted(seen) == [(o, min(2**20, m.size - o)) for o in range(0, m.size, 2**20)]
+
+
+def test_warmer_skips_behind_cursor(blob):
+    m = source.mapped(blob)
+    w = source.Warmer(m.fileno(), [(0, m.size)], chunk=2**20, max_readers=1, lead=2**20)
+    w.advance(m.size)  # the copy is already past everything
+    w.start()
+    w.stop()
+    assert w.bytes_read == 0

@@ -1,0 +1,69 @@
+"""Targets: host memcpy fill, cast fill in chunks, CUDA through pinned staging (GPU only)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from weightlift.errors import DeviceError, OptionError
+from weightlift.targets import CastTarget, HostTarget, fresh_host, make_target
+
+torch = pytest.importorskip("torch")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def test_fresh_host_is_writable_and_sized():
+    for n in (0, 10, 3 * 2**20 + 7):
+        a = fresh_host(n)
+        assert a.size == n and a.flags.writeable
+        a[:] = 7
+        assert int(a.sum()) == 7 * n
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_host_target_memcpy(framework):
+    t = make_target("cpu", framework)
+    assert isinstance(t, HostTarget) and t.memcpy_ok
+    dest = t.empty("BF16", (4, 3))
+    src = np.arange(24, dtype=np.uint8).tobytes()
+    t.host_view(dest)[:] = src
+    t.write(dest, 4, b"\xff\xff")
+    got = dest.view(np.uint8).tobytes() if framework == "numpy" else dest.reshape(-1).view(torch.uint8).numpy().tobytes()
+    assert got == src[:4] + b"\xff\xff" + src[6:]
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_cast_target_streams_chunks(framework):
+    t = make_target("cpu", framework, "F16")
+    assert isinstance(t, CastTarget) and not t.memcpy_ok
+    src = np.linspace(-3, 3, 1000, dtype=np.float32)
+    dest = t.empty("F32", (10, 100))
+    raw = src.tobytes()
+    for off in range(0, len(raw), 400):
+        t.write(dest, off, raw[off : off + 400])
+    out = t.finish(dest)
+    ref = src.astype(np.float16).reshape(10, 100)
+    got = out if framework == "numpy" else out.numpy()
+    np.testing.assert_array_equal(got, ref)
+    with pytest.raises(OptionError):
+        t.write(t.empty("F32", (4,)), 2, b"\x00" * 4)
+
+
+def test_cuda_refused_without_device():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(DeviceError):
+        make_target("cuda", "torch")
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_target_double_buffered_writes():
+    t = make_target("cuda", "torch")
+    src = np.random.default_rng(0).integers(0, 256, 3 * 1024 * 1024 + 5, dtype=np.uint8)
+    dest = t.empty("U8", (src.size,))
+    t2 = type(t)("cuda", slot_bytes=1 << 20)
+    for off in range(0, src.size, 700_000):
+        t2.write(dest, off, src[off : off + 700_000].tobytes())
+    out = t2.finish(dest)
+    assert out.cpu().numpy().tobytes() == src.tobytes()
