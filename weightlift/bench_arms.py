@@ -293,6 +293,52 @@ def _wl_split(o: dict[str, Any]) -> dict[str, Any]:
     return info
 
 
+# -- profiler overhead probe --------------------------------------------------------------------
+
+
+def _profile_loop(o: dict[str, Any]) -> dict[str, Any]:
+    """Read every tensor into fresh arrays in loader-sized calls, with the profiler code path
+    absent ("plain"), present but off ("off": one ``if prof.enabled:`` per clock read), or on."""
+    import numpy as np
+
+    from weightlift.checkpoint import open_checkpoint
+    from weightlift.profile import Profiler
+
+    mode = o["mode"]
+    prof = Profiler(enabled=(mode == "on"))
+    ck = open_checkpoint(o["path"])
+    step = 16 * 1024 * 1024
+    t_load = time.perf_counter_ns()
+    out = []
+    calls = 0
+    fds = {f: os.open(f, os.O_RDONLY) for f in ck.files}
+    for t in ck.tensors:
+        dst = np.empty(t.length, dtype=np.uint8)
+        view = memoryview(dst)
+        fd = fds[t.file]
+        for pos in range(0, t.length, step):
+            n = min(step, t.length - pos)
+            if mode == "plain":
+                os.preadv(fd, [view[pos:pos + n]], t.offset + pos)
+            else:
+                if prof.enabled:
+                    t0 = time.perf_counter_ns()
+                os.preadv(fd, [view[pos:pos + n]], t.offset + pos)
+                if prof.enabled:
+                    prof.record("read", t0, time.perf_counter_ns(), n)
+                    prof.count(calls=1)
+            calls += 1
+        out.append(dst)
+    for fd in fds.values():
+        os.close(fd)
+    n, b = touch_numpy(out)
+    info: dict[str, Any] = {"load_s": (time.perf_counter_ns() - t_load) / 1e9, "tensors": n, "bytes": b,
+                            "read_calls": calls}
+    if prof.enabled:
+        info["profile"] = prof.report()
+    return info
+
+
 # -- baselines --------------------------------------------------------------------------------
 
 
@@ -498,6 +544,8 @@ SPECS: dict[str, ArmSpec] = {
                 ("runai_model_streamer", "torch"), safetensors_only=True),
         ArmSpec("wl.numpy", "local", "weightlift.load(framework='numpy', copy=True)", ("weightlift.load",),
                 weightlift=True),
+        ArmSpec("wl.numpy.profiled", "probe", "weightlift.load(framework='numpy') with the profiler on",
+                ("weightlift.load",)),
         ArmSpec("wl.numpy.nocopy", "local", "weightlift.load(framework='numpy', copy=False) + touch",
                 ("weightlift.load",), weightlift=True),
         ArmSpec("wl.torch", "local", "weightlift.load(framework='torch')", ("weightlift.load", "torch"),
@@ -512,6 +560,10 @@ SPECS: dict[str, ArmSpec] = {
                 (*_WL_PUSH_REQ, "weightlift.cache"), weightlift=True),
         ArmSpec("wl.split", "remote", "weightlift.load with half the tensors remote",
                 ("weightlift.load", "weightlift.server"), weightlift=True),
+        ArmSpec("loop.plain", "probe", "read loop with no profiler code", ("weightlift.checkpoint",)),
+        ArmSpec("loop.off", "probe", "the same loop with the profiler checks, profiler off",
+                ("weightlift.checkpoint",)),
+        ArmSpec("loop.on", "probe", "the same loop with the profiler on", ("weightlift.checkpoint",)),
         ArmSpec("base.copy", "baseline", "copy limit: mmap -> memory on every core (fresh / touched)",
                 ("numpy",)),
         ArmSpec("base.read", "baseline", "best raw read: preadv, 1/2/4 threads, touched buffers"),
@@ -527,6 +579,7 @@ BODIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "torch.load": _torch_load,
     "runai": _runai,
     "wl.numpy": lambda o: _wl_load(o, framework="numpy", copy=True),
+    "wl.numpy.profiled": lambda o: _wl_load({**o, "profile": True}, framework="numpy", copy=True),
     "wl.numpy.nocopy": lambda o: _wl_load(o, framework="numpy", copy=False),
     "wl.torch": lambda o: _wl_load(o, framework="torch"),
     "wl.cuda": lambda o: _wl_load(o, framework="torch", device="cuda"),
@@ -534,6 +587,9 @@ BODIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "wl.push.legacy": _wl_push,
     "wl.push.cached": lambda o: _wl_push(o, cache=True),
     "wl.split": _wl_split,
+    "loop.plain": lambda o: _profile_loop({**o, "mode": "plain"}),
+    "loop.off": lambda o: _profile_loop({**o, "mode": "off"}),
+    "loop.on": lambda o: _profile_loop({**o, "mode": "on"}),
     "base.copy": _baseline_copy,
     "base.read": _baseline_read,
     "base.tcp": _baseline_tcp,

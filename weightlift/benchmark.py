@@ -306,7 +306,9 @@ def run_arms(
         r["summary"] = summarize(r["times_s"])
         r["inner"] = summarize(r["inner_s"])
         r["load"] = summarize(r["load_s"])
-        r["ratio"] = paired_ratio(r["times_s"], res[base]["times_s"]) if base and r["status"] == "ok" else None
+        both = base and r["status"] == "ok"
+        r["ratio"] = paired_ratio(r["times_s"], res[base]["times_s"]) if both else None
+        r["load_ratio"] = paired_ratio(r["load_s"], res[base]["load_s"]) if both else None
     residents = [x for r in res.values() for x in r["resident_before"]]
     return {"arms": res, "order": order, "baseline": base, "runs": runs, "warmup": warmup,
             "mode": "cold" if cold else "warm",
@@ -522,8 +524,8 @@ def expand_arm_names(text: str | Sequence[str] | None, *, quick: bool = False) -
             continue
         names = groups.get(item, (item,))
         for n in names:
-            if n not in SPECS or SPECS[n].kind == "baseline":
-                known = ", ".join(n for n, s in SPECS.items() if s.kind != "baseline")
+            if n not in SPECS or SPECS[n].kind not in ("local", "remote", "probe"):
+                known = ", ".join(n for n, s in SPECS.items() if s.kind in ("local", "remote", "probe"))
                 raise OptionError(f"unknown arm {n!r}; known arms: {known} (groups: local, remote, all)")
             if n not in out:
                 out.append(n)
@@ -641,7 +643,7 @@ def run_benchmark(
         "checkpoint": {k: v for k, v in ck.items() if k != "names"},
         "baselines": bl,
         "quick": quick,
-        "not_selected": [n for n, s in SPECS.items() if s.kind != "baseline" and n not in names],
+        "not_selected": [n for n, s in SPECS.items() if s.kind in ("local", "remote") and n not in names],
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "platform": platform.platform(), "cuda": cuda_reason() or "available"},
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
@@ -716,12 +718,13 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(
             f"{name:<18} {_f(s['median']):>9} {_f(s['min']) + '-' + _f(s['max']):>15} {_f(s['iqr']):>7} "
             f"{_f(r['gbps'], '.2f'):>6} {_f(r['load']['median']):>7} {_f(r['load_gbps'], '.2f'):>9} "
-            f"{_f(100 * r['limit_share'] if r['limit_share'] else None, '.0f') + '%':>8} "
+            f"{(format(100 * r['limit_share'], '.0f') + '%') if r['limit_share'] else '-':>8} "
             f"{_f(ratio, '.2f'):>6}{'  (baseline)' if name == base else ''}")
     lines.append(f"ratio: run i over run i of {base} in the same round, median; "
                  "of limit: load GB/s over the copy limit (local) or raw loopback TCP (remote)")
     bl = result["baselines"]
-    lines.append(f"baselines on {bl.get('file')}:")
+    if any(n in bl for n in BASELINES):
+        lines.append(f"baselines on {bl.get('file')}:")
     for name in BASELINES:
         b = bl.get(name)
         if b is None:
@@ -798,9 +801,13 @@ def plot(result: dict[str, Any], path: str) -> str | None:
 # -- command line ------------------------------------------------------------------------------
 
 
-def add_arguments(p: Any, *, default_arms: str | None = None, default_baseline: str | None = None,
-                  default_size_gib: float | None = None) -> None:
-    """The options shared by ``weightlift bench`` and the bench/ scripts."""
+def add_arguments(p: Any, *, default_arms: str | None = None, quick_arms: str | None = None,
+                  default_baseline: str | None = None, default_size_gib: float | None = None) -> None:
+    """The options shared by ``weightlift bench`` and the bench/ scripts.
+
+    ``quick_arms`` replaces ``default_arms`` under ``--quick`` unless ``--arms`` was given.
+    """
+    p.set_defaults(arms_default=default_arms, quick_arms=quick_arms)
     p.add_argument("path", nargs="?", help="checkpoint (default: the demo checkpoint, or a synthetic one)")
     p.add_argument("--quick", action="store_true", help="256 MiB synthetic checkpoint, 3 runs, fewer arms")
     p.add_argument("--cold", action="store_true", help="evict the files before every run and check with mincore")
@@ -809,8 +816,10 @@ def add_arguments(p: Any, *, default_arms: str | None = None, default_baseline: 
     p.add_argument("--arms", default=default_arms,
                    help="comma list of arms, or the groups local, remote, all (see --list)")
     p.add_argument("--baseline", default=default_baseline, help="arm the ratios are taken against")
-    p.add_argument("--size-gib", type=float, default=default_size_gib,
-                   help="size of the synthetic checkpoint when no PATH is given")
+    p.add_argument("--size-gib", type=float,
+                   help="size of the synthetic checkpoint when no PATH is given"
+                   + (f" (default {default_size_gib:g}; 0.25 with --quick)" if default_size_gib else ""))
+    p.set_defaults(size_gib_default=default_size_gib)
     p.add_argument("--no-baselines", action="store_true", help="skip the copy/read/TCP/H2D baselines")
     p.add_argument("--no-profile", action="store_true", help="skip the extra profiled round of weightlift arms")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
@@ -823,12 +832,15 @@ def command(args: Any) -> int:
     """Run the benchmark for parsed arguments; prints the table. 0 if any arm ran."""
     if args.list:
         for name, spec in SPECS.items():
-            if name != "make-pt":
-                print(f"{name:<18} {spec.kind:<9} {spec.description}")
+            print(f"{name:<18} {spec.kind:<9} {spec.description}")
         return 0
-    size = int(args.size_gib * GIB) if args.size_gib else None
+    gib = args.size_gib or (None if args.quick else getattr(args, "size_gib_default", None))
+    size = int(gib * GIB) if gib else None
+    arms = args.arms
+    if args.quick and arms == getattr(args, "arms_default", None) and getattr(args, "quick_arms", None):
+        arms = args.quick_arms
     result = run_benchmark(
-        args.path, arms=args.arms, quick=args.quick, cold=args.cold, runs=args.runs, warmup=args.warmup,
+        args.path, arms=arms, quick=args.quick, cold=args.cold, runs=args.runs, warmup=args.warmup,
         baseline=args.baseline, size=size, baselines=() if args.no_baselines else None, timeout=args.timeout,
         profile_round=not args.no_profile, json_path=args.json, png_path=args.png,
         log=lambda s: print(s, file=sys.stderr, flush=True))
