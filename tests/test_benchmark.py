@@ -216,10 +216,10 @@ def test_synthetic_checkpoint_is_valid_safetensors(tiny) -> None:
 
 def test_real_arm_bodies_report_every_byte(tiny) -> None:
     ck = describe_checkpoint(tiny)
-    for name in ("safetensors.numpy", "wl.numpy", "wl.numpy.nocopy"):
+    for name in ("safetensors.numpy", "wl.numpy", "wl.numpy.nocopy", "wl.push", "wl.push.legacy"):
         arm = build_arms(ck, [name])[0]
         assert arm.skip is None, arm.skip
-        s = run_once(arm.argv)
+        s = run_once(arm.argv, env=arm.env)
         assert (s.info["tensors"], s.info["bytes"]) == (ck["tensors"], ck["bytes"]), name
         assert s.info["inner_s"] >= s.info["load_s"] >= 0
 
@@ -231,6 +231,15 @@ def test_weightlift_arm_profiled_round_carries_a_report(tiny) -> None:
     rep = s.info["profile"]
     assert rep["bytes"] == ck["bytes"]
     assert set(rep["phases_s"]) == {"read", "hash", "stage", "wire", "device", "gap"}
+
+
+def test_push_arm_profiled_round_has_client_and_server_reports(tiny) -> None:
+    ck = describe_checkpoint(tiny)
+    arm = build_arms(ck, ["wl.push"])[0]
+    s = run_once(arm.profile_argv, env=arm.env)
+    assert s.info["push"]["bytes"] == ck["bytes"]
+    assert s.info["profile"]["bytes"] == ck["bytes"]
+    assert s.info["server_profile"]["tensors"] == ck["tensors"]
 
 
 def test_baseline_children(tiny) -> None:
@@ -267,7 +276,7 @@ def test_run_benchmark_json_table_and_png(tiny, tmp_path) -> None:
     assert obj["arms"]["wl.numpy"]["bytes_match"] is True
     assert obj["arms"]["wl.numpy"]["profile"]["bytes"] == obj["checkpoint"]["bytes"]
     assert obj["baselines"]["base.read"]["status"] == "ok"
-    assert "runai" in obj["not_selected"]
+    assert "runai" in obj["not_selected"] and obj["not_selected"]["wl.torch"] is None
     table = format_table(res)
     assert "wl.numpy" in table and "safetensors.numpy" in table and "(baseline)" in table
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

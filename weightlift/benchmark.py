@@ -270,7 +270,8 @@ def run_arms(
     for a in arms:
         res[a.name] = {"status": "skipped" if a.skip else "ok", "reason": a.skip, "kind": a.kind,
                        "description": a.description, "times_s": [], "inner_s": [], "load_s": [],
-                       "resident_before": [], "bytes": None, "tensors": None, "profile": None}
+                       "resident_before": [], "bytes": None, "tensors": None, "profile": None,
+                       "server_profile": None}
     order: list[dict[str, Any]] = []
     live = [a for a in arms if not a.skip]
     for rnd in range(warmup + runs):
@@ -299,6 +300,7 @@ def run_arms(
                 s = _one(a, a.profile_argv, cold=cold, timeout=timeout, r=None)
                 if s is not None:
                     res[a.name]["profile"] = s.info.get("profile")
+                    res[a.name]["server_profile"] = s.info.get("server_profile")
     base = baseline if baseline in res and res[baseline]["status"] == "ok" else None
     if base is None:
         base = next((n for n, r in res.items() if r["status"] == "ok"), None)
@@ -348,7 +350,8 @@ def bench_dir() -> str:
 
 def _synthetic_layout(size: int) -> list[tuple[str, str, tuple[int, ...], int]]:
     """A decoder-shaped tensor list near ``size`` bytes: big matrices, tiny norms, two embeddings."""
-    h = 1024 if size >= 128 * MIB else 128
+    # hidden 2048 from 1 GiB up, so the MLP matrices pass the client's hash threshold as real ones do
+    h = 2048 if size >= GIB else 1024 if size >= 128 * MIB else 128
     ff = (h * 11 // 4 + 63) // 64 * 64
     layer = 4 * h * h * 2 + 3 * h * ff * 2 + 2 * h * 4
     vocab = max(64, int(size * 0.12) // (h * 2))
@@ -643,7 +646,9 @@ def run_benchmark(
         "checkpoint": {k: v for k, v in ck.items() if k != "names"},
         "baselines": bl,
         "quick": quick,
-        "not_selected": [n for n, s in SPECS.items() if s.kind in ("local", "remote") and n not in names],
+        # every other arm, with the reason it could not run here (None: it could)
+        "not_selected": {n: arm_reason(n, ck) for n, s in SPECS.items()
+                         if s.kind in ("local", "remote") and n not in names},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "platform": platform.platform(), "cuda": cuda_reason() or "available"},
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
@@ -745,9 +750,15 @@ def format_table(result: dict[str, Any]) -> str:
     if skipped:
         lines.append("not run:")
         lines += skipped
-    if result.get("not_selected"):
-        why = "left out by --quick" if result.get("quick") else "not selected"
-        lines.append(f"{why}: {', '.join(result['not_selected'])}")
+    others = result.get("not_selected") or {}
+    could = [n for n, why in others.items() if why is None]
+    if could:
+        lines.append(f"{'left out by --quick' if result.get('quick') else 'not selected'} "
+                     f"(could run here): {', '.join(could)}")
+    cannot = [(n, why) for n, why in others.items() if why is not None]
+    if cannot:
+        lines.append("not selected, and could not run here:")
+        lines += [f"  {n}: {why}" for n, why in cannot]
     lines += result.get("notes", [])
     return "\n".join(lines)
 
@@ -763,6 +774,7 @@ def plot(result: dict[str, Any], path: str) -> str | None:
         return None
     ok = [(n, r) for n, r in result["arms"].items() if r["status"] == "ok" and r["summary"]["median"]]
     prof = [(n, r["profile"]) for n, r in ok if r.get("profile")]
+    prof += [(n + " (server)", r["server_profile"]) for n, r in ok if r.get("server_profile")]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, max(4.0, 0.5 * len(ok) + 2)),
                                    gridspec_kw={"width_ratios": [3, 2]})
     names = [n for n, _ in ok]
