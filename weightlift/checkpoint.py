@@ -22,7 +22,7 @@ from .formats import safetensors as st
 __all__ = ["Checkpoint", "open_checkpoint", "Select", "MAX_INDEX_SIZE"]
 
 MAX_INDEX_SIZE = 64 * 1024 * 1024
-Select = Union[None, str, Pattern[str], Iterable[str]]
+Select = Union[None, str, Pattern[str], Iterable[str], frozenset]
 
 
 @dataclass
@@ -62,7 +62,7 @@ class Checkpoint:
     def select(self, select: Select = None) -> list[TensorInfo]:
         """Tensors whose name matches ``select``: None (all), a glob, a compiled regex, or globs.
 
-        A string starting with ``re:`` is a regex (``re:layers\\.[0-3]\\.``). A selection that
+        A ``set``/``frozenset`` holds exact names. A string starting with ``re:`` is a regex (``re:layers\\.[0-3]\\.``). A selection that
         matches nothing is an error, since it is almost always a typo.
         """
         if select is None:
@@ -79,6 +79,9 @@ def _matcher(select: Select) -> Any:
     if isinstance(select, re.Pattern):
         rx = select
         return lambda n: rx.search(n) is not None
+    if isinstance(select, (set, frozenset)):
+        exact = frozenset(select)
+        return lambda n: n in exact
     if isinstance(select, str):
         select = [select]
     tests = []
@@ -100,6 +103,8 @@ def _describe(select: Select) -> str:
         return f"re:{select.pattern}"
     if isinstance(select, str):
         return repr(select)
+    if isinstance(select, (set, frozenset)):
+        return f"{len(select)} exact names"
     return ", ".join(repr(s) for s in select)  # type: ignore[union-attr]
 
 

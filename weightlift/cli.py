@@ -97,13 +97,11 @@ def _cmd_load(a: argparse.Namespace) -> int:
         report=report,
     )
     if a.remote:
-        from .split import parse_remote, split_load
+        from .split import parse_remote
 
-        result = split_load(a.path, parse_remote(a.remote), select=a.select, **kwargs)
-        report["remote"] = result.remote
-        report["seconds"] = result.seconds
-    else:
-        load(a.path, select=a.select, **kwargs)
+        kwargs["remote"] = parse_remote(a.remote)
+        kwargs["token"] = _read_token(a.token_file)
+    load(a.path, select=a.select, **kwargs)
     if prof is not None and a.trace:
         prof.write_trace(a.trace)
     if a.json:
@@ -115,10 +113,20 @@ def _cmd_load(a: argparse.Namespace) -> int:
         f"{report['resident_before'] * 100:.0f} % of the file was resident before the load"
     )
     for addr, r in report.get("remote", {}).items():
-        print(f"pushed {r['tensors']} tensors, {r['bytes']:,} bytes to {addr}")
+        print(f"pushed {r['tensors']} tensors, {r['bytes']:,} bytes to {addr} in {r['seconds']:.3f} s")
     if prof is not None:
         print(prof.format())
     return 0
+
+
+def _read_token(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read().strip()
+    except OSError as e:
+        raise WeightliftError(f"{path}: cannot read the token file: {e.strerror}") from None
 
 
 def _cmd_demo(a: argparse.Namespace) -> int:
@@ -163,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT=SELECT",
         help="split load: push the tensors matching SELECT to the server at HOST:PORT at the same time",
     )
+    ld.add_argument("--token-file", help="split load: the servers' shared token")
     ld.add_argument("--profile", action="store_true", help="report the load by phase")
     ld.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the load")
     ld.add_argument("--json", action="store_true")

@@ -70,6 +70,9 @@ def load(
     profile: Any = None,
     progress: bool | None = None,
     report: dict[str, Any] | None = None,
+    remote: Mapping[str, Select] | None = None,
+    token: str | bytes | None = None,
+    streams: int = 1,
 ) -> dict[str, Any]:
     """Load tensors from a checkpoint into memory; returns ``{name: array}`` in file order.
 
@@ -84,7 +87,23 @@ def load(
     back as their raw blocks (uint8) unless ``dequantize=True``. ``profile`` is True, False,
     None (env WEIGHTLIFT_LOADPROF) or a :class:`~weightlift.profile.Profiler`. ``report``, if
     given, is filled with the load's figures (bytes, seconds, residency, profile).
+
+    ``remote`` makes it a split load: ``{"host:port": select}`` pushes those tensors to each
+    tensor server (with ``token`` and ``streams``) while the rest load here, at the same time;
+    the result holds the local tensors and ``report["remote"]`` what each push did.
     """
+    if remote:
+        from .split import split_load
+
+        res = split_load(
+            path, remote, select=select, token=token, streams=streams, device=device, framework=framework,
+            dtype=dtype, copy=copy, page_cache=page_cache, warm=warm, threads=threads, engine=engine,
+            dequantize=dequantize, profile=profile, progress=progress, report=report,
+        )
+        if report is not None:
+            report["remote"] = res.remote
+            report["seconds"] = res.seconds
+        return res.local
     t_start = time.perf_counter()
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     infos = ckpt.select(select)

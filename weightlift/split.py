@@ -1,0 +1,94 @@
+"""Split loads: the local part of a checkpoint into memory while the remote parts are pushed.
+
+A model split across machines needs its local layers loaded and its remote layers pushed to
+tensor servers; done one after the other, time to ready is the sum of the two. Here each
+remote part is pushed by a client on its own thread while the calling thread loads the local
+part, so time to ready is the slower of the halves, not their sum. Both read the same files;
+the page cache serves whichever comes second.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .checkpoint import Checkpoint, Select, _matcher, open_checkpoint
+from .errors import NotFoundError, OptionError
+
+__all__ = ["SplitResult", "parse_remote", "split_load"]
+
+
+@dataclass
+class SplitResult:
+    """The local tensors, what each remote push reported, and the one time to ready."""
+
+    local: dict[str, Any]
+    remote: dict[str, dict[str, Any]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def parse_remote(specs: list[str]) -> dict[str, list[str]]:
+    """``["host:port=glob", ...]`` -> ``{"host:port": [globs]}`` (repeat an address to add globs)."""
+    out: dict[str, list[str]] = {}
+    for s in specs:
+        addr, sep, sel = s.partition("=")
+        if not sep or not sel or ":" not in addr:
+            raise OptionError(f"--remote {s!r}: expected HOST:PORT=SELECT")
+        out.setdefault(addr, []).append(sel)
+    return out
+
+
+def split_load(
+    path: Any,
+    remote: Mapping[str, Select],
+    *,
+    select: Select = None,
+    token: str | bytes | None = None,
+    streams: int = 1,
+    **load_kwargs: Any,
+) -> SplitResult:
+    """Load what no remote selection takes, and push each remote selection, at the same time."""
+    from .client import Client
+    from .load import load
+
+    ck: Checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path)
+    chosen = ck.select(select)
+    remote_sets: dict[str, list[str]] = {}
+    taken: set[str] = set()
+    for addr, sel in remote.items():
+        names = [t.name for t in chosen if _matcher(sel)(t.name)] if sel is not None else [t.name for t in chosen]
+        if not names:
+            raise NotFoundError(f"remote selection for {addr} matches no tensor", file=ck.path)
+        remote_sets[addr] = names
+        taken.update(names)
+    local_names = [t.name for t in chosen if t.name not in taken]
+    errors: list[BaseException] = []
+    reports: dict[str, dict[str, Any]] = {}
+    t0 = time.perf_counter()
+
+    def push(addr: str, names: list[str]) -> None:
+        try:
+            with Client(addr, token=token, streams=streams) as c:
+                res = c.push(ck, select=_exact(names))
+            reports[addr] = res.as_dict()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=push, args=item, name=f"wl-push-{item[0]}", daemon=True) for item in remote_sets.items()]
+    for t in threads:
+        t.start()
+    try:
+        local = load(ck, select=_exact(local_names), **load_kwargs) if local_names else {}
+    finally:
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
+    return SplitResult(local, reports, time.perf_counter() - t0)
+
+
+def _exact(names: list[str]) -> frozenset[str]:
+    # exact names, not globs: a tensor name may hold glob characters ("experts[0]")
+    return frozenset(names)
