@@ -11,6 +11,7 @@ import pytest
 from weightlift import bench_arms
 from weightlift.benchmark import (
     SCHEMA,
+    cuda_reason,
     Arm,
     ArmFailed,
     ArmSkipped,
@@ -291,3 +292,16 @@ def test_register_adds_the_bench_command() -> None:
     assert (args.path, args.quick, args.cold, args.runs) == ("ck.safetensors", True, True, 7)
     assert (args.arms, args.json, args.png) == ("wl.numpy,runai", "o.json", "o.png")
     assert callable(args.func)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cuda_reason() is not None, reason=f"needs a CUDA device: {cuda_reason()}")
+def test_gpu_arms_and_the_h2d_baseline(tiny) -> None:
+    ck = describe_checkpoint(tiny)
+    for name in ("wl.cuda", "safetensors.cuda"):
+        arm = build_arms(ck, [name])[0]
+        assert arm.skip is None, arm.skip
+        s = run_once(arm.argv, env=arm.env)
+        assert (s.info["tensors"], s.info["bytes"]) == (ck["tensors"], ck["bytes"]), name
+    s = run_once(child_argv("base.h2d", {"files": [tiny], "repeats": 3}))
+    assert s.info["gbps"] > 0 and s.info["bytes"] == os.path.getsize(tiny)

@@ -451,7 +451,11 @@ def cuda_reason() -> str | None:
     if _cuda_memo:
         return _cuda_memo[0]
     reason: str | None
-    if not (os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version")):
+    import glob
+
+    # a cheap negative first: no driver node, no driver proc entry, no nvidia-smi (ROCm: /dev/kfd)
+    if not (glob.glob("/dev/nvidia*") or os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/kfd")
+            or shutil.which("nvidia-smi")):
         reason = "no CUDA device (no NVIDIA driver on this machine)"
     elif _missing("torch"):
         reason = "torch is not installed"
