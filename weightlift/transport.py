@@ -143,6 +143,13 @@ class SocketStream:
         except OSError:
             pass
 
+    def shutdown_write(self) -> None:
+        """Tell the peer we are done sending (it reads EOF after our last bytes); idempotent."""
+        try:
+            self._sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
     def set_timeout(self, seconds: float | None) -> None:
         """A receive timeout (for draining an error reply); None restores blocking mode."""
         self._sock.settimeout(seconds)

@@ -1,0 +1,796 @@
+"""The tensor server: receives pushed tensors into host or device memory and serves them back.
+
+Theory of operation: one thread accepts connections and one thread serves each. A connection's
+protocol state (decoder, session, tensors in flight, errors since the last barrier, profiler) is
+its own; the store of complete tensors and the memory count are shared under one lock.
+
+A WRITE is taken off the socket as a stream: the header through the decoder, then the payload
+``recv_into`` straight into the destination tensor's memory when the target takes a plain
+memcpy (host numpy / torch CPU), or into one staging buffer per connection (allocated once,
+never zero-filled; a pinned slot of the CUDA target) that the target's fill step then uploads.
+No buffer the size of a tensor is ever made for the transfer. With a cache folder, a tensor the
+client named by digest is hashed into the cache as its bytes arrive, piece by piece while the
+piece is still hot, and the digest check at the end doubles as proof that every byte arrived
+intact.
+
+A tensor becomes visible (``tensors()``, LIST, READ) only when all its bytes are in; the tensors
+a connection had in flight when it ended are dropped. A malformed frame gets an ERROR reply and
+the connection is closed; everything else that goes wrong with a request is collected and
+reported at the next BARRIER, so a client never waits for a reply per tensor.
+
+``WEIGHTLIFT_LOAD_OPT=0`` (read when the Server is made) receives each WRITE into a fresh buffer
+and copies it out, the naive way, for A/B measurements.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import sys
+import threading
+import time
+import warnings
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from .cache import TensorCache, disk_unusable
+from .errors import AuthError, CacheError, OptionError, RemoteProtocolError, TransportError, WeightliftError
+from .profile import Profiler
+from .protocol import (
+    MAX_ERRORS,
+    MAX_FRAME,
+    MAX_TENSOR_BYTES,
+    MAX_TENSORS,
+    NEED_DATA,
+    PROTOCOL_MAJOR,
+    PROTOCOL_MINOR,
+    Alloc,
+    Auth,
+    Barrier,
+    BarrierReply,
+    Bye,
+    Capability,
+    Decoder,
+    Error,
+    ErrorCode,
+    FillFromCache,
+    Free,
+    FreeReply,
+    Have,
+    HaveReply,
+    Hello,
+    ListEntry,
+    ListReply,
+    ListRequest,
+    Message,
+    Read,
+    ReadReply,
+    ServerSession,
+    SessionState,
+    WriteHeader,
+    client_mac,
+    new_nonce,
+    send,
+    server_mac,
+    verify_mac,
+)
+from .targets import CudaTarget, Target, make_target
+from .transport import Listener, SocketStream
+
+__all__ = ["Server", "ENV_LOAD_OPT", "load_opt_enabled", "is_loopback"]
+
+ENV_LOAD_OPT = "WEIGHTLIFT_LOAD_OPT"
+STAGING_BYTES = 8 * 1024 * 1024  # one per connection, for targets that are not host memory
+HASH_PIECE = 4 * 1024 * 1024  # received-then-hashed piece: still in the CPU cache when hashed
+SCRATCH_BYTES = 64 * 1024  # frame headers and drained payloads
+LINGER_BYTES = 64 * 1024 * 1024  # after an ERROR, how much of the peer's input to drain before closing
+
+
+def load_opt_enabled() -> bool:
+    """False when ``WEIGHTLIFT_LOAD_OPT=0`` asks for the naive behaviour (A/B runs)."""
+    return os.environ.get(ENV_LOAD_OPT, "1").strip() != "0"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names only this machine (so no token is needed to bind it)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _Gone(Exception):
+    """The peer closed the connection."""
+
+
+class _Pending:
+    """A tensor being filled by one connection: its destination and which bytes have arrived."""
+
+    __slots__ = ("name", "dtype", "shape", "nbytes", "dest", "digest", "covered", "writer", "hashed")
+
+    def __init__(self, a: Alloc, dest: Any):
+        self.name, self.dtype, self.shape, self.nbytes = a.name, a.dtype, a.shape, a.nbytes
+        self.dest = dest
+        self.digest = a.digest
+        self.covered: list[list[int]] = []  # sorted, disjoint [begin, end) ranges
+        self.writer: Any = None
+        self.hashed = 0
+
+    def add(self, begin: int, end: int) -> None:
+        if begin == end:
+            return
+        out: list[list[int]] = []
+        for r in self.covered:
+            if r[1] < begin or r[0] > end:
+                out.append(r)
+            else:
+                begin, end = min(begin, r[0]), max(end, r[1])
+        out.append([begin, end])
+        out.sort()
+        self.covered = out
+
+    @property
+    def complete(self) -> bool:
+        return self.nbytes == 0 or self.covered == [[0, self.nbytes]]
+
+
+class Server:
+    """A tensor server. ``start()`` serves on a background thread; ``serve_forever()`` in this one.
+
+    Binds 127.0.0.1 by default; any other address needs a ``token`` (clients must prove they hold
+    it) or ``insecure=True``. ``max_memory`` caps the bytes allocated across all clients.
+    ``protocol_minor`` makes the server speak an older minor version (compatibility tests).
+    ``profile`` None reads WEIGHTLIFT_LOADPROF; with it on, each connection's report is printed
+    to stderr when the connection closes.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        device: str = "cpu",
+        framework: str = "numpy",
+        cache_dir: str | os.PathLike[str] | None = None,
+        token: str | bytes | None = None,
+        insecure: bool = False,
+        max_memory: int | None = None,
+        profile: bool | None = None,
+        protocol_minor: int = PROTOCOL_MINOR,
+    ):
+        if not isinstance(port, int) or not 0 <= port <= 65535:
+            raise OptionError(f"port {port!r} is out of range")
+        if max_memory is not None and max_memory < 0:
+            raise OptionError(f"max_memory must be >= 0, got {max_memory}")
+        if not 0 <= protocol_minor <= PROTOCOL_MINOR:
+            raise OptionError(f"protocol_minor must be between 0 and {PROTOCOL_MINOR}")
+        self._token = token.encode() if isinstance(token, str) else token
+        if self._token is not None and not self._token:
+            raise OptionError("token is empty")
+        if not is_loopback(host):
+            if self._token is None and not insecure:
+                raise OptionError(f"binding {host} exposes the server beyond this machine: pass a token, or insecure=True")
+            if self._token is None:
+                warnings.warn(f"serving on {host} without a token: anyone who can reach it may write memory", RuntimeWarning, stacklevel=2)
+        self.host, self.port = host, port
+        self.device, self.framework = device, framework
+        self._target = make_target(device, framework)  # fails now on a missing device, not per client
+        self._cache = TensorCache(cache_dir) if cache_dir is not None else None
+        self._max_memory = max_memory
+        self._minor = protocol_minor
+        self._opt = load_opt_enabled()
+        self._profile = profile
+        self._lock = threading.Lock()
+        self._store: dict[str, tuple[str, tuple[int, ...], int, Any]] = {}
+        self._used = 0
+        self._stats = {"connections": 0, "tensors": 0, "bytes_received": 0, "bytes_from_cache": 0, "cache_hits": 0, "errors": 0}
+        self._reports: deque[dict[str, Any]] = deque(maxlen=64)
+        self._listener: Listener | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._conns: set[SocketStream] = set()
+        self._threads: set[threading.Thread] = set()
+        self._closing = threading.Event()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The bound (host, port); OptionError before start()."""
+        if self._listener is None:
+            raise OptionError("the server is not started")
+        return self._listener.address
+
+    def _bind(self) -> None:
+        if self._closing.is_set():
+            raise OptionError("the server is closed")
+        if self._listener is None:
+            self._listener = Listener(self.host, self.port)
+
+    def bind(self) -> tuple[str, int]:
+        """Bind without serving yet (to print the address first); returns the bound (host, port)."""
+        self._bind()
+        return self.address
+
+    def start(self) -> tuple[str, int]:
+        """Bind and serve on a background thread; returns the bound (host, port). Idempotent."""
+        self._bind()
+        if self._accept_thread is None:
+            self._accept_thread = threading.Thread(target=self._accept_loop, name="weightlift-accept", daemon=True)
+            self._accept_thread.start()
+        return self.address
+
+    def serve_forever(self) -> None:
+        """Serve in the calling thread until close() (from another thread) or Ctrl-C, then close."""
+        self._bind()
+        try:
+            if self._accept_thread is not None:  # already serving in the background: just wait
+                while not self._closing.wait(0.5):
+                    pass
+            else:
+                self._accept_loop()
+        finally:
+            self.close()
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._closing.is_set():
+            try:
+                stream = self._listener.accept(timeout=0.2)
+            except TransportError:
+                if self._closing.is_set():
+                    return
+                time.sleep(0.05)  # e.g. EMFILE: back off rather than spin
+                continue
+            if stream is None:
+                continue
+            with self._lock:
+                if self._closing.is_set():
+                    stream.close()
+                    return
+                self._conns.add(stream)
+                self._stats["connections"] += 1
+                t = threading.Thread(target=self._serve_one, args=(stream,), name=f"weightlift-conn {stream.peer}", daemon=True)
+                self._threads.add(t)
+            t.start()
+
+    def _serve_one(self, stream: SocketStream) -> None:
+        try:
+            _Connection(self, stream).run()
+        finally:
+            stream.close()
+            with self._lock:
+                self._conns.discard(stream)
+                self._threads.discard(threading.current_thread())
+
+    def close(self) -> None:
+        """Stop accepting, end every connection (their partial tensors are dropped), and wait."""
+        self._closing.set()
+        if self._listener is not None:
+            self._listener.close()
+        with self._lock:
+            conns, threads = list(self._conns), list(self._threads)
+        for s in conns:
+            s.shutdown()
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(timeout=10)
+        if self._accept_thread is not None and self._accept_thread is not threading.current_thread():
+            self._accept_thread.join(timeout=10)
+
+    stop = close
+
+    def __enter__(self) -> Server:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- what the server holds -------------------------------------------------------------
+
+    def tensors(self) -> dict[str, Any]:
+        """The complete tensors by name (numpy arrays or torch tensors); never a partial one."""
+        with self._lock:
+            return {name: entry[3] for name, entry in self._store.items()}
+
+    @property
+    def memory_used(self) -> int:
+        """Bytes allocated now, complete and in flight."""
+        return self._used
+
+    def stats(self) -> dict[str, int]:
+        """Counters since start: connections, tensors completed, payload bytes received over the
+        wire, bytes filled from the cache, cache hits, errors reported."""
+        with self._lock:
+            return dict(self._stats)
+
+    def profile_reports(self) -> list[dict[str, Any]]:
+        """The profiler reports of the most recent closed connections, oldest first (profiling on)."""
+        with self._lock:
+            return list(self._reports)
+
+    # -- shared state, used by connections -------------------------------------------------
+
+    def _reserve(self, nbytes: int) -> None:
+        with self._lock:
+            if self._max_memory is not None and self._used + nbytes > self._max_memory:
+                raise _RequestError(
+                    ErrorCode.LIMIT,
+                    f"{nbytes} bytes would exceed the server's memory limit ({self._used} of {self._max_memory} in use)",
+                )
+            self._used += nbytes
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self._used -= nbytes
+
+    def _publish(self, p: _Pending, dest: Any) -> None:
+        with self._lock:
+            old = self._store.get(p.name)
+            self._store[p.name] = (p.dtype, p.shape, p.nbytes, dest)
+            if old is not None:
+                self._used -= old[2]
+            self._stats["tensors"] += 1
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._stats[key] += n
+
+    def _disable_cache(self, exc: CacheError) -> None:
+        if self._cache is not None:
+            self._cache = None
+            warnings.warn(f"tensor cache disabled: {exc}", RuntimeWarning, stacklevel=2)
+
+
+class _RequestError(Exception):
+    """A request failed; reported at the next barrier (or as an ERROR reply to READ)."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class _Connection:
+    """One client: reads frames, dispatches them, and owns everything in flight."""
+
+    def __init__(self, server: Server, stream: SocketStream):
+        self.srv = server
+        self.stream = stream
+        self.target: Target = server._target if server._target.memcpy_ok else make_target(server.device, server.framework)
+        self.minor = server._minor
+        self.dec = Decoder(our_role="server", minor=server._minor, max_tensor_bytes=self._max_tensor_bytes())
+        self.session = ServerSession(minor=server._minor, auth_required=server._token is not None)
+        self.nonce = new_nonce()
+        self.client_nonce = b""
+        self.client_max_frame = MAX_FRAME
+        self.pending: dict[int, _Pending] = {}
+        self.failed: set[int] = set()
+        self.errors: list[str] = []
+        self.need: list[int] = []
+        self.done_tensors = 0
+        self.done_bytes = 0
+        self.prof = Profiler(server._profile)
+        self.scratch = memoryview(bytearray(SCRATCH_BYTES))
+        self._staging: np.ndarray | None = None
+
+    def _max_tensor_bytes(self) -> int:
+        m = self.srv._max_memory
+        return MAX_TENSOR_BYTES if m is None else min(MAX_TENSOR_BYTES, m)
+
+    def staging(self) -> memoryview:
+        if self._staging is None:
+            self._staging = np.empty(STAGING_BYTES, dtype=np.uint8)  # reused, never zero-filled
+        return memoryview(self._staging)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while True:
+                msg = self._next_message()
+                if msg is None:
+                    return
+                t0 = time.perf_counter_ns() if self.prof.enabled else 0
+                if self._dispatch(msg):
+                    return
+                if self.prof.enabled:
+                    self.prof.command(msg.COMMAND.name, t0, time.perf_counter_ns())
+                    self.prof.count(calls=1)
+        except RemoteProtocolError as e:
+            self._fatal(ErrorCode.PROTOCOL, str(e))
+        except AuthError as e:
+            self._fatal(ErrorCode.AUTH, str(e))
+        except (_Gone, TransportError):
+            pass
+        finally:
+            self._drop_pending()
+            if self.prof.enabled:
+                self.srv._reports.append(self.prof.report())
+                sys.stderr.write(f"weightlift server: connection {self.stream.peer} closed\n{self.prof.format()}\n")
+
+    def _next_message(self) -> Message | None:
+        while True:
+            ev = self.dec.next_event()
+            if ev is not NEED_DATA:
+                return ev  # type: ignore[return-value]
+            want = self.dec.bytes_wanted()  # never past this frame: the payload goes elsewhere
+            buf = self.scratch if want <= len(self.scratch) else memoryview(bytearray(want))
+            n = self.stream.recv_into(buf[:want])
+            if n == 0:
+                if self.dec.at_boundary:
+                    return None
+                raise _Gone()
+            self.dec.feed(buf[:n])
+
+    def _fatal(self, code: ErrorCode, message: str) -> None:
+        """Reply ERROR, then close without a reset, so the client can read why."""
+        self.srv._count("errors")
+        try:
+            self.stream.send_parts([send(Error(code, message), minor=self.minor)])
+            self.stream.shutdown_write()
+            # Keep reading a while: closing with unread input would reset the connection and
+            # could destroy the reply before the client reads it.
+            self.stream.set_timeout(1.0)
+            drained = 0
+            while drained < LINGER_BYTES:
+                n = self.stream.recv_into(self.scratch)
+                if n == 0:
+                    break
+                drained += n
+        except TransportError:
+            pass
+
+    def _reply(self, msg: Message, *extra: Any) -> None:
+        self.stream.send_parts([send(msg, minor=self.minor, max_frame=self.client_max_frame), *extra])
+
+    def _dispatch(self, msg: Message) -> bool:
+        """Handle one message; True when the connection should end."""
+        if isinstance(msg, Hello):
+            if msg.major != PROTOCOL_MAJOR:
+                self._fatal(ErrorCode.VERSION, f"client speaks protocol {msg.major}.{msg.minor}; this server speaks {PROTOCOL_MAJOR}.{self.srv._minor}")
+                return True
+            self._hello(msg)
+            return False
+        try:
+            self.session.check(msg)
+        except RemoteProtocolError:
+            if self.session.state is SessionState.AWAIT_AUTH:
+                raise AuthError(f"{msg.COMMAND.name} before AUTH: this server wants a token") from None
+            raise
+        if isinstance(msg, Auth):
+            self._auth(msg)
+        elif isinstance(msg, WriteHeader):
+            self._write(msg)
+        elif isinstance(msg, Alloc):
+            self._guard(msg.tensor_id, self._alloc, msg)
+        elif isinstance(msg, FillFromCache):
+            self._guard(msg.tensor_id, self._fill, msg)
+        elif isinstance(msg, Have):
+            cache = self.srv._cache
+            self._reply(HaveReply(tuple(cache is not None and cache.has(d) for d in msg.digests)))
+        elif isinstance(msg, Barrier):
+            self._barrier()
+        elif isinstance(msg, Read):
+            self._read(msg)
+        elif isinstance(msg, ListRequest):
+            self._list(msg)
+        elif isinstance(msg, Free):
+            self._reply(FreeReply(self._free(msg.names)))
+        elif isinstance(msg, Bye):
+            return True
+        return False
+
+    def _guard(self, tid: int, fn: Any, msg: Message) -> None:
+        try:
+            fn(msg)
+        except _RequestError as e:
+            self._error(str(e))
+            self.failed.add(tid)
+
+    def _error(self, text: str) -> None:
+        self.srv._count("errors")
+        self.errors.append(text)
+
+    # -- handshake -----------------------------------------------------------------------------
+
+    def _hello(self, msg: Hello) -> None:
+        self.minor = self.session.hello(msg)
+        self.client_nonce = msg.nonce
+        if msg.max_frame:
+            self.client_max_frame = min(msg.max_frame, MAX_FRAME)
+        flags = 0
+        if self.srv._cache is not None and self.minor >= 1:
+            flags |= Capability.CACHE
+        if self.srv._token is not None:
+            flags |= Capability.AUTH
+        reply = Hello(
+            PROTOCOL_MAJOR,
+            self.srv._minor,
+            flags,
+            MAX_FRAME,
+            self._max_tensor_bytes(),
+            self.nonce,
+            self.srv._max_memory or 0,
+        )
+        self.stream.send_parts([send(reply)])
+
+    def _auth(self, msg: Auth) -> None:
+        token = self.srv._token
+        if token is None:
+            raise RemoteProtocolError("AUTH sent to a server that wants none")
+        verify_mac(client_mac(token, self.client_nonce, self.nonce), msg.mac, who="client")
+        self.session.authenticated()
+        self._reply(Auth(server_mac(token, self.client_nonce, self.nonce)))
+
+    # -- receiving tensors -----------------------------------------------------------------------
+
+    def _alloc(self, a: Alloc) -> None:
+        if a.tensor_id in self.pending:
+            raise _RequestError(ErrorCode.PROTOCOL, f"tensor id {a.tensor_id} ({a.name!r}) is already in flight")
+        if len(self.pending) >= MAX_TENSORS:
+            raise _RequestError(ErrorCode.LIMIT, f"more than {MAX_TENSORS} tensors in flight on one connection")
+        self.srv._reserve(a.nbytes)
+        try:
+            dest = self.target.empty(a.dtype, a.shape)
+        except (WeightliftError, MemoryError, RuntimeError) as e:  # RuntimeError: torch out of memory
+            self.srv._release(a.nbytes)
+            raise _RequestError(ErrorCode.LIMIT, f"cannot allocate {a.name!r} ({a.nbytes} bytes): {e}") from None
+        self.failed.discard(a.tensor_id)
+        p = _Pending(a, dest)
+        self.pending[a.tensor_id] = p
+        if p.complete:
+            self._complete(a.tensor_id, p)
+
+    def _write(self, h: WriteHeader) -> None:
+        p = self.pending.get(h.tensor_id)
+        if p is None or h.offset + h.length > p.nbytes:
+            if p is not None:
+                self._error(f"WRITE [{h.offset}, {h.offset + h.length}) runs past the {p.nbytes} bytes of {p.name!r}")
+            elif h.tensor_id not in self.failed:  # a failed ALLOC was reported already
+                self._error(f"WRITE to tensor id {h.tensor_id}, which is not allocated")
+            self._drain(h.length)
+            return
+        cache = self.srv._cache
+        if p.digest is not None and cache is not None and p.writer is None and h.offset == 0 and p.hashed == 0:
+            if not cache.has(p.digest, p.nbytes):
+                try:
+                    p.writer = cache.writer(p.digest, p.nbytes)
+                except CacheError as e:
+                    self._cache_failed(e)
+        if p.writer is not None and h.offset != p.hashed:  # out of order: cannot hash in one pass
+            p.writer.abort()
+            p.writer = None
+        if not self.srv._opt:
+            self._receive_naive(p, h)
+        elif self.target.memcpy_ok:
+            self._receive_direct(p, h)
+        else:
+            self._receive_staged(p, h)
+        self.srv._count("bytes_received", h.length)
+        self.done_bytes += h.length
+        p.add(h.offset, h.offset + h.length)
+        if p.complete:
+            self._complete(h.tensor_id, p)
+
+    def _recv_into(self, view: memoryview) -> None:
+        """Fill ``view`` with payload bytes straight from the socket."""
+        got = self.dec.payload_into(view)
+        while got < len(view):
+            n = self.stream.recv_into(view[got:])
+            if n == 0:
+                raise _Gone()
+            self.dec.payload_received(n)
+            got += n
+
+    def _hash(self, p: _Pending, chunk: memoryview) -> None:
+        if p.writer is None:
+            return
+        t0 = time.perf_counter_ns() if self.prof.enabled else 0
+        try:
+            p.writer.write(chunk)
+            p.hashed += len(chunk)
+        except CacheError as e:
+            p.writer = None
+            self._cache_failed(e)
+        if self.prof.enabled:
+            self.prof.record("hash", t0, time.perf_counter_ns(), len(chunk), name=p.name)
+
+    def _wire(self, view: memoryview, name: str) -> None:
+        if self.prof.enabled:
+            t0 = time.perf_counter_ns()
+            self._recv_into(view)
+            self.prof.record("wire", t0, time.perf_counter_ns(), len(view), name=name)
+        else:
+            self._recv_into(view)
+
+    def _receive_direct(self, p: _Pending, h: WriteHeader) -> None:
+        dest = self.target.host_view(p.dest)[h.offset : h.offset + h.length]
+        if p.writer is None:
+            self._wire(dest, p.name)
+            return
+        for pos in range(0, h.length, HASH_PIECE):
+            piece = dest[pos : pos + HASH_PIECE]
+            self._wire(piece, p.name)
+            self._hash(p, piece)
+
+    def _receive_staged(self, p: _Pending, h: WriteHeader) -> None:
+        target = self.target
+        stage = self.staging()
+        flat = None
+        if isinstance(target, CudaTarget) and target.dtype is None:
+            import torch
+
+            flat = p.dest.reshape(-1).view(torch.uint8)
+        pos = 0
+        while pos < h.length:
+            off = h.offset + pos
+            if flat is not None:  # receive straight into the target's pinned slot, then upload async
+                slot, buf = target.slot()
+                n = min(len(buf), h.length - pos)
+                chunk = memoryview(buf)[:n]
+            else:
+                n = min(len(stage), h.length - pos)
+                chunk = stage[:n]
+            self._wire(chunk, p.name)
+            self._hash(p, chunk)
+            t0 = time.perf_counter_ns() if self.prof.enabled else 0
+            if flat is not None:
+                target.upload(slot, flat[off : off + n], n)
+            else:
+                target.write(p.dest, off, chunk)
+            if self.prof.enabled:
+                self.prof.record("device", t0, time.perf_counter_ns(), n, name=p.name)
+            pos += n
+
+    def _receive_naive(self, p: _Pending, h: WriteHeader) -> None:
+        t0 = time.perf_counter_ns() if self.prof.enabled else 0
+        buf = bytearray(h.length)  # a fresh, zero-filled buffer per message, as the naive path did
+        self._recv_into(memoryview(buf))
+        t1 = time.perf_counter_ns() if self.prof.enabled else 0
+        self._hash(p, memoryview(buf))
+        t2 = time.perf_counter_ns() if self.prof.enabled else 0
+        self.target.write(p.dest, h.offset, buf)
+        if self.prof.enabled:
+            self.prof.record("wire", t0, t1, h.length, name=p.name)
+            self.prof.record("stage", t2, time.perf_counter_ns(), h.length, name=p.name)
+
+    def _drain(self, n: int) -> None:
+        while n:
+            chunk = self.scratch[: min(n, len(self.scratch))]
+            self._recv_into(chunk)
+            n -= len(chunk)
+
+    def _fill(self, f: FillFromCache) -> None:
+        p = self.pending.get(f.tensor_id)
+        if p is None:
+            raise _RequestError(ErrorCode.PROTOCOL, f"FILL_FROM_CACHE of tensor id {f.tensor_id}, which is not allocated")
+        if p.digest is not None and p.digest != f.digest:
+            raise _RequestError(ErrorCode.PROTOCOL, f"FILL_FROM_CACHE of {p.name!r} names a digest other than its ALLOC's")
+        cache = self.srv._cache
+        if cache is None:
+            self.need.append(f.tensor_id)
+            return
+        t0 = time.perf_counter_ns() if self.prof.enabled else 0
+        try:
+            if self.target.memcpy_ok:
+                cache.read_into(f.digest, self.target.host_view(p.dest))
+            else:
+                cache.read_into_target(
+                    f.digest, p.nbytes, lambda off, chunk: self.target.write(p.dest, off, chunk), self.staging()
+                )
+        except CacheError:
+            # The entry was missing or corrupt and is gone now: ask the client for the bytes.
+            p.covered = []
+            self.need.append(f.tensor_id)
+            return
+        if self.prof.enabled:
+            self.prof.record("read", t0, time.perf_counter_ns(), p.nbytes, name=p.name)
+        self.srv._count("cache_hits")
+        self.srv._count("bytes_from_cache", p.nbytes)
+        p.covered = [[0, p.nbytes]]
+        if p.writer is not None:
+            p.writer.abort()
+            p.writer = None
+        self._complete(f.tensor_id, p)
+
+    def _cache_failed(self, e: CacheError) -> None:
+        if disk_unusable(e):
+            self.srv._disable_cache(e)
+
+    def _complete(self, tid: int, p: _Pending) -> None:
+        del self.pending[tid]
+        if p.writer is not None:
+            writer, p.writer = p.writer, None
+            if p.hashed != p.nbytes:
+                writer.abort()
+            else:
+                try:
+                    writer.commit()
+                except CacheError as e:
+                    if not isinstance(e.__cause__, OSError):
+                        # The bytes that arrived are not the bytes the client hashed.
+                        self.srv._release(p.nbytes)
+                        self._error(f"tensor {p.name!r}: the bytes received do not match the digest the client sent")
+                        return
+                    self._cache_failed(e)
+        dest = self.target.finish(p.dest)
+        self.srv._publish(p, dest)
+        self.done_tensors += 1
+        if self.prof.enabled:
+            self.prof.count(tensors=1, nbytes=p.nbytes)
+
+    def _drop_pending(self) -> None:
+        for p in self.pending.values():
+            if p.writer is not None:
+                p.writer.abort()
+            self.srv._release(p.nbytes)
+        self.pending.clear()
+
+    def _barrier(self) -> None:
+        errors = self.errors
+        if len(errors) > MAX_ERRORS:
+            errors = errors[: MAX_ERRORS - 1] + [f"... and {len(errors) - MAX_ERRORS + 1} more errors"]
+        self._reply(BarrierReply(self.done_tensors, self.done_bytes, tuple(errors), tuple(self.need)))
+        self.errors, self.need = [], []
+        self.done_tensors = self.done_bytes = 0
+
+    # -- serving tensors back ----------------------------------------------------------------------
+
+    def _read(self, r: Read) -> None:
+        with self.srv._lock:
+            entry = self.srv._store.get(r.name)
+        if entry is None:
+            self._reply(Error(ErrorCode.NOT_FOUND, f"no tensor {r.name!r}"))
+            return
+        nbytes, dest = entry[2], entry[3]
+        if r.offset + r.length > nbytes:
+            self._reply(Error(ErrorCode.LIMIT, f"READ [{r.offset}, {r.offset + r.length}) runs past the {nbytes} bytes of {r.name!r}"))
+            return
+        head = send(ReadReply(r.length), minor=self.minor)
+        if _is_host(dest):
+            from .targets import as_bytes
+
+            self.stream.send_parts([head, memoryview(as_bytes(dest))[r.offset : r.offset + r.length]])
+            return
+        import torch
+
+        flat = dest.reshape(-1).view(torch.uint8)
+        self.stream.send_parts([head])
+        stage = self.staging()
+        for pos in range(r.offset, r.offset + r.length, len(stage)):
+            n = min(len(stage), r.offset + r.length - pos)
+            torch.from_numpy(self._staging[:n]).copy_(flat[pos : pos + n])  # type: ignore[index]
+            self.stream.send_parts([stage[:n]])
+
+    def _list(self, req: ListRequest) -> None:
+        with self.srv._lock:
+            items = sorted((n, e) for n, e in self.srv._store.items() if n > req.after)
+        budget = self.client_max_frame - 64
+        entries: list[ListEntry] = []
+        for name, (dtype, shape, nbytes, _) in items:
+            size = 15 + len(name.encode()) + 8 * len(shape)
+            if len(entries) >= MAX_TENSORS or size > budget:
+                break
+            budget -= size
+            entries.append(ListEntry(name, dtype, shape, nbytes))
+        self._reply(ListReply(tuple(entries), more=len(entries) < len(items)))
+
+    def _free(self, names: tuple[str, ...]) -> int:
+        freed = 0
+        with self.srv._lock:
+            for n in names:
+                entry = self.srv._store.pop(n, None)
+                if entry is not None:
+                    self.srv._used -= entry[2]
+                    freed += 1
+        return freed
+
+
+def _is_host(dest: Any) -> bool:
+    if isinstance(dest, np.ndarray):
+        return True
+    return getattr(getattr(dest, "device", None), "type", "cpu") == "cpu"
