@@ -1,0 +1,354 @@
+"""The push client against a real server on loopback: every dtype byte for byte, the cache path,
+streams, the naive arm, pull/list/free, auth, and the remote CLI verbs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from weightlift import cli
+from weightlift.client import Client, PushResult, RemoteTensor
+from weightlift.digests import MANIFEST_SUFFIX, hash_buffer
+from weightlift.dtypes import DTYPES, byte_length
+from weightlift.errors import AuthError, NotFoundError, OptionError, RemoteProtocolError, TransportError
+from weightlift.formats.safetensors import build_header
+from weightlift.profile import Profiler
+from weightlift.server import Server
+
+
+def write_safetensors(path, tensors: dict[str, tuple[str, tuple[int, ...], bytes]]) -> str:
+    """A .safetensors file of raw tensors: name -> (dtype, shape, bytes)."""
+    header, _ = build_header([(n, d, s, len(b)) for n, (d, s, b) in tensors.items()])
+    with open(path, "wb") as f:
+        f.write(header)
+        for _, _, b in tensors.values():
+            f.write(b)
+    return str(path)
+
+
+def _rand(n: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def every_dtype() -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    out = {}
+    for i, d in enumerate(DTYPES):
+        shape = (3, 8) if d.bits % 8 == 0 else (8,)  # packed types: 8 values are whole bytes
+        out[f"t.{d.name.lower()}"] = (d.name, shape, _rand(byte_length(d.name, shape), i))
+    out["t.empty"] = ("F16", (0, 7), b"")
+    out["t.scalar"] = ("I64", (), _rand(8, 99))
+    return out
+
+
+def model(tmp_path, *, large: int = 3, small: int = 4, size: int = 300_000) -> tuple[str, dict]:
+    """Some tensors at or above a 200 kB hash threshold, some below."""
+    t = {}
+    for i in range(small):
+        t[f"small.{i}"] = ("F32", (25, i + 1), _rand(100 * (i + 1), 100 + i))
+    for i in range(large):
+        t[f"large.{i}"] = ("BF16", (size // 2,), _rand(size, 200 + i))
+    return write_safetensors(tmp_path / "model.safetensors", t), t
+
+
+THRESHOLD = 200_000
+
+
+def _host_bytes(arr) -> bytes:
+    return np.ascontiguousarray(arr).reshape(-1).view(np.uint8).tobytes()
+
+
+def assert_holds(server: Server, tensors: dict) -> None:
+    got = server.tensors()
+    assert sorted(got) == sorted(tensors)
+    for name, (dtype, shape, data) in tensors.items():
+        assert _host_bytes(got[name]) == data, name
+
+
+def test_push_list_pull_every_dtype_byte_for_byte(tmp_path):
+    tensors = every_dtype()
+    path = write_safetensors(tmp_path / "all.safetensors", tensors)
+    with Server() as s, Client(s.address) as c:
+        result = c.push(path)
+        assert isinstance(result, PushResult)
+        total = sum(len(b) for _, _, b in tensors.values())
+        assert (result.tensors, result.bytes, result.bytes_sent, result.cached) == (len(tensors), total, total, 0)
+        assert result.bytes_hashed == 0 and result.profile is None
+        assert_holds(s, tensors)
+        for name, (dtype, shape, data) in tensors.items():
+            d = next(x for x in DTYPES if x.name == dtype)
+            if d.bits % 8 == 0:
+                assert s.tensors()[name].shape == shape
+        listed = c.list()
+        assert listed == sorted(RemoteTensor(n, d, sh, len(b)) for n, (d, sh, b) in tensors.items())
+        out = tmp_path / "pulled.safetensors"
+        assert c.pull(out) == listed
+    import weightlift
+
+    ck = weightlift.open(out)
+    assert {t.name: (t.dtype, t.shape) for t in ck.tensors} == {n: (d, sh) for n, (d, sh, _) in tensors.items()}
+    raw = out.read_bytes()
+    for t in ck.tensors:
+        assert raw[t.offset : t.end] == tensors[t.name][2], t.name
+    from safetensors import safe_open
+
+    with safe_open(str(out), framework="numpy") as f:  # the reference reader agrees
+        assert sorted(f.keys()) == sorted(tensors)
+        assert f.get_tensor("t.f32").tobytes() == tensors["t.f32"][2]
+        assert f.get_tensor("t.i64").tobytes() == tensors["t.i64"][2]
+    assert not list(tmp_path.glob("*.wl-tmp"))
+
+
+def test_push_to_server_without_cache_hashes_nothing(tmp_path):
+    path, tensors = model(tmp_path)
+    with Server() as s, Client(s.address, profile=True) as c:
+        r = c.push(path, hash_threshold=THRESHOLD)
+        assert r.bytes_hashed == 0 and r.cached == 0
+        assert r.profile is not None and r.profile["phases_s"]["hash"] == 0 and r.profile["background_s"]["hash"] == 0
+        assert r.profile["tensors"] == len(tensors) and r.profile["bytes"] == r.bytes
+        assert r.profile["commands"]["BARRIER"]["count"] == 1  # one round trip for the whole push
+        assert_holds(s, tensors)
+    assert not os.path.exists(path + MANIFEST_SUFFIX)
+
+
+def test_second_push_to_a_caching_server_sends_no_large_payload_and_hashes_nothing(tmp_path):
+    path, tensors = model(tmp_path)
+    large = sum(len(b) for n, (_, _, b) in tensors.items() if n.startswith("large"))
+    small = sum(len(b) for n, (_, _, b) in tensors.items() if n.startswith("small"))
+    with Server(cache_dir=tmp_path / "cache") as s, Client(s.address) as c:
+        first = c.push(path, hash_threshold=THRESHOLD)
+        assert first.bytes_hashed == large and first.cached == 0 and first.bytes_sent == large + small
+        assert os.path.exists(path + MANIFEST_SUFFIX)  # digests saved beside the file
+        c.free([n for n in tensors])
+        assert s.tensors() == {}
+        received = s.stats()["bytes_received"]
+        second = c.push(path, hash_threshold=THRESHOLD)
+        assert second.bytes_hashed == 0  # from the manifest
+        assert second.cached == 3 and second.bytes_sent == small
+        assert s.stats()["bytes_received"] - received == small  # the counter on the far side agrees
+        assert s.stats()["cache_hits"] == 3
+        assert_holds(s, tensors)
+
+
+def test_a_corrupt_cache_entry_is_dropped_and_the_tensor_sent_again(tmp_path):
+    path, tensors = model(tmp_path, large=2)
+    with Server(cache_dir=tmp_path / "cache") as s, Client(s.address) as c:
+        c.push(path, hash_threshold=THRESHOLD)
+        d = hash_buffer(tensors["large.1"][2])
+        entry = tmp_path / "cache" / d.hex()[:2] / d.hex()
+        data = bytearray(entry.read_bytes())
+        data[12345] ^= 1
+        entry.write_bytes(data)
+        c.free(list(tensors))
+        r = c.push(path, hash_threshold=THRESHOLD)
+        assert r.cached == 1  # large.0 from the cache, large.1 sent again
+        assert r.bytes_sent == len(tensors["large.1"][2]) + sum(
+            len(b) for n, (_, _, b) in tensors.items() if n.startswith("small")
+        )
+        assert r.tensors == len(tensors) and r.bytes == sum(len(b) for _, _, b in tensors.values())
+        assert_holds(s, tensors)
+        assert entry.read_bytes() == tensors["large.1"][2]  # and the entry is good again
+
+
+def test_streams_spread_tensors_and_give_the_same_bytes(tmp_path):
+    path, tensors = model(tmp_path, large=5, small=6)
+    with Server(cache_dir=tmp_path / "cache") as s, Client(s.address, streams=3) as c:
+        r = c.push(path, hash_threshold=THRESHOLD)
+        assert r.tensors == len(tensors) and r.bytes == sum(len(b) for _, _, b in tensors.values())
+        assert s.stats()["connections"] == 3
+        assert_holds(s, tensors)
+        c.free(list(tensors))
+        r = c.push(path, hash_threshold=THRESHOLD)
+        assert r.cached == 5
+        assert_holds(s, tensors)
+
+
+def test_naive_arm_gives_the_same_bytes(tmp_path, monkeypatch):
+    path, tensors = model(tmp_path)
+    monkeypatch.setenv("WEIGHTLIFT_LOAD_OPT", "0")
+    with Server() as s, Client(s.address, profile=True) as c:
+        r = c.push(path, hash_threshold=THRESHOLD)
+        assert_holds(s, tensors)
+    large = sum(len(b) for n, (_, _, b) in tensors.items() if n.startswith("large"))
+    assert r.bytes_hashed == large  # hashed although the server has no cache
+    assert r.profile["commands"]["BARRIER"]["count"] == len(tensors)  # a round trip per tensor
+    assert r.profile["phase_bytes"]["stage"] == r.bytes  # and a staging copy of everything
+    with Server(cache_dir=tmp_path / "cache") as s, Client(s.address) as c:
+        c.push(path, hash_threshold=THRESHOLD)
+        c.free(list(tensors))
+        r = c.push(path, hash_threshold=THRESHOLD)
+        assert r.cached == 3
+        assert_holds(s, tensors)
+
+
+def test_select_and_checkpoint_objects(tmp_path):
+    import weightlift
+
+    path, tensors = model(tmp_path)
+    with Server() as s, Client(s.address) as c:
+        r = c.push(weightlift.open(path), select="large.*")
+        assert r.tensors == 3 and sorted(s.tensors()) == ["large.0", "large.1", "large.2"]
+        with pytest.raises(NotFoundError):
+            c.push(path, select="nothing*")
+
+
+def test_free_and_list_empty(tmp_path):
+    path, tensors = model(tmp_path)
+    with Server() as s, Client(s.address) as c:
+        assert c.list() == []
+        c.push(path)
+        assert c.free(["small.0", "small.1", "missing"]) == 2
+        assert c.free("small.2") == 1
+        assert [t.name for t in c.list()] == ["large.0", "large.1", "large.2", "small.3"]
+        out = tmp_path / "few.safetensors"
+        c.pull(out)
+        import weightlift
+
+        assert [t.name for t in weightlift.open(out).tensors] == ["large.0", "large.1", "large.2", "small.3"]
+
+
+def test_pull_of_an_empty_server_writes_a_valid_file(tmp_path):
+    with Server() as s, Client(s.address) as c:
+        out = tmp_path / "empty.safetensors"
+        assert c.pull(out) == []
+    from safetensors.numpy import load_file
+
+    assert load_file(str(out)) == {}
+
+
+def test_token(tmp_path):
+    path, tensors = model(tmp_path, large=1, small=1)
+    with Server(token="sesame") as s:
+        with pytest.raises(AuthError, match="wants a token"):
+            Client(s.address)
+        with pytest.raises(AuthError):
+            Client(s.address, token="wrong")
+        with Client(s.address, token=b"sesame") as c:
+            c.push(path)
+        assert_holds(s, tensors)
+    with Server() as s, Client(s.address, token="unused") as c:  # a token the server does not ask for
+        c.push(path)
+
+
+def test_server_errors_surface_at_the_end_of_a_push(tmp_path):
+    path, tensors = model(tmp_path, large=2, small=0)
+    with Server(max_memory=400_000) as s, Client(s.address) as c:
+        with pytest.raises(RemoteProtocolError, match="memory limit"):
+            c.push(path)
+        assert list(s.tensors()) == ["large.0"]
+        assert s.memory_used == 300_000
+
+
+def test_connection_refused_is_a_transport_error():
+    s = Server()
+    s.start()
+    addr = s.address
+    s.close()
+    with pytest.raises(TransportError):
+        Client(addr, timeout=5)
+    with pytest.raises(OptionError):
+        Client("nohost")
+    with pytest.raises(OptionError):
+        Client(addr, streams=0)
+
+
+def test_client_profile_and_trace(tmp_path):
+    path, tensors = model(tmp_path)
+    prof = Profiler(enabled=True, trace=True)
+    with Server(cache_dir=tmp_path / "cache") as s, Client(s.address, profile=prof) as c:
+        r = c.push(path, hash_threshold=THRESHOLD)
+    assert r.profile["background_s"]["hash"] > 0  # hashing ran on the pool, beside the sends
+    assert r.profile["phase_bytes"]["wire"] == r.bytes_sent
+    prof.write_trace(tmp_path / "t.json")
+    names = {e["name"] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]}
+    assert "wire large.0" in names and "hash large.0" in names
+
+
+def test_gguf_quantized_tensors_travel_as_raw_bytes(tmp_path):
+    pytest.importorskip("gguf")
+    sys.path.insert(0, os.path.dirname(__file__))
+    try:
+        import _gguf_files
+    finally:
+        sys.path.pop(0)
+    import weightlift
+
+    path = tmp_path / "m.gguf"
+    _gguf_files.write_sample(path)
+    ck = weightlift.open(path)
+    raw = path.read_bytes()
+    with Server() as s, Client(s.address) as c:
+        c.push(ck)
+        got = s.tensors()
+        listed = {t.name: t for t in c.list()}
+    for t in ck.tensors:
+        assert _host_bytes(got[t.name]) == raw[t.offset : t.end], t.name
+        if t.quantized:
+            assert listed[t.name].dtype == "U8" and listed[t.name].shape == (t.length,)
+
+
+# -- the CLI verbs -------------------------------------------------------------------------------
+
+
+def test_cli_push_ls_pull(tmp_path, capsys):
+    path, tensors = model(tmp_path)
+    token = tmp_path / "token"
+    token.write_text("sesame\n")
+    with Server(token="sesame", cache_dir=tmp_path / "cache") as s:
+        host, port = s.address
+        to = f"{host}:{port}"
+        assert cli.main(["push", path, "--to", to, "--token-file", str(token), "--json", "--select", "small.*"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["tensors"] == 4 and out["bytes_hashed"] == 0 and out["profile"]["tensors"] == 4
+        assert out["profile"]["phases_s"]["hash"] == 0
+        assert cli.main(["push", path, "--to", to, "--token-file", str(token), "--streams", "2", "--profile",
+                         "--trace", str(tmp_path / "trace.json")]) == 0
+        text = capsys.readouterr().out
+        assert "pushed 7 tensors" in text and "load profile" in text
+        assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+        assert cli.main(["ls", "--from", to, "--token-file", str(token), "--json"]) == 0
+        listed = json.loads(capsys.readouterr().out)
+        assert [e["name"] for e in listed] == sorted(tensors)
+        assert cli.main(["ls", "--from", to, "--token-file", str(token)]) == 0
+        assert "7 tensors" in capsys.readouterr().out
+        out_file = tmp_path / "pulled.safetensors"
+        assert cli.main(["pull", "--from", to, "--token-file", str(token), "-o", str(out_file)]) == 0
+        import weightlift
+
+        assert sorted(t.name for t in weightlift.open(out_file).tensors) == sorted(tensors)
+        capsys.readouterr()
+        assert cli.main(["ls", "--from", to]) == 2  # no token: one line, status 2
+        assert "wants a token" in capsys.readouterr().err
+        assert cli.main(["push", path, "--to", to, "--token-file", str(tmp_path / "missing")]) == 2
+        assert cli.main(["push", path, "--to", "nonsense", "--token-file", str(token)]) == 2
+        assert cli.main(["push", path, "--to", to, "--streams", "0"]) == 2
+
+
+def test_cli_serve_in_a_subprocess(tmp_path):
+    path, tensors = model(tmp_path, large=1, small=2)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightlift.cli", "serve", "--port", "0", "--max-memory", "1M",
+         "--cache-dir", str(tmp_path / "cache")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("weightlift: serving on 127.0.0.1:"), line + proc.stderr.read()
+        addr = line.split()[3]
+        with Client(addr) as c:
+            assert c.server_hello.max_memory == 1 << 20
+            c.push(path)
+            assert len(c.list()) == 3
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def test_cli_serve_refuses_a_public_address_without_token(capsys):
+    assert cli.main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2
+    assert "token" in capsys.readouterr().err
+    assert cli.main(["serve", "--port", "0", "--max-memory", "lots"]) == 2

@@ -1,0 +1,160 @@
+"""The remote subcommands: ``serve``, ``push``, ``pull`` and ``ls``. Parsing only; the work is in
+:mod:`weightlift.server` and :mod:`weightlift.client`.
+
+``register(subparsers)`` adds them to the main parser (``weightlift.cli`` calls it). A user
+mistake raises a weightlift error, which the main CLI prints as one line with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Any
+
+from .errors import OptionError
+
+__all__ = ["register", "DEFAULT_PORT", "parse_size", "read_token"]
+
+DEFAULT_PORT = 7733
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"1073741824"``, ``"512M"``, ``"8GiB"`` (binary units); OptionError otherwise."""
+    m = _SIZE.match(text)
+    if not m:
+        raise OptionError(f"size {text!r} is not a number of bytes (e.g. 8589934592, 512M, 8G)")
+    unit = (m.group(2) or "").lower()[:1]
+    return int(m.group(1)) * _UNITS[unit]
+
+
+def read_token(path: str | None) -> bytes | None:
+    """The token in ``path`` (surrounding whitespace removed), or None without a path."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            token = f.read(64 * 1024).strip()
+    except OSError as e:
+        raise OptionError(f"cannot read token file {path}: {e.strerror or e}") from None
+    if not token:
+        raise OptionError(f"token file {path} is empty")
+    return token
+
+
+def register(sub: Any) -> None:
+    """Add ``serve``, ``push``, ``pull`` and ``ls`` to an argparse subparsers object."""
+    s = sub.add_parser("serve", help="run a tensor server that receives pushed weights")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need a token)")
+    s.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to bind (default {DEFAULT_PORT}; 0 picks one)")
+    s.add_argument("--device", default="cpu", help="where tensors land: cpu or cuda[:N]")
+    s.add_argument("--framework", choices=["numpy", "torch"], help="numpy (default on cpu) or torch (always on cuda)")
+    s.add_argument("--cache-dir", metavar="DIR", help="keep a content-addressed cache of received tensors here")
+    s.add_argument("--token-file", metavar="F", help="clients must prove they hold the token in this file")
+    s.add_argument("--insecure", action="store_true", help="allow a non-loopback address without a token")
+    s.add_argument("--max-memory", metavar="BYTES", help="cap on bytes allocated for all clients")
+    s.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("push", help="send a checkpoint's tensors to a tensor server")
+    p.add_argument("path")
+    p.add_argument("--to", required=True, metavar="HOST:PORT")
+    p.add_argument("--select", action="append", metavar="PATTERN", help="a glob, or re:<regex>; repeat for several")
+    p.add_argument("--streams", type=int, default=1, help="connections to spread the tensors over")
+    p.add_argument("--token-file", metavar="F")
+    p.add_argument("--json", action="store_true", help="print the result and profile as JSON")
+    p.add_argument("--profile", action="store_true", help="print where the time went")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the push")
+    p.set_defaults(func=_cmd_push)
+
+    g = sub.add_parser("pull", help="save everything a tensor server holds as a .safetensors file")
+    g.add_argument("--from", dest="source", required=True, metavar="HOST:PORT")
+    g.add_argument("-o", "--output", required=True, metavar="FILE.safetensors")
+    g.add_argument("--token-file", metavar="F")
+    g.set_defaults(func=_cmd_pull)
+
+    ls = sub.add_parser("ls", help="list the tensors a tensor server holds")
+    ls.add_argument("--from", dest="source", required=True, metavar="HOST:PORT")
+    ls.add_argument("--token-file", metavar="F")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=_cmd_ls)
+
+
+def _cmd_serve(a: argparse.Namespace) -> int:
+    from .server import Server
+
+    framework = a.framework or ("numpy" if a.device == "cpu" else "torch")
+    server = Server(
+        a.host,
+        a.port,
+        device=a.device,
+        framework=framework,
+        cache_dir=a.cache_dir,
+        token=read_token(a.token_file),
+        insecure=a.insecure,
+        max_memory=parse_size(a.max_memory) if a.max_memory is not None else None,
+    )
+    host, port = server.bind()
+    cache = f", cache {a.cache_dir}" if a.cache_dir else ""
+    auth = ", token required" if a.token_file else ""
+    print(f"weightlift: serving on {host}:{port} (device {a.device}, {framework}{cache}{auth})", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.close()
+    return 0
+
+
+def _client(a: argparse.Namespace, address: str, **kw: Any) -> Any:
+    from .client import Client
+
+    return Client(address, token=read_token(a.token_file), **kw)
+
+
+def _cmd_push(a: argparse.Namespace) -> int:
+    from .profile import Profiler
+
+    if a.streams < 1:
+        raise OptionError(f"--streams must be at least 1, got {a.streams}")
+    want = a.profile or a.json or a.trace
+    prof = Profiler(enabled=True, trace=bool(a.trace)) if want else None
+    with _client(a, a.to, streams=a.streams, profile=prof) as c:
+        result = c.push(a.path, select=a.select)
+    if a.trace:
+        prof.write_trace(a.trace)  # type: ignore[union-attr]
+    if a.json:
+        print(json.dumps(result.as_dict(), indent=1))
+        return 0
+    rate = result.bytes / result.seconds / 1e9 if result.seconds > 0 else 0.0
+    print(
+        f"pushed {result.tensors} tensors, {result.bytes:,} bytes to {a.to} in {result.seconds:.3f} s ({rate:.2f} GB/s); "
+        f"{result.bytes_sent:,} bytes sent, {result.bytes_hashed:,} hashed, {result.cached} from the server's cache"
+    )
+    if a.profile and prof is not None:
+        print(prof.format())
+    return 0
+
+
+def _cmd_pull(a: argparse.Namespace) -> int:
+    with _client(a, a.source) as c:
+        entries = c.pull(a.output)
+    total = sum(e.nbytes for e in entries)
+    print(f"pulled {len(entries)} tensors, {total:,} bytes from {a.source} into {a.output}")
+    return 0
+
+
+def _cmd_ls(a: argparse.Namespace) -> int:
+    with _client(a, a.source) as c:
+        entries = c.list()
+    if a.json:
+        print(json.dumps([{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "nbytes": e.nbytes} for e in entries], indent=1))
+        return 0
+    w = max([len(e.name) for e in entries] + [4])
+    print(f"{'name':<{w}}  {'dtype':<8} {'shape':<22} {'bytes':>14}")
+    for e in entries:
+        print(f"{e.name:<{w}}  {e.dtype:<8} {str(list(e.shape)):<22} {e.nbytes:>14}")
+    total = sum(e.nbytes for e in entries)
+    print(f"{len(entries)} tensors, {total:,} bytes on {a.source}", file=sys.stdout)
+    return 0
