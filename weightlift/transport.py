@@ -222,8 +222,8 @@ class Listener:
 
     def accept(self, timeout: float | None = None) -> SocketStream | None:
         """The next connection, or None if none came within ``timeout`` seconds."""
-        self._sock.settimeout(timeout)
         try:
+            self._sock.settimeout(timeout)
             sock, addr = self._sock.accept()
         except socket.timeout:
             return None
