@@ -217,7 +217,7 @@ def test_synthetic_checkpoint_is_valid_safetensors(tiny) -> None:
 
 def test_real_arm_bodies_report_every_byte(tiny) -> None:
     ck = describe_checkpoint(tiny)
-    for name in ("safetensors.numpy", "wl.numpy", "wl.numpy.nocopy", "wl.push", "wl.push.legacy"):
+    for name in ("safetensors.numpy", "wl.numpy", "wl.numpy.nocopy", "wl.push", "wl.push.legacy", "wl.split"):
         arm = build_arms(ck, [name])[0]
         assert arm.skip is None, arm.skip
         s = run_once(arm.argv, env=arm.env)

@@ -786,9 +786,12 @@ def plot(result: dict[str, Any], path: str) -> str | None:
     err = [[m - r["summary"]["min"] for m, (_, r) in zip(med, ok)],
            [r["summary"]["max"] - m for m, (_, r) in zip(med, ok)]]
     colors = ["tab:orange" if n.startswith("wl.") else "tab:blue" for n in names]
-    ax1.barh(names, med, xerr=err, color=colors, capsize=3)
+    ax1.barh(names, med, xerr=err, color=colors, capsize=3, label="spawn to ready")
+    loads = [r["load"]["median"] or 0.0 for _, r in ok]
+    ax1.barh(names, loads, height=0.35, color="black", alpha=0.45, label="of which the load call (load_s)")
     ax1.invert_yaxis()
-    ax1.set_xlabel("seconds, spawn to ready (median; bars: min-max)")
+    ax1.legend(fontsize=8, loc="lower right")
+    ax1.set_xlabel("seconds, spawn to ready (median; whiskers: min-max)")
     ck = result["checkpoint"]
     ax1.set_title(f"{ck['bytes'] / GIB:.2f} GiB, {result['mode']}, {result['runs']} runs")
     for y, (_, r) in enumerate(ok):
@@ -802,7 +805,7 @@ def plot(result: dict[str, Any], path: str) -> str | None:
             ax2.barh([n for n, _ in prof], vals, left=left, label=ph)
             left = [a + b for a, b in zip(left, vals)]
         ax2.invert_yaxis()
-        ax2.legend(fontsize=8, loc="lower right")
+        ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         ax2.set_xlabel("seconds of the load span, by phase (profiled round)")
     else:
         ax2.text(0.5, 0.5, "no weightlift arm was profiled", ha="center", va="center")
