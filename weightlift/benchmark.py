@@ -689,7 +689,7 @@ def _notes(result: dict[str, Any]) -> list[str]:
             notes.append("cold: no run was checked")
         elif worst <= 0.001:
             notes.append(f"cold: evicted, {100 * worst:.1f} % resident before each run "
-                         f"({cc['runs_checked']} runs checked with mincore)")
+                         f"({cc['runs_checked']} counted runs checked with mincore)")
         else:
             notes.append(f"cold: eviction incomplete, up to {100 * worst:.1f} % resident before a run "
                          "(this filesystem may keep pages, e.g. tmpfs)")
