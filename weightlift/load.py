@@ -200,7 +200,7 @@ def _profiler(profile: Any) -> Any:
     from .profile import Profiler
 
     if isinstance(profile, Profiler):
-        return profile
+        return profile if profile.enabled else None
     p = Profiler(enabled=True if profile is True else None)
     return p if p.enabled else None
 
