@@ -112,6 +112,9 @@ def test_push_to_server_without_cache_hashes_nothing(tmp_path):
         assert r.profile["tensors"] == len(tensors) and r.profile["bytes"] == r.bytes
         assert r.profile["commands"]["BARRIER"]["count"] == 1  # one round trip for the whole push
         assert_holds(s, tensors)
+        again = c.push(path, hash_threshold=THRESHOLD)
+        assert again.profile["tensors"] == len(tensors)  # this push's figures, not both pushes'
+        assert again.profile["commands"]["BARRIER"]["count"] == 1
     assert not os.path.exists(path + MANIFEST_SUFFIX)
 
 

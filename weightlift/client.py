@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple, Sequence
 
 from .checkpoint import Checkpoint, Select, open_checkpoint
-from .digests import HASH_THRESHOLD, DigestPool, Manifest, hash_buffer
+from .digests import HASH_THRESHOLD, DigestPool, hash_buffer, hash_tensors
 from .dtypes import CODES, byte_length
 from .errors import (
     AuthError,
@@ -47,7 +47,6 @@ from .profile import Profiler
 from .protocol import (
     MAX_FRAME,
     MAX_TENSORS,
-    NEED_DATA,
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
     Alloc,
@@ -79,7 +78,7 @@ from .protocol import (
 )
 from .server import load_opt_enabled
 from .source import mapped
-from .transport import SocketStream, connect
+from .transport import SocketStream, connect, receive_message, receive_payload
 
 __all__ = ["Client", "PushResult", "RemoteTensor"]
 
@@ -182,16 +181,7 @@ class _Conn:
             return e
 
     def _next(self) -> Message | None:
-        while True:
-            ev = self.dec.next_event()
-            if ev is not NEED_DATA:
-                return ev  # type: ignore[return-value]
-            want = self.dec.bytes_wanted()
-            buf = self.scratch if want <= len(self.scratch) else memoryview(bytearray(want))
-            n = self.stream.recv_into(buf[:want])
-            if n == 0:
-                return None
-            self.dec.feed(buf[:n])
+        return receive_message(self.stream, self.dec, self.scratch)
 
     def recv(self) -> Message:
         """The next message; a server ERROR is raised as the matching weightlift error."""
@@ -212,13 +202,10 @@ class _Conn:
         return msg
 
     def recv_payload(self, view: memoryview) -> None:
-        got = self.dec.payload_into(view)
-        while got < len(view):
-            n = self.stream.recv_into(view[got:])
-            if n == 0:
-                raise TransportError(f"{self.stream.peer} closed the connection inside a reply")
-            self.dec.payload_received(n)
-            got += n
+        try:
+            receive_payload(self.stream, self.dec, view)
+        except TransportError as e:
+            raise self._why_closed(e) from None
 
     def close(self) -> None:
         try:
@@ -285,6 +272,8 @@ class Client:
         self._timeout = timeout
         self._opt = load_opt_enabled()
         self.profiler = profile if isinstance(profile, Profiler) else Profiler(profile)
+        # A profiler of our own reports one push at a time; one passed in accumulates as its owner wishes.
+        self._own_profiler = not isinstance(profile, Profiler)
         self._conns: list[_Conn] = [self._connect()]
 
     def _connect(self) -> _Conn:
@@ -329,17 +318,21 @@ class Client:
             self._conns.append(self._connect())
         conns = self._conns[: self.streams]
         prof = self.profiler
+        if self._own_profiler:
+            prof.reset()
         tally = _Tally()
         t0 = time.perf_counter()
         hashing = _Hashing(plans, threshold=hash_threshold, prof=prof, enabled=self._opt and conns[0].cache)
+        ok = False
         try:
             groups = _balance(plans, len(conns))
             if len(conns) == 1:
                 _Pusher(conns[0], self._opt, prof, tally, hashing, hash_threshold).run(groups[0])
             else:
                 self._push_parallel(conns, groups, tally, hashing, hash_threshold)
+            ok = True
         finally:
-            hashing.close()
+            hashing.close(ok=ok)
         seconds = time.perf_counter() - t0
         return PushResult(
             tally.tensors, tally.bytes, tally.sent, tally.hashed + hashing.hashed_bytes, tally.cached, seconds,
@@ -447,47 +440,29 @@ class Client:
 
 
 class _Hashing:
-    """Digests of the large tensors of one push: from manifests, else hashed on worker threads."""
+    """Digests of the large tensors of one push: from the files' manifests, else hashed on a pool.
+
+    Counts the bytes it actually hashes: :func:`hash_tensors` asks for a tensor's bytes only
+    when the manifest lacks its digest.
+    """
 
     def __init__(self, plans: list[_Plan], *, threshold: int, prof: Profiler, enabled: bool):
         self.futures: dict[str, Future[bytes]] = {}
         self.hashed_bytes = 0
-        self._pending: list[tuple[Manifest, TensorInfo, Future[bytes]]] = []
-        self._manifests: list[Manifest] = []
         self._pool: DigestPool | None = None
-        if not enabled:
-            return
-        chosen = [p.info for p in plans if p.info.length >= max(threshold, 1)]
-        if not chosen:
-            return
-        by_file: dict[str, list[TensorInfo]] = {}
-        for t in chosen:
-            by_file.setdefault(t.file, []).append(t)
-        for file, group in by_file.items():
-            manifest = Manifest.load(file)
-            self._manifests.append(manifest)
-            for t in group:
-                known = manifest.get(t.name, t.offset, t.length)
-                fut: Future[bytes]
-                if known is not None:
-                    fut = Future()
-                    fut.set_result(known)
-                else:
-                    if self._pool is None:
-                        self._pool = DigestPool(max(1, min(4, (os.cpu_count() or 2) // 2)), profiler=prof)
-                    fut = self._pool.submit(t.name, mapped(t.file).view(t.offset, t.length))
-                    self._pending.append((manifest, t, fut))
-                    self.hashed_bytes += t.length
-                self.futures[t.name] = fut
+        chosen = [p.info for p in plans if p.info.length >= max(threshold, 1)] if enabled else []
+        if chosen:
+            self._pool = DigestPool(max(1, min(4, (os.cpu_count() or 2) // 2)), profiler=prof)
+            self.futures = hash_tensors(chosen, view=self._view, pool=self._pool, threshold=0)
 
-    def close(self) -> None:
+    def _view(self, t: TensorInfo) -> memoryview:
+        self.hashed_bytes += t.length
+        return mapped(t.file).view(t.offset, t.length)
+
+    def close(self, *, ok: bool) -> None:
+        """After a push: wait for the workers (they save the manifests), or cancel on failure."""
         if self._pool is not None:
-            self._pool.close(wait=False)
-        for manifest, t, fut in self._pending:
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                manifest.put(t.name, t.offset, t.length, fut.result())
-        for manifest in self._manifests:
-            manifest.save()
+            self._pool.close(wait=ok)
 
 
 def _balance(plans: list[_Plan], n: int) -> list[list[_Plan]]:
@@ -554,10 +529,17 @@ class _Pusher:
             raise RemoteProtocolError(f"HAVE asked about {len(digests)} digests; the reply has {len(reply.have)}")
         return reply.have
 
-    def _alloc(self, p: _Plan, digest: bytes | None) -> int:
+    def _new_id(self, p: _Plan) -> int:
         tid = self.conn.next_id
         self.conn.next_id = (tid + 1) & 0xFFFFFFFF
         self.sent[tid] = p
+        return tid
+
+    def _alloc_frame(self, tid: int, p: _Plan, digest: bytes | None) -> bytes:
+        return self.conn.frame(Alloc(tid, p.info.name, p.dtype, p.shape, p.info.length, digest))
+
+    def _alloc(self, p: _Plan, digest: bytes | None) -> int:
+        tid = self._new_id(p)
         self._command(Alloc(tid, p.info.name, p.dtype, p.shape, p.info.length, digest))
         return tid
 
@@ -571,10 +553,8 @@ class _Pusher:
         t = p.info
         head = b""
         if tid is None:
-            tid = self.conn.next_id
-            self.conn.next_id = (tid + 1) & 0xFFFFFFFF
-            self.sent[tid] = p
-            head = self.conn.frame(Alloc(tid, t.name, p.dtype, p.shape, t.length, digest))
+            tid = self._new_id(p)
+            head = self._alloc_frame(tid, p, digest)
         if t.length == 0:  # complete at ALLOC: a WRITE would name a tensor no longer in flight
             self.conn.send(head)
             self.tally.add(tensors=1)
@@ -627,10 +607,8 @@ class _Pusher:
             self._command(FillFromCache(tid, digest))
             self.tally.add(tensors=1, bytes=t.length, cached=1)
         else:
-            tid = self.conn.next_id
-            self.conn.next_id = (tid + 1) & 0xFFFFFFFF
-            self.sent[tid] = p
-            head = self.conn.frame(Alloc(tid, t.name, p.dtype, p.shape, t.length, digest if self.conn.cache else None))
+            tid = self._new_id(p)
+            head = self._alloc_frame(tid, p, digest if self.conn.cache else None)
             if t.length:
                 head += self.conn.frame(WriteHeader(tid, 0, t.length))
             t0 = time.perf_counter_ns() if self.prof.enabled else 0

@@ -43,7 +43,6 @@ from .protocol import (
     MAX_FRAME,
     MAX_TENSOR_BYTES,
     MAX_TENSORS,
-    NEED_DATA,
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
     Alloc,
@@ -77,7 +76,7 @@ from .protocol import (
     verify_mac,
 )
 from .targets import CudaTarget, Target, make_target
-from .transport import Listener, SocketStream
+from .transport import Listener, SocketStream, receive_message, receive_payload
 
 __all__ = ["Server", "ENV_LOAD_OPT", "load_opt_enabled", "is_loopback"]
 
@@ -101,10 +100,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-class _Gone(Exception):
-    """The peer closed the connection."""
 
 
 class _Pending:
@@ -391,7 +386,7 @@ class _Connection:
     def run(self) -> None:
         try:
             while True:
-                msg = self._next_message()
+                msg = receive_message(self.stream, self.dec, self.scratch)
                 if msg is None:
                     return
                 t0 = time.perf_counter_ns() if self.prof.enabled else 0
@@ -404,27 +399,13 @@ class _Connection:
             self._fatal(ErrorCode.PROTOCOL, str(e))
         except AuthError as e:
             self._fatal(ErrorCode.AUTH, str(e))
-        except (_Gone, TransportError):
-            pass
+        except TransportError:
+            pass  # the client went away; what it had in flight is dropped below
         finally:
             self._drop_pending()
             if self.prof.enabled:
                 self.srv._reports.append(self.prof.report())
                 sys.stderr.write(f"weightlift server: connection {self.stream.peer} closed\n{self.prof.format()}\n")
-
-    def _next_message(self) -> Message | None:
-        while True:
-            ev = self.dec.next_event()
-            if ev is not NEED_DATA:
-                return ev  # type: ignore[return-value]
-            want = self.dec.bytes_wanted()  # never past this frame: the payload goes elsewhere
-            buf = self.scratch if want <= len(self.scratch) else memoryview(bytearray(want))
-            n = self.stream.recv_into(buf[:want])
-            if n == 0:
-                if self.dec.at_boundary:
-                    return None
-                raise _Gone()
-            self.dec.feed(buf[:n])
 
     def _fatal(self, code: ErrorCode, message: str) -> None:
         """Reply ERROR, then close without a reset, so the client can read why."""
@@ -576,16 +557,6 @@ class _Connection:
         if p.complete:
             self._complete(h.tensor_id, p)
 
-    def _recv_into(self, view: memoryview) -> None:
-        """Fill ``view`` with payload bytes straight from the socket."""
-        got = self.dec.payload_into(view)
-        while got < len(view):
-            n = self.stream.recv_into(view[got:])
-            if n == 0:
-                raise _Gone()
-            self.dec.payload_received(n)
-            got += n
-
     def _hash(self, p: _Pending, chunk: memoryview) -> None:
         if p.writer is None:
             return
@@ -602,10 +573,10 @@ class _Connection:
     def _wire(self, view: memoryview, name: str) -> None:
         if self.prof.enabled:
             t0 = time.perf_counter_ns()
-            self._recv_into(view)
+            receive_payload(self.stream, self.dec, view)
             self.prof.record("wire", t0, time.perf_counter_ns(), len(view), name=name)
         else:
-            self._recv_into(view)
+            receive_payload(self.stream, self.dec, view)
 
     def _receive_direct(self, p: _Pending, h: WriteHeader) -> None:
         dest = self.target.host_view(p.dest)[h.offset : h.offset + h.length]
@@ -649,7 +620,7 @@ class _Connection:
     def _receive_naive(self, p: _Pending, h: WriteHeader) -> None:
         t0 = time.perf_counter_ns() if self.prof.enabled else 0
         buf = bytearray(h.length)  # a fresh, zero-filled buffer per message, as the naive path did
-        self._recv_into(memoryview(buf))
+        receive_payload(self.stream, self.dec, memoryview(buf))
         t1 = time.perf_counter_ns() if self.prof.enabled else 0
         self._hash(p, memoryview(buf))
         t2 = time.perf_counter_ns() if self.prof.enabled else 0
@@ -661,7 +632,7 @@ class _Connection:
     def _drain(self, n: int) -> None:
         while n:
             chunk = self.scratch[: min(n, len(self.scratch))]
-            self._recv_into(chunk)
+            receive_payload(self.stream, self.dec, chunk)
             n -= len(chunk)
 
     def _fill(self, f: FillFromCache) -> None:

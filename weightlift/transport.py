@@ -21,8 +21,19 @@ import socket
 from typing import Protocol, Sequence, Union
 
 from .errors import OptionError, TransportError
+from .protocol import NEED_DATA, Decoder, Message
 
-__all__ = ["Buffer", "Stream", "SocketStream", "Listener", "connect", "parse_address", "SOCKET_BUFFER"]
+__all__ = [
+    "Buffer",
+    "Stream",
+    "SocketStream",
+    "Listener",
+    "connect",
+    "parse_address",
+    "receive_message",
+    "receive_payload",
+    "SOCKET_BUFFER",
+]
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -167,6 +178,38 @@ class SocketStream:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def receive_message(stream: Stream, decoder: Decoder, scratch: memoryview) -> Message | None:
+    """The next message from ``stream``; None if the peer closed cleanly between frames.
+
+    Reads exactly what the decoder still wants, so a payload that follows a header stays in the
+    socket for :func:`receive_payload` to put where it belongs. TransportError if the peer closes
+    inside a frame.
+    """
+    while True:
+        ev = decoder.next_event()
+        if ev is not NEED_DATA:
+            return ev  # type: ignore[return-value]
+        want = decoder.bytes_wanted()
+        buf = scratch if want <= len(scratch) else memoryview(bytearray(want))
+        n = stream.recv_into(buf[:want])
+        if n == 0:
+            if decoder.at_boundary:
+                return None
+            raise TransportError("the peer closed the connection inside a frame")
+        decoder.feed(buf[:n])
+
+
+def receive_payload(stream: Stream, decoder: Decoder, view: memoryview) -> None:
+    """Fill ``view`` with the next payload bytes of the current frame, straight from the socket."""
+    got = decoder.payload_into(view)
+    while got < len(view):
+        n = stream.recv_into(view[got:])
+        if n == 0:
+            raise TransportError("the peer closed the connection inside a payload")
+        decoder.payload_received(n)
+        got += n
 
 
 def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
