@@ -377,20 +377,22 @@ class Client:
     def free(self, names: Sequence[str]) -> int:
         """Drop the named tensors on the server; returns how many existed."""
         conn = self._conn()
-        names = [names] if isinstance(names, str) else list(names)
         freed = 0
         batch: list[str] = []
         size = 0
-        for i, n in enumerate(names + [None]):  # type: ignore[list-item]
-            if n is not None and len(batch) < MAX_TENSORS and size + len(n.encode()) + 2 < conn.max_frame - 64:
-                batch.append(n)
-                size += len(n.encode()) + 2
-                continue
-            if batch:
-                conn.send(conn.frame(Free(tuple(batch))))
-                freed += conn.expect(FreeReply).freed
-            batch, size = ([n], len(n.encode()) + 2) if n is not None else ([], 0)
-        return freed
+        for n in [names] if isinstance(names, str) else names:
+            cost = len(n.encode()) + 2
+            if batch and (len(batch) >= MAX_TENSORS or size + cost > conn.max_frame - 64):
+                freed += self._free_batch(conn, batch)
+                batch, size = [], 0
+            batch.append(n)
+            size += cost
+        return freed + (self._free_batch(conn, batch) if batch else 0)
+
+    @staticmethod
+    def _free_batch(conn: _Conn, names: list[str]) -> int:
+        conn.send(conn.frame(Free(tuple(names))))
+        return conn.expect(FreeReply).freed
 
     def pull(self, path: str | os.PathLike[str]) -> list[RemoteTensor]:
         """Write every tensor the server holds to ``path`` as a .safetensors file; returns them."""
@@ -513,11 +515,17 @@ class _Pusher:
         have = self._have(digests)
         for p, d, h in zip(plans, digests, have):
             if h:
-                tid = self._alloc(p, d)
-                self._command(FillFromCache(tid, d))
-                self.tally.add(tensors=1, bytes=p.info.length, cached=1)
+                self._fill(p, d)
             else:
                 self._send(p, d)
+
+    def _fill(self, p: _Plan, digest: bytes) -> None:
+        """ALLOC and FILL_FROM_CACHE: the server takes the bytes from its own cache."""
+        tid = self._alloc(p, digest)
+        self._command(FillFromCache(tid, digest))
+        if self.prof.enabled:
+            self.prof.count(tensors=1)
+        self.tally.add(tensors=1, bytes=p.info.length, cached=1)
 
     def _have(self, digests: list[bytes]) -> tuple[bool, ...]:
         t0 = time.perf_counter_ns() if self.prof.enabled else 0
@@ -557,6 +565,8 @@ class _Pusher:
             head = self._alloc_frame(tid, p, digest)
         if t.length == 0:  # complete at ALLOC: a WRITE would name a tensor no longer in flight
             self.conn.send(head)
+            if self.prof.enabled:
+                self.prof.count(tensors=1, calls=1)
             self.tally.add(tensors=1)
             return
         head += self.conn.frame(WriteHeader(tid, 0, t.length))
@@ -603,9 +613,7 @@ class _Pusher:
                 self.prof.record("hash", t0, time.perf_counter_ns(), t.length, name=t.name)
             self.tally.add(hashed=t.length)
         if digest is not None and self.conn.cache and self._have([digest])[0]:
-            tid = self._alloc(p, digest)
-            self._command(FillFromCache(tid, digest))
-            self.tally.add(tensors=1, bytes=t.length, cached=1)
+            self._fill(p, digest)
         else:
             tid = self._new_id(p)
             head = self._alloc_frame(tid, p, digest if self.conn.cache else None)

@@ -314,8 +314,7 @@ class Server:
         with self._lock:
             if self._max_memory is not None and self._used + nbytes > self._max_memory:
                 raise _RequestError(
-                    ErrorCode.LIMIT,
-                    f"{nbytes} bytes would exceed the server's memory limit ({self._used} of {self._max_memory} in use)",
+                    f"{nbytes} bytes would exceed the server's memory limit ({self._used} of {self._max_memory} in use)"
                 )
             self._used += nbytes
 
@@ -342,11 +341,7 @@ class Server:
 
 
 class _RequestError(Exception):
-    """A request failed; reported at the next barrier (or as an ERROR reply to READ)."""
-
-    def __init__(self, code: ErrorCode, message: str):
-        super().__init__(message)
-        self.code = code
+    """A request failed; its message is reported at the next barrier."""
 
 
 class _Connection:
@@ -425,8 +420,8 @@ class _Connection:
         except TransportError:
             pass
 
-    def _reply(self, msg: Message, *extra: Any) -> None:
-        self.stream.send_parts([send(msg, minor=self.minor, max_frame=self.client_max_frame), *extra])
+    def _reply(self, msg: Message) -> None:
+        self.stream.send_parts([send(msg, minor=self.minor, max_frame=self.client_max_frame)])
 
     def _dispatch(self, msg: Message) -> bool:
         """Handle one message; True when the connection should end."""
@@ -511,15 +506,15 @@ class _Connection:
 
     def _alloc(self, a: Alloc) -> None:
         if a.tensor_id in self.pending:
-            raise _RequestError(ErrorCode.PROTOCOL, f"tensor id {a.tensor_id} ({a.name!r}) is already in flight")
+            raise _RequestError(f"tensor id {a.tensor_id} ({a.name!r}) is already in flight")
         if len(self.pending) >= MAX_TENSORS:
-            raise _RequestError(ErrorCode.LIMIT, f"more than {MAX_TENSORS} tensors in flight on one connection")
+            raise _RequestError(f"more than {MAX_TENSORS} tensors in flight on one connection")
         self.srv._reserve(a.nbytes)
         try:
             dest = self.target.empty(a.dtype, a.shape)
         except (WeightliftError, MemoryError, RuntimeError) as e:  # RuntimeError: torch out of memory
             self.srv._release(a.nbytes)
-            raise _RequestError(ErrorCode.LIMIT, f"cannot allocate {a.name!r} ({a.nbytes} bytes): {e}") from None
+            raise _RequestError(f"cannot allocate {a.name!r} ({a.nbytes} bytes): {e}") from None
         self.failed.discard(a.tensor_id)
         p = _Pending(a, dest)
         self.pending[a.tensor_id] = p
@@ -638,9 +633,9 @@ class _Connection:
     def _fill(self, f: FillFromCache) -> None:
         p = self.pending.get(f.tensor_id)
         if p is None:
-            raise _RequestError(ErrorCode.PROTOCOL, f"FILL_FROM_CACHE of tensor id {f.tensor_id}, which is not allocated")
+            raise _RequestError(f"FILL_FROM_CACHE of tensor id {f.tensor_id}, which is not allocated")
         if p.digest is not None and p.digest != f.digest:
-            raise _RequestError(ErrorCode.PROTOCOL, f"FILL_FROM_CACHE of {p.name!r} names a digest other than its ALLOC's")
+            raise _RequestError(f"FILL_FROM_CACHE of {p.name!r} names a digest other than its ALLOC's")
         cache = self.srv._cache
         if cache is None:
             self.need.append(f.tensor_id)
