@@ -10,9 +10,11 @@ Theory of operation.
    become one arena whose layout mirrors the file (so each run is one copy and each tensor a
    view), and the arena is cut into chunks for the worker threads.
 4. **Move.** Worker threads take chunks in file order. Host targets in the checkpoint's dtype
-   take a plain copy straight into the arena: ``preadv`` from the file (the default: no soft
-   faults on a source mapping, no second copy of the file in this process's RSS) or a copy out
-   of the one mapping of the file. A CUDA target gets the same reads into pinned slots, each
+   take a plain copy straight into the arena out of the file's one mapping (borrowed slices, no
+   staging copy; the mapping's page-table entries are dropped behind the copy so the file does
+   not count twice in RSS), or ``preadv`` from the file where the mapping is off. Measured on
+   a 2 GiB checkpoint in fresh processes, the mapping copy was the faster of the two warm
+   (medians 0.43 s against 1.0 s) and the same cold. A CUDA target gets the same reads into pinned slots, each
    worker double-buffering its own two slots so the disk or page-cache read of one chunk
    overlaps the device copy of the previous one. A cast target converts straight out of the
    mapping in its own fill step. While the workers copy, warmers read ahead of them on cold files.
@@ -65,7 +67,7 @@ def load(
     page_cache: str | None = None,
     warm: bool | None = None,
     threads: int | None = None,
-    engine: str = "pread",
+    engine: str = "mmap",
     dequantize: bool = False,
     profile: Any = None,
     progress: bool | None = None,
@@ -83,7 +85,8 @@ def load(
     read-only arrays backed by the file's mapping. ``page_cache`` is "keep" or "evict" (default:
     keep, evict on unified-memory devices; WEIGHTLIFT_PAGE_EVICTION overrides the default).
     ``warm`` forces the read-ahead warmer on or off (default: on when under 90 % of a file is
-    resident). ``engine`` is "pread" or "mmap" for host copies. GGUF quantized tensors come
+    resident). ``engine`` is "mmap" (copy out of the file's one mapping, the default) or "pread"
+    (``preadv`` straight into the destination, for where a mapping is unwanted). GGUF quantized tensors come
     back as their raw blocks (uint8) unless ``dequantize=True``. ``profile`` is True, False,
     None (env WEIGHTLIFT_LOADPROF) or a :class:`~weightlift.profile.Profiler`. ``report``, if
     given, is filled with the load's figures (bytes, seconds, residency, profile).
@@ -427,10 +430,9 @@ class _Mover:
         n = dst.size
         if self.engine == "mmap":
             np.copyto(dst, np.frombuffer(m.buffer, dtype=np.uint8, count=n, offset=off))
-            if _RELEASE:
-                # drop this process's page-table entries for what was copied (the page cache
-                # keeps the pages): otherwise the mapped file doubles the load's RSS
-                m.advise(mmap.MADV_DONTNEED, off, n)
+            # drop this process's page-table entries for what was copied (the page cache keeps
+            # the pages): otherwise the mapped file doubles the load's RSS
+            m.advise(mmap.MADV_DONTNEED, off, n)
             return
         mv = memoryview(dst)
         done = 0
@@ -499,7 +501,6 @@ class _Mover:
         return out
 
 
-_RELEASE = os.environ.get('WL_REL','1')=='1'
 _DEVICE_CHUNK = 16 * 1024 * 1024
 _pinned_pool: list[Any] = []
 _pinned_lock = threading.Lock()
