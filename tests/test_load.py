@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import subprocess
 import sys
@@ -183,22 +184,35 @@ def test_page_cache_evict_and_warm_paths_same_bytes(ckpt, monkeypatch):
         wl.load(path)
 
 
-def test_cold_path_adaptive_readers_same_bytes(tmp_path, monkeypatch):
-    """A cold file is read by adaptive preadv readers; the gate must neither lose nor repeat a chunk."""
+def test_cold_path_readers_same_bytes(tmp_path, monkeypatch):
+    """A cold file is read by preadv readers gated per device; no chunk lost or repeated."""
     import importlib
+    import json
 
     load_mod = importlib.import_module("weightlift.load")  # the package's `load` is the function
+    from weightlift import storage
 
     rng = np.random.default_rng(9)
     tensors = [(f"w{i}", "U8", (3 * 2**20 + i,), rng.integers(0, 256, 3 * 2**20 + i, dtype=np.uint8).tobytes()) for i in range(12)]
     path = write(tmp_path / "cold.safetensors", tensors)
     monkeypatch.setattr(load_mod, "resident_fraction", lambda f: 0.0)
     monkeypatch.setattr(load_mod, "CHUNK", 2**20)
-    monkeypatch.setattr(load_mod._Gate, "WINDOW", 0.0)  # adapt on every chunk
-    for threads in (1, 2, 4):
-        out = wl.load(path, threads=threads)
-        for name, _, _, raw in tensors:
-            assert raw_bytes(out[name]) == raw
+    monkeypatch.setenv("WEIGHTLIFT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("WEIGHTLIFT_COLD_READERS", raising=False)
+    monkeypatch.setattr(storage, "_memo", {})
+    dev = os.stat(path).st_dev
+    for known in (None, 1, 3):
+        if known is not None:
+            storage.remember_readers(dev, known, one_gbps=1.0)
+        for threads in (1, 2, 4):
+            out = wl.load(path, threads=threads)
+            for name, _, _, raw in tensors:
+                assert raw_bytes(out[name]) == raw
+    assert json.loads((tmp_path / "cache" / "storage.json").read_text())[str(dev)]["readers"] == 3
+    monkeypatch.setattr(storage, "_memo", {})
+    assert storage.readers_for(dev) == 3
+    monkeypatch.setenv("WEIGHTLIFT_COLD_READERS", "2")
+    assert storage.readers_for(dev) == 2
 
 
 def test_report_figures(ckpt):

@@ -452,6 +452,12 @@ def _baseline_read(o: dict[str, Any]) -> dict[str, Any]:
     best = max(out["by_threads"].items(), key=lambda kv: kv[1]["gbps"])
     out["best_threads"] = int(best[0])
     out["gbps"] = best[1]["gbps"]
+    if o.get("cold"):
+        # what this device is good at, for weightlift's own cold loads (weightlift.storage)
+        from weightlift.storage import remember_readers
+
+        remember_readers(os.stat(path).st_dev, out["best_threads"],
+                         **{f"gbps_{k}": v["gbps"] for k, v in out["by_threads"].items()})
     if resident:
         out["max_resident_before"] = max(resident)
     return out

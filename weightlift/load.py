@@ -41,6 +41,7 @@ from .errors import OptionError, WeightliftError
 from .formats import TensorInfo
 from .plan import CHUNK, Run, layout, make_chunks, make_runs
 from .source import (
+    MAX_WARMERS,
     RESIDENT_THRESHOLD,
     Warmer,
     evict_range,
@@ -85,8 +86,8 @@ def load(
     read-only arrays backed by the file's mapping. ``page_cache`` is "keep" or "evict" (default:
     keep, evict on unified-memory devices; WEIGHTLIFT_PAGE_EVICTION overrides the default).
     ``warm`` forces the read-ahead warmer on or off (default: on when under 90 % of a file is
-    resident). ``engine`` is "auto" (a copy out of the mapping for a resident file, adaptive
-    ``preadv`` readers for a cold one), "mmap" or "pread" to force one path. GGUF quantized tensors come
+    resident). ``engine`` is "auto" (a copy out of the mapping for a resident file, ``preadv``
+    readers for a cold one, as many as the device is known to like), "mmap" or "pread" to force one path. GGUF quantized tensors come
     back as their raw blocks (uint8) unless ``dequantize=True``. ``profile`` is True, False,
     None (env WEIGHTLIFT_LOADPROF) or a :class:`~weightlift.profile.Profiler`. ``report``, if
     given, is filled with the load's figures (bytes, seconds, residency, profile).
@@ -307,11 +308,11 @@ class _Mover:
         self.threads = threads
         self.evict = evict
         # A resident file is copied out of its mapping. A cold one is read with preadv straight
-        # into the destination by readers whose number adapts (see _Gate): measured on this
-        # kind of machine, one sequential reader of 32 MiB chunks beat both the kernel's fault-in
-        # readahead behind a mapping copy and two parallel readers.
+        # into the destination by up to MAX_WARMERS readers (see _Gate): measured on this kind
+        # of machine, that matched the best raw read, while a mapping copy behind the
+        # read-ahead warmer took about twice as long.
         self.engine = {f: (engine if engine != "auto" else ("pread" if c else "mmap")) for f, c in cold.items()}
-        self.adaptive = engine == "auto" and any(cold.values())
+        self.cold_read = engine == "auto" and any(cold.values())
         # the separate warmer reads ahead of a mapping copy: only where a cold file is copied
         # out of its mapping, or where the caller asks for it
         self.warm = {f: (warm if warm is not None else (cold[f] and self.engine[f] == "mmap")) for f in cold}
@@ -355,6 +356,7 @@ class _Mover:
         finally:
             for w in warmers:
                 w.stop()
+
         if self._error is not None:
             raise self._error
         out = {}
@@ -388,9 +390,14 @@ class _Mover:
 
     def _work(self, runs: list[Run], starts: list[int], chunks: list[Any], arena: Any, arena_dev: Any) -> None:
         nxt = [0]
-        workers = min(self.threads, max(1, len(chunks)))
+        # cold readers wait on the disk, not the CPU: let the gate try up to MAX_WARMERS of them
+        # even on a machine with fewer cores
+        limit = max(self.threads, MAX_WARMERS) if self.cold_read else self.threads
+        workers = min(limit, max(1, len(chunks)))
         device = arena_dev is not None
-        gate = _Gate(workers, adaptive=self.adaptive)
+        cold_files = [f for f, e in self.engine.items() if e == "pread"]
+        dev = os.stat(cold_files[0]).st_dev if self.cold_read and cold_files else None
+        gate = _Gate(workers, cold=self.cold_read, device=dev)
 
         def worker(k: int) -> None:
             slots = _pinned_get() if device else None
@@ -419,7 +426,6 @@ class _Mover:
                         self._host_chunk(r.file, src_off, c.length, arena[dst_off : dst_off + c.length])
                     if self.evict:
                         evict_range(r.file, src_off, c.length)
-                    gate.done(c.length)
                     if self.progress is not None:
                         self.progress(c.length)
             except BaseException as e:  # noqa: BLE001 - handed to the caller's thread below
@@ -521,55 +527,35 @@ class _Mover:
 
 
 class _Gate:
-    """How many workers may read at once; with ``adaptive``, found while the load runs.
+    """How many workers may read a cold file at once.
 
-    Starts with one reader and admits one more per window while that raises the bytes per
-    second by at least a tenth; when a step does not pay, it steps back and stays. Parallel
-    readers help on striped or networked storage and hurt on a single disk, where they turn
-    one sequential stream into seeks: this finds out which, instead of assuming.
+    Parallel readers help on striped, networked or SSD storage and can hurt on a single disk.
+    The count comes from what is known of the device (:mod:`weightlift.storage`: pinned by
+    ``WEIGHTLIFT_COLD_READERS``, or recorded by ``weightlift bench --cold`` from its
+    seconds-long raw-read baseline), else all readers, as measured best on this kind of machine.
+    A probe inside the load was tried and dropped: sub-second windows on a shared virtual disk
+    picked one reader about half the time where four were twice as fast.
     """
 
-    WINDOW = 0.2
+    def __init__(self, workers: int, *, cold: bool, device: int | None = None):
+        self.allowed = workers
+        if cold and device is not None:
+            from .storage import readers_for
 
-    def __init__(self, workers: int, *, adaptive: bool):
-        self.max = workers
-        self.allowed = 1 if adaptive and workers > 1 else workers
-        self._adaptive = adaptive and workers > 1
+            known = readers_for(device)
+            if known is not None:
+                self.allowed = max(1, min(workers, known))
         self._cond = threading.Condition()
-        self._bytes = 0
         self._closed = False
-        self._t = time.perf_counter()
-        self._mark = 0
-        self._best = 0.0
-        self._settled = not self._adaptive
 
     def admit(self, k: int) -> bool:
         """Wait until worker ``k`` may take a chunk; False once the load is over."""
         if k < self.allowed:
             return True
         with self._cond:
-            while k >= self.allowed and not self._closed:
-                self._cond.wait(0.05)
-            return not self._closed
-
-    def done(self, n: int) -> None:
-        if self._settled:
-            return
-        with self._cond:
-            self._bytes += n
-            now = time.perf_counter()
-            if now - self._t < self.WINDOW:
-                return
-            rate = (self._bytes - self._mark) / (now - self._t)
-            self._t, self._mark = now, self._bytes
-            if rate > self._best * 1.10 and self.allowed < self.max:
-                self._best = rate
-                self.allowed += 1
-            else:
-                if rate < self._best and self.allowed > 1:
-                    self.allowed -= 1
-                self._settled = True
-            self._cond.notify_all()
+            while not self._closed:
+                self._cond.wait()
+            return False
 
     def close(self) -> None:
         with self._cond:
