@@ -49,7 +49,7 @@ from .source import (
     page_eviction_override,
     resident_fraction,
 )
-from .targets import CastTarget, CudaTarget, HostTarget, Target, fresh_host, make_target, view_as
+from .targets import CastTarget, CudaTarget, HostTarget, Target, fresh_host, make_target, populate, view_as
 
 __all__ = ["load", "DEFAULT_THREADS"]
 
@@ -459,6 +459,7 @@ class _Mover:
             # the pages): otherwise the mapped file doubles the load's RSS
             m.advise(mmap.MADV_DONTNEED, off, n)
             return
+        populate(dst)  # faulting fresh pages inside preadv costs several times more
         mv = memoryview(dst)
         done = 0
         while done < n:

@@ -75,7 +75,7 @@ from .protocol import (
     server_mac,
     verify_mac,
 )
-from .targets import CudaTarget, Target, make_target
+from .targets import CudaTarget, Target, make_target, populate
 from .transport import Listener, SocketStream, receive_message, receive_payload
 
 __all__ = ["Server", "ENV_LOAD_OPT", "load_opt_enabled", "is_loopback"]
@@ -575,6 +575,7 @@ class _Connection:
 
     def _receive_direct(self, p: _Pending, h: WriteHeader) -> None:
         dest = self.target.host_view(p.dest)[h.offset : h.offset + h.length]
+        populate(dest)  # fresh pages faulted inside recv_into cost several times more
         if p.writer is None:
             self._wire(dest, p.name)
             return
