@@ -67,3 +67,14 @@ def test_cuda_target_double_buffered_writes():
         t2.write(dest, off, src[off : off + 700_000].tobytes())
     out = t2.finish(dest)
     assert out.cpu().numpy().tobytes() == src.tobytes()
+
+
+def test_populate_faults_in_without_changing_size():
+    from weightlift.targets import populate
+
+    a = fresh_host(5 * 2**20 + 3)
+    populate(a)
+    populate(memoryview(a)[7:1000])
+    populate(np.empty(0, np.uint8))
+    a[:] = 9
+    assert int(a[-1]) == 9 and a.size == 5 * 2**20 + 3

@@ -97,10 +97,11 @@ def _cmd_load(a: argparse.Namespace) -> int:
         report=report,
     )
     if a.remote:
+        from .cli_remote import read_token
         from .split import parse_remote
 
         kwargs["remote"] = parse_remote(a.remote)
-        kwargs["token"] = _read_token(a.token_file)
+        kwargs["token"] = read_token(a.token_file)
     load(a.path, select=a.select, **kwargs)
     if prof is not None and a.trace:
         prof.write_trace(a.trace)
@@ -117,16 +118,6 @@ def _cmd_load(a: argparse.Namespace) -> int:
     if prof is not None:
         print(prof.format())
     return 0
-
-
-def _read_token(path: str | None) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        with open(path, "rb") as f:
-            return f.read().strip()
-    except OSError as e:
-        raise WeightliftError(f"{path}: cannot read the token file: {e.strerror}") from None
 
 
 def _cmd_demo(a: argparse.Namespace) -> int:
