@@ -139,7 +139,8 @@ def run_demo(*, rounds: int = 3, push: bool = True, layers: int = 8) -> dict[str
     out["profile"] = prof.report()
     print(f"checkpoint  {path}  ({size / 2**30:.2f} GiB, {len(digests)} tensors)")
     print(f"verified    {out['bytes_verified']:,} bytes: every tensor's BLAKE3 matches what was written")
-    print(f"page cache  {report.get('resident_before', 0) * 100:.0f} % resident before the profiled load")
+    print(f"page cache  {report.get('resident_before', 0) * 100:.0f} % resident when this process first probed it"
+          " (the probe runs once per file per process)")
     print(f"time to ready, median of {rounds} interleaved runs (host memory, owned copies):")
     for k, v in med.items():
         print(f"  {k:<12} {v:7.3f} s   {size / v / 1e9:6.2f} GB/s")
