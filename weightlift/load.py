@@ -459,7 +459,11 @@ class _Mover:
             # the pages): otherwise the mapped file doubles the load's RSS
             m.advise(mmap.MADV_DONTNEED, off, n)
             return
+        prof = self.prof
+        t0 = time.perf_counter_ns() if prof is not None else 0
         populate(dst)  # faulting fresh pages inside preadv costs several times more
+        if prof is not None:
+            prof.record("stage", t0, time.perf_counter_ns(), 0, name="fault-in")
         mv = memoryview(dst)
         done = 0
         while done < n:

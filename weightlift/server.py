@@ -575,7 +575,10 @@ class _Connection:
 
     def _receive_direct(self, p: _Pending, h: WriteHeader) -> None:
         dest = self.target.host_view(p.dest)[h.offset : h.offset + h.length]
+        t0 = time.perf_counter_ns() if self.prof.enabled else 0
         populate(dest)  # fresh pages faulted inside recv_into cost several times more
+        if self.prof.enabled:
+            self.prof.record("stage", t0, time.perf_counter_ns(), 0, name="fault-in " + p.name)
         if p.writer is None:
             self._wire(dest, p.name)
             return
