@@ -139,7 +139,7 @@ def _pick_in_folder(d: str) -> str:
     if len(gguf) == 1 and not st_files:
         return os.path.join(d, gguf[0])
     if len(st_files) > 1:
-        raise FormatError(f"several .safetensors files and no index; name one", file=d)
+        raise FormatError("several .safetensors files and no index; name one", file=d)
     raise NotFoundError("holds no .safetensors, shard index or .gguf file", file=d)
 
 

@@ -49,7 +49,7 @@ from .source import (
     page_eviction_override,
     resident_fraction,
 )
-from .targets import CastTarget, CudaTarget, HostTarget, Target, fresh_host, make_target, populate, view_as
+from .targets import CastTarget, CudaTarget, Target, fresh_host, make_target, populate, view_as
 
 __all__ = ["load", "DEFAULT_THREADS"]
 
@@ -116,8 +116,6 @@ def load(
         raise OptionError(f"engine must be 'auto', 'pread' or 'mmap', not {engine!r}")
     if page_cache not in (None, "keep", "evict"):
         raise OptionError(f"page_cache must be 'keep' or 'evict', not {page_cache!r}")
-    if cast is not None and ckpt.format == "gguf" and any(t.dtype not in _PLAIN for t in infos):
-        pass  # quantized tensors keep their raw blocks; only float tensors are cast
     nthreads = DEFAULT_THREADS if threads is None else int(threads)
     if nthreads < 1:
         raise OptionError("threads must be at least 1")
@@ -377,16 +375,12 @@ class _Mover:
         for f, ranges in by_file.items():
             if not self.warm.get(f):
                 continue
-            cb = None
-            if self.prof is not None:
-                prof = self.prof
-
-                def cb(off: int, n: int, t0: int, t1: int) -> None:
-                    prof.record("read", t0, t1, n, name="warm chunk", background=True)
-
-            ws.append(Warmer(mapped(f).fileno(), ranges, on_chunk=cb).start())
+            ws.append(Warmer(mapped(f).fileno(), ranges, on_chunk=self._warm_chunk if self.prof is not None else None).start())
         self._warmers = {f: w for f, w in zip([f for f in by_file if self.warm.get(f)], ws)}
         return ws
+
+    def _warm_chunk(self, off: int, n: int, t0: int, t1: int) -> None:
+        self.prof.record("read", t0, t1, n, name="warm chunk", background=True)
 
     def _work(self, runs: list[Run], starts: list[int], chunks: list[Any], arena: Any, arena_dev: Any) -> None:
         nxt = [0]
@@ -448,7 +442,6 @@ class _Mover:
                 t.join()
         finally:
             gate.close()
-        self.readers = gate.allowed
 
     def _read_into(self, file: str, off: int, dst: np.ndarray) -> None:
         m = mapped(file)
@@ -507,14 +500,9 @@ class _Mover:
     def _convert(self, infos: list[TensorInfo]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if isinstance(self.target, CudaTarget):
-            import torch
-
-            from .dtypes import torch_dtype
-
+            ct = CudaTarget(self.target.device, self.cast)  # one set of pinned slots for all tensors
             for t in infos:
-                dest = torch.empty(t.shape, dtype=torch_dtype(self.cast), device=self.target.device)  # type: ignore[arg-type]
-                ct = CudaTarget(self.target.device, self.cast)
-                ct._src[id(dest)] = t.dtype
+                dest = ct.empty(t.dtype, t.shape)
                 ct.write(dest, 0, mapped(t.file).view(t.offset, t.length))
                 out[t.name] = ct.finish(dest)
             return out
@@ -599,8 +587,6 @@ def _pinned_put(slots: tuple[list[Any], list[np.ndarray], list[Any], Any]) -> No
 
 
 def _device_view(arena: Any, a: int, t: TensorInfo) -> Any:
-    import torch
-
     from .dtypes import torch_dtype
 
     raw = arena[a : a + t.length]

@@ -177,8 +177,6 @@ class CastTarget(Target):
             src = np.frombuffer(data, dtype=numpy_dtype(src_dtype))
             flat[i0 : i0 + src.size] = src.astype(flat.dtype)
         else:
-            import torch
-
             src = view_as(np.frombuffer(data, dtype=np.uint8), src_dtype, (-1,), "torch")
             flat[i0 : i0 + src.numel()].copy_(src)
 
