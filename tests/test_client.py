@@ -355,3 +355,11 @@ def test_cli_serve_refuses_a_public_address_without_token(capsys):
     assert cli.main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2
     assert "token" in capsys.readouterr().err
     assert cli.main(["serve", "--port", "0", "--max-memory", "lots"]) == 2
+
+
+def test_client_with_token_refuses_a_server_that_does_not_ask():
+    """A server that skips AUTH never proved it knows the token: it could be anyone."""
+    with Server(port=0) as srv:
+        host, port = srv.start()
+        with pytest.raises(AuthError, match="did not ask"):
+            Client(f"{host}:{port}", token="secret")

@@ -290,3 +290,37 @@ def test_peak_rss(tmp_path, copy):
         assert grown <= size * 1.10, f"peak RSS grew {grown / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB checkpoint"
     else:
         assert grown <= 16 * 2**20, f"copy=False grew RSS by {grown / 2**20:.0f} MiB"
+
+
+def test_file_replaced_after_open_is_refused(tmp_path):
+    tensors = every_dtype()
+    path = write(tmp_path / "m.safetensors", tensors)
+    ck = wl.open(path)
+    write(tmp_path / "new.safetensors", every_dtype(seed=7))
+    os.replace(tmp_path / "new.safetensors", path)
+    with pytest.raises(FormatError, match="changed on disk"):
+        wl.load(ck)
+    out = wl.load(path)  # opened afresh: the new bytes
+    assert raw_bytes(out["t.f32"]) == [t for t in every_dtype(seed=7) if t[0] == "t.f32"][0][3]
+
+
+def test_deep_json_and_special_files_are_format_errors(tmp_path):
+    import socket
+
+    deep = tmp_path / "deep.safetensors"
+    body = b"[" * 200_000
+    deep.write_bytes(len(body).to_bytes(8, "little") + body)
+    with pytest.raises(FormatError, match="not valid JSON"):
+        wl.open(deep)
+    idx = tmp_path / "model.safetensors.index.json"
+    idx.write_bytes(b"[" * 200_000)
+    with pytest.raises(FormatError, match="not valid JSON"):
+        wl.open(idx)
+    sock_path = tmp_path / "s.safetensors"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(sock_path))
+    try:
+        with pytest.raises(FormatError, match="not a regular file"):
+            wl.open(sock_path)
+    finally:
+        s.close()

@@ -84,3 +84,19 @@ def test_warmer_skips_behind_cursor(blob):
     w.start()
     w.stop()
     assert w.bytes_read == 0
+
+
+def test_replaced_file_gets_a_new_mapping_and_the_old_fd_closes(tmp_path):
+    import gc
+
+    p = tmp_path / "r.bin"
+    p.write_bytes(b"a" * 100)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    for i in range(20):
+        (tmp_path / "new").write_bytes(bytes([i]) * (100 + i))
+        os.replace(tmp_path / "new", p)
+        m = source.mapped(p)
+        assert bytes(m.view(0, 1)) == bytes([i]) and m.size == 100 + i
+    del m
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= fds_before + 2

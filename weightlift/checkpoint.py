@@ -34,6 +34,9 @@ class Checkpoint:
     files: list[str]
     tensors: list[TensorInfo]
     metadata: dict[str, Any] = field(default_factory=dict)
+    # (st_dev, st_ino, size, mtime_ns) of each file when its header was read: a loader checks
+    # its mapping against this, so a file replaced since then cannot mix old offsets and new bytes
+    identity: dict[str, tuple[int, int, int, int]] = field(default_factory=dict, repr=False)
     _by_name: dict[str, TensorInfo] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -115,14 +118,19 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         raise NotFoundError("no such file or folder", file=p)
     if os.path.isdir(p):
         p = _pick_in_folder(p)
+    if not os.path.isfile(p):
+        raise FormatError("not a regular file", file=p)
     if p.endswith(".json"):
         return _open_index(p)
-    with open(p, "rb") as f:
-        magic = f.read(4)
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise WeightliftError(f"{p}: cannot read: {e.strerror}") from None
     if magic == b"GGUF":
         return _open_gguf(p)
-    tensors, meta = _read_safetensors(p)
-    return Checkpoint(p, "safetensors", [p], tensors, dict(meta))
+    tensors, meta, ident = _read_safetensors(p)
+    return Checkpoint(p, "safetensors", [p], tensors, dict(meta), {p: ident})
 
 
 def _pick_in_folder(d: str) -> str:
@@ -143,10 +151,11 @@ def _pick_in_folder(d: str) -> str:
     raise NotFoundError("holds no .safetensors, shard index or .gguf file", file=d)
 
 
-def _read_safetensors(path: str) -> tuple[list[TensorInfo], dict[str, str]]:
+def _read_safetensors(path: str) -> tuple[list[TensorInfo], dict[str, str], tuple[int, int, int, int]]:
     try:
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+            st_ = os.fstat(f.fileno())
+            size = st_.st_size
             prefix = f.read(st.PREFIX_SIZE)
             n = st.header_length(prefix, file=path, file_size=size)
             header = f.read(n)
@@ -154,7 +163,8 @@ def _read_safetensors(path: str) -> tuple[list[TensorInfo], dict[str, str]]:
         raise WeightliftError(f"{path}: cannot read: {e.strerror}") from None
     if len(header) != n:
         raise FormatError("file shrank while its header was read", file=path)
-    return st.parse_header(header, file=path, file_size=size)
+    tensors, meta = st.parse_header(header, file=path, file_size=size)
+    return tensors, meta, (st_.st_dev, st_.st_ino, size, st_.st_mtime_ns)
 
 
 def _open_gguf(path: str) -> Checkpoint:
@@ -164,7 +174,8 @@ def _open_gguf(path: str) -> Checkpoint:
     m = mapped(path)
     head = gguf.parse_gguf(m.buffer, file=path, file_size=m.size)
     meta = dict(head.metadata)
-    return Checkpoint(path, "gguf", [path], list(head.tensors), meta)
+    i = m.identity
+    return Checkpoint(path, "gguf", [path], list(head.tensors), meta, {path: (i.dev, i.ino, i.size, i.mtime_ns)})
 
 
 def _open_index(path: str) -> Checkpoint:
@@ -174,8 +185,8 @@ def _open_index(path: str) -> Checkpoint:
             raise FormatError(f"index is {size} bytes, over the limit of {MAX_INDEX_SIZE}", file=path)
         with open(path, "rb") as f:
             obj = json.loads(f.read())
-    except (UnicodeDecodeError, ValueError) as e:
-        raise FormatError(f"index is not valid JSON: {e}", file=path) from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise FormatError(f"index is not valid JSON: {type(e).__name__}: {e}", file=path) from None
     except OSError as e:
         raise WeightliftError(f"{path}: cannot read: {e.strerror}") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("weight_map"), dict):
@@ -187,12 +198,12 @@ def _open_index(path: str) -> Checkpoint:
         if not isinstance(shard, str) or not shard or os.path.isabs(shard) or ".." in shard.split("/"):
             raise FormatError(f"weight_map names shard {shard!r}, not a file beside the index", file=path, tensor=name)
         shards.setdefault(shard, []).append(name)
-    files, tensors = [], []
+    files, tensors, identity = [], [], {}
     for shard in sorted(shards):
         sp = os.path.join(base, shard)
-        if not os.path.isfile(sp):
+        if not os.path.exists(sp):
             raise NotFoundError(f"shard {shard!r} named by the index does not exist", file=path)
-        infos, _ = _read_safetensors(sp)
+        infos, _, identity[sp] = _read_safetensors(sp)
         by_name = {t.name: t for t in infos}
         for name in shards[shard]:
             if name not in by_name:
@@ -201,4 +212,4 @@ def _open_index(path: str) -> Checkpoint:
         files.append(sp)
         tensors.extend(t for t in infos if t.name in wanted)
     meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
-    return Checkpoint(path, "safetensors", files, tensors, dict(meta))
+    return Checkpoint(path, "safetensors", files, tensors, dict(meta), identity)

@@ -151,6 +151,10 @@ class _Conn:
             self.send(send(Auth(client_mac(token, nonce, hello.nonce)), minor=self.minor))
             proof = self.expect(Auth)
             verify_mac(server_mac(token, nonce, hello.nonce), proof.mac, who="server")
+        elif token is not None:
+            # the server proves it knows the token only through AUTH; one that skips it could be
+            # anyone listening on that address, so pushes and pulls must not go to it
+            raise AuthError("this client has a token but the server did not ask for one: refusing an unproven server")
 
     def frame(self, msg: Message) -> bytes:
         return send(msg, minor=self.minor, max_frame=self.max_frame)

@@ -37,11 +37,12 @@ import numpy as np
 
 from .checkpoint import Checkpoint, Select, open_checkpoint
 from .dtypes import DTYPES, dtype_info, from_numpy, from_torch
-from .errors import OptionError, WeightliftError
+from .errors import FormatError, OptionError, WeightliftError
 from .formats import TensorInfo
 from .plan import CHUNK, Run, layout, make_chunks, make_runs
 from .source import (
     MAX_WARMERS,
+    MappedFile,
     RESIDENT_THRESHOLD,
     Warmer,
     evict_range,
@@ -124,17 +125,19 @@ def load(
         # tensor bytes, not the padding a coalesced run copies along with them
         prof.count(tensors=len(infos), nbytes=sum(t.length for t in infos))
     files = list(dict.fromkeys(t.file for t in infos))
+    maps = {f: _checked_map(ckpt, f) for f in files}  # one mapping per file for the whole load
     resident = {f: resident_fraction(f) for f in files}
     if not copy:
         if str(device) != "cpu" or cast is not None:
             raise OptionError("copy=False returns views of the file's mapping: only for device='cpu' without dtype")
-        out = _borrow(infos, framework, dequantize)
+        out = _borrow(infos, maps, framework, dequantize)
     else:
         target = make_target(device, framework, None)
         evict = _evict_policy(page_cache, target)
         mover = _Mover(
             infos,
             target,
+            maps=maps,
             framework=framework,
             cast=cast,
             threads=nthreads,
@@ -157,7 +160,7 @@ def load(
             seconds=seconds,
             gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
             resident_before=(
-                sum(resident[f] * mapped(f).size for f in files) / max(1, sum(mapped(f).size for f in files))
+                sum(resident[f] * maps[f].size for f in files) / max(1, sum(maps[f].size for f in files))
             ),
             files=len(files),
             copy=copy,
@@ -257,19 +260,30 @@ def _raw_view(raw: np.ndarray, t: TensorInfo, framework: str) -> Any:
 def _dequantized(t: TensorInfo, raw: Any, framework: str) -> Any:
     from .formats.gguf import dequantize
 
-    arr = raw if isinstance(raw, np.ndarray) else raw.numpy()
+    arr = raw if isinstance(raw, np.ndarray) else raw.cpu().numpy()
     out = dequantize(arr, t.ggml_type)  # type: ignore[arg-type]
     if framework == "numpy":
         return out
     import torch
 
-    return torch.from_numpy(np.ascontiguousarray(out))
+    res = torch.from_numpy(np.ascontiguousarray(out))
+    return res if isinstance(raw, np.ndarray) or raw.device.type == "cpu" else res.to(raw.device)
 
 
-def _borrow(infos: list[TensorInfo], framework: str, dequantize: bool) -> dict[str, Any]:
+def _checked_map(ckpt: Checkpoint, f: str) -> MappedFile:
+    """The file's mapping, refused if the file is no longer the one whose header was parsed."""
+    m = mapped(f)
+    seen = ckpt.identity.get(f)
+    i = m.identity
+    if seen is not None and seen != (i.dev, i.ino, i.size, i.mtime_ns):
+        raise FormatError("changed on disk since its header was read; open it again", file=f)
+    return m
+
+
+def _borrow(infos: list[TensorInfo], maps: dict[str, MappedFile], framework: str, dequantize: bool) -> dict[str, Any]:
     out = {}
     for t in infos:
-        m = mapped(t.file)
+        m = maps[t.file]
         raw = np.frombuffer(m.buffer, dtype=np.uint8, count=t.length, offset=t.offset) if t.length else np.empty(0, np.uint8)
         if not t.length:
             raw.flags.writeable = False
@@ -289,6 +303,7 @@ class _Mover:
         infos: list[TensorInfo],
         target: Target,
         *,
+        maps: dict[str, MappedFile],
         framework: str,
         cast: str | None,
         threads: int,
@@ -301,6 +316,7 @@ class _Mover:
     ):
         self.infos = infos
         self.target = target
+        self.maps = maps
         self.framework = framework
         self.cast = cast
         self.threads = threads
@@ -375,7 +391,7 @@ class _Mover:
         for f, ranges in by_file.items():
             if not self.warm.get(f):
                 continue
-            ws.append(Warmer(mapped(f).fileno(), ranges, on_chunk=self._warm_chunk if self.prof is not None else None).start())
+            ws.append(Warmer(self.maps[f].fileno(), ranges, on_chunk=self._warm_chunk if self.prof is not None else None).start())
         self._warmers = {f: w for f, w in zip([f for f in by_file if self.warm.get(f)], ws)}
         return ws
 
@@ -394,7 +410,7 @@ class _Mover:
         gate = _Gate(workers, cold=self.cold_read, device=dev)
 
         def worker(k: int) -> None:
-            slots = _pinned_get() if device else None
+            slots = _pinned_get(self.target.device) if device else None
             flip = 0
             try:
                 while self._error is None:
@@ -444,7 +460,7 @@ class _Mover:
             gate.close()
 
     def _read_into(self, file: str, off: int, dst: np.ndarray) -> None:
-        m = mapped(file)
+        m = self.maps[file]
         n = dst.size
         if self.engine[file] == "mmap":
             np.copyto(dst, np.frombuffer(m.buffer, dtype=np.uint8, count=n, offset=off))
@@ -474,7 +490,7 @@ class _Mover:
             prof.count(calls=1)
 
     def _device_chunk(self, file: str, off: int, n: int, arena_dev: Any, dst_off: int, slots: Any, k: int) -> None:
-        bufs, nps, events, stream = slots
+        bufs, nps, events, stream, _ = slots
         prof = self.prof
         if events[k] is not None:
             t0 = time.perf_counter_ns() if prof is not None else 0
@@ -503,14 +519,14 @@ class _Mover:
             ct = CudaTarget(self.target.device, self.cast)  # one set of pinned slots for all tensors
             for t in infos:
                 dest = ct.empty(t.dtype, t.shape)
-                ct.write(dest, 0, mapped(t.file).view(t.offset, t.length))
+                ct.write(dest, 0, self.maps[t.file].view(t.offset, t.length))
                 out[t.name] = ct.finish(dest)
             return out
         ct = CastTarget(self.framework, self.cast)  # type: ignore[arg-type]
         for t in infos:
             prof = self.prof
             t0 = time.perf_counter_ns() if prof is not None else 0
-            out[t.name] = ct.convert(mapped(t.file).view(t.offset, t.length), t.dtype, t.shape)
+            out[t.name] = ct.convert(self.maps[t.file].view(t.offset, t.length), t.dtype, t.shape)
             if prof is not None:
                 prof.record("stage", t0, time.perf_counter_ns(), t.length)
                 prof.count(calls=1)
@@ -557,33 +573,36 @@ class _Gate:
 
 
 _DEVICE_CHUNK = 16 * 1024 * 1024
-_pinned_pool: list[Any] = []
+_pinned_pool: dict[str, list[Any]] = {}
 _pinned_lock = threading.Lock()
 
 
-def _pinned_get() -> tuple[list[Any], list[np.ndarray], list[Any], Any]:
-    """Two pinned slots and a stream for one worker, reused across loads in this process.
+def _pinned_get(device: str) -> tuple[list[Any], list[np.ndarray], list[Any], Any, str]:
+    """Two pinned slots and a stream on ``device`` for one worker, reused across loads.
 
-    Pinning memory costs far more than using it, so slots outlive a load.
+    Pinning memory costs far more than using it, so slots outlive a load. The stream belongs to
+    the target device (its copies and the events behind them must be on one device), so the
+    pool is kept per device.
     """
     import torch
 
     with _pinned_lock:
-        if _pinned_pool:
-            bufs, stream = _pinned_pool.pop()
+        pool = _pinned_pool.setdefault(device, [])
+        if pool:
+            bufs, stream = pool.pop()
         else:
             bufs = [torch.empty(_DEVICE_CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-            stream = torch.cuda.Stream()
-    return (bufs, [b.numpy() for b in bufs], [None, None], stream)
+            stream = torch.cuda.Stream(device=torch.device(device))
+    return (bufs, [b.numpy() for b in bufs], [None, None], stream, device)
 
 
-def _pinned_put(slots: tuple[list[Any], list[np.ndarray], list[Any], Any]) -> None:
-    bufs, _, events, stream = slots
+def _pinned_put(slots: tuple[list[Any], list[np.ndarray], list[Any], Any, str]) -> None:
+    bufs, _, events, stream, device = slots
     for ev in events:
         if ev is not None:
             ev.synchronize()
     with _pinned_lock:
-        _pinned_pool.append((bufs, stream))
+        _pinned_pool.setdefault(device, []).append((bufs, stream))
 
 
 def _device_view(arena: Any, a: int, t: TensorInfo) -> Any:

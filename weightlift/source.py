@@ -30,6 +30,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -75,14 +76,18 @@ def _identity(path: str) -> tuple[str, _Identity]:
 class MappedFile:
     """A read-only mapping of one whole file, kept alive for as long as anything borrows from it."""
 
-    def __init__(self, path: str, ident: _Identity):
+    def __init__(self, path: str):
         self.path = path
-        self.size = ident.size
-        self.identity = ident
         try:
             self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as e:
             raise WeightliftError(f"{path}: cannot open: {e.strerror}") from None
+        # the descriptor lives as long as this object (arrays borrowing the mapping keep the
+        # mmap itself alive, which does not need it)
+        weakref.finalize(self, os.close, self._fd)
+        st = os.fstat(self._fd)  # the identity of what was opened, not of what the path names now
+        self.identity = _Identity(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        self.size = st.st_size
         if self.size:
             self._mmap: mmap.mmap | None = mmap.mmap(self._fd, self.size, access=mmap.ACCESS_READ)
             self.buffer = memoryview(self._mmap)
@@ -128,7 +133,7 @@ def mapped(path: str | os.PathLike[str]) -> MappedFile:
     with _maps_lock:
         m = _maps.get(real)
         if m is None or m.identity != ident:
-            m = MappedFile(real, ident)
+            m = MappedFile(real)
             _maps[real] = m
         return m
 

@@ -43,8 +43,8 @@ def parse_header(
     data_start = PREFIX_SIZE + len(header)
     try:
         obj = json.loads(header)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise FormatError(f"header is not valid JSON: {e}", file=file) from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise FormatError(f"header is not valid JSON: {type(e).__name__}: {e}", file=file) from None
     if not isinstance(obj, dict):
         raise FormatError("header is not a JSON object", file=file)
     metadata: dict[str, str] = {}
