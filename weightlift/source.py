@@ -247,17 +247,21 @@ class Warmer:
         self._on_chunk = on_chunk
         self.bytes_read = 0
         self.readers = 0
-        self._rates: list[float] = []
         self._started_at = 0.0
+        self._adapter: threading.Thread | None = None
 
     def start(self) -> "Warmer":
         self._started_at = time.perf_counter()
         self._spawn()
         if self._max > 1:
-            threading.Thread(target=self._adapt, name="wl-warm-adapt", daemon=True).start()
+            self._adapter = threading.Thread(target=self._adapt, name="wl-warm-adapt", daemon=True)
+            self._adapter.start()
         return self
 
     def _spawn(self) -> None:
+        with self._lock:
+            if self._stop.is_set():
+                return  # stopped while the adapter decided to add a reader
         t = threading.Thread(target=self._run, name=f"wl-warm-{len(self._threads)}", daemon=True)
         self._threads.append(t)
         self.readers = len(self._threads)
@@ -318,7 +322,9 @@ class Warmer:
         self._stop.set()
         with self._lock:
             self._wake.notify_all()
-        for t in self._threads:
+        if self._adapter is not None:
+            self._adapter.join()
+        for t in list(self._threads):
             t.join()
 
     def __enter__(self) -> "Warmer":
