@@ -279,3 +279,26 @@ def test_session_negotiates_the_lower_minor_and_refuses_another_major():
     s = ServerSession()
     with pytest.raises(RemoteProtocolError, match="protocol 2"):
         s.hello(Hello(2, 0))
+
+
+def test_session_refuses_a_hello_frame_limit_below_the_floor():
+    s = ServerSession()
+    with pytest.raises(RemoteProtocolError, match="max_frame 1 is below"):
+        s.hello(Hello(1, 1, max_frame=1))
+    assert s.state is SessionState.CLOSED
+    with pytest.raises(RemoteProtocolError, match="below"):
+        ServerSession().hello(Hello(1, 1, max_frame=P.MIN_FRAME - 1))
+    assert ServerSession().hello(Hello(1, 1, max_frame=P.MIN_FRAME)) == 1
+    assert ServerSession().hello(Hello(1, 1, max_frame=0)) == 1  # not stated: the protocol's limit
+
+
+def test_handshake_decoder_refuses_a_big_frame_from_its_prefix():
+    # What a server's pre-READY decoder does with an unauthenticated 16 MiB ALLOC: refused
+    # from the 8-byte prefix, before any of the body is buffered.
+    dec = Decoder(our_role="server", max_frame=P.MAX_HANDSHAKE_FRAME)
+    dec.feed(P.PREFIX.pack(Command.ALLOC, P.MAX_FRAME))
+    with pytest.raises(RemoteProtocolError, match="frame limit of 256"):
+        dec.next_event()
+    ok = Decoder(our_role="server", max_frame=P.MAX_HANDSHAKE_FRAME)
+    ok.feed(send(Hello(1, 1, nonce=D)) + send(Auth(D)))
+    assert isinstance(ok.next_event(), Hello) and isinstance(ok.next_event(), Auth)

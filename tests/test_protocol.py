@@ -204,6 +204,7 @@ def test_cache_commands_do_not_exist_in_the_previous_minor():
         Read("t", -1, 1),
         Have(tuple([D1] * (P.MAX_TENSORS + 1))),
         BarrierReply(0, 0, ("e",) * (P.MAX_ERRORS + 1)),
+        BarrierReply(0, 0, (), tuple(range(P.MAX_TENSORS + 1))),
     ],
 )
 def test_send_rejects_invalid_fields(msg):
@@ -216,6 +217,24 @@ def test_send_rejects_a_body_over_the_peers_frame_limit():
     assert len(send(msg, max_frame=3204)) == 8 + 3204
     with pytest.raises(LocalProtocolError, match="limit"):
         send(msg, max_frame=3203)
+
+
+def test_handshake_and_frame_floor_limits_are_pinned():
+    assert P.MIN_FRAME == 1 << 20 and P.MAX_HANDSHAKE_FRAME == 256
+
+
+def test_handshake_frames_fit_the_handshake_limit():
+    for msg in (Hello(1, 1, 0, nonce=D1, max_memory=1 << 40), Hello(1, 0, nonce=D1), Auth(D1)):
+        assert len(send(msg, max_frame=P.MAX_HANDSHAKE_FRAME)) <= 8 + P.MAX_HANDSHAKE_FRAME
+
+
+def test_the_largest_reply_fits_the_smallest_frame_a_client_may_state():
+    # A server holds its errors to MAX_ERRORS and its need list to MAX_TENSORS, so a client that
+    # states MIN_FRAME can always be answered; nothing else a server sends is larger.
+    worst = BarrierReply(1, 1, ("x" * P.MAX_MESSAGE,) * P.MAX_ERRORS, tuple(range(P.MAX_TENSORS)))
+    assert len(send(worst, max_frame=P.MIN_FRAME)) <= 8 + P.MIN_FRAME
+    assert len(send(HaveReply((True,) * P.MAX_TENSORS), max_frame=P.MIN_FRAME)) <= 8 + P.MIN_FRAME
+    assert len(send(Error(6, "x" * 5000), max_frame=P.MIN_FRAME)) <= 8 + 4 + P.MAX_MESSAGE
 
 
 def test_long_error_text_is_cut_on_a_character_boundary():

@@ -41,6 +41,7 @@ from .messages import (
     MAX_NAME,
     MAX_TENSOR_BYTES,
     MAX_TENSORS,
+    MIN_FRAME,
     NONCE_SIZE,
     PREFIX,
     PROTOCOL_MAJOR,
@@ -202,6 +203,8 @@ def _enc_barrier_reply(m: BarrierReply, minor: int) -> bytes:
         out += BARRIER_NEED_LAYOUT.pack(len(m.need)) + b"".join(_U32.pack(i) for i in m.need)
     elif m.need:
         raise LocalProtocolError("BARRIER_REPLY need list requires minor 1")
+    if len(m.need) > MAX_TENSORS:
+        raise LocalProtocolError(f"BARRIER_REPLY needs {len(m.need)} tensors; the limit is {MAX_TENSORS}")
     return out
 
 
@@ -605,11 +608,18 @@ class ServerSession:
             raise RemoteProtocolError(f"{msg.COMMAND.name} is not allowed in state {self.state.value}")
 
     def hello(self, msg: Hello) -> int:
-        """Take the client's HELLO; returns the minor both sides will use."""
+        """Take the client's HELLO; returns the minor both sides will use.
+
+        RemoteProtocolError for another major, or a stated max_frame below MIN_FRAME (the server
+        could not send every reply within it).
+        """
         self.check(msg)
         if msg.major != PROTOCOL_MAJOR:
             self.state = SessionState.CLOSED
             raise RemoteProtocolError(f"client speaks protocol {msg.major}.{msg.minor}; this server speaks {PROTOCOL_MAJOR}.x")
+        if 0 < msg.max_frame < MIN_FRAME:
+            self.state = SessionState.CLOSED
+            raise RemoteProtocolError(f"HELLO max_frame {msg.max_frame} is below the minimum of {MIN_FRAME}")
         self.minor = min(self.our_minor, msg.minor)
         self.state = SessionState.AWAIT_AUTH if self.auth_required else SessionState.READY
         return self.minor

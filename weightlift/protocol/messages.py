@@ -19,6 +19,7 @@ A conversation::
     HELLO(major, minor, flags, limits, nonce) ->
                                           <- HELLO(major, minor, flags, limits, nonce)
     [AUTH(mac) ->                         <- AUTH(mac)]          when the server wants auth
+                                             (until here frames are at most MAX_HANDSHAKE_FRAME)
     [HAVE(digests) ->                     <- HAVE_REPLY(bitmap)] when the server keeps a cache
     ALLOC(id, name, dtype, shape, nbytes[, digest]) ->           no reply
     WRITE(id, offset, length) payload ->                         no reply
@@ -48,6 +49,8 @@ __all__ = [
     "PROTOCOL_MINOR",
     "PREVIOUS_MINOR",
     "MAX_FRAME",
+    "MIN_FRAME",
+    "MAX_HANDSHAKE_FRAME",
     "MAX_NAME",
     "MAX_DIMS",
     "MAX_TENSORS",
@@ -96,6 +99,14 @@ PREVIOUS_MINOR = 0
 
 # Limits checked by the decoder before anything is allocated from a length on the wire.
 MAX_FRAME = 16 * 1024 * 1024  # body bytes of one frame (payloads are not frames)
+# The smallest max_frame a client may state in HELLO (0 means "not stated", i.e. MAX_FRAME):
+# every reply a server can send fits in it, the largest being a BARRIER_REPLY with MAX_ERRORS
+# errors of MAX_MESSAGE bytes and a need list of MAX_TENSORS ids (about 513 KiB).
+MIN_FRAME = 1024 * 1024
+# Until a session is READY (HELLO, and AUTH where wanted) a server takes frames of at most this
+# many body bytes: enough for HELLO and AUTH with room for later minors to append fields, and
+# too little for an unauthenticated peer to make the server buffer anything worth having.
+MAX_HANDSHAKE_FRAME = 256
 MAX_NAME = 4096  # bytes of one UTF-8 tensor name
 MAX_DIMS = 64
 MAX_TENSORS = 65536  # entries in one HAVE / FREE / LIST_REPLY, and live allocations per connection
