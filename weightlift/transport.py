@@ -9,6 +9,9 @@ and server know nothing of sockets; both talk to a :class:`Stream`, which has fo
 * ``recv_into(buf)``: receive into the caller's memory (a tensor's own storage); 0 means EOF.
 * ``close()``.
 
+``set_timeout(seconds)`` bounds each receive; :func:`receive_message` uses it to hold a peer to
+a deadline (a server's handshake), so a peer that trickles bytes cannot hold a thread for long.
+
 :class:`SocketStream` implements them over TCP (or a Unix socket); an RDMA or UCX stream would
 implement the same four and the protocol, client and server would not change. Every OSError is
 mapped to TransportError here, so nothing above sees a socket exception.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Protocol, Sequence, Union
 
 from .errors import OptionError, TransportError
@@ -53,6 +57,8 @@ class Stream(Protocol):
     def sendfile(self, fd: int, offset: int, count: int) -> None: ...
 
     def recv_into(self, buf: memoryview) -> int: ...
+
+    def set_timeout(self, seconds: float | None) -> None: ...
 
     def close(self) -> None: ...
 
@@ -180,12 +186,16 @@ class SocketStream:
         self.close()
 
 
-def receive_message(stream: Stream, decoder: Decoder, scratch: memoryview) -> Message | None:
+def receive_message(
+    stream: Stream, decoder: Decoder, scratch: memoryview, *, deadline: float | None = None
+) -> Message | None:
     """The next message from ``stream``; None if the peer closed cleanly between frames.
 
     Reads exactly what the decoder still wants, so a payload that follows a header stays in the
     socket for :func:`receive_payload` to put where it belongs. TransportError if the peer closes
-    inside a frame.
+    inside a frame, or if ``deadline`` (a ``time.monotonic()`` instant) passes first: every
+    receive waits only for the time left, however the peer spaces its bytes. With a deadline the
+    stream is left with a timeout; the caller restores blocking mode when it no longer wants one.
     """
     while True:
         ev = decoder.next_event()
@@ -193,6 +203,11 @@ def receive_message(stream: Stream, decoder: Decoder, scratch: memoryview) -> Me
             return ev  # type: ignore[return-value]
         want = decoder.bytes_wanted()
         buf = scratch if want <= len(scratch) else memoryview(bytearray(want))
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransportError("the peer did not send a whole message in time")
+            stream.set_timeout(left)
         n = stream.recv_into(buf[:want])
         if n == 0:
             if decoder.at_boundary:
