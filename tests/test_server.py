@@ -34,7 +34,12 @@ from weightlift.protocol import (
     WriteHeader,
     send,
 )
-from weightlift.server import Server, is_loopback
+from weightlift.server import ENTRY_OVERHEAD, Server, is_loopback
+
+
+def _cost(name: str, nbytes: int) -> int:
+    """What one tensor counts against max_memory."""
+    return nbytes + len(name.encode()) + ENTRY_OVERHEAD
 
 
 class Raw:
@@ -122,7 +127,7 @@ def test_raw_push_becomes_visible_and_reports_at_barrier(server):
     got = server.tensors()
     assert np.array_equal(got["w"], a) and got["w"].dtype == np.float32
     assert got["empty"].shape == (0, 4)
-    assert server.memory_used == a.nbytes
+    assert server.memory_used == _cost("w", a.nbytes) + _cost("empty", 0)
     raw.send(Bye())
     assert raw.closed()
 
@@ -243,27 +248,30 @@ def test_read_list_free(server):
     raw.send(Free(("t00", "t01", "nope")))
     assert raw.recv() == FreeReply(2)
     assert sorted(server.tensors()) == ["t02", "t03", "t04"]
-    assert server.memory_used == sum(arrays[n].nbytes for n in ("t02", "t03", "t04"))
+    assert server.memory_used == sum(_cost(n, arrays[n].nbytes) for n in ("t02", "t03", "t04"))
 
 
 def test_list_is_paged_to_the_clients_frame_limit(server):
     raw = Raw(server.address)
     nonce = P.new_nonce()
-    raw.send(Hello(1, 1, 0, 300, 0, nonce))  # this client takes frames of 300 bytes at most
-    raw.recv()
-    for i in range(40):
-        raw.send(Alloc(i, f"tensor.{i:03d}", "U8", (0,), 0))
-    _barrier(raw)
-    names, after = [], ""
+    raw.send(Hello(1, 1, 0, P.MIN_FRAME, 0, nonce))  # this client takes the smallest frames allowed
+    assert isinstance(raw.recv(), Hello)
+    n, pad = 300, "x" * 4000  # 300 entries of about 4 KB: more than one 1 MiB page
+    for i in range(n):
+        raw.send(Alloc(i, f"tensor.{i:03d}.{pad}", "U8", (0,), 0))
+    assert _barrier(raw).tensors == n
+    names, after, pages = [], "", 0
     while True:
         raw.send(ListRequest(after))
         page = raw.recv()
+        pages += 1
         names += [e.name for e in page.entries]
         if not page.more:
             break
-        assert 0 < len(page.entries) < 40
+        assert 0 < len(page.entries) < n
         after = page.entries[-1].name
-    assert names == [f"tensor.{i:03d}" for i in range(40)]
+    assert pages == 2
+    assert names == [f"tensor.{i:03d}.{pad}" for i in range(n)]
 
 
 def test_same_name_replaces_and_frees_the_old(server):
@@ -273,22 +281,23 @@ def test_same_name_replaces_and_frees_the_old(server):
     _put(raw, 1, "w", _f32(100, 2))
     _barrier(raw)
     assert np.array_equal(server.tensors()["w"], _f32(100, 2))
-    assert server.memory_used == 400
+    assert server.memory_used == _cost("w", 400)
 
 
 def test_max_memory_enforced():
-    with Server(max_memory=1000) as s:
+    limit = _cost("a", 800) + _cost("c", 200)
+    with Server(max_memory=limit) as s:
         raw = Raw(s.address)
-        assert raw.hello().max_memory == 1000
+        assert raw.hello().max_memory == limit
         _put(raw, 0, "a", _f32(200))  # 800 bytes
-        raw.send(Alloc(1, "b", "F32", (100,), 400))  # 1200 > 1000
+        raw.send(Alloc(1, "b", "F32", (100,), 400))  # 400 more would not fit
         raw.send(WriteHeader(1, 0, 400), bytes(400))  # drained, no second error
         raw.send(Alloc(2, "c", "F32", (50,), 200))
         raw.send(WriteHeader(2, 0, 200), bytes(200))
         reply = _barrier(raw)
         assert reply.tensors == 2
         assert len(reply.errors) == 1 and "memory limit" in reply.errors[0]
-        assert sorted(s.tensors()) == ["a", "c"] and s.memory_used == 1000
+        assert sorted(s.tensors()) == ["a", "c"] and s.memory_used == limit
         raw.send(Alloc(3, "big", "U8", (2000,), 2000))
         reply = raw.recv()  # over the largest tensor the server takes: a protocol error
         assert isinstance(reply, Error) and "limit" in reply.message
@@ -374,7 +383,7 @@ def test_cache_is_filled_as_bytes_arrive_and_checks_the_digest(tmp_path):
         reply = _barrier(raw)
         assert reply.tensors == 0 and "do not match the digest" in reply.errors[0]
         assert "liar" not in s.tensors()
-        assert s.memory_used == a.nbytes
+        assert s.memory_used == _cost("w", a.nbytes)
 
 
 def test_fill_from_cache_and_a_corrupt_entry_is_asked_for_again(tmp_path):
@@ -504,3 +513,339 @@ def test_cuda_server_round_trip(tmp_path):
         raw.send(Read("w", 0, a.nbytes))
         assert raw.recv() == ReadReply(a.nbytes)
         assert raw.read_payload(a.nbytes) == a.tobytes()
+
+
+# ----- hostile clients: every byte is checked, bad input changes nothing, the server goes on --------
+
+
+import threading  # noqa: E402
+
+import weightlift.server as server_mod  # noqa: E402
+import weightlift.targets as targets_mod  # noqa: E402
+from weightlift.errors import DeviceError  # noqa: E402
+
+
+@pytest.fixture
+def thread_errors(monkeypatch):
+    """Exceptions that escaped any thread while the test ran (there must be none)."""
+    caught: list[str] = []
+    monkeypatch.setattr(threading, "excepthook", lambda a: caught.append(f"{a.exc_type.__name__}: {a.exc_value}"))
+    return caught
+
+
+def _wait_for(cond, seconds: float = 10.0) -> None:
+    """Poll until ``cond()`` (the server notices things on its own threads); no timing asserted."""
+    deadline = time.monotonic() + seconds
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _serves(s: Server) -> None:
+    ok = Raw(s.address)
+    ok.hello()
+    _put(ok, 0, "ok", _f32(4))
+    assert _barrier(ok).tensors == 1
+    ok.close()
+
+
+def test_unauthenticated_big_frame_is_refused_from_its_prefix():
+    with Server(token="sesame") as s:
+        for after_hello in (False, True):
+            raw = Raw(s.address)
+            if after_hello:
+                raw.send(Hello(1, 1, nonce=P.new_nonce()))
+                assert isinstance(raw.recv(), Hello)
+            # an ALLOC announcing a 16 MiB body: refused before the body is read or buffered
+            raw.sock.sendall(P.PREFIX.pack(P.Command.ALLOC, P.MAX_FRAME) + bytes(1000))
+            reply = raw.recv()
+            assert isinstance(reply, Error) and reply.code == ErrorCode.PROTOCOL
+            assert "frame limit of 256" in reply.message
+            assert raw.closed()
+        assert s.memory_used == 0
+        good = Raw(s.address)
+        good.hello(token=b"sesame")
+        _put(good, 0, "w", _f32(300_000))  # once READY the full frame and payload sizes apply
+        assert _barrier(good).tensors == 1
+
+
+def test_handshake_timeout_closes_connections_that_never_become_ready():
+    with Server(token="sesame", handshake_timeout=0.3) as s:
+        silent = Raw(s.address)
+        reply = silent.recv()  # sent nothing: closed with a reason
+        assert isinstance(reply, Error) and reply.code == ErrorCode.PROTOCOL
+        assert "no HELLO and AUTH within 0.3 s" in reply.message
+        assert silent.closed()
+        silent.close()
+
+        no_auth = Raw(s.address)
+        no_auth.send(Hello(1, 1, nonce=P.new_nonce()))
+        assert isinstance(no_auth.recv(), Hello)
+        assert "within" in no_auth.recv().message  # HELLO alone is not READY
+        assert no_auth.closed()
+        no_auth.close()
+
+        trickle = Raw(s.address)  # a HELLO a byte at a time, never finished: the deadline is for the whole
+        for b in send(Hello(1, 1, nonce=P.new_nonce()))[:10]:
+            try:
+                trickle.sock.sendall(bytes([b]))
+            except OSError:
+                break
+            time.sleep(0.05)
+        assert "within" in trickle.recv().message
+        trickle.close()
+
+        ready = Raw(s.address)
+        ready.hello(token=b"sesame")
+        time.sleep(0.6)  # twice the handshake timeout: a READY connection is not held to it
+        _put(ready, 0, "w", _f32(4))
+        assert _barrier(ready).tensors == 1
+        _wait_for(lambda: len(s._conns) == 1)
+        assert len(s._conns) == 1
+
+
+def test_connections_over_the_limit_are_closed_at_accept():
+    with Server(max_connections=2) as s:
+        a, b = Raw(s.address), Raw(s.address)
+        a.hello()
+        b.hello()
+        extra = Raw(s.address)
+        reply = extra.recv()
+        assert isinstance(reply, Error) and reply.code == ErrorCode.LIMIT and "2 connections" in reply.message
+        assert extra.closed()
+        assert len(s._conns) == 2 and len(s._threads) == 2  # no thread kept for it
+        _put(a, 0, "w", _f32(4))
+        assert _barrier(a).tensors == 1
+        a.send(Bye())
+        assert a.closed()
+        _wait_for(lambda: len(s._conns) < 2)
+        _serves(s)  # a slot freed: the next client is served
+
+
+def test_default_memory_cap_is_most_of_physical_memory():
+    total = __import__("os").sysconf("SC_PAGE_SIZE") * __import__("os").sysconf("SC_PHYS_PAGES")
+    assert server_mod.default_max_memory("cpu") == int(total * 0.9)
+    with Server() as s:
+        assert s.max_memory == int(total * 0.9)
+        raw = Raw(s.address)
+        assert raw.hello().max_memory == s.max_memory
+    assert Server(max_memory=123).max_memory == 123
+
+
+def test_a_cuda_server_is_checked_without_allocating(monkeypatch):
+    made = []
+    real = server_mod.make_target
+    monkeypatch.setattr(server_mod, "make_target", lambda *a, **k: made.append(a) or real(*a, **k))
+    with pytest.raises(OptionError, match="framework='torch'"):
+        Server(device="cuda", framework="numpy")
+    with pytest.raises(OptionError, match="unknown device"):
+        Server(device="cudaX", framework="torch")
+    if not __import__("torch").cuda.is_available():
+        with pytest.raises(DeviceError, match="no CUDA device"):
+            Server(device="cuda", framework="torch", max_memory=1 << 20)
+    assert made == []  # none of that made a target
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_cuda_target_is_made_at_the_first_alloc_not_at_connect(monkeypatch):
+    import torch
+
+    made = []
+    real = server_mod.make_target
+    monkeypatch.setattr(server_mod, "make_target", lambda *a, **k: made.append(a) or real(*a, **k))
+    with pytest.raises(DeviceError, match="CUDA devices"):
+        Server(device=f"cuda:{torch.cuda.device_count()}", framework="torch")
+    with Server(device="cuda", framework="torch") as s:
+        assert s.max_memory == torch.cuda.get_device_properties(0).total_memory
+        idle = [Raw(s.address) for _ in range(3)]
+        for r in idle:
+            r.hello()
+            assert _barrier(r) == BarrierReply(0, 0)
+        assert made == []  # idle connections pin no host memory
+        _put(idle[0], 0, "w", _f32(1000))
+        assert _barrier(idle[0]).tensors == 1
+        assert len(made) == 1
+        assert torch.equal(s.tensors()["w"].cpu(), torch.from_numpy(_f32(1000)))
+
+
+def test_destination_is_faulted_in_only_as_payload_arrives(monkeypatch):
+    piece = 64 * 1024
+    monkeypatch.setattr(server_mod, "FAULT_PIECE", piece)
+    touched: list[int] = []
+    real = server_mod.populate
+    monkeypatch.setattr(server_mod, "populate", lambda buf: touched.append(len(buf)) or real(buf))
+    with Server() as s:
+        raw = Raw(s.address)
+        raw.hello()
+        data = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+        raw.send(Alloc(0, "w", "U8", (len(data),), len(data)))
+        sent = 100_000
+        raw.send(WriteHeader(0, 0, len(data)), data[:sent])  # the header announces 1 MiB; 100 KB follow
+        _wait_for(lambda: sum(touched) >= sent)
+        time.sleep(0.1)  # a server that faulted the whole range in would have done it by now
+        assert max(touched) <= piece
+        assert sent <= sum(touched) <= sent + piece  # what arrived, plus the piece waiting for more
+        raw.sock.sendall(data[sent:])
+        assert _barrier(raw).tensors == 1
+        assert s.tensors()["w"].tobytes() == data
+        assert sum(touched) == len(data)
+
+
+def test_failed_allocations_release_their_reservation(monkeypatch, thread_errors):
+    with Server(max_memory=1 << 30) as s:
+        raw = Raw(s.address)
+        raw.hello()
+        raw.send(Alloc(1, "absurd", "U8", (0, 2**64 - 1), 0))  # zero bytes, a shape numpy refuses
+        real = targets_mod.fresh_host
+
+        def no_memory(nbytes: int):
+            if nbytes >= 1 << 20:
+                raise OSError(12, "Cannot allocate memory")
+            return real(nbytes)
+
+        monkeypatch.setattr(targets_mod, "fresh_host", no_memory)  # what mmap says to an overcommitted ask
+        raw.send(Alloc(2, "huge", "U8", (1 << 29,), 1 << 29))
+        raw.send(WriteHeader(2, 0, 10), bytes(10))  # drained quietly: the ALLOC failed already
+        reply = _barrier(raw)
+        assert reply.tensors == 0 and len(reply.errors) == 2
+        assert "cannot allocate 'absurd'" in reply.errors[0] and "ValueError" in reply.errors[0]
+        assert "cannot allocate 'huge'" in reply.errors[1] and "OSError" in reply.errors[1]
+        assert s.memory_used == 0  # the budget is whole again
+        _put(raw, 3, "small", _f32(1000))
+        assert _barrier(raw).tensors == 1
+    assert thread_errors == []
+
+
+@pytest.mark.parametrize(
+    "hello, then, expect",
+    [
+        (Hello(1, 1, 0, 1), Barrier(), "max_frame 1 is below"),  # a client frame no reply fits in
+        (Hello(1, 0), Have((bytes(32),)), "HAVE is not valid"),  # a command its minor lacks
+        (Hello(1, 0), P.FillFromCache(1, bytes(32)), "FILL_FROM_CACHE is not valid"),
+    ],
+)
+def test_what_a_client_may_not_send_is_an_error_not_a_dead_thread(server, thread_errors, hello, then, expect):
+    raw = Raw(server.address, minor=min(hello.minor, P.PROTOCOL_MINOR))
+    raw.sock.sendall(send(Hello(hello.major, hello.minor, hello.flags, hello.max_frame, 0, P.new_nonce())))
+    reply = raw.recv()
+    if isinstance(reply, Hello):
+        raw.sock.sendall(send(Alloc(1, "x", "U8", (4,), 4), minor=1) + send(then, minor=1))
+        reply = raw.recv()
+    assert isinstance(reply, Error) and reply.code == ErrorCode.PROTOCOL and expect in reply.message
+    assert raw.closed()
+    raw.close()
+    _serves(server)
+    _wait_for(lambda: server.memory_used == _cost("ok", 16))
+    assert server.memory_used == _cost("ok", 16)  # the refused client's ALLOC was dropped with it
+    assert thread_errors == []
+
+
+def test_an_unexpected_failure_answers_internal_and_ends_only_that_connection(server, thread_errors, monkeypatch, caplog):
+    def broken(self, req):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(server_mod._Connection, "_list", broken)
+    raw = Raw(server.address)
+    raw.hello()
+    raw.send(Alloc(0, "w", "U8", (4,), 4))
+    raw.send(ListRequest())
+    reply = raw.recv()
+    assert isinstance(reply, Error) and reply.code == ErrorCode.INTERNAL and "ZeroDivisionError" in reply.message
+    assert raw.closed()
+    raw.close()
+    _wait_for(lambda: server.memory_used == 0)
+    assert server.memory_used == 0
+    _serves(server)
+    assert thread_errors == []
+    assert "ZeroDivisionError: a bug" in caplog.text
+
+
+def test_ranges_merge_in_any_order():
+    rng = np.random.default_rng(7)
+    n = 200
+    for _ in range(10):
+        p = server_mod._Pending(Alloc(0, "t", "U8", (n,), n), None, 0)
+        have = np.zeros(n, dtype=bool)
+        while not have.all():
+            b = int(rng.integers(0, n))
+            e = min(n, b + int(rng.integers(0, 12)))
+            assert p.can_add(b, e)
+            p.add(b, e)
+            have[b:e] = True
+            want = []  # the ranges of the model, touching ones joined
+            for i in np.flatnonzero(have):
+                if want and want[-1][1] == i:
+                    want[-1] = (want[-1][0], i + 1)
+                else:
+                    want.append((int(i), int(i) + 1))
+            assert p.ranges == want
+        assert p.complete
+
+
+def test_too_many_separate_ranges_is_a_request_error(server):
+    k = server_mod.MAX_RANGES
+    n = 2 * k + 4
+    raw = Raw(server.address)
+    raw.hello()
+    frames = [send(Alloc(0, "holes", "U8", (n,), n))]
+    frames += [send(WriteHeader(0, 2 * i, 1)) + b"x" for i in range(k + 2)]  # k fit, then one too many
+    raw.sock.sendall(b"".join(frames))
+    reply = _barrier(raw)
+    assert reply.tensors == 0 and len(reply.errors) == 1  # the WRITE after is drained quietly
+    assert f"more than {k} separate byte ranges" in reply.errors[0]
+    assert server.memory_used == 0 and server.tensors() == {}
+    _put(raw, 0, "again", _f32(4))  # the id is free again
+    assert _barrier(raw).tensors == 1
+
+
+def test_errors_kept_per_connection_are_capped_and_the_rest_counted(server, monkeypatch):
+    conns = []
+    real_init = server_mod._Connection.__init__
+
+    def init(self, *a):
+        real_init(self, *a)
+        conns.append(self)
+
+    monkeypatch.setattr(server_mod._Connection, "__init__", init)
+    extra = 10
+    raw = Raw(server.address)
+    raw.hello()
+    raw.sock.sendall(send(WriteHeader(7, 0, 0)) * (P.MAX_ERRORS + extra))
+    raw.send(ListRequest())  # a reply after the WRITEs: they have all been handled
+    assert isinstance(raw.recv(), ListReply)
+    (conn,) = conns
+    assert len(conn.errors) == P.MAX_ERRORS and conn.dropped_errors == extra  # kept: bounded; the rest: counted
+    reply = _barrier(raw)
+    assert len(reply.errors) == P.MAX_ERRORS
+    assert all("not allocated" in e for e in reply.errors[:-1])
+    assert reply.errors[-1] == f"... and {extra + 1} more errors"
+    assert server.stats()["errors"] == P.MAX_ERRORS + extra
+    assert _barrier(raw) == BarrierReply(0, 0)
+
+
+def test_every_tensor_is_charged_for_its_name_and_entry():
+    per = _cost("t.0", 0)
+    with Server(max_memory=3 * per) as s:
+        raw = Raw(s.address)
+        raw.hello()
+        for i in range(5):
+            raw.send(Alloc(i, f"t.{i}", "U8", (0,), 0))  # zero bytes, but not free
+        reply = _barrier(raw)
+        assert reply.tensors == 3 and len(reply.errors) == 2 and "memory limit" in reply.errors[0]
+        assert sorted(s.tensors()) == ["t.0", "t.1", "t.2"] and s.memory_used == 3 * per
+        raw.send(Free(("t.0",)))
+        assert raw.recv() == FreeReply(1)
+        assert s.memory_used == 2 * per
+
+
+def test_need_list_names_each_pending_tensor_once(server):
+    raw = Raw(server.address)
+    raw.hello()
+    raw.send(Alloc(0, "a", "U8", (4,), 4))
+    raw.send(Alloc(1, "b", "U8", (4,), 4))
+    for _ in range(3):  # no cache here: every fill is a need, but each id is asked for once
+        raw.send(P.FillFromCache(0, bytes(32)))
+        raw.send(P.FillFromCache(1, bytes(32)))
+    raw.send(WriteHeader(1, 0, 4), b"bbbb")  # its bytes came anyway: not needed any more
+    reply = _barrier(raw)
+    assert reply.need == (0,) and reply.tensors == 1

@@ -18,6 +18,16 @@ a connection had in flight when it ended are dropped. A malformed frame gets an 
 the connection is closed; everything else that goes wrong with a request is collected and
 reported at the next BARRIER, so a client never waits for a reply per tensor.
 
+Every byte a peer sends is hostile until checked, and what a peer can make the server hold is
+bounded: at most MAX_CONNECTIONS connections (more are refused at accept, no thread made); until
+a connection is READY its frames are capped at MAX_HANDSHAKE_FRAME and it must get there within
+the handshake timeout; nothing is allocated for a connection (CUDA staging included) before its
+first ALLOC; destination memory is faulted in piece by piece as payload bytes arrive, not when
+a WRITE header announces them; every stored or pending tensor is charged its bytes plus its
+name and ENTRY_OVERHEAD against max_memory; errors kept per connection, the ranges a tensor's
+WRITEs cover, and remembered failed ids are all capped. A failure inside a connection, however
+unexpected, is answered with an ERROR and ends that connection only.
+
 ``WEIGHTLIFT_LOAD_OPT=0`` (read when the Server is made) receives each WRITE into a fresh buffer
 and copies it out, the naive way, for A/B measurements.
 """
@@ -25,22 +35,35 @@ and copies it out, the naive way, for A/B measurements.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import sys
 import threading
 import time
 import warnings
+from bisect import bisect_left, bisect_right
 from collections import deque
 from typing import Any
 
 import numpy as np
 
 from .cache import TensorCache, disk_unusable
-from .errors import AuthError, CacheError, OptionError, RemoteProtocolError, TransportError, WeightliftError
+from .errors import (
+    AuthError,
+    CacheError,
+    DeviceError,
+    LocalProtocolError,
+    OptionError,
+    RemoteProtocolError,
+    TransportError,
+    WeightliftError,
+)
 from .profile import Profiler
 from .protocol import (
     MAX_ERRORS,
     MAX_FRAME,
+    MAX_HANDSHAKE_FRAME,
+    MAX_MESSAGE,
     MAX_TENSOR_BYTES,
     MAX_TENSORS,
     PROTOCOL_MAJOR,
@@ -78,13 +101,22 @@ from .protocol import (
 from .targets import CudaTarget, Target, make_target, populate
 from .transport import Listener, SocketStream, receive_message, receive_payload
 
-__all__ = ["Server", "ENV_LOAD_OPT", "load_opt_enabled", "is_loopback"]
+__all__ = ["Server", "ENV_LOAD_OPT", "load_opt_enabled", "is_loopback", "default_max_memory"]
 
 ENV_LOAD_OPT = "WEIGHTLIFT_LOAD_OPT"
 STAGING_BYTES = 8 * 1024 * 1024  # one per connection, for targets that are not host memory
 HASH_PIECE = 4 * 1024 * 1024  # received-then-hashed piece: still in the CPU cache when hashed
+FAULT_PIECE = 16 * 1024 * 1024  # destination faulted in this much at a time, just before it is received into
 SCRATCH_BYTES = 64 * 1024  # frame headers and drained payloads
 LINGER_BYTES = 64 * 1024 * 1024  # after an ERROR, how much of the peer's input to drain before closing
+LINGER_SECONDS = 2.0  # ... and for how long at most, however the peer spaces its bytes
+MAX_CONNECTIONS = 64  # connections served at once; more are closed at accept
+HANDSHAKE_TIMEOUT = 10.0  # seconds from accept for a connection to become READY (HELLO, AUTH)
+MAX_RANGES = 4096  # disjoint byte ranges one pending tensor's WRITEs may leave
+ENTRY_OVERHEAD = 256  # bytes charged per tensor on top of its data and name: a store entry costs memory too
+MEMORY_FRACTION = 0.9  # of physical RAM: a cpu server's max_memory when none is given
+
+_log = logging.getLogger(__name__)
 
 
 def load_opt_enabled() -> bool:
@@ -102,42 +134,119 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def default_max_memory(device: str = "cpu") -> int:
+    """The memory cap a server uses when given none: 90 % of physical RAM for ``cpu``, the
+    device's total memory for ``cuda[:N]``. OptionError where the amount cannot be found."""
+    dev = str(device)
+    if dev.startswith("cuda"):
+        import torch
+
+        try:
+            return int(torch.cuda.get_device_properties(torch.device(dev)).total_memory)
+        except (RuntimeError, AssertionError, ValueError) as e:
+            raise DeviceError(f"cannot read the memory of device {dev!r}: {e}") from None
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        raise OptionError("cannot tell how much memory this machine has: pass max_memory") from None
+    return int(total * MEMORY_FRACTION)
+
+
+def _check_device(device: str, framework: str) -> Target | None:
+    """Fail now on a device the server cannot use, without allocating anything on it.
+
+    Returns the host target all connections share (it holds no state), or None for a CUDA
+    device: each connection makes its own CUDA target, with its pinned slots, at its first ALLOC.
+    """
+    dev = str(device)
+    if not dev.startswith("cuda"):
+        return make_target(dev, framework)  # cpu; anything else is an OptionError
+    if framework != "torch":
+        raise OptionError(f"device {dev!r} needs framework='torch'")
+    import torch
+
+    try:
+        index = torch.device(dev).index
+    except RuntimeError:
+        raise OptionError(f"unknown device {dev!r}: expected 'cpu' or 'cuda[:N]'") from None
+    if not torch.cuda.is_available():
+        raise DeviceError(f"device {dev!r} asked for, but torch sees no CUDA device")
+    if index is not None and index >= torch.cuda.device_count():
+        raise DeviceError(f"device {dev!r} asked for, but torch sees {torch.cuda.device_count()} CUDA devices")
+    return None
+
+
+def _entry_cost(name: str, nbytes: int) -> int:
+    """What a tensor counts against max_memory: its bytes, its name, and a store entry's overhead."""
+    return nbytes + len(name.encode("utf-8")) + ENTRY_OVERHEAD
+
+
 class _Pending:
-    """A tensor being filled by one connection: its destination and which bytes have arrived."""
+    """A tensor being filled by one connection: its destination and which bytes have arrived.
 
-    __slots__ = ("name", "dtype", "shape", "nbytes", "dest", "digest", "covered", "writer", "hashed")
+    The arrived bytes are kept as sorted, disjoint, non-touching ranges ``[starts[i], ends[i])``;
+    a WRITE merges in with two binary searches, so a tensor written in many pieces in any order
+    costs O(log n) per WRITE plus the ranges it joins, never a rebuild of the list.
+    """
 
-    def __init__(self, a: Alloc, dest: Any):
+    __slots__ = ("name", "dtype", "shape", "nbytes", "cost", "dest", "digest", "starts", "ends", "writer", "hashed")
+
+    def __init__(self, a: Alloc, dest: Any, cost: int):
         self.name, self.dtype, self.shape, self.nbytes = a.name, a.dtype, a.shape, a.nbytes
+        self.cost = cost
         self.dest = dest
         self.digest = a.digest
-        self.covered: list[list[int]] = []  # sorted, disjoint [begin, end) ranges
+        self.starts: list[int] = []
+        self.ends: list[int] = []
         self.writer: Any = None
         self.hashed = 0
+
+    def _span(self, begin: int, end: int) -> tuple[int, int]:
+        # Ranges i..j-1 overlap or touch [begin, end): those before i end before it begins,
+        # those from j on start after it ends.
+        i = bisect_left(self.ends, begin)
+        return i, bisect_right(self.starts, end, lo=i)
+
+    def can_add(self, begin: int, end: int) -> bool:
+        """Whether adding [begin, end) keeps the ranges within MAX_RANGES."""
+        if begin == end or len(self.starts) < MAX_RANGES:
+            return True
+        i, j = self._span(begin, end)
+        return i < j
 
     def add(self, begin: int, end: int) -> None:
         if begin == end:
             return
-        out: list[list[int]] = []
-        for r in self.covered:
-            if r[1] < begin or r[0] > end:
-                out.append(r)
-            else:
-                begin, end = min(begin, r[0]), max(end, r[1])
-        out.append([begin, end])
-        out.sort()
-        self.covered = out
+        i, j = self._span(begin, end)
+        if i < j:
+            begin, end = min(begin, self.starts[i]), max(end, self.ends[j - 1])
+        self.starts[i:j] = [begin]
+        self.ends[i:j] = [end]
+
+    def clear(self) -> None:
+        self.starts, self.ends = [], []
+
+    def fill(self) -> None:
+        self.starts, self.ends = [0], [self.nbytes]
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        return list(zip(self.starts, self.ends))
 
     @property
     def complete(self) -> bool:
-        return self.nbytes == 0 or self.covered == [[0, self.nbytes]]
+        return self.nbytes == 0 or (len(self.starts) == 1 and self.starts[0] == 0 and self.ends[0] == self.nbytes)
 
 
 class Server:
     """A tensor server. ``start()`` serves on a background thread; ``serve_forever()`` in this one.
 
     Binds 127.0.0.1 by default; any other address needs a ``token`` (clients must prove they hold
-    it) or ``insecure=True``. ``max_memory`` caps the bytes allocated across all clients.
+    it) or ``insecure=True``. ``max_memory`` caps the bytes allocated across all clients, each
+    tensor counted as its bytes plus its name plus ENTRY_OVERHEAD; None (the default) means
+    :func:`default_max_memory`: 90 % of physical RAM for ``cpu``, the device's total memory for
+    ``cuda``. ``max_connections`` connections are served at once (more are closed at accept), and
+    each must finish HELLO (and AUTH) within ``handshake_timeout`` seconds or is closed.
     ``protocol_minor`` makes the server speak an older minor version (compatibility tests).
     ``profile`` None reads WEIGHTLIFT_LOADPROF; with it on, each connection's report is printed
     to stderr when the connection closes.
@@ -154,6 +263,8 @@ class Server:
         token: str | bytes | None = None,
         insecure: bool = False,
         max_memory: int | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
         profile: bool | None = None,
         protocol_minor: int = PROTOCOL_MINOR,
     ):
@@ -161,6 +272,10 @@ class Server:
             raise OptionError(f"port {port!r} is out of range")
         if max_memory is not None and max_memory < 0:
             raise OptionError(f"max_memory must be >= 0, got {max_memory}")
+        if max_connections < 1:
+            raise OptionError(f"max_connections must be >= 1, got {max_connections}")
+        if not handshake_timeout > 0:
+            raise OptionError(f"handshake_timeout must be > 0, got {handshake_timeout}")
         if not 0 <= protocol_minor <= PROTOCOL_MINOR:
             raise OptionError(f"protocol_minor must be between 0 and {PROTOCOL_MINOR}")
         self._token = token.encode() if isinstance(token, str) else token
@@ -173,14 +288,16 @@ class Server:
                 warnings.warn(f"serving on {host} without a token: anyone who can reach it may write memory", RuntimeWarning, stacklevel=2)
         self.host, self.port = host, port
         self.device, self.framework = device, framework
-        self._target = make_target(device, framework)  # fails now on a missing device, not per client
+        self._host_target = _check_device(device, framework)  # fails now on a missing device, not per client
         self._cache = TensorCache(cache_dir) if cache_dir is not None else None
-        self._max_memory = max_memory
+        self._max_memory = default_max_memory(device) if max_memory is None else max_memory
+        self._max_connections = max_connections
+        self._handshake_timeout = float(handshake_timeout)
         self._minor = protocol_minor
         self._opt = load_opt_enabled()
         self._profile = profile
         self._lock = threading.Lock()
-        self._store: dict[str, tuple[str, tuple[int, ...], int, Any]] = {}
+        self._store: dict[str, tuple[str, tuple[int, ...], int, Any, int]] = {}  # dtype, shape, nbytes, tensor, cost
         self._used = 0
         self._stats = {"connections": 0, "tensors": 0, "bytes_received": 0, "bytes_from_cache": 0, "cache_hits": 0, "errors": 0}
         self._reports: deque[dict[str, Any]] = deque(maxlen=64)
@@ -246,15 +363,31 @@ class Server:
                 if self._closing.is_set():
                     stream.close()
                     return
-                self._conns.add(stream)
-                self._stats["connections"] += 1
-                t = threading.Thread(target=self._serve_one, args=(stream,), name=f"weightlift-conn {stream.peer}", daemon=True)
-                self._threads.add(t)
+                full = len(self._conns) >= self._max_connections
+                if not full:
+                    self._conns.add(stream)
+                    self._stats["connections"] += 1
+                    t = threading.Thread(target=self._serve_one, args=(stream,), name=f"weightlift-conn {stream.peer}", daemon=True)
+                    self._threads.add(t)
+            if full:
+                self._refuse(stream)
+                continue
             t.start()
+
+    def _refuse(self, stream: SocketStream) -> None:
+        """Close a connection over the limit at once, with a best-effort ERROR that cannot block."""
+        try:
+            stream.set_timeout(0.0)
+            stream.send_parts([send(Error(ErrorCode.LIMIT, f"the server is serving its limit of {self._max_connections} connections"), minor=0)])
+        except (TransportError, OSError):
+            pass
+        stream.close()
 
     def _serve_one(self, stream: SocketStream) -> None:
         try:
             _Connection(self, stream).run()
+        except Exception:  # a last resort: run() answers what it can; nothing may kill the server
+            _log.exception("weightlift server: connection %s failed", stream.peer)
         finally:
             stream.close()
             with self._lock:
@@ -294,8 +427,14 @@ class Server:
 
     @property
     def memory_used(self) -> int:
-        """Bytes allocated now, complete and in flight."""
+        """Bytes counted against max_memory now, complete and in flight: each tensor's bytes,
+        name and ENTRY_OVERHEAD."""
         return self._used
+
+    @property
+    def max_memory(self) -> int:
+        """The cap on memory_used (given, or :func:`default_max_memory`)."""
+        return self._max_memory
 
     def stats(self) -> dict[str, int]:
         """Counters since start: connections, tensors completed, payload bytes received over the
@@ -312,7 +451,7 @@ class Server:
 
     def _reserve(self, nbytes: int) -> None:
         with self._lock:
-            if self._max_memory is not None and self._used + nbytes > self._max_memory:
+            if self._used + nbytes > self._max_memory:
                 raise _RequestError(
                     f"{nbytes} bytes would exceed the server's memory limit ({self._used} of {self._max_memory} in use)"
                 )
@@ -325,9 +464,9 @@ class Server:
     def _publish(self, p: _Pending, dest: Any) -> None:
         with self._lock:
             old = self._store.get(p.name)
-            self._store[p.name] = (p.dtype, p.shape, p.nbytes, dest)
+            self._store[p.name] = (p.dtype, p.shape, p.nbytes, dest, p.cost)
             if old is not None:
-                self._used -= old[2]
+                self._used -= old[4]
             self._stats["tensors"] += 1
 
     def _count(self, key: str, n: int = 1) -> None:
@@ -350,17 +489,20 @@ class _Connection:
     def __init__(self, server: Server, stream: SocketStream):
         self.srv = server
         self.stream = stream
-        self.target: Target = server._target if server._target.memcpy_ok else make_target(server.device, server.framework)
+        self._target: Target | None = server._host_target  # a CUDA target is made at the first ALLOC
         self.minor = server._minor
-        self.dec = Decoder(our_role="server", minor=server._minor, max_tensor_bytes=self._max_tensor_bytes())
         self.session = ServerSession(minor=server._minor, auth_required=server._token is not None)
+        # Until READY: the server's own minor (the client's is not known yet) and tiny frames.
+        self.dec = Decoder(our_role="server", minor=server._minor, max_frame=MAX_HANDSHAKE_FRAME, max_tensor_bytes=self._max_tensor_bytes())
+        self.deadline: float | None = time.monotonic() + server._handshake_timeout
         self.nonce = new_nonce()
         self.client_nonce = b""
         self.client_max_frame = MAX_FRAME
         self.pending: dict[int, _Pending] = {}
-        self.failed: set[int] = set()
+        self.failed: dict[int, None] = {}  # ids whose ALLOC failed (oldest first): their WRITEs are drained quietly
         self.errors: list[str] = []
-        self.need: list[int] = []
+        self.dropped_errors = 0
+        self.need: dict[int, None] = {}  # pending ids a FILL_FROM_CACHE could not fill, in order
         self.done_tensors = 0
         self.done_bytes = 0
         self.prof = Profiler(server._profile)
@@ -368,8 +510,13 @@ class _Connection:
         self._staging: np.ndarray | None = None
 
     def _max_tensor_bytes(self) -> int:
-        m = self.srv._max_memory
-        return MAX_TENSOR_BYTES if m is None else min(MAX_TENSOR_BYTES, m)
+        return min(MAX_TENSOR_BYTES, self.srv._max_memory)
+
+    @property
+    def target(self) -> Target:
+        if self._target is None:
+            self._target = make_target(self.srv.device, self.srv.framework)
+        return self._target
 
     def staging(self) -> memoryview:
         if self._staging is None:
@@ -381,7 +528,7 @@ class _Connection:
     def run(self) -> None:
         try:
             while True:
-                msg = receive_message(self.stream, self.dec, self.scratch)
+                msg = receive_message(self.stream, self.dec, self.scratch, deadline=self.deadline)
                 if msg is None:
                     return
                 t0 = time.perf_counter_ns() if self.prof.enabled else 0
@@ -395,7 +542,16 @@ class _Connection:
         except AuthError as e:
             self._fatal(ErrorCode.AUTH, str(e))
         except TransportError:
-            pass  # the client went away; what it had in flight is dropped below
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                what = "HELLO and AUTH" if self.srv._token is not None else "HELLO"
+                self._fatal(ErrorCode.PROTOCOL, f"no {what} within {self.srv._handshake_timeout:g} s")
+            # otherwise the client went away; what it had in flight is dropped below
+        except WeightliftError as e:  # the server's own failure (a reply it could not encode, a device)
+            _log.warning("weightlift server: connection %s: %s: %s", self.stream.peer, type(e).__name__, e)
+            self._fatal(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+        except Exception as e:  # a bug: say so, end this connection only
+            _log.exception("weightlift server: connection %s failed", self.stream.peer)
+            self._fatal(ErrorCode.INTERNAL, f"internal server error: {type(e).__name__}")
         finally:
             self._drop_pending()
             if self.prof.enabled:
@@ -406,13 +562,18 @@ class _Connection:
         """Reply ERROR, then close without a reset, so the client can read why."""
         self.srv._count("errors")
         try:
+            self.stream.set_timeout(LINGER_SECONDS)  # a peer that reads nothing must not hold the send
             self.stream.send_parts([send(Error(code, message), minor=self.minor)])
             self.stream.shutdown_write()
             # Keep reading a while: closing with unread input would reset the connection and
             # could destroy the reply before the client reads it.
-            self.stream.set_timeout(1.0)
+            end = time.monotonic() + LINGER_SECONDS
             drained = 0
             while drained < LINGER_BYTES:
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self.stream.set_timeout(left)
                 n = self.stream.recv_into(self.scratch)
                 if n == 0:
                     break
@@ -422,6 +583,26 @@ class _Connection:
 
     def _reply(self, msg: Message) -> None:
         self.stream.send_parts([send(msg, minor=self.minor, max_frame=self.client_max_frame)])
+
+    def _renew_decoder(self) -> None:
+        """A decoder for the negotiated minor, and, once READY, the full frame limit.
+
+        A client that negotiated an older minor must not get past the decoder with a command its
+        minor lacks (the server could not encode the reply). receive_message never reads past a
+        frame, so nothing is buffered in the old decoder when this runs.
+        """
+        if not self.dec.at_boundary:
+            raise LocalProtocolError("decoder replaced inside a frame")
+        ready = self.session.state is SessionState.READY
+        self.dec = Decoder(
+            our_role="server",
+            minor=self.minor,
+            max_frame=MAX_FRAME if ready else MAX_HANDSHAKE_FRAME,
+            max_tensor_bytes=self._max_tensor_bytes(),
+        )
+        if ready:
+            self.deadline = None
+            self.stream.set_timeout(None)
 
     def _dispatch(self, msg: Message) -> bool:
         """Handle one message; True when the connection should end."""
@@ -465,11 +646,21 @@ class _Connection:
             fn(msg)
         except _RequestError as e:
             self._error(str(e))
-            self.failed.add(tid)
+            self._mark_failed(tid)
+
+    def _mark_failed(self, tid: int) -> None:
+        self.failed.pop(tid, None)
+        self.failed[tid] = None
+        if len(self.failed) > MAX_TENSORS:  # forget the oldest: at worst one more "not allocated" error
+            del self.failed[next(iter(self.failed))]
 
     def _error(self, text: str) -> None:
+        """Keep an error for the next barrier; past MAX_ERRORS only count it."""
         self.srv._count("errors")
-        self.errors.append(text)
+        if len(self.errors) < MAX_ERRORS:
+            self.errors.append(text[:MAX_MESSAGE])  # the wire cuts it there anyway
+        else:
+            self.dropped_errors += 1
 
     # -- handshake -----------------------------------------------------------------------------
 
@@ -490,9 +681,10 @@ class _Connection:
             MAX_FRAME,
             self._max_tensor_bytes(),
             self.nonce,
-            self.srv._max_memory or 0,
+            self.srv._max_memory,
         )
         self.stream.send_parts([send(reply)])
+        self._renew_decoder()
 
     def _auth(self, msg: Auth) -> None:
         token = self.srv._token
@@ -501,6 +693,7 @@ class _Connection:
         verify_mac(client_mac(token, self.client_nonce, self.nonce), msg.mac, who="client")
         self.session.authenticated()
         self._reply(Auth(server_mac(token, self.client_nonce, self.nonce)))
+        self._renew_decoder()
 
     # -- receiving tensors -----------------------------------------------------------------------
 
@@ -509,17 +702,29 @@ class _Connection:
             raise _RequestError(f"tensor id {a.tensor_id} ({a.name!r}) is already in flight")
         if len(self.pending) >= MAX_TENSORS:
             raise _RequestError(f"more than {MAX_TENSORS} tensors in flight on one connection")
-        self.srv._reserve(a.nbytes)
+        cost = _entry_cost(a.name, a.nbytes)
+        self.srv._reserve(cost)
         try:
             dest = self.target.empty(a.dtype, a.shape)
-        except (WeightliftError, MemoryError, RuntimeError) as e:  # RuntimeError: torch out of memory
-            self.srv._release(a.nbytes)
-            raise _RequestError(f"cannot allocate {a.name!r} ({a.nbytes} bytes): {e}") from None
-        self.failed.discard(a.tensor_id)
-        p = _Pending(a, dest)
+        except Exception as e:  # ENOMEM from mmap, numpy on an absurd shape, torch out of memory, no device
+            self.srv._release(cost)
+            raise _RequestError(f"cannot allocate {a.name!r} ({a.dtype} {a.shape}, {a.nbytes} bytes): {type(e).__name__}: {e}") from None
+        self.failed.pop(a.tensor_id, None)
+        p = _Pending(a, dest, cost)
         self.pending[a.tensor_id] = p
         if p.complete:
             self._complete(a.tensor_id, p)
+
+    def _abandon(self, tid: int, p: _Pending, why: str) -> None:
+        """Give up on a pending tensor: free it, report why, and drain its later WRITEs quietly."""
+        del self.pending[tid]
+        self.need.pop(tid, None)
+        if p.writer is not None:
+            p.writer.abort()
+            p.writer = None
+        self.srv._release(p.cost)
+        self._error(why)
+        self._mark_failed(tid)
 
     def _write(self, h: WriteHeader) -> None:
         p = self.pending.get(h.tensor_id)
@@ -528,6 +733,10 @@ class _Connection:
                 self._error(f"WRITE [{h.offset}, {h.offset + h.length}) runs past the {p.nbytes} bytes of {p.name!r}")
             elif h.tensor_id not in self.failed:  # a failed ALLOC was reported already
                 self._error(f"WRITE to tensor id {h.tensor_id}, which is not allocated")
+            self._drain(h.length)
+            return
+        if not p.can_add(h.offset, h.offset + h.length):
+            self._abandon(h.tensor_id, p, f"tensor {p.name!r}: WRITEs leave more than {MAX_RANGES} separate byte ranges")
             self._drain(h.length)
             return
         cache = self.srv._cache
@@ -575,15 +784,16 @@ class _Connection:
 
     def _receive_direct(self, p: _Pending, h: WriteHeader) -> None:
         dest = self.target.host_view(p.dest)[h.offset : h.offset + h.length]
-        t0 = time.perf_counter_ns() if self.prof.enabled else 0
-        populate(dest)  # fresh pages faulted inside recv_into cost several times more
-        if self.prof.enabled:
-            self.prof.record("stage", t0, time.perf_counter_ns(), 0, name="fault-in " + p.name)
-        if p.writer is None:
-            self._wire(dest, p.name)
-            return
-        for pos in range(0, h.length, HASH_PIECE):
-            piece = dest[pos : pos + HASH_PIECE]
+        # Fresh pages faulted inside recv_into cost several times more, so each piece is faulted
+        # in first - but only the piece about to be received: a WRITE header alone, with no
+        # payload behind it, must not make the server touch the memory it announces.
+        step = HASH_PIECE if p.writer is not None else FAULT_PIECE
+        for pos in range(0, h.length, step):
+            piece = dest[pos : pos + step]
+            t0 = time.perf_counter_ns() if self.prof.enabled else 0
+            populate(piece)
+            if self.prof.enabled:
+                self.prof.record("stage", t0, time.perf_counter_ns(), 0, name="fault-in " + p.name)
             self._wire(piece, p.name)
             self._hash(p, piece)
 
@@ -642,7 +852,7 @@ class _Connection:
             raise _RequestError(f"FILL_FROM_CACHE of {p.name!r} names a digest other than its ALLOC's")
         cache = self.srv._cache
         if cache is None:
-            self.need.append(f.tensor_id)
+            self.need[f.tensor_id] = None
             return
         t0 = time.perf_counter_ns() if self.prof.enabled else 0
         try:
@@ -656,14 +866,14 @@ class _Connection:
                 )
         except CacheError:
             # The entry was missing or corrupt and is gone now: ask the client for the bytes.
-            p.covered = []
-            self.need.append(f.tensor_id)
+            p.clear()
+            self.need[f.tensor_id] = None
             return
         if self.prof.enabled:
             self.prof.record("read", t0, time.perf_counter_ns(), p.nbytes, name=p.name)
         self.srv._count("cache_hits")
         self.srv._count("bytes_from_cache", p.nbytes)
-        p.covered = [[0, p.nbytes]]
+        p.fill()
         if p.writer is not None:
             p.writer.abort()
             p.writer = None
@@ -675,6 +885,7 @@ class _Connection:
 
     def _complete(self, tid: int, p: _Pending) -> None:
         del self.pending[tid]
+        self.need.pop(tid, None)  # the bytes came after all: the client need not send them again
         if p.writer is not None:
             writer, p.writer = p.writer, None
             if p.hashed != p.nbytes:
@@ -685,7 +896,7 @@ class _Connection:
                 except CacheError as e:
                     if not isinstance(e.__cause__, OSError):
                         # The bytes that arrived are not the bytes the client hashed.
-                        self.srv._release(p.nbytes)
+                        self.srv._release(p.cost)
                         self._error(f"tensor {p.name!r}: the bytes received do not match the digest the client sent")
                         return
                     self._cache_failed(e)
@@ -699,16 +910,16 @@ class _Connection:
         for p in self.pending.values():
             if p.writer is not None:
                 p.writer.abort()
-            self.srv._release(p.nbytes)
+            self.srv._release(p.cost)
         self.pending.clear()
 
     def _barrier(self) -> None:
         errors = self.errors
-        if len(errors) > MAX_ERRORS:
-            errors = errors[: MAX_ERRORS - 1] + [f"... and {len(errors) - MAX_ERRORS + 1} more errors"]
+        if self.dropped_errors:
+            errors = errors[: MAX_ERRORS - 1] + [f"... and {self.dropped_errors + 1} more errors"]
         self._reply(BarrierReply(self.done_tensors, self.done_bytes, tuple(errors), tuple(self.need)))
-        self.errors, self.need = [], []
-        self.done_tensors = self.done_bytes = 0
+        self.errors, self.need = [], {}
+        self.dropped_errors = self.done_tensors = self.done_bytes = 0
 
     # -- serving tensors back ----------------------------------------------------------------------
 
@@ -743,7 +954,7 @@ class _Connection:
             items = sorted((n, e) for n, e in self.srv._store.items() if n > req.after)
         budget = self.client_max_frame - 64
         entries: list[ListEntry] = []
-        for name, (dtype, shape, nbytes, _) in items:
+        for name, (dtype, shape, nbytes, _, _) in items:
             size = 15 + len(name.encode()) + 8 * len(shape)
             if len(entries) >= MAX_TENSORS or size > budget:
                 break
@@ -757,7 +968,7 @@ class _Connection:
             for n in names:
                 entry = self.srv._store.pop(n, None)
                 if entry is not None:
-                    self.srv._used -= entry[2]
+                    self.srv._used -= entry[4]
                     freed += 1
         return freed
 
