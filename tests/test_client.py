@@ -244,7 +244,10 @@ def test_server_errors_surface_at_the_end_of_a_push(tmp_path):
         with pytest.raises(RemoteProtocolError, match="memory limit"):
             c.push(path)
         assert list(s.tensors()) == ["large.0"]
-        assert s.memory_used == 300_000
+        # each stored tensor is charged its name and a per-entry overhead besides its bytes
+        from weightlift.server import ENTRY_OVERHEAD
+
+        assert s.memory_used == 300_000 + len("large.0") + ENTRY_OVERHEAD
 
 
 def test_connection_refused_is_a_transport_error():

@@ -55,7 +55,12 @@ def register(sub: Any) -> None:
     s.add_argument("--cache-dir", metavar="DIR", help="keep a content-addressed cache of received tensors here")
     s.add_argument("--token-file", metavar="F", help="clients must prove they hold the token in this file")
     s.add_argument("--insecure", action="store_true", help="allow a non-loopback address without a token")
-    s.add_argument("--max-memory", metavar="BYTES", help="cap on bytes allocated for all clients")
+    s.add_argument(
+        "--max-memory",
+        metavar="BYTES",
+        help="cap on bytes allocated for all clients (e.g. 8G; default: 90%% of physical RAM for cpu, the "
+        "device's total memory for cuda; each tensor also counts its name length plus 256 bytes)",
+    )
     s.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("push", help="send a checkpoint's tensors to a tensor server")
