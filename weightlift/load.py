@@ -384,16 +384,14 @@ class _Mover:
         return out
 
     def _start_warmers(self, runs: list[Run]) -> list[Warmer]:
-        ws = []
+        """A warmer per file that wants one, over that file's runs; kept by file for the workers."""
         by_file: dict[str, list[tuple[int, int]]] = {}
         for r in runs:
-            by_file.setdefault(r.file, []).append((r.offset, r.length))
-        for f, ranges in by_file.items():
-            if not self.warm.get(f):
-                continue
-            ws.append(Warmer(self.maps[f].fileno(), ranges, on_chunk=self._warm_chunk if self.prof is not None else None).start())
-        self._warmers = {f: w for f, w in zip([f for f in by_file if self.warm.get(f)], ws)}
-        return ws
+            if self.warm.get(r.file):
+                by_file.setdefault(r.file, []).append((r.offset, r.length))
+        cb = self._warm_chunk if self.prof is not None else None
+        self._warmers = {f: Warmer(self.maps[f].fileno(), ranges, on_chunk=cb).start() for f, ranges in by_file.items()}
+        return list(self._warmers.values())
 
     def _warm_chunk(self, off: int, n: int, t0: int, t1: int) -> None:
         self.prof.record("read", t0, t1, n, name="warm chunk", background=True)
