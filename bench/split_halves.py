@@ -1,0 +1,72 @@
+"""A split load against its two halves run alone: is time to ready the slower half, not the sum?
+
+    python bench/split_halves.py [PATH] [--runs 5] [--json FILE]
+
+Half the tensors (by count, in file order) load locally, the other half are pushed to a tensor
+server in the same process; each arm runs in a fresh process, arms interleaved (local, remote,
+split, local, ...), medians reported with the split's ratio to the slower half.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+CHILD = r"""
+import sys, time
+import weightlift as wl
+from weightlift.checkpoint import open_checkpoint
+mode, path = sys.argv[1], sys.argv[2]
+ck = open_checkpoint(path)
+names = [t.name for t in ck.tensors]
+local, remote = frozenset(names[: len(names) // 2]), frozenset(names[len(names) // 2 :])
+srv = wl.Server(port=0)
+host, port = srv.start()
+addr = f"{host}:{port}"
+t = time.perf_counter()
+if mode == "local":
+    wl.load(ck, select=local, progress=False)
+elif mode == "remote":
+    with wl.Client(addr) as c:
+        c.push(ck, select=remote)
+else:
+    wl.load(ck, select=local | remote, remote={addr: remote}, progress=False)
+print(time.perf_counter() - t)
+srv.close()
+"""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("path", nargs="?")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    path = a.path
+    if path is None:
+        from weightlift.demo import ensure_demo_checkpoint
+
+        path = str(ensure_demo_checkpoint())
+    times: dict[str, list[float]] = {"local": [], "remote": [], "split": []}
+    for r in range(a.runs + 1):  # the first round warms the page cache and is not counted
+        for mode in times:
+            out = subprocess.run([sys.executable, "-c", CHILD, mode, path], capture_output=True, text=True, check=True)
+            if r:
+                times[mode].append(float(out.stdout.strip().splitlines()[-1]))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    slower = max(med["local"], med["remote"])
+    for k, v in times.items():
+        print(f"{k:<7} median {med[k]:.3f} s  runs {[round(x, 3) for x in v]}")
+    print(f"split / slower half: {med['split'] / slower:.2f}x (goal: at most 1.1x)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"path": path, "runs": times, "median_s": med, "ratio": med["split"] / slower, "at": time.time()}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
