@@ -18,24 +18,8 @@ import sys
 import time
 
 
-def pinned_h2d(nbytes: int, reps: int = 5) -> float:
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    src.fill_(1)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return nbytes / statistics.median(times) / 1e9
-
-
 def pageable_h2d(nbytes: int, reps: int = 3) -> float:
+    """Host-to-device from ordinary (pageable) memory: what a copy without pinned staging gets."""
     import torch
 
     src = torch.ones(nbytes, dtype=torch.uint8)
@@ -101,7 +85,9 @@ def main() -> int:
             torch.cuda.empty_cache()
             if r:
                 res[k].append(dt)
-    pinned = pinned_h2d(1 << 30)
+    from weightlift.bench_arms import _baseline_h2d
+
+    pinned = _baseline_h2d({"files": [path], "repeats": 5})["gbps"]  # the harness's own baseline
     pageable = pageable_h2d(1 << 30)
     out = {"bytes": size, "pinned_h2d_gbps": pinned, "pageable_h2d_gbps": pageable, "cpus": os.cpu_count(), "arms": {}}
     print(f"checkpoint {path}: {size / 2**30:.2f} GiB; pinned H2D {pinned:.1f} GB/s, pageable H2D {pageable:.1f} GB/s")
