@@ -121,9 +121,10 @@ def load(
     if nthreads < 1:
         raise OptionError("threads must be at least 1")
     prof = _profiler(profile)
+    nbytes = sum(t.length for t in infos)
     if prof is not None:
         # tensor bytes, not the padding a coalesced run copies along with them
-        prof.count(tensors=len(infos), nbytes=sum(t.length for t in infos))
+        prof.count(tensors=len(infos), nbytes=nbytes)
     files = list(dict.fromkeys(t.file for t in infos))
     maps = {f: _checked_map(ckpt, f) for f in files}  # one mapping per file for the whole load
     resident = {f: resident_fraction(f) for f in files}
@@ -146,14 +147,13 @@ def load(
             cold={f: resident[f] < RESIDENT_THRESHOLD for f in files},
             warm=warm,
             prof=prof,
-            progress=_progress(progress, sum(t.length for t in infos)),
+            progress=_progress(progress, nbytes),
         )
         out = mover.run()
         if dequantize:
             out = {t.name: _dequantized(t, out[t.name], framework) if _quantized(t) else out[t.name] for t in infos}
     if report is not None:
         seconds = time.perf_counter() - t_start
-        nbytes = sum(t.length for t in infos)
         report.update(
             tensors=len(infos),
             bytes=nbytes,
@@ -167,7 +167,7 @@ def load(
             device=str(device),
             framework=framework,
         )
-        if prof is not None and prof.enabled:
+        if prof is not None:
             report["profile"] = prof.report()
     return out
 

@@ -207,8 +207,11 @@ class CudaTarget(Target):
         self._dev = torch.device(device)
         self._stream = torch.cuda.Stream(device=self._dev)
         self._slot_bytes = slot_bytes
-        self._slots = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
-        self._slot_np = [s.numpy() for s in self._slots]
+        # pinned slots are made at the first write: pinning costs far more than using memory, and
+        # a load that brings its own staging (the loader's per-worker slots) never needs these
+        self._nslots = slots
+        self._slots: list[Any] = []
+        self._slot_np: list[np.ndarray] = []
         self._events: list[Any] = [None] * slots
         self._next = 0
         self._lock = threading.Lock()
@@ -226,8 +229,12 @@ class CudaTarget(Target):
 
     def slot(self) -> tuple[int, np.ndarray]:
         """A free pinned slot (index, uint8 numpy view), waiting for its last copy if needed."""
+        if not self._slots:
+            torch = self._torch
+            self._slots = [torch.empty(self._slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(self._nslots)]
+            self._slot_np = [s.numpy() for s in self._slots]
         i = self._next
-        self._next = (i + 1) % len(self._slots)
+        self._next = (i + 1) % self._nslots
         ev = self._events[i]
         if ev is not None:
             ev.synchronize()
