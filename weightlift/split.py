@@ -71,7 +71,7 @@ def split_load(
     def push(addr: str, names: list[str]) -> None:
         try:
             with Client(addr, token=token, streams=streams) as c:
-                res = c.push(ck, select=_exact(names))
+                res = c.push(ck, select=frozenset(names))  # exact names: a name may hold glob characters
             reports[addr] = res.as_dict()
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append(e)
@@ -80,7 +80,7 @@ def split_load(
     for t in threads:
         t.start()
     try:
-        local = load(ck, select=_exact(local_names), **load_kwargs) if local_names else {}
+        local = load(ck, select=frozenset(local_names), **load_kwargs) if local_names else {}
     finally:
         for t in threads:
             t.join()
@@ -88,7 +88,3 @@ def split_load(
         raise errors[0]
     return SplitResult(local, reports, time.perf_counter() - t0)
 
-
-def _exact(names: list[str]) -> frozenset[str]:
-    # exact names, not globs: a tensor name may hold glob characters ("experts[0]")
-    return frozenset(names)
