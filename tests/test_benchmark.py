@@ -79,7 +79,8 @@ def test_expand_arm_names() -> None:
     assert expand_arm_names("wl.numpy, safetensors.numpy") == ["wl.numpy", "safetensors.numpy"]
     assert "wl.push" in expand_arm_names("remote") and "runai" not in expand_arm_names("remote")
     assert expand_arm_names("local,wl.numpy").count("wl.numpy") == 1
-    assert expand_arm_names(None, quick=True) == ["safetensors.numpy", "wl.numpy", "wl.numpy.nocopy", "wl.push"]
+    assert expand_arm_names(None, quick=True) == ["safetensors.numpy", "wl.numpy", "wl.numpy.nocopy", "wl.push",
+                                                  "limit.copy"]
     with pytest.raises(OptionError):
         expand_arm_names("no.such.arm")
     with pytest.raises(OptionError):
@@ -305,3 +306,31 @@ def test_gpu_arms_and_the_h2d_baseline(tiny) -> None:
         assert (s.info["tensors"], s.info["bytes"]) == (ck["tensors"], ck["bytes"]), name
     s = run_once(child_argv("base.h2d", {"files": [tiny], "repeats": 3}))
     assert s.info["gbps"] > 0 and s.info["bytes"] == os.path.getsize(tiny)
+
+
+def test_local_share_is_taken_against_the_copy_limit_arm_when_it_ran() -> None:
+    from weightlift.benchmark import _derive
+
+    def arm(kind: str, load: float) -> dict:
+        return {"status": "ok", "kind": kind, "bytes": 100, "summary": {"median": load + 0.5},
+                "load": {"median": load}}
+
+    ck = {"bytes": 10**9}
+    bl = {"base.copy": {"fresh": {"gbps": 10.0}}, "base.tcp": {"gbps": 4.0}}
+    result = {"arms": {"wl.numpy": arm("local", 0.5), "limit.copy": arm("limit", 0.4), "wl.push": arm("remote", 0.5)}}
+    _derive(result, ck, bl)
+    assert result["local_limit"] == "limit.copy"
+    assert result["arms"]["wl.numpy"]["limit_share"] == pytest.approx(0.8)  # 2.0 GB/s of the arm's 2.5
+    assert result["arms"]["wl.push"]["limit_share"] == pytest.approx(0.5)  # raw TCP stays the remote limit
+    assert result["arms"]["limit.copy"]["limit_share"] is None
+    del result["arms"]["limit.copy"]
+    _derive(result, ck, bl)
+    assert result["local_limit"] == "base.copy"
+    assert result["arms"]["wl.numpy"]["limit_share"] == pytest.approx(0.2)  # 2.0 of the in-process 10
+
+
+def test_limit_copy_arm_copies_the_file(tmp_path) -> None:
+    p = tmp_path / "f.bin"
+    p.write_bytes(os.urandom(3 * 2**20 + 7))
+    info = bench_arms._limit_copy({"files": [str(p)]})
+    assert info["bytes"] == p.stat().st_size and info["load_s"] > 0
