@@ -78,6 +78,25 @@ def test_copy_false_is_readonly_view(ckpt):
         a[0, 0] = 1
 
 
+@pytest.mark.parametrize("warm", [None, True, False])
+def test_copy_false_prefetches_a_cold_file(ckpt, warm):
+    from weightlift import source
+
+    path, tensors = ckpt
+    source.evict(path)
+    cold = source.resident_fraction(path, refresh=True) < source.RESIDENT_THRESHOLD
+    rep: dict = {}
+    out = wl.load(path, copy=False, warm=warm, profile=True, report=rep)
+    read = rep["profile"]["phase_bytes"]["read"]
+    nbytes = sum(len(raw) for *_, raw in tensors)
+    if warm is False or (warm is None and not cold):
+        assert read == 0  # bare views: nothing read before they are handed out
+    else:
+        assert read >= nbytes  # the selected bytes (and the padding between them), once
+    for name, _, _, raw in tensors:
+        assert raw_bytes(out[name]) == raw, name
+
+
 def test_sharded_index_and_folder(tmp_path):
     tensors = every_dtype(seed=3)
     idx = write_sharded(tmp_path / "sh", tensors, shards=3)

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from weightlift import source
-from weightlift.errors import NotFoundError
+from weightlift.errors import NotFoundError, WeightliftError
 
 
 @pytest.fixture()
@@ -100,3 +100,20 @@ def test_replaced_file_gets_a_new_mapping_and_the_old_fd_closes(tmp_path):
     del m
     gc.collect()
     assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
+
+
+@pytest.mark.parametrize("readers", [1, 3])
+def test_prefetch_reads_every_range_once_in_contiguous_shares(blob, readers):
+    m = source.mapped(blob)
+    ranges = [(0, 3 * 2**20 + 5), (4 * 2**20, 2**20), (6 * 2**20, m.size - 6 * 2**20)]
+    seen = []
+    got = source.prefetch(m, ranges, readers=readers, chunk=2**20, on_chunk=lambda o, n, a, b: seen.append((o, n)))
+    want = [(o + i, min(2**20, n - i)) for o, n in ranges for i in range(0, n, 2**20)]
+    assert got == sum(n for _, n in ranges)
+    assert sorted(seen) == sorted(want)
+
+
+def test_prefetch_of_bytes_past_the_end_names_the_file(blob):
+    m = source.mapped(blob)
+    with pytest.raises(WeightliftError, match=r"f\.bin: file ended at byte"):
+        source.prefetch(m, [(m.size - 10, 4096)], readers=2, chunk=2**20)

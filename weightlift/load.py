@@ -48,6 +48,7 @@ from .source import (
     evict_range,
     mapped,
     page_eviction_override,
+    prefetch,
     resident_fraction,
 )
 from .targets import CastTarget, CudaTarget, Target, fresh_host, make_target, populate, view_as
@@ -84,7 +85,9 @@ def load(
     ``device`` is "cpu" or "cuda[:N]" (CUDA needs ``framework="torch"``). ``select`` is a glob,
     a list of globs, ``"re:<regex>"`` or a compiled regex. ``dtype`` (a name like "F16", a numpy
     or a torch dtype) casts floating-point tensors on load. ``copy=False`` (host only) returns
-    read-only arrays backed by the file's mapping. ``page_cache`` is "keep" or "evict" (default:
+    read-only arrays backed by the file's mapping; the selected bytes of a cold file are first
+    read into the page cache by parallel readers, so the views are ready without further I/O
+    (``warm=False``: bare lazy views). ``page_cache`` is "keep" or "evict" (default:
     keep, evict on unified-memory devices; WEIGHTLIFT_PAGE_EVICTION overrides the default).
     ``warm`` forces the read-ahead warmer on or off (default: on when under 90 % of a file is
     resident). ``engine`` is "auto" (a copy out of the mapping for a resident file, ``preadv``
@@ -131,6 +134,9 @@ def load(
     if not copy:
         if str(device) != "cpu" or cast is not None:
             raise OptionError("copy=False returns views of the file's mapping: only for device='cpu' without dtype")
+        want = files if warm else [] if warm is False else [f for f in files if resident[f] < RESIDENT_THRESHOLD]
+        if want:
+            _prefetch(infos, maps, want, prof, _progress(progress, nbytes))
         out = _borrow(infos, maps, framework, dequantize)
     else:
         target = make_target(device, framework, None)
@@ -278,6 +284,28 @@ def _checked_map(ckpt: Checkpoint, f: str) -> MappedFile:
     if seen is not None and seen != (i.dev, i.ino, i.size, i.mtime_ns):
         raise FormatError("changed on disk since its header was read; open it again", file=f)
     return m
+
+
+def _prefetch(
+    infos: list[TensorInfo], maps: dict[str, MappedFile], files: list[str], prof: Any,
+    progress: Callable[[int], None] | None,
+) -> None:
+    """Bring the selected bytes of cold files into the page cache before views of them are
+    handed out (``copy=False``), with as many readers as the storage is known to like."""
+    from .storage import readers_for
+
+    def on_chunk(off: int, n: int, t0: int, t1: int) -> None:
+        if prof is not None:
+            prof.record("read", t0, t1, n, name="prefetch")
+        if progress is not None:
+            progress(n)
+
+    runs = make_runs(infos)
+    for f in files:
+        ranges = [(r.offset, r.length) for r in runs if r.file == f]
+        m = maps[f]
+        prefetch(m, ranges, readers=readers_for(m.identity.dev) or MAX_WARMERS,
+                 on_chunk=on_chunk if prof is not None or progress is not None else None)
 
 
 def _borrow(infos: list[TensorInfo], maps: dict[str, MappedFile], framework: str, dequantize: bool) -> dict[str, Any]:

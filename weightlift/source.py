@@ -43,6 +43,7 @@ __all__ = [
     "evict",
     "evict_range",
     "Warmer",
+    "prefetch",
     "page_eviction_override",
     "RESIDENT_THRESHOLD",
     "WARM_CHUNK",
@@ -209,6 +210,79 @@ def page_eviction_override() -> bool | None:
     if v in ("0", "false", "no", "off"):
         return False
     raise OptionError(f"WEIGHTLIFT_PAGE_EVICTION={v!r}: expected 1, 0 or auto")
+
+
+# -- prefetch ------------------------------------------------------------------------------
+
+
+def prefetch(
+    m: MappedFile,
+    ranges: list[tuple[int, int]],
+    *,
+    readers: int,
+    chunk: int = WARM_CHUNK,
+    on_chunk: Callable[[int, int, int, int], None] | None = None,
+) -> int:
+    """Read ``ranges`` of a mapped file into the page cache on ``readers`` threads, and wait.
+
+    For ``copy=False`` loads of a cold file: the views handed out are then ready without further
+    I/O, and the pages came in as large ``preadv`` calls at the storage's best parallelism (each
+    reader reuses one small buffer, already touched) instead of page faults one readahead window
+    at a time. Page-cache pages cost no fresh anonymous memory, which on a VM is the expensive
+    kind. A read error or a file shorter than its header says raises, naming the file: a mapping
+    of missing bytes would otherwise kill the process with SIGBUS at first touch.
+    """
+    chunks = [(o + i, min(chunk, n - i)) for o, n in ranges for i in range(0, n, chunk)]
+    if not chunks:
+        return 0
+    # each reader takes one contiguous share, in file order, as the raw-read baseline does: a
+    # reader's stream stays sequential for the kernel and the disk
+    k = max(1, min(readers, len(chunks)))
+    total = sum(n for _, n in chunks)
+    shares: list[list[tuple[int, int]]] = [[] for _ in range(k)]
+    acc = 0
+    for c in chunks:
+        shares[min(k - 1, acc * k // total)].append(c)
+        acc += c[1]
+    errors: list[BaseException] = []
+
+    def run(mine: list[tuple[int, int]]) -> None:
+        if not mine:
+            return
+        buf = bytearray(max(n for _, n in mine))
+        mv = memoryview(buf)
+        for off, n in mine:
+            if errors:
+                return
+            t0 = time.perf_counter_ns()
+            done = 0
+            try:
+                while done < n:
+                    got = os.preadv(m.fileno(), [mv[: n - done]], off + done)
+                    if got <= 0:
+                        raise WeightliftError(f"{m.path}: file ended at byte {off + done} while reading tensors")
+                    done += got
+            except OSError as e:
+                errors.append(WeightliftError(f"{m.path}: read error at byte {off + done}: {e.strerror}"))
+                return
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+                errors.append(e)
+                return
+            if on_chunk is not None:
+                on_chunk(off, n, t0, time.perf_counter_ns())
+
+    if k == 1:
+        run(shares[0])
+    else:
+        ts = [threading.Thread(target=run, args=(shares[i],), name=f"wl-prefetch-{i}", daemon=True)
+              for i in range(k)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    if errors:
+        raise errors[0]
+    return total
 
 
 # -- warmer --------------------------------------------------------------------------------
