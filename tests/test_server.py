@@ -394,15 +394,16 @@ def test_fill_from_cache_and_a_corrupt_entry_is_asked_for_again(tmp_path):
         first.hello()
         _cache_push(first, a, 0, "w", d)
         _barrier(first)
-        received = s.stats()["bytes_received"]
-
+    with Server(cache_dir=tmp_path / "c") as s:  # restarted: the bytes are only on disk now
         second = Raw(s.address)
         second.hello()
         second.send(Alloc(0, "w.copy", "F32", a.shape, a.nbytes, d))
         second.send(P.FillFromCache(0, d))
         assert _barrier(second) == BarrierReply(1, 0)
         assert np.array_equal(s.tensors()["w.copy"], a)
-        assert s.stats()["bytes_received"] == received and s.stats()["cache_hits"] == 1
+        assert s.stats()["bytes_received"] == 0 and s.stats()["cache_hits"] == 1
+        second.send(Free(("w.copy",)))  # nothing held in memory: the disk entry is the only source
+        assert second.recv() == FreeReply(1)
 
         entry = tmp_path / "c" / d.hex()[:2] / d.hex()
         raw_bytes = bytearray(entry.read_bytes())
@@ -417,6 +418,97 @@ def test_fill_from_cache_and_a_corrupt_entry_is_asked_for_again(tmp_path):
         assert _barrier(second).tensors == 1
         assert np.array_equal(s.tensors()["w.again"], a)
         assert entry.read_bytes() == a.tobytes()  # and cached afresh
+
+
+def test_second_push_of_a_held_tensor_keeps_its_memory(tmp_path):
+    a = _f32(700_000, 8)  # above the pool's minimum: huge-page backed
+    d = hash_buffer(a)
+    with Server(cache_dir=tmp_path / "c") as s:
+        raw = Raw(s.address)
+        raw.hello()
+        _cache_push(raw, a, 0, "w", d)
+        _barrier(raw)
+        held = s.tensors()["w"]
+        used = s.memory_used
+        raw.send(Alloc(1, "w", "F32", a.shape, a.nbytes, d))
+        raw.send(P.FillFromCache(1, d))
+        assert _barrier(raw) == BarrierReply(1, 0)
+        assert s.tensors()["w"] is held  # verified and kept: no copy, no new memory
+        assert s.memory_used == used
+        st = s.stats()
+        assert st["memory_hits"] == 1 and st["bytes_from_memory"] == a.nbytes and st["cache_hits"] == 0
+        # another name with the same bytes gets its own copy
+        raw.send(Alloc(2, "w.tied", "F32", a.shape, a.nbytes, d))
+        raw.send(P.FillFromCache(2, d))
+        assert _barrier(raw) == BarrierReply(1, 0)
+        tied = s.tensors()["w.tied"]
+        assert np.array_equal(tied, a) and not np.shares_memory(tied, held)
+        assert s.stats()["memory_hits"] == 2
+
+
+def test_a_held_tensor_written_in_place_is_not_trusted(tmp_path):
+    a = _f32(700_000, 9)
+    d = hash_buffer(a)
+    with Server(cache_dir=tmp_path / "c") as s:
+        raw = Raw(s.address)
+        raw.hello()
+        _cache_push(raw, a, 0, "w", d)
+        _barrier(raw)
+        s.tensors()["w"][10] += 1.0  # a reader changed its weights
+        raw.send(Alloc(1, "w", "F32", a.shape, a.nbytes, d))
+        raw.send(P.FillFromCache(1, d))
+        assert _barrier(raw) == BarrierReply(1, 0)
+        assert np.array_equal(s.tensors()["w"], a)  # the pushed bytes, from the verified disk entry
+        st = s.stats()
+        assert st["memory_hits"] == 0 and st["cache_hits"] == 1
+        # with no disk entry either, the client is asked for the bytes
+        (tmp_path / "c" / d.hex()[:2] / d.hex()).unlink()
+        s.tensors()["w"][10] += 1.0
+        raw.send(Alloc(2, "w", "F32", a.shape, a.nbytes, d))
+        raw.send(P.FillFromCache(2, d))
+        assert _barrier(raw) == BarrierReply(0, 0, (), (2,))
+
+
+def test_replaced_tensors_reuse_memory_but_never_under_a_reader():
+    v = [_f32(700_000, i) for i in range(5)]
+    with Server() as s:
+        raw = Raw(s.address)
+        raw.hello()
+        _put(raw, 0, "w", v[0])
+        _barrier(raw)
+        kept = s.tensors()["w"]  # a reader holds the first version
+        for i in (1, 2):  # each version lands beside the one it replaces: fresh memory so far
+            _put(raw, i, "w", v[i])
+            _barrier(raw)
+        assert s.stats()["pooled"] == 0
+        _put(raw, 3, "w", v[3])  # version 2 replaced version 1, which nobody held: its memory again
+        _barrier(raw)
+        assert s.stats()["pooled"] == 1
+        assert np.array_equal(kept, v[0]) and np.array_equal(s.tensors()["w"], v[3])
+        del kept  # the reader lets go: the first version's memory is free for the next tensor
+        _put(raw, 4, "x", v[4])
+        _put(raw, 5, "y", v[4])
+        _barrier(raw)
+        assert s.stats()["pooled"] == 3
+        assert np.array_equal(s.tensors()["x"], v[4]) and np.array_equal(s.tensors()["y"], v[4])
+        assert np.array_equal(s.tensors()["w"], v[3])
+
+
+def test_idle_pooled_memory_gives_way_to_new_tensors():
+    a = _f32(700_000, 4)
+    with Server(max_memory=_cost("w", a.nbytes) + _cost("v", 4 * 2**20) + 100) as s:
+        raw = Raw(s.address)
+        raw.hello()
+        _put(raw, 0, "w", a)
+        _barrier(raw)
+        raw.send(Free(("w",)))
+        assert raw.recv() == FreeReply(1)
+        assert s._pool.idle_bytes > 0
+        big = np.ones(2**20, dtype=np.float32)  # another size class: the idle memory must go first
+        raw.send(Alloc(1, "v", "F32", big.shape, big.nbytes))
+        raw.send(WriteHeader(1, 0, big.nbytes), big.tobytes())
+        assert _barrier(raw) == BarrierReply(1, big.nbytes)
+        assert s._pool.idle_bytes + s.memory_used <= s.max_memory
 
 
 def test_torch_framework_gives_torch_tensors():
@@ -521,7 +613,7 @@ def test_cuda_server_round_trip(tmp_path):
 import threading  # noqa: E402
 
 import weightlift.server as server_mod  # noqa: E402
-import weightlift.targets as targets_mod  # noqa: E402
+import weightlift.pool as pool_mod  # noqa: E402
 from weightlift.errors import DeviceError  # noqa: E402
 
 
@@ -696,14 +788,14 @@ def test_failed_allocations_release_their_reservation(monkeypatch, thread_errors
         raw = Raw(s.address)
         raw.hello()
         raw.send(Alloc(1, "absurd", "U8", (0, 2**64 - 1), 0))  # zero bytes, a shape numpy refuses
-        real = targets_mod.fresh_host
+        real = pool_mod.new_mapping
 
         def no_memory(nbytes: int):
             if nbytes >= 1 << 20:
                 raise OSError(12, "Cannot allocate memory")
             return real(nbytes)
 
-        monkeypatch.setattr(targets_mod, "fresh_host", no_memory)  # what mmap says to an overcommitted ask
+        monkeypatch.setattr(pool_mod, "new_mapping", no_memory)  # what mmap says to an overcommitted ask
         raw.send(Alloc(2, "huge", "U8", (1 << 29,), 1 << 29))
         raw.send(WriteHeader(2, 0, 10), bytes(10))  # drained quietly: the ALLOC failed already
         reply = _barrier(raw)

@@ -98,7 +98,9 @@ from .protocol import (
     server_mac,
     verify_mac,
 )
-from .targets import CudaTarget, Target, make_target, populate
+from .digests import hash_buffer
+from .pool import HostPool
+from .targets import CudaTarget, Target, make_target, populate, view_as
 from .transport import Listener, SocketStream, receive_message, receive_payload
 
 __all__ = ["Server", "ENV_LOAD_OPT", "load_opt_enabled", "is_loopback", "default_max_memory"]
@@ -181,6 +183,16 @@ def _entry_cost(name: str, nbytes: int) -> int:
     return nbytes + len(name.encode("utf-8")) + ENTRY_OVERHEAD
 
 
+class _Entry:
+    """A complete tensor in the store. ``digest`` is set when its bytes were proven to hash to it
+    (hashed as they arrived, or filled from a verified cache entry): the in-memory tier."""
+
+    __slots__ = ("dtype", "shape", "nbytes", "tensor", "cost", "digest")
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], nbytes: int, tensor: Any, cost: int, digest: bytes | None):
+        self.dtype, self.shape, self.nbytes, self.tensor, self.cost, self.digest = dtype, shape, nbytes, tensor, cost, digest
+
+
 class _Pending:
     """A tensor being filled by one connection: its destination and which bytes have arrived.
 
@@ -189,7 +201,8 @@ class _Pending:
     costs O(log n) per WRITE plus the ranges it joins, never a rebuild of the list.
     """
 
-    __slots__ = ("name", "dtype", "shape", "nbytes", "cost", "dest", "digest", "starts", "ends", "writer", "hashed")
+    __slots__ = ("name", "dtype", "shape", "nbytes", "cost", "dest", "digest", "starts", "ends", "writer", "hashed",
+                 "proven")
 
     def __init__(self, a: Alloc, dest: Any, cost: int):
         self.name, self.dtype, self.shape, self.nbytes = a.name, a.dtype, a.shape, a.nbytes
@@ -200,6 +213,7 @@ class _Pending:
         self.ends: list[int] = []
         self.writer: Any = None
         self.hashed = 0
+        self.proven = False  # the bytes in dest are known to hash to digest
 
     def _span(self, begin: int, end: int) -> tuple[int, int]:
         # Ranges i..j-1 overlap or touch [begin, end): those before i end before it begins,
@@ -297,9 +311,14 @@ class Server:
         self._opt = load_opt_enabled()
         self._profile = profile
         self._lock = threading.Lock()
-        self._store: dict[str, tuple[str, tuple[int, ...], int, Any, int]] = {}  # dtype, shape, nbytes, tensor, cost
+        self._store: dict[str, _Entry] = {}
+        self._held: dict[bytes, str] = {}  # digest -> name of a stored tensor proven to hold those bytes
+        self._caching = cache_dir is not None  # the in-memory tier stays when a full disk stops the cache
+        # touched host memory of released tensors, reused for new ones (a weight update)
+        self._pool = HostPool() if self._host_target is not None and self._host_target.memcpy_ok else None
         self._used = 0
-        self._stats = {"connections": 0, "tensors": 0, "bytes_received": 0, "bytes_from_cache": 0, "cache_hits": 0, "errors": 0}
+        self._stats = {"connections": 0, "tensors": 0, "bytes_received": 0, "bytes_from_cache": 0, "cache_hits": 0,
+                       "memory_hits": 0, "bytes_from_memory": 0, "errors": 0}
         self._reports: deque[dict[str, Any]] = deque(maxlen=64)
         self._listener: Listener | None = None
         self._accept_thread: threading.Thread | None = None
@@ -408,6 +427,8 @@ class Server:
                 t.join(timeout=10)
         if self._accept_thread is not None and self._accept_thread is not threading.current_thread():
             self._accept_thread.join(timeout=10)
+        if self._pool is not None:
+            self._pool.close()  # idle memory goes back; tensors still held keep theirs
 
     stop = close
 
@@ -423,7 +444,7 @@ class Server:
     def tensors(self) -> dict[str, Any]:
         """The complete tensors by name (numpy arrays or torch tensors); never a partial one."""
         with self._lock:
-            return {name: entry[3] for name, entry in self._store.items()}
+            return {name: entry.tensor for name, entry in self._store.items()}
 
     @property
     def memory_used(self) -> int:
@@ -438,9 +459,13 @@ class Server:
 
     def stats(self) -> dict[str, int]:
         """Counters since start: connections, tensors completed, payload bytes received over the
-        wire, bytes filled from the cache, cache hits, errors reported."""
+        wire, cache hits and bytes filled from the disk cache, memory hits and bytes filled from
+        tensors the server already held (``memory_hits``, ``bytes_from_memory``), errors reported,
+        and ``pooled``: tensors placed in reused memory instead of fresh."""
         with self._lock:
-            return dict(self._stats)
+            out = dict(self._stats)
+        out["pooled"] = self._pool.reused if self._pool is not None else 0
+        return out
 
     def profile_reports(self) -> list[dict[str, Any]]:
         """The profiler reports of the most recent closed connections, oldest first (profiling on)."""
@@ -450,6 +475,9 @@ class Server:
     # -- shared state, used by connections -------------------------------------------------
 
     def _reserve(self, nbytes: int) -> None:
+        pool = self._pool
+        if pool is not None and self._used + nbytes + pool.idle_bytes > self._max_memory:
+            pool.trim(max(0, self._max_memory - self._used - nbytes))  # idle memory counts: give it back first
         with self._lock:
             if self._used + nbytes > self._max_memory:
                 raise _RequestError(
@@ -462,12 +490,26 @@ class Server:
             self._used -= nbytes
 
     def _publish(self, p: _Pending, dest: Any) -> None:
+        digest = p.digest if p.proven else None
         with self._lock:
             old = self._store.get(p.name)
-            self._store[p.name] = (p.dtype, p.shape, p.nbytes, dest, p.cost)
+            self._store[p.name] = _Entry(p.dtype, p.shape, p.nbytes, dest, p.cost, digest)
             if old is not None:
-                self._used -= old[4]
+                self._used -= old.cost
+                self._unhold(p.name, old)
+            if digest is not None and self._caching:
+                self._held[digest] = p.name
             self._stats["tensors"] += 1
+        del old  # the last reference to a replaced tensor: its memory goes back to the pool now
+
+    def _unhold(self, name: str, entry: _Entry) -> None:
+        """Forget that ``entry`` (stored as ``name``) holds its digest; the lock is held."""
+        if entry.digest is not None and self._held.get(entry.digest) == name:
+            del self._held[entry.digest]
+
+    def _take_host(self, nbytes: int) -> np.ndarray:
+        assert self._pool is not None
+        return self._pool.take(nbytes)
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:
@@ -704,16 +746,32 @@ class _Connection:
             raise _RequestError(f"more than {MAX_TENSORS} tensors in flight on one connection")
         cost = _entry_cost(a.name, a.nbytes)
         self.srv._reserve(cost)
-        try:
-            dest = self.target.empty(a.dtype, a.shape)
-        except Exception as e:  # ENOMEM from mmap, numpy on an absurd shape, torch out of memory, no device
-            self.srv._release(cost)
-            raise _RequestError(f"cannot allocate {a.name!r} ({a.dtype} {a.shape}, {a.nbytes} bytes): {type(e).__name__}: {e}") from None
+        p = _Pending(a, None, cost)
+        # A tensor named by digest may be filled from memory the server already holds: its
+        # destination is made when the first byte needs a place, not here.
+        if a.digest is None or a.nbytes == 0 or not self.srv._caching:
+            try:
+                self._ensure_dest(p)
+            except _RequestError:
+                self.srv._release(cost)
+                raise
         self.failed.pop(a.tensor_id, None)
-        p = _Pending(a, dest, cost)
         self.pending[a.tensor_id] = p
         if p.complete:
+            self._ensure_dest(p)
             self._complete(a.tensor_id, p)
+
+    def _ensure_dest(self, p: _Pending) -> None:
+        """Give ``p`` its destination: pooled or fresh host memory, or the target's own."""
+        if p.dest is not None:
+            return
+        try:
+            if self.srv._pool is not None and self._target is self.srv._host_target:
+                p.dest = view_as(self.srv._take_host(p.nbytes), p.dtype, p.shape, self.srv.framework)
+            else:
+                p.dest = self.target.empty(p.dtype, p.shape)
+        except Exception as e:  # ENOMEM from mmap, numpy on an absurd shape, torch out of memory, no device
+            raise _RequestError(f"cannot allocate {p.name!r} ({p.dtype} {p.shape}, {p.nbytes} bytes): {type(e).__name__}: {e}") from None
 
     def _abandon(self, tid: int, p: _Pending, why: str) -> None:
         """Give up on a pending tensor: free it, report why, and drain its later WRITEs quietly."""
@@ -737,6 +795,12 @@ class _Connection:
             return
         if not p.can_add(h.offset, h.offset + h.length):
             self._abandon(h.tensor_id, p, f"tensor {p.name!r}: WRITEs leave more than {MAX_RANGES} separate byte ranges")
+            self._drain(h.length)
+            return
+        try:
+            self._ensure_dest(p)
+        except _RequestError as e:
+            self._abandon(h.tensor_id, p, str(e))
             self._drain(h.length)
             return
         cache = self.srv._cache
@@ -850,10 +914,14 @@ class _Connection:
             raise _RequestError(f"FILL_FROM_CACHE of tensor id {f.tensor_id}, which is not allocated")
         if p.digest is not None and p.digest != f.digest:
             raise _RequestError(f"FILL_FROM_CACHE of {p.name!r} names a digest other than its ALLOC's")
+        if p.dest is None and self._fill_from_memory(p, f.digest):
+            self._complete(f.tensor_id, p)
+            return
         cache = self.srv._cache
         if cache is None:
             self.need[f.tensor_id] = None
             return
+        self._ensure_dest(p)
         t0 = time.perf_counter_ns() if self.prof.enabled else 0
         try:
             if self.target.memcpy_ok:
@@ -874,10 +942,56 @@ class _Connection:
         self.srv._count("cache_hits")
         self.srv._count("bytes_from_cache", p.nbytes)
         p.fill()
+        p.proven = True  # read_into verified the entry against this digest
         if p.writer is not None:
             p.writer.abort()
             p.writer = None
         self._complete(f.tensor_id, p)
+
+    def _fill_from_memory(self, p: _Pending, digest: bytes) -> bool:
+        """Fill ``p`` from a tensor the server holds whose bytes were proven to hash to
+        ``digest``: the same name (a second push of unchanged weights keeps the very same
+        memory, no copy) or another name (one copy). The held bytes are hashed again first: a
+        reader may have written into its tensor since, and an entry is never trusted unchecked."""
+        srv = self.srv
+        if not srv._caching or not self.target.memcpy_ok or self._target is not srv._host_target:
+            return False
+        with srv._lock:
+            mine = srv._store.get(p.name)
+            other_name = srv._held.get(digest)
+            other = srv._store.get(other_name) if other_name is not None else None
+        seen = []
+        for name, e in ((p.name, mine), (other_name, other)):
+            if e is None or e.digest != digest or e.nbytes != p.nbytes or any(e is x for x in seen):
+                continue
+            seen.append(e)
+            src = np.frombuffer(self.target.host_view(e.tensor), dtype=np.uint8)
+            t0 = time.perf_counter_ns() if self.prof.enabled else 0
+            ok = hash_buffer(src) == digest
+            if self.prof.enabled:
+                self.prof.record("hash", t0, time.perf_counter_ns(), p.nbytes, name="verify " + p.name)
+            if not ok:  # written since it arrived: no longer proof of anything
+                with srv._lock:
+                    e.digest = None
+                    if srv._held.get(digest) == name:
+                        del srv._held[digest]
+                continue
+            if name == p.name and e.dtype == p.dtype and e.shape == p.shape:
+                p.dest = e.tensor  # already there: publish the same memory again
+            else:
+                self._ensure_dest(p)
+                t0 = time.perf_counter_ns() if self.prof.enabled else 0
+                dst = np.frombuffer(self.target.host_view(p.dest), dtype=np.uint8)
+                populate(dst)
+                dst[:] = src
+                if self.prof.enabled:
+                    self.prof.record("stage", t0, time.perf_counter_ns(), p.nbytes, name="copy " + p.name)
+            p.fill()
+            p.proven = True
+            srv._count("memory_hits")
+            srv._count("bytes_from_memory", p.nbytes)
+            return True
+        return False
 
     def _cache_failed(self, e: CacheError) -> None:
         if disk_unusable(e):
@@ -893,6 +1007,7 @@ class _Connection:
             else:
                 try:
                     writer.commit()
+                    p.proven = True  # the bytes that arrived hash to the digest
                 except CacheError as e:
                     if not isinstance(e.__cause__, OSError):
                         # The bytes that arrived are not the bytes the client hashed.
@@ -929,7 +1044,7 @@ class _Connection:
         if entry is None:
             self._reply(Error(ErrorCode.NOT_FOUND, f"no tensor {r.name!r}"))
             return
-        nbytes, dest = entry[2], entry[3]
+        nbytes, dest = entry.nbytes, entry.tensor
         if r.offset + r.length > nbytes:
             self._reply(Error(ErrorCode.LIMIT, f"READ [{r.offset}, {r.offset + r.length}) runs past the {nbytes} bytes of {r.name!r}"))
             return
@@ -951,15 +1066,15 @@ class _Connection:
 
     def _list(self, req: ListRequest) -> None:
         with self.srv._lock:
-            items = sorted((n, e) for n, e in self.srv._store.items() if n > req.after)
+            items = sorted(((n, e) for n, e in self.srv._store.items() if n > req.after), key=lambda kv: kv[0])
         budget = self.client_max_frame - 64
         entries: list[ListEntry] = []
-        for name, (dtype, shape, nbytes, _, _) in items:
-            size = 15 + len(name.encode()) + 8 * len(shape)
+        for name, e in items:
+            size = 15 + len(name.encode()) + 8 * len(e.shape)
             if len(entries) >= MAX_TENSORS or size > budget:
                 break
             budget -= size
-            entries.append(ListEntry(name, dtype, shape, nbytes))
+            entries.append(ListEntry(name, e.dtype, e.shape, e.nbytes))
         self._reply(ListReply(tuple(entries), more=len(entries) < len(items)))
 
     def _free(self, names: tuple[str, ...]) -> int:
@@ -968,7 +1083,8 @@ class _Connection:
             for n in names:
                 entry = self.srv._store.pop(n, None)
                 if entry is not None:
-                    self.srv._used -= entry[4]
+                    self.srv._used -= entry.cost
+                    self.srv._unhold(n, entry)
                     freed += 1
         return freed
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from .dtypes import byte_length, dtype_info, numpy_dtype, torch_dtype
 from .errors import DeviceError, OptionError
+from .pool import new_mapping
 
 __all__ = ["Target", "HostTarget", "CastTarget", "CudaTarget", "make_target", "fresh_host", "populate", "STAGING_SLOT"]
 
@@ -33,12 +34,7 @@ def fresh_host(nbytes: int) -> np.ndarray:
     """Uninitialised, writable host memory as a uint8 array, backed by huge pages where possible."""
     if nbytes < HUGE_MIN:
         return np.empty(nbytes, dtype=np.uint8)
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        m.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):
-        pass  # no THP here: 4 KiB pages load the same bytes, only slower
-    return np.frombuffer(m, dtype=np.uint8)
+    return np.frombuffer(new_mapping(nbytes), dtype=np.uint8)
 
 
 def populate(buf: Any) -> None:

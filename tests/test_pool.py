@@ -1,0 +1,51 @@
+"""The pool of touched host memory: reuse only after the last view is gone, trim, close."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+
+from weightlift.pool import POOL_MIN, HostPool, size_class
+
+
+def test_memory_comes_back_only_when_the_last_view_is_gone():
+    pool = HostPool()
+    a = pool.take(3 * 2**20 + 5)
+    assert a.size == 3 * 2**20 + 5 and a.dtype == np.uint8 and a.flags.writeable
+    a[:] = 7
+    view = a[10:20].view(np.int8)  # a reader's view keeps the memory in use
+    del a
+    gc.collect()
+    assert pool.idle_bytes == 0
+    del view
+    assert pool.idle_bytes == size_class(3 * 2**20 + 5)
+    b = pool.take(3 * 2**20 + 100)  # same size class: the same, already touched memory
+    assert pool.reused == 1 and pool.idle_bytes == 0
+    assert b[0] == 7  # not zeroed again: whoever takes it overwrites every byte
+    c = pool.take(9 * 2**20)  # another class: fresh
+    assert pool.reused == 1
+    del b, c
+    assert pool.idle_bytes == size_class(3 * 2**20) + size_class(9 * 2**20)
+
+
+def test_small_buffers_are_not_pooled():
+    pool = HostPool()
+    a = pool.take(POOL_MIN - 1)
+    del a
+    assert pool.idle_bytes == 0 and pool.take(0).size == 0
+
+
+def test_trim_and_close_give_memory_back():
+    pool = HostPool()
+    arrays = [pool.take(4 * 2**20) for _ in range(3)]
+    del arrays
+    assert pool.idle_bytes == 3 * 4 * 2**20
+    assert pool.trim(keep=5 * 2**20) == 2 * 4 * 2**20
+    assert pool.idle_bytes == 4 * 2**20
+    alive = pool.take(2 * 2**20)
+    pool.close()
+    assert pool.idle_bytes == 0
+    alive[:] = 1  # an array still alive keeps its memory
+    del alive
+    assert pool.idle_bytes == 0  # and frees it itself after close
