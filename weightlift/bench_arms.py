@@ -272,6 +272,47 @@ def _wl_push(o: dict[str, Any], *, cache: bool = False) -> dict[str, Any]:
     return info
 
 
+def _wl_push_again(o: dict[str, Any], *, cache: bool) -> dict[str, Any]:
+    """Two pushes of the checkpoint to one running Server in this process; the second is timed.
+
+    Without a cache it is a weight update: every byte crosses the wire again, into memory the
+    server released with the first version (no fresh pages). With a cache (a fresh folder per
+    run) the first push fills it and the second finds every large tensor already held; both are
+    timed, so the ratio is first over second in the same process.
+    """
+    import shutil
+    import tempfile
+
+    from weightlift.client import Client
+    from weightlift.server import Server
+
+    prof = _profiler(o)
+    cache_dir = tempfile.mkdtemp(prefix="wl-second-", dir=o["cache_root"]) if cache else None
+    server = Server("127.0.0.1", 0, cache_dir=cache_dir, profile=prof.enabled)
+    addr = server.start()
+    try:
+        t0 = time.perf_counter_ns()
+        with Client(addr) as client:
+            client.push(o["path"])
+        _touch_any(server.tensors().values())
+        first_s = (time.perf_counter_ns() - t0) / 1e9
+        t0 = time.perf_counter_ns()
+        with Client(addr, profile=_prof_arg(prof)) as client:
+            pushed = client.push(o["path"])
+        n, b = _touch_any(server.tensors().values())
+        info: dict[str, Any] = {"load_s": (time.perf_counter_ns() - t0) / 1e9, "first_s": first_s, "tensors": n,
+                                "bytes": b, "push": {k: v for k, v in pushed.as_dict().items() if k != "profile"},
+                                "server_stats": server.stats()}
+        if prof.enabled:
+            info["profile"] = prof.report()
+            info["server_profile"] = _server_report(server)
+    finally:
+        server.close()
+        if cache_dir is not None:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+    return info
+
+
 def _server_report(server: Any) -> dict[str, Any] | None:
     # the server files a connection's report when its thread sees the connection close
     deadline = time.monotonic() + 5.0
@@ -614,6 +655,10 @@ SPECS: dict[str, ArmSpec] = {
                 weightlift=True, env={"WEIGHTLIFT_LOAD_OPT": "0"}),
         ArmSpec("wl.push.cached", "remote", "a second push to a caching server (cache filled by the warm-up)",
                 (*_WL_PUSH_REQ, "weightlift.cache"), weightlift=True),
+        ArmSpec("wl.push.update", "remote", "a second push (new weights, same shapes) to a running server, timed alone",
+                _WL_PUSH_REQ, weightlift=True),
+        ArmSpec("wl.push.second", "remote", "two pushes to one caching server (fresh cache): the second, timed alone",
+                (*_WL_PUSH_REQ, "weightlift.cache"), weightlift=True),
         ArmSpec("wl.split", "remote", "weightlift.load with half the tensors remote",
                 ("weightlift.load", "weightlift.server"), weightlift=True),
         ArmSpec("limit.copy", "limit", "copy limit as an arm: mmap -> fresh memory on every core, fresh process",
@@ -644,6 +689,8 @@ BODIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "wl.push": _wl_push,
     "wl.push.legacy": _wl_push,
     "wl.push.cached": lambda o: _wl_push(o, cache=True),
+    "wl.push.update": lambda o: _wl_push_again(o, cache=False),
+    "wl.push.second": lambda o: _wl_push_again(o, cache=True),
     "wl.split": _wl_split,
     "limit.copy": _limit_copy,
     "loop.plain": lambda o: _profile_loop({**o, "mode": "plain"}),

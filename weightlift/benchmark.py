@@ -81,7 +81,7 @@ MIB = 1 << 20
 
 LOCAL_ARMS = ("safetensors.numpy", "safetensors.torch", "safetensors.cuda", "torch.load", "runai",
               "wl.numpy", "wl.numpy.nocopy", "wl.torch", "wl.cuda", "limit.copy")
-REMOTE_ARMS = ("wl.push", "wl.push.legacy", "wl.push.cached", "wl.split")
+REMOTE_ARMS = ("wl.push", "wl.push.legacy", "wl.push.cached", "wl.push.update", "wl.push.second", "wl.split")
 QUICK_ARMS = ("safetensors.numpy", "wl.numpy", "wl.numpy.nocopy", "wl.push", "limit.copy")
 BASELINES = ("base.copy", "base.read", "base.tcp", "base.h2d")
 ARM_KINDS = ("local", "remote", "probe", "limit")  # what runs as an interleaved arm
@@ -293,6 +293,8 @@ def run_arms(
                 r["times_s"].append(s.window_s if s else None)
                 r["inner_s"].append(s.info.get("inner_s") if s else None)
                 r["load_s"].append(s.info.get("load_s") if s else None)
+                if s is not None and "first_s" in s.info:  # arms that time a first and a second push
+                    r.setdefault("first_s", []).append(s.info["first_s"])
                 if s is not None and s.resident_before is not None:
                     r["resident_before"].append(s.resident_before)
     if profile_round:
@@ -312,6 +314,9 @@ def run_arms(
         both = base and r["status"] == "ok"
         r["ratio"] = paired_ratio(r["times_s"], res[base]["times_s"]) if both else None
         r["load_ratio"] = paired_ratio(r["load_s"], res[base]["load_s"]) if both else None
+        if r.get("first_s") and len(r["first_s"]) == len(r["load_s"]):
+            r["first"] = summarize(r["first_s"])
+            r["second_speedup"] = paired_ratio(r["first_s"], r["load_s"])  # first over second, per run
     residents = [x for r in res.values() for x in r["resident_before"]]
     return {"arms": res, "order": order, "baseline": base, "runs": runs, "warmup": warmup,
             "mode": "cold" if cold else "warm",
@@ -557,6 +562,8 @@ def build_arms(ck: dict[str, Any], names: Sequence[str], *, cache_dir: str | Non
         if name == "wl.push.cached":
             opts["cache_dir"] = cache_dir or os.path.join(bench_dir(), "server-cache")
             files += (opts["cache_dir"],)
+        if name == "wl.push.second":
+            opts["cache_root"] = bench_dir()  # a fresh cache folder per run is made under it
         if name == "wl.split":
             # through a file: a long name list would not fit in one command-line argument
             split = os.path.join(bench_dir(), "split-names.json")
@@ -739,6 +746,11 @@ def format_table(result: dict[str, Any]) -> str:
             f"{_f(r['gbps'], '.2f'):>6} {_f(r['load']['median']):>7} {_f(r['load_gbps'], '.2f'):>9} "
             f"{(format(100 * r['limit_share'], '.0f') + '%') if r['limit_share'] else '-':>8} "
             f"{_f(ratio, '.2f'):>6}{'  (baseline)' if name == base else ''}")
+    for name, r in result["arms"].items():
+        if r["status"] == "ok" and r.get("second_speedup") and r["second_speedup"]["median"]:
+            lines.append(f"{name}: first push {_f(r['first']['median'])} s, second {_f(r['load']['median'])} s "
+                         f"(medians, same server); second {r['second_speedup']['median']:.1f}x faster "
+                         "(median of per-run ratios)")
     lines.append(f"ratio: run i over run i of {base} in the same round, median; "
                  f"of limit: load GB/s over the copy limit (local: {result.get('local_limit', 'base.copy')}) "
                  "or raw loopback TCP (remote)")
