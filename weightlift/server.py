@@ -43,6 +43,7 @@ import time
 import warnings
 from bisect import bisect_left, bisect_right
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -108,7 +109,7 @@ __all__ = ["Server", "ENV_LOAD_OPT", "load_opt_enabled", "is_loopback", "default
 ENV_LOAD_OPT = "WEIGHTLIFT_LOAD_OPT"
 STAGING_BYTES = 8 * 1024 * 1024  # one per connection, for targets that are not host memory
 HASH_PIECE = 4 * 1024 * 1024  # received-then-hashed piece: still in the CPU cache when hashed
-FAULT_PIECE = 16 * 1024 * 1024  # destination faulted in this much at a time, just before it is received into
+FAULT_PIECE = 4 * 1024 * 1024  # destination faulted in this much at a time, one piece ahead of the socket
 SCRATCH_BYTES = 64 * 1024  # frame headers and drained payloads
 LINGER_BYTES = 64 * 1024 * 1024  # after an ERROR, how much of the peer's input to drain before closing
 LINGER_SECONDS = 2.0  # ... and for how long at most, however the peer spaces its bytes
@@ -550,6 +551,7 @@ class _Connection:
         self.prof = Profiler(server._profile)
         self.scratch = memoryview(bytearray(SCRATCH_BYTES))
         self._staging: np.ndarray | None = None
+        self._faulter: ThreadPoolExecutor | None = None  # made at the first multi-piece WRITE
 
     def _max_tensor_bytes(self) -> int:
         return min(MAX_TENSOR_BYTES, self.srv._max_memory)
@@ -595,6 +597,8 @@ class _Connection:
             _log.exception("weightlift server: connection %s failed", self.stream.peer)
             self._fatal(ErrorCode.INTERNAL, f"internal server error: {type(e).__name__}")
         finally:
+            if self._faulter is not None:
+                self._faulter.shutdown(wait=True)  # at most one piece in progress
             self._drop_pending()
             if self.prof.enabled:
                 self.srv._reports.append(self.prof.report())
@@ -849,17 +853,28 @@ class _Connection:
     def _receive_direct(self, p: _Pending, h: WriteHeader) -> None:
         dest = self.target.host_view(p.dest)[h.offset : h.offset + h.length]
         # Fresh pages faulted inside recv_into cost several times more, so each piece is faulted
-        # in first - but only the piece about to be received: a WRITE header alone, with no
-        # payload behind it, must not make the server touch the memory it announces.
+        # in before it is received into, by a helper thread one piece ahead of the socket (the
+        # faulting overlaps the wire) - but never further: a WRITE header alone, with no payload
+        # behind it, makes the server touch at most one piece of the memory it announces.
         step = HASH_PIECE if p.writer is not None else FAULT_PIECE
-        for pos in range(0, h.length, step):
-            piece = dest[pos : pos + step]
+        pieces = [dest[pos : pos + step] for pos in range(0, h.length, step)]
+        ahead = None
+        for i, piece in enumerate(pieces):
             t0 = time.perf_counter_ns() if self.prof.enabled else 0
-            populate(piece)
+            if ahead is not None:
+                ahead.result()
+            else:
+                populate(piece)
             if self.prof.enabled:
                 self.prof.record("stage", t0, time.perf_counter_ns(), 0, name="fault-in " + p.name)
+            ahead = self._fault_ahead(pieces[i + 1]) if i + 1 < len(pieces) else None
             self._wire(piece, p.name)
             self._hash(p, piece)
+
+    def _fault_ahead(self, piece: memoryview) -> Future[None]:
+        if self._faulter is None:
+            self._faulter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wl-fault")
+        return self._faulter.submit(populate, piece)
 
     def _receive_staged(self, p: _Pending, h: WriteHeader) -> None:
         target = self.target
