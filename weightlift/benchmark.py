@@ -748,8 +748,8 @@ def format_table(result: dict[str, Any]) -> str:
             f"{_f(ratio, '.2f'):>6}{'  (baseline)' if name == base else ''}")
     for name, r in result["arms"].items():
         if r["status"] == "ok" and r.get("second_speedup") and r["second_speedup"]["median"]:
-            lines.append(f"{name}: first push {_f(r['first']['median'])} s, second {_f(r['load']['median'])} s "
-                         f"(medians, same server); second {r['second_speedup']['median']:.1f}x faster "
+            lines.append(f"{name}: first push {_f(r['first']['median'])} s, timed push {_f(r['load']['median'])} s "
+                         f"(medians, same server); {r['second_speedup']['median']:.1f}x faster than the first "
                          "(median of per-run ratios)")
     lines.append(f"ratio: run i over run i of {base} in the same round, median; "
                  f"of limit: load GB/s over the copy limit (local: {result.get('local_limit', 'base.copy')}) "
