@@ -37,7 +37,7 @@ addr = f"{host}:{port}"
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-t, c = time.perf_counter(), cpu()
+t, c0 = time.perf_counter(), cpu()
 if mode == "local":
     wl.load(ck, select=local, progress=False)
 elif mode == "remote":
@@ -45,7 +45,7 @@ elif mode == "remote":
         c.push(ck, select=remote)
 else:
     wl.load(ck, select=local | remote, remote={addr: remote}, progress=False)
-print(time.perf_counter() - t, cpu() - c)
+print(time.perf_counter() - t, cpu() - c0)
 srv.close()
 """
 

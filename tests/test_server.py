@@ -430,6 +430,9 @@ def test_second_push_of_a_held_tensor_keeps_its_memory(tmp_path):
         _barrier(raw)
         held = s.tensors()["w"]
         used = s.memory_used
+        (tmp_path / "c" / d.hex()[:2] / d.hex()).unlink()  # only the held tensor has these bytes now
+        raw.send(P.Have((d, hash_buffer(b"other"))))
+        assert raw.recv() == P.HaveReply((True, False))
         raw.send(Alloc(1, "w", "F32", a.shape, a.nbytes, d))
         raw.send(P.FillFromCache(1, d))
         assert _barrier(raw) == BarrierReply(1, 0)
@@ -495,20 +498,44 @@ def test_replaced_tensors_reuse_memory_but_never_under_a_reader():
 
 
 def test_idle_pooled_memory_gives_way_to_new_tensors():
-    a = _f32(700_000, 4)
-    with Server(max_memory=_cost("w", a.nbytes) + _cost("v", 4 * 2**20) + 100) as s:
+    a = _f32(700_000, 4)  # 2.8 MB: a 4 MiB mapping, charged whole
+    big = np.ones(6 * 2**20 // 4, dtype=np.float32)  # another size class (6 MiB): the idle memory must go first
+    with Server(max_memory=_cost("w", 4 * 2**20) + _cost("v", big.nbytes) - 2**20) as s:
         raw = Raw(s.address)
         raw.hello()
         _put(raw, 0, "w", a)
         _barrier(raw)
+        assert s.memory_used == _cost("w", 4 * 2**20)
         raw.send(Free(("w",)))
         assert raw.recv() == FreeReply(1)
-        assert s._pool.idle_bytes > 0
-        big = np.ones(2**20, dtype=np.float32)  # another size class: the idle memory must go first
+        assert s._pool.idle_bytes == 4 * 2**20 and s.memory_used == 0
         raw.send(Alloc(1, "v", "F32", big.shape, big.nbytes))
         raw.send(WriteHeader(1, 0, big.nbytes), big.tobytes())
         assert _barrier(raw) == BarrierReply(1, big.nbytes)
+        assert s.stats()["pooled"] == 0
+        assert s._pool.idle_bytes == 0  # given back to make room
         assert s._pool.idle_bytes + s.memory_used <= s.max_memory
+
+
+def test_a_lazy_allocation_that_fails_leaves_nothing_in_flight(tmp_path, monkeypatch):
+    a = _f32(700_000, 5)
+    d = hash_buffer(a)
+
+    def no_memory(nbytes: int):
+        raise OSError(12, "Cannot allocate memory")
+
+    with Server(cache_dir=tmp_path / "c") as s:
+        raw = Raw(s.address)
+        raw.hello()
+        monkeypatch.setattr(pool_mod, "new_mapping", no_memory)
+        raw.send(Alloc(0, "w", "F32", a.shape, a.nbytes, d))  # named by digest: memory comes at the first byte
+        raw.send(P.FillFromCache(0, d))  # nothing holds it, so it needs memory now, and there is none
+        reply = _barrier(raw)
+        assert reply.tensors == 0 and "cannot allocate 'w'" in reply.errors[0]
+        assert s.memory_used == 0
+        monkeypatch.undo()
+        _cache_push(raw, a, 0, "w", d)  # the same id again: not "already in flight"
+        assert _barrier(raw) == BarrierReply(1, a.nbytes)
 
 
 def test_torch_framework_gives_torch_tensors():

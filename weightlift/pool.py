@@ -23,6 +23,7 @@ from __future__ import annotations
 import mmap
 import threading
 import weakref
+from collections import deque
 
 import numpy as np
 
@@ -52,6 +53,9 @@ class HostPool:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        # Released mappings land here without a lock: a finalizer may run inside the garbage
+        # collector in a thread that already holds _lock. Drained under the lock before use.
+        self._returned: deque[tuple[mmap.mmap, int]] = deque()
         self._free: dict[int, list[mmap.mmap]] = {}
         self._idle = 0
         self._closed = False
@@ -60,8 +64,17 @@ class HostPool:
     @property
     def idle_bytes(self) -> int:
         """Bytes of mappings in the pool, waiting for reuse."""
-        return self._idle
+        with self._lock:
+            self._drain()
+            return self._idle
 
+    def _drain(self) -> None:
+        # _lock held
+        while self._returned:
+            m, size = self._returned.popleft()
+            if not self._closed:
+                self._free.setdefault(size, []).append(m)
+                self._idle += size
     def take(self, nbytes: int) -> np.ndarray:
         """A writable uint8 array of ``nbytes``: pooled memory of its size class, else fresh."""
         if nbytes < POOL_MIN:
@@ -69,6 +82,7 @@ class HostPool:
         size = size_class(nbytes)
         m = None
         with self._lock:
+            self._drain()
             free = self._free.get(size)
             if free:
                 m = free.pop()
@@ -81,18 +95,18 @@ class HostPool:
         return arr
 
     def _give_back(self, m: mmap.mmap, size: int) -> None:
-        # Runs when the last reference to the array is dropped, in whichever thread dropped it.
-        with self._lock:
-            if not self._closed:
-                self._free.setdefault(size, []).append(m)
-                self._idle += size
-        # else: dropping our reference frees the mapping once the array's buffer is released
+        # Runs when the last reference to the array is dropped, in whichever thread dropped it
+        # (deque.append is atomic; no lock here). After close, _drain drops the mapping, which
+        # frees it once the array's buffer is released.
+        if not self._closed:
+            self._returned.append((m, size))
 
     def trim(self, keep: int = 0) -> int:
         """Give pooled memory back to the system until at most ``keep`` bytes stay idle; returns
         the bytes given back."""
         dropped = []
         with self._lock:
+            self._drain()
             for size in sorted(self._free, reverse=True):  # the largest first: fewest unmaps
                 free = self._free[size]
                 while free and self._idle > keep:

@@ -100,7 +100,7 @@ from .protocol import (
     verify_mac,
 )
 from .digests import hash_buffer
-from .pool import HostPool
+from .pool import POOL_MIN, HostPool, size_class
 from .targets import CudaTarget, Target, make_target, populate, view_as
 from .transport import Listener, SocketStream, receive_message, receive_payload
 
@@ -314,7 +314,7 @@ class Server:
         self._lock = threading.Lock()
         self._store: dict[str, _Entry] = {}
         self._held: dict[bytes, str] = {}  # digest -> name of a stored tensor proven to hold those bytes
-        self._caching = cache_dir is not None  # the in-memory tier stays when a full disk stops the cache
+        self._caching = cache_dir is not None  # digests of held tensors are remembered (the in-memory tier)
         # touched host memory of released tensors, reused for new ones (a weight update)
         self._pool = HostPool() if self._host_target is not None and self._host_target.memcpy_ok else None
         self._used = 0
@@ -673,8 +673,8 @@ class _Connection:
         elif isinstance(msg, FillFromCache):
             self._guard(msg.tensor_id, self._fill, msg)
         elif isinstance(msg, Have):
-            cache = self.srv._cache
-            self._reply(HaveReply(tuple(cache is not None and cache.has(d) for d in msg.digests)))
+            cache, held = self.srv._cache, self.srv._held
+            self._reply(HaveReply(tuple(d in held or (cache is not None and cache.has(d)) for d in msg.digests)))
         elif isinstance(msg, Barrier):
             self._barrier()
         elif isinstance(msg, Read):
@@ -748,7 +748,8 @@ class _Connection:
             raise _RequestError(f"tensor id {a.tensor_id} ({a.name!r}) is already in flight")
         if len(self.pending) >= MAX_TENSORS:
             raise _RequestError(f"more than {MAX_TENSORS} tensors in flight on one connection")
-        cost = _entry_cost(a.name, a.nbytes)
+        pooled = self.srv._pool is not None and self._target is self.srv._host_target and a.nbytes >= POOL_MIN
+        cost = _entry_cost(a.name, size_class(a.nbytes) if pooled else a.nbytes)  # a pooled tensor holds whole huge pages
         self.srv._reserve(cost)
         p = _Pending(a, None, cost)
         # A tensor named by digest may be filled from memory the server already holds: its
@@ -855,7 +856,7 @@ class _Connection:
         # Fresh pages faulted inside recv_into cost several times more, so each piece is faulted
         # in before it is received into, by a helper thread one piece ahead of the socket (the
         # faulting overlaps the wire) - but never further: a WRITE header alone, with no payload
-        # behind it, makes the server touch at most one piece of the memory it announces.
+        # behind it, makes the server touch at most two pieces (8 MiB) of the memory it announces.
         step = HASH_PIECE if p.writer is not None else FAULT_PIECE
         pieces = [dest[pos : pos + step] for pos in range(0, h.length, step)]
         ahead = None
@@ -929,14 +930,18 @@ class _Connection:
             raise _RequestError(f"FILL_FROM_CACHE of tensor id {f.tensor_id}, which is not allocated")
         if p.digest is not None and p.digest != f.digest:
             raise _RequestError(f"FILL_FROM_CACHE of {p.name!r} names a digest other than its ALLOC's")
-        if p.dest is None and self._fill_from_memory(p, f.digest):
-            self._complete(f.tensor_id, p)
+        try:
+            if p.dest is None and self._fill_from_memory(p, f.digest):
+                self._complete(f.tensor_id, p)
+                return
+            cache = self.srv._cache
+            if cache is None:
+                self.need[f.tensor_id] = None
+                return
+            self._ensure_dest(p)
+        except _RequestError as e:  # no memory for it after all: nothing of it stays in flight
+            self._abandon(f.tensor_id, p, str(e))
             return
-        cache = self.srv._cache
-        if cache is None:
-            self.need[f.tensor_id] = None
-            return
-        self._ensure_dest(p)
         t0 = time.perf_counter_ns() if self.prof.enabled else 0
         try:
             if self.target.memcpy_ok:
@@ -969,8 +974,8 @@ class _Connection:
         memory, no copy) or another name (one copy). The held bytes are hashed again first: a
         reader may have written into its tensor since, and an entry is never trusted unchecked."""
         srv = self.srv
-        if not srv._caching or not self.target.memcpy_ok or self._target is not srv._host_target:
-            return False
+        if not srv._caching or srv._pool is None or self._target is not srv._host_target:
+            return False  # host memory only (and no device is touched to find out)
         with srv._lock:
             mine = srv._store.get(p.name)
             other_name = srv._held.get(digest)
@@ -1001,6 +1006,8 @@ class _Connection:
                 dst[:] = src
                 if self.prof.enabled:
                     self.prof.record("stage", t0, time.perf_counter_ns(), p.nbytes, name="copy " + p.name)
+                if hash_buffer(dst) != digest:  # the source changed under the copy: prove what landed
+                    continue
             p.fill()
             p.proven = True
             srv._count("memory_hits")
