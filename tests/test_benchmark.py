@@ -265,11 +265,24 @@ def test_missing_module_and_device_are_skips_not_errors(tiny, monkeypatch) -> No
     assert b._missing("no_such_module_xyz") == "module no_such_module_xyz is not installed"
 
 
+def test_every_run_waits_the_settle_pause_first(monkeypatch) -> None:
+    import weightlift.benchmark as bm
+
+    slept: list[float] = []
+    monkeypatch.setattr(bm.time, "sleep", slept.append)
+    res = run_arms([_marker_arm(n) for n in "AB"], runs=2, warmup=1, profile_round=False, settle=2.5)
+    # before each of the 3 rounds x 2 arms (the child runner's own short polls aside)
+    assert slept.count(2.5) == 6 and res["settle_s"] == 2.5
+    slept.clear()
+    again = run_arms([_marker_arm("A")], runs=1, warmup=0, profile_round=False)
+    assert 2.5 not in slept and again["settle_s"] == 0  # no pause unless asked (run_benchmark asks for SETTLE_S)
+
+
 def test_run_benchmark_json_table_and_png(tiny, tmp_path) -> None:
     out = tmp_path / "r.json"
     png = tmp_path / "r.png"
     res = run_benchmark(tiny, arms="safetensors.numpy,wl.numpy", runs=1, warmup=0, baselines=("base.read",),
-                        json_path=str(out), png_path=str(png))
+                        settle=0, json_path=str(out), png_path=str(png))
     obj = json.loads(out.read_text())
     assert obj["schema"] == SCHEMA
     assert obj["baseline"] == "safetensors.numpy"

@@ -85,6 +85,7 @@ REMOTE_ARMS = ("wl.push", "wl.push.legacy", "wl.push.cached", "wl.push.update", 
 QUICK_ARMS = ("safetensors.numpy", "wl.numpy", "wl.numpy.nocopy", "wl.push", "limit.copy")
 BASELINES = ("base.copy", "base.read", "base.tcp", "base.h2d")
 ARM_KINDS = ("local", "remote", "probe", "limit")  # what runs as an interleaved arm
+SETTLE_S = 3.0  # pause before each run: longer than the host's delay before it takes freed memory back
 
 _ARMS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_arms.py")
 # Loads bench_arms.py by path, so peer arms never import the weightlift package.
@@ -261,9 +262,17 @@ def run_arms(
     baseline: str | None = None,
     timeout: float = 600.0,
     profile_round: bool = True,
+    settle: float = 0.0,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the arms interleaved, ``warmup`` uncounted rounds then ``runs`` counted ones."""
+    """Run the arms interleaved, ``warmup`` uncounted rounds then ``runs`` counted ones.
+
+    ``settle`` seconds pass before every run. On a VM whose host takes freed guest memory back
+    after a delay (virtio-balloon free page reporting: about 2 s), an arm started right after
+    another one exited gets the memory that one freed, still backed, at several times the
+    speed of memory the host must back afresh: without a pause, the order of the arms decides
+    part of what they measure. With one, every arm starts from the same state.
+    """
     if runs < 1 or warmup < 0:
         raise OptionError("runs must be at least 1 and warmup at least 0")
     say = log or (lambda s: None)
@@ -285,6 +294,8 @@ def run_arms(
                         r[k].append(None)
                 continue
             order.append({"round": rnd, "arm": a.name, "counted": counted})
+            if settle > 0:
+                time.sleep(settle)
             s = _one(a, a.argv, cold=cold, timeout=timeout, r=r)
             if s is not None:
                 say(f"  {'run ' + str(rnd - warmup + 1) if counted else 'warm-up'} {a.name}: {s.window_s:.3f} s")
@@ -300,6 +311,8 @@ def run_arms(
     if profile_round:
         for a in live:
             if a.profile_argv and res[a.name]["status"] == "ok":
+                if settle > 0:
+                    time.sleep(settle)
                 s = _one(a, a.profile_argv, cold=cold, timeout=timeout, r=None)
                 if s is not None:
                     res[a.name]["profile"] = s.info.get("profile")
@@ -318,7 +331,7 @@ def run_arms(
             r["first"] = summarize(r["first_s"])
             r["second_speedup"] = paired_ratio(r["first_s"], r["load_s"])  # first over second, per run
     residents = [x for r in res.values() for x in r["resident_before"]]
-    return {"arms": res, "order": order, "baseline": base, "runs": runs, "warmup": warmup,
+    return {"arms": res, "order": order, "baseline": base, "runs": runs, "warmup": warmup, "settle_s": settle,
             "mode": "cold" if cold else "warm",
             "cold_check": {"runs_checked": len(residents),
                            "max_resident_before": max(residents) if residents else None} if cold else None}
@@ -629,6 +642,7 @@ def run_benchmark(
     baselines: Sequence[str] | None = None,
     timeout: float = 600.0,
     profile_round: bool = True,
+    settle: float | None = None,
     json_path: str | None = None,
     png_path: str | None = None,
     log: Callable[[str], None] | None = None,
@@ -652,8 +666,10 @@ def run_benchmark(
     if baseline is None:
         baseline = "safetensors.numpy" if "safetensors.numpy" in names else None
     say(f"arms ({'cold' if cold else 'warm'}, 1 warm-up + {runs} runs, interleaved): {', '.join(names)}")
+    if settle is None:
+        settle = 0.0 if quick else SETTLE_S
     result = run_arms(arm_list, runs=runs, warmup=warmup, cold=cold, baseline=baseline, timeout=timeout,
-                      profile_round=profile_round, log=say)
+                      profile_round=profile_round, settle=settle, log=say)
     _derive(result, ck, bl)
     result.update({
         "schema": SCHEMA,
@@ -729,7 +745,8 @@ def format_table(result: dict[str, Any]) -> str:
     """The result as a terminal table, then the baselines, the skips and the notes."""
     ck = result["checkpoint"]
     lines = [f"checkpoint: {ck['path']} ({ck['tensors']} tensors, {ck['bytes'] / GIB:.2f} GiB, {ck['format']}); "
-             f"{result['mode']}, 1 warm-up + {result['runs']} runs per arm, fresh process per run",
+             f"{result['mode']}, 1 warm-up + {result['runs']} runs per arm, fresh process per run"
+             + (f", {result['settle_s']:g} s pause before each" if result.get("settle_s") else ""),
              "time to ready = spawn -> every tensor in memory and every page touched (device: synchronised)",
              f"{'arm':<18} {'median s':>9} {'min-max s':>15} {'IQR s':>7} {'GB/s':>6} {'load s':>7} "
              f"{'load GB/s':>9} {'of limit':>8} {'ratio':>6}"]
@@ -865,6 +882,9 @@ def add_arguments(p: Any, *, default_arms: str | None = None, quick_arms: str | 
     p.add_argument("--no-baselines", action="store_true", help="skip the copy/read/TCP/H2D baselines")
     p.add_argument("--no-profile", action="store_true", help="skip the extra profiled round of weightlift arms")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
+    p.add_argument("--settle", type=float, metavar="SECONDS",
+                   help=f"pause before every run, so no arm inherits memory the one before it freed "
+                        f"(default {SETTLE_S:g}; 0 with --quick)")
     p.add_argument("--json", metavar="FILE", help="write the full result as JSON")
     p.add_argument("--png", metavar="FILE", help="draw time to ready and weightlift's phases (matplotlib)")
     p.add_argument("--list", action="store_true", help="list the arms and baselines, then exit")
@@ -884,7 +904,7 @@ def command(args: Any) -> int:
     result = run_benchmark(
         args.path, arms=arms, quick=args.quick, cold=args.cold, runs=args.runs, warmup=args.warmup,
         baseline=args.baseline, size=size, baselines=() if args.no_baselines else None, timeout=args.timeout,
-        profile_round=not args.no_profile, json_path=args.json, png_path=args.png,
+        profile_round=not args.no_profile, settle=args.settle, json_path=args.json, png_path=args.png,
         log=lambda s: print(s, file=sys.stderr, flush=True))
     print(format_table(result))
     if args.json:
