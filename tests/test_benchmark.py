@@ -334,12 +334,27 @@ def test_local_share_is_taken_against_the_copy_limit_arm_when_it_ran() -> None:
     _derive(result, ck, bl)
     assert result["local_limit"] == "limit.copy"
     assert result["arms"]["wl.numpy"]["limit_share"] == pytest.approx(0.8)  # 2.0 GB/s of the arm's 2.5
-    assert result["arms"]["wl.push"]["limit_share"] == pytest.approx(0.5)  # raw TCP stays the remote limit
+    assert result["arms"]["wl.push"]["limit_share"] == pytest.approx(0.5)  # in-process raw TCP: no limit.tcp arm ran
+    assert result["remote_limit"] == "base.tcp"
     assert result["arms"]["limit.copy"]["limit_share"] is None
-    del result["arms"]["limit.copy"]
+    result["arms"]["limit.tcp"] = arm("limit", 0.25)
+    _derive(result, ck, bl)
+    assert result["remote_limit"] == "limit.tcp"
+    assert result["arms"]["wl.push"]["limit_share"] == pytest.approx(0.5)  # 2.0 GB/s of limit.tcp's 4.0
+    result["arms"]["limit.tcp"] = arm("limit", 0.2)
+    _derive(result, ck, bl)
+    assert result["arms"]["wl.push"]["limit_share"] == pytest.approx(0.4)
+    del result["arms"]["limit.copy"], result["arms"]["limit.tcp"]
     _derive(result, ck, bl)
     assert result["local_limit"] == "base.copy"
     assert result["arms"]["wl.numpy"]["limit_share"] == pytest.approx(0.2)  # 2.0 of the in-process 10
+
+
+def test_limit_tcp_arm_sends_the_file(tmp_path) -> None:
+    p = tmp_path / "f.bin"
+    p.write_bytes(os.urandom(2 * 2**20 + 3))
+    info = bench_arms._limit_tcp({"files": [str(p)]})
+    assert info["bytes"] == p.stat().st_size and info["load_s"] > 0
 
 
 def test_limit_copy_arm_copies_the_file(tmp_path) -> None:

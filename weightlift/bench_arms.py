@@ -590,6 +590,13 @@ def _baseline_tcp(o: dict[str, Any]) -> dict[str, Any]:
     return {"bytes": size, "seconds": sorted(times), "gbps": _gbps(size, min(times))}
 
 
+def _limit_tcp(o: dict[str, Any]) -> dict[str, Any]:
+    """Raw loopback TCP as an arm: one sendfile -> recv_into transfer of the file in a fresh
+    process, timed like the push arms, so medians compare with medians under the same pauses."""
+    out = _baseline_tcp({**o, "repeats": 1})
+    return {"load_s": out["seconds"][0], "tensors": 0, "bytes": out["bytes"]}
+
+
 def _baseline_h2d(o: dict[str, Any]) -> dict[str, Any]:
     """Pinned host to device bandwidth, timed with CUDA events."""
     import torch
@@ -669,6 +676,7 @@ SPECS: dict[str, ArmSpec] = {
                 ("weightlift.load", "weightlift.server"), weightlift=True),
         ArmSpec("limit.copy", "limit", "copy limit as an arm: mmap -> fresh memory on every core, fresh process",
                 ("numpy",)),
+        ArmSpec("limit.tcp", "limit", "raw loopback TCP as an arm: sendfile -> recv_into, fresh process"),
         ArmSpec("loop.plain", "probe", "read loop with no profiler code", ("weightlift.checkpoint",)),
         ArmSpec("loop.off", "probe", "the same loop with the profiler checks, profiler off",
                 ("weightlift.checkpoint",)),
@@ -699,6 +707,7 @@ BODIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "wl.push.second": lambda o: _wl_push_again(o, cache=True),
     "wl.split": _wl_split,
     "limit.copy": _limit_copy,
+    "limit.tcp": _limit_tcp,
     "loop.plain": lambda o: _profile_loop({**o, "mode": "plain"}),
     "loop.off": lambda o: _profile_loop({**o, "mode": "off"}),
     "loop.on": lambda o: _profile_loop({**o, "mode": "on"}),
