@@ -109,7 +109,8 @@ __all__ = ["Server", "ENV_LOAD_OPT", "load_opt_enabled", "is_loopback", "default
 ENV_LOAD_OPT = "WEIGHTLIFT_LOAD_OPT"
 STAGING_BYTES = 8 * 1024 * 1024  # one per connection, for targets that are not host memory
 HASH_PIECE = 4 * 1024 * 1024  # received-then-hashed piece: still in the CPU cache when hashed
-FAULT_PIECE = 4 * 1024 * 1024  # destination faulted in this much at a time, one piece ahead of the socket
+FAULT_PIECE = 4 * 1024 * 1024  # destination faulted in this much at a time, ahead of the socket
+FAULT_AHEAD = 2  # pieces faulted ahead of the one being received, each by its own helper thread
 SCRATCH_BYTES = 64 * 1024  # frame headers and drained payloads
 LINGER_BYTES = 64 * 1024 * 1024  # after an ERROR, how much of the peer's input to drain before closing
 LINGER_SECONDS = 2.0  # ... and for how long at most, however the peer spaces its bytes
@@ -598,7 +599,7 @@ class _Connection:
             self._fatal(ErrorCode.INTERNAL, f"internal server error: {type(e).__name__}")
         finally:
             if self._faulter is not None:
-                self._faulter.shutdown(wait=True)  # at most one piece in progress
+                self._faulter.shutdown(wait=True)  # at most FAULT_AHEAD pieces in progress
             self._drop_pending()
             if self.prof.enabled:
                 self.srv._reports.append(self.prof.report())
@@ -854,27 +855,30 @@ class _Connection:
     def _receive_direct(self, p: _Pending, h: WriteHeader) -> None:
         dest = self.target.host_view(p.dest)[h.offset : h.offset + h.length]
         # Fresh pages faulted inside recv_into cost several times more, so each piece is faulted
-        # in before it is received into, by a helper thread one piece ahead of the socket (the
-        # faulting overlaps the wire) - but never further: a WRITE header alone, with no payload
-        # behind it, makes the server touch at most two pieces (8 MiB) of the memory it announces.
+        # in before it is received into, by helper threads FAULT_AHEAD pieces ahead of the
+        # socket (the faulting overlaps the wire, and the helpers fault in parallel: on a VM the
+        # host backs fresh memory at about 1 GB/s per thread) - but never further: a WRITE
+        # header alone, with no payload behind it, makes the server touch at most
+        # FAULT_AHEAD + 1 pieces (12 MiB) of the memory it announces.
         step = HASH_PIECE if p.writer is not None else FAULT_PIECE
         pieces = [dest[pos : pos + step] for pos in range(0, h.length, step)]
-        ahead = None
+        ahead: deque[Future[None]] = deque()
         for i, piece in enumerate(pieces):
             t0 = time.perf_counter_ns() if self.prof.enabled else 0
-            if ahead is not None:
-                ahead.result()
+            if ahead:
+                ahead.popleft().result()
             else:
                 populate(piece)
             if self.prof.enabled:
                 self.prof.record("stage", t0, time.perf_counter_ns(), 0, name="fault-in " + p.name)
-            ahead = self._fault_ahead(pieces[i + 1]) if i + 1 < len(pieces) else None
+            for j in range(i + 1 + len(ahead), min(len(pieces), i + 1 + FAULT_AHEAD)):
+                ahead.append(self._fault_ahead(pieces[j]))
             self._wire(piece, p.name)
             self._hash(p, piece)
 
     def _fault_ahead(self, piece: memoryview) -> Future[None]:
         if self._faulter is None:
-            self._faulter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wl-fault")
+            self._faulter = ThreadPoolExecutor(max_workers=FAULT_AHEAD, thread_name_prefix="wl-fault")
         return self._faulter.submit(populate, piece)
 
     def _receive_staged(self, p: _Pending, h: WriteHeader) -> None:
