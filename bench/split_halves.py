@@ -4,7 +4,9 @@
 
 Half the tensors (by count, in file order) load locally, the other half are pushed to a tensor
 server in the same process; each arm runs in a fresh process, arms interleaved (local, remote,
-split, local, ...), medians reported with the split's ratio to the slower half.
+split, local, ...), each after a settle pause (``--settle``, 3 s: no run inherits memory the
+run before it freed, still backed by the host), medians reported with the split's ratio to the
+slower half.
 
 It also reports the CPU seconds each arm used (user + system, all threads: on a VM that
 includes the time a vCPU waits for the host to back fresh memory). Run on one machine, the
@@ -54,6 +56,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("path", nargs="?")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--settle", type=float, default=3.0,
+                    help="pause before each run so none inherits memory the one before it freed (default 3 s)")
     ap.add_argument("--json")
     a = ap.parse_args()
     path = a.path
@@ -65,6 +69,7 @@ def main() -> int:
     cpus: dict[str, list[float]] = {k: [] for k in times}
     for r in range(a.runs + 1):  # the first round warms the page cache and is not counted
         for mode in times:
+            time.sleep(a.settle)
             out = subprocess.run([sys.executable, "-c", CHILD, mode, path], capture_output=True, text=True, check=True)
             if r:
                 wall, cpu = map(float, out.stdout.strip().splitlines()[-1].split())

@@ -344,10 +344,24 @@ def test_local_share_is_taken_against_the_copy_limit_arm_when_it_ran() -> None:
     result["arms"]["limit.tcp"] = arm("limit", 0.2)
     _derive(result, ck, bl)
     assert result["arms"]["wl.push"]["limit_share"] == pytest.approx(0.4)
+    result["arms"]["limit.read.1"] = arm("limit", 1.0)
+    result["arms"]["limit.read.4"] = arm("limit", 0.8)
+    _derive(result, ck, bl)
+    assert result["local_limit"] == "limit.read.4"  # a cold run: the fastest reader count is the limit
+    assert result["arms"]["wl.numpy"]["limit_share"] == pytest.approx(1.6)
+    del result["arms"]["limit.read.1"], result["arms"]["limit.read.4"]
     del result["arms"]["limit.copy"], result["arms"]["limit.tcp"]
     _derive(result, ck, bl)
     assert result["local_limit"] == "base.copy"
     assert result["arms"]["wl.numpy"]["limit_share"] == pytest.approx(0.2)  # 2.0 of the in-process 10
+
+
+@pytest.mark.parametrize("k", bench_arms.READ_LIMIT_THREADS)
+def test_limit_read_arms_read_the_file(tmp_path, k) -> None:
+    p = tmp_path / "f.bin"
+    p.write_bytes(os.urandom(5 * 2**20 + 11))
+    info = bench_arms.BODIES[f"limit.read.{k}"]({"files": [str(p)]})
+    assert info["bytes"] == p.stat().st_size and info["threads"] == k and info["load_s"] > 0
 
 
 def test_limit_tcp_arm_sends_the_file(tmp_path) -> None:

@@ -35,6 +35,7 @@ READY = "WL_READY"
 SKIP = "WL_SKIP"
 PAGE = mmap.PAGESIZE
 BLOCK = 8 * 1024 * 1024  # baseline read / copy granule
+READ_LIMIT_THREADS = (1, 2, 4)  # the raw read limit is the fastest of these reader counts
 
 
 @dataclass(frozen=True)
@@ -497,6 +498,39 @@ def _limit_copy(o: dict[str, Any]) -> dict[str, Any]:
             "threads": len(shares)}
 
 
+def _limit_read(o: dict[str, Any], k: int) -> dict[str, Any]:
+    """The raw read as an arm: ``k`` threads of preadv, one contiguous share each, into buffers
+    already touched, in a fresh process after the same eviction and pause as the loader arms.
+
+    The in-process baseline (base.read) evicts and reads again three times in a row, so its
+    later repeats fill the page cache with pages the previous repeat freed moments before,
+    which this VM's host still backs; a loader arm's page cache is made of memory as fresh as
+    its own."""
+    path = o["files"][0] if len(o["files"]) == 1 else None
+    if path is None:
+        raise Skip("the read limit measures a single file")
+    size = _data_size(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        shares = _shares(size, k)
+        bufs = [bytearray(BLOCK) for _ in range(k)]  # zero-filled: touched
+
+        def work(i: int) -> None:
+            a, b = shares[i]
+            mv = memoryview(bufs[i])
+            pos = a
+            while pos < b:
+                n = os.preadv(fd, [mv[: min(BLOCK, b - pos)]], pos)
+                if n <= 0:
+                    raise OSError(f"short read at {pos}")
+                pos += n
+
+        seconds = _run_threads(work, k)
+    finally:
+        os.close(fd)
+    return {"load_s": seconds, "tensors": 0, "bytes": size, "threads": k}
+
+
 def _baseline_read(o: dict[str, Any]) -> dict[str, Any]:
     """Best raw read: 1, 2 and 4 threads of preadv into buffers already touched."""
     path = o["files"][0] if len(o["files"]) == 1 else None
@@ -676,6 +710,8 @@ SPECS: dict[str, ArmSpec] = {
                 ("weightlift.load", "weightlift.server"), weightlift=True),
         ArmSpec("limit.copy", "limit", "copy limit as an arm: mmap -> fresh memory on every core, fresh process",
                 ("numpy",)),
+        *(ArmSpec(f"limit.read.{k}", "limit", f"raw read as an arm: {k} preadv thread(s) into touched buffers, "
+                  "fresh process") for k in READ_LIMIT_THREADS),
         ArmSpec("limit.tcp", "limit", "raw loopback TCP as an arm: sendfile -> recv_into, fresh process"),
         ArmSpec("loop.plain", "probe", "read loop with no profiler code", ("weightlift.checkpoint",)),
         ArmSpec("loop.off", "probe", "the same loop with the profiler checks, profiler off",
@@ -708,6 +744,7 @@ BODIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "wl.split": _wl_split,
     "limit.copy": _limit_copy,
     "limit.tcp": _limit_tcp,
+    **{f"limit.read.{k}": (lambda o, k=k: _limit_read(o, k)) for k in READ_LIMIT_THREADS},
     "loop.plain": lambda o: _profile_loop({**o, "mode": "plain"}),
     "loop.off": lambda o: _profile_loop({**o, "mode": "off"}),
     "loop.on": lambda o: _profile_loop({**o, "mode": "on"}),
