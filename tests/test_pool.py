@@ -49,3 +49,46 @@ def test_trim_and_close_give_memory_back():
     alive[:] = 1  # an array still alive keeps its memory
     del alive
     assert pool.idle_bytes == 0  # and frees it itself after close
+
+
+def _wait(cond) -> None:
+    import time
+
+    deadline = time.monotonic() + 10
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_reserve_faults_in_the_background_and_never_touches_what_was_carved():
+    pool = HostPool()
+    pool.reserve(256 * 2**20)
+    assert pool.idle_bytes == 256 * 2**20  # counted from the start
+    arrays = []
+    for i in range(40):  # carve while the faulting thread runs (or fall back to fresh memory)
+        a = pool.take(3 * 2**20)
+        a[:] = i % 251
+        arrays.append(a)
+    _wait(lambda: pool.reserved[0] == pool.reserved[1])
+    assert pool.reserved == (256 * 2**20, 256 * 2**20)
+    for i, a in enumerate(arrays):
+        assert a.min() == a.max() == i % 251, i  # the faulting thread wrote no zero into them
+    carved = pool.reused
+    b = pool.take(5 * 2**20)  # faulted by now: carved from the reserve
+    assert pool.reused == carved + 1
+    assert not any(np.shares_memory(b, a) for a in arrays)
+    del b
+    assert pool.idle_bytes >= 6 * 2**20
+
+
+def test_trim_gives_back_the_uncarved_reserve_and_keeps_the_carved():
+    pool = HostPool()
+    pool.reserve(64 * 2**20)
+    _wait(lambda: pool.reserved[0] == pool.reserved[1])
+    a = pool.take(4 * 2**20)
+    a[:] = 9
+    assert pool.idle_bytes == 60 * 2**20
+    assert pool.trim(keep=10 * 2**20) == 50 * 2**20
+    assert pool.idle_bytes == 10 * 2**20 and pool.reserved == (14 * 2**20, 14 * 2**20)
+    assert a.min() == a.max() == 9
+    pool.close()
+    assert pool.idle_bytes == 0 and a.min() == 9

@@ -538,6 +538,29 @@ def test_a_lazy_allocation_that_fails_leaves_nothing_in_flight(tmp_path, monkeyp
         assert _barrier(raw) == BarrierReply(1, a.nbytes)
 
 
+def test_a_reserve_is_faulted_at_start_and_carved_for_the_first_push():
+    v = [_f32(700_000, i) for i in range(4)]
+    s = Server(reserve=32 * 2**20, max_memory=1 << 30)
+    assert s.reserved == (0, 0)  # nothing before start
+    with s:  # starts it
+        _wait_for(lambda: s.reserved[0] == s.reserved[1] == 32 * 2**20)
+        raw = Raw(s.address)
+        raw.hello()
+        for i, a in enumerate(v):
+            _put(raw, i, f"w{i}", a)
+        assert _barrier(raw).tensors == 4
+        assert s.stats()["pooled"] == 4  # every tensor carved from the reserve, none fresh
+        for i, a in enumerate(v):
+            assert np.array_equal(s.tensors()[f"w{i}"], a)
+        assert s.memory_used == 4 * _cost("w0", 4 * 2**20)  # each charged its whole 4 MiB slice
+        assert s._pool.idle_bytes == 32 * 2**20 - 4 * 4 * 2**20  # the rest of the reserve, still counted
+
+
+def test_reserve_must_fit_in_max_memory():
+    with pytest.raises(OptionError, match="reserve"):
+        Server(reserve=2 << 20, max_memory=1 << 20)
+
+
 def test_torch_framework_gives_torch_tensors():
     torch = pytest.importorskip("torch")
     with Server(framework="torch") as s:

@@ -273,6 +273,41 @@ def _wl_push(o: dict[str, Any], *, cache: bool = False) -> dict[str, Any]:
     return info
 
 
+def _wl_push_reserved(o: dict[str, Any]) -> dict[str, Any]:
+    """A first push into a Server started with ``reserve=`` the checkpoint's size, once the
+    reserve is faulted in (as in a worker that starts its server before its other start-up
+    work); the push alone is timed. ``reserve_s`` is how long the reserve took to fault in."""
+    from weightlift.client import Client
+    from weightlift.server import Server
+
+    from weightlift.checkpoint import open_checkpoint
+    from weightlift.pool import POOL_MIN, size_class
+
+    prof = _profiler(o)
+    # what the tensors will take: each of 2 MiB or more gets whole 2 MiB pages
+    size = sum(size_class(t.length) for t in open_checkpoint(o["path"]).tensors if t.length >= POOL_MIN)
+    t0 = time.perf_counter_ns()
+    server = Server("127.0.0.1", 0, reserve=size, profile=prof.enabled)
+    addr = server.start()
+    try:
+        while server.reserved[0] < server.reserved[1]:
+            time.sleep(0.005)
+        reserve_s = (time.perf_counter_ns() - t0) / 1e9
+        t0 = time.perf_counter_ns()
+        with Client(addr, profile=_prof_arg(prof)) as client:
+            pushed = client.push(o["path"])
+        n, b = _touch_any(server.tensors().values())
+        info: dict[str, Any] = {"load_s": (time.perf_counter_ns() - t0) / 1e9, "reserve_s": reserve_s, "tensors": n,
+                                "bytes": b, "push": {k: v for k, v in pushed.as_dict().items() if k != "profile"},
+                                "server_stats": server.stats()}
+        if prof.enabled:
+            info["profile"] = prof.report()
+            info["server_profile"] = _server_report(server)
+    finally:
+        server.close()
+    return info
+
+
 def _wl_push_again(o: dict[str, Any], *, cache: bool) -> dict[str, Any]:
     """Pushes of the checkpoint to one running Server in this process; the last one is timed.
 
@@ -704,6 +739,8 @@ SPECS: dict[str, ArmSpec] = {
                 (*_WL_PUSH_REQ, "weightlift.cache"), weightlift=True),
         ArmSpec("wl.push.update", "remote", "a weight update (third push, same shapes) into a running server, timed alone",
                 _WL_PUSH_REQ, weightlift=True),
+        ArmSpec("wl.push.reserved", "remote", "a first push into a server started with reserve= (faulted), timed alone",
+                _WL_PUSH_REQ, weightlift=True),
         ArmSpec("wl.push.second", "remote", "two pushes to one caching server (fresh cache): the second, timed alone",
                 (*_WL_PUSH_REQ, "weightlift.cache"), weightlift=True),
         ArmSpec("wl.split", "remote", "weightlift.load with half the tensors remote",
@@ -741,6 +778,7 @@ BODIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "wl.push.cached": lambda o: _wl_push(o, cache=True),
     "wl.push.update": lambda o: _wl_push_again(o, cache=False),
     "wl.push.second": lambda o: _wl_push_again(o, cache=True),
+    "wl.push.reserved": _wl_push_reserved,
     "wl.split": _wl_split,
     "limit.copy": _limit_copy,
     "limit.tcp": _limit_tcp,

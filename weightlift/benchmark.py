@@ -81,8 +81,8 @@ MIB = 1 << 20
 
 LOCAL_ARMS = ("safetensors.numpy", "safetensors.torch", "safetensors.cuda", "torch.load", "runai",
               "wl.numpy", "wl.numpy.nocopy", "wl.torch", "wl.cuda", "limit.copy")
-REMOTE_ARMS = ("wl.push", "wl.push.legacy", "wl.push.cached", "wl.push.update", "wl.push.second", "wl.split",
-               "limit.tcp")
+REMOTE_ARMS = ("wl.push", "wl.push.legacy", "wl.push.cached", "wl.push.update", "wl.push.reserved", "wl.push.second",
+               "wl.split", "limit.tcp")
 QUICK_ARMS = ("safetensors.numpy", "wl.numpy", "wl.numpy.nocopy", "wl.push", "limit.copy")
 BASELINES = ("base.copy", "base.read", "base.tcp", "base.h2d")
 ARM_KINDS = ("local", "remote", "probe", "limit")  # what runs as an interleaved arm

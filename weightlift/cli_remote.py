@@ -61,6 +61,12 @@ def register(sub: Any) -> None:
         help="cap on bytes allocated for all clients (e.g. 8G; default: 90%% of physical RAM for cpu, the "
         "device's total memory for cuda; each tensor also counts its name length plus 256 bytes)",
     )
+    s.add_argument(
+        "--reserve",
+        metavar="BYTES",
+        help="fault this much host memory in at start, in the background, so the first push lands in "
+        "memory already backed (e.g. 16G; counts against --max-memory; cpu only)",
+    )
     s.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("push", help="send a checkpoint's tensors to a tensor server")
@@ -100,6 +106,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         token=read_token(a.token_file),
         insecure=a.insecure,
         max_memory=parse_size(a.max_memory) if a.max_memory is not None else None,
+        reserve=parse_size(a.reserve) if a.reserve is not None else 0,
     )
     host, port = server.bind()
     cache = f", cache {a.cache_dir}" if a.cache_dir else ""

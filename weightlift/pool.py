@@ -16,6 +16,11 @@ nothing is ever reused under it.
 
 Idle pooled memory is still memory: the owner counts :attr:`HostPool.idle_bytes` against its
 limit and calls :meth:`HostPool.trim` to give it back to the system when it needs the room.
+
+:meth:`HostPool.reserve` readies memory before any tensor asks for it: one mapping, faulted in
+by a background thread while the process does other things (a worker starting up), from which
+new tensors are carved once it is faulted. A carve never reaches past what the thread has
+faulted, and the thread never touches what was carved, so the two never meet.
 """
 
 from __future__ import annotations
@@ -55,11 +60,18 @@ class HostPool:
         self._lock = threading.Lock()
         # Released mappings land here without a lock: a finalizer may run inside the garbage
         # collector in a thread that already holds _lock. Drained under the lock before use.
-        self._returned: deque[tuple[mmap.mmap, int]] = deque()
-        self._free: dict[int, list[mmap.mmap]] = {}
+        # a free block is (mapping, offset, size): a whole mapping of its own (offset None) or a
+        # slice of the reserve
+        self._returned: deque[tuple[mmap.mmap, int | None, int]] = deque()
+        self._free: dict[int, list[tuple[mmap.mmap, int | None]]] = {}
         self._idle = 0
         self._closed = False
         self.reused = 0  # arrays served from the pool (for stats and tests)
+        # the reserve: [0, _bump) carved, [_bump, _faulted) ready, [_faulted, _end) not yet faulted
+        self._arena: mmap.mmap | None = None
+        self._bump = self._faulted = self._end = 0
+        self._stop_faulting = threading.Event()
+        self._faulter: threading.Thread | None = None
 
     @property
     def idle_bytes(self) -> int:
@@ -71,59 +83,123 @@ class HostPool:
     def _drain(self) -> None:
         # _lock held
         while self._returned:
-            m, size = self._returned.popleft()
+            m, off, size = self._returned.popleft()
             if not self._closed:
-                self._free.setdefault(size, []).append(m)
+                self._free.setdefault(size, []).append((m, off))
                 self._idle += size
     def take(self, nbytes: int) -> np.ndarray:
         """A writable uint8 array of ``nbytes``: pooled memory of its size class, else fresh."""
         if nbytes < POOL_MIN:
             return np.empty(nbytes, dtype=np.uint8)
         size = size_class(nbytes)
-        m = None
+        m: mmap.mmap | None = None
+        off: int | None = None
         with self._lock:
             self._drain()
             free = self._free.get(size)
             if free:
-                m = free.pop()
+                m, off = free.pop()
+                self._idle -= size
+                self.reused += 1
+            elif self._arena is not None and self._bump + size <= self._faulted:
+                m, off = self._arena, self._bump
+                self._bump += size
                 self._idle -= size
                 self.reused += 1
         if m is None:
             m = new_mapping(size)
-        arr = np.frombuffer(m, dtype=np.uint8, count=nbytes)
-        weakref.finalize(arr, self._give_back, m, size)
+        arr = np.frombuffer(m, dtype=np.uint8, count=nbytes, offset=off or 0)
+        weakref.finalize(arr, self._give_back, m, off, size)
         return arr
 
-    def _give_back(self, m: mmap.mmap, size: int) -> None:
+    def _give_back(self, m: mmap.mmap, off: int | None, size: int) -> None:
         # Runs when the last reference to the array is dropped, in whichever thread dropped it
         # (deque.append is atomic; no lock here). After close, _drain drops the mapping, which
         # frees it once the array's buffer is released.
         if not self._closed:
-            self._returned.append((m, size))
+            self._returned.append((m, off, size))
+
+    def reserve(self, nbytes: int) -> None:
+        """Fault ``nbytes`` of memory in on a background thread, for the tensors to come; it
+        counts as idle until carved. Once per pool."""
+        if nbytes <= 0:
+            return
+        size = size_class(nbytes)
+        with self._lock:
+            if self._arena is not None or self._closed:
+                return
+            self._arena = new_mapping(size)
+            self._end = size
+            self._idle += size
+        self._faulter = threading.Thread(target=self._fault_reserve, name="wl-reserve", daemon=True)
+        self._faulter.start()
+
+    def _fault_reserve(self) -> None:
+        arena = self._arena
+        assert arena is not None
+        view = np.frombuffer(arena, dtype=np.uint8)
+        piece = 64 * 1024 * 1024
+        while not self._stop_faulting.is_set():
+            with self._lock:
+                a, b = self._faulted, min(self._end, self._faulted + piece)
+            if a >= b:
+                return
+            view[a:b:mmap.PAGESIZE] = 0  # beyond _faulted: nothing was carved here
+            with self._lock:
+                self._faulted = b
+
+    @property
+    def reserved(self) -> tuple[int, int]:
+        """(bytes of the reserve faulted in so far, bytes reserved)."""
+        with self._lock:
+            return self._faulted, self._end
+
+    def _stop_reserve(self) -> None:
+        self._stop_faulting.set()
+        t = self._faulter
+        if t is not None and t is not threading.current_thread():
+            t.join()
 
     def trim(self, keep: int = 0) -> int:
         """Give pooled memory back to the system until at most ``keep`` bytes stay idle; returns
         the bytes given back."""
-        dropped = []
+        dropped: list[tuple[mmap.mmap, int | None, int]] = []
+        if self._arena is not None and self.idle_bytes > keep:
+            self._stop_reserve()  # before the rest of the reserve is given back under it
+            with self._lock:
+                # what was never faulted goes first (it is counted, not resident), then the end
+                # of what was, down to what is carved
+                cut = max(self._bump, min(self._faulted, self._end - (self._idle - keep)))
+                cut = -(-cut // _CLASS) * _CLASS
+                if cut < self._end:
+                    dropped.append((self._arena, cut, self._end - cut))
+                    self._idle -= self._end - cut
+                    self._end = cut
+                    self._faulted = min(self._faulted, cut)
         with self._lock:
             self._drain()
             for size in sorted(self._free, reverse=True):  # the largest first: fewest unmaps
                 free = self._free[size]
                 while free and self._idle > keep:
-                    dropped.append(free.pop())
+                    m, off = free.pop()
+                    dropped.append((m, off, size))
                     self._idle -= size
             self._free = {s: f for s, f in self._free.items() if f}
         freed = 0
-        for m in dropped:
-            freed += len(m)
+        for m, off, size in dropped:
+            freed += size
             try:
-                m.close()
-            except BufferError:
+                if off is None:
+                    m.close()
+                else:  # a slice of the reserve: its pages go back, the address range stays
+                    m.madvise(mmap.MADV_DONTNEED, off, size)
+            except (BufferError, ValueError, OSError):
                 pass  # the last array is still being torn down in another thread: it frees the mapping
         return freed
 
     def close(self) -> None:
         """Free everything pooled; arrays still alive keep their memory and free it themselves."""
+        self._stop_reserve()
         with self._lock:
             self._closed = True
         self.trim(0)

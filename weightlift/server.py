@@ -265,7 +265,10 @@ class Server:
     each must finish HELLO (and AUTH) within ``handshake_timeout`` seconds or is closed.
     ``protocol_minor`` makes the server speak an older minor version (compatibility tests).
     ``profile`` None reads WEIGHTLIFT_LOADPROF; with it on, each connection's report is printed
-    to stderr when the connection closes.
+    to stderr when the connection closes. ``reserve`` (host memory only) faults that many bytes
+    in on a background thread from ``start()`` on, while the process does its other start-up
+    work, so the first push lands in memory already backed; the reserve counts against
+    ``max_memory`` and gives way to tensors that need the room.
     """
 
     def __init__(
@@ -279,6 +282,7 @@ class Server:
         token: str | bytes | None = None,
         insecure: bool = False,
         max_memory: int | None = None,
+        reserve: int = 0,
         max_connections: int = MAX_CONNECTIONS,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         profile: bool | None = None,
@@ -307,6 +311,8 @@ class Server:
         self._host_target = _check_device(device, framework)  # fails now on a missing device, not per client
         self._cache = TensorCache(cache_dir) if cache_dir is not None else None
         self._max_memory = default_max_memory(device) if max_memory is None else max_memory
+        if not 0 <= reserve <= self._max_memory:
+            raise OptionError(f"reserve must be between 0 and max_memory ({self._max_memory}), got {reserve}")
         self._max_connections = max_connections
         self._handshake_timeout = float(handshake_timeout)
         self._minor = protocol_minor
@@ -318,6 +324,9 @@ class Server:
         self._caching = cache_dir is not None  # digests of held tensors are remembered (the in-memory tier)
         # touched host memory of released tensors, reused for new ones (a weight update)
         self._pool = HostPool() if self._host_target is not None and self._host_target.memcpy_ok else None
+        if reserve and self._pool is None:
+            raise OptionError("reserve is for host memory: a cpu server without a dtype cast")
+        self._reserve_bytes = reserve
         self._used = 0
         self._stats = {"connections": 0, "tensors": 0, "bytes_received": 0, "bytes_from_cache": 0, "cache_hits": 0,
                        "memory_hits": 0, "bytes_from_memory": 0, "errors": 0}
@@ -351,14 +360,25 @@ class Server:
     def start(self) -> tuple[str, int]:
         """Bind and serve on a background thread; returns the bound (host, port). Idempotent."""
         self._bind()
+        self._start_reserve()
         if self._accept_thread is None:
             self._accept_thread = threading.Thread(target=self._accept_loop, name="weightlift-accept", daemon=True)
             self._accept_thread.start()
         return self.address
 
+    def _start_reserve(self) -> None:
+        if self._reserve_bytes and self._pool is not None:
+            self._pool.reserve(self._reserve_bytes)  # once: later calls are no-ops
+
+    @property
+    def reserved(self) -> tuple[int, int]:
+        """(bytes of the reserve faulted in so far, bytes reserved); (0, 0) without one."""
+        return self._pool.reserved if self._pool is not None else (0, 0)
+
     def serve_forever(self) -> None:
         """Serve in the calling thread until close() (from another thread) or Ctrl-C, then close."""
         self._bind()
+        self._start_reserve()
         try:
             if self._accept_thread is not None:  # already serving in the background: just wait
                 while not self._closing.wait(0.5):
