@@ -92,3 +92,17 @@ def test_trim_gives_back_the_uncarved_reserve_and_keeps_the_carved():
     assert a.min() == a.max() == 9
     pool.close()
     assert pool.idle_bytes == 0 and a.min() == 9
+
+
+def test_a_carve_ahead_of_the_reserve_thread_waits_for_it():
+    pool = HostPool()
+    pool.reserve(512 * 2**20)
+    big = pool.take(400 * 2**20)  # almost certainly beyond what is faulted yet: waits, then is handed out
+    faulted, total = pool.reserved
+    assert faulted >= 400 * 2**20 and total == 512 * 2**20
+    big[:] = 3
+    _wait(lambda: pool.reserved[0] == pool.reserved[1])
+    assert big.min() == big.max() == 3  # the thread went on past it without writing into it
+    assert pool.servable(100 * 2**20) == 100 * 2**20 and pool.servable(200 * 2**20) == 0
+    pool.close()
+    assert pool.idle_bytes == 0 and big.min() == 3

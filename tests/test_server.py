@@ -556,6 +556,21 @@ def test_a_reserve_is_faulted_at_start_and_carved_for_the_first_push():
         assert s._pool.idle_bytes == 32 * 2**20 - 4 * 4 * 2**20  # the rest of the reserve, still counted
 
 
+def test_a_reserve_as_large_as_max_memory_is_carved_not_cut_away():
+    v = [_f32(700_000, i) for i in range(8)]  # 8 x 4 MiB slices: the whole reserve
+    with Server(reserve=32 * 2**20, max_memory=32 * 2**20 + 8 * _cost("w0", 0)) as s:
+        _wait_for(lambda: s.reserved[0] == s.reserved[1] == 32 * 2**20)
+        raw = Raw(s.address)
+        raw.hello()
+        for i, a in enumerate(v):
+            _put(raw, i, f"w{i}", a)
+        assert _barrier(raw) == BarrierReply(8, 8 * v[0].nbytes)
+        assert s.stats()["pooled"] == 8  # each tensor took its slice: nothing trimmed, nothing fresh
+        assert s.reserved == (32 * 2**20, 32 * 2**20)
+        assert s.memory_used == s.max_memory and s._pool.idle_bytes == 0
+        assert all(np.array_equal(s.tensors()[f"w{i}"], a) for i, a in enumerate(v))
+
+
 def test_reserve_must_fit_in_max_memory():
     with pytest.raises(OptionError, match="reserve"):
         Server(reserve=2 << 20, max_memory=1 << 20)

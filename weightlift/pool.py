@@ -58,24 +58,27 @@ class HostPool:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # Released mappings land here without a lock: a finalizer may run inside the garbage
+        self._cond = threading.Condition(self._lock)
+        # Released blocks land here without a lock: a finalizer may run inside the garbage
         # collector in a thread that already holds _lock. Drained under the lock before use.
-        # a free block is (mapping, offset, size): a whole mapping of its own (offset None) or a
-        # slice of the reserve
+        # A block is (mapping, offset, size): a whole mapping of its own (offset None) or a
+        # slice of the reserve.
         self._returned: deque[tuple[mmap.mmap, int | None, int]] = deque()
         self._free: dict[int, list[tuple[mmap.mmap, int | None]]] = {}
         self._idle = 0
         self._closed = False
-        self.reused = 0  # arrays served from the pool (for stats and tests)
-        # the reserve: [0, _bump) carved, [_bump, _faulted) ready, [_faulted, _end) not yet faulted
+        self.reused = 0  # arrays served from the pool or the reserve (for stats and tests)
+        # The reserve: [0, _bump) carved, [_bump, _end) not, [0, _faulted) faulted in by the
+        # reserve thread, which is writing [_faulted, _inflight) right now (when _inflight).
         self._arena: mmap.mmap | None = None
-        self._bump = self._faulted = self._end = 0
+        self._bump = self._faulted = self._end = self._inflight = 0
+        self._faulting = False
         self._stop_faulting = threading.Event()
         self._faulter: threading.Thread | None = None
 
     @property
     def idle_bytes(self) -> int:
-        """Bytes of mappings in the pool, waiting for reuse."""
+        """Bytes of mappings in the pool and of the uncarved reserve, waiting for use."""
         with self._lock:
             self._drain()
             return self._idle
@@ -87,25 +90,44 @@ class HostPool:
             if not self._closed:
                 self._free.setdefault(size, []).append((m, off))
                 self._idle += size
+
+    def servable(self, nbytes: int) -> int:
+        """The idle bytes a :meth:`take` of ``nbytes`` would use now (0: it would map fresh
+        memory): an owner counting idle memory against a limit must not count these twice."""
+        if nbytes < POOL_MIN:
+            return 0
+        size = size_class(nbytes)
+        with self._lock:
+            self._drain()
+            if self._free.get(size) or (self._arena is not None and self._bump + size <= self._end):
+                return size
+        return 0
+
     def take(self, nbytes: int) -> np.ndarray:
-        """A writable uint8 array of ``nbytes``: pooled memory of its size class, else fresh."""
+        """A writable uint8 array of ``nbytes``: pooled memory of its size class, else a slice
+        of the reserve, else fresh."""
         if nbytes < POOL_MIN:
             return np.empty(nbytes, dtype=np.uint8)
         size = size_class(nbytes)
         m: mmap.mmap | None = None
         off: int | None = None
-        with self._lock:
+        with self._cond:
             self._drain()
             free = self._free.get(size)
             if free:
                 m, off = free.pop()
                 self._idle -= size
                 self.reused += 1
-            elif self._arena is not None and self._bump + size <= self._faulted:
+            elif self._arena is not None and self._bump + size <= self._end:
                 m, off = self._arena, self._bump
                 self._bump += size
                 self._idle -= size
                 self.reused += 1
+                # The slice must be past the reserve thread before anything is written into it
+                # (the thread writes a zero into each page it faults). Waiting costs no more than
+                # faulting fresh memory here would; a stopped thread writes nothing more.
+                while self._faulting and self._faulted < off + size:
+                    self._cond.wait()
         if m is None:
             m = new_mapping(size)
         arr = np.frombuffer(m, dtype=np.uint8, count=nbytes, offset=off or 0)
@@ -114,8 +136,8 @@ class HostPool:
 
     def _give_back(self, m: mmap.mmap, off: int | None, size: int) -> None:
         # Runs when the last reference to the array is dropped, in whichever thread dropped it
-        # (deque.append is atomic; no lock here). After close, _drain drops the mapping, which
-        # frees it once the array's buffer is released.
+        # (deque.append is atomic; no lock here). After close, dropping the reference frees the
+        # mapping (or, for a slice of the reserve, the whole reserve once its last slice goes).
         if not self._closed:
             self._returned.append((m, off, size))
 
@@ -131,53 +153,55 @@ class HostPool:
             self._arena = new_mapping(size)
             self._end = size
             self._idle += size
-        self._faulter = threading.Thread(target=self._fault_reserve, name="wl-reserve", daemon=True)
-        self._faulter.start()
+            self._faulting = True
+            self._faulter = threading.Thread(target=self._fault_reserve, args=(self._arena,), name="wl-reserve",
+                                             daemon=True)
+            self._faulter.start()
 
-    def _fault_reserve(self) -> None:
-        arena = self._arena
-        assert arena is not None
+    def _fault_reserve(self, arena: mmap.mmap) -> None:
         view = np.frombuffer(arena, dtype=np.uint8)
         piece = 64 * 1024 * 1024
-        while not self._stop_faulting.is_set():
-            with self._lock:
-                a, b = self._faulted, min(self._end, self._faulted + piece)
-            if a >= b:
-                return
-            view[a:b:mmap.PAGESIZE] = 0  # beyond _faulted: nothing was carved here
-            with self._lock:
-                self._faulted = b
+        try:
+            while not self._stop_faulting.is_set():
+                with self._lock:
+                    a, b = self._faulted, min(self._end, self._faulted + piece)
+                    if a >= b:
+                        return
+                    self._inflight = b
+                view[a:b:mmap.PAGESIZE] = 0  # nothing in [_faulted, _inflight) is written by anyone else
+                with self._cond:
+                    self._faulted, self._inflight = b, 0
+                    self._cond.notify_all()
+        finally:
+            with self._cond:
+                self._faulting, self._inflight = False, 0
+                self._cond.notify_all()
 
     @property
     def reserved(self) -> tuple[int, int]:
-        """(bytes of the reserve faulted in so far, bytes reserved)."""
+        """(bytes of the reserve faulted in so far, bytes reserved and not given back)."""
         with self._lock:
-            return self._faulted, self._end
-
-    def _stop_reserve(self) -> None:
-        self._stop_faulting.set()
-        t = self._faulter
-        if t is not None and t is not threading.current_thread():
-            t.join()
+            return min(self._faulted, self._end), self._end
 
     def trim(self, keep: int = 0) -> int:
-        """Give pooled memory back to the system until at most ``keep`` bytes stay idle; returns
-        the bytes given back."""
+        """Give idle memory back to the system until at most ``keep`` bytes stay idle: the
+        uncarved end of the reserve first, then pooled blocks, the largest first. Returns the
+        bytes given back."""
         dropped: list[tuple[mmap.mmap, int | None, int]] = []
-        if self._arena is not None and self.idle_bytes > keep:
-            self._stop_reserve()  # before the rest of the reserve is given back under it
-            with self._lock:
-                # what was never faulted goes first (it is counted, not resident), then the end
-                # of what was, down to what is carved
-                cut = max(self._bump, min(self._faulted, self._end - (self._idle - keep)))
-                cut = -(-cut // _CLASS) * _CLASS
-                if cut < self._end:
-                    dropped.append((self._arena, cut, self._end - cut))
-                    self._idle -= self._end - cut
-                    self._end = cut
-                    self._faulted = min(self._faulted, cut)
-        with self._lock:
+        with self._cond:
             self._drain()
+            while self._arena is not None and self._idle > keep:
+                cut = max(self._bump, self._end - (self._idle - keep))
+                cut = -(-cut // _CLASS) * _CLASS
+                if cut >= self._end:
+                    break
+                if self._inflight > cut:  # the reserve thread is faulting there: let it finish the piece
+                    self._cond.wait()
+                    continue
+                dropped.append((self._arena, cut, self._end - cut))
+                self._idle -= self._end - cut
+                self._end = cut
+                break
             for size in sorted(self._free, reverse=True):  # the largest first: fewest unmaps
                 free = self._free[size]
                 while free and self._idle > keep:
@@ -198,8 +222,14 @@ class HostPool:
         return freed
 
     def close(self) -> None:
-        """Free everything pooled; arrays still alive keep their memory and free it themselves."""
-        self._stop_reserve()
+        """Free everything idle; arrays still alive keep their memory and free it themselves."""
+        self._stop_faulting.set()
+        t = self._faulter
+        if t is not None and t is not threading.current_thread():
+            t.join()
+        self.trim(0)
         with self._lock:
             self._closed = True
-        self.trim(0)
+            self._arena = None  # the carved slices still alive hold the reserve's mapping
+            self._free.clear()
+            self._idle = 0

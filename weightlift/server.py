@@ -496,10 +496,15 @@ class Server:
 
     # -- shared state, used by connections -------------------------------------------------
 
-    def _reserve(self, nbytes: int) -> None:
+    def _reserve(self, nbytes: int, alloc: int = 0) -> None:
+        """Charge ``nbytes`` against max_memory for a tensor of ``alloc`` bytes; idle pooled
+        memory counts too and is given back first, except what that tensor will be placed in."""
         pool = self._pool
-        if pool is not None and self._used + nbytes + pool.idle_bytes > self._max_memory:
-            pool.trim(max(0, self._max_memory - self._used - nbytes))  # idle memory counts: give it back first
+        if pool is not None:
+            idle = pool.idle_bytes - pool.servable(alloc)
+            over = self._used + nbytes + idle - self._max_memory
+            if over > 0:
+                pool.trim(pool.idle_bytes - over)
         with self._lock:
             if self._used + nbytes > self._max_memory:
                 raise _RequestError(
@@ -771,7 +776,7 @@ class _Connection:
             raise _RequestError(f"more than {MAX_TENSORS} tensors in flight on one connection")
         pooled = self.srv._pool is not None and self._target is self.srv._host_target and a.nbytes >= POOL_MIN
         cost = _entry_cost(a.name, size_class(a.nbytes) if pooled else a.nbytes)  # a pooled tensor holds whole huge pages
-        self.srv._reserve(cost)
+        self.srv._reserve(cost, a.nbytes if pooled else 0)
         p = _Pending(a, None, cost)
         # A tensor named by digest may be filled from memory the server already holds: its
         # destination is made when the first byte needs a place, not here.
