@@ -250,9 +250,33 @@ def _wl_load(o: dict[str, Any], **kw: Any) -> dict[str, Any]:
     return info
 
 
+def _push_touch(server: Any, addr: Any, path: str, prof: Any = None) -> Any:
+    """Push ``path`` to ``server`` (in this process) and touch every tensor it then holds."""
+    from weightlift.client import Client
+
+    with Client(addr, profile=_prof_arg(prof) if prof is not None else None) as client:
+        pushed = client.push(path)
+    return pushed, _touch_any(server.tensors().values())
+
+
+def _timed_push(server: Any, addr: Any, o: dict[str, Any], prof: Any, t0: int | None = None, *,
+                stats: bool = False, **extra: Any) -> dict[str, Any]:
+    """The timed push of a push arm: ``load_s`` from ``t0`` (default: now) to every tensor in the
+    server's memory and touched, the push's figures, ``extra``, the profiles when profiling."""
+    t0 = time.perf_counter_ns() if t0 is None else t0
+    pushed, (n, b) = _push_touch(server, addr, o["path"], prof)
+    info: dict[str, Any] = {"load_s": (time.perf_counter_ns() - t0) / 1e9, **extra, "tensors": n, "bytes": b,
+                            "push": {k: v for k, v in pushed.as_dict().items() if k != "profile"}}
+    if stats:
+        info["server_stats"] = server.stats()
+    if prof.enabled:
+        info["profile"] = prof.report()
+        info["server_profile"] = _server_report(server)
+    return info
+
+
 def _wl_push(o: dict[str, Any], *, cache: bool = False) -> dict[str, Any]:
     """Push the checkpoint to a weightlift Server in this process, over loopback."""
-    from weightlift.client import Client
     from weightlift.server import Server
 
     prof = _profiler(o)
@@ -260,28 +284,18 @@ def _wl_push(o: dict[str, Any], *, cache: bool = False) -> dict[str, Any]:
     server = Server("127.0.0.1", 0, cache_dir=o["cache_dir"] if cache else None, profile=prof.enabled)
     addr = server.start()
     try:
-        with Client(addr, profile=_prof_arg(prof)) as client:
-            pushed = client.push(o["path"])
-        n, b = _touch_any(server.tensors().values())
-        info: dict[str, Any] = {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n, "bytes": b,
-                                "push": {k: v for k, v in pushed.as_dict().items() if k != "profile"}}
-        if prof.enabled:
-            info["profile"] = prof.report()
-            info["server_profile"] = _server_report(server)
+        return _timed_push(server, addr, o, prof, t0)
     finally:
         server.close()
-    return info
 
 
 def _wl_push_reserved(o: dict[str, Any]) -> dict[str, Any]:
     """A first push into a Server started with ``reserve=`` the checkpoint's size, once the
     reserve is faulted in (as in a worker that starts its server before its other start-up
     work); the push alone is timed. ``reserve_s`` is how long the reserve took to fault in."""
-    from weightlift.client import Client
-    from weightlift.server import Server
-
     from weightlift.checkpoint import open_checkpoint
     from weightlift.pool import POOL_MIN, size_class
+    from weightlift.server import Server
 
     prof = _profiler(o)
     # what the tensors will take: each of 2 MiB or more gets whole 2 MiB pages
@@ -293,19 +307,9 @@ def _wl_push_reserved(o: dict[str, Any]) -> dict[str, Any]:
         while server.reserved[0] < server.reserved[1]:
             time.sleep(0.005)
         reserve_s = (time.perf_counter_ns() - t0) / 1e9
-        t0 = time.perf_counter_ns()
-        with Client(addr, profile=_prof_arg(prof)) as client:
-            pushed = client.push(o["path"])
-        n, b = _touch_any(server.tensors().values())
-        info: dict[str, Any] = {"load_s": (time.perf_counter_ns() - t0) / 1e9, "reserve_s": reserve_s, "tensors": n,
-                                "bytes": b, "push": {k: v for k, v in pushed.as_dict().items() if k != "profile"},
-                                "server_stats": server.stats()}
-        if prof.enabled:
-            info["profile"] = prof.report()
-            info["server_profile"] = _server_report(server)
+        return _timed_push(server, addr, o, prof, stats=True, reserve_s=reserve_s)
     finally:
         server.close()
-    return info
 
 
 def _wl_push_again(o: dict[str, Any], *, cache: bool) -> dict[str, Any]:
@@ -321,7 +325,6 @@ def _wl_push_again(o: dict[str, Any], *, cache: bool) -> dict[str, Any]:
     import shutil
     import tempfile
 
-    from weightlift.client import Client
     from weightlift.server import Server
 
     prof = _profiler(o)
@@ -330,29 +333,15 @@ def _wl_push_again(o: dict[str, Any], *, cache: bool) -> dict[str, Any]:
     addr = server.start()
     try:
         t0 = time.perf_counter_ns()
-        with Client(addr) as client:
-            client.push(o["path"])
-        _touch_any(server.tensors().values())
+        _push_touch(server, addr, o["path"])
         first_s = (time.perf_counter_ns() - t0) / 1e9
         if not cache:
-            with Client(addr) as client:
-                client.push(o["path"])
-            _touch_any(server.tensors().values())
-        t0 = time.perf_counter_ns()
-        with Client(addr, profile=_prof_arg(prof)) as client:
-            pushed = client.push(o["path"])
-        n, b = _touch_any(server.tensors().values())
-        info: dict[str, Any] = {"load_s": (time.perf_counter_ns() - t0) / 1e9, "first_s": first_s, "tensors": n,
-                                "bytes": b, "push": {k: v for k, v in pushed.as_dict().items() if k != "profile"},
-                                "server_stats": server.stats()}
-        if prof.enabled:
-            info["profile"] = prof.report()
-            info["server_profile"] = _server_report(server)
+            _push_touch(server, addr, o["path"])  # the update measured is the third push
+        return _timed_push(server, addr, o, prof, stats=True, first_s=first_s)
     finally:
         server.close()
         if cache_dir is not None:
             shutil.rmtree(cache_dir, ignore_errors=True)
-    return info
 
 
 def _server_report(server: Any) -> dict[str, Any] | None:
@@ -465,6 +454,35 @@ def _shares(size: int, k: int) -> list[tuple[int, int]]:
     return [(i * step, min(size, (i + 1) * step)) for i in range(k) if i * step < size]
 
 
+def _copy_shares(src: Any, dst: Any, shares: list[tuple[int, int]]) -> float:
+    """Copy ``src`` into ``dst`` (uint8 arrays), one share per thread; returns the seconds."""
+    import numpy as np
+
+    def work(i: int) -> None:
+        a, b = shares[i]
+        for x in range(a, b, 8 * BLOCK):
+            y = min(b, x + 8 * BLOCK)
+            np.copyto(dst[x:y], src[x:y])
+
+    return _run_threads(work, len(shares))
+
+
+def _read_shares(fd: int, shares: list[tuple[int, int]], bufs: list[bytearray]) -> float:
+    """Read each share with ``preadv`` into its thread's reused buffer; returns the seconds."""
+
+    def work(i: int) -> None:
+        a, b = shares[i]
+        mv = memoryview(bufs[i])
+        pos = a
+        while pos < b:
+            n = os.preadv(fd, [mv[: min(len(mv), b - pos)]], pos)
+            if n <= 0:
+                raise OSError(f"short read at {pos}")
+            pos += n
+
+    return _run_threads(work, len(shares))
+
+
 def _baseline_copy(o: dict[str, Any]) -> dict[str, Any]:
     """The copy limit: the file's bytes out of a fresh mapping into memory, on every core."""
     import numpy as np
@@ -484,15 +502,8 @@ def _baseline_copy(o: dict[str, Any]) -> dict[str, Any]:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             src = np.frombuffer(mm, dtype=np.uint8)
             dst = np.empty(size, dtype=np.uint8) if mode == "fresh" else touched
-
-            def work(i: int, src: Any = src, dst: Any = dst) -> None:
-                a, b = shares[i]
-                for x in range(a, b, 8 * BLOCK):
-                    y = min(b, x + 8 * BLOCK)
-                    np.copyto(dst[x:y], src[x:y])
-
-            times.append(_run_threads(work, len(shares)))
-            del src, dst, work
+            times.append(_copy_shares(src, dst, shares))
+            del src, dst
             mm.close()
         out[mode] = {"seconds": sorted(times), "gbps": _gbps(size, min(times))}
     out["gbps"] = max(out["fresh"]["gbps"], out["touched"]["gbps"])
@@ -520,14 +531,7 @@ def _limit_copy(o: dict[str, Any]) -> dict[str, Any]:
     src = np.frombuffer(mm, dtype=np.uint8, count=size)
     dst = np.empty(size, dtype=np.uint8)
     shares = _shares(size, os.cpu_count() or 1)
-
-    def work(i: int) -> None:
-        a, b = shares[i]
-        for x in range(a, b, 8 * BLOCK):
-            y = min(b, x + 8 * BLOCK)
-            np.copyto(dst[x:y], src[x:y])
-
-    _run_threads(work, len(shares))
+    _copy_shares(src, dst, shares)
     n, b = _touch_any([dst])
     return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": 0, "bytes": b,
             "threads": len(shares)}
@@ -548,19 +552,7 @@ def _limit_read(o: dict[str, Any], k: int) -> dict[str, Any]:
     fd = os.open(path, os.O_RDONLY)
     try:
         shares = _shares(size, k)
-        bufs = [bytearray(BLOCK) for _ in range(k)]  # zero-filled: touched
-
-        def work(i: int) -> None:
-            a, b = shares[i]
-            mv = memoryview(bufs[i])
-            pos = a
-            while pos < b:
-                n = os.preadv(fd, [mv[: min(BLOCK, b - pos)]], pos)
-                if n <= 0:
-                    raise OSError(f"short read at {pos}")
-                pos += n
-
-        seconds = _run_threads(work, k)
+        seconds = _read_shares(fd, shares, [bytearray(BLOCK) for _ in shares])  # zero-filled: touched
     finally:
         os.close(fd)
     return {"load_s": seconds, "tensors": 0, "bytes": size, "threads": k}
@@ -576,7 +568,7 @@ def _baseline_read(o: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"bytes": size, "cold": bool(o.get("cold")), "by_threads": {}}
     resident: list[float] = []
     try:
-        for k in (1, 2, 4):
+        for k in READ_LIMIT_THREADS:
             bufs = [bytearray(BLOCK) for _ in range(k)]  # zero-filled: touched
             shares = _shares(size, k)
             times = []
@@ -584,18 +576,7 @@ def _baseline_read(o: dict[str, Any]) -> dict[str, Any]:
                 if o.get("cold"):
                     evict(path)
                     resident.append(resident_fraction(path))
-
-                def work(i: int, shares: Any = shares, bufs: Any = bufs) -> None:
-                    a, b = shares[i]
-                    buf = bufs[i]
-                    pos = a
-                    while pos < b:
-                        n = os.preadv(fd, [memoryview(buf)[: min(BLOCK, b - pos)]], pos)
-                        if n <= 0:
-                            raise OSError(f"short read at {pos}")
-                        pos += n
-
-                times.append(_run_threads(work, len(shares)))
+                times.append(_read_shares(fd, shares, bufs))
             out["by_threads"][str(k)] = {"seconds": sorted(times), "gbps": _gbps(size, min(times))}
     finally:
         os.close(fd)
