@@ -588,6 +588,12 @@ class _Connection:
             self._target = make_target(self.srv.device, self.srv.framework)
         return self._target
 
+    @property
+    def _pooled(self) -> bool:
+        """Whether this connection's tensors land in the server's pooled host memory (checked
+        without making a CUDA target)."""
+        return self.srv._pool is not None and self._target is self.srv._host_target
+
     def staging(self) -> memoryview:
         if self._staging is None:
             self._staging = np.empty(STAGING_BYTES, dtype=np.uint8)  # reused, never zero-filled
@@ -774,7 +780,7 @@ class _Connection:
             raise _RequestError(f"tensor id {a.tensor_id} ({a.name!r}) is already in flight")
         if len(self.pending) >= MAX_TENSORS:
             raise _RequestError(f"more than {MAX_TENSORS} tensors in flight on one connection")
-        pooled = self.srv._pool is not None and self._target is self.srv._host_target and a.nbytes >= POOL_MIN
+        pooled = self._pooled and a.nbytes >= POOL_MIN
         cost = _entry_cost(a.name, size_class(a.nbytes) if pooled else a.nbytes)  # a pooled tensor holds whole huge pages
         self.srv._reserve(cost, a.nbytes if pooled else 0)
         p = _Pending(a, None, cost)
@@ -797,7 +803,7 @@ class _Connection:
         if p.dest is not None:
             return
         try:
-            if self.srv._pool is not None and self._target is self.srv._host_target:
+            if self._pooled:
                 p.dest = view_as(self.srv._take_host(p.nbytes), p.dtype, p.shape, self.srv.framework)
             else:
                 p.dest = self.target.empty(p.dtype, p.shape)
@@ -1003,7 +1009,7 @@ class _Connection:
         memory, no copy) or another name (one copy). The held bytes are hashed again first: a
         reader may have written into its tensor since, and an entry is never trusted unchecked."""
         srv = self.srv
-        if not srv._caching or srv._pool is None or self._target is not srv._host_target:
+        if not srv._caching or not self._pooled:
             return False  # host memory only (and no device is touched to find out)
         with srv._lock:
             mine = srv._store.get(p.name)
