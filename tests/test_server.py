@@ -679,6 +679,7 @@ import threading  # noqa: E402
 
 import weightlift.server as server_mod  # noqa: E402
 import weightlift.pool as pool_mod  # noqa: E402
+import weightlift.faulter as faulter_mod  # noqa: E402
 from weightlift.errors import DeviceError  # noqa: E402
 
 
@@ -825,28 +826,38 @@ def test_cuda_target_is_made_at_the_first_alloc_not_at_connect(monkeypatch):
         assert torch.equal(s.tensors()["w"].cpu(), torch.from_numpy(_f32(1000)))
 
 
-def test_destination_is_faulted_in_only_as_payload_arrives(monkeypatch):
+def test_fresh_destination_is_faulted_in_at_most_a_window_ahead_of_the_payload(monkeypatch):
     piece = 64 * 1024
     monkeypatch.setattr(server_mod, "FAULT_PIECE", piece)
+    monkeypatch.setattr(server_mod, "FAULT_WINDOW", 4 * piece)
     touched: list[int] = []
-    real = server_mod.populate
-    monkeypatch.setattr(server_mod, "populate", lambda buf: touched.append(len(buf)) or real(buf))
+    real = faulter_mod.populate
+
+    def counting(buf):
+        touched.append(len(buf))
+        real(buf)
+
+    monkeypatch.setattr(faulter_mod, "populate", counting)
+    monkeypatch.setattr(server_mod, "populate", counting)
     with Server() as s:
         raw = Raw(s.address)
         raw.hello()
-        data = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+        data = np.random.default_rng(1).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes()
         raw.send(Alloc(0, "w", "U8", (len(data),), len(data)))
+        # nothing sent yet: the helpers fault the window in, and no more
+        _wait_for(lambda: sum(touched) >= 4 * piece)
+        time.sleep(0.1)  # a server that faulted the whole tensor in would have gone on by now
+        assert sum(touched) == 4 * piece and max(touched) <= piece
         sent = 100_000
-        raw.send(WriteHeader(0, 0, len(data)), data[:sent])  # the header announces 1 MiB; 100 KB follow
-        _wait_for(lambda: sum(touched) >= sent)
-        time.sleep(0.1)  # a server that faulted the whole range in would have done it by now
-        assert max(touched) <= piece
-        # what arrived, the rest of the piece waiting for more, and the pieces faulted ahead
-        assert sent <= sum(touched) <= sent + (1 + server_mod.FAULT_AHEAD) * piece
+        raw.send(WriteHeader(0, 0, len(data)), data[:sent])  # the header announces 4 MiB; 100 KB follow
+        _wait_for(lambda: sum(touched) >= sent + 4 * piece)
+        time.sleep(0.1)
+        # what arrived (in whole pieces) and the window ahead of it
+        assert sum(touched) <= (sent // piece + 1) * piece + 4 * piece
         raw.sock.sendall(data[sent:])
         assert _barrier(raw).tensors == 1
         assert s.tensors()["w"].tobytes() == data
-        assert sum(touched) == len(data)
+        assert sum(touched) == len(data)  # every page once, by a helper or by the receiver
 
 
 def test_failed_allocations_release_their_reservation(monkeypatch, thread_errors):

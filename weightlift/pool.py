@@ -106,8 +106,12 @@ class HostPool:
     def take(self, nbytes: int) -> np.ndarray:
         """A writable uint8 array of ``nbytes``: pooled memory of its size class, else a slice
         of the reserve, else fresh."""
+        return self.take_marked(nbytes)[0]
+
+    def take_marked(self, nbytes: int) -> tuple[np.ndarray, bool]:
+        """:meth:`take`, and whether the memory is a fresh mapping nobody has touched yet."""
         if nbytes < POOL_MIN:
-            return np.empty(nbytes, dtype=np.uint8)
+            return np.empty(nbytes, dtype=np.uint8), False
         size = size_class(nbytes)
         m: mmap.mmap | None = None
         off: int | None = None
@@ -128,11 +132,12 @@ class HostPool:
                 # faulting fresh memory here would; a stopped thread writes nothing more.
                 while self._faulting and self._faulted < off + size:
                     self._cond.wait()
+        fresh = m is None
         if m is None:
             m = new_mapping(size)
         arr = np.frombuffer(m, dtype=np.uint8, count=nbytes, offset=off or 0)
         weakref.finalize(arr, self._give_back, m, off, size)
-        return arr
+        return arr, fresh
 
     def _give_back(self, m: mmap.mmap, off: int | None, size: int) -> None:
         # Runs when the last reference to the array is dropped, in whichever thread dropped it

@@ -43,7 +43,6 @@ import time
 import warnings
 from bisect import bisect_left, bisect_right
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -100,6 +99,7 @@ from .protocol import (
     verify_mac,
 )
 from .digests import hash_buffer
+from .faulter import Faulter
 from .pool import POOL_MIN, HostPool, size_class
 from .targets import CudaTarget, Target, make_target, populate, view_as
 from .transport import Listener, SocketStream, receive_message, receive_payload
@@ -109,8 +109,9 @@ __all__ = ["Server", "ENV_LOAD_OPT", "load_opt_enabled", "is_loopback", "default
 ENV_LOAD_OPT = "WEIGHTLIFT_LOAD_OPT"
 STAGING_BYTES = 8 * 1024 * 1024  # one per connection, for targets that are not host memory
 HASH_PIECE = 4 * 1024 * 1024  # received-then-hashed piece: still in the CPU cache when hashed
-FAULT_PIECE = 4 * 1024 * 1024  # destination faulted in this much at a time, ahead of the socket
-FAULT_AHEAD = 2  # pieces faulted ahead of the one being received, each by its own helper thread
+FAULT_PIECE = 4 * 1024 * 1024  # fresh destination memory is faulted in this much at a time ...
+FAULT_THREADS = 2  # ... by this many helper threads per connection ...
+FAULT_WINDOW = 32 * 1024 * 1024  # ... at most this far ahead of the bytes received (weightlift.faulter)
 SCRATCH_BYTES = 64 * 1024  # frame headers and drained payloads
 LINGER_BYTES = 64 * 1024 * 1024  # after an ERROR, how much of the peer's input to drain before closing
 LINGER_SECONDS = 2.0  # ... and for how long at most, however the peer spaces its bytes
@@ -534,9 +535,9 @@ class Server:
         if entry.digest is not None and self._held.get(entry.digest) == name:
             del self._held[entry.digest]
 
-    def _take_host(self, nbytes: int) -> np.ndarray:
+    def _take_host(self, nbytes: int) -> tuple[np.ndarray, bool]:
         assert self._pool is not None
-        return self._pool.take(nbytes)
+        return self._pool.take_marked(nbytes)
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:
@@ -577,7 +578,7 @@ class _Connection:
         self.prof = Profiler(server._profile)
         self.scratch = memoryview(bytearray(SCRATCH_BYTES))
         self._staging: np.ndarray | None = None
-        self._faulter: ThreadPoolExecutor | None = None  # made at the first multi-piece WRITE
+        self._faulter: Faulter | None = None  # made at the first fresh destination
 
     def _max_tensor_bytes(self) -> int:
         return min(MAX_TENSOR_BYTES, self.srv._max_memory)
@@ -630,7 +631,7 @@ class _Connection:
             self._fatal(ErrorCode.INTERNAL, f"internal server error: {type(e).__name__}")
         finally:
             if self._faulter is not None:
-                self._faulter.shutdown(wait=True)  # at most FAULT_AHEAD pieces in progress
+                self._faulter.close()  # waits for the pieces in progress: nothing writes into freed memory
             self._drop_pending()
             if self.prof.enabled:
                 self.srv._reports.append(self.prof.report())
@@ -799,19 +800,37 @@ class _Connection:
             self._complete(a.tensor_id, p)
 
     def _ensure_dest(self, p: _Pending) -> None:
-        """Give ``p`` its destination: pooled or fresh host memory, or the target's own."""
+        """Give ``p`` its destination: pooled or fresh host memory, or the target's own.
+
+        Fresh host memory that the socket will fill directly goes to this connection's faulter
+        at once, so that it is faulted in ahead of the bytes - across tensors, the next
+        tensor's memory while this one's bytes arrive (a client sends ALLOCs ahead of WRITEs).
+        """
         if p.dest is not None:
             return
+        fresh = False
         try:
             if self._pooled:
-                p.dest = view_as(self.srv._take_host(p.nbytes), p.dtype, p.shape, self.srv.framework)
+                raw, fresh = self.srv._take_host(p.nbytes)
+                p.dest = view_as(raw, p.dtype, p.shape, self.srv.framework)
             else:
                 p.dest = self.target.empty(p.dtype, p.shape)
         except Exception as e:  # ENOMEM from mmap, numpy on an absurd shape, torch out of memory, no device
             raise _RequestError(f"cannot allocate {p.name!r} ({p.dtype} {p.shape}, {p.nbytes} bytes): {type(e).__name__}: {e}") from None
+        if fresh and self.srv._opt:
+            if self._faulter is None:
+                self._faulter = Faulter(threads=FAULT_THREADS, piece=FAULT_PIECE, window=FAULT_WINDOW)
+            self._faulter.add(p, raw)
+
+    def _unfault(self, p: _Pending) -> None:
+        """Stop faulting ``p``'s memory in (waiting for a piece in progress): before the memory
+        is freed or filled by anything but :meth:`_receive_direct`."""
+        if self._faulter is not None:
+            self._faulter.cancel(p)
 
     def _abandon(self, tid: int, p: _Pending, why: str) -> None:
         """Give up on a pending tensor: free it, report why, and drain its later WRITEs quietly."""
+        self._unfault(p)
         del self.pending[tid]
         self.need.pop(tid, None)
         if p.writer is not None:
@@ -884,33 +903,24 @@ class _Connection:
             receive_payload(self.stream, self.dec, view)
 
     def _receive_direct(self, p: _Pending, h: WriteHeader) -> None:
-        dest = self.target.host_view(p.dest)[h.offset : h.offset + h.length]
+        dest = self.target.host_view(p.dest)
         # Fresh pages faulted inside recv_into cost several times more, so each piece is faulted
-        # in before it is received into, by helper threads FAULT_AHEAD pieces ahead of the
-        # socket (the faulting overlaps the wire, and the helpers fault in parallel: on a VM the
-        # host backs fresh memory at about 1 GB/s per thread) - but never further: a WRITE
-        # header alone, with no payload behind it, makes the server touch at most
-        # FAULT_AHEAD + 1 pieces (12 MiB) of the memory it announces.
+        # in before it is received into: fresh memory by the faulter's helpers, ahead of the
+        # socket (see _ensure_dest), anything else here (a no-op for memory touched before).
+        # Pieces end on FAULT_PIECE boundaries of the tensor, the faulter's pieces.
         step = HASH_PIECE if p.writer is not None else FAULT_PIECE
-        pieces = [dest[pos : pos + step] for pos in range(0, h.length, step)]
-        ahead: deque[Future[None]] = deque()
-        for i, piece in enumerate(pieces):
+        pos, end = h.offset, h.offset + h.length
+        while pos < end:
+            stop = min(end, (pos // step + 1) * step)
+            piece = dest[pos:stop]
             t0 = time.perf_counter_ns() if self.prof.enabled else 0
-            if ahead:
-                ahead.popleft().result()
-            else:
+            if self._faulter is None or not self._faulter.ready(p, pos, stop):
                 populate(piece)
             if self.prof.enabled:
                 self.prof.record("stage", t0, time.perf_counter_ns(), 0, name="fault-in " + p.name)
-            for j in range(i + 1 + len(ahead), min(len(pieces), i + 1 + FAULT_AHEAD)):
-                ahead.append(self._fault_ahead(pieces[j]))
             self._wire(piece, p.name)
             self._hash(p, piece)
-
-    def _fault_ahead(self, piece: memoryview) -> Future[None]:
-        if self._faulter is None:
-            self._faulter = ThreadPoolExecutor(max_workers=FAULT_AHEAD, thread_name_prefix="wl-fault")
-        return self._faulter.submit(populate, piece)
+            pos = stop
 
     def _receive_staged(self, p: _Pending, h: WriteHeader) -> None:
         target = self.target
@@ -981,6 +991,7 @@ class _Connection:
         try:
             if self.target.memcpy_ok:
                 dest = self.target.host_view(p.dest)
+                self._unfault(p)
                 populate(dest)  # as for recv_into: fresh pages faulted inside readinto cost more
                 cache.read_into(f.digest, dest)
             else:
@@ -1035,6 +1046,7 @@ class _Connection:
                 p.dest = e.tensor  # already there: publish the same memory again
             else:
                 self._ensure_dest(p)
+                self._unfault(p)
                 t0 = time.perf_counter_ns() if self.prof.enabled else 0
                 dst = np.frombuffer(self.target.host_view(p.dest), dtype=np.uint8)
                 populate(dst)
@@ -1055,6 +1067,7 @@ class _Connection:
             self.srv._disable_cache(e)
 
     def _complete(self, tid: int, p: _Pending) -> None:
+        self._unfault(p)
         del self.pending[tid]
         self.need.pop(tid, None)  # the bytes came after all: the client need not send them again
         if p.writer is not None:
@@ -1080,6 +1093,7 @@ class _Connection:
 
     def _drop_pending(self) -> None:
         for p in self.pending.values():
+            self._unfault(p)
             if p.writer is not None:
                 p.writer.abort()
             self.srv._release(p.cost)

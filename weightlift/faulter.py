@@ -1,0 +1,196 @@
+"""Faulting fresh destination memory in ahead of the bytes that will land in it.
+
+On a VM the host backs a fresh guest page only when it is first touched, at about 1 GB/s per
+thread here, and a page first touched inside the kernel's copy (``recv_into``, ``readinto``)
+costs several times more than one touched from user space beforehand. A receiver therefore
+hands each fresh destination to a :class:`Faulter` as soon as it is allocated: helper threads
+touch it piece by piece, in the order destinations were added, across tensor boundaries, while
+the socket fills the pieces already done. The receiver asks for a piece just before it writes
+into it (:meth:`Faulter.ready`): done pieces cost nothing, a piece still queued is taken and
+faulted by the receiver itself (it never waits behind the queue), a running one is waited for.
+
+Bounded: the helpers stay at most ``window`` bytes ahead of what the receiver has taken, so a
+peer that allocates and sends nothing makes the server touch at most that much memory beyond
+what it sent (the allocation itself was already charged against its limit).
+
+Safe to reuse memory afterwards: a helper writes a zero into every page it faults, so before a
+destination is freed, handed to someone else or filled by any other path, its owner calls
+:meth:`Faulter.cancel`, which drops its queued pieces and waits for the running ones.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any, Hashable
+
+from .targets import populate
+
+__all__ = ["Faulter"]
+
+_QUEUED, _RUNNING, _DONE, _CANCELLED = 0, 1, 2, 3
+
+
+class _Region:
+    __slots__ = ("key", "view", "states", "running", "taken", "next")
+
+    def __init__(self, key: Hashable, view: memoryview, pieces: int):
+        self.key = key
+        self.view = view
+        self.states = bytearray(pieces)  # _QUEUED
+        self.running = 0
+        self.taken = bytearray(pieces)  # 1 once the receiver asked for the piece
+        self.next = 0  # no queued piece before this one
+
+
+class Faulter:
+    """Helper threads that fault registered regions in, piece by piece, in registration order."""
+
+    def __init__(self, *, threads: int = 2, piece: int = 4 << 20, window: int = 32 << 20, name: str = "wl-fault"):
+        if threads < 1 or piece < 1 or window < piece:
+            raise ValueError("need threads >= 1 and window >= piece >= 1")
+        self.piece, self.window, self._nthreads, self._name = piece, window, threads, name
+        self._cond = threading.Condition()
+        self._queue: deque[_Region] = deque()  # regions with pieces left for the helpers
+        self._regions: dict[Hashable, _Region] = {}
+        self._ahead = 0  # bytes done by the helpers and not yet taken by the receiver
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        self.faulted = 0  # bytes the helpers faulted (for tests and profiles)
+
+    # -- the receiver's side -------------------------------------------------------------------
+
+    def add(self, key: Hashable, buf: Any) -> None:
+        """Queue ``buf`` (a writable buffer, fresh memory) to be faulted in, piece by piece."""
+        view = memoryview(buf).cast("B")
+        if not len(view):
+            return
+        pieces = -(-len(view) // self.piece)
+        with self._cond:
+            if self._closed:
+                return
+            if key in self._regions:
+                raise ValueError(f"{key!r} is registered already")
+            r = self._regions[key] = _Region(key, view, pieces)
+            self._queue.append(r)
+            if len(self._threads) < self._nthreads:
+                for k in range(len(self._threads), self._nthreads):
+                    t = threading.Thread(target=self._work, name=f"{self._name}-{k}", daemon=True)
+                    self._threads.append(t)
+                    t.start()
+            self._cond.notify_all()
+
+    def ready(self, key: Hashable, begin: int, end: int) -> bool:
+        """Make bytes ``[begin, end)`` of ``key``'s region faulted in before they are written.
+
+        Returns False if ``key`` is not registered (the caller faults its memory itself)."""
+        with self._cond:
+            r = self._regions.get(key)
+            if r is None:
+                return False
+            mine: list[int] = []
+            moved = False
+            for i in range(begin // self.piece, -(-end // self.piece)):
+                while r.states[i] == _RUNNING:
+                    self._cond.wait()
+                if r.states[i] == _QUEUED:
+                    r.states[i] = _RUNNING  # a helper that pops it later skips it
+                    r.running += 1
+                    mine.append(i)
+                elif not r.taken[i]:
+                    self._ahead -= self._size(r, i)
+                    moved = True
+                r.taken[i] = 1
+            if moved:
+                self._cond.notify_all()  # the window moved on
+        if not mine:
+            return True
+        try:
+            for i in mine:
+                populate(self._slice(r, i))
+        finally:
+            with self._cond:
+                for i in mine:
+                    r.states[i] = _DONE
+                r.running -= len(mine)
+                self._cond.notify_all()
+        return True
+
+    def cancel(self, key: Hashable) -> None:
+        """Forget ``key``: its queued pieces are dropped and running ones waited for. Call it
+        before the region's memory is freed, reused or written by anything but the receiver."""
+        with self._cond:
+            r = self._regions.pop(key, None)
+            if r is None:
+                return
+            try:
+                self._queue.remove(r)  # nothing keeps the memory alive once this returns
+            except ValueError:
+                pass
+            for i, s in enumerate(r.states):
+                if s == _QUEUED:
+                    r.states[i] = _CANCELLED
+                elif s == _DONE and not r.taken[i]:
+                    self._ahead -= self._size(r, i)
+            while r.running:
+                self._cond.wait()
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Cancel everything and stop the helpers (waits for the pieces in progress)."""
+        with self._cond:
+            self._closed = True
+            keys = list(self._regions)
+        for k in keys:
+            self.cancel(k)
+        with self._cond:
+            self._queue.clear()
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join()
+
+    # -- the helpers -----------------------------------------------------------------------------
+
+    def _size(self, r: _Region, i: int) -> int:
+        return min(self.piece, len(r.view) - i * self.piece)
+
+    def _slice(self, r: _Region, i: int) -> memoryview:
+        return r.view[i * self.piece : (i + 1) * self.piece]
+
+    def _work(self) -> None:
+        # No reference to a region survives a wait here: a cancelled region's memory must be
+        # free to go back to its pool as soon as cancel() returns.
+        while True:
+            with self._cond:
+                while True:
+                    if self._closed:
+                        return
+                    while self._queue:  # skip pieces the receiver took itself
+                        r: _Region | None = self._queue[0]
+                        while r.next < len(r.states) and r.states[r.next] != _QUEUED:
+                            r.next += 1
+                        if r.next < len(r.states):
+                            break
+                        self._queue.popleft()
+                    if self._queue and self._ahead + self.piece <= self.window:
+                        break
+                    r = None
+                    self._cond.wait()
+                r = self._queue[0]
+                i, key = r.next, r.key
+                r.next += 1
+                r.states[i] = _RUNNING
+                r.running += 1
+                n = self._size(r, i)
+                self._ahead += n  # counted now, so the helpers together stay within the window
+            try:
+                populate(self._slice(r, i))
+            finally:
+                with self._cond:
+                    r.states[i] = _DONE
+                    r.running -= 1
+                    self.faulted += n
+                    if r.taken[i] or self._regions.get(key) is not r:
+                        self._ahead -= n  # taken or cancelled meanwhile: it counts no more
+                    r = key = None
+                    self._cond.notify_all()
