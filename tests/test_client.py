@@ -170,6 +170,45 @@ def test_streams_spread_tensors_and_give_the_same_bytes(tmp_path):
         assert_holds(s, tensors)
 
 
+def test_allocs_run_ahead_of_writes_within_the_window(tmp_path, monkeypatch):
+    import weightlift.client as client_mod
+    import weightlift.server as server_mod
+
+    t = {f"w.{i}": ("U8", (1 << 20,), _rand(1 << 20, i)) for i in range(6)}
+    t["w.empty"] = ("F32", (0,), b"")
+    path = write_safetensors(tmp_path / "m.safetensors", t)
+    seen: list[tuple[str, int]] = []
+    real = server_mod._Connection._dispatch
+
+    def recording(self, msg):
+        if type(msg).__name__ in ("Alloc", "WriteHeader"):
+            seen.append((type(msg).__name__, msg.tensor_id))
+        return real(self, msg)
+
+    monkeypatch.setattr(server_mod._Connection, "_dispatch", recording)
+    monkeypatch.setattr(client_mod, "ALLOC_AHEAD_BYTES", 2 << 20)  # two 1 MiB tensors ahead
+    with Server() as s, Client(s.address) as c:
+        c.push(path)
+        assert_holds(s, t)
+    allocs = [tid for kind, tid in seen if kind == "Alloc"]
+    assert sorted(allocs) == sorted(set(allocs)) and len(allocs) == len(t)  # each tensor allocated once
+    for i, (kind, tid) in enumerate(seen):
+        if kind == "WriteHeader":
+            ahead = [x for k, x in seen[:i] if k == "Alloc"]
+            written = sum(1 for k, _ in seen[:i] if k == "WriteHeader")
+            assert tid in ahead
+            # every tensor in file order up to two beyond this one is allocated; no further
+            assert len(ahead) - written - 1 <= 2
+            if written < 4:
+                assert len(ahead) - written - 1 == 2
+    monkeypatch.setattr(client_mod, "ALLOC_AHEAD_BYTES", 0)
+    seen.clear()
+    with Server() as s, Client(s.address) as c:
+        c.push(path)
+        assert_holds(s, t)
+    assert [k for k, _ in seen][:4] == ["Alloc", "WriteHeader", "Alloc", "WriteHeader"]  # off: none ahead
+
+
 def test_naive_arm_gives_the_same_bytes(tmp_path, monkeypatch):
     path, tensors = model(tmp_path)
     monkeypatch.setenv("WEIGHTLIFT_LOAD_OPT", "0")

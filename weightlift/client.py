@@ -21,6 +21,7 @@ buffer, and a BARRIER round trip after every tensor.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import threading
@@ -85,6 +86,10 @@ __all__ = ["Client", "PushResult", "RemoteTensor"]
 SENDFILE_MIN = 1 << 20  # below this a header and payload go out in one sendmsg
 READ_WINDOW = 32  # READs in flight during a pull
 HAVE_BATCH = 4096
+# ALLOCs run this far ahead of the WRITEs (bytes, tensors): a server faults a tensor's fresh
+# memory in as soon as it is allocated, so it can do the next tensors' while this one arrives.
+ALLOC_AHEAD_BYTES = 64 << 20
+ALLOC_AHEAD_TENSORS = 64
 
 
 @dataclass(frozen=True)
@@ -493,6 +498,8 @@ class _Pusher:
         self.conn, self.opt, self.prof, self.tally, self.hashing = conn, opt, prof, tally, hashing
         self.threshold = threshold
         self.sent: dict[int, _Plan] = {}
+        self.ahead: dict[str, int] = {}  # tensors ALLOCated ahead of their WRITE: name -> id
+        self.ahead_bytes = 0
 
     def run(self, plans: list[_Plan]) -> None:
         if not self.opt:
@@ -509,7 +516,7 @@ class _Pusher:
             if ready:
                 self._large(ready)
             elif small:
-                self._send(small.popleft(), None)
+                self._send(small.popleft(), None, upcoming=small)
             else:
                 futures[large[0].info.name].result()  # nothing else to send: wait for this hash
         self._barrier()
@@ -547,6 +554,19 @@ class _Pusher:
         self.sent[tid] = p
         return tid
 
+    def _alloc_ahead(self, upcoming: deque[_Plan]) -> bytes:
+        """ALLOC frames for the next tensors without a digest, up to the ALLOC_AHEAD limits."""
+        frames = []
+        for q in itertools.islice(upcoming, ALLOC_AHEAD_TENSORS):
+            if self.ahead_bytes >= ALLOC_AHEAD_BYTES:
+                break
+            if q.info.length and q.info.name not in self.ahead:
+                tid = self._new_id(q)
+                frames.append(self._alloc_frame(tid, q, None))
+                self.ahead[q.info.name] = tid
+                self.ahead_bytes += q.info.length
+        return b"".join(frames)
+
     def _alloc_frame(self, tid: int, p: _Plan, digest: bytes | None) -> bytes:
         return self.conn.frame(Alloc(tid, p.info.name, p.dtype, p.shape, p.info.length, digest))
 
@@ -560,13 +580,19 @@ class _Pusher:
         if self.prof.enabled:
             self.prof.count(calls=1)
 
-    def _send(self, p: _Plan, digest: bytes | None, tid: int | None = None) -> None:
-        """ALLOC (unless resending) and WRITE with the payload, in one send where possible."""
+    def _send(self, p: _Plan, digest: bytes | None, tid: int | None = None, upcoming: deque[_Plan] | None = None) -> None:
+        """ALLOC (unless resending or ALLOCated ahead) and WRITE with the payload, in one send
+        where possible; with ``upcoming``, the ALLOCs of the next tensors go out ahead, first."""
         t = p.info
         head = b""
+        if tid is None and t.name in self.ahead:
+            tid = self.ahead.pop(t.name)
+            self.ahead_bytes -= t.length
         if tid is None:
             tid = self._new_id(p)
             head = self._alloc_frame(tid, p, digest)
+        if upcoming:
+            head += self._alloc_ahead(upcoming)
         if t.length == 0:  # complete at ALLOC: a WRITE would name a tensor no longer in flight
             self.conn.send(head)
             if self.prof.enabled:
