@@ -297,6 +297,13 @@ def test_run_benchmark_json_table_and_png(tiny, tmp_path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_remote_arms_are_set_against_the_fault_in_floor(tiny) -> None:
+    res = run_benchmark(tiny, arms="wl.push,limit.fault", runs=1, warmup=0, baselines=(), settle=0)
+    assert res["arms"]["limit.fault"]["status"] == "ok" and res["arms"]["wl.push"]["status"] == "ok"
+    line = next(x for x in format_table(res).splitlines() if x.startswith("fault-in floor"))
+    assert "wl.push" in line and line.endswith("x")
+
+
 def test_register_adds_the_bench_command() -> None:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="command")
@@ -369,6 +376,20 @@ def test_limit_tcp_arm_sends_the_file(tmp_path) -> None:
     p.write_bytes(os.urandom(2 * 2**20 + 3))
     info = bench_arms._limit_tcp({"files": [str(p)]})
     assert info["bytes"] == p.stat().st_size and info["load_s"] > 0
+
+
+def test_limit_tcp_fresh_arm_lands_the_file_in_fresh_memory(tmp_path) -> None:
+    p = tmp_path / "f.bin"
+    p.write_bytes(os.urandom(9 * 2**20 + 3))  # more than one 8 MiB receive
+    info = bench_arms.BODIES["limit.tcp.fresh"]({"files": [str(p)]})
+    assert info["bytes"] == p.stat().st_size and info["load_s"] > 0
+
+
+def test_limit_fault_arm_faults_in_the_checkpoints_size(tmp_path) -> None:
+    p = tmp_path / "f.bin"
+    p.write_bytes(os.urandom(3 * 2**20 + 7))
+    info = bench_arms.BODIES["limit.fault"]({"files": [str(p)]})
+    assert info["bytes"] == p.stat().st_size and info["load_s"] > 0 and info["threads"] >= 1
 
 
 def test_limit_copy_arm_copies_the_file(tmp_path) -> None:

@@ -537,6 +537,29 @@ def _limit_copy(o: dict[str, Any]) -> dict[str, Any]:
             "threads": len(shares)}
 
 
+def _limit_fault(o: dict[str, Any]) -> dict[str, Any]:
+    """The floor for landing the checkpoint in memory a fresh process has never touched: a
+    private anonymous mapping of its size (advised to use huge pages) faulted in, one write
+    per page, one share per core; nothing is copied and nothing read. A receiver that keeps
+    every byte in fresh memory (a freshly started server, a split load) cannot be faster."""
+    import numpy as np
+
+    size = _data_size(o["files"][0]) if len(o["files"]) == 1 else sum(os.path.getsize(f) for f in o["files"])
+    t0 = time.perf_counter_ns()
+    m = mmap.mmap(-1, size)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        m.madvise(mmap.MADV_HUGEPAGE)
+    dst = np.frombuffer(m, dtype=np.uint8)
+    shares = _shares(size, os.cpu_count() or 1)
+
+    def work(i: int) -> None:
+        a, b = shares[i]
+        dst[a:b:PAGE] = 1
+
+    _run_threads(work, len(shares))
+    return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": 0, "bytes": size, "threads": len(shares)}
+
+
 def _limit_read(o: dict[str, Any], k: int) -> dict[str, Any]:
     """The raw read as an arm: ``k`` threads of preadv, one contiguous share each, into buffers
     already touched, in a fresh process after the same eviction and pause as the loader arms.
@@ -594,8 +617,9 @@ def _baseline_read(o: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _baseline_tcp(o: dict[str, Any]) -> dict[str, Any]:
-    """Raw loopback TCP: sendfile from the file into a socket, recv_into a reused buffer."""
+def _baseline_tcp(o: dict[str, Any], fresh: bool = False) -> dict[str, Any]:
+    """Raw loopback TCP: sendfile from the file into a socket, recv_into a reused buffer (or,
+    with ``fresh``, into fresh memory the size of the data, the kernel faulting it in)."""
     import socket
 
     path = o["files"][0]
@@ -622,12 +646,17 @@ def _baseline_tcp(o: dict[str, Any]) -> dict[str, Any]:
         th = threading.Thread(target=send)
         th.start()
         conn, _ = lsock.accept()
-        buf = bytearray(BLOCK)
-        view = memoryview(buf)
+        if fresh:  # every byte lands in memory never touched before, as on a freshly started server
+            buf = mmap.mmap(-1, size)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                buf.madvise(mmap.MADV_HUGEPAGE)
+            dest = memoryview(buf)
+        else:
+            dest = memoryview(bytearray(BLOCK))
         got = 0
         with conn:
             while got < size:
-                n = conn.recv_into(view)
+                n = conn.recv_into(dest[got:got + BLOCK] if fresh else dest)
                 if n == 0:
                     break
                 got += n
@@ -640,10 +669,10 @@ def _baseline_tcp(o: dict[str, Any]) -> dict[str, Any]:
     return {"bytes": size, "seconds": sorted(times), "gbps": _gbps(size, min(times))}
 
 
-def _limit_tcp(o: dict[str, Any]) -> dict[str, Any]:
+def _limit_tcp(o: dict[str, Any], fresh: bool = False) -> dict[str, Any]:
     """Raw loopback TCP as an arm: one sendfile -> recv_into transfer of the file in a fresh
     process, timed like the push arms, so medians compare with medians under the same pauses."""
-    out = _baseline_tcp({**o, "repeats": 1})
+    out = _baseline_tcp({**o, "repeats": 1}, fresh=fresh)
     return {"load_s": out["seconds"][0], "tensors": 0, "bytes": out["bytes"]}
 
 
@@ -731,6 +760,10 @@ SPECS: dict[str, ArmSpec] = {
         *(ArmSpec(f"limit.read.{k}", "limit", f"raw read as an arm: {k} preadv thread(s) into touched buffers, "
                   "fresh process") for k in READ_LIMIT_THREADS),
         ArmSpec("limit.tcp", "limit", "raw loopback TCP as an arm: sendfile -> recv_into, fresh process"),
+        ArmSpec("limit.fault", "limit", "fault-in floor: fresh memory of the checkpoint's size faulted in on every "
+                "core (one write per page, huge pages advised), nothing copied, fresh process", ("numpy",)),
+        ArmSpec("limit.tcp.fresh", "limit", "raw loopback TCP into fresh memory: sendfile -> recv_into "
+                "untouched memory the size of the data, fresh process"),
         ArmSpec("loop.plain", "probe", "read loop with no profiler code", ("weightlift.checkpoint",)),
         ArmSpec("loop.off", "probe", "the same loop with the profiler checks, profiler off",
                 ("weightlift.checkpoint",)),
@@ -763,6 +796,8 @@ BODIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "wl.split": _wl_split,
     "limit.copy": _limit_copy,
     "limit.tcp": _limit_tcp,
+    "limit.tcp.fresh": lambda o: _limit_tcp(o, fresh=True),
+    "limit.fault": _limit_fault,
     **{f"limit.read.{k}": (lambda o, k=k: _limit_read(o, k)) for k in READ_LIMIT_THREADS},
     "loop.plain": lambda o: _profile_loop({**o, "mode": "plain"}),
     "loop.off": lambda o: _profile_loop({**o, "mode": "off"}),

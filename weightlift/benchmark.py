@@ -82,7 +82,7 @@ MIB = 1 << 20
 LOCAL_ARMS = ("safetensors.numpy", "safetensors.torch", "safetensors.cuda", "torch.load", "runai",
               "wl.numpy", "wl.numpy.nocopy", "wl.torch", "wl.cuda", "limit.copy")
 REMOTE_ARMS = ("wl.push", "wl.push.legacy", "wl.push.cached", "wl.push.update", "wl.push.reserved", "wl.push.second",
-               "wl.split", "limit.tcp")
+               "wl.split", "limit.tcp", "limit.tcp.fresh", "limit.fault")
 QUICK_ARMS = ("safetensors.numpy", "wl.numpy", "wl.numpy.nocopy", "wl.push", "limit.copy")
 BASELINES = ("base.copy", "base.read", "base.tcp", "base.h2d")
 ARM_KINDS = ("local", "remote", "probe", "limit")  # what runs as an interleaved arm
@@ -775,6 +775,12 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(f"{name}: first push {_f(r['first']['median'])} s, timed push {_f(r['load']['median'])} s "
                          f"(medians, same server); {r['second_speedup']['median']:.1f}x faster than the first "
                          "(median of per-run ratios)")
+    floor = result["arms"].get("limit.fault")
+    if floor and floor["status"] == "ok" and floor["load"]["median"]:
+        fl = floor["load"]["median"]
+        over = [f"{n} {r['load']['median'] / fl:.2f}x" for n, r in result["arms"].items()
+                if r["status"] == "ok" and r["load"]["median"] and (r["kind"] == "remote" or n == "limit.tcp.fresh")]
+        lines.append(f"fault-in floor (limit.fault, load {fl:.3f} s): load s over it: " + ", ".join(over))
     lines.append(f"ratio: run i over run i of {base} in the same round, median; "
                  f"of limit: load GB/s over the copy or read limit (local: {result.get('local_limit', 'base.copy')}) "
                  f"or raw loopback TCP (remote: {result.get('remote_limit', 'base.tcp')})")
