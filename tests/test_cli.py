@@ -58,3 +58,11 @@ def test_user_mistakes_are_one_line_exit_2(ckpt, tmp_path, argv, needle):
     assert needle in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_python_dash_m_weightlift_is_the_cli(ckpt):
+    res = subprocess.run([sys.executable, "-m", "weightlift", "inspect", str(ckpt), "--json"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["tensors"]
+    res = subprocess.run([sys.executable, "-m", "weightlift", "inspect", "/no/such/file"], capture_output=True, text=True)
+    assert res.returncode == 2 and "Traceback" not in res.stderr

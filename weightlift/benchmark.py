@@ -272,7 +272,12 @@ def run_arms(
     after a delay (virtio-balloon free page reporting: about 2 s), an arm started right after
     another one exited gets the memory that one freed, still backed, at several times the
     speed of memory the host must back afresh: without a pause, the order of the arms decides
-    part of what they measure. With one, every arm starts from the same state.
+    part of what they measure. The pause does not make it all go: how much of the memory freed
+    earlier the host has taken back still depends on what ran before (measured: a fresh-server
+    push took 2.6-3.3 s where it followed the fault-in floor arm, 1.3-1.5 s right after
+    another push). So
+    each round also starts one arm later than the round before, and no arm always follows
+    the same one.
     """
     if runs < 1 or warmup < 0:
         raise OptionError("runs must be at least 1 and warmup at least 0")
@@ -287,7 +292,8 @@ def run_arms(
     live = [a for a in arms if not a.skip]
     for rnd in range(warmup + runs):
         counted = rnd >= warmup
-        for a in live:
+        k = rnd % len(live) if live else 0
+        for a in live[k:] + live[:k]:
             r = res[a.name]
             if r["status"] != "ok":
                 if counted:

@@ -1,0 +1,7 @@
+"""``python -m weightlift``: the same CLI as the ``weightlift`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
