@@ -4,9 +4,9 @@
 
 Half the tensors (by count, in file order) load locally, the other half are pushed to a tensor
 server in the same process; each arm runs in a fresh process, arms interleaved (local, remote,
-split, local, ...), each after a settle pause (``--settle``, 3 s: no run inherits memory the
-run before it freed, still backed by the host), medians reported with the split's ratio to the
-slower half.
+split, fault, then remote, split, fault, local: each round starts one arm later), each after a
+settle pause (``--settle``, 3 s: no run inherits memory the run before it freed, still backed
+by the host), medians reported with the split's ratio to the slower half.
 
 It also reports the CPU seconds each arm used (user + system, all threads: on a VM that
 includes the time a vCPU waits for the host to back fresh memory). Run on one machine, the
@@ -90,8 +90,9 @@ def main() -> int:
         path = str(ensure_demo_checkpoint())
     times: dict[str, list[float]] = {"local": [], "remote": [], "split": [], "fault": []}
     cpus: dict[str, list[float]] = {k: [] for k in times}
+    modes = list(times)
     for r in range(a.runs + 1):  # the first round warms the page cache and is not counted
-        for mode in times:
+        for mode in modes[r % len(modes):] + modes[: r % len(modes)]:  # each round starts one later
             time.sleep(a.settle)
             out = subprocess.run([sys.executable, "-c", CHILD, mode, path], capture_output=True, text=True, check=True)
             if r:
