@@ -174,7 +174,7 @@ def test_allocs_run_ahead_of_writes_within_the_window(tmp_path, monkeypatch):
     import weightlift.client as client_mod
     import weightlift.server as server_mod
 
-    t = {f"w.{i}": ("U8", (1 << 20,), _rand(1 << 20, i)) for i in range(6)}
+    t = {f"w.{i}": ("U8", (3 << 20,), _rand(3 << 20, i)) for i in range(6)}  # pooled: the server faults them ahead
     t["w.empty"] = ("F32", (0,), b"")
     path = write_safetensors(tmp_path / "m.safetensors", t)
     seen: list[tuple[str, int]] = []
@@ -186,7 +186,7 @@ def test_allocs_run_ahead_of_writes_within_the_window(tmp_path, monkeypatch):
         return real(self, msg)
 
     monkeypatch.setattr(server_mod._Connection, "_dispatch", recording)
-    monkeypatch.setattr(client_mod, "ALLOC_AHEAD_BYTES", 2 << 20)  # two 1 MiB tensors ahead
+    monkeypatch.setattr(client_mod, "ALLOC_AHEAD_BYTES", 7 << 20)  # two 3 MiB tensors ahead, not three
     with Server() as s, Client(s.address) as c:
         c.push(path)
         assert_holds(s, t)
@@ -207,6 +207,34 @@ def test_allocs_run_ahead_of_writes_within_the_window(tmp_path, monkeypatch):
         c.push(path)
         assert_holds(s, t)
     assert [k for k, _ in seen][:4] == ["Alloc", "WriteHeader", "Alloc", "WriteHeader"]  # off: none ahead
+
+
+def test_a_push_that_fails_mid_stream_closes_the_client_one_refused_at_the_barrier_does_not(tmp_path, monkeypatch):
+    import weightlift.client as client_mod
+
+    path, tensors = model(tmp_path, large=2, small=2)
+    with Server() as s:
+        c = Client(s.address)
+        real = client_mod._Pusher._send
+        calls = []
+
+        def failing(self, p, digest, tid=None, upcoming=None):
+            calls.append(p)
+            if len(calls) == 2:
+                raise OSError("disk went away")
+            return real(self, p, digest, tid, upcoming)
+
+        monkeypatch.setattr(client_mod._Pusher, "_send", failing)
+        with pytest.raises(OSError):
+            c.push(path)  # tensors were ALLOCated ahead and never written: the connection goes
+        with pytest.raises(OptionError, match="closed"):
+            c.list()
+        monkeypatch.undo()
+    path, tensors = model(tmp_path, large=2, small=0)
+    with Server(max_memory=400_000) as s, Client(s.address) as c:
+        with pytest.raises(RemoteProtocolError, match="memory limit"):
+            c.push(path)
+        assert [t.name for t in c.list()] == ["large.0"]  # still usable: the barrier settled it
 
 
 def test_naive_arm_gives_the_same_bytes(tmp_path, monkeypatch):

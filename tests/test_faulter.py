@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -14,20 +17,32 @@ from weightlift.faulter import Faulter
 PIECE = 4096
 
 
+@dataclass
+class Log:
+    """Each populate call, after it has written: thread name, first byte address, length."""
+
+    calls: list[tuple[str, int, int]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def addrs(self, start: int = 0) -> list[int]:
+        return [a for _, a, _ in self.calls[start:]]
+
+
 @pytest.fixture
 def log(monkeypatch):
-    """Each populate call as (thread name, first byte address), after it has written."""
-    calls: list[tuple[str, int]] = []
-    lock = threading.Lock()
+    out = Log()
     real = faulter_mod.populate
 
     def recording(buf):
         real(buf)
-        with lock:
-            calls.append((threading.current_thread().name, np.frombuffer(buf, np.uint8).ctypes.data))
+        with out.lock:
+            out.calls.append((threading.current_thread().name, np.frombuffer(buf, np.uint8).ctypes.data, len(buf)))
 
     monkeypatch.setattr(faulter_mod, "populate", recording)
-    return calls
+    return out
 
 
 def _wait(cond, timeout=5.0):
@@ -37,24 +52,31 @@ def _wait(cond, timeout=5.0):
         time.sleep(0.005)
 
 
+def _settled(f: Faulter) -> None:
+    """Give the helpers a moment to go on if they (wrongly) could."""
+    time.sleep(0.05)
+
+
 def test_helpers_fault_in_registration_order_within_the_window(log):
     f = Faulter(threads=1, piece=PIECE, window=3 * PIECE)
     a, b = np.ones(2 * PIECE, np.uint8), np.ones(4 * PIECE, np.uint8)
     f.add("a", a)
     f.add("b", b)
     _wait(lambda: len(log) == 3)
-    time.sleep(0.05)
+    _settled(f)
     assert len(log) == 3  # the window: three pieces ahead of the receiver, no more
     base_a, base_b = a.ctypes.data, b.ctypes.data
-    assert [addr for _, addr in log] == [base_a, base_a + PIECE, base_b]  # across tensors, in order
+    assert log.addrs() == [base_a, base_a + PIECE, base_b]  # across tensors, in order
     assert a.sum() == 2 * PIECE - 2 and b.sum() == 4 * PIECE - 1  # a zero written into each page (4 KiB) faulted
     assert f.ready("a", 0, 2 * PIECE)  # done: taking them moves the window on
     _wait(lambda: len(log) == 5)
     assert f.faulted == 5 * PIECE
+    assert f.ready("b", 0, 4 * PIECE)
+    assert f._ahead == 0
     f.close()
 
 
-def test_receiver_takes_a_queued_piece_itself_instead_of_waiting(log):
+def test_receiver_takes_a_queued_piece_itself_and_only_what_it_asks_for(log):
     f = Faulter(threads=1, piece=PIECE, window=PIECE)
     a, b = np.ones(PIECE, np.uint8), np.ones(3 * PIECE, np.uint8)
     f.add("a", a)
@@ -62,11 +84,28 @@ def test_receiver_takes_a_queued_piece_itself_instead_of_waiting(log):
     _wait(lambda: len(log) == 1)  # the helper did a's piece and waits for the window
     assert f.ready("b", PIECE + 10, 3 * PIECE)  # b's pieces 1 and 2, out of order
     me = threading.current_thread().name
-    assert [t for t, _ in log[1:]] == [me, me]
+    assert [(t, n) for t, _, n in log.calls[1:]] == [(me, PIECE - 10), (me, PIECE)]  # from byte 10 of piece 1 on
+    assert log.addrs(1) == [b.ctypes.data + PIECE + 10, b.ctypes.data + 2 * PIECE]
     assert f.ready("a", 0, 1)
     _wait(lambda: len(log) == 4)  # b's piece 0 is left for the helper
-    assert log[-1] == (log[0][0], b.ctypes.data)
+    assert log.calls[-1][:2] == (log.calls[0][0], b.ctypes.data)
     assert f.faulted == 2 * PIECE
+    f.close()
+
+
+def test_the_region_asked_for_last_goes_first(log):
+    f = Faulter(threads=1, piece=PIECE, window=2 * PIECE)
+    a, b, c = (np.ones(k * PIECE, np.uint8) for k in (2, 4, 4))
+    f.add("a", a)
+    f.add("b", b)
+    f.add("c", c)  # registered last, but written first
+    _wait(lambda: len(log) == 2)  # a0, a1: the window is full
+    assert f.ready("c", 0, PIECE)  # the receiver does c0 itself
+    _settled(f)
+    assert len(log) == 3
+    f.cancel("a")  # gives the window back: c, not b, is the helpers' first choice
+    _wait(lambda: len(log) == 5)
+    assert log.addrs(3) == [c.ctypes.data + PIECE, c.ctypes.data + 2 * PIECE]
     f.close()
 
 
@@ -86,22 +125,38 @@ def test_cancel_drops_queued_pieces_and_waits_for_the_running_one(monkeypatch):
         done.append(len(buf))
 
     monkeypatch.setattr(faulter_mod, "populate", slow)
-    f = Faulter(threads=1, piece=PIECE, window=8 * PIECE)
+    f = Faulter(threads=1, piece=PIECE, window=PIECE)
     f.add("a", np.ones(4 * PIECE, np.uint8))
     assert started.wait(5)
     cancelled = threading.Event()
     t = threading.Thread(target=lambda: (f.cancel("a"), cancelled.set()))
     t.start()
-    time.sleep(0.05)
+    _settled(f)
     assert not cancelled.is_set()  # a piece is being written: cancel waits for it
     release.set()
     t.join(5)
     assert cancelled.is_set() and done == [PIECE]
-    time.sleep(0.05)
+    _settled(f)
     assert done == [PIECE]  # the queued pieces were dropped, not faulted after the cancel
     assert f.ready("a", 0, PIECE) is False
-    f.add("b", np.ones(PIECE, np.uint8))  # the window was given back
-    _wait(lambda: len(done) == 2)
+    assert f._ahead == 0  # the one-piece window was given back ...
+    f.add("b", np.ones(PIECE, np.uint8))
+    _wait(lambda: len(done) == 2)  # ... so b's piece is faulted
+    f.close()
+
+
+def test_cancel_lets_go_of_the_memory(log):
+    f = Faulter(threads=2, piece=PIECE, window=2 * PIECE)
+    a = np.ones(8 * PIECE, np.uint8)
+    ref = weakref.ref(a)
+    f.add("a", a)
+    _wait(lambda: len(log) == 2)
+    assert f.ready("a", 0, 10)
+    f.cancel("a")
+    del a
+    gc.collect()
+    assert ref() is None  # no helper, queue entry or region still holds it
+    assert f._ahead == 0
     f.close()
 
 
@@ -110,6 +165,7 @@ def test_close_stops_the_helpers_and_later_adds_are_ignored(log):
     f.add("a", np.ones(10 * PIECE, np.uint8))
     _wait(lambda: len(log) == 2)
     f.close()
+    assert f._threads and not any(t.is_alive() for t in f._threads)
     f.add("b", np.ones(PIECE, np.uint8))
     assert f.ready("b", 0, PIECE) is False
     assert len(log) == 2

@@ -860,6 +860,38 @@ def test_fresh_destination_is_faulted_in_at_most_a_window_ahead_of_the_payload(m
         assert sum(touched) == len(data)  # every page once, by a helper or by the receiver
 
 
+def test_tensors_allocated_ahead_land_whole_in_any_write_order():
+    # fresh pool mappings (>= 2 MiB) go to the faulter at ALLOC; the WRITEs come in another
+    # order, in pieces, one tensor abandoned half-written: every byte where it belongs
+    rng = np.random.default_rng(5)
+    data = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (3 << 20, (5 << 20) + 123, 2 << 20)]
+    with Server() as s:
+        raw = Raw(s.address)
+        raw.hello()
+        for i, d in enumerate(data):
+            raw.send(Alloc(i, f"t{i}", "U8", (len(d),), len(d)))
+        raw.send(Alloc(9, "gone", "U8", (4 << 20,), 4 << 20))
+        raw.send(WriteHeader(9, 1 << 20, 1000), b"\x01" * 1000)
+        d0, d1, d2 = data
+        half = len(d1) // 2 + 7
+        raw.send(WriteHeader(2, 0, len(d2)), d2)
+        raw.send(WriteHeader(1, half, len(d1) - half), d1[half:])
+        raw.send(WriteHeader(0, 0, len(d0)), d0)
+        raw.send(WriteHeader(1, 0, half), d1[:half])
+        assert _barrier(raw).tensors == 3
+        held = s.tensors()
+        assert [held[f"t{i}"].tobytes() == d for i, d in enumerate(data)] == [True] * 3
+        assert "gone" not in held
+        before = s.memory_used
+        raw.close()  # the half-written tensor is dropped, its faulting cancelled, its charge released
+        _wait_for(lambda: s.memory_used < before)
+        assert before - s.memory_used >= 4 << 20
+        raw = Raw(s.address)
+        raw.hello()
+        _put(raw, 0, "after", np.arange(1 << 20, dtype=np.float32))
+        assert _barrier(raw).tensors == 1
+
+
 def test_failed_allocations_release_their_reservation(monkeypatch, thread_errors):
     with Server(max_memory=1 << 30) as s:
         raw = Raw(s.address)

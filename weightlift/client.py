@@ -88,7 +88,9 @@ READ_WINDOW = 32  # READs in flight during a pull
 HAVE_BATCH = 4096
 # ALLOCs run this far ahead of the WRITEs (bytes, tensors): a server faults a tensor's fresh
 # memory in as soon as it is allocated, so it can do the next tensors' while this one arrives.
-ALLOC_AHEAD_BYTES = 64 << 20
+# Half the server's fault-ahead window (weightlift.server.FAULT_WINDOW): what is allocated
+# ahead never takes all of it from the tensor being received.
+ALLOC_AHEAD_BYTES = 32 << 20
 ALLOC_AHEAD_TENSORS = 64
 
 
@@ -333,13 +335,20 @@ class Client:
         t0 = time.perf_counter()
         hashing = _Hashing(plans, threshold=hash_threshold, prof=prof, enabled=self._opt and conns[0].cache)
         ok = False
+        pushers = [_Pusher(c, self._opt, prof, tally, hashing, hash_threshold) for c in conns]
         try:
             groups = _balance(plans, len(conns))
             if len(conns) == 1:
-                _Pusher(conns[0], self._opt, prof, tally, hashing, hash_threshold).run(groups[0])
+                pushers[0].run(groups[0])
             else:
-                self._push_parallel(conns, groups, tally, hashing, hash_threshold)
+                self._push_parallel(pushers, groups)
             ok = True
+        except BaseException:
+            # Unless every connection ended at a BARRIER reply (the server's errors), one may be
+            # mid-message or hold tensors allocated ahead and never written: it is unusable.
+            if not all(p.settled for p in pushers):
+                self.close()
+            raise
         finally:
             hashing.close(ok=ok)
         seconds = time.perf_counter() - t0
@@ -348,18 +357,18 @@ class Client:
             prof.report() if prof.enabled else None,
         )
 
-    def _push_parallel(self, conns: list[_Conn], groups: list[list[_Plan]], tally: _Tally, hashing: _Hashing, threshold: int) -> None:
+    def _push_parallel(self, pushers: list[_Pusher], groups: list[list[_Plan]]) -> None:
         errors: list[BaseException] = []
 
-        def run(conn: _Conn, group: list[_Plan]) -> None:
+        def run(pusher: _Pusher, group: list[_Plan]) -> None:
             try:
-                _Pusher(conn, self._opt, self.profiler, tally, hashing, threshold).run(group)
+                pusher.run(group)
             except BaseException as e:  # re-raised in the caller's thread
                 errors.append(e)
 
         threads = [
-            threading.Thread(target=run, args=(c, g), name=f"weightlift-push {i}", daemon=True)
-            for i, (c, g) in enumerate(zip(conns, groups))
+            threading.Thread(target=run, args=(p, g), name=f"weightlift-push {i}", daemon=True)
+            for i, (p, g) in enumerate(zip(pushers, groups))
         ]
         for t in threads:
             t.start()
@@ -498,10 +507,12 @@ class _Pusher:
         self.conn, self.opt, self.prof, self.tally, self.hashing = conn, opt, prof, tally, hashing
         self.threshold = threshold
         self.sent: dict[int, _Plan] = {}
-        self.ahead: dict[str, int] = {}  # tensors ALLOCated ahead of their WRITE: name -> id
+        self.ahead: dict[int, int] = {}  # tensors ALLOCated ahead of their WRITE: id(plan) -> tensor id
         self.ahead_bytes = 0
+        self.settled = True  # False from the first frame sent until a BARRIER reply
 
     def run(self, plans: list[_Plan]) -> None:
+        self.settled = not plans
         if not self.opt:
             for p in plans:
                 self._naive(p)
@@ -558,12 +569,12 @@ class _Pusher:
         """ALLOC frames for the next tensors without a digest, up to the ALLOC_AHEAD limits."""
         frames = []
         for q in itertools.islice(upcoming, ALLOC_AHEAD_TENSORS):
-            if self.ahead_bytes >= ALLOC_AHEAD_BYTES:
+            if self.ahead_bytes + q.info.length > ALLOC_AHEAD_BYTES:
                 break
-            if q.info.length and q.info.name not in self.ahead:
+            if q.info.length and id(q) not in self.ahead:
                 tid = self._new_id(q)
                 frames.append(self._alloc_frame(tid, q, None))
-                self.ahead[q.info.name] = tid
+                self.ahead[id(q)] = tid
                 self.ahead_bytes += q.info.length
         return b"".join(frames)
 
@@ -585,8 +596,8 @@ class _Pusher:
         where possible; with ``upcoming``, the ALLOCs of the next tensors go out ahead, first."""
         t = p.info
         head = b""
-        if tid is None and t.name in self.ahead:
-            tid = self.ahead.pop(t.name)
+        if tid is None and id(p) in self.ahead:
+            tid = self.ahead.pop(id(p))
             self.ahead_bytes -= t.length
         if tid is None:
             tid = self._new_id(p)
@@ -620,8 +631,10 @@ class _Pusher:
             if self.prof.enabled:
                 self.prof.command("BARRIER", t0, time.perf_counter_ns())
             if reply.errors:
+                self.settled = not reply.need  # in step with the server, nothing left allocated
                 raise RemoteProtocolError("server: " + "; ".join(reply.errors))
             if not reply.need:
+                self.settled = True
                 return
             for tid in reply.need:  # a cache entry failed its check on the server: send the bytes
                 p = self.sent.get(tid)

@@ -5,9 +5,12 @@ thread here, and a page first touched inside the kernel's copy (``recv_into``, `
 costs several times more than one touched from user space beforehand. A receiver therefore
 hands each fresh destination to a :class:`Faulter` as soon as it is allocated: helper threads
 touch it piece by piece, in the order destinations were added, across tensor boundaries, while
-the socket fills the pieces already done. The receiver asks for a piece just before it writes
-into it (:meth:`Faulter.ready`): done pieces cost nothing, a piece still queued is taken and
-faulted by the receiver itself (it never waits behind the queue), a running one is waited for.
+the socket fills the pieces already done. The receiver asks for a range just before it writes
+into it (:meth:`Faulter.ready`): done pieces cost nothing, a piece still queued is faulted by
+the receiver itself, only the part it asked for (it never waits behind the queue), a running
+one is waited for. The region the receiver asked for last is the helpers' first choice, so a
+destination written out of allocation order (or registered late) is not left behind the
+others.
 
 Bounded: the helpers stay at most ``window`` bytes ahead of what the receiver has taken, so a
 peer that allocates and sends nothing makes the server touch at most that much memory beyond
@@ -15,7 +18,8 @@ what it sent (the allocation itself was already charged against its limit).
 
 Safe to reuse memory afterwards: a helper writes a zero into every page it faults, so before a
 destination is freed, handed to someone else or filled by any other path, its owner calls
-:meth:`Faulter.cancel`, which drops its queued pieces and waits for the running ones.
+:meth:`Faulter.cancel`, which drops its queued pieces, waits for the running ones and lets go
+of the memory.
 """
 
 from __future__ import annotations
@@ -32,15 +36,22 @@ _QUEUED, _RUNNING, _DONE, _CANCELLED = 0, 1, 2, 3
 
 
 class _Region:
-    __slots__ = ("key", "view", "states", "running", "taken", "next")
+    __slots__ = ("key", "view", "nbytes", "cancelled", "states", "running", "taken", "next")
 
     def __init__(self, key: Hashable, view: memoryview, pieces: int):
         self.key = key
-        self.view = view
+        self.view: memoryview | None = view  # None once cancelled: nothing keeps the memory
+        self.nbytes = len(view)
+        self.cancelled = False
         self.states = bytearray(pieces)  # _QUEUED
         self.running = 0
-        self.taken = bytearray(pieces)  # 1 once the receiver asked for the piece
+        self.taken = bytearray(pieces)  # 1 once the receiver asked for (part of) the piece
         self.next = 0  # no queued piece before this one
+
+    def first_queued(self) -> int | None:
+        while self.next < len(self.states) and self.states[self.next] != _QUEUED:
+            self.next += 1
+        return self.next if self.next < len(self.states) else None
 
 
 class Faulter:
@@ -51,7 +62,10 @@ class Faulter:
             raise ValueError("need threads >= 1 and window >= piece >= 1")
         self.piece, self.window, self._nthreads, self._name = piece, window, threads, name
         self._cond = threading.Condition()
-        self._queue: deque[_Region] = deque()  # regions with pieces left for the helpers
+        # regions with pieces left for the helpers, in registration order; cancelled ones are
+        # skipped (and dropped) by the helpers, so cancel() costs no scan of the queue
+        self._queue: deque[_Region] = deque()
+        self._urgent: _Region | None = None  # the region the receiver asked for last
         self._regions: dict[Hashable, _Region] = {}
         self._ahead = 0  # bytes done by the helpers and not yet taken by the receiver
         self._threads: list[threading.Thread] = []
@@ -89,25 +103,28 @@ class Faulter:
             if r is None:
                 return False
             mine: list[int] = []
-            moved = False
+            moved = r is not self._urgent
+            self._urgent = r
             for i in range(begin // self.piece, -(-end // self.piece)):
                 while r.states[i] == _RUNNING:
                     self._cond.wait()
                 if r.states[i] == _QUEUED:
-                    r.states[i] = _RUNNING  # a helper that pops it later skips it
+                    r.states[i] = _RUNNING  # the helpers skip it
                     r.running += 1
                     mine.append(i)
                 elif not r.taken[i]:
                     self._ahead -= self._size(r, i)
                     moved = True
                 r.taken[i] = 1
+            view = r.view
             if moved:
-                self._cond.notify_all()  # the window moved on
+                self._cond.notify_all()  # the window moved on, or the helpers' first choice did
         if not mine:
             return True
         try:
-            for i in mine:
-                populate(self._slice(r, i))
+            assert view is not None
+            for i in mine:  # only what was asked for: a 1-byte WRITE faults one page, not a piece
+                populate(view[max(begin, i * self.piece) : min(end, (i + 1) * self.piece)])
         finally:
             with self._cond:
                 for i in mine:
@@ -117,16 +134,14 @@ class Faulter:
         return True
 
     def cancel(self, key: Hashable) -> None:
-        """Forget ``key``: its queued pieces are dropped and running ones waited for. Call it
-        before the region's memory is freed, reused or written by anything but the receiver."""
+        """Forget ``key``: its queued pieces are dropped, running ones waited for, its memory let
+        go. Call it before the region's memory is freed, reused or written by anything but the
+        receiver."""
         with self._cond:
             r = self._regions.pop(key, None)
             if r is None:
                 return
-            try:
-                self._queue.remove(r)  # nothing keeps the memory alive once this returns
-            except ValueError:
-                pass
+            r.cancelled = True
             for i, s in enumerate(r.states):
                 if s == _QUEUED:
                     r.states[i] = _CANCELLED
@@ -134,6 +149,9 @@ class Faulter:
                     self._ahead -= self._size(r, i)
             while r.running:
                 self._cond.wait()
+            r.view = None
+            if self._urgent is r:
+                self._urgent = None
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -152,10 +170,23 @@ class Faulter:
     # -- the helpers -----------------------------------------------------------------------------
 
     def _size(self, r: _Region, i: int) -> int:
-        return min(self.piece, len(r.view) - i * self.piece)
+        return min(self.piece, r.nbytes - i * self.piece)
 
-    def _slice(self, r: _Region, i: int) -> memoryview:
-        return r.view[i * self.piece : (i + 1) * self.piece]
+    def _next_piece(self) -> tuple[_Region, int] | None:
+        """The next piece for a helper (urgent region first), or None; under the lock."""
+        u = self._urgent
+        if u is not None:
+            i = u.first_queued()
+            if i is not None:
+                return u, i
+            self._urgent = None
+        while self._queue:
+            r = self._queue[0]
+            i = r.first_queued()
+            if i is not None:
+                return r, i
+            self._queue.popleft()  # done, taken by the receiver, or cancelled
+        return None
 
     def _work(self) -> None:
         # No reference to a region survives a wait here: a cancelled region's memory must be
@@ -165,32 +196,27 @@ class Faulter:
                 while True:
                     if self._closed:
                         return
-                    while self._queue:  # skip pieces the receiver took itself
-                        r: _Region | None = self._queue[0]
-                        while r.next < len(r.states) and r.states[r.next] != _QUEUED:
-                            r.next += 1
-                        if r.next < len(r.states):
-                            break
-                        self._queue.popleft()
-                    if self._queue and self._ahead + self.piece <= self.window:
+                    got = self._next_piece() if self._ahead + self.piece <= self.window else None
+                    if got is not None:
                         break
-                    r = None
                     self._cond.wait()
-                r = self._queue[0]
-                i, key = r.next, r.key
-                r.next += 1
+                r, i = got
+                got = None
                 r.states[i] = _RUNNING
                 r.running += 1
                 n = self._size(r, i)
                 self._ahead += n  # counted now, so the helpers together stay within the window
+                view = r.view
+                assert view is not None  # a queued piece belongs to a region not cancelled
             try:
-                populate(self._slice(r, i))
+                populate(view[i * self.piece : (i + 1) * self.piece])
             finally:
+                del view
                 with self._cond:
                     r.states[i] = _DONE
                     r.running -= 1
                     self.faulted += n
-                    if r.taken[i] or self._regions.get(key) is not r:
+                    if r.taken[i] or r.cancelled:
                         self._ahead -= n  # taken or cancelled meanwhile: it counts no more
-                    r = key = None
+                    r = None  # type: ignore[assignment]
                     self._cond.notify_all()

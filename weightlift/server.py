@@ -111,7 +111,7 @@ STAGING_BYTES = 8 * 1024 * 1024  # one per connection, for targets that are not 
 HASH_PIECE = 4 * 1024 * 1024  # received-then-hashed piece: still in the CPU cache when hashed
 FAULT_PIECE = 4 * 1024 * 1024  # fresh destination memory is faulted in this much at a time ...
 FAULT_THREADS = 2  # ... by this many helper threads per connection ...
-FAULT_WINDOW = 32 * 1024 * 1024  # ... at most this far ahead of the bytes received (weightlift.faulter)
+FAULT_WINDOW = 64 * 1024 * 1024  # ... at most this far ahead of the bytes received (weightlift.faulter)
 SCRATCH_BYTES = 64 * 1024  # frame headers and drained payloads
 LINGER_BYTES = 64 * 1024 * 1024  # after an ERROR, how much of the peer's input to drain before closing
 LINGER_SECONDS = 2.0  # ... and for how long at most, however the peer spaces its bytes
@@ -799,7 +799,7 @@ class _Connection:
             self._ensure_dest(p)
             self._complete(a.tensor_id, p)
 
-    def _ensure_dest(self, p: _Pending) -> None:
+    def _ensure_dest(self, p: _Pending, *, fault: bool = True) -> None:
         """Give ``p`` its destination: pooled or fresh host memory, or the target's own.
 
         Fresh host memory that the socket will fill directly goes to this connection's faulter
@@ -817,7 +817,7 @@ class _Connection:
                 p.dest = self.target.empty(p.dtype, p.shape)
         except Exception as e:  # ENOMEM from mmap, numpy on an absurd shape, torch out of memory, no device
             raise _RequestError(f"cannot allocate {p.name!r} ({p.dtype} {p.shape}, {p.nbytes} bytes): {type(e).__name__}: {e}") from None
-        if fresh and self.srv._opt:
+        if fresh and fault and self.srv._opt:
             if self._faulter is None:
                 self._faulter = Faulter(threads=FAULT_THREADS, piece=FAULT_PIECE, window=FAULT_WINDOW)
             self._faulter.add(p, raw)
@@ -983,7 +983,7 @@ class _Connection:
             if cache is None:
                 self.need[f.tensor_id] = None
                 return
-            self._ensure_dest(p)
+            self._ensure_dest(p, fault=False)  # filled below, not by the socket
         except _RequestError as e:  # no memory for it after all: nothing of it stays in flight
             self._abandon(f.tensor_id, p, str(e))
             return
@@ -1045,8 +1045,7 @@ class _Connection:
             if name == p.name and e.dtype == p.dtype and e.shape == p.shape:
                 p.dest = e.tensor  # already there: publish the same memory again
             else:
-                self._ensure_dest(p)
-                self._unfault(p)
+                self._ensure_dest(p, fault=False)
                 t0 = time.perf_counter_ns() if self.prof.enabled else 0
                 dst = np.frombuffer(self.target.host_view(p.dest), dtype=np.uint8)
                 populate(dst)
