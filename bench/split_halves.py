@@ -4,7 +4,7 @@
 
 Half the tensors (by count, in file order) load locally, the other half are pushed to a tensor
 server in the same process; each arm runs in a fresh process, arms interleaved (local, remote,
-split, fault, then remote, split, fault, local: each round starts one arm later), each after a
+split, fault, then each round in its own seeded shuffle of that order), each after a
 settle pause (``--settle``, 3 s: no run inherits memory the run before it freed, still backed
 by the host), medians reported with the split's ratio to the slower half.
 
@@ -30,6 +30,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from weightlift.benchmark import round_order
 
 CHILD = r"""
 import resource, sys, time
@@ -92,7 +94,7 @@ def main() -> int:
     cpus: dict[str, list[float]] = {k: [] for k in times}
     modes = list(times)
     for r in range(a.runs + 1):  # the first round warms the page cache and is not counted
-        for mode in modes[r % len(modes):] + modes[: r % len(modes)]:  # each round starts one later
+        for mode in round_order(modes, r):  # shuffled per round: no arm always follows the same one
             time.sleep(a.settle)
             out = subprocess.run([sys.executable, "-c", CHILD, mode, path], capture_output=True, text=True, check=True)
             if r:

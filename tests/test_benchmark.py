@@ -11,6 +11,7 @@ import pytest
 from weightlift import bench_arms
 from weightlift.benchmark import (
     SCHEMA,
+    round_order,
     cuda_reason,
     Arm,
     ArmFailed,
@@ -107,10 +108,20 @@ def test_run_once_failures() -> None:
         run_once([sys.executable, "-c", "print('WL_SKIP no GPU here')"])
 
 
+def test_round_order_gives_each_arm_different_neighbours() -> None:
+    arms = [f"a{i}" for i in range(10)]
+    orders = [round_order(arms, r) for r in range(6)]
+    assert orders[0] == arms and all(sorted(o) == arms for o in orders)
+    before = {tuple(o[o.index(a) - 1] for o in orders if o.index(a)) for a in arms}
+    assert all(len(set(b)) > 1 for b in before)  # no arm always runs right after the same one
+
+
 def test_arms_are_interleaved_with_an_uncounted_warmup() -> None:
     arms = [_marker_arm(n) for n in "ABC"]
     res = run_arms(arms, runs=2, warmup=1, profile_round=False)
-    assert [o["arm"] for o in res["order"]] == list("ABCBCACAB")  # each round starts one arm later
+    rounds = ["".join(o["arm"] for o in res["order"] if o["round"] == r) for r in range(3)]
+    assert rounds[0] == "ABC" and all(sorted(r) == list("ABC") for r in rounds)
+    assert rounds[1:] == ["".join(round_order("ABC", r)) for r in (1, 2)]  # seeded: the same every time
     assert [o["counted"] for o in res["order"]] == [False] * 3 + [True] * 6
     assert [o["round"] for o in res["order"]] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     for n in "ABC":

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import selectors
 import shutil
 import statistics
@@ -254,6 +255,14 @@ def max_resident(paths: Sequence[str]) -> float:
 # -- the loop --------------------------------------------------------------------------------
 
 
+def round_order(items: Sequence[Any], rnd: int) -> list[Any]:
+    """The order of round ``rnd``: as given for round 0, a shuffle seeded by ``rnd`` after."""
+    out = list(items)
+    if rnd:
+        random.Random(rnd).shuffle(out)
+    return out
+
+
 def run_arms(
     arms: Sequence[Arm],
     *,
@@ -276,8 +285,9 @@ def run_arms(
     earlier the host has taken back still depends on what ran before (measured: a fresh-server
     push took 2.6-3.3 s where it followed the fault-in floor arm, 1.3-1.5 s right after
     another push). So
-    each round also starts one arm later than the round before, and no arm always follows
-    the same one.
+    after the first round each round runs the arms in its own shuffled order (seeded by the
+    round number: the same every time), and no arm always follows the same one. (Rotating the
+    order would not do: every arm keeps its neighbours.)
     """
     if runs < 1 or warmup < 0:
         raise OptionError("runs must be at least 1 and warmup at least 0")
@@ -292,8 +302,7 @@ def run_arms(
     live = [a for a in arms if not a.skip]
     for rnd in range(warmup + runs):
         counted = rnd >= warmup
-        k = rnd % len(live) if live else 0
-        for a in live[k:] + live[:k]:
+        for a in round_order(live, rnd):
             r = res[a.name]
             if r["status"] != "ok":
                 if counted:
