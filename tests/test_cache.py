@@ -81,6 +81,23 @@ def test_read_into_numpy_destination(tmp_path):
     np.testing.assert_array_equal(dest, src)
 
 
+def test_read_into_calls_before_ahead_of_each_piece(tmp_path, monkeypatch):
+    import weightlift.cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "READ_CHUNK", 1000)
+    cache = TensorCache(tmp_path)
+    data = _data(2500, seed=3)
+    d = _digest(data)
+    _put(cache, data)
+    out = bytearray(len(data))
+    seen: list[tuple[int, int, bytes]] = []
+    cache.read_into(d, out, before=lambda b, e: seen.append((b, e, bytes(out[b:e]))))
+    assert bytes(out) == data
+    # each range announced before its bytes landed (still zero then), together all of them
+    assert [(b, e) for b, e, _ in seen] == [(0, 1000), (1000, 2000), (2000, 2500)]
+    assert all(chunk == bytes(e - b) for b, e, chunk in seen)
+
+
 def test_chunked_writes_of_odd_sizes(tmp_path):
     cache = TensorCache(tmp_path)
     data = _data(3 * 1024 * 1024 + 17, seed=1)  # over 1 MiB: the parallel hasher path

@@ -237,13 +237,14 @@ class TensorCache:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def read_into(self, digest: bytes, dest: Any) -> None:
+    def read_into(self, digest: bytes, dest: Any, *, before: Callable[[int, int], None] | None = None) -> None:
         """Fill the writable buffer ``dest`` with the entry for ``digest`` and verify it.
 
         ``dest`` must be exactly the entry's length. The bytes go straight from the file into
-        ``dest`` in :data:`READ_CHUNK` pieces and are hashed as they land. If the entry is missing,
-        of another size, unreadable or corrupt, it is deleted, CacheError is raised, and what is in
-        ``dest`` is undefined.
+        ``dest`` in :data:`READ_CHUNK` pieces and are hashed as they land; ``before(begin, end)``,
+        if given, runs before each piece is read into ``dest[begin:end]`` (a server faults fresh
+        memory in there). If the entry is missing, of another size, unreadable or corrupt, it is
+        deleted, CacheError is raised, and what is in ``dest`` is undefined.
         """
         out = byte_view(dest)
         if out.readonly:
@@ -255,6 +256,8 @@ class TensorCache:
             off = 0
             while off < n:
                 chunk = out[off : off + piece]
+                if before is not None:
+                    before(off, off + len(chunk))
                 _read_exact(f, chunk)
                 hasher.update(chunk)
                 off += len(chunk)

@@ -983,7 +983,7 @@ class _Connection:
             if cache is None:
                 self.need[f.tensor_id] = None
                 return
-            self._ensure_dest(p, fault=False)  # filled below, not by the socket
+            self._ensure_dest(p)  # fresh memory: the helpers fault it in ahead of the reads below
         except _RequestError as e:  # no memory for it after all: nothing of it stays in flight
             self._abandon(f.tensor_id, p, str(e))
             return
@@ -991,9 +991,13 @@ class _Connection:
         try:
             if self.target.memcpy_ok:
                 dest = self.target.host_view(p.dest)
-                self._unfault(p)
-                populate(dest)  # as for recv_into: fresh pages faulted inside readinto cost more
-                cache.read_into(f.digest, dest)
+
+                def before(begin: int, end: int) -> None:
+                    # as for recv_into: fresh pages faulted inside readinto cost more
+                    if self._faulter is None or not self._faulter.ready(p, begin, end):
+                        populate(dest[begin:end])
+
+                cache.read_into(f.digest, dest, before=before)
             else:
                 cache.read_into_target(
                     f.digest, p.nbytes, lambda off, chunk: self.target.write(p.dest, off, chunk), self.staging()
