@@ -386,8 +386,9 @@ def test_cache_is_filled_as_bytes_arrive_and_checks_the_digest(tmp_path):
         assert s.memory_used == _cost("w", a.nbytes)
 
 
-def test_fill_from_cache_and_a_corrupt_entry_is_asked_for_again(tmp_path):
-    a = _f32(50_000, 6)
+@pytest.mark.parametrize("n", [50_000, (9 << 20) // 4 + 3])  # the second lands in fresh memory the helpers fault in
+def test_fill_from_cache_and_a_corrupt_entry_is_asked_for_again(tmp_path, n):
+    a = _f32(n, 6)
     d = hash_buffer(a)
     with Server(cache_dir=tmp_path / "c") as s:
         first = Raw(s.address)
@@ -860,9 +861,12 @@ def test_fresh_destination_is_faulted_in_at_most_a_window_ahead_of_the_payload(m
         assert sum(touched) == len(data)  # every page once, by a helper or by the receiver
 
 
-def test_tensors_allocated_ahead_land_whole_in_any_write_order():
+def test_tensors_allocated_ahead_land_whole_in_any_write_order(monkeypatch):
     # fresh pool mappings (>= 2 MiB) go to the faulter at ALLOC; the WRITEs come in another
-    # order, in pieces, one tensor abandoned half-written: every byte where it belongs
+    # order, in pieces, one tensor abandoned half-written: every byte where it belongs. The
+    # helpers are slowed down, so the receiver meets pieces queued, running and done.
+    real = faulter_mod.populate
+    monkeypatch.setattr(faulter_mod, "populate", lambda buf: (time.sleep(0.002), real(buf)))
     rng = np.random.default_rng(5)
     data = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (3 << 20, (5 << 20) + 123, 2 << 20)]
     with Server() as s:
@@ -890,6 +894,53 @@ def test_tensors_allocated_ahead_land_whole_in_any_write_order():
         raw.hello()
         _put(raw, 0, "after", np.arange(1 << 20, dtype=np.float32))
         assert _barrier(raw).tensors == 1
+
+
+def test_a_tensor_allocated_ahead_at_the_limit_is_charged_at_its_first_byte():
+    # a weight update into a server with room for about one more tensor: the client's ALLOCs
+    # run ahead of its WRITEs, while the old versions still count
+    ts = [np.full(3 << 20, i, dtype=np.uint8) for i in range(4)]
+    with Server() as s:
+        raw = Raw(s.address)
+        raw.hello()
+        for i, t in enumerate(ts):
+            raw.send(Alloc(i, f"t{i}", "U8", t.shape, t.nbytes))
+            raw.send(WriteHeader(i, 0, t.nbytes), t.tobytes())
+        assert _barrier(raw).tensors == 4
+        full = s.memory_used
+    with Server(max_memory=full + (4 << 20) + 1024) as s:
+        raw = Raw(s.address)
+        raw.hello()
+        for i, t in enumerate(ts):
+            _put_u8(raw, i, f"t{i}", t)
+        assert _barrier(raw).tensors == 4
+        for i in range(4):  # version 2: every ALLOC first, then the WRITEs
+            raw.send(Alloc(10 + i, f"t{i}", "U8", ts[i].shape, ts[i].nbytes))
+        for i, t in enumerate(ts):
+            raw.send(WriteHeader(10 + i, 0, t.nbytes), (t + 1).tobytes())
+        reply = _barrier(raw)
+        assert reply.errors == () and reply.tensors == 4
+        assert all(s.tensors()[f"t{i}"][0] == i + 1 for i in range(4))
+        assert s.memory_used <= s.max_memory
+        # with nothing else in flight the limit is the limit, at ALLOC
+        raw.send(Alloc(20, "big", "U8", (8 << 20,), 8 << 20))
+        reply = _barrier(raw)
+        assert reply.tensors == 0 and "memory limit" in reply.errors[0]
+        # and one allocated ahead that never finds the room fails at its first byte
+        raw.send(Alloc(21, "t0", "U8", ts[0].shape, ts[0].nbytes))
+        raw.send(Alloc(22, "big", "U8", (8 << 20,), 8 << 20))
+        raw.send(WriteHeader(22, 0, 8 << 20), bytes(8 << 20))
+        raw.send(WriteHeader(21, 0, ts[0].nbytes), ts[0].tobytes())
+        reply = _barrier(raw)
+        assert reply.tensors == 1 and len(reply.errors) == 1 and "memory limit" in reply.errors[0]
+        assert "big" not in s.tensors() and s.tensors()["t0"][0] == 0
+        used = s.memory_used
+    assert used <= full + (4 << 20) + 1024
+
+
+def _put_u8(raw: Raw, tid: int, name: str, arr: np.ndarray) -> None:
+    raw.send(Alloc(tid, name, "U8", arr.shape, arr.nbytes))
+    raw.send(WriteHeader(tid, 0, arr.nbytes), arr.tobytes())
 
 
 def test_failed_allocations_release_their_reservation(monkeypatch, thread_errors):

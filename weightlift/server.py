@@ -204,12 +204,13 @@ class _Pending:
     costs O(log n) per WRITE plus the ranges it joins, never a rebuild of the list.
     """
 
-    __slots__ = ("name", "dtype", "shape", "nbytes", "cost", "dest", "digest", "starts", "ends", "writer", "hashed",
-                 "proven")
+    __slots__ = ("name", "dtype", "shape", "nbytes", "cost", "charged", "dest", "digest", "starts", "ends", "writer",
+                 "hashed", "proven")
 
-    def __init__(self, a: Alloc, dest: Any, cost: int):
+    def __init__(self, a: Alloc, dest: Any, cost: int, charged: bool = True):
         self.name, self.dtype, self.shape, self.nbytes = a.name, a.dtype, a.shape, a.nbytes
         self.cost = cost
+        self.charged = charged  # cost counted against max_memory (deferred: at the first byte)
         self.dest = dest
         self.digest = a.digest
         self.starts: list[int] = []
@@ -783,11 +784,20 @@ class _Connection:
             raise _RequestError(f"more than {MAX_TENSORS} tensors in flight on one connection")
         pooled = self._pooled and a.nbytes >= POOL_MIN
         cost = _entry_cost(a.name, size_class(a.nbytes) if pooled else a.nbytes)  # a pooled tensor holds whole huge pages
-        self.srv._reserve(cost, a.nbytes if pooled else 0)
-        p = _Pending(a, None, cost)
+        try:
+            self.srv._reserve(cost, a.nbytes if pooled else 0)
+            charged = True
+        except _RequestError:
+            # A client allocates ahead of its writes: while an earlier tensor of this connection
+            # is still arriving, its old version may be about to make the room (a weight update
+            # near the limit). Charge this one at its first byte instead, and fail there.
+            if not self.pending or not a.nbytes:
+                raise
+            charged = False
+        p = _Pending(a, None, cost, charged)
         # A tensor named by digest may be filled from memory the server already holds: its
         # destination is made when the first byte needs a place, not here.
-        if a.digest is None or a.nbytes == 0 or not self.srv._caching:
+        if charged and (a.digest is None or a.nbytes == 0 or not self.srv._caching):
             try:
                 self._ensure_dest(p)
             except _RequestError:
@@ -808,6 +818,7 @@ class _Connection:
         """
         if p.dest is not None:
             return
+        self._charge(p)
         fresh = False
         try:
             if self._pooled:
@@ -821,6 +832,17 @@ class _Connection:
             if self._faulter is None:
                 self._faulter = Faulter(threads=FAULT_THREADS, piece=FAULT_PIECE, window=FAULT_WINDOW)
             self._faulter.add(p, raw)
+
+    def _charge(self, p: _Pending) -> None:
+        """Count a tensor allocated while the server was full against max_memory now."""
+        if not p.charged:
+            self.srv._reserve(p.cost, p.nbytes if self._pooled and p.nbytes >= POOL_MIN else 0)
+            p.charged = True
+
+    def _release(self, p: _Pending) -> None:
+        if p.charged:
+            self.srv._release(p.cost)
+            p.charged = False
 
     def _unfault(self, p: _Pending) -> None:
         """Stop faulting ``p``'s memory in (waiting for a piece in progress): before the memory
@@ -836,7 +858,7 @@ class _Connection:
         if p.writer is not None:
             p.writer.abort()
             p.writer = None
-        self.srv._release(p.cost)
+        self._release(p)
         self._error(why)
         self._mark_failed(tid)
 
@@ -1047,6 +1069,7 @@ class _Connection:
                         del srv._held[digest]
                 continue
             if name == p.name and e.dtype == p.dtype and e.shape == p.shape:
+                self._charge(p)
                 p.dest = e.tensor  # already there: publish the same memory again
             else:
                 self._ensure_dest(p, fault=False)
@@ -1084,7 +1107,7 @@ class _Connection:
                 except CacheError as e:
                     if not isinstance(e.__cause__, OSError):
                         # The bytes that arrived are not the bytes the client hashed.
-                        self.srv._release(p.cost)
+                        self._release(p)
                         self._error(f"tensor {p.name!r}: the bytes received do not match the digest the client sent")
                         return
                     self._cache_failed(e)
@@ -1099,7 +1122,7 @@ class _Connection:
             self._unfault(p)
             if p.writer is not None:
                 p.writer.abort()
-            self.srv._release(p.cost)
+            self._release(p)
         self.pending.clear()
 
     def _barrier(self) -> None:
