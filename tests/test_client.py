@@ -237,6 +237,55 @@ def test_a_push_that_fails_mid_stream_closes_the_client_one_refused_at_the_barri
         assert [t.name for t in c.list()] == ["large.0"]  # still usable: the barrier settled it
 
 
+def test_a_naive_push_that_fails_mid_stream_closes_the_client_too(tmp_path, monkeypatch):
+    import weightlift.client as client_mod
+
+    path, _ = model(tmp_path, large=3, small=0)
+    monkeypatch.setenv("WEIGHTLIFT_LOAD_OPT", "0")
+    real = client_mod.hash_buffer
+    calls = []
+
+    def failing(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:  # the second tensor: after the first one's BARRIER reply
+            raise OSError("disk went away")
+        return real(*a, **k)
+
+    monkeypatch.setattr(client_mod, "hash_buffer", failing)
+    with Server() as s:
+        c = Client(s.address)
+        with pytest.raises(OSError):
+            c.push(path, hash_threshold=THRESHOLD)
+        with pytest.raises(OptionError, match="closed"):
+            c.list()
+
+
+def test_allocs_ahead_go_on_past_a_large_tensor_already_allocated(tmp_path, monkeypatch):
+    import weightlift.client as client_mod
+    import weightlift.server as server_mod
+
+    sizes = [1 << 20, 1 << 20, 5 << 20, 1 << 20, 1 << 20, 1 << 20]
+    t = {f"w.{i}": ("U8", (n,), _rand(n, i)) for i, n in enumerate(sizes)}
+    path = write_safetensors(tmp_path / "m.safetensors", t)
+    seen: list[tuple[str, int]] = []
+    real = server_mod._Connection._dispatch
+
+    def recording(self, msg):
+        if type(msg).__name__ in ("Alloc", "WriteHeader"):
+            seen.append((type(msg).__name__, msg.tensor_id))
+        return real(self, msg)
+
+    monkeypatch.setattr(server_mod._Connection, "_dispatch", recording)
+    monkeypatch.setattr(client_mod, "ALLOC_AHEAD_BYTES", 7 << 20)
+    with Server() as s, Client(s.address) as c:
+        c.push(path)
+        assert_holds(s, t)
+    # ALLOC 0, and 1, 2 (5 MiB), 3 ahead (7 MiB); when 1 is sent, 4 joins: 2 is counted once
+    first_writes = [i for i, (k, _) in enumerate(seen) if k == "WriteHeader"]
+    allocs_before = [sum(1 for k, _ in seen[:w] if k == "Alloc") for w in first_writes[:2]]
+    assert allocs_before == [4, 5]
+
+
 def test_naive_arm_gives_the_same_bytes(tmp_path, monkeypatch):
     path, tensors = model(tmp_path)
     monkeypatch.setenv("WEIGHTLIFT_LOAD_OPT", "0")

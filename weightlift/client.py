@@ -509,7 +509,7 @@ class _Pusher:
         self.sent: dict[int, _Plan] = {}
         self.ahead: dict[int, int] = {}  # tensors ALLOCated ahead of their WRITE: id(plan) -> tensor id
         self.ahead_bytes = 0
-        self.settled = True  # False from the first frame sent until a BARRIER reply
+        self.settled = True  # False while frames are out that no BARRIER reply has answered
 
     def run(self, plans: list[_Plan]) -> None:
         self.settled = not plans
@@ -569,9 +569,11 @@ class _Pusher:
         """ALLOC frames for the next tensors without a digest, up to the ALLOC_AHEAD limits."""
         frames = []
         for q in itertools.islice(upcoming, ALLOC_AHEAD_TENSORS):
+            if id(q) in self.ahead:
+                continue  # counted in ahead_bytes already
             if self.ahead_bytes + q.info.length > ALLOC_AHEAD_BYTES:
                 break
-            if q.info.length and id(q) not in self.ahead:
+            if q.info.length:
                 tid = self._new_id(q)
                 frames.append(self._alloc_frame(tid, q, None))
                 self.ahead[id(q)] = tid
@@ -646,6 +648,7 @@ class _Pusher:
 
     def _naive(self, p: _Plan) -> None:
         """The unoptimised path (WEIGHTLIFT_LOAD_OPT=0), kept for A/B runs."""
+        self.settled = False
         t = p.info
         view = mapped(t.file).view(t.offset, t.length)
         digest = None

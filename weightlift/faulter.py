@@ -13,8 +13,9 @@ destination written out of allocation order (or registered late) is not left beh
 others.
 
 Bounded: the helpers stay at most ``window`` bytes ahead of what the receiver has taken, so a
-peer that allocates and sends nothing makes the server touch at most that much memory beyond
-what it sent (the allocation itself was already charged against its limit).
+peer that allocates and sends nothing makes the server touch at most that much memory (per
+connection, besides the piece being received) beyond what it sent; the allocation itself was
+already charged against its limit.
 
 Safe to reuse memory afterwards: a helper writes a zero into every page it faults, so before a
 destination is freed, handed to someone else or filled by any other path, its owner calls
