@@ -170,13 +170,10 @@ def test_streams_spread_tensors_and_give_the_same_bytes(tmp_path):
         assert_holds(s, tensors)
 
 
-def test_allocs_run_ahead_of_writes_within_the_window(tmp_path, monkeypatch):
-    import weightlift.client as client_mod
+def _record_allocs_and_writes(monkeypatch) -> list[tuple[str, int]]:
+    """The server's ALLOCs and WRITEs, as (message type name, tensor id), in arrival order."""
     import weightlift.server as server_mod
 
-    t = {f"w.{i}": ("U8", (3 << 20,), _rand(3 << 20, i)) for i in range(6)}  # pooled: the server faults them ahead
-    t["w.empty"] = ("F32", (0,), b"")
-    path = write_safetensors(tmp_path / "m.safetensors", t)
     seen: list[tuple[str, int]] = []
     real = server_mod._Connection._dispatch
 
@@ -186,6 +183,16 @@ def test_allocs_run_ahead_of_writes_within_the_window(tmp_path, monkeypatch):
         return real(self, msg)
 
     monkeypatch.setattr(server_mod._Connection, "_dispatch", recording)
+    return seen
+
+
+def test_allocs_run_ahead_of_writes_within_the_window(tmp_path, monkeypatch):
+    import weightlift.client as client_mod
+
+    t = {f"w.{i}": ("U8", (3 << 20,), _rand(3 << 20, i)) for i in range(6)}  # pooled: the server faults them ahead
+    t["w.empty"] = ("F32", (0,), b"")
+    path = write_safetensors(tmp_path / "m.safetensors", t)
+    seen = _record_allocs_and_writes(monkeypatch)
     monkeypatch.setattr(client_mod, "ALLOC_AHEAD_BYTES", 7 << 20)  # two 3 MiB tensors ahead, not three
     with Server() as s, Client(s.address) as c:
         c.push(path)
@@ -262,20 +269,11 @@ def test_a_naive_push_that_fails_mid_stream_closes_the_client_too(tmp_path, monk
 
 def test_allocs_ahead_go_on_past_a_large_tensor_already_allocated(tmp_path, monkeypatch):
     import weightlift.client as client_mod
-    import weightlift.server as server_mod
 
     sizes = [1 << 20, 1 << 20, 5 << 20, 1 << 20, 1 << 20, 1 << 20]
     t = {f"w.{i}": ("U8", (n,), _rand(n, i)) for i, n in enumerate(sizes)}
     path = write_safetensors(tmp_path / "m.safetensors", t)
-    seen: list[tuple[str, int]] = []
-    real = server_mod._Connection._dispatch
-
-    def recording(self, msg):
-        if type(msg).__name__ in ("Alloc", "WriteHeader"):
-            seen.append((type(msg).__name__, msg.tensor_id))
-        return real(self, msg)
-
-    monkeypatch.setattr(server_mod._Connection, "_dispatch", recording)
+    seen = _record_allocs_and_writes(monkeypatch)
     monkeypatch.setattr(client_mod, "ALLOC_AHEAD_BYTES", 7 << 20)
     with Server() as s, Client(s.address) as c:
         c.push(path)

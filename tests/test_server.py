@@ -103,8 +103,8 @@ def _f32(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
 
 
-def _put(raw: Raw, tid: int, name: str, arr: np.ndarray, *, digest: bytes | None = None) -> None:
-    raw.send(Alloc(tid, name, "F32", arr.shape, arr.nbytes, digest))
+def _put(raw: Raw, tid: int, name: str, arr: np.ndarray, *, digest: bytes | None = None, dtype: str = "F32") -> None:
+    raw.send(Alloc(tid, name, dtype, arr.shape, arr.nbytes, digest))
     raw.send(WriteHeader(tid, 0, arr.nbytes), arr.tobytes())
 
 
@@ -912,7 +912,7 @@ def test_a_tensor_allocated_ahead_at_the_limit_is_charged_at_its_first_byte():
         raw = Raw(s.address)
         raw.hello()
         for i, t in enumerate(ts):
-            _put_u8(raw, i, f"t{i}", t)
+            _put(raw, i, f"t{i}", t, dtype="U8")
         assert _barrier(raw).tensors == 4
         for i in range(4):  # version 2: every ALLOC first, then the WRITEs
             raw.send(Alloc(10 + i, f"t{i}", "U8", ts[i].shape, ts[i].nbytes))
@@ -936,11 +936,6 @@ def test_a_tensor_allocated_ahead_at_the_limit_is_charged_at_its_first_byte():
         assert "big" not in s.tensors() and s.tensors()["t0"][0] == 0
         used = s.memory_used
     assert used <= full + (4 << 20) + 1024
-
-
-def _put_u8(raw: Raw, tid: int, name: str, arr: np.ndarray) -> None:
-    raw.send(Alloc(tid, name, "U8", arr.shape, arr.nbytes))
-    raw.send(WriteHeader(tid, 0, arr.nbytes), arr.tobytes())
 
 
 def test_failed_allocations_release_their_reservation(monkeypatch, thread_errors):
