@@ -12,6 +12,7 @@ def test_all_is_pinned():
             "open",
             "Checkpoint",
             "TensorInfo",
+            "Shard",
             "Server",
             "Client",
             "WeightliftError",

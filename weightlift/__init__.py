@@ -24,6 +24,7 @@ from .errors import (
     TransportError,
     WeightliftError,
 )
+from .distributed.shard import Shard
 from .formats import TensorInfo
 from .load import load
 
@@ -34,6 +35,7 @@ __all__ = [
     "open",
     "Checkpoint",
     "TensorInfo",
+    "Shard",
     "Server",
     "Client",
     "WeightliftError",

@@ -78,6 +78,8 @@ def load(
     remote: Mapping[str, Select] | None = None,
     token: str | bytes | None = None,
     streams: int = 1,
+    shard: Any = None,
+    group: Any = None,
 ) -> dict[str, Any]:
     """Load tensors from a checkpoint into memory; returns ``{name: array}`` in file order.
 
@@ -100,6 +102,12 @@ def load(
     tensor server (with ``token`` and ``streams``) while the rest load here, at the same time;
     the result holds the local tensors and ``report["remote"]`` what each push did.
     """
+    if shard is not None or group is not None:  # a rank's slices, or one read shared by a process group
+        from .distributed import distributed_load
+
+        return distributed_load(path, shard=shard, group=group, device=device, framework=framework, select=select,
+                                copy=copy, engine=engine, report=report,
+                                unsupported={"dtype": dtype, "dequantize": dequantize, "remote": remote, "profile": profile})
     if remote:
         from .split import split_load
 

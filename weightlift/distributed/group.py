@@ -1,0 +1,416 @@
+"""Sharded loads and group loads: ``weightlift.load(path, shard=..., group=...)``.
+
+Without a group, a rank reads its own slices (:class:`~.shard.Shard`) through the
+:class:`~.reader.SliceReader` into one arena. With a group, the ranks split the reading and
+the collectives deliver; every rank derives the same plan from the headers alone (never from
+what it finds in its page cache), so all issue the same collectives in the same order.
+Tensors fall in three sets:
+
+* **replicated** (no shard, or a rule saying so): laid out back to back in the same region of
+  every rank's arena; the region is cut into rounds of ``world`` stripes of up to
+  :data:`STRIPE` bytes, rank ``r`` reads stripe ``r`` of each round (byte ranges, tensors cut
+  anywhere) and an in-place ``all_gather`` fills everyone's region. Each rank reads 1/world of
+  the bytes; the read of round k+1 overlaps the gather of round k.
+* **direct**: slices that are one byte range, or rows of at least
+  :data:`~.reader.ROW_READ_MIN`: each rank reads its own; together the ranks read each byte once.
+* **redistributed**: strided slices with smaller rows, which no rank can read efficiently for
+  itself. Each such tensor gets an owner rank (largest first, to the least loaded owner); the
+  owner reads the whole tensor once, scattering every rank's slice into a send buffer as it
+  reads (``preadv`` with an iovec per row and rank), and an ``all_to_all`` delivers the slices
+  straight into each rank's arena. Rounds of up to :data:`ROUND` bytes per owner, double
+  buffered.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import time
+import warnings
+from collections import deque
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..checkpoint import Checkpoint, Select, open_checkpoint
+from ..errors import FormatError, OptionError, WeightliftError
+from ..formats import TensorInfo
+from ..source import MappedFile, mapped
+from .comm import ALIGN, Arena, Comm, pack
+from .reader import SliceReader, _strided
+from .shard import Piece, Rows, Shard, slice_piece, whole
+
+__all__ = ["distributed_load", "STRIPE", "ROUND"]
+
+STRIPE = 16 * 1024 * 1024
+ROUND = 64 * 1024 * 1024
+
+
+def distributed_load(
+    path: Any,
+    *,
+    shard: Shard | None = None,
+    group: Any = None,
+    device: str = "cpu",
+    framework: str = "numpy",
+    select: Select = None,
+    copy: bool = True,
+    engine: str = "auto",
+    timeout: float | None = None,
+    report: dict[str, Any] | None = None,
+    unsupported: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A rank's slices (``shard``), and/or one read of the checkpoint shared over ``group``.
+
+    Returns ``{name: array}`` in file order, each the rank's slice of the tensor (or the whole
+    tensor where replicated). ``report`` gets ``bytes_read`` (bytes this rank read from the
+    files), ``requests``, and ``paths`` (how many tensors took each path).
+    """
+    t0 = time.perf_counter()
+    for k, v in (unsupported or {}).items():
+        if v not in (None, False):
+            raise OptionError(f"{k}= is not supported together with shard= or group=")
+    if shard is not None and not isinstance(shard, Shard):
+        raise OptionError(f"shard must be a weightlift.Shard, got {type(shard).__name__}")
+    if framework not in ("numpy", "torch"):
+        raise OptionError(f"framework must be 'numpy' or 'torch', not {framework!r}")
+    if str(device) != "cpu" and (framework != "torch" or not str(device).startswith("cuda")):
+        raise OptionError(f"device {device!r}: expected 'cpu', or 'cuda[:N]' with framework='torch'")
+    comm = None
+    if group is not None:
+        comm = Comm(group, timeout=timeout)
+        comm.check_device(str(device))
+    elif shard is not None and shard.world is None:
+        try:
+            comm = Comm(None)
+        except OptionError:
+            raise OptionError("a Shard without rank and world takes them from a process group: "
+                              "pass group=, or Shard(rank=..., world=...)") from None
+    if shard is not None:
+        if shard.world is None:
+            shard = shard.resolved(comm.rank, comm.world)  # type: ignore[union-attr]
+        elif group is not None and (shard.rank, shard.world) != (comm.rank, comm.world):  # type: ignore[union-attr]
+            raise OptionError(f"Shard(rank={shard.rank}, world={shard.world}) disagrees with the group "
+                              f"(rank {comm.rank} of {comm.world})")  # type: ignore[union-attr]
+    if group is None:
+        comm = None  # rank and world came from the default group; the load itself is local
+    if comm is not None and not copy:
+        raise OptionError("copy=False gives views of this machine's files: not with group=")
+    failure: Exception | None = None
+    try:
+        ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
+        infos = ckpt.select(select)
+        maps = {f: _checked_map(ckpt, f) for f in dict.fromkeys(t.file for t in infos)}
+        reader = SliceReader(maps, engine=engine)
+        # every rank's slices are checked on every rank, so a bad split fails everywhere alike
+        pieces = _all_pieces(infos, shard)
+    except Exception as e:  # noqa: BLE001 - in a group, the others are told before it is raised
+        if comm is None:
+            raise
+        failure = e
+    if comm is not None:
+        # one tiny collective before the big ones: a rank that failed to plan, or planned
+        # something else, stops everyone now instead of leaving them in a collective
+        _agree(comm, None if failure is not None else _plan_digest(infos, pieces, reader.row_min))
+        if failure is not None:
+            raise failure
+    me = shard.rank if shard is not None else (comm.rank if comm is not None else 0)
+    if comm is None:
+        mine = [p[me] if p is not None else whole(t) for t, p in zip(infos, pieces)]
+        if not copy:
+            out = {p.name: _borrowed(maps[p.tensor.file], p, framework) for p in mine}
+        else:
+            out = _local(mine, reader, str(device), framework)
+        paths = {"local": len(mine)}
+    else:
+        out, paths = _GroupLoad(infos, pieces, comm, reader, str(device), framework).run()
+    if report is not None:
+        seconds = time.perf_counter() - t0
+        nbytes = sum(_nbytes(v) for v in out.values())
+        report.update(tensors=len(out), bytes=nbytes, bytes_read=reader.bytes_read, requests=reader.requests,
+                      seconds=seconds, gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0, paths=paths,
+                      rank=me, world=shard.world if shard is not None else (comm.world if comm else 1),
+                      device=str(device), framework=framework)
+    return out
+
+
+def _checked_map(ckpt: Checkpoint, f: str) -> MappedFile:
+    m = mapped(f)
+    seen = ckpt.identity.get(f)
+    i = m.identity
+    if seen is not None and seen != (i.dev, i.ino, i.size, i.mtime_ns):
+        raise FormatError("changed on disk since its header was read; open it again", file=f)
+    return m
+
+
+def _plan_digest(infos: list[TensorInfo], pieces: list[list[Piece] | None], row_min: int) -> bytes:
+    h = hashlib.sha256(str(row_min).encode())
+    for t, ps in zip(infos, pieces):
+        h.update(repr((t.name, t.dtype, t.shape, t.length)).encode())
+        if ps is not None:
+            h.update(repr([(p.dim, p.start, p.stop) for p in ps]).encode())
+    return h.digest()[:8]
+
+
+def _agree(comm: Comm, digest: bytes | None) -> None:
+    """All ranks planned, and planned the same load; else every rank raises (a failed rank its own error)."""
+    import torch
+
+    dev = "cuda" if comm.backend == "nccl" else "cpu"
+    mine = torch.tensor(list(b"\1" + digest) if digest is not None else [0] * 9, dtype=torch.uint8)
+    out = torch.zeros(9 * comm.world, dtype=torch.uint8, device=dev)
+    comm.all_gather(out, mine.to(dev), what="agreement on the load plan")
+    rows = out.cpu().numpy().reshape(comm.world, 9)
+    if digest is None:
+        return
+    for r in range(comm.world):
+        if not rows[r, 0]:
+            raise WeightliftError(f"rank {r} failed to plan the group load (its own error says why)")
+    for r in range(comm.world):
+        if bytes(rows[r, 1:]) != bytes(rows[0, 1:]):
+            raise OptionError(f"ranks 0 and {r} planned different loads: the checkpoint, select, shard rules "
+                              "and WEIGHTLIFT_ROW_READ_MIN must be the same on every rank")
+
+
+def _nbytes(v: Any) -> int:
+    return int(v.nbytes) if isinstance(v, np.ndarray) else int(v.numel() * v.element_size())
+
+
+def _all_pieces(infos: list[TensorInfo], shard: Shard | None) -> list[list[Piece] | None]:
+    """Per tensor, every rank's piece; None where the tensor is replicated."""
+    out: list[list[Piece] | None] = []
+    for t in infos:
+        dim = shard.placement(t) if shard is not None else None
+        if dim is None:
+            out.append(None)
+        else:
+            out.append([slice_piece(t, dim, r, shard.world, uneven=shard.uneven) for r in range(shard.world)])  # type: ignore[union-attr, arg-type]
+    return out
+
+
+def _local(pieces: list[Piece], reader: SliceReader, device: str, framework: str) -> dict[str, Any]:
+    offs, total = pack([p.nbytes for p in pieces])
+    arena = Arena(total, device)
+    for p, off in zip(pieces, offs):
+        _read_piece(arena, reader, p.rows, off)
+    return {p.name: arena.view(off, p, framework) for p, off in zip(pieces, offs)}
+
+
+def _read_piece(arena: Arena, reader: SliceReader, rows: Rows, off: int) -> None:
+    if rows.nbytes <= arena.limit:
+        arena.fill(off, rows.nbytes, lambda buf: reader.read(rows, buf))
+        return
+    for at, sub in rows.split(arena.limit):
+        arena.fill(off + at, sub.nbytes, lambda buf, sub=sub: reader.read(sub, buf))  # type: ignore[misc]
+
+
+def _borrowed(m: MappedFile, p: Piece, framework: str) -> Any:
+    """``copy=False``: the piece as a read-only (possibly strided) view of the file's mapping."""
+    from ..dtypes import dtype_info, numpy_dtype, torch_dtype
+
+    t = p.tensor
+    packed = not t.quantized and dtype_info(t.dtype).bits % 8 != 0
+    if not p.nbytes:
+        if framework == "numpy":
+            return np.empty(p.raw_shape if not packed else (0,), np.uint8 if t.quantized or packed else numpy_dtype(t.dtype))
+        import torch
+
+        return torch.empty(p.raw_shape if not packed else (0,), dtype=torch.uint8 if t.quantized or packed else torch_dtype(t.dtype))
+    if p.rows.contiguous:
+        rows = np.frombuffer(m.view(p.rows.offset, p.nbytes), dtype=np.uint8).reshape(1, p.nbytes)
+    elif packed:
+        raise OptionError(f"copy=False: a strided slice of packed {t.dtype} tensor {t.name!r} is no flat view; use copy=True")
+    else:
+        rows = _strided(m, p.rows)
+    if framework == "numpy":
+        if t.quantized:
+            return rows.reshape(p.raw_shape)
+        if packed:
+            return rows.reshape(-1)
+        return rows.view(numpy_dtype(t.dtype)).reshape(p.shape)
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a read-only mapping, as copy=False documents
+        raw = torch.from_numpy(rows)
+    if t.quantized:
+        return raw.view(p.raw_shape)
+    if packed:
+        return raw.view(-1)
+    return raw.view(torch_dtype(t.dtype)).view(p.shape)
+
+
+class _GroupLoad:
+    """One group load: the three sets, their layout in this rank's arena, and the pipeline."""
+
+    def __init__(self, infos: list[TensorInfo], pieces: list[list[Piece] | None], comm: Comm,
+                 reader: SliceReader, device: str, framework: str):
+        self.comm, self.reader, self.device, self.framework = comm, reader, device, framework
+        w, me = comm.world, comm.rank
+        self.rep: list[TensorInfo] = []
+        self.direct: list[Piece] = []
+        self.redist: list[list[Piece]] = []
+        for t, ps in zip(infos, pieces):
+            if ps is None:
+                self.rep.append(t)
+            elif ps[0].rows.contiguous or ps[0].rows.seg >= reader.row_min or w == 1:
+                self.direct.append(ps[me])
+            else:
+                self.redist.append(ps)
+        self.order = [t.name for t in infos]
+
+    def run(self) -> tuple[dict[str, Any], dict[str, int]]:
+        comm = self.comm
+        w, me = comm.world, comm.rank
+        # replicated region: tensors back to back, padded to whole rounds of world stripes
+        rep_offs, rep_end = pack([t.length for t in self.rep])
+        rounds, rep_size = _stripes(rep_end, w, STRIPE)
+        # redistributed region: rounds of (owner, tensor) slices, as all_to_all lays them out
+        xplan = _redistribution(self.redist, w)
+        x_start = -(-rep_size // ALIGN) * ALIGN
+        x_sizes = [sum(xr.recv_splits(me)) for xr in xplan]
+        x_offs, x_end = pack(x_sizes, x_start)
+        d_offs, total = pack([p.nbytes for p in self.direct], x_end)
+        arena = Arena(total, self.device)
+        at = arena.tensor()
+        pending: deque[Any] = deque()
+
+        def post(work: Any, what: str) -> None:
+            pending.append((work, what))
+            if len(pending) > 1:
+                comm.wait(*pending.popleft())
+
+        starts = [o for o in rep_offs]
+        for base, c in rounds:
+            lo = base + me * c
+            for t, off, a, b in _overlaps(self.rep, starts, lo, lo + c):
+                rows = Rows(t.file, t.offset + a, b - a, b - a, 1)
+                _read_piece(arena, self.reader, rows, off + a)
+            post(comm.all_gather(at[base : base + w * c], at[lo : lo + c], async_op=True,
+                                 what="all_gather of replicated tensors"), "all_gather of replicated tensors")
+        sends = [None, None]
+        for k, (xr, xo) in enumerate(zip(xplan, x_offs)):
+            send = sends[k % 2] = self._send_buffer(sends[k % 2], sum(xr.send_splits(me)))
+            xr.fill(me, send, self.reader)
+            send_t = send.tensor()
+            n_in = sum(xr.send_splits(me))
+            post(comm.all_to_all(at[xo : xo + x_sizes[k]], send_t[:n_in], xr.recv_splits(me), xr.send_splits(me),
+                                 async_op=True, what="all_to_all of sharded tensors"), "all_to_all of sharded tensors")
+        for p, off in zip(self.direct, d_offs):  # overlaps the last collectives
+            _read_piece(arena, self.reader, p.rows, off)
+        while pending:
+            comm.wait(*pending.popleft())
+        out: dict[str, Any] = {}
+        for t, off in zip(self.rep, rep_offs):
+            out[t.name] = arena.view(off, whole(t), self.framework)
+        for xr, xo in zip(xplan, x_offs):
+            for p, off in xr.received(me, xo):
+                out[p.name] = arena.view(off, p, self.framework)
+        for p, off in zip(self.direct, d_offs):
+            out[p.name] = arena.view(off, p, self.framework)
+        paths = {"replicated": len(self.rep), "direct": len(self.direct), "redistributed": len(self.redist)}
+        return {n: out[n] for n in self.order}, paths
+
+    def _send_buffer(self, old: Arena | None, n: int) -> Arena:
+        # host memory for gloo; for NCCL a device buffer filled through pinned staging
+        if old is not None and old.nbytes >= n:
+            return old
+        return Arena(max(n, 1), self.device)
+
+
+def _stripes(total: int, world: int, stripe: int) -> tuple[list[tuple[int, int]], int]:
+    """Rounds (base, stripe bytes per rank) covering [0, total), and the padded size."""
+    rounds, base = [], 0
+    while base < total:
+        c = -(-min(total - base, world * stripe) // world)
+        rounds.append((base, c))
+        base += world * c
+    return rounds, base
+
+
+def _overlaps(tensors: list[TensorInfo], starts: list[int], lo: int, hi: int) -> list[tuple[TensorInfo, int, int, int]]:
+    """(tensor, its arena offset, a, b): the bytes [a, b) of each tensor lying in arena [lo, hi)."""
+    out = []
+    i = max(0, bisect.bisect_right(starts, lo) - 1)
+    while i < len(tensors) and starts[i] < hi:
+        t, s = tensors[i], starts[i]
+        a, b = max(lo, s) - s, min(hi, s + t.length) - s
+        if a < b:
+            out.append((t, s, a, b))
+        i += 1
+    return out
+
+
+class _Round:
+    """One all_to_all: per owner rank, the tensors it reads and scatters in this round."""
+
+    def __init__(self, world: int, groups: list[list[list[Piece]]]):
+        self.world = world
+        self.groups = groups  # groups[owner] = [every rank's pieces of one tensor, ...]
+
+    def _split(self, owner: int, dest: int) -> int:
+        return pack([ps[dest].nbytes for ps in self.groups[owner]])[1] if self.groups[owner] else 0
+
+    def send_splits(self, me: int) -> list[int]:
+        return [_aligned(self._split(me, q)) for q in range(self.world)]
+
+    def recv_splits(self, me: int) -> list[int]:
+        return [_aligned(self._split(o, me)) for o in range(self.world)]
+
+    def fill(self, me: int, send: Arena, reader: SliceReader) -> None:
+        """Read this owner's tensors, each rank's slice to its place in the send buffer."""
+        splits = self.send_splits(me)
+        split_at = pack(splits)[0] if splits else []
+        per_dest = [pack([ps[q].nbytes for ps in self.groups[me]])[0] for q in range(self.world)]
+        for i, ps in enumerate(self.groups[me]):
+            dst_offs = [split_at[q] + per_dest[q][i] for q in range(self.world)]
+            segs = [p.rows.seg if p.rows.count else 0 for p in ps]
+            count, first = ps[0].rows.count, ps[0].tensor.offset
+            if send.host is not None:
+                dsts = [send.host[o : o + p.nbytes] for o, p in zip(dst_offs, ps)]
+                reader.scatter(ps[0].tensor.file, first, count, segs, dsts)
+            else:  # through host memory of the tensor's size, then one copy per rank's slice
+                host = np.empty(sum(p.nbytes for p in ps), dtype=np.uint8)
+                hoffs = np.cumsum([0] + [p.nbytes for p in ps])
+                reader.scatter(ps[0].tensor.file, first, count, segs, [host[hoffs[q] : hoffs[q + 1]] for q in range(self.world)])
+                for q, p in enumerate(ps):
+                    for at_, sub in Rows("", 0, p.nbytes, p.nbytes, 1).split(send.limit):
+                        chunk = host[hoffs[q] + at_ : hoffs[q] + at_ + sub.nbytes]
+                        send.fill(dst_offs[q] + at_, sub.nbytes, lambda buf, c=chunk: np.copyto(buf, c))  # type: ignore[misc]
+
+    def received(self, me: int, base: int) -> list[tuple[Piece, int]]:
+        out, at = [], base
+        for o in range(self.world):
+            offs, _ = pack([ps[me].nbytes for ps in self.groups[o]], at)
+            out.extend((ps[me], off) for ps, off in zip(self.groups[o], offs))
+            at += self.recv_splits(me)[o]
+        return out
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _redistribution(tensors: list[list[Piece]], world: int) -> list[_Round]:
+    """Owners by bytes (largest tensor first, to the least loaded rank), then rounds of up to
+    :data:`ROUND` bytes per owner, each owner's tensors in file order."""
+    load = [0] * world
+    owned: list[list[int]] = [[] for _ in range(world)]
+    for i in sorted(range(len(tensors)), key=lambda i: (-tensors[i][0].tensor.length, i)):
+        o = min(range(world), key=lambda r: (load[r], r))
+        owned[o].append(i)
+        load[o] += tensors[i][0].tensor.length
+    per_owner: list[list[list[list[Piece]]]] = []
+    for o in range(world):
+        rounds: list[list[list[Piece]]] = []
+        size = ROUND
+        for i in sorted(owned[o]):
+            n = tensors[i][0].tensor.length
+            if size + n > ROUND and size:
+                rounds.append([])
+                size = 0
+            rounds[-1].append(tensors[i])
+            size += n
+        per_owner.append(rounds)
+    k = max((len(r) for r in per_owner), default=0)
+    return [_Round(world, [r[j] if j < len(r) else [] for r in per_owner]) for j in range(k)]
