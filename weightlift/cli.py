@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--json", action="store_true")
     ld.set_defaults(func=_cmd_load)
 
-    for mod in ("cli_remote", "benchmark"):
+    for mod in ("cli_remote", "benchmark", "check"):
         try:
             module = __import__(f"weightlift.{mod}", fromlist=["register"])
         except ImportError:
