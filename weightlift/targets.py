@@ -165,8 +165,11 @@ class CastTarget(Target):
 
     def _fill(self, dest: Any, src_dtype: str, offset: int, data: Any) -> None:
         size = dtype_info(src_dtype).bits // 8
-        if offset % size or len(memoryview(data).cast("B")) % size:
+        nbytes = len(memoryview(data).cast("B"))
+        if offset % size or nbytes % size:
             raise OptionError(f"a cast write must cover whole {src_dtype} elements")
+        if not nbytes:  # an empty tensor: nothing to convert, and torch cannot view no bytes
+            return
         flat = dest.reshape(-1)
         i0 = offset // size
         if self.framework == "numpy":
