@@ -127,7 +127,8 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             magic = f.read(4)
     except OSError as e:
         raise WeightliftError(f"{p}: cannot read: {e.strerror}") from None
-    if magic == b"GGUF":
+    if magic == b"GGUF" or p.lower().endswith(".gguf"):
+        # a .gguf file with a bad magic is a broken GGUF file, not a safetensors one
         return _open_gguf(p)
     tensors, meta, ident = _read_safetensors(p)
     return Checkpoint(p, "safetensors", [p], tensors, dict(meta), {p: ident})
