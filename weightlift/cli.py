@@ -62,13 +62,27 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
             )
         )
         return 0
-    w = max([len(t.name) for t in tensors] + [4])
+    names = [_shown(t.name) for t in tensors]
+    w = max([len(n) for n in names] + [4])
     print(f"{'name':<{w}}  {'dtype':<8} {'shape':<22} {'offset':>14} {'bytes':>14}")
-    for t in tensors:
-        print(f"{t.name:<{w}}  {t.dtype:<8} {str(list(t.shape)):<22} {t.offset:>14} {t.length:>14}")
+    for t, name in zip(tensors, names):
+        print(f"{name:<{w}}  {t.dtype:<8} {str(list(t.shape)):<22} {t.offset:>14} {t.length:>14}")
     total = sum(t.length for t in tensors)
     print(f"{len(tensors)} tensors, {total:,} bytes ({total / 2**30:.3f} GiB) in {len(ck.files)} file(s), format {ck.format}")
     return 0
+
+
+def _shown(name: str) -> str:
+    """A tensor name as one row of text: control characters (a newline, a terminal escape) and
+    characters stdout cannot encode are shown as escapes, so a hostile name can neither break
+    the table nor the terminal."""
+    if not name.isprintable():
+        name = "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
+    enc = getattr(sys.stdout, "encoding", None) or "utf-8"
+    try:
+        return name.encode(enc, "backslashreplace").decode(enc)
+    except LookupError:
+        return name.encode("ascii", "backslashreplace").decode("ascii")
 
 
 def _jsonable(v: Any) -> bool:
@@ -155,7 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--no-copy", action="store_true", help="host only: read-only views of the mapping")
     ld.add_argument("--page-cache", choices=["keep", "evict"], help="override the page-cache policy")
     ld.add_argument("--threads", type=int)
-    ld.add_argument("--dequantize", action="store_true", help="GGUF: dequantize to float32")
+    ld.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="GGUF: decode quantized tensors to float32; F32, F16 and BF16 keep their type (add --dtype F32)",
+    )
     ld.add_argument(
         "--remote",
         action="append",
