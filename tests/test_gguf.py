@@ -434,3 +434,75 @@ def test_buffer_must_be_contiguous_bytes() -> None:
         parse_gguf("GGUF", file="m.gguf", file_size=4)  # type: ignore[arg-type]
     with pytest.raises(OptionError):
         parse_gguf(np.frombuffer(GOLDEN, np.uint8)[::2], file="m.gguf", file_size=80)
+
+
+# ---- opening and loading GGUF files ----
+
+
+@pytest.mark.parametrize("name", ["m.gguf", "M.GGUF"])
+def test_a_gguf_file_with_a_bad_magic_says_so(tmp_path: Path, name: str) -> None:
+    import weightlift as wl
+
+    path = tmp_path / name
+    path.write_bytes(b"GGML" + GOLDEN[4:])
+    with pytest.raises(FormatError, match="not a GGUF file \\(magic b'GGML'"):
+        wl.open(path)
+    path.write_bytes(b"")
+    with pytest.raises(FormatError, match="header runs past the end of the file reading the magic"):
+        wl.open(path)
+
+
+def test_empty_tensors_with_huge_dimensions_are_refused(tmp_path: Path) -> None:
+    for ne in ((2**62, 0), (0, 2**62), (2**31, 0, 2**31), (0, 2**64 - 1)):
+        data = header_with(tensors=(tensor_info("e", ne, F32, 0),))
+        refused(data, "shape .* is too large", tensor="e")
+        path = tmp_path / "e.gguf"
+        path.write_bytes(data)
+        with pytest.raises(ValueError):  # gguf-py's reader fails on them, outside any error of its own
+            GGUFReader(path).tensors[0].data  # noqa: B018
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_empty_tensors_at_the_extent_limit_load(tmp_path: Path, framework: str) -> None:
+    import weightlift as wl
+    from weightlift.formats import MAX_EXTENT
+
+    if framework == "torch":
+        pytest.importorskip("torch")
+    q8 = MAX_EXTENT // 32 * 32
+    tensors = (tensor_info("f", (MAX_EXTENT, 0), F32, 0), tensor_info("i", (0, MAX_EXTENT), int(Q.I64), 0),
+               tensor_info("q", (q8, 0), int(Q.Q8_0), 0), tensor_info("b", (0, 2, MAX_EXTENT // 2), int(Q.BF16), 0))
+    path = tmp_path / "edge.gguf"
+    path.write_bytes(header_with(tensors=tensors))
+    want = {"f": (0, MAX_EXTENT), "i": (MAX_EXTENT, 0), "q": (0, q8), "b": (MAX_EXTENT // 2, 2, 0)}
+    for kw in ({}, {"copy": False}, {"dequantize": True}, {"dtype": "F64"}):
+        out = wl.load(path, framework=framework, **kw)
+        got = {n: tuple(v.shape) for n, v in out.items()}
+        if not kw.get("dequantize"):
+            got["q"] = want["q"]  # raw blocks: (0, q8 // 32 * 34)
+            assert tuple(out["q"].shape) == (0, q8 // 32 * 34)
+        assert got == want, kw
+
+
+def test_what_a_load_returns(tmp_path: Path) -> None:
+    import ml_dtypes
+
+    import weightlift as wl
+    from weightlift.cli import build_parser
+
+    path = tmp_path / "m.gguf"
+    write_sample(path)
+    kinds = {"blk.0.attn_q.weight": "F16", "blk.0.attn_k.weight": "BF16", "blk.0.attn_v.weight": "Q8_0",
+             "output_norm.weight": "F32", "i32": "I32"}
+    plain = {"F16": np.float16, "BF16": ml_dtypes.bfloat16, "F32": np.float32, "I32": np.int32}
+    as_stored = wl.load(path, select=set(kinds))
+    assert {n: v.dtype for n, v in as_stored.items()} == {n: np.dtype(plain.get(k, np.uint8)) for n, k in kinds.items()}
+    # dequantize decodes quantized blocks only: F16 and BF16 are not quantized, as in ggml
+    decoded = wl.load(path, select=set(kinds), dequantize=True)
+    assert {n: v.dtype for n, v in decoded.items()} == {n: np.dtype(plain.get(k, np.float32)) for n, k in kinds.items()}
+    everything = wl.load(path, select=set(kinds), dequantize=True, dtype="F32")
+    assert {n: v.dtype for n, v in everything.items()} == {n: np.dtype(np.int32 if k == "I32" else np.float32)
+                                                           for n, k in kinds.items()}
+    load_cmd = next(a for a in build_parser()._actions if a.dest == "command").choices["load"]
+    (help_text,) = [a.help for a in load_cmd._actions if a.dest == "dequantize"]
+    assert "quantized tensors to float32" in help_text and "F16 and BF16 keep their type" in help_text

@@ -4,6 +4,11 @@ Each parser turns the bytes of a header into :class:`TensorInfo` records that sa
 tensor's bytes lie (file, absolute offset, length). Reading those bytes is the loader's job.
 Every offset and length is checked against the file size and named limits before it is
 trusted, so a loader never reads outside a file or hands back a tensor of the wrong size.
+
+Each parser accepts what its format's reference implementation accepts and refuses what it
+refuses; where one deliberately refuses more, its module docstring says so and why. One such
+rule is shared: :data:`MAX_EXTENT` bounds even empty tensors, whose shapes the file size does
+not bound.
 """
 
 from __future__ import annotations
@@ -11,7 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TensorInfo", "check_layout"]
+__all__ = ["TensorInfo", "check_layout", "check_extent", "MAX_EXTENT"]
+
+# The most elements a shape may describe, counting only its non-zero dimensions. numpy refuses
+# any array, even an empty one, whose non-zero dimensions times its item size pass 2**63 - 1
+# bytes, and a load may view or cast a tensor to items of up to 8 bytes (F64, I64, C64): without
+# this bound a shape like (0, 2**62), which holds no bytes at all, opens but never loads. The
+# file size bounds every other shape far below this.
+MAX_EXTENT = (1 << 60) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +56,23 @@ class TensorInfo:
 
 # GGML types whose bytes are plain arrays with a safetensors dtype name.
 _PLAIN_GGML = frozenset({"F32", "F16", "BF16", "I8", "I16", "I32", "I64", "F64"})
+
+
+def check_extent(shape: tuple[int, ...], *, file: str, tensor: str) -> None:
+    """FormatError if the non-zero dimensions of ``shape`` multiply past :data:`MAX_EXTENT`."""
+    extent = 1
+    for d in shape:
+        if d:
+            extent *= d
+            if extent > MAX_EXTENT:
+                from ..errors import FormatError
+
+                raise FormatError(
+                    f"shape {list(shape)} is too large: its non-zero dimensions multiply to 2**60 or more,"
+                    " more than a load can describe as an array, even an empty one",
+                    file=file,
+                    tensor=tensor,
+                )
 
 
 def check_layout(tensors: list[TensorInfo], *, file: str, data_start: int, file_size: int) -> None:

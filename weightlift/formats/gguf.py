@@ -17,6 +17,18 @@ buffer first, so a truncated or hostile file always ends in a FormatError. Count
 are checked against named limits and against the bytes left before anything is allocated, and
 numeric arrays (tokenizer scores, token types) are decoded by numpy in one call. Nothing here
 touches the data region: ``TensorInfo`` says where each tensor lies and how to view its bytes.
+
+What a load returns: the plain types (F32, F16, BF16, F64, I8, I16, I32, I64) in their own
+dtype, BF16 as bfloat16 (``ml_dtypes.bfloat16``, ``torch.bfloat16``) like a safetensors BF16
+tensor; quantized types as their raw blocks (uint8 rows of ``extra["raw_shape"]``), or as
+float32 with ``load(..., dequantize=True)``. F16 and BF16 are not quantized (ggml's
+``ggml_is_quantized`` says the same), so that leaves them as they are; ``dtype="F32"`` casts
+them too. (The :func:`dequantize` function here decodes BF16 and F16 all the same.)
+
+Beyond what gguf-py's reader checks, shapes whose non-zero dimensions multiply past
+:data:`~weightlift.formats.MAX_EXTENT` are refused even when they hold no element, since a load
+may view or cast them as 8-byte items; the reader itself fails on most of them with numpy's
+ValueError, and a load would fail the same way.
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
 
 from ..errors import FormatError, OptionError
-from . import TensorInfo, check_layout
+from . import TensorInfo, check_extent, check_layout
 
 __all__ = [
     "GGUFHeader",
@@ -80,9 +92,10 @@ _STRUCTS = {t: struct.Struct(f) for t, (f, _) in _SCALARS.items()}
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 
 # ggml types that GGUFReader presents as typed arrays, and their little-endian numpy dtypes.
-# BF16 is plain too, but numpy has no bfloat16, so GGUFReader presents it (and so do we) as
-# rows of raw bytes, like the quantized types. The ggml names of all the plain types (F32, F16,
-# BF16, F64, I8, I16, I32, I64) are also their safetensors names, so ``dtype`` is the ggml name.
+# BF16 is plain too, but numpy has no bfloat16, so GGUFReader presents it as rows of raw bytes,
+# like the quantized types, and so does ``numpy_dtype_and_shape``. The ggml names of all the
+# plain types (F32, F16, BF16, F64, I8, I16, I32, I64) are also their safetensors names, so
+# ``dtype`` is the ggml name, and a load views BF16 as bfloat16 through it.
 _NUMPY: dict[int, str] = {
     GGMLQuantizationType.F32: "<f4",
     GGMLQuantizationType.F16: "<f2",
@@ -291,6 +304,7 @@ def _tensor_info(
         n *= d
     if n > _MAX_ELEMENTS:
         raise FormatError(f"dimensions {list(ne)} hold more than 2**63 elements", file=file, tensor=name)
+    check_extent(tuple(reversed(ne)), file=file, tensor=name)
     ne0 = ne[0] if ne else 1
     if ne0 % block:
         msg = f"row length {ne0} is not a multiple of the {qtype.name} block size {block}"
@@ -316,7 +330,8 @@ def numpy_dtype_and_shape(t: TensorInfo) -> tuple[np.dtype, tuple[int, ...]]:
     """The dtype and shape under which GGUFReader presents this tensor's bytes.
 
     Plain types: their numpy dtype and the logical shape. BF16 and quantized types: uint8 and
-    ``extra["raw_shape"]`` (rows of raw bytes); ``dequantize`` turns those into float32.
+    ``extra["raw_shape"]`` (rows of raw bytes); ``dequantize`` turns those into float32. (This
+    is GGUFReader's view; a load returns BF16 tensors as bfloat16, see the module docstring.)
     """
     if t.ggml_type is None:
         raise OptionError(f"tensor {t.name!r} is not from a GGUF file")
