@@ -346,3 +346,20 @@ def test_cuda_load_and_check(models, capsys):
     assert torch.equal(_logits(model), _logits(ref))
     assert main(["check", str(models["llama"]), "--device", "cuda", "--tokens", "4"]) == 0
     assert "PASS" in capsys.readouterr().out
+
+
+# -- the demo's last step ---------------------------------------------------------------------------------
+
+
+def test_demo_ends_with_the_check(tmp_path, monkeypatch, capsys):
+    from weightlift import demo
+
+    monkeypatch.setenv("WEIGHTLIFT_CACHE", str(tmp_path))
+    results = demo._demo_check(push=True)
+    assert set(results) == {"disk", "server"} and all(r["ok"] for r in results.values())
+    assert (tmp_path / demo.TINY_NAME / "config.json").exists()
+    out = capsys.readouterr().out
+    assert out.count("PASS") == 2 and "match their recorded BLAKE3" in out
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)
+    assert demo._demo_check(push=True) is None
+    assert "model check: skipped (this needs transformers" in capsys.readouterr().out

@@ -4,7 +4,10 @@
 with weightlift and with ``safetensors`` in the same run, interleaved, checks every byte of
 weightlift's result against digests recorded when the file was written, prints both times to
 ready and weightlift's own phase breakdown, and, where the remote half is available, pushes the
-checkpoint to a tensor server on loopback and checks what arrived.
+checkpoint to a tensor server on loopback and checks what arrived. Where transformers is
+installed it ends with ``weightlift check`` on a tiny random Llama (written once beside the
+checkpoint by transformers' ``save_pretrained``): weightlift's model against transformers' own,
+from disk and through the loopback server.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import numpy as np
 
 from .formats.safetensors import build_header
 
-__all__ = ["demo_dir", "ensure_demo_checkpoint", "demo_tensors", "run_demo"]
+__all__ = ["demo_dir", "ensure_demo_checkpoint", "ensure_tiny_model", "demo_tensors", "run_demo"]
 
 DEMO_NAME = "demo-llm-1g"
+TINY_NAME = "demo-tiny-llama"
 
 
 def demo_dir() -> Path:
@@ -151,6 +155,7 @@ def run_demo(*, rounds: int = 3, push: bool = True, layers: int = 8) -> dict[str
     print(prof.format())
     if push:
         out["push"] = _demo_push(path, digests)
+    out["check"] = _demo_check(push=push)
     return out
 
 
@@ -172,3 +177,62 @@ def _demo_push(path: Path, digests: dict[str, str]) -> dict[str, Any] | None:
     print(f"remote push to a server on {host}:{port}: {nbytes / 2**30:.2f} GiB in {secs:.3f} s"
           f" ({nbytes / secs / 1e9 if secs else 0:.2f} GB/s), {checked:,} bytes verified on the server")
     return {"seconds": secs, "bytes": nbytes, "verified": checked}
+
+
+def ensure_tiny_model() -> Path:
+    """A tiny random Llama folder as transformers' ``save_pretrained`` writes it, made once."""
+    import torch
+    import transformers
+
+    d = demo_dir().parent / TINY_NAME
+    if (d / "config.json").exists():
+        return d
+    print(f"writing the tiny model for the check (once): {d}")
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, initializer_range=0.3,
+    )
+    tmp = d.with_name(f"{TINY_NAME}.{os.getpid()}.tmp")
+    with torch.random.fork_rng(devices=[]):  # a fixed model without touching the caller's RNG
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(cfg).save_pretrained(tmp, max_shard_size="200KB")
+    os.replace(tmp, d)
+    # digests recorded while the files are as written, so the check has something independent
+    # of the files to compare with
+    from .checkpoint import open_checkpoint
+    from .digests import hash_tensors
+
+    hash_tensors(list(open_checkpoint(d)), threshold=0)
+    return d
+
+
+def _demo_check(*, push: bool) -> dict[str, Any] | None:
+    """``weightlift check`` on the tiny model, from disk and, with ``push``, through a loopback server."""
+    from .errors import WeightliftError
+
+    try:
+        from .hf import require_transformers
+
+        require_transformers()
+    except WeightliftError as e:
+        print(f"model check: skipped ({e})")
+        return None
+    from .check import format_result, run_check
+
+    folder = ensure_tiny_model()
+    results = {"disk": run_check(str(folder))}
+    print(format_result(results["disk"]))
+    if push:
+        from .client import Client
+        from .server import Server
+
+        with Server(port=0) as srv:
+            host, port = srv.start()
+            with Client(f"{host}:{port}") as c:
+                c.push(folder)
+            results["server"] = run_check(str(folder), source=f"{host}:{port}")
+        print(format_result(results["server"]))
+    failed = [k for k, r in results.items() if not r["ok"]]
+    if failed:
+        raise AssertionError(f"demo: the model check failed ({', '.join(failed)})")
+    return results
