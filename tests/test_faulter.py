@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import mmap
 import threading
 import time
 import weakref
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 import weightlift.faulter as faulter_mod
+import weightlift.fresh as fresh
 from weightlift.faulter import Faulter
 
 PIECE = 4096
@@ -31,17 +33,27 @@ class Log:
         return [a for _, a, _ in self.calls[start:]]
 
 
+@pytest.fixture(autouse=True)
+def receiver_faults_ahead(monkeypatch):
+    """These tests pin the receiver's side to faulting a piece the helpers have not reached;
+    the other policy has a test of its own."""
+    monkeypatch.setenv("WEIGHTLIFT_FAULT_AHEAD", "1")
+    fresh.reset_policy()
+    yield
+    fresh.reset_policy()
+
+
 @pytest.fixture
 def log(monkeypatch):
     out = Log()
-    real = faulter_mod.populate
+    real = faulter_mod.fault_in
 
     def recording(buf):
         real(buf)
         with out.lock:
             out.calls.append((threading.current_thread().name, np.frombuffer(buf, np.uint8).ctypes.data, len(buf)))
 
-    monkeypatch.setattr(faulter_mod, "populate", recording)
+    monkeypatch.setattr(faulter_mod, "fault_in", recording)
     return out
 
 
@@ -52,6 +64,14 @@ def _wait(cond, timeout=5.0):
         time.sleep(0.005)
 
 
+def _ones(n: int) -> np.ndarray:
+    """``n`` bytes of ones, page-aligned (as the server's destinations are): one zero per page
+    shows each page faulted."""
+    a = np.frombuffer(mmap.mmap(-1, n), dtype=np.uint8)
+    a[:] = 1
+    return a
+
+
 def _settled(f: Faulter) -> None:
     """Give the helpers a moment to go on if they (wrongly) could."""
     time.sleep(0.05)
@@ -59,7 +79,7 @@ def _settled(f: Faulter) -> None:
 
 def test_helpers_fault_in_registration_order_within_the_window(log):
     f = Faulter(threads=1, piece=PIECE, window=3 * PIECE)
-    a, b = np.ones(2 * PIECE, np.uint8), np.ones(4 * PIECE, np.uint8)
+    a, b = _ones(2 * PIECE), _ones(4 * PIECE)
     f.add("a", a)
     f.add("b", b)
     _wait(lambda: len(log) == 3)
@@ -77,8 +97,8 @@ def test_helpers_fault_in_registration_order_within_the_window(log):
 
 
 def test_receiver_takes_a_queued_piece_itself_and_only_what_it_asks_for(log):
-    f = Faulter(threads=1, piece=PIECE, window=PIECE)
-    a, b = np.ones(PIECE, np.uint8), np.ones(3 * PIECE, np.uint8)
+    f = Faulter(threads=1, piece=PIECE, window=PIECE, ahead=True)
+    a, b = _ones(PIECE), _ones(3 * PIECE)
     f.add("a", a)
     f.add("b", b)
     _wait(lambda: len(log) == 1)  # the helper did a's piece and waits for the window
@@ -93,9 +113,26 @@ def test_receiver_takes_a_queued_piece_itself_and_only_what_it_asks_for(log):
     f.close()
 
 
+def test_receiver_leaves_a_queued_piece_to_its_copy_when_the_policy_says_so(log):
+    # ahead=False: a kernel copy faults fresh pages as cheaply as anything here, so a piece the
+    # helpers have not reached is taken as it is; the helpers never touch it afterwards
+    f = Faulter(threads=1, piece=PIECE, window=PIECE, ahead=False)
+    a, b = _ones(PIECE), _ones(3 * PIECE)
+    f.add("a", a)
+    f.add("b", b)
+    _wait(lambda: len(log) == 1)
+    assert f.ready("b", PIECE + 10, 3 * PIECE)
+    assert len(log) == 1 and b[PIECE:].min() == 1  # nothing faulted by the receiver
+    assert f.ready("a", 0, 1)
+    _wait(lambda: len(log) == 2)  # b's piece 0 is the helper's
+    _settled(f)
+    assert log.addrs(1) == [b.ctypes.data] and b[PIECE:].min() == 1
+    f.close()
+
+
 def test_the_region_asked_for_last_goes_first(log):
     f = Faulter(threads=1, piece=PIECE, window=2 * PIECE)
-    a, b, c = (np.ones(k * PIECE, np.uint8) for k in (2, 4, 4))
+    a, b, c = (_ones(k * PIECE) for k in (2, 4, 4))
     f.add("a", a)
     f.add("b", b)
     f.add("c", c)  # registered last, but written first
@@ -124,9 +161,9 @@ def test_cancel_drops_queued_pieces_and_waits_for_the_running_one(monkeypatch):
         release.wait(5)
         done.append(len(buf))
 
-    monkeypatch.setattr(faulter_mod, "populate", slow)
+    monkeypatch.setattr(faulter_mod, "fault_in", slow)
     f = Faulter(threads=1, piece=PIECE, window=PIECE)
-    f.add("a", np.ones(4 * PIECE, np.uint8))
+    f.add("a", _ones(4 * PIECE))
     assert started.wait(5)
     cancelled = threading.Event()
     t = threading.Thread(target=lambda: (f.cancel("a"), cancelled.set()))
@@ -140,14 +177,14 @@ def test_cancel_drops_queued_pieces_and_waits_for_the_running_one(monkeypatch):
     assert done == [PIECE]  # the queued pieces were dropped, not faulted after the cancel
     assert f.ready("a", 0, PIECE) is False
     assert f._ahead == 0  # the one-piece window was given back ...
-    f.add("b", np.ones(PIECE, np.uint8))
+    f.add("b", _ones(PIECE))
     _wait(lambda: len(done) == 2)  # ... so b's piece is faulted
     f.close()
 
 
 def test_cancel_lets_go_of_the_memory(log):
     f = Faulter(threads=2, piece=PIECE, window=2 * PIECE)
-    a = np.ones(8 * PIECE, np.uint8)
+    a = _ones(8 * PIECE)
     ref = weakref.ref(a)
     f.add("a", a)
     _wait(lambda: len(log) == 2)
@@ -162,11 +199,11 @@ def test_cancel_lets_go_of_the_memory(log):
 
 def test_close_stops_the_helpers_and_later_adds_are_ignored(log):
     f = Faulter(threads=2, piece=PIECE, window=2 * PIECE)
-    f.add("a", np.ones(10 * PIECE, np.uint8))
+    f.add("a", _ones(10 * PIECE))
     _wait(lambda: len(log) == 2)
     f.close()
     assert f._threads and not any(t.is_alive() for t in f._threads)
-    f.add("b", np.ones(PIECE, np.uint8))
+    f.add("b", _ones(PIECE))
     assert f.ready("b", 0, PIECE) is False
     assert len(log) == 2
 

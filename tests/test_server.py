@@ -681,6 +681,7 @@ import threading  # noqa: E402
 import weightlift.server as server_mod  # noqa: E402
 import weightlift.pool as pool_mod  # noqa: E402
 import weightlift.faulter as faulter_mod  # noqa: E402
+import weightlift.fresh as fresh_mod  # noqa: E402
 from weightlift.errors import DeviceError  # noqa: E402
 
 
@@ -828,17 +829,22 @@ def test_cuda_target_is_made_at_the_first_alloc_not_at_connect(monkeypatch):
 
 
 def test_fresh_destination_is_faulted_in_at_most_a_window_ahead_of_the_payload(monkeypatch):
+    # with the receiver faulting what the helpers have not reached (one fill policy), every
+    # page is faulted exactly once, by a helper or by the receiver
+    monkeypatch.setenv("WEIGHTLIFT_FAULT_AHEAD", "1")
+    fresh_mod.reset_policy()
+    monkeypatch.setattr(fresh_mod, "_policy", None)  # forgotten again after the test
     piece = 64 * 1024
     monkeypatch.setattr(server_mod, "FAULT_PIECE", piece)
     monkeypatch.setattr(server_mod, "FAULT_WINDOW", 4 * piece)
     touched: list[int] = []
-    real = faulter_mod.populate
+    real = faulter_mod.fault_in
 
     def counting(buf):
         touched.append(len(buf))
         real(buf)
 
-    monkeypatch.setattr(faulter_mod, "populate", counting)
+    monkeypatch.setattr(faulter_mod, "fault_in", counting)
     monkeypatch.setattr(server_mod, "populate", counting)
     with Server() as s:
         raw = Raw(s.address)
@@ -865,8 +871,8 @@ def test_tensors_allocated_ahead_land_whole_in_any_write_order(monkeypatch):
     # fresh pool mappings (>= 2 MiB) go to the faulter at ALLOC; the WRITEs come in another
     # order, in pieces, one tensor abandoned half-written: every byte where it belongs. The
     # helpers are slowed down, so the receiver meets pieces queued, running and done.
-    real = faulter_mod.populate
-    monkeypatch.setattr(faulter_mod, "populate", lambda buf: (time.sleep(0.002), real(buf)))
+    real = faulter_mod.fault_in
+    monkeypatch.setattr(faulter_mod, "fault_in", lambda buf: (time.sleep(0.002), real(buf)))
     rng = np.random.default_rng(5)
     data = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (3 << 20, (5 << 20) + 123, 2 << 20)]
     with Server() as s:

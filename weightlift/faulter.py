@@ -29,7 +29,7 @@ import threading
 from collections import deque
 from typing import Any, Hashable
 
-from .targets import populate
+from .fresh import fault_in, policy
 
 __all__ = ["Faulter"]
 
@@ -58,10 +58,14 @@ class _Region:
 class Faulter:
     """Helper threads that fault registered regions in, piece by piece, in registration order."""
 
-    def __init__(self, *, threads: int = 2, piece: int = 4 << 20, window: int = 32 << 20, name: str = "wl-fault"):
+    def __init__(self, *, threads: int = 2, piece: int = 4 << 20, window: int = 32 << 20, name: str = "wl-fault",
+                 ahead: bool | None = None):
         if threads < 1 or piece < 1 or window < piece:
             raise ValueError("need threads >= 1 and window >= piece >= 1")
         self.piece, self.window, self._nthreads, self._name = piece, window, threads, name
+        # whether the receiver faults a piece the helpers have not reached before its kernel
+        # copy, or leaves it to the copy (weightlift.fresh decides which is faster here)
+        self._self_fault = policy().ahead if ahead is None else ahead
         self._cond = threading.Condition()
         # regions with pieces left for the helpers, in registration order; cancelled ones are
         # skipped (and dropped) by the helpers, so cancel() costs no scan of the queue
@@ -124,8 +128,8 @@ class Faulter:
             return True
         try:
             assert view is not None
-            for i in mine:  # only what was asked for: a 1-byte WRITE faults one page, not a piece
-                populate(view[max(begin, i * self.piece) : min(end, (i + 1) * self.piece)])
+            for i in mine if self._self_fault else ():  # only what was asked for: a 1-byte WRITE faults one page
+                fault_in(view[max(begin, i * self.piece) : min(end, (i + 1) * self.piece)])
         finally:
             with self._cond:
                 for i in mine:
@@ -210,7 +214,7 @@ class Faulter:
                 view = r.view
                 assert view is not None  # a queued piece belongs to a region not cancelled
             try:
-                populate(view[i * self.piece : (i + 1) * self.piece])
+                fault_in(view[i * self.piece : (i + 1) * self.piece])
             finally:
                 del view
                 with self._cond:

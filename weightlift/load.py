@@ -39,6 +39,7 @@ from .checkpoint import Checkpoint, Select, open_checkpoint
 from .dtypes import DTYPES, dtype_info, from_numpy, from_torch
 from .errors import FormatError, OptionError, WeightliftError
 from .formats import TensorInfo
+from .fresh import policy as _fill_policy
 from .plan import CHUNK, Run, layout, make_chunks, make_runs
 from .source import (
     MAX_WARMERS,
@@ -504,8 +505,8 @@ class _Mover:
             return
         prof = self.prof
         t0 = time.perf_counter_ns() if prof is not None else 0
-        populate(dst)  # faulting fresh pages inside preadv costs several times more
-        if prof is not None:
+        populate(dst)  # faulted ahead of preadv where this machine's fill policy says it pays
+        if prof is not None and _fill_policy().ahead:
             prof.record("stage", t0, time.perf_counter_ns(), 0, name="fault-in")
         mv = memoryview(dst)
         done = 0

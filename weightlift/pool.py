@@ -1,9 +1,9 @@
 """Host memory that has been touched once, kept for reuse by a long-lived process (the server).
 
-Theory of operation. On the machines this runs on, the first touch of fresh anonymous memory
-costs far more than the copy into it: the host backs guest memory lazily (about 1 GB/s here,
-against 15-25 GB/s for a copy into memory already touched), and a few seconds after the guest
-frees memory the host takes it back, so freeing and allocating again pays the full price again.
+Theory of operation. On many machines the first touch of fresh anonymous memory costs more
+than the copy into it (a virtual machine whose host backs guest memory lazily pays a fault in
+the host too), and a host that takes freed guest memory back makes freeing and allocating again
+pay the full price again.
 A tensor server that replaces its weights (a weight update: the same tensors, new values)
 would pay it on every update. The pool keeps the mappings of tensors the server no longer holds
 and hands them out again for tensors of the same size class, pages already backed.
@@ -32,6 +32,8 @@ from collections import deque
 
 import numpy as np
 
+from .fresh import fault_in, new_mapping
+
 __all__ = ["HostPool", "POOL_MIN", "size_class"]
 
 POOL_MIN = 2 * 1024 * 1024  # below this, np.empty: malloc's own free lists reuse small blocks
@@ -39,18 +41,9 @@ _CLASS = 2 * 1024 * 1024
 
 
 def size_class(nbytes: int) -> int:
-    """The mapping size a tensor of ``nbytes`` gets: whole huge pages."""
+    """The mapping size a tensor of ``nbytes`` gets: whole 2 MiB classes, so a released mapping
+    fits the next tensor of about its size (and huge pages, where the policy uses them)."""
     return -(-nbytes // _CLASS) * _CLASS
-
-
-def new_mapping(size: int) -> mmap.mmap:
-    """A private anonymous mapping advised to use transparent huge pages (faulted 2 MiB at a time)."""
-    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        m.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):
-        pass  # no THP here: 4 KiB pages hold the same bytes, only slower to fault
-    return m
 
 
 class HostPool:
@@ -173,7 +166,7 @@ class HostPool:
                     if a >= b:
                         return
                     self._inflight = b
-                view[a:b:mmap.PAGESIZE] = 0  # nothing in [_faulted, _inflight) is written by anyone else
+                fault_in(view[a:b])  # nothing in [_faulted, _inflight) is written by anyone else
                 with self._cond:
                     self._faulted, self._inflight = b, 0
                     self._cond.notify_all()

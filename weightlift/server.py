@@ -100,6 +100,7 @@ from .protocol import (
 )
 from .digests import hash_buffer
 from .faulter import Faulter
+from .fresh import policy as fill_policy
 from .pool import POOL_MIN, HostPool, size_class
 from .targets import CudaTarget, Target, make_target, populate, view_as
 from .transport import Listener, SocketStream, receive_message, receive_payload
@@ -109,8 +110,7 @@ __all__ = ["Server", "ENV_LOAD_OPT", "load_opt_enabled", "is_loopback", "default
 ENV_LOAD_OPT = "WEIGHTLIFT_LOAD_OPT"
 STAGING_BYTES = 8 * 1024 * 1024  # one per connection, for targets that are not host memory
 HASH_PIECE = 4 * 1024 * 1024  # received-then-hashed piece: still in the CPU cache when hashed
-FAULT_PIECE = 4 * 1024 * 1024  # fresh destination memory is faulted in this much at a time ...
-FAULT_THREADS = 2  # ... by this many helper threads per connection ...
+FAULT_PIECE = 4 * 1024 * 1024  # fresh destination memory is faulted in this much at a time by the helpers ...
 FAULT_WINDOW = 64 * 1024 * 1024  # ... at most this far ahead of the bytes received (weightlift.faulter)
 SCRATCH_BYTES = 64 * 1024  # frame headers and drained payloads
 LINGER_BYTES = 64 * 1024 * 1024  # after an ERROR, how much of the peer's input to drain before closing
@@ -828,9 +828,9 @@ class _Connection:
                 p.dest = self.target.empty(p.dtype, p.shape)
         except Exception as e:  # ENOMEM from mmap, numpy on an absurd shape, torch out of memory, no device
             raise _RequestError(f"cannot allocate {p.name!r} ({p.dtype} {p.shape}, {p.nbytes} bytes): {type(e).__name__}: {e}") from None
-        if fresh and fault and self.srv._opt:
+        if fresh and fault and self.srv._opt and fill_policy().helpers > 0:
             if self._faulter is None:
-                self._faulter = Faulter(threads=FAULT_THREADS, piece=FAULT_PIECE, window=FAULT_WINDOW)
+                self._faulter = Faulter(threads=fill_policy().helpers, piece=FAULT_PIECE, window=FAULT_WINDOW)
             self._faulter.add(p, raw)
 
     def _charge(self, p: _Pending) -> None:
@@ -926,9 +926,9 @@ class _Connection:
 
     def _receive_direct(self, p: _Pending, h: WriteHeader) -> None:
         dest = self.target.host_view(p.dest)
-        # Fresh pages faulted inside recv_into cost several times more, so each piece is faulted
-        # in before it is received into: fresh memory by the faulter's helpers, ahead of the
-        # socket (see _ensure_dest), anything else here (a no-op for memory touched before).
+        # Fresh memory is faulted in ahead of the socket by the faulter's helpers (see
+        # _ensure_dest); a piece they have not reached is faulted here first or by recv_into
+        # itself, whichever this machine's fill policy found faster (weightlift.fresh).
         # Pieces end on FAULT_PIECE boundaries of the tensor, the faulter's pieces.
         step = HASH_PIECE if p.writer is not None else FAULT_PIECE
         pos, end = h.offset, h.offset + h.length
@@ -1075,8 +1075,7 @@ class _Connection:
                 self._ensure_dest(p, fault=False)
                 t0 = time.perf_counter_ns() if self.prof.enabled else 0
                 dst = np.frombuffer(self.target.host_view(p.dest), dtype=np.uint8)
-                populate(dst)
-                dst[:] = src
+                dst[:] = src  # a user-space copy faults fresh pages itself as cheaply as anything
                 if self.prof.enabled:
                     self.prof.record("stage", t0, time.perf_counter_ns(), p.nbytes, name="copy " + p.name)
                 if hash_buffer(dst) != digest:  # the source changed under the copy: prove what landed

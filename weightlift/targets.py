@@ -6,10 +6,8 @@ them. A CUDA device is not (its memory is not host-addressable), nor is any targ
 transforms the bytes (a dtype cast on load): those go through their own fill step,
 :meth:`Target.write`, fed from a reused staging buffer.
 
-Fresh host memory is the hidden cost of a host load: faulting in 4 KiB pages of new anonymous
-memory runs at about 0.5-1 GB/s on these machines, slower than the copy itself. Destinations are
-therefore carved out of private anonymous mappings advised to use transparent huge pages
-(:func:`fresh_host`), which fault in 2 MiB at a time, several times faster.
+Host destinations come from :func:`weightlift.fresh.fresh_host`, mapped the way this machine
+fills fresh memory fastest (:mod:`weightlift.fresh`).
 """
 
 from __future__ import annotations
@@ -22,32 +20,12 @@ import numpy as np
 
 from .dtypes import byte_length, dtype_info, numpy_dtype, torch_dtype
 from .errors import DeviceError, OptionError
-from .pool import new_mapping
+from .fresh import before_kernel_copy as populate
+from .fresh import fresh_host
 
 __all__ = ["Target", "HostTarget", "CastTarget", "CudaTarget", "make_target", "fresh_host", "populate", "STAGING_SLOT"]
 
-HUGE_MIN = 2 * 1024 * 1024
 STAGING_SLOT = 64 * 1024 * 1024
-
-
-def fresh_host(nbytes: int) -> np.ndarray:
-    """Uninitialised, writable host memory as a uint8 array, backed by huge pages where possible."""
-    if nbytes < HUGE_MIN:
-        return np.empty(nbytes, dtype=np.uint8)
-    return np.frombuffer(new_mapping(nbytes), dtype=np.uint8)
-
-
-def populate(buf: Any) -> None:
-    """Fault in fresh memory before the kernel copies into it (``preadv``, ``recv_into``).
-
-    A kernel copy that faults each fresh page inside it ran several times slower here than the
-    same copy into memory already faulted. One write per page from here faults huge pages at
-    about 6 GB/s; ``MADV_POPULATE_WRITE`` measured 0.5-2 GB/s on the same memory, so it is not
-    used.
-    """
-    arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
-    if arr.size:
-        arr[:: mmap.PAGESIZE] = 0
 
 
 def as_bytes(arr: Any) -> np.ndarray:

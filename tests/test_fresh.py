@@ -1,0 +1,150 @@
+from __future__ import annotations
+
+import json
+import mmap
+
+import numpy as np
+import pytest
+
+import weightlift.fresh as fresh
+from weightlift.fresh import DEFAULT, FillPolicy
+
+
+@pytest.fixture(autouse=True)
+def clean_policy(monkeypatch, tmp_path):
+    for k in ("WEIGHTLIFT_HUGEPAGES", "WEIGHTLIFT_FAULT_AHEAD", "WEIGHTLIFT_FAULT_METHOD", "WEIGHTLIFT_FAULT_HELPERS"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WEIGHTLIFT_CACHE", str(tmp_path / "cache"))
+    fresh.reset_policy()
+    yield
+    fresh.reset_policy()
+
+
+def _smaps_flags(addr: int) -> str:
+    """The VmFlags line of the mapping that holds ``addr``."""
+    with open("/proc/self/smaps", encoding="ascii") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                return line
+    raise AssertionError("mapping not found")
+
+
+def test_default_policy_without_environment_or_calibration():
+    p = fresh.policy()
+    assert (p.huge, p.ahead, p.method, p.helpers, p.source) == (DEFAULT.huge, DEFAULT.ahead, DEFAULT.method,
+                                                               DEFAULT.helpers, "default")
+
+
+def test_environment_overrides_each_choice_on_its_own(monkeypatch):
+    monkeypatch.setenv("WEIGHTLIFT_HUGEPAGES", "1")
+    monkeypatch.setenv("WEIGHTLIFT_FAULT_HELPERS", "0")
+    p = fresh.policy()
+    assert p.huge is True and p.helpers == 0 and p.source == "environment"
+    assert p.ahead == DEFAULT.ahead and p.method == DEFAULT.method
+    monkeypatch.setenv("WEIGHTLIFT_FAULT_AHEAD", "1")
+    monkeypatch.setenv("WEIGHTLIFT_FAULT_METHOD", "populate")
+    assert fresh.policy().ahead == DEFAULT.ahead  # read once per process ...
+    fresh.reset_policy()
+    assert fresh.policy().ahead is True and fresh.policy().method == "populate"  # ... until reset
+
+
+def test_a_calibration_recorded_for_this_machine_is_used_and_others_are_not(tmp_path):
+    path = fresh.memory_file()
+    import os
+
+    os.makedirs(os.path.dirname(path))
+    with open(path, "w") as f:
+        json.dump({"another machine": {"huge": False, "ahead": False, "method": "touch"},
+                   fresh.machine_key(): {"huge": True, "ahead": True, "method": "populate"}}, f)
+    p = fresh.policy()
+    assert (p.huge, p.ahead, p.method, p.source) == (True, True, "populate", "calibrated")
+
+
+def test_a_broken_memory_file_is_not_an_error():
+    import os
+
+    path = fresh.memory_file()
+    os.makedirs(os.path.dirname(path))
+    with open(path, "w") as f:
+        f.write("{not json")
+    assert fresh.policy().source == "default"
+
+
+def test_policy_rejects_an_unknown_method():
+    with pytest.raises(ValueError):
+        FillPolicy(method="prefetch")
+
+
+@pytest.mark.parametrize("huge", [False, True])
+def test_mappings_carry_the_advice_the_policy_asks_for(huge):
+    m = fresh.new_mapping(4 << 20, huge=huge)
+    a = np.frombuffer(m, dtype=np.uint8)
+    flags = _smaps_flags(a.ctypes.data).split()
+    assert ("hg" in flags) is huge and ("nh" in flags) is (not huge)
+    del a
+    m.close()
+
+
+def test_fresh_host_is_writable_and_sized_small_and_large():
+    for n in (0, 1, 4096, (2 << 20) + 5):
+        a = fresh.fresh_host(n)
+        assert a.dtype == np.uint8 and a.size == n and a.flags.writeable
+        a[:] = 7
+        assert a.sum() == 7 * n
+
+
+@pytest.mark.parametrize("method", ["touch", "populate"])
+@pytest.mark.parametrize("start,length", [(0, 5 * 4096), (10, 4096), (4000, 200), (0, 1), (4095, 2)])
+def test_fault_in_writes_only_where_it_must_and_faults_every_page(method, start, length):
+    m = mmap.mmap(-1, 8 * 4096)
+    a = np.frombuffer(m, dtype=np.uint8)
+    a[:] = 1
+    view = a[start : start + length]
+    fresh.fault_in(view, method=method)
+    pages = set(range(start // 4096, (start + length - 1) // 4096 + 1))
+    zeros = np.flatnonzero(a == 0)
+    assert zeros.size > 0 if method == "touch" else True
+    assert all(start <= z < start + length for z in zeros)  # nothing outside the buffer written
+    if method == "touch":
+        assert {int(z) // 4096 for z in zeros} == pages  # one write in every page it spans
+    del a, view
+    m.close()
+
+
+def test_fault_in_with_populate_keeps_the_bytes_of_memory_already_written():
+    # MADV_POPULATE_WRITE faults pages in without changing what they hold
+    m = mmap.mmap(-1, 4 * 4096)
+    a = np.frombuffer(m, dtype=np.uint8)
+    a[:] = 3
+    fresh.fault_in(a, method="populate")
+    assert a.min() == 3 or (a == 0).sum() <= 2  # at most the unaligned ends written by hand
+    del a
+    m.close()
+
+
+def test_before_kernel_copy_follows_the_policy(monkeypatch):
+    a = np.ones(3 * 4096, dtype=np.uint8)
+    monkeypatch.setenv("WEIGHTLIFT_FAULT_AHEAD", "0")
+    fresh.reset_policy()
+    fresh.before_kernel_copy(a)
+    assert a.min() == 1
+    monkeypatch.setenv("WEIGHTLIFT_FAULT_AHEAD", "1")
+    fresh.reset_policy()
+    fresh.before_kernel_copy(a)
+    assert a.min() == 0
+
+
+def test_calibrate_times_every_trial_in_child_processes_and_remembers_its_choice():
+    res = fresh.calibrate(8 << 20, rounds=1, pause=0.0)
+    assert set(res["medians_s"]) == {f"{'huge' if h else '4k'} {k}" for h, k in fresh.TRIALS}
+    assert all(v > 0 for v in res["medians_s"].values())
+    with open(fresh.memory_file()) as f:
+        entry = json.load(f)[fresh.machine_key()]
+    assert {k: entry[k] for k in ("huge", "ahead", "method")} == res["policy"]
+    p = fresh.policy()
+    assert p.source == "calibrated" and (p.huge, p.ahead, p.method) == tuple(res["policy"].values())
