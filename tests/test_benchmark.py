@@ -116,6 +116,36 @@ def test_round_order_gives_each_arm_different_neighbours() -> None:
     assert all(len(set(b)) > 1 for b in before)  # no arm always runs right after the same one
 
 
+def test_round_order_forward_and_reverse_keep_one_order_every_round() -> None:
+    assert [round_order("ABC", r, "forward") for r in range(3)] == [list("ABC")] * 3
+    assert [round_order("ABC", r, "reverse") for r in range(3)] == [list("CBA")] * 3
+    with pytest.raises(OptionError):
+        round_order("ABC", 0, "sideways")
+
+
+def test_run_arms_in_reverse_order() -> None:
+    res = run_arms([_marker_arm(n) for n in "ABC"], runs=2, warmup=1, profile_round=False, order="reverse")
+    assert "".join(o["arm"] for o in res["order"]) == "CBA" * 3 and res["order_mode"] == "reverse"
+
+
+def test_full_runs_pause_the_validated_settle_and_quick_runs_a_short_one(tiny, monkeypatch) -> None:
+    import weightlift.benchmark as bm
+
+    monkeypatch.setattr(bm.time, "sleep", lambda s: None)
+    full = run_benchmark(tiny, arms="limit.copy", runs=1, warmup=0, baselines=(), profile_round=False)
+    quick = run_benchmark(tiny, arms="limit.copy", runs=1, warmup=0, baselines=(), profile_round=False, quick=True)
+    assert full["settle_s"] == bm.SETTLE_S and quick["settle_s"] == bm.QUICK_SETTLE_S < bm.SETTLE_S
+
+
+def test_the_copy_floor_is_the_faster_page_size(tiny) -> None:
+    res = run_benchmark(tiny, arms="wl.numpy,limit.copy,limit.copy.huge", runs=1, warmup=0, baselines=(), settle=0,
+                        profile_round=False)
+    meds = {n: res["arms"][n]["load"]["median"] for n in ("limit.copy", "limit.copy.huge")}
+    assert res["local_limit"] == min(meds, key=meds.__getitem__)
+    line = next(x for x in format_table(res).splitlines() if x.startswith("copy floor"))
+    assert res["local_limit"] in line and "wl.numpy" in line
+
+
 def test_arms_are_interleaved_with_an_uncounted_warmup() -> None:
     arms = [_marker_arm(n) for n in "ABC"]
     res = run_arms(arms, runs=2, warmup=1, profile_round=False)
@@ -309,8 +339,9 @@ def test_run_benchmark_json_table_and_png(tiny, tmp_path) -> None:
 
 
 def test_remote_arms_are_set_against_the_fault_in_floor(tiny) -> None:
-    res = run_benchmark(tiny, arms="wl.push,limit.fault", runs=1, warmup=0, baselines=(), settle=0)
+    res = run_benchmark(tiny, arms="wl.push,limit.fault,limit.fault.huge", runs=1, warmup=0, baselines=(), settle=0)
     assert res["arms"]["limit.fault"]["status"] == "ok" and res["arms"]["wl.push"]["status"] == "ok"
+    assert res["arms"]["limit.fault.huge"]["status"] == "ok"
     line = next(x for x in format_table(res).splitlines() if x.startswith("fault-in floor"))
     assert "wl.push" in line and line.endswith("x")
 

@@ -510,9 +510,11 @@ def _baseline_copy(o: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _limit_copy(o: dict[str, Any]) -> dict[str, Any]:
-    """The copy limit as an arm: in a fresh process, like the loaders, the file's bytes out of a
-    fresh mapping into fresh memory (np.empty) on every core, then every page touched.
+def _limit_copy(o: dict[str, Any], huge: bool = False) -> dict[str, Any]:
+    """The copy floor as an arm: in a fresh process, like the loaders, the file's bytes out of a
+    fresh mapping into fresh memory on every core, then every page touched. ``huge`` advises the
+    destination to use transparent huge pages, else against them (4 KiB pages): the floor is the
+    faster of the two, whichever this machine prefers.
 
     The in-process baseline (base.copy) repeats its copy and keeps the fastest, so its "fresh"
     memory was freed by the repeat before it; on a VM whose host backs guest memory lazily (and
@@ -529,27 +531,34 @@ def _limit_copy(o: dict[str, Any]) -> dict[str, Any]:
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     src = np.frombuffer(mm, dtype=np.uint8, count=size)
-    dst = np.empty(size, dtype=np.uint8)
+    dst = np.frombuffer(_fresh_mapping(size, huge), dtype=np.uint8)
     shares = _shares(size, os.cpu_count() or 1)
     _copy_shares(src, dst, shares)
     n, b = _touch_any([dst])
     return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": 0, "bytes": b,
-            "threads": len(shares)}
+            "threads": len(shares), "huge": huge}
 
 
-def _limit_fault(o: dict[str, Any]) -> dict[str, Any]:
+def _fresh_mapping(size: int, huge: bool) -> mmap.mmap:
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
+    except (AttributeError, OSError):
+        pass
+    return m
+
+
+def _limit_fault(o: dict[str, Any], huge: bool = False) -> dict[str, Any]:
     """The floor for landing the checkpoint in memory a fresh process has never touched: a
-    private anonymous mapping of its size (advised to use huge pages) faulted in, one write
+    private anonymous mapping of its size (huge pages advised or not) faulted in, one write
     per page, one share per core; nothing is copied and nothing read. A receiver that keeps
-    every byte in fresh memory (a freshly started server, a split load) cannot be faster."""
+    every byte in fresh memory (a freshly started server, a split load) pays at least the
+    faster of the two, unless its copy faults pages more cheaply than a write per page does."""
     import numpy as np
 
     size = _data_size(o["files"][0]) if len(o["files"]) == 1 else sum(os.path.getsize(f) for f in o["files"])
     t0 = time.perf_counter_ns()
-    m = mmap.mmap(-1, size)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        m.madvise(mmap.MADV_HUGEPAGE)
-    dst = np.frombuffer(m, dtype=np.uint8)
+    dst = np.frombuffer(_fresh_mapping(size, huge), dtype=np.uint8)
     shares = _shares(size, os.cpu_count() or 1)
 
     def work(i: int) -> None:
@@ -557,7 +566,8 @@ def _limit_fault(o: dict[str, Any]) -> dict[str, Any]:
         dst[a:b:PAGE] = 1
 
     _run_threads(work, len(shares))
-    return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": 0, "bytes": size, "threads": len(shares)}
+    return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": 0, "bytes": size, "threads": len(shares),
+            "huge": huge}
 
 
 def _limit_read(o: dict[str, Any], k: int) -> dict[str, Any]:
@@ -647,10 +657,7 @@ def _baseline_tcp(o: dict[str, Any], fresh: bool = False) -> dict[str, Any]:
         th.start()
         conn, _ = lsock.accept()
         if fresh:  # every byte lands in memory never touched before, as on a freshly started server
-            buf = mmap.mmap(-1, size)
-            if hasattr(mmap, "MADV_HUGEPAGE"):
-                buf.madvise(mmap.MADV_HUGEPAGE)
-            dest = memoryview(buf)
+            dest = memoryview(_fresh_mapping(size, False))
         else:
             dest = memoryview(bytearray(BLOCK))
         got = 0
@@ -755,13 +762,16 @@ SPECS: dict[str, ArmSpec] = {
                 (*_WL_PUSH_REQ, "weightlift.cache"), weightlift=True),
         ArmSpec("wl.split", "remote", "weightlift.load with half the tensors remote",
                 ("weightlift.load", "weightlift.server"), weightlift=True),
-        ArmSpec("limit.copy", "limit", "copy limit as an arm: mmap -> fresh memory on every core, fresh process",
+        ArmSpec("limit.copy", "limit", "copy floor: mmap -> fresh memory (4 KiB pages) on every core, fresh process",
                 ("numpy",)),
+        ArmSpec("limit.copy.huge", "limit", "copy floor: mmap -> fresh memory (huge pages advised) on every core, "
+                "fresh process", ("numpy",)),
         *(ArmSpec(f"limit.read.{k}", "limit", f"raw read as an arm: {k} preadv thread(s) into touched buffers, "
                   "fresh process") for k in READ_LIMIT_THREADS),
         ArmSpec("limit.tcp", "limit", "raw loopback TCP as an arm: sendfile -> recv_into, fresh process"),
         ArmSpec("limit.fault", "limit", "fault-in floor: fresh memory of the checkpoint's size faulted in on every "
-                "core (one write per page, huge pages advised), nothing copied, fresh process", ("numpy",)),
+                "core (one write per 4 KiB page), nothing copied, fresh process", ("numpy",)),
+        ArmSpec("limit.fault.huge", "limit", "the fault-in floor with huge pages advised", ("numpy",)),
         ArmSpec("limit.tcp.fresh", "limit", "raw loopback TCP into fresh memory: sendfile -> recv_into "
                 "untouched memory the size of the data, fresh process"),
         ArmSpec("loop.plain", "probe", "read loop with no profiler code", ("weightlift.checkpoint",)),
@@ -795,9 +805,11 @@ BODIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "wl.push.reserved": _wl_push_reserved,
     "wl.split": _wl_split,
     "limit.copy": _limit_copy,
+    "limit.copy.huge": lambda o: _limit_copy(o, huge=True),
     "limit.tcp": _limit_tcp,
     "limit.tcp.fresh": lambda o: _limit_tcp(o, fresh=True),
     "limit.fault": _limit_fault,
+    "limit.fault.huge": lambda o: _limit_fault(o, huge=True),
     **{f"limit.read.{k}": (lambda o, k=k: _limit_read(o, k)) for k in READ_LIMIT_THREADS},
     "loop.plain": lambda o: _profile_loop({**o, "mode": "plain"}),
     "loop.off": lambda o: _profile_loop({**o, "mode": "off"}),

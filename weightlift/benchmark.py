@@ -81,13 +81,14 @@ GIB = 1 << 30
 MIB = 1 << 20
 
 LOCAL_ARMS = ("safetensors.numpy", "safetensors.torch", "safetensors.cuda", "torch.load", "runai",
-              "wl.numpy", "wl.numpy.nocopy", "wl.torch", "wl.cuda", "limit.copy")
+              "wl.numpy", "wl.numpy.nocopy", "wl.torch", "wl.cuda", "limit.copy", "limit.copy.huge")
 REMOTE_ARMS = ("wl.push", "wl.push.legacy", "wl.push.cached", "wl.push.update", "wl.push.reserved", "wl.push.second",
                "wl.split", "limit.tcp", "limit.tcp.fresh", "limit.fault")
 QUICK_ARMS = ("safetensors.numpy", "wl.numpy", "wl.numpy.nocopy", "wl.push", "limit.copy")
 BASELINES = ("base.copy", "base.read", "base.tcp", "base.h2d")
 ARM_KINDS = ("local", "remote", "probe", "limit")  # what runs as an interleaved arm
-SETTLE_S = 3.0  # pause before each run: longer than the host's delay before it takes freed memory back
+SETTLE_S = 20.0  # pause before each run of a full benchmark: long enough that arm order does not change the medians
+QUICK_SETTLE_S = 3.0  # --quick: short, and said to be short in its output
 
 _ARMS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_arms.py")
 # Loads bench_arms.py by path, so peer arms never import the weightlift package.
@@ -255,10 +256,15 @@ def max_resident(paths: Sequence[str]) -> float:
 # -- the loop --------------------------------------------------------------------------------
 
 
-def round_order(items: Sequence[Any], rnd: int) -> list[Any]:
-    """The order of round ``rnd``: as given for round 0, a shuffle seeded by ``rnd`` after."""
+def round_order(items: Sequence[Any], rnd: int, order: str = "shuffle") -> list[Any]:
+    """The order of round ``rnd``: ``"shuffle"``: as given for round 0, a shuffle seeded by
+    ``rnd`` after; ``"forward"`` / ``"reverse"``: as given / reversed in every round."""
+    if order not in ("shuffle", "forward", "reverse"):
+        raise OptionError(f"order must be 'shuffle', 'forward' or 'reverse', not {order!r}")
     out = list(items)
-    if rnd:
+    if order == "reverse":
+        out.reverse()
+    elif order == "shuffle" and rnd:
         random.Random(rnd).shuffle(out)
     return out
 
@@ -273,21 +279,20 @@ def run_arms(
     timeout: float = 600.0,
     profile_round: bool = True,
     settle: float = 0.0,
+    order: str = "shuffle",
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the arms interleaved, ``warmup`` uncounted rounds then ``runs`` counted ones.
 
     ``settle`` seconds pass before every run. On a VM whose host takes freed guest memory back
-    after a delay (virtio-balloon free page reporting: about 2 s), an arm started right after
-    another one exited gets the memory that one freed, still backed, at several times the
-    speed of memory the host must back afresh: without a pause, the order of the arms decides
-    part of what they measure. The pause does not make it all go: how much of the memory freed
-    earlier the host has taken back still depends on what ran before (measured: a fresh-server
-    push took 2.6-3.3 s where it followed the fault-in floor arm, 1.3-1.5 s right after
-    another push). So
-    after the first round each round runs the arms in its own shuffled order (seeded by the
-    round number: the same every time), and no arm always follows the same one. (Rotating the
-    order would not do: every arm keeps its neighbours.)
+    after a delay, an arm started right after another one exited gets the memory that one
+    freed, still backed, at several times the speed of memory the host must back afresh:
+    without a long enough pause, the order of the arms decides part of what they measure. How
+    long is long enough is measured, not assumed: run the same arms with ``order="forward"``
+    and ``order="reverse"`` (``bench/order_check.py``) and the medians must agree within
+    noise; :data:`SETTLE_S` is the pause that passed that check. By default each round after
+    the first runs the arms in its own shuffled order (seeded by the round number: the same
+    every time), so no arm always follows the same one.
     """
     if runs < 1 or warmup < 0:
         raise OptionError("runs must be at least 1 and warmup at least 0")
@@ -298,18 +303,18 @@ def run_arms(
                        "description": a.description, "times_s": [], "inner_s": [], "load_s": [],
                        "resident_before": [], "bytes": None, "tensors": None, "profile": None,
                        "server_profile": None}
-    order: list[dict[str, Any]] = []
+    order_log: list[dict[str, Any]] = []
     live = [a for a in arms if not a.skip]
     for rnd in range(warmup + runs):
         counted = rnd >= warmup
-        for a in round_order(live, rnd):
+        for a in round_order(live, rnd, order):
             r = res[a.name]
             if r["status"] != "ok":
                 if counted:
                     for k in ("times_s", "inner_s", "load_s"):
                         r[k].append(None)
                 continue
-            order.append({"round": rnd, "arm": a.name, "counted": counted})
+            order_log.append({"round": rnd, "arm": a.name, "counted": counted})
             if settle > 0:
                 time.sleep(settle)
             s = _one(a, a.argv, cold=cold, timeout=timeout, r=r)
@@ -347,7 +352,8 @@ def run_arms(
             r["first"] = summarize(r["first_s"])
             r["second_speedup"] = paired_ratio(r["first_s"], r["load_s"])  # first over second, per run
     residents = [x for r in res.values() for x in r["resident_before"]]
-    return {"arms": res, "order": order, "baseline": base, "runs": runs, "warmup": warmup, "settle_s": settle,
+    return {"arms": res, "order": order_log, "order_mode": order, "baseline": base, "runs": runs, "warmup": warmup,
+            "settle_s": settle,
             "mode": "cold" if cold else "warm",
             "cold_check": {"runs_checked": len(residents),
                            "max_resident_before": max(residents) if residents else None} if cold else None}
@@ -661,6 +667,7 @@ def run_benchmark(
     settle: float | None = None,
     json_path: str | None = None,
     png_path: str | None = None,
+    order: str = "shuffle",
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Baselines, then the arms interleaved; returns the result dict and writes JSON / PNG if asked."""
@@ -669,7 +676,8 @@ def run_benchmark(
     names = expand_arm_names(arms, quick=quick)
     if cold and arms is None:
         # a copy limit of a cold file measures the disk; the read limits are the cold ceiling
-        names = [n for n in names if n != "limit.copy"] + [f"limit.read.{k}" for k in bench_arms.READ_LIMIT_THREADS]
+        names = [n for n in names if not n.startswith("limit.copy")] + [
+            f"limit.read.{k}" for k in bench_arms.READ_LIMIT_THREADS]
     if path is None:
         path = default_checkpoint(quick=quick, size=size)
     ck = describe_checkpoint(path)
@@ -684,9 +692,9 @@ def run_benchmark(
         baseline = "safetensors.numpy" if "safetensors.numpy" in names else None
     say(f"arms ({'cold' if cold else 'warm'}, 1 warm-up + {runs} runs, interleaved): {', '.join(names)}")
     if settle is None:
-        settle = 0.0 if quick else SETTLE_S
+        settle = QUICK_SETTLE_S if quick else SETTLE_S
     result = run_arms(arm_list, runs=runs, warmup=warmup, cold=cold, baseline=baseline, timeout=timeout,
-                      profile_round=profile_round, settle=settle, log=say)
+                      profile_round=profile_round, settle=settle, order=order, log=say)
     _derive(result, ck, bl)
     result.update({
         "schema": SCHEMA,
@@ -717,11 +725,12 @@ def _derive(result: dict[str, Any], ck: dict[str, Any], bl: dict[str, Any]) -> N
     # a limit measured as an arm (fresh process, same pauses, median of the same rounds) is the
     # one the arms are held to; the in-process baselines (best of three repeats) otherwise
     reads = [n for n in result["arms"] if n.startswith("limit.read.")]
-    for kind, cands, fallback in (("local", reads or ["limit.copy"], "base.copy"), ("remote", ["limit.tcp"], "base.tcp")):
+    copies = ["limit.copy", "limit.copy.huge"]  # the copy floor: the faster page size
+    for kind, cands, fallback in (("local", reads or copies, "base.copy"), ("remote", ["limit.tcp"], "base.tcp")):
         ok = [(result["arms"][n]["load"]["median"], n) for n in cands
               if n in result["arms"] and result["arms"][n]["status"] == "ok" and result["arms"][n]["load"]["median"]]
         if ok:
-            best, name = min(ok)  # the fastest reader count, for the read limit
+            best, name = min(ok)  # the fastest reader count or page size
             limits[kind] = ck["bytes"] / best / 1e9
             result[f"{kind}_limit"] = name
         else:
@@ -790,12 +799,20 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(f"{name}: first push {_f(r['first']['median'])} s, timed push {_f(r['load']['median'])} s "
                          f"(medians, same server); {r['second_speedup']['median']:.1f}x faster than the first "
                          "(median of per-run ratios)")
-    floor = result["arms"].get("limit.fault")
-    if floor and floor["status"] == "ok" and floor["load"]["median"]:
-        fl = floor["load"]["median"]
+    floors = [(r["load"]["median"], n) for n in ("limit.fault", "limit.fault.huge")
+              if (r := result["arms"].get(n)) and r["status"] == "ok" and r["load"]["median"]]
+    if floors:
+        fl, fname = min(floors)  # the faster page size
         over = [f"{n} {r['load']['median'] / fl:.2f}x" for n, r in result["arms"].items()
                 if r["status"] == "ok" and r["load"]["median"] and (r["kind"] == "remote" or n == "limit.tcp.fresh")]
-        lines.append(f"fault-in floor (limit.fault, load {fl:.3f} s): load s over it: " + ", ".join(over))
+        lines.append(f"fault-in floor ({fname}, load {fl:.3f} s): load s over it: " + ", ".join(over))
+    copies = [(r["load"]["median"], n) for n in ("limit.copy", "limit.copy.huge")
+              if (r := result["arms"].get(n)) and r["status"] == "ok" and r["load"]["median"]]
+    if copies:
+        cf, cname = min(copies)
+        over = [f"{n} {r['load']['median'] / cf:.2f}x" for n, r in result["arms"].items()
+                if r["status"] == "ok" and r["load"]["median"] and r["kind"] == "local"]
+        lines.append(f"copy floor ({cname}, load {cf:.3f} s): load s over it: " + ", ".join(over))
     lines.append(f"ratio: run i over run i of {base} in the same round, median; "
                  f"of limit: load GB/s over the copy or read limit (local: {result.get('local_limit', 'base.copy')}) "
                  f"or raw loopback TCP (remote: {result.get('remote_limit', 'base.tcp')})")
@@ -912,7 +929,13 @@ def add_arguments(p: Any, *, default_arms: str | None = None, quick_arms: str | 
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
     p.add_argument("--settle", type=float, metavar="SECONDS",
                    help=f"pause before every run, so no arm inherits memory the one before it freed "
-                        f"(default {SETTLE_S:g}; 0 with --quick)")
+                        f"(default {SETTLE_S:g}; {QUICK_SETTLE_S:g} with --quick)")
+    p.add_argument("--order", choices=("shuffle", "forward", "reverse"), default="shuffle",
+                   help="arm order per round: a seeded shuffle (default), or as given / reversed in every "
+                        "round (run both to check that the pause is long enough: same medians either way)")
+    p.add_argument("--calibrate-memory", action="store_true",
+                   help="time the ways of filling fresh memory on this machine, in fresh processes, and "
+                        "remember the fastest for weightlift's loads and servers (weightlift.fresh)")
     p.add_argument("--json", metavar="FILE", help="write the full result as JSON")
     p.add_argument("--png", metavar="FILE", help="draw time to ready and weightlift's phases (matplotlib)")
     p.add_argument("--list", action="store_true", help="list the arms and baselines, then exit")
@@ -924,6 +947,8 @@ def command(args: Any) -> int:
         for name, spec in SPECS.items():
             print(f"{name:<18} {spec.kind:<9} {spec.description}")
         return 0
+    if getattr(args, "calibrate_memory", False):
+        return _calibrate_command(args)
     gib = args.size_gib or (None if args.quick else getattr(args, "size_gib_default", None))
     size = int(gib * GIB) if gib else None
     arms = args.arms
@@ -933,13 +958,34 @@ def command(args: Any) -> int:
         args.path, arms=arms, quick=args.quick, cold=args.cold, runs=args.runs, warmup=args.warmup,
         baseline=args.baseline, size=size, baselines=() if args.no_baselines else None, timeout=args.timeout,
         profile_round=not args.no_profile, settle=args.settle, json_path=args.json, png_path=args.png,
-        log=lambda s: print(s, file=sys.stderr, flush=True))
+        order=args.order, log=lambda s: print(s, file=sys.stderr, flush=True))
     print(format_table(result))
     if args.json:
         print(f"wrote {args.json}")
     if args.png:
         print(f"wrote {args.png}" if result.get("png") else "no PNG: matplotlib is not installed")
     return 0 if any(r["status"] == "ok" for r in result["arms"].values()) else 1
+
+
+def _calibrate_command(args: Any) -> int:
+    from . import fresh
+
+    size = int(args.size_gib * GIB) if args.size_gib else 512 * MIB
+    pause = QUICK_SETTLE_S if args.quick and args.settle is None else (SETTLE_S if args.settle is None else args.settle)
+    rounds = args.runs or (1 if args.quick else 3)
+    print(f"filling {size / MIB:.0f} MiB of fresh memory {len(fresh.TRIALS)} ways, {rounds} round(s), "
+          f"{pause:g} s pause before each, fresh process each", file=sys.stderr, flush=True)
+    res = fresh.calibrate(size, rounds=rounds, pause=pause, log=lambda s: print(s, file=sys.stderr, flush=True))
+    for name, v in sorted(res["medians_s"].items(), key=lambda kv: kv[1]):
+        print(f"{name:<20} {v:.3f} s  {size / v / 1e9:.2f} GB/s")
+    pol = res["policy"]
+    print(f"chosen: {'huge' if pol['huge'] else '4 KiB'} pages, kernel copies "
+          f"{'faulted ahead (' + pol['method'] + ')' if pol['ahead'] else 'fault their own pages'}, "
+          f"fault method {pol['method']}; remembered in {fresh.memory_file()}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(res, f, indent=1)
+    return 0
 
 
 def register(subparsers: Any) -> Any:
