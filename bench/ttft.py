@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""Time to first token: transformers' own from_pretrained against weightlift.hf.from_pretrained.
+
+    python bench/ttft.py [--model DIR] [--runs 3] [--mode warm|cold|both] [--settle 15] [--json FILE]
+
+Each run is a fresh process that imports torch and transformers, builds the model from the
+same folder (transformers: ``from_pretrained``; weightlift: ``weightlift.hf.from_pretrained``),
+runs one forward pass over an 8-token prompt and takes the greedy next token. Its window runs
+from the spawn to the line the child prints then, read here; the child also reports its own
+import, load and first-forward times and its peak RSS (``VmHWM``). Both arms must produce the
+same token.
+
+The arms are interleaved (round 1 in order, then a seeded shuffle per round), with a pause
+before every run (``--settle``, 15 s) so that neither inherits memory the other just freed
+while the host still backs it. Warm runs find the model in the page cache (one uncounted
+warm-up round reads it in); cold runs first drop the model's files from the page cache
+(``posix_fadvise(DONTNEED)`` after writing back) and check with ``mincore`` that nothing
+stayed. Only the model's files are evicted: the Python, torch and transformers files the
+imports read stay cached, as they would on a serving machine.
+
+Without ``--model``, a Llama of about 0.76 GB in bfloat16 (random weights, hidden 1536, 10
+layers, vocabulary 32000) is written once by transformers' ``save_pretrained`` under the
+benchmark cache folder (``~/.cache/weightlift/bench``, or ``WEIGHTLIFT_BENCH_DIR``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from typing import Any
+
+from weightlift.benchmark import (READY, ArmFailed, ArmSkipped, bench_dir, evict_files, max_resident, round_order,
+                                  run_once, summarize)
+
+ARMS = ("transformers", "weightlift")
+MODEL_NAME = "ttft-llama-0.8g"
+
+MAKE = r"""
+import sys, torch, transformers
+cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_hidden_layers=10,
+                               num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=2048,
+                               tie_word_embeddings=False, dtype="bfloat16")
+torch.manual_seed(0)
+transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16).save_pretrained(sys.argv[1], max_shard_size="300MB")
+"""
+
+CHILD = r"""
+import time
+t0 = time.perf_counter()
+import json, os, sys
+arm, path = sys.argv[1], sys.argv[2]
+import torch, transformers
+with open(os.path.join(path, "config.json")) as f:
+    cls = getattr(transformers, json.load(f)["architectures"][0])  # transformers imports the model's module here
+if arm == "weightlift":
+    import weightlift.hf
+t_import = time.perf_counter()
+if arm == "transformers":
+    model = cls.from_pretrained(path)
+else:
+    model = weightlift.hf.from_pretrained(path, model_class=cls, progress=False)
+t_load = time.perf_counter()
+with torch.inference_mode():
+    token = int(model(input_ids=torch.tensor([[1, 8, 15, 22, 29, 36, 43, 50]])).logits[0, -1].argmax())
+t_first = time.perf_counter()
+with open("/proc/self/status") as f:
+    hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+info = {"import_s": t_import - t0, "load_s": t_load - t_import, "forward_s": t_first - t_load,
+        "inner_s": t_first - t0, "peak_rss": hwm, "token": token, "dtype": str(model.dtype)}
+print(READY, time.time_ns(), json.dumps(info), flush=True)
+""".replace("READY,", repr(READY) + ",")
+
+
+def ensure_model() -> str:
+    path = os.path.join(bench_dir(), MODEL_NAME)
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    tmp = f"{path}.tmp{os.getpid()}"
+    print(f"writing the benchmark model (once): {path}", file=sys.stderr)
+    subprocess.run([sys.executable, "-c", MAKE, tmp], check=True, env=_env())
+    os.replace(tmp, path)
+    return path
+
+
+def _env() -> dict[str, str]:
+    # the progress bars of both loaders would go to a pipe nobody reads
+    return {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+
+
+def model_files(path: str) -> list[str]:
+    return sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith((".safetensors", ".json")))
+
+
+def run_mode(path: str, *, cold: bool, runs: int, settle: float, log: Any) -> dict[str, Any]:
+    files = model_files(path)
+    res: dict[str, dict[str, Any]] = {a: {"window_s": [], "samples": [], "resident_before": []} for a in ARMS}
+    warmup = 0 if cold else 1  # warm: one uncounted round puts the files in the page cache
+    for rnd in range(warmup + runs):
+        for arm in round_order(ARMS, rnd):
+            time.sleep(settle)
+            resident = None
+            if cold:
+                evict_files(files)
+                resident = max_resident(files)
+            try:
+                s = run_once([sys.executable, "-c", CHILD, arm, path], env=_env(), timeout=900)
+            except (ArmFailed, ArmSkipped) as e:
+                raise SystemExit(f"ttft: the {arm} arm failed: {e}") from None
+            label = "warm-up" if rnd < warmup else f"run {rnd - warmup + 1}"
+            log(f"  {'cold' if cold else 'warm'} {label} {arm}: {s.window_s:.2f} s to first token"
+                f" (load {s.info['load_s']:.2f} s, peak RSS {s.info['peak_rss'] / 2**30:.2f} GiB)")
+            if rnd >= warmup:
+                r = res[arm]
+                r["window_s"].append(s.window_s)
+                r["samples"].append(s.info)
+                if resident is not None:
+                    r["resident_before"].append(resident)
+    for r in res.values():
+        r["summary"] = {k: summarize([x[k] for x in r["samples"]]) for k in ("import_s", "load_s", "forward_s", "peak_rss")}
+        r["summary"]["window_s"] = summarize(r["window_s"])
+    tokens = {x["token"] for r in res.values() for x in r["samples"]}
+    return {"mode": "cold" if cold else "warm", "arms": res, "same_token": len(tokens) == 1,
+            "max_resident_before": max((x for r in res.values() for x in r["resident_before"]), default=None)}
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [f"model {result['model']} ({result['bytes'] / 1e9:.2f} GB in {result['files']} files), "
+             f"median of {result['runs']} runs per arm, {result['settle_s']:.0f} s pause before each run"]
+    head = f"{'mode':<5} {'arm':<13} {'to 1st token':>12} {'(min-max)':>15} {'import':>7} {'load':>7} {'forward':>8} {'peak RSS':>9}"
+    lines += [head, "-" * len(head)]
+    for m in result["modes"]:
+        for arm in ARMS:
+            s = m["arms"][arm]["summary"]
+            w = s["window_s"]
+            lines.append(f"{m['mode']:<5} {arm:<13} {w['median']:>10.2f} s {w['min']:>6.2f}-{w['max']:<6.2f} s"
+                         f" {s['import_s']['median']:>6.2f}s {s['load_s']['median']:>6.2f}s {s['forward_s']['median']:>7.2f}s"
+                         f" {s['peak_rss']['median'] / 2**30:>6.2f} GiB")
+        t, w = (m["arms"][a]["summary"] for a in ARMS)
+        note = (f"      speed-up with weightlift (transformers' median over weightlift's): load "
+                f"{t['load_s']['median'] / w['load_s']['median']:.2f}x, time to first token "
+                f"{t['window_s']['median'] / w['window_s']['median']:.2f}x")
+        if not m["same_token"]:
+            note += "; WARNING: the arms produced different tokens"
+        if m["max_resident_before"] is not None:
+            note += f"; at most {m['max_resident_before'] * 100:.1f} % of a file resident before a cold run"
+        lines.append(note)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="a folder written by save_pretrained (default: a generated 0.76 GB Llama)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--mode", choices=["warm", "cold", "both"], default="both")
+    ap.add_argument("--settle", type=float, default=15.0, help="pause before each run, seconds (default 15)")
+    ap.add_argument("--json", metavar="FILE", help="write the result as JSON here ('-': stdout, instead of the table)")
+    a = ap.parse_args(argv)
+    if a.runs < 1:
+        ap.error("--runs must be at least 1")
+    path = a.model or ensure_model()
+    files = model_files(path)
+    log = (lambda s: print(s, file=sys.stderr, flush=True))
+    modes = ["warm", "cold"] if a.mode == "both" else [a.mode]
+    result: dict[str, Any] = {
+        "schema": "weightlift-ttft/1", "model": path, "files": len(files),
+        "bytes": sum(os.path.getsize(f) for f in files if f.endswith(".safetensors")),
+        "runs": a.runs, "settle_s": a.settle, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "modes": [],
+    }
+    for m in modes:
+        result["modes"].append(run_mode(path, cold=m == "cold", runs=a.runs, settle=a.settle, log=log))
+    if a.json == "-":
+        print(json.dumps(result, indent=1))
+        return 0
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    print(format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
