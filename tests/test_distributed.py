@@ -34,14 +34,14 @@ from weightlift.errors import OptionError, TransportError  # noqa: E402
 from weightlift.formats.gguf import dequantize  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _checkpoints import byte_length, raw_bytes, write, write_sharded  # noqa: E402
+from _checkpoints import byte_length, every_dtype, raw_bytes, write, write_sharded  # noqa: E402
 
 HERE = Path(__file__).resolve()
 GROUP_DEADLINE = 60.0  # seconds a whole group may take, start-up included, before it is a hang
 
 # name, dtype, shape: dim 0 (even and uneven), dim 1 with small rows (redistributed in a group
-# by default) and with rows of 128 KiB, a 3-D tensor split along its middle, an empty slice on
-# the last rank of 4, replicated tensors and a scalar
+# by default) and with rows of 128 KiB, a 3-D tensor split along its middle, empty slices on
+# the last rank of 4 along dim 0 and dim 1, replicated tensors and a scalar
 LAYOUT = [
     ("emb.weight", "F16", (1001, 256)),
     ("l0.q_proj.weight", "F32", (512, 512)),
@@ -53,6 +53,7 @@ LAYOUT = [
     ("l0.x3", "F32", (6, 10, 4)),
     ("l0.scalar", "F64", ()),
     ("l0.wide", "U8", (4, 1 << 18)),
+    ("l0.narrow", "F32", (8, 3)),
 ]
 RULES = {
     "emb.weight": "colwise",
@@ -63,6 +64,7 @@ RULES = {
     "*.tiny": 0,
     "*.x3": 1,
     "*.wide": -1,
+    "*.narrow": "rowwise",
 }
 GGUF_RULES = {"blk.0.ffn_down.weight": 1, "blk.0.attn_v.weight": 1, "blk.0.ffn_gate.weight": 0, "four_d": 2}
 
@@ -179,6 +181,36 @@ def test_gguf_block_aligned_split_and_misaligned_error(ckpts):
         wl.load(ckpts["gguf"], shard=Shard({"blk.0.ffn_down.weight": 1}, rank=0, world=4))
 
 
+def test_every_dtype_splits_on_dim_0_and_packed_types_only_on_bytes(tmp_path):
+    tensors = every_dtype()
+    path = write(tmp_path / "all.safetensors", tensors)
+    shard = Shard([("t.f64", None), ("*", 0)], rank=1, world=2)  # the scalar cannot split
+    got = wl.load(path, shard=shard)
+    for name, _, shape, raw in tensors:
+        if not shape:
+            assert raw_bytes(got[name]) == raw
+            continue
+        row = len(raw) // shape[0] if shape[0] else 0
+        a, b = chunk_bounds(shape[0], 1, 2)
+        assert raw_bytes(got[name]) == raw[a * row : b * row], name
+    # F4 rows of 6 elements are 3 bytes: halves of 12 bits fall inside a byte
+    with pytest.raises(OptionError, match="byte"):
+        wl.load(path, shard=Shard({"t.f4": 1}, rank=0, world=2))
+
+
+def test_rows_split_covers_the_rows_in_order():
+    from weightlift.distributed import Rows
+
+    for rows in (Rows("f", 10, 7, 20, 9), Rows("f", 0, 100, 100, 1), Rows("f", 5, 50, 64, 3)):
+        spans = []
+        for at, sub in rows.split(16):
+            assert sub.nbytes <= 16 or sub.count == 1
+            spans += [(at + i * sub.seg, sub.offset + i * sub.stride, sub.seg) for i in range(sub.count)]
+        flat = [(dst + k, src + k) for dst, src, n in spans for k in range(n)]
+        want = [(i * rows.seg + k, rows.offset + i * rows.stride + k) for i in range(rows.count) for k in range(rows.seg)]
+        assert flat == want
+
+
 def test_bad_rules_are_option_errors(ckpts):
     for bad in ({"*": "diagonal"}, {"*": True}, [("*",)]):
         with pytest.raises(OptionError):
@@ -285,8 +317,8 @@ def test_group_loads_and_broadcast(ckpts, world, tmp_path):
     assert reports[0]["bytes_read"]["broadcast"] == total
     assert all(r["bytes_read"]["broadcast"] == 0 for r in reports[1:])
     paths = reports[0]["paths"]
-    assert paths["shard"] == {"replicated": 2, "direct": 4, "redistributed": 4}
-    assert paths["shard_rows"] == {"replicated": 2, "direct": 8, "redistributed": 0}
+    assert paths["shard"] == {"replicated": 2, "direct": 4, "redistributed": 5}
+    assert paths["shard_rows"] == {"replicated": 2, "direct": 9, "redistributed": 0}
 
 
 @pytest.mark.parametrize("who", ["receiver", "source"])

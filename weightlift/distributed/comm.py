@@ -60,14 +60,17 @@ class Comm:
             raise OptionError("this process is not a member of the process group it was given")
         self.backend = str(dist.get_backend(self.group)).lower()
         self.timeout = None if timeout is None else datetime.timedelta(seconds=float(timeout))
+        self.device = "cpu"  # where collective buffers live; check_device sets the load's device
 
     def check_device(self, device: str) -> None:
-        """A gloo group moves host memory, an NCCL group device memory: refuse a mismatch now."""
+        """A gloo group moves host memory, an NCCL group device memory: refuse a mismatch now.
+        The small tensors weightlift exchanges besides the arena go to the same device."""
         cuda = str(device).startswith("cuda")
         if self.backend == "nccl" and not cuda:
             raise OptionError("an NCCL group moves CUDA memory: load with device='cuda:N', or pass a gloo group")
         if self.backend == "gloo" and cuda:
             raise OptionError("a gloo group moves host memory here: load with device='cpu', or pass an NCCL group")
+        self.device = str(device)
 
     def global_rank(self, r: int) -> int:
         if self.group is self.dist.group.WORLD:
@@ -124,14 +127,6 @@ class Comm:
             return work
         self.wait(work, what)
         return None
-
-    def barrier(self) -> None:
-        # a tiny all_gather rather than dist.barrier(): it obeys our timeout and needs no device id
-        import torch
-
-        dev = "cuda" if self.backend == "nccl" else "cpu"
-        out = torch.zeros(self.world, dtype=torch.uint8, device=dev)
-        self.all_gather(out, out[self.rank : self.rank + 1], what="barrier")
 
 
 class Arena:

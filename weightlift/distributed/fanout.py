@@ -124,7 +124,7 @@ def _broadcast_description(comm: Comm, desc: bytes, src: int, *, failed: bool = 
     length of -1 says the source failed before it could describe anything."""
     import torch
 
-    dev = "cuda" if comm.backend == "nccl" else "cpu"
+    dev = comm.device
     n = torch.tensor([-1 if failed else len(desc)], dtype=torch.int64, device=dev)
     comm.broadcast(n, src, what="broadcast of the tensor list")
     size = int(n.item())

@@ -156,10 +156,9 @@ def _agree(comm: Comm, digest: bytes | None) -> None:
     """All ranks planned, and planned the same load; else every rank raises (a failed rank its own error)."""
     import torch
 
-    dev = "cuda" if comm.backend == "nccl" else "cpu"
     mine = torch.tensor(list(b"\1" + digest) if digest is not None else [0] * 9, dtype=torch.uint8)
-    out = torch.zeros(9 * comm.world, dtype=torch.uint8, device=dev)
-    comm.all_gather(out, mine.to(dev), what="agreement on the load plan")
+    out = torch.zeros(9 * comm.world, dtype=torch.uint8, device=comm.device)
+    comm.all_gather(out, mine.to(comm.device), what="agreement on the load plan")
     rows = out.cpu().numpy().reshape(comm.world, 9)
     if digest is None:
         return
