@@ -25,7 +25,7 @@ from ..dtypes import byte_length, dtype_info
 from ..errors import OptionError, RemoteProtocolError, WeightliftError
 from ..formats import TensorInfo
 from .comm import Arena, Comm, pack
-from .group import _checked_map, _overlaps, _read_piece
+from .group import _checked_map, _overlaps, read_all
 from .reader import SliceReader
 from .shard import Rows, whole
 
@@ -95,8 +95,8 @@ def broadcast_load(
     for lo in range(0, total, chunk):
         hi = min(total, lo + chunk)
         if source:
-            for t, off, a, b in _overlaps(infos, offs, lo, hi):
-                _read_piece(arena, reader, Rows(t.file, t.offset + a, b - a, b - a, 1), off + a)  # type: ignore[arg-type]
+            read_all(arena, reader, [(Rows(t.file, t.offset + a, b - a, b - a, 1), off + a)  # type: ignore[arg-type]
+                                     for t, off, a, b in _overlaps(infos, offs, lo, hi)])
         pending.append((comm.broadcast(at[lo:hi], src, async_op=True, what="broadcast of weights"), hi - lo))
         chunks += 1
         if len(pending) > 1:

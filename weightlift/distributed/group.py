@@ -28,6 +28,7 @@ import hashlib
 import time
 import warnings
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping
 
 import numpy as np
@@ -44,6 +45,8 @@ __all__ = ["distributed_load", "STRIPE", "ROUND"]
 
 STRIPE = 16 * 1024 * 1024
 ROUND = 64 * 1024 * 1024
+READ_CHUNK = 16 * 1024 * 1024
+READERS = 4  # as the local loader's cold readers (source.MAX_WARMERS)
 
 
 def distributed_load(
@@ -96,6 +99,8 @@ def distributed_load(
         comm = None  # rank and world came from the default group; the load itself is local
     if comm is not None and not copy:
         raise OptionError("copy=False gives views of this machine's files: not with group=")
+    if not copy and str(device) != "cpu":
+        raise OptionError("copy=False returns views of the file's mapping: only for device='cpu'")
     failure: Exception | None = None
     try:
         ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
@@ -190,17 +195,27 @@ def _all_pieces(infos: list[TensorInfo], shard: Shard | None) -> list[list[Piece
 def _local(pieces: list[Piece], reader: SliceReader, device: str, framework: str) -> dict[str, Any]:
     offs, total = pack([p.nbytes for p in pieces])
     arena = Arena(total, device)
-    for p, off in zip(pieces, offs):
-        _read_piece(arena, reader, p.rows, off)
+    read_all(arena, reader, [(p.rows, off) for p, off in zip(pieces, offs)])
     return {p.name: arena.view(off, p, framework) for p, off in zip(pieces, offs)}
 
 
-def _read_piece(arena: Arena, reader: SliceReader, rows: Rows, off: int) -> None:
-    if rows.nbytes <= arena.limit:
-        arena.fill(off, rows.nbytes, lambda buf: reader.read(rows, buf))
+def read_all(arena: Arena, reader: SliceReader, jobs: list[tuple[Rows, int]]) -> None:
+    """Read each (rows, arena offset) job into the arena, in pieces of at most :data:`READ_CHUNK`
+    bytes, on up to :data:`READERS` threads for a host arena (a cold file wants parallel
+    readers; a device arena has one staging buffer, so one thread)."""
+    subs = [(sub, off + at) for rows, off in jobs for at, sub in rows.split(min(arena.limit, READ_CHUNK))]
+
+    def one(job: tuple[Rows, int]) -> None:
+        sub, off = job
+        arena.fill(off, sub.nbytes, lambda buf: reader.read(sub, buf))
+
+    if arena.cuda or len(subs) < 2:
+        for job in subs:
+            one(job)
         return
-    for at, sub in rows.split(arena.limit):
-        arena.fill(off + at, sub.nbytes, lambda buf, sub=sub: reader.read(sub, buf))  # type: ignore[misc]
+    with ThreadPoolExecutor(min(READERS, len(subs)), thread_name_prefix="wl-dist-read") as ex:
+        for _ in ex.map(one, subs):
+            pass
 
 
 def _borrowed(m: MappedFile, p: Piece, framework: str) -> Any:
@@ -279,12 +294,10 @@ class _GroupLoad:
             if len(pending) > 1:
                 comm.wait(*pending.popleft())
 
-        starts = [o for o in rep_offs]
         for base, c in rounds:
             lo = base + me * c
-            for t, off, a, b in _overlaps(self.rep, starts, lo, lo + c):
-                rows = Rows(t.file, t.offset + a, b - a, b - a, 1)
-                _read_piece(arena, self.reader, rows, off + a)
+            read_all(arena, self.reader, [(Rows(t.file, t.offset + a, b - a, b - a, 1), off + a)
+                                          for t, off, a, b in _overlaps(self.rep, rep_offs, lo, lo + c)])
             post(comm.all_gather(at[base : base + w * c], at[lo : lo + c], async_op=True,
                                  what="all_gather of replicated tensors"), "all_gather of replicated tensors")
         sends = [None, None]
@@ -295,8 +308,7 @@ class _GroupLoad:
             n_in = sum(xr.send_splits(me))
             post(comm.all_to_all(at[xo : xo + x_sizes[k]], send_t[:n_in], xr.recv_splits(me), xr.send_splits(me),
                                  async_op=True, what="all_to_all of sharded tensors"), "all_to_all of sharded tensors")
-        for p, off in zip(self.direct, d_offs):  # overlaps the last collectives
-            _read_piece(arena, self.reader, p.rows, off)
+        read_all(arena, self.reader, [(p.rows, off) for p, off in zip(self.direct, d_offs)])  # overlaps the last collectives
         while pending:
             comm.wait(*pending.popleft())
         out: dict[str, Any] = {}
