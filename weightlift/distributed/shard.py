@@ -16,7 +16,11 @@ placement              DTensor                 tensor parallelism (vLLM, torch T
 "replicate" or None    ``Replicate()``         RowParallelLinear's bias, norms, ...
 =====================  ======================  ==========================================
 
-DTensor placement objects (``Shard(1)``, ``Replicate()``) are accepted as they are.
+DTensor placement objects (``Shard(1)``, ``Replicate()``) are accepted as they are. vLLM's
+QKVParallelLinear and MergedColumnParallelLinear split q, k, v (gate, up) each along dim 0, so
+checkpoints that store them apart take "colwise" each; a fused tensor (``qkv_proj`` stored as
+one) needs a split per part, and vLLM's replication of kv heads when there are fewer of them
+than ranks is not expressible as a rule.
 
 Uneven sizes follow ``torch.chunk``, as DTensor's ``Shard(d)`` does: every rank but the last
 few gets ``ceil(n / world)`` items, the rest get what is left, possibly nothing (5 rows over 4
