@@ -16,9 +16,10 @@ Arms, each run with a fresh server started before it and ready (its ready line r
   wl.push.api  the same server, then python -c '... weightlift.Client(addr).push(MODEL)'
 
 The time is the client process's, spawn to exit. Each round runs the arms in an order shuffled
-with a seeded RNG; 1 warm-up round then --runs counted ones; --settle seconds (default 20) pass
-before every run so that memory freed by the previous run does not speed up the next. The page
-cache stays warm: the model is read from memory in every run. After each run the server's CPU
+with a seeded RNG (every permutation once per 6 rounds, so each arm takes each place equally);
+1 warm-up round then --runs counted ones; --settle seconds (default 20) pass before every run
+so that memory freed by the previous run does not speed up the next. The page cache stays
+warm: the model is read from memory in every run. After each run the server's CPU
 time is read from /proc and what arrived is checked (weightlift: Client.list count and bytes;
 rpc: the uploader's own count); before the rounds one rpc upload is read back and compared
 with the file byte for byte.
@@ -32,7 +33,9 @@ Build the two ggml programs first (see bench/llamacpp/README.md):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
 import platform
 import random
@@ -325,6 +328,20 @@ def fmt(s: dict[str, float] | None, unit: str = "s") -> str:
     return f"{s['median']:.3f} {unit} ({s['min']:.3f}-{s['max']:.3f})"
 
 
+def round_orders(arms: list[str], rounds: int, seed: int) -> list[list[str]]:
+    """The arm order of each round: every permutation of the arms once per block of len(arms)!
+    rounds, the blocks shuffled by a seeded RNG. With 3 arms and 6 rounds each arm runs first,
+    second and last twice, so none keeps the same neighbour or position."""
+    perms = [list(p) for p in itertools.permutations(arms)]
+    rng = random.Random(seed)
+    out: list[list[str]] = []
+    while len(out) < rounds:
+        block = [list(p) for p in perms]
+        rng.shuffle(block)
+        out += block
+    return out[:rounds]
+
+
 def ggml_commit(bin_dir: Path) -> str:
     f = bin_dir / "ggml-commit"
     return f.read_text().strip() if f.exists() else "unknown"
@@ -346,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=5, help="counted rounds (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="uncounted rounds first (default 1)")
     p.add_argument("--settle", type=float, default=20.0, help="pause in seconds before every run (default 20)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the per-round arm order (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the per-round arm orders (default 0)")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
     p.add_argument("--no-fence", action="store_true",
                    help="llama.rpc: end the timing when the last SET_TENSOR is written, not when it is stored")
@@ -394,10 +411,10 @@ def main(argv: list[str] | None = None) -> int:
 
     samples: dict[str, list[dict[str, Any]]] = {x: [] for x in arms}
     order_log = []
+    orders = round_orders(arms, a.warmup + a.runs, a.seed)
     for rnd in range(a.warmup + a.runs):
         counted = rnd >= a.warmup
-        order = list(arms)
-        random.Random(a.seed * 1000 + rnd).shuffle(order)
+        order = orders[rnd]
         order_log.append(order)
         for name in order:
             if a.settle > 0:
@@ -438,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
         f"weightlift push vs llama.cpp RPC server (ggml {env['ggml_commit'][:12]}, RPC protocol "
         f"v{RPC_VERSION[0] or '?'}), loopback, CPU",
         f"model: {meta['tensors']} tensors, {meta['bytes']:,} bytes ({meta['bytes'] / 1e9:.2f} GB), page cache warm",
-        f"{a.warmup} warm-up + {a.runs} counted rounds, arm order shuffled per round (seed {a.seed}), "
+        f"{a.warmup} warm-up + {a.runs} counted rounds, arm order shuffled per round (seeded {a.seed}; each "
+        f"permutation once per {math.factorial(len(arms))} rounds), "
         f"{a.settle:g} s pause before every run; fresh server per run, started and ready before the client",
         "time: client process spawn to exit" + ("" if "llama.rpc" not in arms else
                                                  (", llama.rpc fenced (ends when the server has stored every byte)"
