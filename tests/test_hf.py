@@ -135,6 +135,14 @@ def test_parameters_are_the_loaded_tensors(models):
     assert model.lm_head.weight.data_ptr() == sd["model.embed_tokens.weight"].data_ptr()
 
 
+def test_views_of_the_mapping_with_copy_false(models):
+    model, info = hf.from_pretrained(models["gpt2"], copy=False, output_loading_info=True)
+    assert info["weightlift"]["copied"] == []
+    assert torch.equal(_logits(model), _logits(_reference(models["gpt2"])))
+    with pytest.raises(wl.OptionError, match="copy=False"):
+        hf.from_pretrained(models["gpt2"], copy=False, dtype=torch.float16)  # a cast needs memory of its own
+
+
 def test_moe_experts_are_merged_like_transformers(models):
     sd = wl.load(models["mixtral"], framework="torch")
     assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in sd  # the saved, per-expert layout

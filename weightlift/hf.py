@@ -132,12 +132,10 @@ def resolve_dtype(dtype: Any, config: Any, ckpt: Checkpoint | None, tensors: Map
     cfg = getattr(config, "dtype", None)
     if cfg is not None:
         return _torch_dtype(cfg)
-    from .dtypes import dtype_info, torch_dtype
-
     if ckpt is not None:
         for t in ckpt.tensors:
-            if t.dtype.startswith(("F", "BF")) and dtype_info(t.dtype).torch:
-                return torch_dtype(t.dtype)
+            if _file_dtype(t.dtype) is not None:
+                return _file_dtype(t.dtype)
     for v in (tensors or {}).values():
         if getattr(v, "is_floating_point", lambda: False)():
             return v.dtype
@@ -178,6 +176,13 @@ def _device(device: str) -> Any:
         if d.index is None:
             d = torch.device("cuda", torch.cuda.current_device())
     return d
+
+
+def _file_dtype(name: str) -> Any:
+    """The torch dtype of a floating-point checkpoint dtype name; None for other types."""
+    from .dtypes import dtype_info, torch_dtype
+
+    return torch_dtype(name) if name.startswith(("F", "BF")) and dtype_info(name).torch else None
 
 
 def _uniform_dtype(model: Any) -> Any:
@@ -235,6 +240,11 @@ def from_pretrained(
     ``{regex: replacement}`` for checkpoint names. ``load_options`` go to :func:`weightlift.load`
     (``threads``, ``engine``, ``page_cache``, ``progress``...). Tensors are read straight into
     ``device`` in their parameter's dtype and become the parameters without a second copy.
+
+    ``copy=False`` (host memory, no cast) makes the parameters views of the files' read-only
+    mapping, as transformers' own loader does with its copy-on-write one: nothing is copied and
+    pages come in as the model first touches them, but the parameters cannot be written (an
+    in-place update of one crashes the process), so it is for inference only.
     """
     require_transformers()
     ckpt = open_checkpoint(path)
@@ -248,6 +258,8 @@ def from_pretrained(
     model = _empty_model(cls, config, dt)
     # one cast for all when every parameter shares a dtype; else file dtypes, cast per parameter below
     cast = _uniform_dtype(model)
+    if cast is not None and all(_file_dtype(t.dtype) in (None, cast) for t in ckpt.tensors):
+        cast = None  # nothing to cast: plain copies (or, with copy=False, views of the mapping)
     report: dict[str, Any] = {}
     from .load import load
 
