@@ -199,6 +199,8 @@ def test_user_errors(tmp_path, models, monkeypatch):
         hf.from_pretrained(tmp_path / "noconfig")
     with pytest.raises(wl.OptionError, match="dtype"):
         hf.from_pretrained(models["llama"], dtype="int3")
+    with pytest.raises(wl.OptionError, match="not a torch device"):
+        hf.from_pretrained(models["llama"], device="gpu7")
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)
     with pytest.raises(wl.OptionError, match="weightlift\\[hf\\]"):
         hf.require_transformers()

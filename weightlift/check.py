@@ -136,14 +136,14 @@ def _names(names: list[str], k: int = 3) -> str:
 # -- digests ---------------------------------------------------------------------------------------
 
 
-def _recorded_digests(files: list[str]) -> tuple[dict[str, tuple[int, str]], list[str], list[str]]:
-    """From the digest manifests beside ``files``: {name: (length, blake3 hex)}, the files that
-    have one, and those whose manifest was taken before the file last changed (its records are
-    still what the file held then, which is what a check wants to know)."""
+def _recorded_digests(files: list[str]) -> tuple[dict[str, tuple[int, str]], list[str]]:
+    """From the digest manifests beside ``files``: {name: (length, blake3 hex)}, and the files
+    whose manifest was taken before the file last changed (its records are still what the file
+    held then, which is what a check wants to know)."""
     from .digests import MANIFEST_SUFFIX, MANIFEST_VERSION, Manifest
 
     records: dict[str, tuple[int, str]] = {}
-    with_manifest, stale = [], []
+    stale = []
     for f in files:
         paths = Manifest(f, {})  # for its two possible locations only
         for candidate in (f + MANIFEST_SUFFIX, paths.fallback_path):
@@ -158,11 +158,10 @@ def _recorded_digests(files: list[str]) -> tuple[dict[str, tuple[int, str]], lis
             for name, e in tensors.items():
                 if isinstance(e, dict) and type(e.get("length")) is int and isinstance(e.get("blake3"), str):
                     records[name] = (e["length"], e["blake3"])
-            with_manifest.append(f)
             if len(Manifest.load(f)) == 0:
                 stale.append(f)
             break
-    return records, with_manifest, stale
+    return records, stale
 
 
 def _check_digests(reference_files: list[str], delivered: Any, what: str) -> CheckItem:
@@ -171,11 +170,15 @@ def _check_digests(reference_files: list[str], delivered: Any, what: str) -> Che
     from .digests import hash_buffer
     from .load import load
 
-    records, with_manifest, stale = _recorded_digests(reference_files)
+    records, stale = _recorded_digests(reference_files)
     if not records:
         return CheckItem("digests", None, "no digest manifest beside the checkpoint: nothing recorded to compare with",
                          {"recorded": 0})
-    views = load(delivered, copy=False, select=[t.name for t in delivered if t.name in records], progress=False)
+    names = [t.name for t in delivered if t.name in records]
+    if not names:
+        return CheckItem("digests", None, f"none of the {len(records)} tensors recorded is among those {what}",
+                         {"recorded": len(records), "checked": 0})
+    views = load(delivered, copy=False, select=names, progress=False)
     differ, checked = [], 0
     for t in delivered:
         rec = records.get(t.name)

@@ -167,7 +167,10 @@ def _empty_model(cls: type, config: Any, dtype: Any) -> Any:
 def _device(device: str) -> Any:
     import torch
 
-    d = torch.device(device)
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise OptionError(f"device {device!r} is not a torch device (cpu, cuda, cuda:N)") from None
     if d.type == "cuda":
         if not torch.cuda.is_available():
             from .errors import DeviceError
