@@ -12,7 +12,7 @@ from the spawn to the line the child prints then, read here; the child also repo
 import, load and first-forward times and its peak RSS (``VmHWM``). Both arms must produce the
 same token.
 
-The arms are interleaved (round 1 in order, then a seeded shuffle per round), with a pause
+The arms are interleaved (each round in its own order, see ``round_order``), with a pause
 before every run (``--settle``, 15 s) so that neither inherits memory the other just freed
 while the host still backs it. Warm runs find the model in the page cache (one uncounted
 warm-up round reads it in); cold runs first drop the model's files from the page cache
@@ -36,8 +36,7 @@ import sys
 import time
 from typing import Any
 
-from weightlift.benchmark import (READY, ArmFailed, ArmSkipped, bench_dir, evict_files, max_resident, round_order,
-                                  run_once, summarize)
+from weightlift.benchmark import READY, ArmFailed, ArmSkipped, bench_dir, evict_files, max_resident, run_once, summarize
 
 ARMS = ("transformers", "weightlift", "weightlift.nocopy")
 MODEL_NAME = "ttft-llama-0.8g"
@@ -98,12 +97,23 @@ def model_files(path: str) -> list[str]:
     return sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith((".safetensors", ".json")))
 
 
+def round_order(rnd: int) -> tuple[str, ...]:
+    """The arms' order in round ``rnd``: the rotations of ARMS, then those of ARMS reversed, so
+    that over three rounds each arm runs once in each position, and over six each follows each
+    other arm equally often. (The harness's seeded shuffles gave three arms the same order in
+    rounds 1 to 3.)"""
+    n = len(ARMS)
+    orders = [ARMS[i:] + ARMS[:i] for i in range(n)]
+    orders += [o[::-1] for o in orders]
+    return orders[rnd % len(orders)]
+
+
 def run_mode(path: str, *, cold: bool, runs: int, settle: float, log: Any) -> dict[str, Any]:
     files = model_files(path)
     res: dict[str, dict[str, Any]] = {a: {"window_s": [], "samples": [], "resident_before": []} for a in ARMS}
     warmup = 0 if cold else 1  # warm: one uncounted round puts the files in the page cache
     for rnd in range(warmup + runs):
-        for arm in round_order(ARMS, rnd):
+        for arm in round_order(rnd - warmup):  # counted rounds from 0: balanced whatever the warm-up
             time.sleep(settle)
             resident = None
             if cold:
