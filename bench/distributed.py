@@ -228,7 +228,7 @@ def run_link(size: int, timeout: float) -> float:
 
 
 def storage_rate(path: str, *, cold: bool) -> float:
-    from weightlift.benchmark import evict_files
+    from weightlift.benchmark.harness import evict_files
 
     if cold:
         evict_files([path])
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     args = p.parse_args(argv)
 
-    from weightlift.benchmark import evict_files, round_order, summarize, synthetic_checkpoint
+    from weightlift.benchmark.harness import evict_files, round_order, summarize, synthetic_checkpoint
     from weightlift.distributed import BROADCAST_CHUNK
 
     path = args.path or synthetic_checkpoint(args.size_mib * MIB)

@@ -45,7 +45,7 @@ def main() -> int:
     import torch
 
     import weightlift as wl
-    from weightlift.demo import write_checkpoint
+    from weightlift.cli.demo import write_checkpoint
 
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
@@ -85,7 +85,7 @@ def main() -> int:
             torch.cuda.empty_cache()
             if r:
                 res[k].append(dt)
-    from weightlift.bench_arms import _baseline_h2d
+    from weightlift.benchmark.arms import _baseline_h2d
 
     pinned = _baseline_h2d({"files": [path], "repeats": 5})["gbps"]  # the harness's own baseline
     pageable = pageable_h2d(1 << 30)

@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from weightlift.benchmark import default_checkpoint, run_benchmark
+from weightlift.benchmark.harness import default_checkpoint, run_benchmark
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@ import json
 import sys
 import timeit
 
-from weightlift.benchmark import GIB, format_table, paired_ratio, run_benchmark
+from weightlift.benchmark.harness import GIB, format_table, paired_ratio, run_benchmark
 from weightlift.profile import Profiler
 
 ARMS = "loop.plain,loop.off,loop.on,wl.numpy,wl.numpy.profiled"

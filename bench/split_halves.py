@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 
-from weightlift.benchmark import round_order
+from weightlift.benchmark.harness import round_order
 
 CHILD = r"""
 import resource, sys, time
@@ -42,7 +42,7 @@ ck = open_checkpoint(path)
 names = [t.name for t in ck.tensors]
 local, remote = frozenset(names[: len(names) // 2]), frozenset(names[len(names) // 2 :])
 if mode == "fault":  # the harness's limit.fault arm, on this checkpoint's data
-    from weightlift.bench_arms import BODIES
+    from weightlift.benchmark.arms import BODIES
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     info = BODIES["limit.fault"]({"files": [path]})
     r1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -77,7 +77,7 @@ def main() -> int:
     a = ap.parse_args()
     path = a.path
     if path is None:
-        from weightlift.demo import ensure_demo_checkpoint
+        from weightlift.cli.demo import ensure_demo_checkpoint
 
         path = str(ensure_demo_checkpoint())
     times: dict[str, list[float]] = {"local": [], "remote": [], "split": [], "fault": []}

@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from weightlift import bench_arms
-from weightlift.benchmark import (
+from weightlift.benchmark import arms as bench_arms
+from weightlift.benchmark.harness import (
     SCHEMA,
     round_order,
     cuda_reason,
@@ -25,7 +25,6 @@ from weightlift.benchmark import (
     make_checkpoint,
     max_resident,
     paired_ratio,
-    register,
     run_arms,
     run_benchmark,
     run_once,
@@ -129,7 +128,7 @@ def test_run_arms_in_reverse_order() -> None:
 
 
 def test_full_runs_pause_the_validated_settle_and_quick_runs_a_short_one(tiny, monkeypatch) -> None:
-    import weightlift.benchmark as bm
+    import weightlift.benchmark.harness as bm
 
     monkeypatch.setattr(bm.time, "sleep", lambda s: None)
     full = run_benchmark(tiny, arms="limit.copy", runs=1, warmup=0, baselines=(), profile_round=False)
@@ -295,7 +294,7 @@ def test_baseline_children(tiny) -> None:
 
 
 def test_missing_module_and_device_are_skips_not_errors(tiny, monkeypatch) -> None:
-    import weightlift.benchmark as b
+    import weightlift.benchmark.harness as b
 
     ck = describe_checkpoint(tiny)
     monkeypatch.setattr(b, "_cuda_memo", ["no CUDA device (test)"])
@@ -307,7 +306,7 @@ def test_missing_module_and_device_are_skips_not_errors(tiny, monkeypatch) -> No
 
 
 def test_every_run_waits_the_settle_pause_first(monkeypatch) -> None:
-    import weightlift.benchmark as bm
+    import weightlift.benchmark.harness as bm
 
     slept: list[float] = []
     monkeypatch.setattr(bm.time, "sleep", slept.append)
@@ -346,11 +345,10 @@ def test_remote_arms_are_set_against_the_fault_in_floor(tiny) -> None:
     assert "wl.push" in line and line.endswith("x")
 
 
-def test_register_adds_the_bench_command() -> None:
-    p = argparse.ArgumentParser()
-    sub = p.add_subparsers(dest="command")
-    register(sub)
-    args = p.parse_args(["bench", "ck.safetensors", "--quick", "--cold", "--runs", "7",
+def test_cli_has_the_bench_command() -> None:
+    from weightlift.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "ck.safetensors", "--quick", "--cold", "--runs", "7",
                          "--arms", "wl.numpy,runai", "--json", "o.json", "--png", "o.png"])
     assert (args.path, args.quick, args.cold, args.runs) == ("ck.safetensors", True, True, 7)
     assert (args.arms, args.json, args.png) == ("wl.numpy,runai", "o.json", "o.png")
@@ -371,7 +369,7 @@ def test_gpu_arms_and_the_h2d_baseline(tiny) -> None:
 
 
 def test_local_share_is_taken_against_the_copy_limit_arm_when_it_ran() -> None:
-    from weightlift.benchmark import _derive
+    from weightlift.benchmark.harness import _derive
 
     def arm(kind: str, load: float) -> dict:
         return {"status": "ok", "kind": kind, "bytes": 100, "summary": {"median": load + 0.5},

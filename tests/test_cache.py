@@ -9,7 +9,7 @@ import blake3
 import numpy as np
 import pytest
 
-from weightlift.cache import (
+from weightlift.remote.server.cache import (
     DIGEST_SIZE,
     STALE_TEMP_SECONDS,
     CacheWriter,
@@ -82,7 +82,7 @@ def test_read_into_numpy_destination(tmp_path):
 
 
 def test_read_into_calls_before_ahead_of_each_piece(tmp_path, monkeypatch):
-    import weightlift.cache as cache_mod
+    import weightlift.remote.server.cache as cache_mod
 
     monkeypatch.setattr(cache_mod, "READ_CHUNK", 1000)
     cache = TensorCache(tmp_path)
@@ -252,7 +252,7 @@ def test_read_error_mid_entry_is_dropped(tmp_path, monkeypatch):
         def __exit__(self, *exc):
             self._f.close()
 
-    monkeypatch.setattr("weightlift.cache.open", FailingFile, raising=False)
+    monkeypatch.setattr("weightlift.remote.server.cache.open", FailingFile, raising=False)
     with pytest.raises(CacheError, match="unreadable"):
         cache.read_into(d, bytearray(len(data)))
     monkeypatch.undo()

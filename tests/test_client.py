@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from weightlift import cli
-from weightlift.client import Client, PushResult, RemoteTensor
-from weightlift.digests import MANIFEST_SUFFIX, hash_buffer
+from weightlift.remote.client.client import Client, PushResult, RemoteTensor
+from weightlift.remote.digest import MANIFEST_SUFFIX, hash_buffer
 from weightlift.dtypes import DTYPES, byte_length
 from weightlift.errors import AuthError, NotFoundError, OptionError, RemoteProtocolError, TransportError
 from weightlift.formats.safetensors import build_header
 from weightlift.profile import Profiler
-from weightlift.server import Server
+from weightlift.remote.server.server import Server
 
 
 def write_safetensors(path, tensors: dict[str, tuple[str, tuple[int, ...], bytes]]) -> str:
@@ -172,7 +172,7 @@ def test_streams_spread_tensors_and_give_the_same_bytes(tmp_path):
 
 def _record_allocs_and_writes(monkeypatch) -> list[tuple[str, int]]:
     """The server's ALLOCs and WRITEs, as (message type name, tensor id), in arrival order."""
-    import weightlift.server as server_mod
+    import weightlift.remote.server.server as server_mod
 
     seen: list[tuple[str, int]] = []
     real = server_mod._Connection._dispatch
@@ -187,7 +187,7 @@ def _record_allocs_and_writes(monkeypatch) -> list[tuple[str, int]]:
 
 
 def test_allocs_run_ahead_of_writes_within_the_window(tmp_path, monkeypatch):
-    import weightlift.client as client_mod
+    import weightlift.remote.client.client as client_mod
 
     t = {f"w.{i}": ("U8", (3 << 20,), _rand(3 << 20, i)) for i in range(6)}  # pooled: the server faults them ahead
     t["w.empty"] = ("F32", (0,), b"")
@@ -217,7 +217,7 @@ def test_allocs_run_ahead_of_writes_within_the_window(tmp_path, monkeypatch):
 
 
 def test_a_push_that_fails_mid_stream_closes_the_client_one_refused_at_the_barrier_does_not(tmp_path, monkeypatch):
-    import weightlift.client as client_mod
+    import weightlift.remote.client.client as client_mod
 
     path, tensors = model(tmp_path, large=2, small=2)
     with Server() as s:
@@ -245,7 +245,7 @@ def test_a_push_that_fails_mid_stream_closes_the_client_one_refused_at_the_barri
 
 
 def test_a_naive_push_that_fails_mid_stream_closes_the_client_too(tmp_path, monkeypatch):
-    import weightlift.client as client_mod
+    import weightlift.remote.client.client as client_mod
 
     path, _ = model(tmp_path, large=3, small=0)
     monkeypatch.setenv("WEIGHTLIFT_LOAD_OPT", "0")
@@ -268,7 +268,7 @@ def test_a_naive_push_that_fails_mid_stream_closes_the_client_too(tmp_path, monk
 
 
 def test_allocs_ahead_go_on_past_a_large_tensor_already_allocated(tmp_path, monkeypatch):
-    import weightlift.client as client_mod
+    import weightlift.remote.client.client as client_mod
 
     sizes = [1 << 20, 1 << 20, 5 << 20, 1 << 20, 1 << 20, 1 << 20]
     t = {f"w.{i}": ("U8", (n,), _rand(n, i)) for i, n in enumerate(sizes)}
@@ -359,7 +359,7 @@ def test_server_errors_surface_at_the_end_of_a_push(tmp_path):
             c.push(path)
         assert list(s.tensors()) == ["large.0"]
         # each stored tensor is charged its name and a per-entry overhead besides its bytes
-        from weightlift.server import ENTRY_OVERHEAD
+        from weightlift.remote.server.server import ENTRY_OVERHEAD
 
         assert s.memory_used == 300_000 + len("large.0") + ENTRY_OVERHEAD
 

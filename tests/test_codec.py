@@ -6,9 +6,9 @@ import struct
 
 import pytest
 
-import weightlift.protocol as P
+import weightlift.remote.protocol as P
 from weightlift.errors import AuthError, LocalProtocolError, RemoteProtocolError
-from weightlift.protocol import (
+from weightlift.remote.protocol import (
     NEED_DATA,
     Alloc,
     Auth,

@@ -10,11 +10,11 @@ import threading
 import numpy as np
 import pytest
 
-import weightlift.protocol as P
-from weightlift.client import Client
+import weightlift.remote.protocol as P
+from weightlift.remote.client.client import Client
 from weightlift.formats.safetensors import build_header
-from weightlift.protocol import NEED_DATA, Barrier, BarrierReply, Decoder, Hello, send
-from weightlift.server import Server
+from weightlift.remote.protocol import NEED_DATA, Barrier, BarrierReply, Decoder, Hello, send
+from weightlift.remote.server.server import Server
 
 NEW, OLD = P.PROTOCOL_MINOR, P.PREVIOUS_MINOR
 THRESHOLD = 100_000

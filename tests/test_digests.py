@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from weightlift.digests import (
+from weightlift.remote.digest import (
     HASH_THRESHOLD,
     MANIFEST_SUFFIX,
     DigestPool,

@@ -1,4 +1,4 @@
-"""weightlift.faulter: fresh memory faulted in ahead of the receiver, within a window, never after cancel."""
+"""weightlift.memory.faulter: fresh memory faulted in ahead of the receiver, within a window, never after cancel."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-import weightlift.faulter as faulter_mod
-import weightlift.fresh as fresh
-from weightlift.faulter import Faulter
+import weightlift.memory.faulter as faulter_mod
+import weightlift.memory.fresh as fresh
+from weightlift.memory.faulter import Faulter
 
 PIECE = 4096
 

@@ -29,7 +29,7 @@ from weightlift.errors import FormatError  # noqa: E402
 from weightlift.formats import MAX_EXTENT, TensorInfo  # noqa: E402
 from weightlift.formats.gguf import numpy_dtype_and_shape, parse_gguf  # noqa: E402
 from weightlift.formats.safetensors import PREFIX_SIZE, header_length, parse_header  # noqa: E402
-from weightlift.targets import view_as  # noqa: E402
+from weightlift.memory.targets import view_as  # noqa: E402
 
 CORPUS = Path(__file__).parent / "corpus" / "formats"
 SEEDS = sorted(p for p in CORPUS.iterdir() if p.suffix in (".safetensors", ".gguf"))

@@ -6,8 +6,8 @@ import mmap
 import numpy as np
 import pytest
 
-import weightlift.fresh as fresh
-from weightlift.fresh import DEFAULT, FillPolicy
+import weightlift.memory.fresh as fresh
+from weightlift.memory.fresh import DEFAULT, FillPolicy
 
 
 @pytest.fixture(autouse=True)

@@ -80,7 +80,7 @@ def test_copy_false_is_readonly_view(ckpt):
 
 @pytest.mark.parametrize("warm", [None, True, False])
 def test_copy_false_prefetches_a_cold_file(ckpt, warm):
-    from weightlift import source
+    from weightlift.disk import source
 
     path, tensors = ckpt
     source.evict(path)
@@ -182,7 +182,7 @@ def test_coalesced_runs_same_bytes_as_per_tensor(tmp_path):
     rng = np.random.default_rng(5)
     tensors = [(f"experts.{i}.w", "F32", (64, 33), rng.integers(0, 256, 64 * 33 * 4, dtype=np.uint8).tobytes()) for i in range(40)]
     path = write(tmp_path / "moe.safetensors", tensors)
-    from weightlift.plan import make_runs
+    from weightlift.local.plan import make_runs
 
     runs = make_runs(wl.open(path).tensors)
     assert len(runs) == 1 and len(runs[0].tensors) == 40
@@ -208,8 +208,8 @@ def test_cold_path_readers_same_bytes(tmp_path, monkeypatch):
     import importlib
     import json
 
-    load_mod = importlib.import_module("weightlift.load")  # the package's `load` is the function
-    from weightlift import storage
+    load_mod = importlib.import_module("weightlift.local.loader")  # the package's `load` is the function
+    from weightlift.disk import storage
 
     rng = np.random.default_rng(9)
     tensors = [(f"w{i}", "U8", (3 * 2**20 + i,), rng.integers(0, 256, 3 * 2**20 + i, dtype=np.uint8).tobytes()) for i in range(12)]

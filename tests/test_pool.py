@@ -6,7 +6,7 @@ import gc
 
 import numpy as np
 
-from weightlift.pool import POOL_MIN, HostPool, size_class
+from weightlift.memory.pool import POOL_MIN, HostPool, size_class
 
 
 def test_memory_comes_back_only_when_the_last_view_is_gone():

@@ -6,9 +6,9 @@ import struct
 
 import pytest
 
-import weightlift.protocol as P
+import weightlift.remote.protocol as P
 from weightlift.errors import LocalProtocolError
-from weightlift.protocol import (
+from weightlift.remote.protocol import (
     Alloc,
     Auth,
     Barrier,

@@ -8,10 +8,10 @@ import time
 import numpy as np
 import pytest
 
-import weightlift.protocol as P
-from weightlift.digests import hash_buffer
+import weightlift.remote.protocol as P
+from weightlift.remote.digest import hash_buffer
 from weightlift.errors import OptionError
-from weightlift.protocol import (
+from weightlift.remote.protocol import (
     NEED_DATA,
     Alloc,
     Auth,
@@ -34,7 +34,7 @@ from weightlift.protocol import (
     WriteHeader,
     send,
 )
-from weightlift.server import ENTRY_OVERHEAD, Server, is_loopback
+from weightlift.remote.server.server import ENTRY_OVERHEAD, Server, is_loopback
 
 
 def _cost(name: str, nbytes: int) -> int:
@@ -678,10 +678,10 @@ def test_cuda_server_round_trip(tmp_path):
 
 import threading  # noqa: E402
 
-import weightlift.server as server_mod  # noqa: E402
-import weightlift.pool as pool_mod  # noqa: E402
-import weightlift.faulter as faulter_mod  # noqa: E402
-import weightlift.fresh as fresh_mod  # noqa: E402
+import weightlift.remote.server.server as server_mod  # noqa: E402
+import weightlift.memory.pool as pool_mod  # noqa: E402
+import weightlift.memory.faulter as faulter_mod  # noqa: E402
+import weightlift.memory.fresh as fresh_mod  # noqa: E402
 from weightlift.errors import DeviceError  # noqa: E402
 
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from weightlift import source
+from weightlift.disk import source
 from weightlift.errors import NotFoundError, WeightliftError
 
 

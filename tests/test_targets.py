@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from weightlift.errors import DeviceError, OptionError
-from weightlift.targets import CastTarget, HostTarget, fresh_host, make_target
+from weightlift.memory.targets import CastTarget, HostTarget, fresh_host, make_target
 
 torch = pytest.importorskip("torch")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -70,7 +70,7 @@ def test_cuda_target_double_buffered_writes():
 
 
 def test_populate_faults_in_without_changing_size():
-    from weightlift.targets import populate
+    from weightlift.memory.targets import populate
 
     a = fresh_host(5 * 2**20 + 3)
     populate(a)

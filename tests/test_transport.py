@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from weightlift import transport
+from weightlift.remote import transport
 from weightlift.errors import OptionError, TransportError
-from weightlift.transport import Listener, SocketStream, connect, parse_address
+from weightlift.remote.transport import Listener, SocketStream, connect, parse_address
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .checkpoint import Checkpoint, open_checkpoint as open
-from .errors import (
+from weightlift.checkpoint import Checkpoint, open_checkpoint as open
+from weightlift.errors import (
     AuthError,
     CacheError,
     DeviceError,
@@ -24,9 +24,9 @@ from .errors import (
     TransportError,
     WeightliftError,
 )
-from .distributed.shard import Shard
-from .formats import TensorInfo
-from .load import load
+from weightlift.distributed.shard import Shard
+from weightlift.formats import TensorInfo
+from weightlift.api import load
 
 __version__ = "0.1.0"
 
@@ -53,11 +53,11 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # the remote half imports sockets and threads; a plain local load should not pay for it
     if name == "Server":
-        from .server import Server
+        from weightlift.remote.server import Server
 
         return Server
     if name == "Client":
-        from .client import Client
+        from weightlift.remote.client import Client
 
         return Client
     raise AttributeError(f"module 'weightlift' has no attribute {name!r}")

@@ -140,7 +140,7 @@ def _recorded_digests(files: list[str]) -> tuple[dict[str, tuple[int, str]], lis
     """From the digest manifests beside ``files``: {name: (length, blake3 hex)}, and the files
     whose manifest was taken before the file last changed (its records are still what the file
     held then, which is what a check wants to know)."""
-    from .digests import MANIFEST_SUFFIX, MANIFEST_VERSION, Manifest
+    from .remote.digest import MANIFEST_SUFFIX, MANIFEST_VERSION, Manifest
 
     records: dict[str, tuple[int, str]] = {}
     stale = []
@@ -167,8 +167,8 @@ def _recorded_digests(files: list[str]) -> tuple[dict[str, tuple[int, str]], lis
 def _check_digests(reference_files: list[str], delivered: Any, what: str) -> CheckItem:
     """The bytes of ``delivered`` (a Checkpoint: the files read, or what the server sent) against the
     digests recorded for ``reference_files``."""
-    from .digests import hash_buffer
-    from .load import load
+    from .api import load
+    from .remote.digest import hash_buffer
 
     records, stale = _recorded_digests(reference_files)
     if not records:
@@ -271,7 +271,7 @@ def run_check(
                 subject, info = hf.from_pretrained(path, device=device, dtype=dt, model_class=cls, output_loading_info=True)
                 delivered, what = ckpt, "read from the checkpoint"
             else:
-                from .client import Client
+                from .remote.client import Client
 
                 pulled = os.path.join(tmp, "model.safetensors")
                 with Client(source, token=token) as c:
@@ -398,7 +398,7 @@ def _seeds(text: str) -> tuple[int, ...]:
 def _cmd_check(a: argparse.Namespace) -> int:
     token = None
     if a.token_file:
-        from .cli_remote import read_token
+        from .remote.token import read_token
 
         token = read_token(a.token_file)
     r = run_check(a.path, source=a.source, prompt=a.prompt, tokens=a.tokens, seeds=a.seeds, temperature=a.temperature,

@@ -15,9 +15,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Pattern, Union
 
-from .errors import FormatError, NotFoundError, OptionError, WeightliftError
-from .formats import TensorInfo
-from .formats import safetensors as st
+from weightlift.errors import FormatError, NotFoundError, OptionError, WeightliftError
+from weightlift.formats import TensorInfo
+from weightlift.formats import safetensors as st
 
 __all__ = ["Checkpoint", "open_checkpoint", "Select", "MAX_INDEX_SIZE"]
 
@@ -70,14 +70,14 @@ class Checkpoint:
         """
         if select is None:
             return list(self.tensors)
-        match = _matcher(select)
+        match = matcher(select)
         chosen = [t for t in self.tensors if match(t.name)]
         if not chosen:
             raise NotFoundError(f"selection {_describe(select)} matches no tensor", file=self.path)
         return chosen
 
 
-def _matcher(select: Select) -> Any:
+def matcher(select: Select) -> Any:
     """A predicate on names: globs match the whole name, regexes (``re:``) search within it."""
     if isinstance(select, re.Pattern):
         rx = select
@@ -169,8 +169,8 @@ def _read_safetensors(path: str) -> tuple[list[TensorInfo], dict[str, str], tupl
 
 
 def _open_gguf(path: str) -> Checkpoint:
-    from .formats import gguf
-    from .source import mapped
+    from weightlift.formats import gguf
+    from weightlift.disk.source import mapped
 
     m = mapped(path)
     head = gguf.parse_gguf(m.buffer, file=path, file_size=m.size)

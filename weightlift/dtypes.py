@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import FormatError, OptionError
+from weightlift.errors import FormatError, OptionError
 
 __all__ = ["DType", "DTYPES", "dtype_info", "numpy_dtype", "torch_dtype", "byte_length", "from_numpy", "from_torch"]
 

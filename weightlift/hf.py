@@ -264,7 +264,7 @@ def from_pretrained(
     if cast is not None and all(_file_dtype(t.dtype) in (None, cast) for t in ckpt.tensors):
         cast = None  # nothing to cast: plain copies (or, with copy=False, views of the mapping)
     report: dict[str, Any] = {}
-    from .load import load
+    from .api import load
 
     sd = load(ckpt, framework="torch", device=str(dev), dtype=cast, report=report, **load_options)
     model, info = _assemble(model, sd, device=dev, dtype=dt, key_mapping=key_mapping,
@@ -298,7 +298,7 @@ def from_server(
             raise OptionError("the server holds no tensors")
         return from_state_dict(held, config, model_class=model_class, device=device, dtype=dtype,
                                key_mapping=key_mapping, output_loading_info=output_loading_info)
-    from .client import Client
+    from .remote.client import Client
 
     with tempfile.TemporaryDirectory(prefix="weightlift-pull-") as tmp:
         pulled = os.path.join(tmp, "model.safetensors")
@@ -322,7 +322,7 @@ def _as_torch(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return x
     from .dtypes import from_numpy
-    from .targets import as_bytes, view_as
+    from .memory.targets import as_bytes, view_as
 
     return view_as(as_bytes(x), from_numpy(x.dtype), tuple(x.shape), "torch")
 

@@ -56,7 +56,7 @@ import os
 import threading
 from typing import Any
 
-from .errors import OptionError
+from weightlift.errors import OptionError
 
 __all__ = ["PHASES", "ENV_VAR", "Profiler"]
 

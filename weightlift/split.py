@@ -14,8 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .checkpoint import Checkpoint, Select, _matcher, open_checkpoint
-from .errors import NotFoundError, OptionError
+from weightlift.checkpoint import Checkpoint, Select, matcher, open_checkpoint
+from weightlift.errors import NotFoundError, OptionError
+from weightlift.local.loader import load_local
 
 __all__ = ["SplitResult", "parse_remote", "split_load"]
 
@@ -50,15 +51,14 @@ def split_load(
     **load_kwargs: Any,
 ) -> SplitResult:
     """Load what no remote selection takes, and push each remote selection, at the same time."""
-    from .client import Client
-    from .load import load
+    from weightlift.remote.client import Client
 
     ck: Checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     chosen = ck.select(select)
     remote_sets: dict[str, list[str]] = {}
     taken: set[str] = set()
     for addr, sel in remote.items():
-        names = [t.name for t in chosen if _matcher(sel)(t.name)] if sel is not None else [t.name for t in chosen]
+        names = [t.name for t in chosen if matcher(sel)(t.name)] if sel is not None else [t.name for t in chosen]
         if not names:
             raise NotFoundError(f"remote selection for {addr} matches no tensor", file=ck.path)
         remote_sets[addr] = names
@@ -80,7 +80,7 @@ def split_load(
     for t in threads:
         t.start()
     try:
-        local = load(ck, select=frozenset(local_names), **load_kwargs) if local_names else {}
+        local = load_local(ck, select=frozenset(local_names), **load_kwargs) if local_names else {}
     finally:
         for t in threads:
             t.join()

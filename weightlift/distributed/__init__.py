@@ -38,11 +38,11 @@ Collectives run on flat uint8 buffers weightlift lays out (never pickled objects
 
 from __future__ import annotations
 
-from .fanout import BROADCAST_CHUNK, broadcast_load
-from .group import ROUND, STRIPE, distributed_load
-from .push import PushError, push_many
-from .reader import ROW_READ_MIN
-from .shard import Piece, Rows, Shard, chunk_bounds
+from weightlift.distributed.fanout import BROADCAST_CHUNK, broadcast_load
+from weightlift.distributed.group import ROUND, STRIPE, distributed_load
+from weightlift.distributed.push import PushError, push_many
+from weightlift.distributed.reader import ROW_READ_MIN
+from weightlift.distributed.shard import Piece, Rows, Shard, chunk_bounds
 
 __all__ = [
     "Shard",

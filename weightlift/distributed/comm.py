@@ -19,10 +19,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..dtypes import dtype_info
-from ..errors import OptionError, TransportError, WeightliftError
-from ..targets import fresh_host, view_as
-from .shard import Piece
+from weightlift.dtypes import dtype_info
+from weightlift.errors import OptionError, TransportError, WeightliftError
+from weightlift.memory.targets import fresh_host, view_as
+from weightlift.distributed.shard import Piece
 
 __all__ = ["Comm", "Arena", "pack", "ALIGN", "STAGING"]
 
@@ -144,7 +144,7 @@ class Arena:
                 self.dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
                 self._stage_t = torch.empty(min(STAGING, max(1, nbytes)), dtype=torch.uint8, pin_memory=True)
             except (RuntimeError, AssertionError) as e:
-                from ..errors import DeviceError
+                from weightlift.errors import DeviceError
 
                 raise DeviceError(f"cannot allocate {nbytes} bytes on {self.device}: {e}") from None
             self._stage = self._stage_t.numpy()
@@ -190,7 +190,7 @@ class Arena:
                 shaped = raw.reshape(p.raw_shape)
                 return shaped if framework == "numpy" else view_as(shaped, "U8", shaped.shape, "torch")
             return view_as(raw, t.dtype, p.shape, framework)
-        from ..dtypes import torch_dtype
+        from weightlift.dtypes import torch_dtype
 
         raw = self.dev[off : off + n]
         if t.quantized:

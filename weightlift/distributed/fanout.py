@@ -20,14 +20,14 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from ..checkpoint import Checkpoint, Select, open_checkpoint
-from ..dtypes import byte_length, dtype_info
-from ..errors import OptionError, RemoteProtocolError, WeightliftError
-from ..formats import TensorInfo
-from .comm import Arena, Comm, pack
-from .group import _checked_map, _overlaps, read_all
-from .reader import SliceReader
-from .shard import Rows, whole
+from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
+from weightlift.dtypes import byte_length, dtype_info
+from weightlift.errors import OptionError, RemoteProtocolError, WeightliftError
+from weightlift.formats import TensorInfo
+from weightlift.distributed.comm import Arena, Comm, pack
+from weightlift.distributed.group import _checked_map, _overlaps, read_all
+from weightlift.distributed.reader import SliceReader
+from weightlift.distributed.shard import Rows, whole
 
 __all__ = ["broadcast_load", "BROADCAST_CHUNK", "MAX_DESCRIPTION"]
 

@@ -33,13 +33,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..checkpoint import Checkpoint, Select, open_checkpoint
-from ..errors import FormatError, OptionError, WeightliftError
-from ..formats import TensorInfo
-from ..source import MappedFile, mapped
-from .comm import ALIGN, Arena, Comm, pack
-from .reader import SliceReader, _strided
-from .shard import Piece, Rows, Shard, slice_piece, whole
+from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
+from weightlift.errors import FormatError, OptionError, WeightliftError
+from weightlift.formats import TensorInfo
+from weightlift.disk.source import MappedFile, mapped
+from weightlift.distributed.comm import ALIGN, Arena, Comm, pack
+from weightlift.distributed.reader import SliceReader, _strided
+from weightlift.distributed.shard import Piece, Rows, Shard, slice_piece, whole
 
 __all__ = ["distributed_load", "STRIPE", "ROUND"]
 
@@ -220,7 +220,7 @@ def read_all(arena: Arena, reader: SliceReader, jobs: list[tuple[Rows, int]]) ->
 
 def _borrowed(m: MappedFile, p: Piece, framework: str) -> Any:
     """``copy=False``: the piece as a read-only (possibly strided) view of the file's mapping."""
-    from ..dtypes import dtype_info, numpy_dtype, torch_dtype
+    from weightlift.dtypes import dtype_info, numpy_dtype, torch_dtype
 
     t = p.tensor
     packed = not t.quantized and dtype_info(t.dtype).bits % 8 != 0

@@ -1,6 +1,6 @@
 """Pushing independent selections of one checkpoint to several tensor servers at once.
 
-Each server gets its own :class:`~weightlift.client.Client` on its own thread; the checkpoint
+Each server gets its own :class:`~weightlift.remote.client.Client` on its own thread; the checkpoint
 is opened once and shared, and the page cache serves every reader after the first. Time to
 ready is the slowest push, not the sum. The source's uplink carries every byte once per
 server, so for many receivers of the same weights a broadcast over a process group
@@ -13,8 +13,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Mapping
 
-from ..checkpoint import Checkpoint, Select, open_checkpoint
-from ..errors import OptionError, WeightliftError
+from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
+from weightlift.errors import OptionError, WeightliftError
 
 __all__ = ["push_many", "PushError"]
 
@@ -44,7 +44,7 @@ def push_many(
     Every push runs to its end even if another fails; then a failure raises :class:`PushError`
     (a :class:`~weightlift.errors.WeightliftError`), which holds each error and each result.
     """
-    from ..client import Client
+    from weightlift.remote.client.client import Client
 
     if not targets:
         raise OptionError("push_many needs at least one target")

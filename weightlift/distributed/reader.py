@@ -31,10 +31,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import OptionError, WeightliftError
-from ..source import RESIDENT_THRESHOLD, MappedFile, resident_fraction
-from ..targets import populate
-from .shard import Rows
+from weightlift.errors import OptionError, WeightliftError
+from weightlift.disk.source import RESIDENT_THRESHOLD, MappedFile, resident_fraction
+from weightlift.memory.targets import populate
+from weightlift.distributed.shard import Rows
 
 __all__ = ["SliceReader", "ROW_READ_MIN", "row_read_min", "IOV_MAX"]
 

@@ -43,10 +43,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
-from ..checkpoint import _matcher
-from ..dtypes import dtype_info
-from ..errors import OptionError
-from ..formats import TensorInfo
+from weightlift.checkpoint import matcher
+from weightlift.dtypes import dtype_info
+from weightlift.errors import OptionError
+from weightlift.formats import TensorInfo
 
 __all__ = ["Shard", "Piece", "Rows", "chunk_bounds", "parse_placement"]
 
@@ -184,7 +184,7 @@ class Shard:
         for item in items:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
                 raise OptionError(f"shard rules: expected {{pattern: placement}} or (pattern, placement) pairs, got {item!r}")
-            compiled.append((_matcher(item[0]), parse_placement(item[1])))
+            compiled.append((matcher(item[0]), parse_placement(item[1])))
         object.__setattr__(self, "rules", tuple(items))
         object.__setattr__(self, "_compiled", tuple(compiled))
         object.__setattr__(self, "_default", parse_placement(self.default))

@@ -65,7 +65,7 @@ def check_extent(shape: tuple[int, ...], *, file: str, tensor: str) -> None:
         if d:
             extent *= d
             if extent > MAX_EXTENT:
-                from ..errors import FormatError
+                from weightlift.errors import FormatError
 
                 raise FormatError(
                     f"shape {list(shape)} is too large: its non-zero dimensions multiply to 2**60 or more,"
@@ -77,7 +77,7 @@ def check_extent(shape: tuple[int, ...], *, file: str, tensor: str) -> None:
 
 def check_layout(tensors: list[TensorInfo], *, file: str, data_start: int, file_size: int) -> None:
     """Every tensor lies inside [data_start, file_size) and no two overlap; FormatError otherwise."""
-    from ..errors import FormatError
+    from weightlift.errors import FormatError
 
     for t in tensors:
         if t.offset < data_start or t.length < 0 or t.end > file_size:

@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
 
-from ..errors import FormatError, OptionError
-from . import TensorInfo, check_extent, check_layout
+from weightlift.errors import FormatError, OptionError
+from weightlift.formats import TensorInfo, check_extent, check_layout
 
 __all__ = [
     "GGUFHeader",

@@ -36,9 +36,9 @@ import struct
 from collections import Counter
 from typing import Any
 
-from ..dtypes import byte_length
-from ..errors import FormatError
-from . import TensorInfo, check_extent, check_layout
+from weightlift.dtypes import byte_length
+from weightlift.errors import FormatError
+from weightlift.formats import TensorInfo, check_extent, check_layout
 
 __all__ = ["MAX_HEADER_SIZE", "MAX_JSON_DEPTH", "PREFIX_SIZE", "header_length", "parse_header", "build_header"]
 

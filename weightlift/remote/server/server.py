@@ -47,8 +47,8 @@ from typing import Any
 
 import numpy as np
 
-from .cache import TensorCache, disk_unusable
-from .errors import (
+from weightlift.remote.server.cache import TensorCache, disk_unusable
+from weightlift.errors import (
     AuthError,
     CacheError,
     DeviceError,
@@ -58,8 +58,8 @@ from .errors import (
     TransportError,
     WeightliftError,
 )
-from .profile import Profiler
-from .protocol import (
+from weightlift.profile import Profiler
+from weightlift.remote.protocol import (
     MAX_ERRORS,
     MAX_FRAME,
     MAX_HANDSHAKE_FRAME,
@@ -98,12 +98,12 @@ from .protocol import (
     server_mac,
     verify_mac,
 )
-from .digests import hash_buffer
-from .faulter import Faulter
-from .fresh import policy as fill_policy
-from .pool import POOL_MIN, HostPool, size_class
-from .targets import CudaTarget, Target, make_target, populate, view_as
-from .transport import Listener, SocketStream, receive_message, receive_payload
+from weightlift.remote.digest import hash_buffer
+from weightlift.memory.faulter import Faulter
+from weightlift.memory.fresh import policy as fill_policy
+from weightlift.memory.pool import POOL_MIN, HostPool, size_class
+from weightlift.memory.targets import CudaTarget, Target, make_target, populate, view_as
+from weightlift.remote.transport import Listener, SocketStream, receive_message, receive_payload
 
 __all__ = ["Server", "ENV_LOAD_OPT", "load_opt_enabled", "is_loopback", "default_max_memory"]
 
@@ -111,7 +111,7 @@ ENV_LOAD_OPT = "WEIGHTLIFT_LOAD_OPT"
 STAGING_BYTES = 8 * 1024 * 1024  # one per connection, for targets that are not host memory
 HASH_PIECE = 4 * 1024 * 1024  # received-then-hashed piece: still in the CPU cache when hashed
 FAULT_PIECE = 4 * 1024 * 1024  # fresh destination memory is faulted in this much at a time by the helpers ...
-FAULT_WINDOW = 64 * 1024 * 1024  # ... at most this far ahead of the bytes received (weightlift.faulter)
+FAULT_WINDOW = 64 * 1024 * 1024  # ... at most this far ahead of the bytes received (weightlift.memory.faulter)
 SCRATCH_BYTES = 64 * 1024  # frame headers and drained payloads
 LINGER_BYTES = 64 * 1024 * 1024  # after an ERROR, how much of the peer's input to drain before closing
 LINGER_SECONDS = 2.0  # ... and for how long at most, however the peer spaces its bytes
@@ -928,7 +928,7 @@ class _Connection:
         dest = self.target.host_view(p.dest)
         # Fresh memory is faulted in ahead of the socket by the faulter's helpers (see
         # _ensure_dest); a piece they have not reached is faulted here first or by recv_into
-        # itself, whichever this machine's fill policy found faster (weightlift.fresh).
+        # itself, whichever this machine's fill policy found faster (weightlift.memory.fresh).
         # Pieces end on FAULT_PIECE boundaries of the tensor, the faulter's pieces.
         step = HASH_PIECE if p.writer is not None else FAULT_PIECE
         pos, end = h.offset, h.offset + h.length
@@ -1146,7 +1146,7 @@ class _Connection:
             return
         head = send(ReadReply(r.length), minor=self.minor)
         if _is_host(dest):
-            from .targets import as_bytes
+            from weightlift.memory.targets import as_bytes
 
             self.stream.send_parts([head, memoryview(as_bytes(dest))[r.offset : r.offset + r.length]])
             return

@@ -1,7 +1,7 @@
-"""Arm bodies for :mod:`weightlift.benchmark`, each run in a fresh child process.
+"""Arm bodies for :mod:`weightlift.benchmark.harness`, each run in a fresh child process.
 
 Theory of operation. The parent starts ``python -c BOOT <this file> <arm> <options JSON>``.
-BOOT loads this file by path, not as ``weightlift.bench_arms``, so an arm that measures a peer
+BOOT loads this file by path, not as ``weightlift.benchmark.arms``, so an arm that measures a peer
 library never pays for importing weightlift; only weightlift's own arms import it. Every arm
 ends the same way, which is what makes the windows comparable: every tensor is in memory and
 every page of it has been touched (one byte in each 4096, plus the last), or, for a device
@@ -234,7 +234,7 @@ def _prof_arg(prof: Any) -> Any:
 
 
 def _wl_load(o: dict[str, Any], **kw: Any) -> dict[str, Any]:
-    from weightlift.load import load
+    from weightlift.api import load
 
     if kw.get("framework") == "torch":
         import torch  # noqa: F401  (imported before the clock, as the torch peers do)
@@ -252,7 +252,7 @@ def _wl_load(o: dict[str, Any], **kw: Any) -> dict[str, Any]:
 
 def _push_touch(server: Any, addr: Any, path: str, prof: Any = None) -> Any:
     """Push ``path`` to ``server`` (in this process) and touch every tensor it then holds."""
-    from weightlift.client import Client
+    from weightlift.remote.client import Client
 
     with Client(addr, profile=_prof_arg(prof) if prof is not None else None) as client:
         pushed = client.push(path)
@@ -277,7 +277,7 @@ def _timed_push(server: Any, addr: Any, o: dict[str, Any], prof: Any, t0: int | 
 
 def _wl_push(o: dict[str, Any], *, cache: bool = False) -> dict[str, Any]:
     """Push the checkpoint to a weightlift Server in this process, over loopback."""
-    from weightlift.server import Server
+    from weightlift.remote.server import Server
 
     prof = _profiler(o)
     t0 = time.perf_counter_ns()
@@ -294,8 +294,8 @@ def _wl_push_reserved(o: dict[str, Any]) -> dict[str, Any]:
     reserve is faulted in (as in a worker that starts its server before its other start-up
     work); the push alone is timed. ``reserve_s`` is how long the reserve took to fault in."""
     from weightlift.checkpoint import open_checkpoint
-    from weightlift.pool import POOL_MIN, size_class
-    from weightlift.server import Server
+    from weightlift.memory.pool import POOL_MIN, size_class
+    from weightlift.remote.server import Server
 
     prof = _profiler(o)
     # what the tensors will take: each of 2 MiB or more gets whole 2 MiB pages
@@ -325,7 +325,7 @@ def _wl_push_again(o: dict[str, Any], *, cache: bool) -> dict[str, Any]:
     import shutil
     import tempfile
 
-    from weightlift.server import Server
+    from weightlift.remote.server import Server
 
     prof = _profiler(o)
     cache_dir = tempfile.mkdtemp(prefix="wl-second-", dir=o["cache_root"]) if cache else None
@@ -358,7 +358,7 @@ def _server_report(server: Any) -> dict[str, Any] | None:
 def _wl_split(o: dict[str, Any]) -> dict[str, Any]:
     """The second half of the tensors pushed to a server in this process while the first half
     loads locally (weightlift.split.split_load); ready when both halves are in memory."""
-    from weightlift.server import Server
+    from weightlift.remote.server import Server
     from weightlift.split import split_load
 
     with open(o["split_file"], encoding="utf-8") as f:
@@ -617,8 +617,8 @@ def _baseline_read(o: dict[str, Any]) -> dict[str, Any]:
     out["best_threads"] = int(best[0])
     out["gbps"] = best[1]["gbps"]
     if o.get("cold"):
-        # what this device is good at, for weightlift's own cold loads (weightlift.storage)
-        from weightlift.storage import remember_readers
+        # what this device is good at, for weightlift's own cold loads (weightlift.disk.storage)
+        from weightlift.disk.storage import remember_readers
 
         remember_readers(os.stat(path).st_dev, out["best_threads"],
                          **{f"gbps_{k}": v["gbps"] for k, v in out["by_threads"].items()})
@@ -723,7 +723,7 @@ def _make_pt(o: dict[str, Any]) -> dict[str, Any]:
 
 # -- the arm table ------------------------------------------------------------------------------
 
-_WL_PUSH_REQ = ("weightlift.server", "weightlift.client")
+_WL_PUSH_REQ = ("weightlift.remote.server", "weightlift.remote.client")
 
 SPECS: dict[str, ArmSpec] = {
     s.name: s
@@ -738,30 +738,30 @@ SPECS: dict[str, ArmSpec] = {
                 uses_pt=True, safetensors_only=True),
         ArmSpec("runai", "local", "runai_model_streamer SafetensorsStreamer to cpu",
                 ("runai_model_streamer", "torch"), safetensors_only=True),
-        ArmSpec("wl.numpy", "local", "weightlift.load(framework='numpy', copy=True)", ("weightlift.load",),
+        ArmSpec("wl.numpy", "local", "weightlift.load(framework='numpy', copy=True)", ("weightlift.api",),
                 weightlift=True),
         ArmSpec("wl.numpy.profiled", "probe", "weightlift.load(framework='numpy') with the profiler on",
-                ("weightlift.load",)),
+                ("weightlift.api",)),
         ArmSpec("wl.numpy.nocopy", "local", "weightlift.load(framework='numpy', copy=False) + touch",
-                ("weightlift.load",), weightlift=True),
-        ArmSpec("wl.torch", "local", "weightlift.load(framework='torch')", ("weightlift.load", "torch"),
+                ("weightlift.api",), weightlift=True),
+        ArmSpec("wl.torch", "local", "weightlift.load(framework='torch')", ("weightlift.api", "torch"),
                 weightlift=True),
         ArmSpec("wl.cuda", "local", "weightlift.load(device='cuda', framework='torch')",
-                ("weightlift.load", "torch"), cuda=True, weightlift=True),
+                ("weightlift.api", "torch"), cuda=True, weightlift=True),
         ArmSpec("wl.push", "remote", "weightlift.Client push to a Server over loopback", _WL_PUSH_REQ,
                 weightlift=True),
         ArmSpec("wl.push.legacy", "remote", "the same push with WEIGHTLIFT_LOAD_OPT=0", _WL_PUSH_REQ,
                 weightlift=True, env={"WEIGHTLIFT_LOAD_OPT": "0"}),
         ArmSpec("wl.push.cached", "remote", "a second push to a caching server (cache filled by the warm-up)",
-                (*_WL_PUSH_REQ, "weightlift.cache"), weightlift=True),
+                (*_WL_PUSH_REQ, "weightlift.remote.server.cache"), weightlift=True),
         ArmSpec("wl.push.update", "remote", "a weight update (third push, same shapes) into a running server, timed alone",
                 _WL_PUSH_REQ, weightlift=True),
         ArmSpec("wl.push.reserved", "remote", "a first push into a server started with reserve= (faulted), timed alone",
                 _WL_PUSH_REQ, weightlift=True),
         ArmSpec("wl.push.second", "remote", "two pushes to one caching server (fresh cache): the second, timed alone",
-                (*_WL_PUSH_REQ, "weightlift.cache"), weightlift=True),
+                (*_WL_PUSH_REQ, "weightlift.remote.server.cache"), weightlift=True),
         ArmSpec("wl.split", "remote", "weightlift.load with half the tensors remote",
-                ("weightlift.load", "weightlift.server"), weightlift=True),
+                ("weightlift.api", "weightlift.remote.server"), weightlift=True),
         ArmSpec("limit.copy", "limit", "copy floor: mmap -> fresh memory (4 KiB pages) on every core, fresh process",
                 ("numpy",)),
         ArmSpec("limit.copy.huge", "limit", "copy floor: mmap -> fresh memory (huge pages advised) on every core, "

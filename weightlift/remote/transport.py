@@ -1,6 +1,6 @@
 """Byte streams between a client and a server: the only module that touches sockets.
 
-Theory of operation: the protocol (``weightlift.protocol``) knows nothing of I/O, and the client
+Theory of operation: the protocol (``weightlift.remote.protocol``) knows nothing of I/O, and the client
 and server know nothing of sockets; both talk to a :class:`Stream`, which has four verbs:
 
 * ``send_parts(parts)``: send several buffers as one, without joining them (scatter-gather
@@ -24,8 +24,8 @@ import socket
 import time
 from typing import Protocol, Sequence, Union
 
-from .errors import OptionError, TransportError
-from .protocol import NEED_DATA, Decoder, Message
+from weightlift.errors import OptionError, TransportError
+from weightlift.remote.protocol import NEED_DATA, Decoder, Message
 
 __all__ = [
     "Buffer",

@@ -4,7 +4,7 @@ Theory of operation.
 
 1. **Open and select.** Headers are parsed and validated (:mod:`weightlift.checkpoint`); the
    selection picks tensors; nothing else is read yet.
-2. **Probe once.** For each file, :func:`~weightlift.source.resident_fraction` says how much is
+2. **Probe once.** For each file, :func:`~weightlift.disk.source.resident_fraction` says how much is
    already in the page cache (memoized per process). At 90 % or more the warmer is skipped.
 3. **Plan.** Tensors become runs of back-to-back bytes going to the same kind of target, runs
    become one arena whose layout mirrors the file (so each run is one copy and each tensor a
@@ -35,13 +35,13 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .checkpoint import Checkpoint, Select, open_checkpoint
-from .dtypes import DTYPES, dtype_info, from_numpy, from_torch
-from .errors import FormatError, OptionError, WeightliftError
-from .formats import TensorInfo
-from .fresh import policy as _fill_policy
-from .plan import CHUNK, Run, layout, make_chunks, make_runs
-from .source import (
+from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
+from weightlift.dtypes import DTYPES, dtype_info, from_numpy, from_torch
+from weightlift.errors import FormatError, OptionError, WeightliftError
+from weightlift.formats import TensorInfo
+from weightlift.memory.fresh import policy as _fill_policy
+from weightlift.local.plan import CHUNK, Run, layout, make_chunks, make_runs
+from weightlift.disk.source import (
     MAX_WARMERS,
     MappedFile,
     RESIDENT_THRESHOLD,
@@ -52,15 +52,15 @@ from .source import (
     prefetch,
     resident_fraction,
 )
-from .targets import CastTarget, CudaTarget, Target, fresh_host, make_target, populate, view_as
+from weightlift.memory.targets import CastTarget, CudaTarget, Target, fresh_host, make_target, populate, view_as
 
-__all__ = ["load", "DEFAULT_THREADS"]
+__all__ = ["load_local", "DEFAULT_THREADS"]
 
 DEFAULT_THREADS = max(1, min(8, os.cpu_count() or 1))
 _PLAIN = {d.name for d in DTYPES}
 
 
-def load(
+def load_local(
     path: str | os.PathLike[str] | Checkpoint,
     *,
     device: str = "cpu",
@@ -76,51 +76,12 @@ def load(
     profile: Any = None,
     progress: bool | None = None,
     report: dict[str, Any] | None = None,
-    remote: Mapping[str, Select] | None = None,
-    token: str | bytes | None = None,
-    streams: int = 1,
-    shard: Any = None,
-    group: Any = None,
 ) -> dict[str, Any]:
-    """Load tensors from a checkpoint into memory; returns ``{name: array}`` in file order.
+    """Load tensors from a checkpoint into this process's memory; returns ``{name: array}`` in file order.
 
-    ``path`` is a .safetensors file, a shard index, a .gguf file, or a folder holding one.
-    ``device`` is "cpu" or "cuda[:N]" (CUDA needs ``framework="torch"``). ``select`` is a glob,
-    a list of globs, ``"re:<regex>"`` or a compiled regex. ``dtype`` (a name like "F16", a numpy
-    or a torch dtype) casts floating-point tensors on load. ``copy=False`` (host only) returns
-    read-only arrays backed by the file's mapping; the selected bytes of a cold file are first
-    read into the page cache by parallel readers, so the views are ready without further I/O
-    (``warm=False``: bare lazy views). ``page_cache`` is "keep" or "evict" (default:
-    keep, evict on unified-memory devices; WEIGHTLIFT_PAGE_EVICTION overrides the default).
-    ``warm`` forces the read-ahead warmer on or off (default: on when under 90 % of a file is
-    resident). ``engine`` is "auto" (a copy out of the mapping for a resident file, ``preadv``
-    readers for a cold one, as many as the device is known to like), "mmap" or "pread" to force one path. GGUF quantized tensors come
-    back as their raw blocks (uint8) unless ``dequantize=True``. ``profile`` is True, False,
-    None (env WEIGHTLIFT_LOADPROF) or a :class:`~weightlift.profile.Profiler`. ``report``, if
-    given, is filled with the load's figures (bytes, seconds, residency, profile).
-
-    ``remote`` makes it a split load: ``{"host:port": select}`` pushes those tensors to each
-    tensor server (with ``token`` and ``streams``) while the rest load here, at the same time;
-    the result holds the local tensors and ``report["remote"]`` what each push did.
+    The options are :func:`weightlift.load`'s local ones (see there); the split and distributed
+    loads are dispatched by :mod:`weightlift.api` before they reach this function.
     """
-    if shard is not None or group is not None:  # a rank's slices, or one read shared by a process group
-        from .distributed import distributed_load
-
-        return distributed_load(path, shard=shard, group=group, device=device, framework=framework, select=select,
-                                copy=copy, engine=engine, report=report,
-                                unsupported={"dtype": dtype, "dequantize": dequantize, "remote": remote, "profile": profile})
-    if remote:
-        from .split import split_load
-
-        res = split_load(
-            path, remote, select=select, token=token, streams=streams, device=device, framework=framework,
-            dtype=dtype, copy=copy, page_cache=page_cache, warm=warm, threads=threads, engine=engine,
-            dequantize=dequantize, profile=profile, progress=progress, report=report,
-        )
-        if report is not None:
-            report["remote"] = res.remote
-            report["seconds"] = res.seconds
-        return res.local
     t_start = time.perf_counter()
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     infos = ckpt.select(select)
@@ -218,7 +179,7 @@ def _dtype_name(dtype: Any) -> str | None:
 def _profiler(profile: Any) -> Any:
     if profile is False or (profile is None and os.environ.get("WEIGHTLIFT_LOADPROF", "") in ("", "0")):
         return None  # the one check a load pays with the profiler off
-    from .profile import Profiler
+    from weightlift.profile import Profiler
 
     if isinstance(profile, Profiler):
         return profile if profile.enabled else None
@@ -251,7 +212,7 @@ def _unified_memory(target: Target) -> bool:
 def _progress(progress: bool | None, total: int) -> Callable[[int], None] | None:
     if progress is False or (progress is None and not sys.stderr.isatty()):
         return None
-    from .progress import Progress
+    from weightlift.progress import Progress
 
     return Progress(total).update
 
@@ -273,7 +234,7 @@ def _raw_view(raw: np.ndarray, t: TensorInfo, framework: str) -> Any:
 
 
 def _dequantized(t: TensorInfo, raw: Any, framework: str) -> Any:
-    from .formats.gguf import dequantize
+    from weightlift.formats.gguf import dequantize
 
     arr = raw if isinstance(raw, np.ndarray) else raw.cpu().numpy()
     out = dequantize(arr, t.ggml_type)  # type: ignore[arg-type]
@@ -301,7 +262,7 @@ def _prefetch(
 ) -> None:
     """Bring the selected bytes of cold files into the page cache before views of them are
     handed out (``copy=False``), with as many readers as the storage is known to like."""
-    from .storage import readers_for
+    from weightlift.disk.storage import readers_for
 
     def on_chunk(off: int, n: int, t0: int, t1: int) -> None:
         if prof is not None:
@@ -574,7 +535,7 @@ class _Gate:
     """How many workers may read a cold file at once.
 
     Parallel readers help on striped, networked or SSD storage and can hurt on a single disk.
-    The count comes from what is known of the device (:mod:`weightlift.storage`: pinned by
+    The count comes from what is known of the device (:mod:`weightlift.disk.storage`: pinned by
     ``WEIGHTLIFT_COLD_READERS``, or recorded by ``weightlift bench --cold`` from its
     seconds-long raw-read baseline), else all readers, as measured best on this kind of machine.
     A probe inside the load was tried and dropped: sub-second windows on a shared virtual disk
@@ -584,7 +545,7 @@ class _Gate:
     def __init__(self, workers: int, *, cold: bool, device: int | None = None):
         self.allowed = workers
         if cold and device is not None:
-            from .storage import readers_for
+            from weightlift.disk.storage import readers_for
 
             known = readers_for(device)
             if known is not None:
@@ -641,7 +602,7 @@ def _pinned_put(slots: tuple[list[Any], list[np.ndarray], list[Any], Any, str]) 
 
 
 def _device_view(arena: Any, a: int, t: TensorInfo) -> Any:
-    from .dtypes import torch_dtype
+    from weightlift.dtypes import torch_dtype
 
     raw = arena[a : a + t.length]
     if _quantized(t):

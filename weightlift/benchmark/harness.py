@@ -5,7 +5,7 @@ Theory of operation
 An *arm* is one way of getting a checkpoint into memory, run as a command in a fresh process.
 Its window runs from the moment the parent spawns the child to the moment the parent reads the
 child's ready line (``WL_READY <ns> <json>``), which every arm prints at the same point: all
-tensors loaded and every page of them touched (see :mod:`weightlift.bench_arms`). The parent
+tensors loaded and every page of them touched (see :mod:`weightlift.benchmark.arms`). The parent
 also keeps the child's own ``inner_s`` (its first line to ready) and ``load_s`` (load call to
 ready, imports excluded).
 
@@ -47,9 +47,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from . import bench_arms
-from .bench_arms import READY, SKIP, SPECS
-from .errors import OptionError, WeightliftError
+from weightlift.benchmark import arms as bench_arms
+from weightlift.benchmark.arms import READY, SKIP, SPECS
+from weightlift.errors import OptionError, WeightliftError
 
 __all__ = [
     "SCHEMA",
@@ -90,7 +90,7 @@ ARM_KINDS = ("local", "remote", "probe", "limit")  # what runs as an interleaved
 SETTLE_S = 20.0  # pause before each run of a full benchmark: long enough that arm order does not change the medians
 QUICK_SETTLE_S = 3.0  # --quick: short, and said to be short in its output
 
-_ARMS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_arms.py")
+_ARMS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "arms.py")
 # Loads bench_arms.py by path, so peer arms never import the weightlift package.
 BOOT = (
     "import time;_t0=time.perf_counter_ns();import sys,importlib.util as u;"
@@ -100,7 +100,7 @@ BOOT = (
 
 
 def child_argv(arm: str, opts: dict[str, Any]) -> list[str]:
-    """The command line that runs arm body ``arm`` of :mod:`weightlift.bench_arms` in a child."""
+    """The command line that runs arm body ``arm`` of :mod:`weightlift.benchmark.arms` in a child."""
     return [sys.executable, "-c", BOOT, _ARMS_FILE, arm, json.dumps(opts)]
 
 
@@ -239,7 +239,7 @@ def _expand(paths: Sequence[str]) -> list[str]:
 def evict_files(paths: Sequence[str]) -> None:
     """Drop every file (folders: every file under them) from the page cache."""
     try:
-        from .source import evict as lib_evict
+        from weightlift.disk.source import evict as lib_evict
     except ImportError:
         lib_evict = None
     for p in _expand(paths):
@@ -414,7 +414,7 @@ def make_checkpoint(path: str, size: int, *, seed: int = 0) -> str:
     """Write a synthetic safetensors file of about ``size`` bytes of random tensor data."""
     import numpy as np
 
-    from .formats.safetensors import build_header
+    from weightlift.formats.safetensors import build_header
 
     entries = _synthetic_layout(size)
     header, _ = build_header(entries, {"format": "pt", "source": "weightlift bench"})
@@ -439,10 +439,10 @@ def synthetic_checkpoint(size: int) -> str:
 
 
 def default_checkpoint(*, quick: bool, size: int | None = None) -> str:
-    """The demo checkpoint where weightlift.demo provides one; a synthetic one otherwise."""
+    """The demo checkpoint where weightlift.cli.demo provides one; a synthetic one otherwise."""
     if size is None and not quick:
         try:
-            from .demo import ensure_demo_checkpoint  # type: ignore[attr-defined]
+            from weightlift.cli.demo import ensure_demo_checkpoint  # type: ignore[attr-defined]
         except ImportError:
             pass
         else:
@@ -453,14 +453,14 @@ def default_checkpoint(*, quick: bool, size: int | None = None) -> str:
 def describe_checkpoint(path: str) -> dict[str, Any]:
     """Files, tensor names, payload bytes and format of a checkpoint."""
     try:
-        from .checkpoint import open_checkpoint
+        from weightlift.checkpoint import open_checkpoint
     except ImportError:
         open_checkpoint = None  # type: ignore[assignment]
     if open_checkpoint is not None:
         ck = open_checkpoint(path)
         files, fmt, tensors = list(ck.files), ck.format, list(ck.tensors)
     else:
-        from .formats.safetensors import PREFIX_SIZE, header_length, parse_header
+        from weightlift.formats.safetensors import PREFIX_SIZE, header_length, parse_header
 
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -527,16 +527,16 @@ def _weightlift_reason(name: str) -> str | None:
     import inspect
 
     try:
-        from .load import load
+        from weightlift.api import load
     except ImportError as e:
-        return f"weightlift.load does not import: {e}"
+        return f"weightlift.api does not import: {e}"
     params = inspect.signature(load).parameters
     if name == "wl.split" and "remote" not in params:
         return "weightlift.load has no remote= option in this build"
     if name.startswith("wl.push") or name == "wl.split":
         try:
-            from .client import Client  # noqa: F401
-            from .server import Server  # noqa: F401
+            from weightlift.remote.client import Client  # noqa: F401
+            from weightlift.remote.server import Server  # noqa: F401
         except ImportError as e:
             return f"weightlift's server/client do not import: {e}"
     return None
@@ -935,7 +935,7 @@ def add_arguments(p: Any, *, default_arms: str | None = None, quick_arms: str | 
                         "round (run both to check that the pause is long enough: same medians either way)")
     p.add_argument("--calibrate-memory", action="store_true",
                    help="time the ways of filling fresh memory on this machine, in fresh processes, and "
-                        "remember the fastest for weightlift's loads and servers (weightlift.fresh)")
+                        "remember the fastest for weightlift's loads and servers (weightlift.memory.fresh)")
     p.add_argument("--json", metavar="FILE", help="write the full result as JSON")
     p.add_argument("--png", metavar="FILE", help="draw time to ready and weightlift's phases (matplotlib)")
     p.add_argument("--list", action="store_true", help="list the arms and baselines, then exit")
@@ -968,7 +968,7 @@ def command(args: Any) -> int:
 
 
 def _calibrate_command(args: Any) -> int:
-    from . import fresh
+    from weightlift.memory import fresh
 
     size = int(args.size_gib * GIB) if args.size_gib else 512 * MIB
     pause = QUICK_SETTLE_S if args.quick and args.settle is None else (SETTLE_S if args.settle is None else args.settle)
@@ -987,11 +987,3 @@ def _calibrate_command(args: Any) -> int:
             json.dump(res, f, indent=1)
     return 0
 
-
-def register(subparsers: Any) -> Any:
-    """Add ``weightlift bench`` to the CLI's subparsers."""
-    p = subparsers.add_parser("bench", help="time to ready of weightlift and its peers, fresh process per run",
-                              description=__doc__.split("\n\n")[0] if __doc__ else None)
-    add_arguments(p)
-    p.set_defaults(func=command)
-    return p

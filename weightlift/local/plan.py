@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable
 
-from .dtypes import DTYPES
-from .formats import TensorInfo
+from weightlift.dtypes import DTYPES
+from weightlift.formats import TensorInfo
 
 __all__ = ["Run", "Chunk", "make_runs", "make_chunks", "layout", "MAX_GAP", "CHUNK"]
 

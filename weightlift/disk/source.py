@@ -35,7 +35,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable
 
-from .errors import NotFoundError, OptionError, WeightliftError
+from weightlift.errors import NotFoundError, OptionError, WeightliftError
 
 __all__ = [
     "MappedFile",

@@ -21,7 +21,7 @@ three choices are a :class:`FillPolicy`:
     (``MADV_POPULATE_WRITE``, one system call; Linux 5.14 and later).
 ``helpers``
     Threads per server connection that fault the next destinations in while the socket fills
-    the current one (:mod:`weightlift.faulter`); 0 leaves every fault to the receive itself.
+    the current one (:mod:`weightlift.memory.faulter`); 0 leaves every fault to the receive itself.
 
 Where the policy comes from, first match wins: the environment (``WEIGHTLIFT_HUGEPAGES=0|1``,
 ``WEIGHTLIFT_FAULT_AHEAD=0|1``, ``WEIGHTLIFT_FAULT_METHOD=touch|populate``,
@@ -286,7 +286,7 @@ def calibrate(
             for huge, kind in TRIALS if r % 2 == 0 else TRIALS[::-1]:
                 time.sleep(pause)
                 out = subprocess.run(
-                    [sys.executable, "-c", "import sys,weightlift.fresh as f;f._child(sys.argv[1:])",
+                    [sys.executable, "-c", "import sys,weightlift.memory.fresh as f;f._child(sys.argv[1:])",
                      str(fd), str(size), str(int(huge)), kind, str(os.cpu_count() or 1)],
                     pass_fds=(fd,), capture_output=True, text=True, timeout=600,
                 )

@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Any, Sequence
 
-from .errors import WeightliftError
+from weightlift.errors import WeightliftError
 
 __all__ = ["main"]
 
@@ -33,7 +33,7 @@ def _add_select(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_inspect(a: argparse.Namespace) -> int:
-    from .checkpoint import open_checkpoint
+    from weightlift.checkpoint import open_checkpoint
 
     ck = open_checkpoint(a.path)
     tensors = ck.select(a.select)
@@ -94,8 +94,8 @@ def _jsonable(v: Any) -> bool:
 
 
 def _cmd_load(a: argparse.Namespace) -> int:
-    from .load import load
-    from .profile import Profiler
+    from weightlift.api import load
+    from weightlift.profile import Profiler
 
     prof = Profiler(enabled=True, trace=bool(a.trace)) if (a.profile or a.trace) else None
     report: dict[str, Any] = {}
@@ -111,8 +111,8 @@ def _cmd_load(a: argparse.Namespace) -> int:
         report=report,
     )
     if a.remote:
-        from .cli_remote import read_token
-        from .split import parse_remote
+        from weightlift.remote.token import read_token
+        from weightlift.split import parse_remote
 
         kwargs["remote"] = parse_remote(a.remote)
         kwargs["token"] = read_token(a.token_file)
@@ -135,7 +135,7 @@ def _cmd_load(a: argparse.Namespace) -> int:
 
 
 def _cmd_demo(a: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from weightlift.cli.demo import run_demo
 
     out = run_demo(rounds=a.rounds, push=not a.no_push)
     if a.json:
@@ -186,19 +186,26 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--json", action="store_true")
     ld.set_defaults(func=_cmd_load)
 
-    for mod in ("cli_remote", "benchmark", "check"):
-        try:
-            module = __import__(f"weightlift.{mod}", fromlist=["register"])
-        except ImportError:
-            continue
-        register = getattr(module, "register", None)
-        if register is not None:
-            register(sub)
+    from weightlift import check
+    from weightlift.cli import remote
+
+    remote.register(sub)
+    _register_bench(sub)
+    check.register(sub)
     return p
 
 
+def _register_bench(sub: Any) -> None:
+    from weightlift.benchmark import harness
+
+    p = sub.add_parser("bench", help="time to ready of weightlift and its peers, fresh process per run",
+                       description=(harness.__doc__ or "").split("\n\n")[0] or None)
+    harness.add_arguments(p)
+    p.set_defaults(func=harness.command)
+
+
 def _version() -> str:
-    from . import __version__
+    from weightlift import __version__
 
     return __version__
 

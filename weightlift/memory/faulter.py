@@ -29,7 +29,7 @@ import threading
 from collections import deque
 from typing import Any, Hashable
 
-from .fresh import fault_in, policy
+from weightlift.memory.fresh import fault_in, policy
 
 __all__ = ["Faulter"]
 
@@ -64,7 +64,7 @@ class Faulter:
             raise ValueError("need threads >= 1 and window >= piece >= 1")
         self.piece, self.window, self._nthreads, self._name = piece, window, threads, name
         # whether the receiver faults a piece the helpers have not reached before its kernel
-        # copy, or leaves it to the copy (weightlift.fresh decides which is faster here)
+        # copy, or leaves it to the copy (weightlift.memory.fresh decides which is faster here)
         self._self_fault = policy().ahead if ahead is None else ahead
         self._cond = threading.Condition()
         # regions with pieces left for the helpers, in registration order; cancelled ones are

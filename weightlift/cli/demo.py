@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .formats.safetensors import build_header
+from weightlift.formats.safetensors import build_header
 
 __all__ = ["demo_dir", "ensure_demo_checkpoint", "ensure_tiny_model", "demo_tensors", "run_demo"]
 
@@ -60,7 +60,7 @@ def write_checkpoint(path: Path, tensors: list[tuple[str, str, tuple[int, ...]]]
     """Write a safetensors file of deterministic pseudo-random bytes; returns BLAKE3 per tensor."""
     import blake3
 
-    from .dtypes import byte_length
+    from weightlift.dtypes import byte_length
 
     entries = [(n, d, s, byte_length(d, s)) for n, d, s in tensors]
     header, _ = build_header(entries, {"format": "pt", "weightlift": "demo"})
@@ -93,8 +93,8 @@ def ensure_demo_checkpoint(*, layers: int = 8) -> Path:
 
 def verify(tensors: dict[str, Any], digests: dict[str, str]) -> int:
     """BLAKE3 of every loaded tensor against the recorded digest; returns bytes checked."""
-    from .digests import hash_buffer
-    from .targets import as_bytes
+    from weightlift.remote.digest import hash_buffer
+    from weightlift.memory.targets import as_bytes
 
     checked = 0
     missing = set(digests) - set(tensors)
@@ -110,8 +110,8 @@ def verify(tensors: dict[str, Any], digests: dict[str, str]) -> int:
 
 def run_demo(*, rounds: int = 3, push: bool = True, layers: int = 8) -> dict[str, Any]:
     """Load the demo checkpoint with weightlift and safetensors, interleaved; print and return figures."""
-    from . import load
-    from .profile import Profiler
+    from weightlift.api import load
+    from weightlift.profile import Profiler
 
     path = ensure_demo_checkpoint(layers=layers)
     digests = json.loads((path.parent / "digests.json").read_text())
@@ -161,8 +161,8 @@ def run_demo(*, rounds: int = 3, push: bool = True, layers: int = 8) -> dict[str
 
 def _demo_push(path: Path, digests: dict[str, str]) -> dict[str, Any] | None:
     try:
-        from .client import Client
-        from .server import Server
+        from weightlift.remote.client.client import Client
+        from weightlift.remote.server.server import Server
     except ImportError as e:
         print(f"remote push: not available ({e})")
         return None
@@ -199,8 +199,8 @@ def ensure_tiny_model() -> Path:
     os.replace(tmp, d)
     # digests recorded while the files are as written, so the check has something independent
     # of the files to compare with
-    from .checkpoint import open_checkpoint
-    from .digests import hash_tensors
+    from weightlift.checkpoint import open_checkpoint
+    from weightlift.remote.digest import hash_tensors
 
     hash_tensors(list(open_checkpoint(d)), threshold=0)
     return d
@@ -208,23 +208,23 @@ def ensure_tiny_model() -> Path:
 
 def _demo_check(*, push: bool) -> dict[str, Any] | None:
     """``weightlift check`` on the tiny model, from disk and, with ``push``, through a loopback server."""
-    from .errors import WeightliftError
+    from weightlift.errors import WeightliftError
 
     try:
-        from .hf import require_transformers
+        from weightlift.hf import require_transformers
 
         require_transformers()
     except WeightliftError as e:
         print(f"model check: skipped ({e})")
         return None
-    from .check import format_result, run_check
+    from weightlift.check import format_result, run_check
 
     folder = ensure_tiny_model()
     results = {"disk": run_check(str(folder))}
     print(format_result(results["disk"]))
     if push:
-        from .client import Client
-        from .server import Server
+        from weightlift.remote.client.client import Client
+        from weightlift.remote.server.server import Server
 
         with Server(port=0) as srv:
             host, port = srv.start()

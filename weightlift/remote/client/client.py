@@ -31,10 +31,10 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple, Sequence
 
-from .checkpoint import Checkpoint, Select, open_checkpoint
-from .digests import HASH_THRESHOLD, DigestPool, hash_buffer, hash_tensors
-from .dtypes import CODES, byte_length
-from .errors import (
+from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
+from weightlift.remote.digest import HASH_THRESHOLD, DigestPool, hash_buffer, hash_tensors
+from weightlift.dtypes import CODES, byte_length
+from weightlift.errors import (
     AuthError,
     NotFoundError,
     OptionError,
@@ -42,10 +42,10 @@ from .errors import (
     TransportError,
     WeightliftError,
 )
-from .formats import TensorInfo
-from .formats.safetensors import build_header
-from .profile import Profiler
-from .protocol import (
+from weightlift.formats import TensorInfo
+from weightlift.formats.safetensors import build_header
+from weightlift.profile import Profiler
+from weightlift.remote.protocol import (
     MAX_FRAME,
     MAX_TENSORS,
     PROTOCOL_MAJOR,
@@ -77,9 +77,9 @@ from .protocol import (
     server_mac,
     verify_mac,
 )
-from .server import load_opt_enabled
-from .source import mapped
-from .transport import SocketStream, connect, receive_message, receive_payload
+from weightlift.remote.server.server import load_opt_enabled
+from weightlift.disk.source import mapped
+from weightlift.remote.transport import SocketStream, connect, receive_message, receive_payload
 
 __all__ = ["Client", "PushResult", "RemoteTensor"]
 
@@ -88,7 +88,7 @@ READ_WINDOW = 32  # READs in flight during a pull
 HAVE_BATCH = 4096
 # ALLOCs run this far ahead of the WRITEs (bytes, tensors): a server faults a tensor's fresh
 # memory in as soon as it is allocated, so it can do the next tensors' while this one arrives.
-# Half the server's fault-ahead window (weightlift.server.FAULT_WINDOW): what is allocated
+# Half the server's fault-ahead window (weightlift.remote.server.FAULT_WINDOW): what is allocated
 # ahead never takes all of it from the tensor being received.
 ALLOC_AHEAD_BYTES = 32 << 20
 ALLOC_AHEAD_TENSORS = 64

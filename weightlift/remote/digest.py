@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 import blake3
 
-from .errors import NotFoundError, OptionError
+from weightlift.errors import NotFoundError, OptionError
 
 __all__ = [
     "DIGEST_SIZE",
@@ -341,7 +341,7 @@ class _TensorLike(Protocol):
 
 
 def _mapped_view(t: _TensorLike) -> memoryview:
-    from .source import mapped
+    from weightlift.disk.source import mapped
 
     return mapped(t.file).view(t.offset, t.length)
 

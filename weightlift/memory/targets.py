@@ -6,8 +6,8 @@ them. A CUDA device is not (its memory is not host-addressable), nor is any targ
 transforms the bytes (a dtype cast on load): those go through their own fill step,
 :meth:`Target.write`, fed from a reused staging buffer.
 
-Host destinations come from :func:`weightlift.fresh.fresh_host`, mapped the way this machine
-fills fresh memory fastest (:mod:`weightlift.fresh`).
+Host destinations come from :func:`weightlift.memory.fresh.fresh_host`, mapped the way this machine
+fills fresh memory fastest (:mod:`weightlift.memory.fresh`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from .dtypes import byte_length, dtype_info, numpy_dtype, torch_dtype
-from .errors import DeviceError, OptionError
-from .fresh import before_kernel_copy as populate
-from .fresh import fresh_host
+from weightlift.dtypes import byte_length, dtype_info, numpy_dtype, torch_dtype
+from weightlift.errors import DeviceError, OptionError
+from weightlift.memory.fresh import before_kernel_copy as populate
+from weightlift.memory.fresh import fresh_host
 
 __all__ = ["Target", "HostTarget", "CastTarget", "CudaTarget", "make_target", "fresh_host", "populate", "STAGING_SLOT"]
 

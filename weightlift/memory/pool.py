@@ -32,7 +32,7 @@ from collections import deque
 
 import numpy as np
 
-from .fresh import fault_in, new_mapping
+from weightlift.memory.fresh import fault_in, new_mapping
 
 __all__ = ["HostPool", "POOL_MIN", "size_class"]
 

@@ -1,5 +1,5 @@
 """The remote subcommands: ``serve``, ``push``, ``pull`` and ``ls``. Parsing only; the work is in
-:mod:`weightlift.server` and :mod:`weightlift.client`.
+:mod:`weightlift.remote.server` and :mod:`weightlift.remote.client`.
 
 ``register(subparsers)`` adds them to the main parser (``weightlift.cli`` calls it). A user
 mistake raises a weightlift error, which the main CLI prints as one line with exit status 2.
@@ -13,7 +13,8 @@ import re
 import sys
 from typing import Any
 
-from .errors import OptionError
+from weightlift.errors import OptionError
+from weightlift.remote.token import read_token
 
 __all__ = ["register", "DEFAULT_PORT", "parse_size", "read_token"]
 
@@ -29,20 +30,6 @@ def parse_size(text: str) -> int:
         raise OptionError(f"size {text!r} is not a number of bytes (e.g. 8589934592, 512M, 8G)")
     unit = (m.group(2) or "").lower()[:1]
     return int(m.group(1)) * _UNITS[unit]
-
-
-def read_token(path: str | None) -> bytes | None:
-    """The token in ``path`` (surrounding whitespace removed), or None without a path."""
-    if path is None:
-        return None
-    try:
-        with open(path, "rb") as f:
-            token = f.read(64 * 1024).strip()
-    except OSError as e:
-        raise OptionError(f"cannot read token file {path}: {e.strerror or e}") from None
-    if not token:
-        raise OptionError(f"token file {path} is empty")
-    return token
 
 
 def register(sub: Any) -> None:
@@ -94,7 +81,7 @@ def register(sub: Any) -> None:
 
 
 def _cmd_serve(a: argparse.Namespace) -> int:
-    from .server import Server
+    from weightlift.remote.server.server import Server
 
     framework = a.framework or ("numpy" if a.device == "cpu" else "torch")
     server = Server(
@@ -120,13 +107,13 @@ def _cmd_serve(a: argparse.Namespace) -> int:
 
 
 def _client(a: argparse.Namespace, address: str, **kw: Any) -> Any:
-    from .client import Client
+    from weightlift.remote.client.client import Client
 
     return Client(address, token=read_token(a.token_file), **kw)
 
 
 def _cmd_push(a: argparse.Namespace) -> int:
-    from .profile import Profiler
+    from weightlift.profile import Profiler
 
     if a.streams < 1:
         raise OptionError(f"--streams must be at least 1, got {a.streams}")

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable, Final, Literal, Union
 
-from ..dtypes import DTYPES, CODES, byte_length
-from ..errors import AuthError, LocalProtocolError, RemoteProtocolError, WeightliftError
-from .messages import (
+from weightlift.dtypes import DTYPES, CODES, byte_length
+from weightlift.errors import AuthError, LocalProtocolError, RemoteProtocolError, WeightliftError
+from weightlift.remote.protocol.messages import (
     BARRIER_NEED_LAYOUT,
     CLIENT_COMMANDS,
     COMMAND_SINCE,

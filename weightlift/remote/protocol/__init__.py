@@ -5,7 +5,7 @@ See ``messages`` for the framing and the conversation, ``codec`` for the decoder
 
 from __future__ import annotations
 
-from .codec import (
+from weightlift.remote.protocol.codec import (
     NEED_DATA,
     Decoder,
     Event,
@@ -18,8 +18,8 @@ from .codec import (
     server_mac,
     verify_mac,
 )
-from .messages import *  # noqa: F403 - the wire spec is this package's vocabulary
-from .messages import __all__ as _messages_all
+from weightlift.remote.protocol.messages import *  # noqa: F403 - the wire spec is this package's vocabulary
+from weightlift.remote.protocol.messages import __all__ as _messages_all
 
 __all__ = [
     "NEED_DATA",

@@ -52,8 +52,8 @@ from typing import Any
 
 import blake3
 
-from .digests import DIGEST_SIZE, PARALLEL_HASH_MIN, byte_view, digest_hex
-from .errors import CacheError, OptionError
+from weightlift.remote.digest import DIGEST_SIZE, PARALLEL_HASH_MIN, byte_view, digest_hex
+from weightlift.errors import CacheError, OptionError
 
 __all__ = [
     "DIGEST_SIZE",
