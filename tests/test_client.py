@@ -15,7 +15,7 @@ from weightlift import cli
 from weightlift.remote.client.client import Client, PushResult, RemoteTensor
 from weightlift.remote.digest import MANIFEST_SUFFIX, hash_buffer
 from weightlift.dtypes import DTYPES, byte_length
-from weightlift.errors import AuthError, NotFoundError, OptionError, RemoteProtocolError, TransportError
+from weightlift.errors import AuthError, NotFoundError, OptionError, RemoteProtocolError, StateError, TransportError
 from weightlift.formats.safetensors import build_header
 from weightlift.profile import Profiler
 from weightlift.remote.server.server import Server
@@ -234,7 +234,7 @@ def test_a_push_that_fails_mid_stream_closes_the_client_one_refused_at_the_barri
         monkeypatch.setattr(client_mod._Pusher, "_send", failing)
         with pytest.raises(OSError):
             c.push(path)  # tensors were ALLOCated ahead and never written: the connection goes
-        with pytest.raises(OptionError, match="closed"):
+        with pytest.raises(StateError, match="closed"):
             c.list()
         monkeypatch.undo()
     path, tensors = model(tmp_path, large=2, small=0)
@@ -263,7 +263,7 @@ def test_a_naive_push_that_fails_mid_stream_closes_the_client_too(tmp_path, monk
         c = Client(s.address)
         with pytest.raises(OSError):
             c.push(path, hash_threshold=THRESHOLD)
-        with pytest.raises(OptionError, match="closed"):
+        with pytest.raises(StateError, match="closed"):
             c.list()
 
 

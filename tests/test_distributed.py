@@ -30,7 +30,7 @@ if not dist.is_available() or not dist.is_gloo_available():
 import weightlift as wl  # noqa: E402
 from weightlift.distributed import Shard, chunk_bounds, push_many  # noqa: E402
 from weightlift.distributed.push import PushError  # noqa: E402
-from weightlift.errors import OptionError, TransportError  # noqa: E402
+from weightlift.errors import OptionError  # noqa: E402
 from weightlift.formats.gguf import dequantize  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))

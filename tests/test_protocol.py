@@ -8,6 +8,7 @@ import pytest
 
 import weightlift.remote.protocol as P
 from weightlift.errors import LocalProtocolError
+from weightlift.remote.protocol.messages import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from weightlift.remote.protocol import (
     Alloc,
     Auth,
@@ -261,3 +262,43 @@ def test_protocol_package_does_no_io():
                 names = [node.module]
             for n in names:
                 assert n.split(".")[0] not in forbidden, f"{path.name} imports {n}"
+
+
+def test_client_and_server_sessions_back_to_back_in_memory():
+    """The handshake as two state machines wired together, no sockets: HELLO, AUTH, READY."""
+    from weightlift.remote.protocol import Auth, Capability, ClientSession, ServerSession, SessionState, server_mac
+
+    token = b"sesame"
+    client = ClientSession(token=token)
+    server = ServerSession(auth_required=True)
+    hello = client.start()
+    minor = server.hello(hello)
+    server_nonce = bytes(range(32))[: len(hello.nonce)]
+    auth = client.server_hello(Hello(hello.major, minor, Capability.AUTH | Capability.CACHE, 1 << 20, 0, server_nonce))
+    assert isinstance(auth, Auth) and client.state is SessionState.AWAIT_AUTH
+    server.check(auth)
+    server.authenticated()
+    client.server_auth(Auth(server_mac(token, hello.nonce, server_nonce)))
+    assert client.state is server.state is SessionState.READY
+    assert client.minor == server.minor and client.cache and client.max_frame == 1 << 20
+
+
+def test_client_session_refuses_what_it_must():
+    from weightlift.errors import AuthError, RemoteProtocolError
+    from weightlift.remote.protocol import Auth, Capability, ClientSession, cache_usable
+
+    nonce = bytes(len(ClientSession().start().nonce))
+    with pytest.raises(RemoteProtocolError, match="server speaks protocol"):
+        ClientSession().server_hello(Hello(PROTOCOL_MAJOR + 1, 0, 0, 0, 0, nonce))
+    with pytest.raises(AuthError, match="wants a token"):
+        ClientSession().server_hello(Hello(PROTOCOL_MAJOR, PROTOCOL_MINOR, Capability.AUTH, 0, 0, nonce))
+    with pytest.raises(AuthError, match="did not ask"):
+        ClientSession(token=b"t").server_hello(Hello(PROTOCOL_MAJOR, PROTOCOL_MINOR, 0, 0, 0, nonce))
+    c = ClientSession(token=b"t")
+    c.server_hello(Hello(PROTOCOL_MAJOR, PROTOCOL_MINOR, Capability.AUTH, 0, 0, nonce))
+    with pytest.raises(AuthError, match="did not prove"):
+        c.server_auth(Auth(bytes(32)))
+    # an older server's cache flag is not usable: the rule is stated once, in the session module
+    old = ClientSession()
+    assert old.server_hello(Hello(PROTOCOL_MAJOR, 0, Capability.CACHE, 0, 0, nonce)) is None
+    assert not old.cache and not cache_usable(0) and cache_usable(PROTOCOL_MINOR)

@@ -10,7 +10,7 @@ import pytest
 
 import weightlift.remote.protocol as P
 from weightlift.remote.digest import hash_buffer
-from weightlift.errors import OptionError
+from weightlift.errors import OptionError, StateError
 from weightlift.remote.protocol import (
     NEED_DATA,
     Alloc,
@@ -353,7 +353,7 @@ def test_options_checked():
     with pytest.raises(OptionError):
         Server(token="")
     s = Server()
-    with pytest.raises(OptionError):
+    with pytest.raises(StateError, match="not started"):
         s.address
 
 
@@ -646,7 +646,7 @@ def test_close_ends_connections_and_drops_partial_tensors():
     s.close()
     assert raw.closed()
     assert s.tensors() == {} and s.memory_used == 0
-    with pytest.raises(OptionError):
+    with pytest.raises(StateError, match="closed"):
         s.start()
 
 

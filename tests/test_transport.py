@@ -10,7 +10,7 @@ import pytest
 
 from weightlift.remote import transport
 from weightlift.errors import OptionError, TransportError
-from weightlift.remote.transport import Listener, SocketStream, connect, parse_address
+from weightlift.remote.transport import SocketListener as Listener, SocketStream, connect, parse_address
 
 
 @pytest.fixture
@@ -184,3 +184,27 @@ def test_parse_address(text, expected):
 def test_parse_address_rejects(text):
     with pytest.raises(OptionError):
         parse_address(text)
+
+
+def test_client_and_server_take_a_backend():
+    """The client and the server reach the network only through the backend they are given."""
+    from weightlift.remote.client import Client
+    from weightlift.remote.server import Server
+    from weightlift.remote.transport import TCP
+
+    calls = []
+
+    class Recording:
+        def connect(self, address, *, timeout=30.0):
+            calls.append("connect")
+            return TCP.connect(address, timeout=timeout)
+
+        def listen(self, host, port, *, backlog=64):
+            calls.append("listen")
+            return TCP.listen(host, port, backlog=backlog)
+
+    with Server(port=0, backend=Recording()) as s:
+        s.start()
+        with Client(s.address, backend=Recording(), streams=2) as c:
+            assert c.list() == []
+    assert calls == ["listen", "connect"]  # further streams connect at the first push

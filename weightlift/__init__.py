@@ -17,10 +17,15 @@ from weightlift.errors import (
     AuthError,
     CacheError,
     DeviceError,
+    FileError,
     FormatError,
+    GroupError,
+    IntegrityError,
     NotFoundError,
     OptionError,
     ProtocolError,
+    PushError,
+    StateError,
     TransportError,
     WeightliftError,
 )
@@ -47,6 +52,11 @@ __all__ = [
     "TransportError",
     "CacheError",
     "DeviceError",
+    "FileError",
+    "StateError",
+    "IntegrityError",
+    "GroupError",
+    "PushError",
 ]
 
 

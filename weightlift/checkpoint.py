@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Pattern, Union
 
-from weightlift.errors import FormatError, NotFoundError, OptionError, WeightliftError
+from weightlift.errors import FormatError, NotFoundError, OptionError, os_error
 from weightlift.formats import TensorInfo
 from weightlift.formats import safetensors as st
 
@@ -126,7 +126,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         with open(p, "rb") as f:
             magic = f.read(4)
     except OSError as e:
-        raise WeightliftError(f"{p}: cannot read: {e.strerror}") from None
+        raise os_error(e, p, "cannot read") from None
     if magic == b"GGUF" or p.lower().endswith(".gguf"):
         # a .gguf file with a bad magic is a broken GGUF file, not a safetensors one
         return _open_gguf(p)
@@ -161,7 +161,7 @@ def _read_safetensors(path: str) -> tuple[list[TensorInfo], dict[str, str], tupl
             n = st.header_length(prefix, file=path, file_size=size)
             header = f.read(n)
     except OSError as e:
-        raise WeightliftError(f"{path}: cannot read: {e.strerror}") from None
+        raise os_error(e, path, "cannot read") from None
     if len(header) != n:
         raise FormatError("file shrank while its header was read", file=path)
     tensors, meta = st.parse_header(header, file=path, file_size=size)
@@ -189,7 +189,7 @@ def _open_index(path: str) -> Checkpoint:
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise FormatError(f"index is not valid JSON: {type(e).__name__}: {e}", file=path) from None
     except OSError as e:
-        raise WeightliftError(f"{path}: cannot read: {e.strerror}") from None
+        raise os_error(e, path, "cannot read") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("weight_map"), dict):
         raise FormatError("index has no weight_map object", file=path)
     weight_map: dict[str, Any] = obj["weight_map"]

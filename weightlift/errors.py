@@ -6,24 +6,43 @@ catch one root::
 
     WeightliftError
     ├── FormatError            a checkpoint file is malformed (names the file and tensor)
-    │   └── NotFoundError      a path, shard or tensor that does not exist
+    ├── NotFoundError          a path, shard, tensor or remote name that does not exist
+    ├── FileError              reading or writing a file failed: an OSError, or a file ended early
     ├── OptionError            a bad argument or option from the caller
+    ├── StateError             a call the object's state does not allow (closed, not started)
+    ├── IntegrityError         bytes differ from what was written or from their digest
     ├── ProtocolError          the wire protocol was violated
     │   ├── LocalProtocolError   we were asked to send something invalid
     │   └── RemoteProtocolError  the peer sent something invalid, or reported an error
     ├── AuthError              the HELLO challenge-response failed
     ├── TransportError         a connection could not be made, broke, or timed out
     ├── CacheError             the content-addressed cache failed (never fatal to a load)
-    └── DeviceError            a target device is missing or a copy to it failed
+    ├── DeviceError            a target device is missing or a copy to it failed
+    ├── GroupError             another rank of a process group failed (its own error says why)
+    └── PushError              some of several pushes failed (per server: error or result)
+
+The benchmark harness adds two of its own under the root (``ArmFailed``, ``ArmSkipped`` in
+:mod:`weightlift.benchmark.harness`); the arm bodies it runs in child processes import nothing
+from weightlift and report through their exit line instead.
+
+A not-found is not a format error: a server's "no such tensor" or a missing shard says nothing
+about whether a file is well formed. A broken invariant inside weightlift (a bug, not a
+condition to handle) raises ``AssertionError``.
 """
 
 from __future__ import annotations
+
+import errno as _errno
+from typing import Any
 
 __all__ = [
     "WeightliftError",
     "FormatError",
     "NotFoundError",
+    "FileError",
     "OptionError",
+    "StateError",
+    "IntegrityError",
     "ProtocolError",
     "LocalProtocolError",
     "RemoteProtocolError",
@@ -31,6 +50,9 @@ __all__ = [
     "TransportError",
     "CacheError",
     "DeviceError",
+    "GroupError",
+    "PushError",
+    "os_error",
 ]
 
 
@@ -38,28 +60,67 @@ class WeightliftError(Exception):
     """Root of every error weightlift raises on purpose."""
 
 
+def _located(message: str, file: str | None, tensor: str | None) -> str:
+    parts = []
+    if file is not None:
+        parts.append(str(file))
+    if tensor is not None:
+        parts.append(f"tensor {tensor!r}")
+    prefix = ": ".join(parts)
+    return f"{prefix}: {message}" if prefix else message
+
+
 class FormatError(WeightliftError):
     """A checkpoint file is malformed; the message names the file and, where known, the tensor."""
 
     def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
-        parts = []
-        if file is not None:
-            parts.append(str(file))
-        if tensor is not None:
-            parts.append(f"tensor {tensor!r}")
-        prefix = ": ".join(parts)
-        super().__init__(f"{prefix}: {message}" if prefix else message)
+        super().__init__(_located(message, file, tensor))
         self.file = file
         self.tensor = tensor
         self.reason = message
 
 
-class NotFoundError(FormatError):
-    """A path, a shard named by an index, or a selected tensor does not exist."""
+class NotFoundError(WeightliftError):
+    """A path, a shard named by an index, a selected tensor or a server's tensor does not exist."""
+
+    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
+        super().__init__(_located(message, file, tensor))
+        self.file = file
+        self.tensor = tensor
+        self.reason = message
+
+
+class FileError(WeightliftError):
+    """Reading or writing a file failed (the OSError's reason is in the message), or a file ended before its tensors."""
+
+    def __init__(self, message: str, *, file: str | None = None, errno: int | None = None):
+        super().__init__(_located(message, file, None))
+        self.file = file
+        self.errno = errno
+        self.reason = message
+
+
+def os_error(e: OSError, file: Any, what: str) -> WeightliftError:
+    """The boundary for OSError: a missing file is a :class:`NotFoundError`, anything else a :class:`FileError`.
+
+    ``what`` says what was being done ("cannot open", "cannot read", ...); the message is
+    ``"<file>: <what>: <strerror>"``.
+    """
+    if e.errno == _errno.ENOENT:
+        return NotFoundError("no such file", file=str(file))
+    return FileError(f"{what}: {e.strerror or e}", file=str(file), errno=e.errno)
 
 
 class OptionError(WeightliftError):
     """An argument or option passed by the caller is invalid."""
+
+
+class StateError(WeightliftError):
+    """The call is not allowed in the object's current state: it is closed, or not started yet."""
+
+
+class IntegrityError(WeightliftError):
+    """Bytes that were read back differ from what was written, or from their recorded digest."""
 
 
 class ProtocolError(WeightliftError):
@@ -88,3 +149,18 @@ class CacheError(WeightliftError):
 
 class DeviceError(WeightliftError):
     """A target device is unavailable, or a copy to it failed."""
+
+
+class GroupError(WeightliftError):
+    """Another rank of a process group failed; this rank stops too, and that rank's error says why."""
+
+
+class PushError(WeightliftError):
+    """One or more pushes of :func:`weightlift.distributed.push_many` failed; ``errors`` and ``results`` say which."""
+
+    def __init__(self, errors: dict[str, BaseException], results: dict[str, Any]):
+        first = next(iter(errors.items()))
+        ok = f"; {len(results)} succeeded" if results else ""
+        super().__init__(f"{len(errors)} of {len(errors) + len(results)} pushes failed, first {first[0]}: {first[1]}{ok}")
+        self.errors = errors
+        self.results = results

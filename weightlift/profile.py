@@ -56,7 +56,8 @@ import os
 import threading
 from typing import Any
 
-from weightlift.errors import OptionError
+from weightlift import env
+from weightlift.errors import FileError, OptionError
 
 __all__ = ["PHASES", "ENV_VAR", "Profiler"]
 
@@ -64,11 +65,6 @@ PHASES: tuple[str, ...] = ("read", "hash", "stage", "wire", "device")
 ENV_VAR = "WEIGHTLIFT_LOADPROF"
 
 _INDEX = {p: i for i, p in enumerate(PHASES)}
-_ON = frozenset({"1", "true", "yes", "on"})
-
-
-def _env_enabled() -> bool:
-    return os.environ.get(ENV_VAR, "").strip().lower() in _ON
 
 
 class Profiler:
@@ -84,7 +80,7 @@ class Profiler:
 
     def __init__(self, enabled: bool | None = None, *, trace: bool = False) -> None:
         if enabled is None:
-            enabled = True if trace else _env_enabled()
+            enabled = True if trace else env.load_profile()
         self.enabled = bool(enabled)
         self.trace = bool(trace)
         self._lock = threading.Lock()
@@ -249,7 +245,7 @@ class Profiler:
             with open(path, "w", encoding="utf-8") as f:
                 json.dump(obj, f, separators=(",", ":"))
         except OSError as e:
-            raise OptionError(f"cannot write trace to {os.fspath(path)!r}: {e.strerror or e}") from None
+            raise FileError(f"cannot write trace to {os.fspath(path)!r}: {e.strerror or e}", errno=e.errno) from None
 
 
 def _exclusive_split(fg: list[tuple[int, int, int]]) -> list[float]:

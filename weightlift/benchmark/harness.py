@@ -47,6 +47,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from weightlift import env
 from weightlift.benchmark import arms as bench_arms
 from weightlift.benchmark.arms import READY, SKIP, SPECS
 from weightlift.errors import OptionError, WeightliftError
@@ -383,8 +384,7 @@ def _one(a: Arm, argv: list[str], *, cold: bool, timeout: float, r: dict[str, An
 
 def bench_dir() -> str:
     """Where synthetic checkpoints and .pt copies are cached (WEIGHTLIFT_BENCH_DIR overrides)."""
-    d = os.environ.get("WEIGHTLIFT_BENCH_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "weightlift", "bench")
+    d = env.bench_dir()
     os.makedirs(d, exist_ok=True)
     return d
 

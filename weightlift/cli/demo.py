@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from weightlift import env
+from weightlift.errors import IntegrityError
 from weightlift.formats.safetensors import build_header
 
 __all__ = ["demo_dir", "ensure_demo_checkpoint", "ensure_tiny_model", "demo_tensors", "run_demo"]
@@ -30,10 +32,7 @@ TINY_NAME = "demo-tiny-llama"
 
 
 def demo_dir() -> Path:
-    base = os.environ.get("WEIGHTLIFT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "weightlift"
-    )
-    return Path(base) / DEMO_NAME
+    return Path(env.cache_dir()) / DEMO_NAME
 
 
 def demo_tensors(*, layers: int = 8, hidden: int = 2048, inter: int = 5632, vocab: int = 32000, kv: int = 256) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -99,11 +98,11 @@ def verify(tensors: dict[str, Any], digests: dict[str, str]) -> int:
     checked = 0
     missing = set(digests) - set(tensors)
     if missing:
-        raise AssertionError(f"demo: tensors missing from the load: {sorted(missing)[:3]}")
+        raise IntegrityError(f"demo: tensors missing from the load: {sorted(missing)[:3]}")
     for name, arr in tensors.items():
         raw = as_bytes(arr.cpu() if hasattr(arr, "cpu") else arr)
         if hash_buffer(raw).hex() != digests[name]:
-            raise AssertionError(f"demo: tensor {name!r} differs from what was written")
+            raise IntegrityError(f"demo: tensor {name!r} differs from what was written")
         checked += raw.size
     return checked
 
@@ -234,5 +233,5 @@ def _demo_check(*, push: bool) -> dict[str, Any] | None:
         print(format_result(results["server"]))
     failed = [k for k, r in results.items() if not r["ok"]]
     if failed:
-        raise AssertionError(f"demo: the model check failed ({', '.join(failed)})")
+        raise IntegrityError(f"demo: the model check failed ({', '.join(failed)})")
     return results

@@ -35,7 +35,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable
 
-from weightlift.errors import NotFoundError, OptionError, WeightliftError
+from weightlift import env
+from weightlift.errors import FileError, NotFoundError, os_error
 
 __all__ = [
     "MappedFile",
@@ -71,7 +72,7 @@ def _identity(path: str) -> tuple[str, _Identity]:
     except FileNotFoundError:
         raise NotFoundError("no such file", file=str(path)) from None
     except OSError as e:
-        raise WeightliftError(f"{path}: cannot stat: {e.strerror}") from None
+        raise os_error(e, path, "cannot stat") from None
     return real, _Identity(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
@@ -83,7 +84,7 @@ class MappedFile:
         try:
             self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as e:
-            raise WeightliftError(f"{path}: cannot open: {e.strerror}") from None
+            raise os_error(e, path, "cannot open") from None
         # the descriptor lives as long as this object (arrays borrowing the mapping keep the
         # mmap itself alive, which does not need it)
         weakref.finalize(self, os.close, self._fd)
@@ -103,7 +104,7 @@ class MappedFile:
     def view(self, offset: int, length: int) -> memoryview:
         """A borrowed slice of the mapping: no copy."""
         if offset < 0 or length < 0 or offset + length > self.size:
-            raise WeightliftError(f"{self.path}: range [{offset}, {offset + length}) is outside the file")
+            raise FileError(f"range [{offset}, {offset + length}) is outside the file", file=self.path)
         return self.buffer[offset : offset + length]
 
     def address(self) -> int:
@@ -185,7 +186,7 @@ def evict(path: str | os.PathLike[str]) -> None:
         finally:
             os.close(fd)
     except OSError as e:
-        raise WeightliftError(f"{p}: cannot open: {e.strerror}") from None
+        raise os_error(e, p, "cannot open") from None
     evict_range(p, 0, 0)
     _resident_memo.clear()
 
@@ -194,7 +195,7 @@ def evict_range(path: str, offset: int, length: int) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
-        raise WeightliftError(f"{path}: cannot open: {e.strerror}") from None
+        raise os_error(e, path, "cannot open") from None
     try:
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
     finally:
@@ -203,14 +204,7 @@ def evict_range(path: str, offset: int, length: int) -> None:
 
 def page_eviction_override() -> bool | None:
     """WEIGHTLIFT_PAGE_EVICTION: "1" forces eviction, "0" forbids it, unset leaves the default."""
-    v = os.environ.get("WEIGHTLIFT_PAGE_EVICTION", "").strip().lower()
-    if v in ("", "auto"):
-        return None
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise OptionError(f"WEIGHTLIFT_PAGE_EVICTION={v!r}: expected 1, 0 or auto")
+    return env.page_eviction()
 
 
 # -- prefetch ------------------------------------------------------------------------------
@@ -279,10 +273,10 @@ def prefetch(
                             mv = memoryview(bytearray(max(k for _, k in mine)))
                         got = os.preadv(m.fileno(), [mv[: n - done]], off + done)
                     if got <= 0:
-                        raise WeightliftError(f"{m.path}: file ended at byte {off + done} while reading tensors")
+                        raise FileError(f"file ended at byte {off + done} while reading tensors", file=m.path)
                     done += got
             except OSError as e:
-                errors.append(WeightliftError(f"{m.path}: read error at byte {off + done}: {e.strerror}"))
+                errors.append(FileError(f"read error at byte {off + done}: {e.strerror}", file=m.path, errno=e.errno))
                 return
             except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
                 errors.append(e)

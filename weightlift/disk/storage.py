@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Any
 
+from weightlift import env
+
 __all__ = ["readers_for", "remember_readers", "storage_file"]
 
 _lock = threading.Lock()
@@ -25,10 +27,7 @@ _memo: dict[int, int] = {}
 
 
 def storage_file() -> str:
-    base = os.environ.get("WEIGHTLIFT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "weightlift"
-    )
-    return os.path.join(base, "storage.json")
+    return os.path.join(env.cache_dir(), "storage.json")
 
 
 def _read() -> dict[str, Any]:
@@ -42,9 +41,9 @@ def _read() -> dict[str, Any]:
 
 def readers_for(device: int) -> int | None:
     """The reader count recorded for this device (or pinned by the environment), else None."""
-    pinned = os.environ.get("WEIGHTLIFT_COLD_READERS", "").strip()
-    if pinned.isdigit() and int(pinned) > 0:
-        return int(pinned)
+    pinned = env.cold_readers()
+    if pinned is not None:
+        return pinned
     with _lock:
         if device in _memo:
             return _memo[device]

@@ -176,7 +176,7 @@ class Arena:
             write(self.host[off : off + n])
             return
         if n > len(self._stage):
-            raise WeightliftError(f"internal: fill of {n} bytes over the staging buffer of {len(self._stage)}")
+            raise AssertionError(f"fill of {n} bytes over the staging buffer of {len(self._stage)}")
         write(self._stage[:n])
         self.dev[off : off + n].copy_(self._stage_t[:n])  # synchronous: the staging buffer is reused next
 

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
 from weightlift.dtypes import byte_length, dtype_info
-from weightlift.errors import OptionError, RemoteProtocolError, WeightliftError
+from weightlift.errors import GroupError, OptionError, RemoteProtocolError
 from weightlift.formats import TensorInfo
 from weightlift.distributed.comm import Arena, Comm, pack
 from weightlift.distributed.group import _checked_map, _overlaps, read_all
@@ -131,7 +131,7 @@ def _broadcast_description(comm: Comm, desc: bytes, src: int, *, failed: bool = 
     if size == -1:
         if failed:
             return b""
-        raise WeightliftError(f"the source rank {src} failed to open its checkpoint (its own error says why)")
+        raise GroupError(f"the source rank {src} failed to open its checkpoint (its own error says why)")
     if not 0 < size <= MAX_DESCRIPTION:
         raise RemoteProtocolError(f"rank {src} announced a tensor list of {size} bytes (limit {MAX_DESCRIPTION})")
     buf = torch.frombuffer(bytearray(desc), dtype=torch.uint8).to(dev) if desc else torch.empty(size, dtype=torch.uint8, device=dev)

@@ -34,7 +34,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
-from weightlift.errors import FormatError, OptionError, WeightliftError
+from weightlift.errors import FormatError, GroupError, OptionError
 from weightlift.formats import TensorInfo
 from weightlift.disk.source import MappedFile, mapped
 from weightlift.distributed.comm import ALIGN, Arena, Comm, pack
@@ -169,7 +169,7 @@ def _agree(comm: Comm, digest: bytes | None) -> None:
         return
     for r in range(comm.world):
         if not rows[r, 0]:
-            raise WeightliftError(f"rank {r} failed to plan the group load (its own error says why)")
+            raise GroupError(f"rank {r} failed to plan the group load (its own error says why)")
     for r in range(comm.world):
         if bytes(rows[r, 1:]) != bytes(rows[0, 1:]):
             raise OptionError(f"ranks 0 and {r} planned different loads: the checkpoint, select, shard rules "

@@ -14,20 +14,9 @@ import threading
 from typing import Any, Mapping
 
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
-from weightlift.errors import OptionError, WeightliftError
+from weightlift.errors import OptionError, PushError
 
 __all__ = ["push_many", "PushError"]
-
-
-class PushError(WeightliftError):
-    """One or more pushes of :func:`push_many` failed; ``errors`` and ``results`` say which."""
-
-    def __init__(self, errors: dict[str, BaseException], results: dict[str, Any]):
-        first = next(iter(errors.items()))
-        ok = f"; {len(results)} succeeded" if results else ""
-        super().__init__(f"{len(errors)} of {len(errors) + len(results)} pushes failed, first {first[0]}: {first[1]}{ok}")
-        self.errors = errors
-        self.results = results
 
 
 def push_many(

@@ -31,7 +31,8 @@ from typing import Sequence
 
 import numpy as np
 
-from weightlift.errors import OptionError, WeightliftError
+from weightlift import env
+from weightlift.errors import FileError, OptionError
 from weightlift.disk.source import RESIDENT_THRESHOLD, MappedFile, resident_fraction
 from weightlift.memory.targets import populate
 from weightlift.distributed.shard import Rows
@@ -48,16 +49,7 @@ _SINK = 1 << 20
 
 def row_read_min() -> int:
     """:data:`ROW_READ_MIN`, or ``WEIGHTLIFT_ROW_READ_MIN`` where set."""
-    v = os.environ.get("WEIGHTLIFT_ROW_READ_MIN", "").strip()
-    if not v:
-        return ROW_READ_MIN
-    try:
-        n = int(v)
-    except ValueError:
-        raise OptionError(f"WEIGHTLIFT_ROW_READ_MIN={v!r}: expected a number of bytes") from None
-    if n < 1:
-        raise OptionError(f"WEIGHTLIFT_ROW_READ_MIN={v!r}: must be at least 1")
-    return n
+    return env.row_read_min(ROW_READ_MIN)
 
 
 class SliceReader:
@@ -94,7 +86,7 @@ class SliceReader:
     def read(self, rows: Rows, dst: np.ndarray) -> None:
         """Fill ``dst`` (uint8, ``rows.nbytes`` long) with the rows, packed one after another."""
         if dst.size != rows.nbytes:
-            raise WeightliftError(f"internal: destination of {dst.size} bytes for {rows.nbytes} bytes of rows")
+            raise AssertionError(f"destination of {dst.size} bytes for {rows.nbytes} bytes of rows")
         if not rows.nbytes:
             return
         m = self.maps[rows.file]
@@ -178,9 +170,9 @@ def _pread_full(m: MappedFile, iovs: list[memoryview], offset: int) -> int:
         try:
             got = os.preadv(fd, rest, offset + done)
         except OSError as e:
-            raise WeightliftError(f"{m.path}: read error at byte {offset + done}: {e.strerror}") from None
+            raise FileError(f"read error at byte {offset + done}: {e.strerror}", file=m.path, errno=e.errno) from None
         if got <= 0:
-            raise WeightliftError(f"{m.path}: file ended at byte {offset + done} while reading tensors")
+            raise FileError(f"file ended at byte {offset + done} while reading tensors", file=m.path)
         done += got
     return total
 

@@ -35,9 +35,10 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from weightlift import env
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
 from weightlift.dtypes import DTYPES, dtype_info, from_numpy, from_torch
-from weightlift.errors import FormatError, OptionError, WeightliftError
+from weightlift.errors import FileError, FormatError, OptionError, WeightliftError
 from weightlift.formats import TensorInfo
 from weightlift.memory.fresh import policy as _fill_policy
 from weightlift.local.plan import CHUNK, Run, layout, make_chunks, make_runs
@@ -177,7 +178,7 @@ def _dtype_name(dtype: Any) -> str | None:
 
 
 def _profiler(profile: Any) -> Any:
-    if profile is False or (profile is None and os.environ.get("WEIGHTLIFT_LOADPROF", "") in ("", "0")):
+    if profile is False or (profile is None and not env.load_profile()):
         return None  # the one check a load pays with the profiler off
     from weightlift.profile import Profiler
 
@@ -474,7 +475,7 @@ class _Mover:
         while done < n:
             got = os.preadv(m.fileno(), [mv[done:]], off + done)
             if got <= 0:
-                raise WeightliftError(f"{file}: file ended at byte {off + done} while reading tensors")
+                raise FileError(f"file ended at byte {off + done} while reading tensors", file=file)
             done += got
 
     def _host_chunk(self, file: str, off: int, n: int, dst: np.ndarray) -> None:
@@ -616,5 +617,5 @@ def _mapped_error(e: BaseException, what: str) -> BaseException:
     if isinstance(e, WeightliftError):
         return e
     if isinstance(e, OSError):
-        return WeightliftError(f"{what} failed: {e.strerror or e}")
+        return FileError(f"{what} failed: {e.strerror or e}", errno=e.errno)
     return e

@@ -52,6 +52,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from weightlift import env
+
 __all__ = [
     "FillPolicy",
     "DEFAULT",
@@ -96,10 +98,7 @@ _policy: FillPolicy | None = None
 
 
 def memory_file() -> str:
-    base = os.environ.get("WEIGHTLIFT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "weightlift"
-    )
-    return os.path.join(base, "memory.json")
+    return os.path.join(env.cache_dir(), "memory.json")
 
 
 def _read_sys(path: str) -> str:
@@ -123,15 +122,6 @@ def machine_key() -> str:
                      _read_sys(thp + "defrag")))
 
 
-def _env_bool(name: str) -> bool | None:
-    v = os.environ.get(name, "").strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    return None
-
-
 def _recorded() -> FillPolicy | None:
     try:
         with open(memory_file(), encoding="utf-8") as f:
@@ -148,13 +138,12 @@ def policy() -> FillPolicy:
     with _lock:
         if _policy is None:
             p = _recorded() or DEFAULT
-            huge, ahead = _env_bool("WEIGHTLIFT_HUGEPAGES"), _env_bool("WEIGHTLIFT_FAULT_AHEAD")
-            method = os.environ.get("WEIGHTLIFT_FAULT_METHOD", "").strip().lower()
-            helpers = os.environ.get("WEIGHTLIFT_FAULT_HELPERS", "").strip()
-            if huge is not None or ahead is not None or method in ("touch", "populate") or helpers.isdigit():
+            huge, ahead = env.hugepages(), env.fault_ahead()
+            method, helpers = env.fault_method(), env.fault_helpers()
+            if huge is not None or ahead is not None or method is not None or helpers is not None:
                 p = replace(p, huge=p.huge if huge is None else huge, ahead=p.ahead if ahead is None else ahead,
-                            method=method if method in ("touch", "populate") else p.method,
-                            helpers=int(helpers) if helpers.isdigit() else p.helpers, source="environment")
+                            method=p.method if method is None else method,
+                            helpers=p.helpers if helpers is None else helpers, source="environment")
             _policy = p
         return _policy
 

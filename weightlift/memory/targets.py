@@ -12,7 +12,6 @@ fills fresh memory fastest (:mod:`weightlift.memory.fresh`).
 
 from __future__ import annotations
 
-import mmap
 import threading
 from typing import Any
 

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import blake3
 
+from weightlift import env
 from weightlift.errors import NotFoundError, OptionError
 
 __all__ = [
@@ -133,8 +134,7 @@ def _identity(st: os.stat_result) -> dict[str, int]:
 
 
 def _fallback_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "weightlift", "manifests")
+    return os.path.join(env.cache_home(), "weightlift", "manifests")
 
 
 class Manifest:

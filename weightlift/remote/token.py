@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from weightlift.errors import OptionError
+from weightlift.errors import FileError, OptionError
 
 __all__ = ["read_token"]
 
@@ -15,7 +15,7 @@ def read_token(path: str | None) -> bytes | None:
         with open(path, "rb") as f:
             token = f.read(64 * 1024).strip()
     except OSError as e:
-        raise OptionError(f"cannot read token file {path}: {e.strerror or e}") from None
+        raise FileError(f"cannot read token file {path}: {e.strerror or e}", errno=e.errno) from None
     if not token:
         raise OptionError(f"token file {path} is empty")
     return token

@@ -1,20 +1,24 @@
 """Byte streams between a client and a server: the only module that touches sockets.
 
-Theory of operation: the protocol (``weightlift.remote.protocol``) knows nothing of I/O, and the client
-and server know nothing of sockets; both talk to a :class:`Stream`, which has four verbs:
+Theory of operation: the protocol (``weightlift.remote.protocol``) knows nothing of I/O, and the
+client and server know nothing of sockets; both talk to a :class:`Stream`:
 
 * ``send_parts(parts)``: send several buffers as one, without joining them (scatter-gather
   ``sendmsg``): a frame header and a tensor's bytes leave together with no staging copy.
 * ``sendfile(fd, offset, count)``: send a file range straight from the page cache.
 * ``recv_into(buf)``: receive into the caller's memory (a tensor's own storage); 0 means EOF.
-* ``close()``.
+* ``set_timeout(seconds)``: bounds each receive; :func:`receive_message` uses it to hold a peer
+  to a deadline (a server's handshake), so a peer that trickles bytes cannot hold a thread.
+* ``shutdown_write()``: the peer reads EOF after our last bytes (a server closing on an error).
+* ``shutdown()``: wake a thread blocked on the stream (a server closing its connections).
+* ``close()``, and ``peer``, a printable name of the other end for messages.
 
-``set_timeout(seconds)`` bounds each receive; :func:`receive_message` uses it to hold a peer to
-a deadline (a server's handshake), so a peer that trickles bytes cannot hold a thread for long.
-
-:class:`SocketStream` implements them over TCP (or a Unix socket); an RDMA or UCX stream would
-implement the same four and the protocol, client and server would not change. Every OSError is
-mapped to TransportError here, so nothing above sees a socket exception.
+Streams come from a :class:`Backend`: ``connect(address, timeout)`` for a client and
+``listen(host, port)`` for a server, whose :class:`Listener` hands out accepted streams. The
+client and the server take a backend (default :data:`TCP`) and never build a socket themselves,
+so an RDMA or UCX backend would implement these calls and the protocol, client and server would
+not change. Every OSError is mapped to TransportError here, so nothing above sees a socket
+exception.
 """
 
 from __future__ import annotations
@@ -30,8 +34,12 @@ from weightlift.remote.protocol import NEED_DATA, Decoder, Message
 __all__ = [
     "Buffer",
     "Stream",
-    "SocketStream",
     "Listener",
+    "Backend",
+    "TCP",
+    "TcpBackend",
+    "SocketStream",
+    "SocketListener",
     "connect",
     "parse_address",
     "receive_message",
@@ -50,7 +58,9 @@ _SENDFILE_CHUNK = 1 << 30
 
 
 class Stream(Protocol):
-    """What the client and server need from a connection."""
+    """What the client and server need from a connection (see the module's docstring)."""
+
+    peer: str
 
     def send_parts(self, parts: Sequence[Buffer]) -> None: ...
 
@@ -60,7 +70,29 @@ class Stream(Protocol):
 
     def set_timeout(self, seconds: float | None) -> None: ...
 
+    def shutdown_write(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
     def close(self) -> None: ...
+
+
+class Listener(Protocol):
+    """A bound, listening endpoint that hands out accepted streams."""
+
+    address: tuple[str, int]
+
+    def accept(self, timeout: float | None = None) -> Stream | None: ...
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    """Where streams come from: the one object a client and a server take to reach the network."""
+
+    def connect(self, address: str | tuple[str, int], *, timeout: float | None = 30.0) -> Stream: ...
+
+    def listen(self, host: str, port: int, *, backlog: int = 64) -> Listener: ...
 
 
 def _tune(sock: socket.socket) -> None:
@@ -258,7 +290,7 @@ def connect(address: str | tuple[str, int], *, timeout: float | None = 30.0) -> 
     return SocketStream(sock, peer=f"{host}:{port}")
 
 
-class Listener:
+class SocketListener:
     """A listening TCP socket."""
 
     def __init__(self, host: str, port: int, *, backlog: int = 64):
@@ -294,3 +326,16 @@ class Listener:
             self._sock.close()
         except OSError:
             pass
+
+
+class TcpBackend:
+    """TCP sockets (:class:`SocketStream`, :class:`SocketListener`): the default backend."""
+
+    def connect(self, address: str | tuple[str, int], *, timeout: float | None = 30.0) -> SocketStream:
+        return connect(address, timeout=timeout)
+
+    def listen(self, host: str, port: int, *, backlog: int = 64) -> SocketListener:
+        return SocketListener(host, port, backlog=backlog)
+
+
+TCP: Backend = TcpBackend()

@@ -31,14 +31,17 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple, Sequence
 
+from weightlift import env
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
 from weightlift.remote.digest import HASH_THRESHOLD, DigestPool, hash_buffer, hash_tensors
 from weightlift.dtypes import CODES, byte_length
 from weightlift.errors import (
     AuthError,
+    FileError,
     NotFoundError,
     OptionError,
     RemoteProtocolError,
+    StateError,
     TransportError,
     WeightliftError,
 )
@@ -48,14 +51,13 @@ from weightlift.profile import Profiler
 from weightlift.remote.protocol import (
     MAX_FRAME,
     MAX_TENSORS,
-    PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
     Alloc,
     Auth,
     Barrier,
     BarrierReply,
     Bye,
-    Capability,
+    ClientSession,
     Decoder,
     Error,
     ErrorCode,
@@ -71,15 +73,10 @@ from weightlift.remote.protocol import (
     Read,
     ReadReply,
     WriteHeader,
-    client_mac,
-    new_nonce,
     send,
-    server_mac,
-    verify_mac,
 )
-from weightlift.remote.server.server import load_opt_enabled
 from weightlift.disk.source import mapped
-from weightlift.remote.transport import SocketStream, connect, receive_message, receive_payload
+from weightlift.remote.transport import TCP, Backend, Stream, receive_message, receive_payload
 
 __all__ = ["Client", "PushResult", "RemoteTensor"]
 
@@ -130,38 +127,30 @@ def _remote_error(msg: Error) -> WeightliftError:
 class _Conn:
     """One connection: handshake, framed sends, replies, and the error the server sent on closing."""
 
-    def __init__(self, address: Any, *, token: bytes | None, minor: int, timeout: float | None):
-        self.stream: SocketStream = connect(address, timeout=timeout)
+    def __init__(self, stream: Stream, *, token: bytes | None, minor: int):
+        self.stream = stream
         self.dec = Decoder(our_role="client", minor=minor)
         self.scratch = memoryview(bytearray(64 * 1024))
         self.next_id = 0
+        self.session = ClientSession(minor=minor, token=token)
+        self.minor = minor
+        self.max_frame = MAX_FRAME
         try:
-            self._handshake(token, minor)
+            self._handshake()
         except BaseException:
             self.stream.close()
             raise
 
-    def _handshake(self, token: bytes | None, minor: int) -> None:
-        nonce = new_nonce()
-        self.send(send(Hello(PROTOCOL_MAJOR, minor, 0, MAX_FRAME, 0, nonce)))
-        hello = self.expect(Hello)
-        if hello.major != PROTOCOL_MAJOR:
-            raise RemoteProtocolError(f"server speaks protocol {hello.major}.{hello.minor}; this client speaks {PROTOCOL_MAJOR}.x")
-        self.server = hello
-        self.minor = min(minor, hello.minor)
-        self.max_frame = min(hello.max_frame or MAX_FRAME, MAX_FRAME)
-        # A server of an older minor cannot have a cache we can use, whatever its flag byte says.
-        self.cache = hello.has(Capability.CACHE) and self.minor >= 1
-        if hello.has(Capability.AUTH):
-            if token is None:
-                raise AuthError("the server wants a token; pass one (--token-file)")
-            self.send(send(Auth(client_mac(token, nonce, hello.nonce)), minor=self.minor))
-            proof = self.expect(Auth)
-            verify_mac(server_mac(token, nonce, hello.nonce), proof.mac, who="server")
-        elif token is not None:
-            # the server proves it knows the token only through AUTH; one that skips it could be
-            # anyone listening on that address, so pushes and pulls must not go to it
-            raise AuthError("this client has a token but the server did not ask for one: refusing an unproven server")
+    def _handshake(self) -> None:
+        self.send(send(self.session.start()))
+        auth = self.session.server_hello(self.expect(Hello))
+        self.server = self.session.server
+        self.minor = self.session.minor
+        self.max_frame = self.session.max_frame
+        self.cache = self.session.cache
+        if auth is not None:
+            self.send(send(auth, minor=self.minor))
+            self.session.server_auth(self.expect(Auth))
 
     def frame(self, msg: Message) -> bytes:
         return send(msg, minor=self.minor, max_frame=self.max_frame)
@@ -271,6 +260,7 @@ class Client:
         profile: Profiler | bool | None = None,
         timeout: float | None = 30.0,
         protocol_minor: int = PROTOCOL_MINOR,
+        backend: Backend = TCP,
     ):
         if not isinstance(streams, int) or streams < 1:
             raise OptionError(f"streams must be a positive integer, got {streams!r}")
@@ -281,14 +271,15 @@ class Client:
         self.streams = streams
         self._minor = protocol_minor
         self._timeout = timeout
-        self._opt = load_opt_enabled()
+        self._backend = backend
+        self._opt = env.load_opt()
         self.profiler = profile if isinstance(profile, Profiler) else Profiler(profile)
         # A profiler of our own reports one push at a time; one passed in accumulates as its owner wishes.
         self._own_profiler = not isinstance(profile, Profiler)
         self._conns: list[_Conn] = [self._connect()]
 
     def _connect(self) -> _Conn:
-        return _Conn(self.address, token=self._token, minor=self._minor, timeout=self._timeout)
+        return _Conn(self._backend.connect(self.address, timeout=self._timeout), token=self._token, minor=self._minor)
 
     @property
     def server_hello(self) -> Hello:
@@ -297,7 +288,7 @@ class Client:
 
     def _conn(self) -> _Conn:
         if not self._conns:
-            raise OptionError("the client is closed")
+            raise StateError("the client is closed")
         return self._conns[0]
 
     def close(self) -> None:
@@ -436,7 +427,7 @@ class Client:
             os.replace(tmp, path)
         except OSError as e:
             _unlink(tmp)
-            raise OptionError(f"cannot write {path}: {e.strerror or e}") from None
+            raise FileError(f"cannot write: {e.strerror or e}", file=str(path), errno=e.errno) from None
         except BaseException:
             _unlink(tmp)
             self.close()  # replies may still be in flight: the connection is unusable

@@ -1,33 +1,27 @@
-"""The weightlift wire protocol, with no I/O: message types in ``messages``, bytes in ``codec``.
+"""The weightlift wire protocol, with no I/O: message types in ``messages``, bytes in ``codec``,
+the two ends' state machines in ``session``, the token challenge-response in ``auth``.
 
-See ``messages`` for the framing and the conversation, ``codec`` for the decoder's contract.
+See ``messages`` for the framing and the conversation, ``codec`` for the decoder's contract,
+``session`` for the handshake.
 """
 
 from __future__ import annotations
 
-from weightlift.remote.protocol.codec import (
-    NEED_DATA,
-    Decoder,
-    Event,
-    Payload,
-    ServerSession,
-    SessionState,
-    client_mac,
-    new_nonce,
-    send,
-    server_mac,
-    verify_mac,
-)
+from weightlift.remote.protocol.auth import client_mac, new_nonce, server_mac, verify_mac
+from weightlift.remote.protocol.codec import NEED_DATA, Decoder, Event, Payload, send
 from weightlift.remote.protocol.messages import *  # noqa: F403 - the wire spec is this package's vocabulary
 from weightlift.remote.protocol.messages import __all__ as _messages_all
+from weightlift.remote.protocol.session import ClientSession, ServerSession, SessionState, cache_usable
 
 __all__ = [
     "NEED_DATA",
     "Decoder",
     "Event",
     "Payload",
+    "ClientSession",
     "ServerSession",
     "SessionState",
+    "cache_usable",
     "client_mac",
     "new_nonce",
     "send",

@@ -1,4 +1,4 @@
-"""Encoding and incremental decoding of frames, and the server's connection state table.
+"""Encoding and incremental decoding of frames.
 
 Theory of operation: there is no I/O here. ``send(msg)`` turns a message into the bytes of its
 prefix and body; a payload (WRITE, READ_REPLY) is never copied in - the caller sends it after the
@@ -17,16 +17,12 @@ message that cannot be encoded raises LocalProtocolError.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
 import struct
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any, Callable, Final, Literal, Union
 
 from weightlift.dtypes import DTYPES, CODES, byte_length
-from weightlift.errors import AuthError, LocalProtocolError, RemoteProtocolError, WeightliftError
+from weightlift.errors import LocalProtocolError, RemoteProtocolError, WeightliftError
 from weightlift.remote.protocol.messages import (
     BARRIER_NEED_LAYOUT,
     CLIENT_COMMANDS,
@@ -41,10 +37,8 @@ from weightlift.remote.protocol.messages import (
     MAX_NAME,
     MAX_TENSOR_BYTES,
     MAX_TENSORS,
-    MIN_FRAME,
     NONCE_SIZE,
     PREFIX,
-    PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
     SERVER_COMMANDS,
     Alloc,
@@ -75,12 +69,6 @@ __all__ = [
     "Payload",
     "NEED_DATA",
     "Event",
-    "ServerSession",
-    "SessionState",
-    "new_nonce",
-    "client_mac",
-    "server_mac",
-    "verify_mac",
 ]
 
 _DTYPE_NAMES = [d.name for d in DTYPES]
@@ -572,92 +560,3 @@ class Decoder:
         if n < 0 or n > self._payload_left:
             raise LocalProtocolError(f"{n} payload bytes reported; {self._payload_left} were due")
         self._payload_left -= n
-
-
-# ---------------------------------------------------------------------------------------------
-# the server's view of a connection
-
-
-class SessionState(Enum):
-    AWAIT_HELLO = "await_hello"
-    AWAIT_AUTH = "await_auth"
-    READY = "ready"
-    CLOSED = "closed"
-
-
-_ALLOWED: dict[SessionState, frozenset[Command]] = {
-    SessionState.AWAIT_HELLO: frozenset({Command.HELLO}),
-    SessionState.AWAIT_AUTH: frozenset({Command.AUTH}),
-    SessionState.READY: CLIENT_COMMANDS - {Command.HELLO, Command.AUTH},
-    SessionState.CLOSED: frozenset(),
-}
-
-
-class ServerSession:
-    """Which client commands are allowed now: HELLO first, then AUTH if wanted, then the rest."""
-
-    def __init__(self, *, minor: int = PROTOCOL_MINOR, auth_required: bool = False):
-        self.state = SessionState.AWAIT_HELLO
-        self.our_minor = minor
-        self.minor = minor  # negotiated at HELLO
-        self.auth_required = auth_required
-
-    def check(self, msg: Message) -> None:
-        """RemoteProtocolError if ``msg`` may not come now."""
-        if msg.COMMAND not in _ALLOWED[self.state]:
-            raise RemoteProtocolError(f"{msg.COMMAND.name} is not allowed in state {self.state.value}")
-
-    def hello(self, msg: Hello) -> int:
-        """Take the client's HELLO; returns the minor both sides will use.
-
-        RemoteProtocolError for another major, or a stated max_frame below MIN_FRAME (the server
-        could not send every reply within it).
-        """
-        self.check(msg)
-        if msg.major != PROTOCOL_MAJOR:
-            self.state = SessionState.CLOSED
-            raise RemoteProtocolError(f"client speaks protocol {msg.major}.{msg.minor}; this server speaks {PROTOCOL_MAJOR}.x")
-        if 0 < msg.max_frame < MIN_FRAME:
-            self.state = SessionState.CLOSED
-            raise RemoteProtocolError(f"HELLO max_frame {msg.max_frame} is below the minimum of {MIN_FRAME}")
-        self.minor = min(self.our_minor, msg.minor)
-        self.state = SessionState.AWAIT_AUTH if self.auth_required else SessionState.READY
-        return self.minor
-
-    def authenticated(self) -> None:
-        if self.state is not SessionState.AWAIT_AUTH:
-            raise RemoteProtocolError("AUTH is not expected now")
-        self.state = SessionState.READY
-
-    def close(self) -> None:
-        self.state = SessionState.CLOSED
-
-
-# ---------------------------------------------------------------------------------------------
-# challenge-response
-
-
-def new_nonce() -> bytes:
-    """A fresh random nonce for HELLO."""
-    return os.urandom(NONCE_SIZE)
-
-
-def _mac(token: bytes, role: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
-    # The role label keeps a client's proof from being replayed back as the server's.
-    return hmac.new(token, b"weightlift-auth-" + role + client_nonce + server_nonce, hashlib.sha256).digest()
-
-
-def client_mac(token: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
-    """The proof a client sends in AUTH."""
-    return _mac(token, b"client", client_nonce, server_nonce)
-
-
-def server_mac(token: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
-    """The proof a server sends back, so the client knows it reached a holder of the token."""
-    return _mac(token, b"server", client_nonce, server_nonce)
-
-
-def verify_mac(expected: bytes, got: bytes, *, who: str) -> None:
-    """AuthError unless the MACs match (compared in constant time)."""
-    if not hmac.compare_digest(expected, got):
-        raise AuthError(f"{who} did not prove it holds the token")

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from weightlift import env
 from weightlift.remote.server.cache import TensorCache, disk_unusable
 from weightlift.errors import (
     AuthError,
@@ -55,6 +56,7 @@ from weightlift.errors import (
     LocalProtocolError,
     OptionError,
     RemoteProtocolError,
+    StateError,
     TransportError,
     WeightliftError,
 )
@@ -103,11 +105,10 @@ from weightlift.memory.faulter import Faulter
 from weightlift.memory.fresh import policy as fill_policy
 from weightlift.memory.pool import POOL_MIN, HostPool, size_class
 from weightlift.memory.targets import CudaTarget, Target, make_target, populate, view_as
-from weightlift.remote.transport import Listener, SocketStream, receive_message, receive_payload
+from weightlift.remote.transport import TCP, Backend, Listener, Stream, receive_message, receive_payload
 
-__all__ = ["Server", "ENV_LOAD_OPT", "load_opt_enabled", "is_loopback", "default_max_memory"]
+__all__ = ["Server", "is_loopback", "default_max_memory"]
 
-ENV_LOAD_OPT = "WEIGHTLIFT_LOAD_OPT"
 STAGING_BYTES = 8 * 1024 * 1024  # one per connection, for targets that are not host memory
 HASH_PIECE = 4 * 1024 * 1024  # received-then-hashed piece: still in the CPU cache when hashed
 FAULT_PIECE = 4 * 1024 * 1024  # fresh destination memory is faulted in this much at a time by the helpers ...
@@ -122,11 +123,6 @@ ENTRY_OVERHEAD = 256  # bytes charged per tensor on top of its data and name: a 
 MEMORY_FRACTION = 0.9  # of physical RAM: a cpu server's max_memory when none is given
 
 _log = logging.getLogger(__name__)
-
-
-def load_opt_enabled() -> bool:
-    """False when ``WEIGHTLIFT_LOAD_OPT=0`` asks for the naive behaviour (A/B runs)."""
-    return os.environ.get(ENV_LOAD_OPT, "1").strip() != "0"
 
 
 def is_loopback(host: str) -> bool:
@@ -289,6 +285,7 @@ class Server:
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         profile: bool | None = None,
         protocol_minor: int = PROTOCOL_MINOR,
+        backend: Backend = TCP,
     ):
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise OptionError(f"port {port!r} is out of range")
@@ -300,6 +297,7 @@ class Server:
             raise OptionError(f"handshake_timeout must be > 0, got {handshake_timeout}")
         if not 0 <= protocol_minor <= PROTOCOL_MINOR:
             raise OptionError(f"protocol_minor must be between 0 and {PROTOCOL_MINOR}")
+        self._backend = backend
         self._token = token.encode() if isinstance(token, str) else token
         if self._token is not None and not self._token:
             raise OptionError("token is empty")
@@ -318,7 +316,7 @@ class Server:
         self._max_connections = max_connections
         self._handshake_timeout = float(handshake_timeout)
         self._minor = protocol_minor
-        self._opt = load_opt_enabled()
+        self._opt = env.load_opt()
         self._profile = profile
         self._lock = threading.Lock()
         self._store: dict[str, _Entry] = {}
@@ -335,7 +333,7 @@ class Server:
         self._reports: deque[dict[str, Any]] = deque(maxlen=64)
         self._listener: Listener | None = None
         self._accept_thread: threading.Thread | None = None
-        self._conns: set[SocketStream] = set()
+        self._conns: set[Stream] = set()
         self._threads: set[threading.Thread] = set()
         self._closing = threading.Event()
 
@@ -345,14 +343,14 @@ class Server:
     def address(self) -> tuple[str, int]:
         """The bound (host, port); OptionError before start()."""
         if self._listener is None:
-            raise OptionError("the server is not started")
+            raise StateError("the server is not started")
         return self._listener.address
 
     def _bind(self) -> None:
         if self._closing.is_set():
-            raise OptionError("the server is closed")
+            raise StateError("the server is closed")
         if self._listener is None:
-            self._listener = Listener(self.host, self.port)
+            self._listener = self._backend.listen(self.host, self.port)
 
     def bind(self) -> tuple[str, int]:
         """Bind without serving yet (to print the address first); returns the bound (host, port)."""
@@ -417,7 +415,7 @@ class Server:
                 continue
             t.start()
 
-    def _refuse(self, stream: SocketStream) -> None:
+    def _refuse(self, stream: Stream) -> None:
         """Close a connection over the limit at once, with a best-effort ERROR that cannot block."""
         try:
             stream.set_timeout(0.0)
@@ -426,7 +424,7 @@ class Server:
             pass
         stream.close()
 
-    def _serve_one(self, stream: SocketStream) -> None:
+    def _serve_one(self, stream: Stream) -> None:
         try:
             _Connection(self, stream).run()
         except Exception:  # a last resort: run() answers what it can; nothing may kill the server
@@ -557,7 +555,7 @@ class _RequestError(Exception):
 class _Connection:
     """One client: reads frames, dispatches them, and owns everything in flight."""
 
-    def __init__(self, server: Server, stream: SocketStream):
+    def __init__(self, server: Server, stream: Stream):
         self.srv = server
         self.stream = stream
         self._target: Target | None = server._host_target  # a CUDA target is made at the first ALLOC
@@ -750,7 +748,7 @@ class _Connection:
         if msg.max_frame:
             self.client_max_frame = min(msg.max_frame, MAX_FRAME)
         flags = 0
-        if self.srv._cache is not None and self.minor >= 1:
+        if self.srv._cache is not None and self.session.cache_usable():
             flags |= Capability.CACHE
         if self.srv._token is not None:
             flags |= Capability.AUTH

@@ -1,0 +1,157 @@
+"""The two ends of a connection as state machines: which message may come next, and what the
+handshake settled (the minor version both speak, the frame limit, whether the cache is usable).
+
+Theory of operation. A connection opens with HELLO from each side, then AUTH from each side if
+the server asks for it, then READY: the client sends requests and the server answers. The client
+and the server each hold one session object and feed it the handshake messages they receive; the
+session checks them, answers with the messages to send, and records what was negotiated. It does
+no I/O: the caller moves the bytes (:mod:`weightlift.remote.transport`), so the same handshake
+runs over any stream and back to back in memory in the tests.
+
+What a minor version enables is said once, here (:func:`cache_usable`), and both ends ask.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from weightlift.errors import AuthError, RemoteProtocolError
+from weightlift.remote.protocol.auth import client_mac, new_nonce, server_mac, verify_mac
+from weightlift.remote.protocol.messages import (
+    CLIENT_COMMANDS,
+    COMMAND_SINCE,
+    MAX_FRAME,
+    MIN_FRAME,
+    PROTOCOL_MAJOR,
+    PROTOCOL_MINOR,
+    Auth,
+    Capability,
+    Command,
+    Hello,
+    Message,
+)
+
+__all__ = ["SessionState", "ServerSession", "ClientSession", "cache_usable"]
+
+
+def cache_usable(minor: int) -> bool:
+    """Whether a connection that speaks ``minor`` can use the server's content cache (HAVE, FILL)."""
+    return minor >= COMMAND_SINCE[Command.HAVE]
+
+
+class SessionState(Enum):
+    AWAIT_HELLO = "await_hello"
+    AWAIT_AUTH = "await_auth"
+    READY = "ready"
+    CLOSED = "closed"
+
+
+_ALLOWED: dict[SessionState, frozenset[Command]] = {
+    SessionState.AWAIT_HELLO: frozenset({Command.HELLO}),
+    SessionState.AWAIT_AUTH: frozenset({Command.AUTH}),
+    SessionState.READY: CLIENT_COMMANDS - {Command.HELLO, Command.AUTH},
+    SessionState.CLOSED: frozenset(),
+}
+
+
+class ServerSession:
+    """Which client commands are allowed now: HELLO first, then AUTH if wanted, then the rest."""
+
+    def __init__(self, *, minor: int = PROTOCOL_MINOR, auth_required: bool = False):
+        self.state = SessionState.AWAIT_HELLO
+        self.our_minor = minor
+        self.minor = minor  # negotiated at HELLO
+        self.auth_required = auth_required
+
+    def check(self, msg: Message) -> None:
+        """RemoteProtocolError if ``msg`` may not come now."""
+        if msg.COMMAND not in _ALLOWED[self.state]:
+            raise RemoteProtocolError(f"{msg.COMMAND.name} is not allowed in state {self.state.value}")
+
+    def hello(self, msg: Hello) -> int:
+        """Take the client's HELLO; returns the minor both sides will use.
+
+        RemoteProtocolError for another major, or a stated max_frame below MIN_FRAME (the server
+        could not send every reply within it).
+        """
+        self.check(msg)
+        if msg.major != PROTOCOL_MAJOR:
+            self.state = SessionState.CLOSED
+            raise RemoteProtocolError(f"client speaks protocol {msg.major}.{msg.minor}; this server speaks {PROTOCOL_MAJOR}.x")
+        if 0 < msg.max_frame < MIN_FRAME:
+            self.state = SessionState.CLOSED
+            raise RemoteProtocolError(f"HELLO max_frame {msg.max_frame} is below the minimum of {MIN_FRAME}")
+        self.minor = min(self.our_minor, msg.minor)
+        self.state = SessionState.AWAIT_AUTH if self.auth_required else SessionState.READY
+        return self.minor
+
+    def cache_usable(self) -> bool:
+        """Whether the negotiated minor lets this connection use the cache."""
+        return cache_usable(self.minor)
+
+    def authenticated(self) -> None:
+        if self.state is not SessionState.AWAIT_AUTH:
+            raise RemoteProtocolError("AUTH is not expected now")
+        self.state = SessionState.READY
+
+    def close(self) -> None:
+        self.state = SessionState.CLOSED
+
+
+class ClientSession:
+    """The client's handshake: our HELLO, the server's HELLO, AUTH both ways if asked, then READY.
+
+    ``start()`` gives the HELLO to send; ``server_hello(msg)`` takes the server's and gives the
+    AUTH to send, or None when the server wants none (then the session is READY);
+    ``server_auth(msg)`` checks the server's proof. A client holding a token refuses a server
+    that does not ask for it: such a server has not proven it knows the token, so it could be
+    anyone listening on that address.
+    """
+
+    def __init__(self, *, minor: int = PROTOCOL_MINOR, token: bytes | None = None):
+        self.state = SessionState.AWAIT_HELLO
+        self.our_minor = minor
+        self.minor = minor  # negotiated at the server's HELLO
+        self.max_frame = MAX_FRAME  # what the server accepts, once it said so
+        self.cache = False  # the server keeps a cache this connection can use
+        self.server: Hello | None = None
+        self._token = token
+        self._nonce = new_nonce()
+
+    def start(self) -> Hello:
+        """The HELLO that opens the connection."""
+        return Hello(PROTOCOL_MAJOR, self.our_minor, 0, MAX_FRAME, 0, self._nonce)
+
+    def server_hello(self, hello: Hello) -> Auth | None:
+        """Take the server's HELLO; returns the AUTH to send, or None if the session is now READY."""
+        if self.state is not SessionState.AWAIT_HELLO:
+            raise RemoteProtocolError("HELLO is not expected now")
+        if hello.major != PROTOCOL_MAJOR:
+            self.state = SessionState.CLOSED
+            raise RemoteProtocolError(f"server speaks protocol {hello.major}.{hello.minor}; this client speaks {PROTOCOL_MAJOR}.x")
+        self.server = hello
+        self.minor = min(self.our_minor, hello.minor)
+        self.max_frame = min(hello.max_frame or MAX_FRAME, MAX_FRAME)
+        # A server of an older minor cannot have a cache we can use, whatever its flag byte says.
+        self.cache = hello.has(Capability.CACHE) and cache_usable(self.minor)
+        if hello.has(Capability.AUTH):
+            if self._token is None:
+                self.state = SessionState.CLOSED
+                raise AuthError("the server wants a token; pass one (--token-file)")
+            self.state = SessionState.AWAIT_AUTH
+            return Auth(client_mac(self._token, self._nonce, hello.nonce))
+        if self._token is not None:
+            self.state = SessionState.CLOSED
+            raise AuthError("this client has a token but the server did not ask for one: refusing an unproven server")
+        self.state = SessionState.READY
+        return None
+
+    def server_auth(self, proof: Auth) -> None:
+        """Check the server's AUTH: AuthError unless it proves the server holds the token."""
+        if self.state is not SessionState.AWAIT_AUTH or self.server is None or self._token is None:
+            raise RemoteProtocolError("AUTH is not expected now")
+        verify_mac(server_mac(self._token, self._nonce, self.server.nonce), proof.mac, who="server")
+        self.state = SessionState.READY
+
+    def close(self) -> None:
+        self.state = SessionState.CLOSED
