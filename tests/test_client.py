@@ -172,17 +172,17 @@ def test_streams_spread_tensors_and_give_the_same_bytes(tmp_path):
 
 def _record_allocs_and_writes(monkeypatch) -> list[tuple[str, int]]:
     """The server's ALLOCs and WRITEs, as (message type name, tensor id), in arrival order."""
-    import weightlift.remote.server.server as server_mod
+    import weightlift.remote.server.connection as connection_mod
 
     seen: list[tuple[str, int]] = []
-    real = server_mod._Connection._dispatch
+    real = connection_mod.Connection.dispatch
 
     def recording(self, msg):
         if type(msg).__name__ in ("Alloc", "WriteHeader"):
             seen.append((type(msg).__name__, msg.tensor_id))
         return real(self, msg)
 
-    monkeypatch.setattr(server_mod._Connection, "_dispatch", recording)
+    monkeypatch.setattr(connection_mod.Connection, "dispatch", recording)
     return seen
 
 

@@ -509,13 +509,13 @@ def test_idle_pooled_memory_gives_way_to_new_tensors():
         assert s.memory_used == _cost("w", 4 * 2**20)
         raw.send(Free(("w",)))
         assert raw.recv() == FreeReply(1)
-        assert s._pool.idle_bytes == 4 * 2**20 and s.memory_used == 0
+        assert s._store.pool.idle_bytes == 4 * 2**20 and s.memory_used == 0
         raw.send(Alloc(1, "v", "F32", big.shape, big.nbytes))
         raw.send(WriteHeader(1, 0, big.nbytes), big.tobytes())
         assert _barrier(raw) == BarrierReply(1, big.nbytes)
         assert s.stats()["pooled"] == 0
-        assert s._pool.idle_bytes == 0  # given back to make room
-        assert s._pool.idle_bytes + s.memory_used <= s.max_memory
+        assert s._store.pool.idle_bytes == 0  # given back to make room
+        assert s._store.pool.idle_bytes + s.memory_used <= s.max_memory
 
 
 def test_a_lazy_allocation_that_fails_leaves_nothing_in_flight(tmp_path, monkeypatch):
@@ -554,7 +554,7 @@ def test_a_reserve_is_faulted_at_start_and_carved_for_the_first_push():
         for i, a in enumerate(v):
             assert np.array_equal(s.tensors()[f"w{i}"], a)
         assert s.memory_used == 4 * _cost("w0", 4 * 2**20)  # each charged its whole 4 MiB slice
-        assert s._pool.idle_bytes == 32 * 2**20 - 4 * 4 * 2**20  # the rest of the reserve, still counted
+        assert s._store.pool.idle_bytes == 32 * 2**20 - 4 * 4 * 2**20  # the rest of the reserve, still counted
 
 
 def test_a_reserve_as_large_as_max_memory_is_carved_not_cut_away():
@@ -568,7 +568,7 @@ def test_a_reserve_as_large_as_max_memory_is_carved_not_cut_away():
         assert _barrier(raw) == BarrierReply(8, 8 * v[0].nbytes)
         assert s.stats()["pooled"] == 8  # each tensor took its slice: nothing trimmed, nothing fresh
         assert s.reserved == (32 * 2**20, 32 * 2**20)
-        assert s.memory_used == s.max_memory and s._pool.idle_bytes == 0
+        assert s.memory_used == s.max_memory and s._store.pool.idle_bytes == 0
         assert all(np.array_equal(s.tensors()[f"w{i}"], a) for i, a in enumerate(v))
 
 
@@ -678,6 +678,8 @@ def test_cuda_server_round_trip(tmp_path):
 
 import threading  # noqa: E402
 
+import weightlift.remote.server.connection as connection_mod  # noqa: E402
+import weightlift.remote.server.receive as receive_mod  # noqa: E402
 import weightlift.remote.server.server as server_mod  # noqa: E402
 import weightlift.memory.pool as pool_mod  # noqa: E402
 import weightlift.memory.faulter as faulter_mod  # noqa: E402
@@ -813,6 +815,7 @@ def test_cuda_target_is_made_at_the_first_alloc_not_at_connect(monkeypatch):
     made = []
     real = server_mod.make_target
     monkeypatch.setattr(server_mod, "make_target", lambda *a, **k: made.append(a) or real(*a, **k))
+    monkeypatch.setattr(connection_mod, "make_target", lambda *a, **k: made.append(a) or real(*a, **k))
     with pytest.raises(DeviceError, match="CUDA devices"):
         Server(device=f"cuda:{torch.cuda.device_count()}", framework="torch")
     with Server(device="cuda", framework="torch") as s:
@@ -835,8 +838,8 @@ def test_fresh_destination_is_faulted_in_at_most_a_window_ahead_of_the_payload(m
     fresh_mod.reset_policy()
     monkeypatch.setattr(fresh_mod, "_policy", None)  # forgotten again after the test
     piece = 64 * 1024
-    monkeypatch.setattr(server_mod, "FAULT_PIECE", piece)
-    monkeypatch.setattr(server_mod, "FAULT_WINDOW", 4 * piece)
+    monkeypatch.setattr(receive_mod, "FAULT_PIECE", piece)
+    monkeypatch.setattr(receive_mod, "FAULT_WINDOW", 4 * piece)
     touched: list[int] = []
     real = faulter_mod.fault_in
 
@@ -845,7 +848,7 @@ def test_fresh_destination_is_faulted_in_at_most_a_window_ahead_of_the_payload(m
         real(buf)
 
     monkeypatch.setattr(faulter_mod, "fault_in", counting)
-    monkeypatch.setattr(server_mod, "populate", counting)
+    monkeypatch.setattr(receive_mod, "populate", counting)
     with Server() as s:
         raw = Raw(s.address)
         raw.hello()
@@ -997,7 +1000,7 @@ def test_an_unexpected_failure_answers_internal_and_ends_only_that_connection(se
     def broken(self, req):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr(server_mod._Connection, "_list", broken)
+    monkeypatch.setattr(connection_mod.Connection, "_list", broken)
     raw = Raw(server.address)
     raw.hello()
     raw.send(Alloc(0, "w", "U8", (4,), 4))
@@ -1017,7 +1020,7 @@ def test_ranges_merge_in_any_order():
     rng = np.random.default_rng(7)
     n = 200
     for _ in range(10):
-        p = server_mod._Pending(Alloc(0, "t", "U8", (n,), n), None, 0)
+        p = receive_mod.Pending(Alloc(0, "t", "U8", (n,), n), 0, None)
         have = np.zeros(n, dtype=bool)
         while not have.all():
             b = int(rng.integers(0, n))
@@ -1036,7 +1039,7 @@ def test_ranges_merge_in_any_order():
 
 
 def test_too_many_separate_ranges_is_a_request_error(server):
-    k = server_mod.MAX_RANGES
+    k = receive_mod.MAX_RANGES
     n = 2 * k + 4
     raw = Raw(server.address)
     raw.hello()
@@ -1053,13 +1056,13 @@ def test_too_many_separate_ranges_is_a_request_error(server):
 
 def test_errors_kept_per_connection_are_capped_and_the_rest_counted(server, monkeypatch):
     conns = []
-    real_init = server_mod._Connection.__init__
+    real_init = connection_mod.Connection.__init__
 
     def init(self, *a):
         real_init(self, *a)
         conns.append(self)
 
-    monkeypatch.setattr(server_mod._Connection, "__init__", init)
+    monkeypatch.setattr(connection_mod.Connection, "__init__", init)
     extra = 10
     raw = Raw(server.address)
     raw.hello()
@@ -1067,7 +1070,7 @@ def test_errors_kept_per_connection_are_capped_and_the_rest_counted(server, monk
     raw.send(ListRequest())  # a reply after the WRITEs: they have all been handled
     assert isinstance(raw.recv(), ListReply)
     (conn,) = conns
-    assert len(conn.errors) == P.MAX_ERRORS and conn.dropped_errors == extra  # kept: bounded; the rest: counted
+    assert len(conn.rx.errors) == P.MAX_ERRORS and conn.rx.dropped_errors == extra  # kept: bounded; the rest: counted
     reply = _barrier(raw)
     assert len(reply.errors) == P.MAX_ERRORS
     assert all("not allocated" in e for e in reply.errors[:-1])

@@ -1,0 +1,310 @@
+"""One client connection: the frame loop, the handshake, BARRIER, and READ, LIST and FREE.
+
+The connection reads one frame at a time (never past it, so a WRITE's payload stays in the
+socket for the receiver to put where it belongs), checks each message against its
+:class:`~weightlift.remote.protocol.ServerSession`, and dispatches it. Tensors in flight belong
+to its :class:`~weightlift.remote.server.receive.Receiver`; complete tensors and the memory
+account belong to the store, which the connection only asks. A protocol or authentication
+failure is answered with ERROR before the connection closes, so the client can say why.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from weightlift.errors import AuthError, LocalProtocolError, RemoteProtocolError, TransportError, WeightliftError
+from weightlift.memory.targets import Target, as_bytes, make_target
+from weightlift.profile import Profiler
+from weightlift.remote.protocol import (
+    MAX_FRAME,
+    MAX_HANDSHAKE_FRAME,
+    MAX_TENSOR_BYTES,
+    MAX_TENSORS,
+    PROTOCOL_MAJOR,
+    Alloc,
+    Auth,
+    Barrier,
+    Bye,
+    Capability,
+    Decoder,
+    Error,
+    ErrorCode,
+    FillFromCache,
+    Free,
+    FreeReply,
+    Have,
+    HaveReply,
+    Hello,
+    ListEntry,
+    ListReply,
+    ListRequest,
+    Message,
+    Read,
+    ReadReply,
+    ServerSession,
+    SessionState,
+    WriteHeader,
+    client_mac,
+    new_nonce,
+    send,
+    server_mac,
+    verify_mac,
+)
+from weightlift.remote.server.context import Context
+from weightlift.remote.server.receive import STAGING_BYTES, Receiver
+from weightlift.remote.transport import Stream, receive_message, receive_payload
+
+__all__ = ["Connection", "SCRATCH_BYTES", "LINGER_BYTES", "LINGER_SECONDS"]
+
+SCRATCH_BYTES = 64 * 1024  # frame headers and drained payloads
+LINGER_BYTES = 64 * 1024 * 1024  # after an ERROR, how much of the peer's input to drain before closing
+LINGER_SECONDS = 2.0  # ... and for how long at most, however the peer spaces its bytes
+
+_log = logging.getLogger("weightlift.remote.server")
+
+
+class Connection:
+    """One client: reads frames, dispatches them; its receiver owns everything in flight."""
+
+    def __init__(self, ctx: Context, stream: Stream):
+        self.ctx = ctx
+        self.store = ctx.store
+        self.stream = stream
+        self._target: Target | None = ctx.host_target  # a CUDA target is made at the first ALLOC
+        self.minor = ctx.minor
+        self.session = ServerSession(minor=ctx.minor, auth_required=ctx.token is not None)
+        # Until READY: the server's own minor (the client's is not known yet) and tiny frames.
+        self.dec = Decoder(our_role="server", minor=ctx.minor, max_frame=MAX_HANDSHAKE_FRAME, max_tensor_bytes=self._max_tensor_bytes())
+        self.deadline: float | None = time.monotonic() + ctx.handshake_timeout
+        self.nonce = new_nonce()
+        self.client_nonce = b""
+        self.client_max_frame = MAX_FRAME
+        self.prof = Profiler(ctx.profile)
+        self.scratch = memoryview(bytearray(SCRATCH_BYTES))
+        self._staging: np.ndarray | None = None
+        self.rx = Receiver(ctx, payload=self._payload, scratch=self.scratch, target=lambda: self.target,
+                           pooled=lambda: self.pooled, staging=self.staging, prof=self.prof)
+
+    def _max_tensor_bytes(self) -> int:
+        return min(MAX_TENSOR_BYTES, self.ctx.max_memory)
+
+    @property
+    def target(self) -> Target:
+        if self._target is None:
+            self._target = make_target(self.ctx.device, self.ctx.framework)
+        return self._target
+
+    @property
+    def pooled(self) -> bool:
+        """Whether this connection's tensors land in the server's pooled host memory (checked
+        without making a CUDA target)."""
+        return self.ctx.pooled and self._target is self.ctx.host_target
+
+    def staging(self) -> memoryview:
+        if self._staging is None:
+            self._staging = np.empty(STAGING_BYTES, dtype=np.uint8)  # reused, never zero-filled
+        return memoryview(self._staging)
+
+    def _payload(self, view: memoryview) -> None:
+        receive_payload(self.stream, self.dec, view)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while True:
+                msg = receive_message(self.stream, self.dec, self.scratch, deadline=self.deadline)
+                if msg is None:
+                    return
+                t0 = time.perf_counter_ns() if self.prof.enabled else 0
+                if self.dispatch(msg):
+                    return
+                if self.prof.enabled:
+                    self.prof.command(msg.COMMAND.name, t0, time.perf_counter_ns())
+                    self.prof.count(calls=1)
+        except RemoteProtocolError as e:
+            self._fatal(ErrorCode.PROTOCOL, str(e))
+        except AuthError as e:
+            self._fatal(ErrorCode.AUTH, str(e))
+        except TransportError:
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                what = "HELLO and AUTH" if self.ctx.token is not None else "HELLO"
+                self._fatal(ErrorCode.PROTOCOL, f"no {what} within {self.ctx.handshake_timeout:g} s")
+            # otherwise the client went away; what it had in flight is dropped below
+        except WeightliftError as e:  # the server's own failure (a reply it could not encode, a device)
+            _log.warning("weightlift server: connection %s: %s: %s", self.stream.peer, type(e).__name__, e)
+            self._fatal(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+        except Exception as e:  # a bug: say so, end this connection only
+            _log.exception("weightlift server: connection %s failed", self.stream.peer)
+            self._fatal(ErrorCode.INTERNAL, f"internal server error: {type(e).__name__}")
+        finally:
+            self.rx.close()
+            if self.prof.enabled:
+                self.ctx.reports.append(self.prof.report())
+                sys.stderr.write(f"weightlift server: connection {self.stream.peer} closed\n{self.prof.format()}\n")
+
+    def _fatal(self, code: ErrorCode, message: str) -> None:
+        """Reply ERROR, then close without a reset, so the client can read why."""
+        self.store.count("errors")
+        try:
+            self.stream.set_timeout(LINGER_SECONDS)  # a peer that reads nothing must not hold the send
+            self.stream.send_parts([send(Error(code, message), minor=self.minor)])
+            self.stream.shutdown_write()
+            # Keep reading a while: closing with unread input would reset the connection and
+            # could destroy the reply before the client reads it.
+            end = time.monotonic() + LINGER_SECONDS
+            drained = 0
+            while drained < LINGER_BYTES:
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self.stream.set_timeout(left)
+                n = self.stream.recv_into(self.scratch)
+                if n == 0:
+                    break
+                drained += n
+        except TransportError:
+            pass
+
+    def _reply(self, msg: Message) -> None:
+        self.stream.send_parts([send(msg, minor=self.minor, max_frame=self.client_max_frame)])
+
+    def _renew_decoder(self) -> None:
+        """A decoder for the negotiated minor, and, once READY, the full frame limit.
+
+        A client that negotiated an older minor must not get past the decoder with a command its
+        minor lacks (the server could not encode the reply). receive_message never reads past a
+        frame, so nothing is buffered in the old decoder when this runs.
+        """
+        if not self.dec.at_boundary:
+            raise LocalProtocolError("decoder replaced inside a frame")
+        ready = self.session.state is SessionState.READY
+        self.dec = Decoder(
+            our_role="server",
+            minor=self.minor,
+            max_frame=MAX_FRAME if ready else MAX_HANDSHAKE_FRAME,
+            max_tensor_bytes=self._max_tensor_bytes(),
+        )
+        if ready:
+            self.deadline = None
+            self.stream.set_timeout(None)
+
+    def dispatch(self, msg: Message) -> bool:
+        """Handle one message; True when the connection should end."""
+        if isinstance(msg, Hello):
+            if msg.major != PROTOCOL_MAJOR:
+                self._fatal(ErrorCode.VERSION, f"client speaks protocol {msg.major}.{msg.minor}; this server speaks {PROTOCOL_MAJOR}.{self.ctx.minor}")
+                return True
+            self._hello(msg)
+            return False
+        try:
+            self.session.check(msg)
+        except RemoteProtocolError:
+            if self.session.state is SessionState.AWAIT_AUTH:
+                raise AuthError(f"{msg.COMMAND.name} before AUTH: this server wants a token") from None
+            raise
+        if isinstance(msg, Auth):
+            self._auth(msg)
+        elif isinstance(msg, WriteHeader):
+            self.rx.write(msg)
+        elif isinstance(msg, Alloc):
+            self.rx.guard(msg.tensor_id, self.rx.alloc, msg)
+        elif isinstance(msg, FillFromCache):
+            self.rx.guard(msg.tensor_id, self.rx.fill, msg)
+        elif isinstance(msg, Have):
+            cache = self.ctx.cache
+            self._reply(HaveReply(tuple(self.store.holds(d) or (cache is not None and cache.has(d)) for d in msg.digests)))
+        elif isinstance(msg, Barrier):
+            self._reply(self.rx.barrier())
+        elif isinstance(msg, Read):
+            self._read(msg)
+        elif isinstance(msg, ListRequest):
+            self._list(msg)
+        elif isinstance(msg, Free):
+            self._reply(FreeReply(self.store.free(msg.names)))
+        elif isinstance(msg, Bye):
+            return True
+        return False
+
+    # -- handshake -----------------------------------------------------------------------------
+
+    def _hello(self, msg: Hello) -> None:
+        self.minor = self.session.hello(msg)
+        self.client_nonce = msg.nonce
+        if msg.max_frame:
+            self.client_max_frame = min(msg.max_frame, MAX_FRAME)
+        flags = 0
+        if self.ctx.cache is not None and self.session.cache_usable():
+            flags |= Capability.CACHE
+        if self.ctx.token is not None:
+            flags |= Capability.AUTH
+        reply = Hello(
+            PROTOCOL_MAJOR,
+            self.ctx.minor,
+            flags,
+            MAX_FRAME,
+            self._max_tensor_bytes(),
+            self.nonce,
+            self.ctx.max_memory,
+        )
+        self.stream.send_parts([send(reply)])
+        self._renew_decoder()
+
+    def _auth(self, msg: Auth) -> None:
+        token = self.ctx.token
+        if token is None:
+            raise RemoteProtocolError("AUTH sent to a server that wants none")
+        verify_mac(client_mac(token, self.client_nonce, self.nonce), msg.mac, who="client")
+        self.session.authenticated()
+        self._reply(Auth(server_mac(token, self.client_nonce, self.nonce)))
+        self._renew_decoder()
+
+    # -- serving tensors back ----------------------------------------------------------------------
+
+    def _read(self, r: Read) -> None:
+        entry = self.store.get(r.name)
+        if entry is None:
+            self._reply(Error(ErrorCode.NOT_FOUND, f"no tensor {r.name!r}"))
+            return
+        nbytes, dest = entry.nbytes, entry.tensor
+        if r.offset + r.length > nbytes:
+            self._reply(Error(ErrorCode.LIMIT, f"READ [{r.offset}, {r.offset + r.length}) runs past the {nbytes} bytes of {r.name!r}"))
+            return
+        head = send(ReadReply(r.length), minor=self.minor)
+        if _is_host(dest):
+            self.stream.send_parts([head, memoryview(as_bytes(dest))[r.offset : r.offset + r.length]])
+            return
+        import torch
+
+        flat = dest.reshape(-1).view(torch.uint8)
+        self.stream.send_parts([head])
+        stage = self.staging()
+        staging = self._staging
+        assert staging is not None
+        for pos in range(r.offset, r.offset + r.length, len(stage)):
+            n = min(len(stage), r.offset + r.length - pos)
+            torch.from_numpy(staging[:n]).copy_(flat[pos : pos + n])
+            self.stream.send_parts([stage[:n]])
+
+    def _list(self, req: ListRequest) -> None:
+        items = self.store.listing(req.after)
+        budget = self.client_max_frame - 64
+        entries: list[ListEntry] = []
+        for name, e in items:
+            size = 15 + len(name.encode()) + 8 * len(e.shape)
+            if len(entries) >= MAX_TENSORS or size > budget:
+                break
+            budget -= size
+            entries.append(ListEntry(name, e.dtype, e.shape, e.nbytes))
+        self._reply(ListReply(tuple(entries), more=len(entries) < len(items)))
+
+
+def _is_host(dest: Any) -> bool:
+    if isinstance(dest, np.ndarray):
+        return True
+    return getattr(getattr(dest, "device", None), "type", "cpu") == "cpu"

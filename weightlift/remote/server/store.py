@@ -1,0 +1,225 @@
+"""The server's store: its complete tensors and its memory account.
+
+Invariants, and why this module is the only code that changes them:
+
+* **Cost.** A tensor counts against ``max_memory`` as its bytes (a pooled tensor: its whole
+  2 MiB size class), its name and :data:`ENTRY_OVERHEAD` (:func:`entry_cost`). Idle pooled memory
+  counts too and is given back first when a charge would not fit.
+* **Charges.** Memory is charged before a destination is made (:meth:`Store.charge`), as a
+  :class:`Charge` that its holder releases once (:meth:`Charge.release`, idempotent) if the tensor
+  never completes. :meth:`Store.publish` takes the charge over: from then on the entry holds it,
+  and :meth:`Store.free` or a later version of the same name gives it back.
+* **Visibility.** A tensor is visible (``tensors()``, READ, LIST) only once complete:
+  :meth:`Store.publish` is the one place an entry appears, so a client that vanishes mid-tensor
+  leaves nothing behind.
+* **Release.** A replaced or freed entry's memory goes back when the last reference to its array
+  goes (the pool's ``weakref.finalize``): memory a reader still holds is never reused.
+* **Proven digests.** An entry whose bytes were proven to hash to a digest answers HAVE and can
+  fill a later ALLOC of that digest; :meth:`Store.distrust` forgets a digest whose bytes have
+  changed since (a reader wrote into its tensor).
+
+One lock guards all of it; connections never touch the dictionaries themselves.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from weightlift.memory.pool import HostPool
+
+__all__ = ["ENTRY_OVERHEAD", "Entry", "Charge", "MemoryFull", "Store", "entry_cost"]
+
+ENTRY_OVERHEAD = 256  # bytes charged per tensor on top of its data and name: a store entry costs memory too
+
+
+def entry_cost(name: str, nbytes: int) -> int:
+    """What a tensor counts against max_memory: its bytes, its name, and a store entry's overhead."""
+    return nbytes + len(name.encode("utf-8")) + ENTRY_OVERHEAD
+
+
+class MemoryFull(Exception):
+    """A charge would exceed max_memory; the message says by how much (reported at the barrier)."""
+
+
+class Entry:
+    """A complete tensor in the store. ``digest`` is set when its bytes were proven to hash to it
+    (hashed as they arrived, or filled from a verified cache entry): the in-memory tier."""
+
+    __slots__ = ("dtype", "shape", "nbytes", "tensor", "cost", "digest")
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], nbytes: int, tensor: Any, cost: int, digest: bytes | None):
+        self.dtype, self.shape, self.nbytes, self.tensor, self.cost, self.digest = dtype, shape, nbytes, tensor, cost, digest
+
+
+class Charge:
+    """Bytes counted against max_memory for one tensor in flight; released at most once."""
+
+    __slots__ = ("_store", "nbytes", "_live")
+
+    def __init__(self, store: Store, nbytes: int):
+        self._store = store
+        self.nbytes = nbytes
+        self._live = True
+
+    @property
+    def live(self) -> bool:
+        return self._live
+
+    def release(self) -> None:
+        """Give the bytes back (the tensor will not complete); a no-op the second time."""
+        if self._live:
+            self._live = False
+            self._store._uncharge(self.nbytes)
+
+    def _hand_over(self) -> int:
+        # the entry that publish() makes holds the bytes from now on
+        if not self._live:
+            raise AssertionError("a released charge cannot be published")
+        self._live = False
+        return self.nbytes
+
+
+class Store:
+    """The tensors a server holds, and what they cost; every change goes through these methods."""
+
+    def __init__(self, *, max_memory: int, pool: HostPool | None, remember_digests: bool):
+        self.max_memory = max_memory
+        self.pool = pool  # touched host memory of released tensors, reused for new ones
+        self._remember = remember_digests  # digests of held tensors are remembered (the in-memory tier)
+        self._lock = threading.Lock()
+        self._entries: dict[str, Entry] = {}
+        self._held: dict[bytes, str] = {}  # digest -> name of a stored tensor proven to hold those bytes
+        self._used = 0
+        self._stats = {"connections": 0, "tensors": 0, "bytes_received": 0, "bytes_from_cache": 0, "cache_hits": 0,
+                       "memory_hits": 0, "bytes_from_memory": 0, "errors": 0}
+
+    # -- the memory account ------------------------------------------------------------------
+
+    @property
+    def used(self) -> int:
+        """Bytes counted against max_memory: complete tensors and those in flight."""
+        return self._used
+
+    @property
+    def remembers_digests(self) -> bool:
+        return self._remember
+
+    def charge(self, nbytes: int, alloc: int = 0) -> Charge:
+        """Charge ``nbytes`` for a tensor of ``alloc`` bytes; MemoryFull if it does not fit.
+
+        Idle pooled memory counts too and is given back first, except what that tensor will be
+        placed in (``alloc`` says which size class it takes)."""
+        pool = self.pool
+        if pool is not None:
+            idle = pool.idle_bytes - pool.servable(alloc)
+            over = self._used + nbytes + idle - self.max_memory
+            if over > 0:
+                pool.trim(pool.idle_bytes - over)
+        with self._lock:
+            if self._used + nbytes > self.max_memory:
+                raise MemoryFull(
+                    f"{nbytes} bytes would exceed the server's memory limit ({self._used} of {self.max_memory} in use)"
+                )
+            self._used += nbytes
+        return Charge(self, nbytes)
+
+    def _uncharge(self, nbytes: int) -> None:
+        with self._lock:
+            self._used -= nbytes
+
+    def take_host(self, nbytes: int) -> tuple[np.ndarray, bool]:
+        """Host memory for a tensor of ``nbytes`` from the pool: (array, whether it is fresh)."""
+        if self.pool is None:
+            raise AssertionError("take_host on a store without a host pool")
+        return self.pool.take_marked(nbytes)
+
+    # -- entries -------------------------------------------------------------------------------
+
+    def publish(self, name: str, dtype: str, shape: tuple[int, ...], nbytes: int, tensor: Any, charge: Charge,
+                digest: bytes | None) -> None:
+        """Make a complete tensor visible under ``name``, replacing any earlier version.
+
+        The entry takes over ``charge``; a replaced version's cost is released and its memory
+        goes back once nobody references it. ``digest``, when given, is proven: the entry can
+        answer HAVE for it."""
+        cost = charge._hand_over()
+        with self._lock:
+            old = self._entries.get(name)
+            self._entries[name] = Entry(dtype, shape, nbytes, tensor, cost, digest)
+            if old is not None:
+                self._used -= old.cost
+                self._unhold(name, old)
+            if digest is not None and self._remember:
+                self._held[digest] = name
+            self._stats["tensors"] += 1
+        del old  # the last reference to a replaced tensor: its memory goes back to the pool now
+
+    def free(self, names: tuple[str, ...]) -> int:
+        """Drop the named tensors; returns how many there were."""
+        freed = 0
+        with self._lock:
+            for n in names:
+                entry = self._entries.pop(n, None)
+                if entry is not None:
+                    self._used -= entry.cost
+                    self._unhold(n, entry)
+                    freed += 1
+        return freed
+
+    def _unhold(self, name: str, entry: Entry) -> None:
+        # forget that entry (stored as name) holds its digest; the lock is held
+        if entry.digest is not None and self._held.get(entry.digest) == name:
+            del self._held[entry.digest]
+
+    def get(self, name: str) -> Entry | None:
+        with self._lock:
+            return self._entries.get(name)
+
+    def tensors(self) -> dict[str, Any]:
+        """The complete tensors by name; never a partial one."""
+        with self._lock:
+            return {name: entry.tensor for name, entry in self._entries.items()}
+
+    def listing(self, after: str) -> list[tuple[str, Entry]]:
+        """Entries whose names sort after ``after``, in name order."""
+        with self._lock:
+            return sorted(((n, e) for n, e in self._entries.items() if n > after), key=lambda kv: kv[0])
+
+    # -- proven digests --------------------------------------------------------------------------
+
+    def holds(self, digest: bytes) -> bool:
+        """Whether a stored tensor was proven to hold the bytes of ``digest``."""
+        return digest in self._held
+
+    def candidates(self, name: str, digest: bytes) -> list[tuple[str, Entry]]:
+        """Entries that may hold ``digest``: the one stored as ``name``, then the one proven to."""
+        with self._lock:
+            mine = self._entries.get(name)
+            other_name = self._held.get(digest)
+            other = self._entries.get(other_name) if other_name is not None else None
+        out = [(name, mine)] if mine is not None else []
+        if other is not None and other_name is not None and other is not mine:
+            out.append((other_name, other))
+        return out
+
+    def distrust(self, name: str, entry: Entry, digest: bytes) -> None:
+        """``entry`` no longer hashes to ``digest`` (written since it arrived): forget it holds it."""
+        with self._lock:
+            entry.digest = None
+            if self._held.get(digest) == name:
+                del self._held[digest]
+
+    # -- counters ----------------------------------------------------------------------------------
+
+    def count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._stats[key] += n
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            out = dict(self._stats)
+        out["pooled"] = self.pool.reused if self.pool is not None else 0
+        return out
