@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fuzz the safetensors and GGUF header parsers under atheris (libFuzzer), for long runs.
 
-The property is the one tests/test_format_fuzz.py checks for a few seconds: any bytes either
+The property is the one tests/formats/test_format_fuzz.py checks for a few seconds: any bytes either
 parse into tensors that lie inside the file with shapes numpy can hold, or raise FormatError;
 and a safetensors input the reference parser (``safetensors.deserialize``) refuses, we refuse,
 while one we accept, it accepts with the same tensors. We may refuse more only for the
@@ -10,7 +10,7 @@ writes the input behind it (``crash-<sha1>``) to the working directory.
 
     pip install atheris
     mkdir -p /tmp/fuzz-corpus   # libFuzzer adds new inputs to the first folder only
-    python bench/fuzz_formats.py /tmp/fuzz-corpus tests/corpus/formats -max_total_time=3600
+    python bench/fuzz_formats.py /tmp/fuzz-corpus tests/formats/corpus/formats -max_total_time=3600
     python bench/fuzz_formats.py crash-1234abcd   # replay one input
 
 Options other than ``--no-reference`` go to libFuzzer (``-help=1`` lists them).

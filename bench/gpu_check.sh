@@ -7,7 +7,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
 { nproc; free -g; python3 -c "import torch, numpy; print('torch', torch.__version__, 'numpy', numpy.__version__)"; } >> "$out/gpu.txt" 2>&1
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_load_gpu.py tests/test_targets.py tests/test_server.py tests/test_load.py tests/test_client.py > "$out/pytest.txt" 2>&1
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/local/test_load_gpu.py tests/memory/test_targets.py tests/remote/test_server.py tests/local/test_load.py tests/remote/test_client.py > "$out/pytest.txt" 2>&1
 tail -5 "$out/pytest.txt"
 timeout 150 python3 bench/gpu_variants.py --size-gib 4 --rounds 3 --json "$out/gpu_variants.json" > "$out/gpu_variants.txt" 2>&1
 cat "$out/gpu_variants.txt"

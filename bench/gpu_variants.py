@@ -45,7 +45,7 @@ def main() -> int:
     import torch
 
     import weightlift as wl
-    from weightlift.cli.demo import write_checkpoint
+    from weightlift.benchmark.synthetic import write_checkpoint
 
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")

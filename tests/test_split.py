@@ -8,7 +8,7 @@ import weightlift as wl
 from weightlift.errors import NotFoundError, OptionError
 from weightlift.split import parse_remote
 
-from _checkpoints import every_dtype, raw_bytes, write
+from tests.checkpoints import every_dtype, raw_bytes, write
 
 
 def test_parse_remote():

@@ -21,7 +21,6 @@ This module imports nothing heavy at the top, so the parent may import it for th
 
 from __future__ import annotations
 
-import ctypes
 import json
 import mmap
 import os
@@ -58,48 +57,24 @@ class Skip(Exception):
 
 
 # -- residency (strict: a failed mincore is an error, never "0 % resident") -------------------
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_MAP_FAILED = ctypes.c_void_p(-1).value
+# weightlift's own probe and eviction, loaded by path: this file must not import the package.
 
 
-def resident_fraction(path: str) -> float:
-    """Fraction of ``path``'s pages in the page cache, asked afresh with mincore on each call."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return 0.0
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, _MAP_FAILED):
-            raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
-        try:
-            pages = (size + PAGE - 1) // PAGE
-            vec = (ctypes.c_ubyte * pages)()
-            if _libc.mincore(addr, size, vec) != 0:
-                raise OSError(ctypes.get_errno(), f"mincore on {path} failed")
-            return sum(memoryview(vec).cast("B").tobytes().translate(_LOW_BIT)) / pages
-        finally:
-            _libc.munmap(addr, size)
-    finally:
-        os.close(fd)
+def _load_residency() -> Any:
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(os.path.dirname(here), "disk", "residency.py")
+    spec = importlib.util.spec_from_file_location("_wl_bench_residency", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-_LOW_BIT = bytes(b & 1 for b in range(256))
-
-
-def evict(path: str) -> None:
-    """Write back then drop ``path`` from the page cache (DONTNEED skips dirty pages)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+_residency = _load_residency()
+resident_fraction: Callable[[str], float] = _residency.file_fraction
+evict: Callable[[str], None] = _residency.drop
 
 
 # -- touching: the common definition of "ready" -------------------------------------------------

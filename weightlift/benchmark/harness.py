@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from weightlift import env
+from weightlift.benchmark.synthetic import llama_for_size, write_checkpoint
+from weightlift.disk import residency, source
 from weightlift.benchmark import arms as bench_arms
 from weightlift.benchmark.arms import READY, SKIP, SPECS
 from weightlift.errors import OptionError, WeightliftError
@@ -238,20 +240,14 @@ def _expand(paths: Sequence[str]) -> list[str]:
 
 
 def evict_files(paths: Sequence[str]) -> None:
-    """Drop every file (folders: every file under them) from the page cache."""
-    try:
-        from weightlift.disk.source import evict as lib_evict
-    except ImportError:
-        lib_evict = None
+    """Drop every file (folders: every file under them) from the page cache, dirty pages written back first."""
     for p in _expand(paths):
-        bench_arms.evict(p)  # writes dirty pages back first, which DONTNEED alone would skip
-        if lib_evict is not None:
-            lib_evict(p)
+        source.evict(p)
 
 
 def max_resident(paths: Sequence[str]) -> float:
     """The largest resident fraction among the files, by a fresh mincore each call."""
-    return max((bench_arms.resident_fraction(p) for p in _expand(paths)), default=0.0)
+    return max((residency.file_fraction(p) for p in _expand(paths)), default=0.0)
 
 
 # -- the loop --------------------------------------------------------------------------------
@@ -389,46 +385,10 @@ def bench_dir() -> str:
     return d
 
 
-def _synthetic_layout(size: int) -> list[tuple[str, str, tuple[int, ...], int]]:
-    """A decoder-shaped tensor list near ``size`` bytes: big matrices, tiny norms, two embeddings."""
-    # hidden 2048 from 1 GiB up, so the MLP matrices pass the client's hash threshold as real ones do
-    h = 2048 if size >= GIB else 1024 if size >= 128 * MIB else 128
-    ff = (h * 11 // 4 + 63) // 64 * 64
-    layer = 4 * h * h * 2 + 3 * h * ff * 2 + 2 * h * 4
-    vocab = max(64, int(size * 0.12) // (h * 2))
-    layers = max(1, (size - 2 * vocab * h * 2) // layer)
-    e: list[tuple[str, str, tuple[int, ...], int]] = [("model.embed_tokens.weight", "BF16", (vocab, h), vocab * h * 2)]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        e.append((p + "input_layernorm.weight", "F32", (h,), h * 4))
-        e += [(p + f"self_attn.{x}_proj.weight", "BF16", (h, h), h * h * 2) for x in "qkvo"]
-        e.append((p + "post_attention_layernorm.weight", "F32", (h,), h * 4))
-        e += [(p + f"mlp.{x}_proj.weight", "BF16", (ff, h), ff * h * 2) for x in ("gate", "up")]
-        e.append((p + "mlp.down_proj.weight", "BF16", (h, ff), ff * h * 2))
-    e.append(("model.norm.weight", "F32", (h,), h * 4))
-    e.append(("lm_head.weight", "BF16", (vocab, h), vocab * h * 2))
-    return e
-
-
 def make_checkpoint(path: str, size: int, *, seed: int = 0) -> str:
     """Write a synthetic safetensors file of about ``size`` bytes of random tensor data."""
-    import numpy as np
-
-    from weightlift.formats.safetensors import build_header
-
-    entries = _synthetic_layout(size)
-    header, _ = build_header(entries, {"format": "pt", "source": "weightlift bench"})
-    rng = np.random.default_rng(seed)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(header)
-        for _, _, _, n in entries:
-            while n > 0:
-                k = min(n, 64 * MIB)
-                words = rng.integers(0, 2**63, size=(k + 7) // 8, dtype=np.uint64)
-                f.write(memoryview(words).cast("B")[:k])
-                n -= k
-    os.replace(tmp, path)
+    # hidden 2048 from 1 GiB up, so the MLP matrices pass the client's hash threshold as real ones do
+    write_checkpoint(path, llama_for_size(size), seed=seed, metadata={"format": "pt", "source": "weightlift bench"})
     return path
 
 

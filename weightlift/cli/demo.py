@@ -19,11 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from weightlift import env
+from weightlift.benchmark.synthetic import llama_tensors, write_checkpoint
 from weightlift.errors import IntegrityError
-from weightlift.formats.safetensors import build_header
 
 __all__ = ["demo_dir", "ensure_demo_checkpoint", "ensure_tiny_model", "demo_tensors", "run_demo"]
 
@@ -35,45 +34,9 @@ def demo_dir() -> Path:
     return Path(env.cache_dir()) / DEMO_NAME
 
 
-def demo_tensors(*, layers: int = 8, hidden: int = 2048, inter: int = 5632, vocab: int = 32000, kv: int = 256) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(name, dtype, shape) of a Llama-shaped model: BF16 weights, F32 norms."""
-    out: list[tuple[str, str, tuple[int, ...]]] = [("model.embed_tokens.weight", "BF16", (vocab, hidden))]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        out += [
-            (p + "input_layernorm.weight", "F32", (hidden,)),
-            (p + "self_attn.q_proj.weight", "BF16", (hidden, hidden)),
-            (p + "self_attn.k_proj.weight", "BF16", (kv, hidden)),
-            (p + "self_attn.v_proj.weight", "BF16", (kv, hidden)),
-            (p + "self_attn.o_proj.weight", "BF16", (hidden, hidden)),
-            (p + "post_attention_layernorm.weight", "F32", (hidden,)),
-            (p + "mlp.gate_proj.weight", "BF16", (inter, hidden)),
-            (p + "mlp.up_proj.weight", "BF16", (inter, hidden)),
-            (p + "mlp.down_proj.weight", "BF16", (hidden, inter)),
-        ]
-    out += [("model.norm.weight", "F32", (hidden,)), ("lm_head.weight", "BF16", (vocab, hidden))]
-    return out
-
-
-def write_checkpoint(path: Path, tensors: list[tuple[str, str, tuple[int, ...]]], *, seed: int = 0) -> dict[str, str]:
-    """Write a safetensors file of deterministic pseudo-random bytes; returns BLAKE3 per tensor."""
-    import blake3
-
-    from weightlift.dtypes import byte_length
-
-    entries = [(n, d, s, byte_length(d, s)) for n, d, s in tensors]
-    header, _ = build_header(entries, {"format": "pt", "weightlift": "demo"})
-    rng = np.random.default_rng(seed)
-    digests = {}
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        f.write(header)
-        for name, _, _, n in entries:
-            data = rng.bytes(n)
-            digests[name] = blake3.blake3(data).hexdigest()
-            f.write(data)
-    os.replace(tmp, path)
-    return digests
+def demo_tensors(*, layers: int = 8) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, shape) of the demo's Llama-shaped model: BF16 weights, F32 norms."""
+    return llama_tensors(layers=layers)
 
 
 def ensure_demo_checkpoint(*, layers: int = 8) -> Path:
@@ -85,7 +48,8 @@ def ensure_demo_checkpoint(*, layers: int = 8) -> Path:
         return path
     d.mkdir(parents=True, exist_ok=True)
     print(f"writing the demo checkpoint (once): {path}")
-    digests = write_checkpoint(path, demo_tensors(layers=layers))
+    digests = write_checkpoint(path, demo_tensors(layers=layers), metadata={"format": "pt", "weightlift": "demo"},
+                               digests=True)
     sums.write_text(json.dumps(digests, indent=0))
     return path
 

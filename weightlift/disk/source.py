@@ -24,8 +24,6 @@ throughput, since on some disks parallel readers are slower than one.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import mmap
 import os
@@ -36,6 +34,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from weightlift import env
+from weightlift.disk import residency
 from weightlift.errors import FileError, NotFoundError, os_error
 
 __all__ = [
@@ -143,8 +142,6 @@ def mapped(path: str | os.PathLike[str]) -> MappedFile:
 
 # -- residency -----------------------------------------------------------------------------
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
 _resident_memo: dict[tuple[str, _Identity], float] = {}
 
 
@@ -166,13 +163,10 @@ def resident_fraction(path: str | os.PathLike[str], *, refresh: bool = False) ->
 def _probe(m: MappedFile) -> float:
     if m.size == 0:
         return 1.0
-    pages = (m.size + PAGE - 1) // PAGE
-    vec = (ctypes.c_ubyte * pages)()
-    if _libc.mincore(ctypes.c_void_p(m.address()), ctypes.c_size_t(m.size), vec) != 0:
+    try:
+        return residency.mapping_fraction(m.address(), m.size)
+    except OSError:
         return 0.0  # unknown: treat as cold, which only costs a warmer
-    import numpy as np
-
-    return float(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1)) / pages
 
 
 def evict(path: str | os.PathLike[str]) -> None:
@@ -180,26 +174,17 @@ def evict(path: str | os.PathLike[str]) -> None:
     kernel cannot drop a page that has not reached the disk (a just-written checkpoint)."""
     p = os.fspath(path)
     try:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
+        residency.drop(p)
     except OSError as e:
         raise os_error(e, p, "cannot open") from None
-    evict_range(p, 0, 0)
     _resident_memo.clear()
 
 
 def evict_range(path: str, offset: int, length: int) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY)
+        residency.drop(path, offset, length, write_back=False)
     except OSError as e:
         raise os_error(e, path, "cannot open") from None
-    try:
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def page_eviction_override() -> bool | None:

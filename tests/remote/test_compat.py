@@ -12,9 +12,10 @@ import pytest
 
 import weightlift.remote.protocol as P
 from weightlift.remote.client.client import Client
-from weightlift.formats.safetensors import build_header
 from weightlift.remote.protocol import NEED_DATA, Barrier, BarrierReply, Decoder, Hello, send
 from weightlift.remote.server.server import Server
+
+from tests.checkpoints import write
 
 NEW, OLD = P.PROTOCOL_MINOR, P.PREVIOUS_MINOR
 THRESHOLD = 100_000
@@ -30,9 +31,7 @@ def _model(tmp_path) -> tuple[str, dict[str, bytes]]:
     rng = np.random.default_rng(0)
     tensors = {f"small.{i}": rng.integers(0, 256, 64 * (i + 1), dtype=np.uint8).tobytes() for i in range(3)}
     tensors.update({f"large.{i}": rng.integers(0, 256, 150_000, dtype=np.uint8).tobytes() for i in range(3)})
-    header, _ = build_header([(n, "U8", (len(b),), len(b)) for n, b in tensors.items()])
-    path = tmp_path / "m.safetensors"
-    path.write_bytes(header + b"".join(tensors.values()))
+    path = write(tmp_path / "m.safetensors", [(n, "U8", (len(b),), b) for n, b in tensors.items()])
     return str(path), tensors
 
 

@@ -1,6 +1,6 @@
 """Both header parsers under arbitrary bytes: a valid list of tensors or a FormatError, nothing else.
 
-The seeds are the crafted headers in tests/corpus/formats (see make_corpus.py there), each
+The seeds are the crafted headers in tests/formats/corpus/formats (see make_corpus.py there), each
 checked first against the outcome its name promises. Hypothesis then mutates them, and builds
 safetensors headers from parts, a few hundred examples each, derandomized so that a run is
 repeatable. Every safetensors input is also handed to the reference parser

@@ -11,10 +11,9 @@ from weightlift.memory.fresh import DEFAULT, FillPolicy
 
 
 @pytest.fixture(autouse=True)
-def clean_policy(monkeypatch, tmp_path):
+def clean_policy(monkeypatch, private_cache):
     for k in ("WEIGHTLIFT_HUGEPAGES", "WEIGHTLIFT_FAULT_AHEAD", "WEIGHTLIFT_FAULT_METHOD", "WEIGHTLIFT_FAULT_HELPERS"):
         monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("WEIGHTLIFT_CACHE", str(tmp_path / "cache"))
     fresh.reset_policy()
     yield
     fresh.reset_policy()

@@ -16,19 +16,15 @@ from weightlift.remote.client.client import Client, PushResult, RemoteTensor
 from weightlift.remote.digest import MANIFEST_SUFFIX, hash_buffer
 from weightlift.dtypes import DTYPES, byte_length
 from weightlift.errors import AuthError, NotFoundError, OptionError, RemoteProtocolError, StateError, TransportError
-from weightlift.formats.safetensors import build_header
 from weightlift.profile import Profiler
 from weightlift.remote.server.server import Server
+
+from tests.checkpoints import write
 
 
 def write_safetensors(path, tensors: dict[str, tuple[str, tuple[int, ...], bytes]]) -> str:
     """A .safetensors file of raw tensors: name -> (dtype, shape, bytes)."""
-    header, _ = build_header([(n, d, s, len(b)) for n, (d, s, b) in tensors.items()])
-    with open(path, "wb") as f:
-        f.write(header)
-        for _, _, b in tensors.values():
-            f.write(b)
-    return str(path)
+    return str(write(path, [(n, d, s, b) for n, (d, s, b) in tensors.items()]))
 
 
 def _rand(n: int, seed: int) -> bytes:
@@ -391,15 +387,11 @@ def test_client_profile_and_trace(tmp_path):
 
 def test_gguf_quantized_tensors_travel_as_raw_bytes(tmp_path):
     pytest.importorskip("gguf")
-    sys.path.insert(0, os.path.dirname(__file__))
-    try:
-        import _gguf_files
-    finally:
-        sys.path.pop(0)
     import weightlift
+    from tests import gguf_files
 
     path = tmp_path / "m.gguf"
-    _gguf_files.write_sample(path)
+    gguf_files.write_sample(path)
     ck = weightlift.open(path)
     raw = path.read_bytes()
     with Server() as s, Client(s.address) as c:

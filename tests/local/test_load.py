@@ -13,7 +13,7 @@ import pytest
 import weightlift as wl
 from weightlift.errors import FormatError, NotFoundError, OptionError
 
-from _checkpoints import every_dtype, raw_bytes, write, write_sharded
+from tests.checkpoints import every_dtype, raw_bytes, write, write_sharded
 
 torch = pytest.importorskip("torch")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
@@ -258,7 +258,7 @@ def test_truncated_file_is_a_format_error(ckpt, tmp_path):
 def test_gguf_matches_reader(tmp_path):
     from gguf import GGUFReader
 
-    from _gguf_files import write_sample
+    from tests.gguf_files import write_sample
 
     path = tmp_path / "m.gguf"
     write_sample(path)

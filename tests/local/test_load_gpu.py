@@ -7,7 +7,7 @@ import pytest
 
 import weightlift as wl
 
-from _checkpoints import every_dtype, raw_bytes, write
+from tests.checkpoints import every_dtype, raw_bytes, write
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]

@@ -36,6 +36,8 @@ from weightlift.remote.protocol import (
 )
 from weightlift.remote.server.server import ENTRY_OVERHEAD, Server, is_loopback
 
+from tests.devices import has_cuda, needs_cuda, needs_torch
+
 
 def _cost(name: str, nbytes: int) -> int:
     """What one tensor counts against max_memory."""
@@ -651,7 +653,7 @@ def test_close_ends_connections_and_drops_partial_tensors():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@needs_cuda
 def test_cuda_server_round_trip(tmp_path):
     import torch
 
@@ -685,14 +687,6 @@ import weightlift.memory.pool as pool_mod  # noqa: E402
 import weightlift.memory.faulter as faulter_mod  # noqa: E402
 import weightlift.memory.fresh as fresh_mod  # noqa: E402
 from weightlift.errors import DeviceError  # noqa: E402
-
-
-@pytest.fixture
-def thread_errors(monkeypatch):
-    """Exceptions that escaped any thread while the test ran (there must be none)."""
-    caught: list[str] = []
-    monkeypatch.setattr(threading, "excepthook", lambda a: caught.append(f"{a.exc_type.__name__}: {a.exc_value}"))
-    return caught
 
 
 def _wait_for(cond, seconds: float = 10.0) -> None:
@@ -793,6 +787,7 @@ def test_default_memory_cap_is_most_of_physical_memory():
     assert Server(max_memory=123).max_memory == 123
 
 
+@needs_torch
 def test_a_cuda_server_is_checked_without_allocating(monkeypatch):
     made = []
     real = server_mod.make_target
@@ -801,14 +796,14 @@ def test_a_cuda_server_is_checked_without_allocating(monkeypatch):
         Server(device="cuda", framework="numpy")
     with pytest.raises(OptionError, match="unknown device"):
         Server(device="cudaX", framework="torch")
-    if not __import__("torch").cuda.is_available():
+    if not has_cuda():
         with pytest.raises(DeviceError, match="no CUDA device"):
             Server(device="cuda", framework="torch", max_memory=1 << 20)
     assert made == []  # none of that made a target
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@needs_cuda
 def test_cuda_target_is_made_at_the_first_alloc_not_at_connect(monkeypatch):
     import torch
 

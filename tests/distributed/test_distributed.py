@@ -33,10 +33,9 @@ from weightlift.distributed.push import PushError  # noqa: E402
 from weightlift.errors import OptionError  # noqa: E402
 from weightlift.formats.gguf import dequantize  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _checkpoints import byte_length, every_dtype, raw_bytes, write, write_sharded  # noqa: E402
+from tests.checkpoints import byte_length, every_dtype, raw_bytes, write, write_sharded  # noqa: E402
 
-HERE = Path(__file__).resolve()
+ROOT = Path(__file__).resolve().parents[2]  # the workers run as ``python -m tests.distributed.test_distributed`` from here
 GROUP_DEADLINE = 60.0  # seconds a whole group may take, start-up included, before it is a hang
 
 # name, dtype, shape: dim 0 (even and uneven), dim 1 with small rows (redistributed in a group
@@ -80,7 +79,7 @@ def _write_all(folder: Path) -> dict[str, str]:
     paths = {"st": str(write(folder / "model.safetensors", tensors)),
              "index": str(write_sharded(folder / "sharded", tensors, 2))}
     try:
-        from _gguf_files import write_sample
+        from tests.gguf_files import write_sample
 
         write_sample(folder / "model.gguf")
         paths["gguf"] = str(folder / "model.gguf")
@@ -272,8 +271,9 @@ def run_group(world: int, scenario: str, tmp: Path, paths: dict[str, str], *, de
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     procs = []
     for rank in range(world):
-        args = [sys.executable, str(HERE), "--worker", scenario, str(rank), str(world), str(port), str(tmp), json.dumps(paths)]
-        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        args = [sys.executable, "-m", "tests.distributed.test_distributed", "--worker", scenario, str(rank), str(world),
+                str(port), str(tmp), json.dumps(paths)]
+        procs.append(subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     end = time.monotonic() + deadline
     logs = []
     try:

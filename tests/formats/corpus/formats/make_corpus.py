@@ -8,10 +8,10 @@ it and, for safetensors, what the reference parser (``safetensors.deserialize``)
     bad  both refuse it
     dev  the reference accepts it and weightlift refuses it on purpose (see the parser's docstring)
 
-GGUF files only have ``ok`` and ``bad``. tests/test_format_fuzz.py checks every file against its
+GGUF files only have ``ok`` and ``bad``. tests/formats/test_format_fuzz.py checks every file against its
 name and then mutates them as seeds; ``bench/fuzz_formats.py`` takes this folder as its corpus.
 
-    python tests/corpus/formats/make_corpus.py
+    python tests/formats/corpus/formats/make_corpus.py
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent.parent))
+sys.path.insert(0, str(HERE.parents[3]))  # the repository root: this file also runs as a script
 
 import numpy as np  # noqa: E402
-from _checkpoints import every_dtype  # noqa: E402
-from _gguf_files import kv_str, kv_u32, pack, s, tensor_info  # noqa: E402
+from tests.checkpoints import every_dtype  # noqa: E402
+from tests.gguf_files import kv_str, kv_u32, pack, s, tensor_info  # noqa: E402
 from gguf import GGUFWriter  # noqa: E402
 from gguf.constants import GGMLQuantizationType as Q  # noqa: E402
 from gguf.quants import quantize  # noqa: E402

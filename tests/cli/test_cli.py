@@ -10,7 +10,7 @@ import pytest
 
 from weightlift.cli import main
 
-from _checkpoints import every_dtype, write
+from tests.checkpoints import every_dtype, write
 
 
 @pytest.fixture()

@@ -1,4 +1,5 @@
-"""Checkpoint writers for tests: small safetensors files of every dtype, and sharded sets."""
+"""Checkpoints for tests: tensors of every dtype, written by the one synthetic-checkpoint writer
+(:func:`weightlift.benchmark.synthetic.write_checkpoint`), single files and sharded sets."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from weightlift.dtypes import DTYPES, byte_length
-from weightlift.formats.safetensors import build_header
+from weightlift.benchmark.synthetic import write_checkpoint
 
 # one shape per dtype; sub-byte types need whole bytes
 SHAPES: dict[str, tuple[int, ...]] = {d.name: (3, 5) for d in DTYPES}
@@ -30,11 +31,8 @@ def every_dtype(seed: int = 0) -> list[tuple[str, str, tuple[int, ...], bytes]]:
 
 
 def write(path: Path, tensors: list[tuple[str, str, tuple[int, ...], bytes]], metadata: dict[str, str] | None = None) -> Path:
-    header, _ = build_header([(n, d, s, len(b)) for n, d, s, b in tensors], metadata)
-    with open(path, "wb") as f:
-        f.write(header)
-        for _, _, _, b in tensors:
-            f.write(b)
+    """A .safetensors file holding exactly these tensors' bytes."""
+    write_checkpoint(path, tensors, metadata=metadata)
     return path
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _gguf_files import SAMPLE_METADATA, kv_str, kv_u32, pack, s, tensor_info, write_sample
+from tests.gguf_files import SAMPLE_METADATA, kv_str, kv_u32, pack, s, tensor_info, write_sample
 from gguf import GGUFReader, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFEndian, GGUFValueType as V
 from gguf.quants import dequantize as ref_dequantize, quantize
