@@ -77,8 +77,13 @@ def _init(rank: int, world: int, port: int) -> Any:
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=300),
+    )
     return dist
 
 
@@ -120,8 +125,15 @@ def child_group(path: str, rank: int, world: int, port: int, mode: str) -> None:
         wl.load(path, shard=wl.Shard(RULES), report=rep)
     seconds = time.perf_counter() - t0
     dist.barrier()
-    _emit({"rank": rank, "seconds": seconds, "bytes_read": rep["bytes_read"], "bytes": rep["bytes"],
-           "paths": rep["paths"]})
+    _emit(
+        {
+            "rank": rank,
+            "seconds": seconds,
+            "bytes_read": rep["bytes_read"],
+            "bytes": rep["bytes"],
+            "paths": rep["paths"],
+        }
+    )
     os._exit(0)
 
 
@@ -130,7 +142,7 @@ def child_link(rank: int, port: int, size: int) -> None:
     import torch
 
     buf = torch.empty(size, dtype=torch.uint8)
-    buf[:: 4096] = 1  # touched memory on both sides: the link alone
+    buf[::4096] = 1  # touched memory on both sides: the link alone
     best = math.inf
     for _ in range(3):
         dist.barrier()
@@ -177,8 +189,10 @@ def _results(procs: list[subprocess.Popen], timeout: float) -> list[dict[str, An
 
 
 def run_push(path: str, n: int, timeout: float) -> dict[str, Any]:
-    servers = [subprocess.Popen(_me("server"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env())
-               for _ in range(n)]
+    servers = [
+        subprocess.Popen(_me("server"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env())
+        for _ in range(n)
+    ]
     try:
         ports = []
         for s in servers:
@@ -186,8 +200,9 @@ def run_push(path: str, n: int, timeout: float) -> dict[str, Any]:
             if not line.startswith("PORT "):
                 raise RuntimeError(f"server did not start: {line!r}")
             ports.append(int(line.split()[1]))
-        pusher = subprocess.Popen(_me("push", path, ",".join(f"127.0.0.1:{p}" for p in ports)),
-                                  stdout=subprocess.PIPE, text=True, env=_env())
+        pusher = subprocess.Popen(
+            _me("push", path, ",".join(f"127.0.0.1:{p}" for p in ports)), stdout=subprocess.PIPE, text=True, env=_env()
+        )
         res = _results([pusher], timeout)[0]
     finally:
         for s in servers:
@@ -202,8 +217,10 @@ def run_push(path: str, n: int, timeout: float) -> dict[str, Any]:
 
 def run_bcast(path: str, n: int, timeout: float) -> dict[str, Any]:
     port = _free_port()
-    procs = [subprocess.Popen(_me("bcast", path, r, n + 1, port), stdout=subprocess.PIPE, text=True, env=_env())
-             for r in range(n + 1)]
+    procs = [
+        subprocess.Popen(_me("bcast", path, r, n + 1, port), stdout=subprocess.PIPE, text=True, env=_env())
+        for r in range(n + 1)
+    ]
     res = _results(procs, timeout)
     if len({r["digest"] for r in res}) != 1:
         raise RuntimeError(f"ranks hold different weights: {[r['digest'] for r in res]}")
@@ -213,16 +230,24 @@ def run_bcast(path: str, n: int, timeout: float) -> dict[str, Any]:
 
 def run_group(path: str, world: int, mode: str, timeout: float) -> dict[str, Any]:
     port = _free_port()
-    procs = [subprocess.Popen(_me("group", path, r, world, port, mode), stdout=subprocess.PIPE, text=True, env=_env())
-             for r in range(world)]
+    procs = [
+        subprocess.Popen(_me("group", path, r, world, port, mode), stdout=subprocess.PIPE, text=True, env=_env())
+        for r in range(world)
+    ]
     res = _results(procs, timeout)
-    return {"seconds": max(r["seconds"] for r in res), "bytes_read": [r["bytes_read"] for r in res],
-            "bytes": [r["bytes"] for r in res], "paths": res[0]["paths"]}
+    return {
+        "seconds": max(r["seconds"] for r in res),
+        "bytes_read": [r["bytes_read"] for r in res],
+        "bytes": [r["bytes"] for r in res],
+        "paths": res[0]["paths"],
+    }
 
 
 def run_link(size: int, timeout: float) -> float:
     port = _free_port()
-    procs = [subprocess.Popen(_me("link", r, port, size), stdout=subprocess.PIPE, text=True, env=_env()) for r in range(2)]
+    procs = [
+        subprocess.Popen(_me("link", r, port, size), stdout=subprocess.PIPE, text=True, env=_env()) for r in range(2)
+    ]
     res = _results(procs, timeout)
     return size / max(r["seconds"] for r in res)
 
@@ -310,7 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         n = int(arm.split(".")[1])
         result["arms"][arm] = {"receivers": n, "seconds": times[arm], **s}
         med = s["median"]
-        print(f"{arm:10s} {n:9d} {med:9.3f} {s['min']:6.3f}-{s['max']:6.3f}   {size / med / 1e9:9.2f} {n * size / med / 1e9:9.2f}")
+        print(
+            f"{arm:10s} {n:9d} {med:9.3f} {s['min']:6.3f}-{s['max']:6.3f}   {size / med / 1e9:9.2f} {n * size / med / 1e9:9.2f}"
+        )
 
     print("\nbytes read from the checkpoint per rank (MB), and the slowest rank's load time:")
     result["reads"] = {}
@@ -322,8 +349,10 @@ def main(argv: list[str] | None = None) -> int:
             r = run_group(path, world, mode, args.timeout)
             result["reads"][f"{mode}.{world}"] = r
             per = ", ".join(f"{b / 1e6:.1f}" for b in r["bytes_read"])
-            print(f"  {mode:12s} world {world}: [{per}] sum {sum(r['bytes_read']) / size:.2f}x the checkpoint, "
-                  f"{r['seconds']:.3f} s, paths {r['paths']}")
+            print(
+                f"  {mode:12s} world {world}: [{per}] sum {sum(r['bytes_read']) / size:.2f}x the checkpoint, "
+                f"{r['seconds']:.3f} s, paths {r['paths']}"
+            )
     bc = result["arms"].get(f"bcast.{counts[-1]}")
     if bc:
         print(f"  broadcast: the source reads {size / 1e6:.1f} MB, receivers 0")
@@ -335,19 +364,27 @@ def main(argv: list[str] | None = None) -> int:
     push1 = size / result["arms"][f"push.{counts[0]}"]["median"] * counts[0] if counts else float("nan")
     rates = {"storage_cold": cold, "storage_warm": warm, "link_gloo": link, "push_one": push1}
     result["rates"] = rates
-    print(f"\nrates: storage {cold / 1e9:.2f} GB/s cold, {warm / 1e9:.2f} GB/s warm (one preadv stream); "
-          f"gloo link {link / 1e9:.2f} GB/s (2-rank broadcast of memory); push {push1 / 1e9:.2f} GB/s "
-          f"(x receivers, from push.{counts[0]})")
+    print(
+        f"\nrates: storage {cold / 1e9:.2f} GB/s cold, {warm / 1e9:.2f} GB/s warm (one preadv stream); "
+        f"gloo link {link / 1e9:.2f} GB/s (2-rank broadcast of memory); push {push1 / 1e9:.2f} GB/s "
+        f"(x receivers, from push.{counts[0]})"
+    )
     result["model"] = {}
     print(f"\nmodel for separate machines, {size / 1e6:.0f} MB, chunk {BROADCAST_CHUNK // MIB} MiB, these rates (s):")
     print("  pushes: n*S/link, and n*S/(measured push rate); gloo tree: ceil(log2(n+1))*S/link;")
-    print("  chain: S/min(link, storage) + (n-1)*chunk/link; group ring (shared storage): S/(n*storage) + (n-1)/n*S/link")
-    print(f"{'receivers':>9s} {'push@link':>10s} {'push@meas':>10s} {'gloo tree':>10s} {'chain':>8s} {'group ring':>11s}")
+    print(
+        "  chain: S/min(link, storage) + (n-1)*chunk/link; group ring (shared storage): S/(n*storage) + (n-1)/n*S/link"
+    )
+    print(
+        f"{'receivers':>9s} {'push@link':>10s} {'push@meas':>10s} {'gloo tree':>10s} {'chain':>8s} {'group ring':>11s}"
+    )
     for n in (*counts, 8, 64):
         m = model(size, n, push_rate=push1, link=link, storage=cold, chunk=BROADCAST_CHUNK)
         result["model"][n] = m
-        print(f"{n:9d} {m['push.link']:10.2f} {m['push.measured']:10.2f} {m['bcast.gloo_tree']:10.2f} "
-              f"{m['bcast.chain']:8.2f} {m['group.ring']:11.2f}")
+        print(
+            f"{n:9d} {m['push.link']:10.2f} {m['push.measured']:10.2f} {m['bcast.gloo_tree']:10.2f} "
+            f"{m['bcast.chain']:8.2f} {m['group.ring']:11.2f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -66,7 +66,9 @@ def main() -> int:
     arms = {}
     for engine in ("pread", "mmap"):
         for threads in (4, 8, 16):
-            arms[f"wl.cuda.{engine}.t{threads}"] = (lambda e=engine, k=threads: wl.load(path, device="cuda", framework="torch", engine=e, threads=k, progress=False))
+            arms[f"wl.cuda.{engine}.t{threads}"] = lambda e=engine, k=threads: wl.load(
+                path, device="cuda", framework="torch", engine=e, threads=k, progress=False
+            )
     try:
         from safetensors.torch import load_file
 
@@ -95,7 +97,9 @@ def main() -> int:
         med = statistics.median(v)
         gbps = size / med / 1e9
         out["arms"][k] = {"median_s": med, "runs": v, "gbps": gbps, "of_pinned": gbps / pinned}
-        print(f"{k:<22} median {med:.3f} s  {gbps:6.1f} GB/s  {100 * gbps / pinned:5.1f} % of pinned  runs {[round(x, 3) for x in v]}")
+        print(
+            f"{k:<22} median {med:.3f} s  {gbps:6.1f} GB/s  {100 * gbps / pinned:5.1f} % of pinned  runs {[round(x, 3) for x in v]}"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

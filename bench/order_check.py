@@ -32,9 +32,17 @@ def main(argv: list[str] | None = None) -> int:
     out = {}
     for order in ("forward", "reverse"):
         print(f"-- {order}: {a.arms}, {a.runs} runs, {a.settle:g} s pause", file=sys.stderr, flush=True)
-        out[order] = run_benchmark(path, arms=a.arms, runs=a.runs, warmup=1, baselines=(), profile_round=False,
-                                   settle=a.settle, order=order,
-                                   log=lambda s: print(s, file=sys.stderr, flush=True))
+        out[order] = run_benchmark(
+            path,
+            arms=a.arms,
+            runs=a.runs,
+            warmup=1,
+            baselines=(),
+            profile_round=False,
+            settle=a.settle,
+            order=order,
+            log=lambda s: print(s, file=sys.stderr, flush=True),
+        )
     print(f"settle {a.settle:g} s, {a.runs} runs per order; load s medians (IQR)")
     print(f"{'arm':<20} {'forward':>16} {'reverse':>16} {'rev/fwd':>8}")
     rows = {}

@@ -50,9 +50,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="FILE")
     a = p.parse_args(argv)
     size = int((0.25 if a.quick else a.size_gib) * GIB)
-    res = run_benchmark(a.path, arms=ARMS, cold=a.cold, runs=3 if a.quick else a.runs, size=size,
-                        baseline="loop.plain", baselines=(), profile_round=True,
-                        log=lambda s: print(s, file=sys.stderr, flush=True))
+    res = run_benchmark(
+        a.path,
+        arms=ARMS,
+        cold=a.cold,
+        runs=3 if a.quick else a.runs,
+        size=size,
+        baseline="loop.plain",
+        baselines=(),
+        profile_round=True,
+        log=lambda s: print(s, file=sys.stderr, flush=True),
+    )
     arms = res["arms"]
     per_check = check_ns()
     calls = (arms["wl.numpy"].get("profile") or {}).get("calls") or 0
@@ -76,14 +84,18 @@ def main(argv: list[str] | None = None) -> int:
         return "-" if v is None else f"{v:.3f}x"
 
     print("profiler overhead (paired load_s ratios, median):")
-    print(f"  loop, profiler off vs no profiler code: {x(over['loop_off_vs_plain'])} "
-          f"(run-to-run IQR of the plain loop: {over['loop_plain_load_iqr_s'] or 0:.4f} s "
-          f"of {over['loop_plain_load_median_s'] or 0:.4f} s)")
+    print(
+        f"  loop, profiler off vs no profiler code: {x(over['loop_off_vs_plain'])} "
+        f"(run-to-run IQR of the plain loop: {over['loop_plain_load_iqr_s'] or 0:.4f} s "
+        f"of {over['loop_plain_load_median_s'] or 0:.4f} s)"
+    )
     print(f"  loop, profiler on vs no profiler code:  {x(over['loop_on_vs_plain'])}")
     print(f"  weightlift.load, profiler on vs off:    {x(over['wl_on_vs_off'])}")
     frac = over["predicted_off_fraction"]
-    print(f"  one off check: {per_check:.1f} ns; {calls} calls x {CHECKS_PER_CALL} checks = "
-          f"{predicted * 1e6:.1f} us per load" + (f" ({100 * frac:.4f} % of it)" if frac is not None else ""))
+    print(
+        f"  one off check: {per_check:.1f} ns; {calls} calls x {CHECKS_PER_CALL} checks = "
+        f"{predicted * 1e6:.1f} us per load" + (f" ({100 * frac:.4f} % of it)" if frac is not None else "")
+    )
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
             json.dump(res, f, indent=1)

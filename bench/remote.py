@@ -21,8 +21,13 @@ from weightlift.benchmark.harness import add_arguments, command
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p, default_arms="remote", quick_arms="wl.push,wl.push.legacy",
-                  default_baseline="wl.push.legacy", default_size_gib=2.0)
+    add_arguments(
+        p,
+        default_arms="remote",
+        quick_arms="wl.push,wl.push.legacy",
+        default_baseline="wl.push.legacy",
+        default_size_gib=2.0,
+    )
     return command(p.parse_args(argv))
 
 

@@ -71,13 +71,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("path", nargs="?")
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--settle", type=float, default=3.0,
-                    help="pause before each run so none inherits memory the one before it freed (default 3 s)")
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=3.0,
+        help="pause before each run so none inherits memory the one before it freed (default 3 s)",
+    )
     ap.add_argument("--json")
     a = ap.parse_args()
     path = a.path
     if path is None:
-        from weightlift.cli.demo import ensure_demo_checkpoint
+        from weightlift.benchmark.synthetic import ensure_demo_checkpoint
 
         path = str(ensure_demo_checkpoint())
     times: dict[str, list[float]] = {"local": [], "remote": [], "split": [], "fault": []}
@@ -97,17 +101,32 @@ def main() -> int:
     for k, v in times.items():
         print(f"{k:<7} median {med[k]:.3f} s  cpu {cpu_med[k]:.3f} s  runs {[round(x, 3) for x in v]}")
     print(f"split / slower half: {med['split'] / slower:.2f}x (goal: at most 1.1x)")
-    print(f"fault-in floor: fresh memory for both halves faulted in, nothing else, {med['fault']:.3f} s = "
-          f"{med['fault'] / slower:.2f}x the slower half; the split takes {med['split'] / med['fault']:.2f}x that floor")
+    print(
+        f"fault-in floor: fresh memory for both halves faulted in, nothing else, {med['fault']:.3f} s = "
+        f"{med['fault'] / slower:.2f}x the slower half; the split takes {med['split'] / med['fault']:.2f}x that floor"
+    )
     cores = os.cpu_count() or 1
     floor = (cpu_med["local"] + cpu_med["remote"]) / cores
-    print(f"floor on this machine: the halves' {cpu_med['local'] + cpu_med['remote']:.3f} CPU s on {cores} cores "
-          f"= {floor:.3f} s, {max(1.0, floor / slower):.2f}x the slower half at best")
+    print(
+        f"floor on this machine: the halves' {cpu_med['local'] + cpu_med['remote']:.3f} CPU s on {cores} cores "
+        f"= {floor:.3f} s, {max(1.0, floor / slower):.2f}x the slower half at best"
+    )
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"path": path, "runs": times, "cpu_s": cpus, "median_s": med, "ratio": med["split"] / slower,
-                       "floor_ratio": floor / slower, "fault_floor_ratio": med["fault"] / slower,
-                       "at": time.time()}, f, indent=1)
+            json.dump(
+                {
+                    "path": path,
+                    "runs": times,
+                    "cpu_s": cpus,
+                    "median_s": med,
+                    "ratio": med["split"] / slower,
+                    "floor_ratio": floor / slower,
+                    "fault_floor_ratio": med["fault"] / slower,
+                    "at": time.time(),
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -36,7 +36,16 @@ import sys
 import time
 from typing import Any
 
-from weightlift.benchmark.harness import READY, ArmFailed, ArmSkipped, bench_dir, evict_files, max_resident, run_once, summarize
+from weightlift.benchmark.harness import (
+    READY,
+    ArmFailed,
+    ArmSkipped,
+    bench_dir,
+    evict_files,
+    max_resident,
+    run_once,
+    summarize,
+)
 
 ARMS = ("transformers", "weightlift", "weightlift.nocopy")
 MODEL_NAME = "ttft-llama-0.8g"

@@ -176,8 +176,15 @@ class Server:
     def __init__(self, argv: list[str], ready: str, timeout: float = 60.0):
         self.lines: list[str] = []
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, bufsize=1, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
         got = threading.Event()
         pat = re.compile(ready)
 
@@ -235,8 +242,9 @@ def run_client(argv: list[str], timeout: float) -> tuple[float, float, str, int]
 
 def run_llama(args: argparse.Namespace, model: Path, meta: dict[str, Any], *, verify: bool = False) -> dict[str, Any]:
     port = free_port()
-    srv = Server([str(args.llama_bin / "rpc_server"), "--host", "127.0.0.1", "--port", str(port)],
-                 r"^rpc_server: listening on ")
+    srv = Server(
+        [str(args.llama_bin / "rpc_server"), "--host", "127.0.0.1", "--port", str(port)], r"^rpc_server: listening on "
+    )
     try:
         argv = [str(args.llama_bin / "rpc_upload"), str(model), "--endpoint", f"127.0.0.1:{port}", "--json"]
         if args.no_fence:
@@ -257,10 +265,18 @@ def run_llama(args: argparse.Namespace, model: Path, meta: dict[str, Any], *, ve
     ok = info["tensors"] == meta["tensors"] and info["bytes"] == meta["bytes"]
     if verify:
         ok = ok and info["mismatched"] == 0
-    return {"wall_s": wall, "inner_s": info["seconds"], "client_cpu_s": ccpu,
-            "server_cpu_s": scpu, "server_cpu_push_s": None if scpu is None else scpu - (srv.cpu_ready_s or 0.0),
-            "server_ready_s": srv.ready_s, "tensors": info["tensors"], "bytes": info["bytes"], "ok": ok,
-            "detail": info}
+    return {
+        "wall_s": wall,
+        "inner_s": info["seconds"],
+        "client_cpu_s": ccpu,
+        "server_cpu_s": scpu,
+        "server_cpu_push_s": None if scpu is None else scpu - (srv.cpu_ready_s or 0.0),
+        "server_ready_s": srv.ready_s,
+        "tensors": info["tensors"],
+        "bytes": info["bytes"],
+        "ok": ok,
+        "detail": info,
+    }
 
 
 def wl_check(addr: str) -> tuple[int, int]:
@@ -276,8 +292,10 @@ PUSHED = re.compile(r"pushed (\d+) tensors, ([\d,]+) bytes to \S+ in ([\d.]+) s"
 
 def run_wl(args: argparse.Namespace, model: Path, meta: dict[str, Any], *, api: bool) -> dict[str, Any]:
     port = free_port()
-    srv = Server([sys.executable, "-m", "weightlift", "serve", "--host", "127.0.0.1", "--port", str(port)],
-                 r"^weightlift: serving on ")
+    srv = Server(
+        [sys.executable, "-m", "weightlift", "serve", "--host", "127.0.0.1", "--port", str(port)],
+        r"^weightlift: serving on ",
+    )
     addr = f"127.0.0.1:{port}"
     try:
         if api:
@@ -301,9 +319,18 @@ def run_wl(args: argparse.Namespace, model: Path, meta: dict[str, Any], *, api: 
         info = {"line": m.group(0)}
         tensors, sent, inner = int(m.group(1)), int(m.group(2).replace(",", "")), float(m.group(3))
     ok = n == meta["tensors"] and nbytes == meta["bytes"] and tensors == n and sent == nbytes
-    return {"wall_s": wall, "inner_s": inner, "client_cpu_s": ccpu,
-            "server_cpu_s": scpu, "server_cpu_push_s": None if scpu is None else scpu - (srv.cpu_ready_s or 0.0),
-            "server_ready_s": srv.ready_s, "tensors": n, "bytes": nbytes, "ok": ok, "detail": info}
+    return {
+        "wall_s": wall,
+        "inner_s": inner,
+        "client_cpu_s": ccpu,
+        "server_cpu_s": scpu,
+        "server_cpu_push_s": None if scpu is None else scpu - (srv.cpu_ready_s or 0.0),
+        "server_ready_s": srv.ready_s,
+        "tensors": n,
+        "bytes": nbytes,
+        "ok": ok,
+        "detail": info,
+    }
 
 
 def run_arm(name: str, args: argparse.Namespace, model: Path, meta: dict[str, Any]) -> dict[str, Any]:
@@ -349,24 +376,32 @@ def ggml_commit(bin_dir: Path) -> str:
 
 def wl_commit() -> str:
     try:
-        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--llama-bin", type=Path, default=DEFAULT_BIN,
-                   help=f"folder holding rpc_server and rpc_upload from bench/llamacpp/build.sh (default {DEFAULT_BIN})")
+    p.add_argument(
+        "--llama-bin",
+        type=Path,
+        default=DEFAULT_BIN,
+        help=f"folder holding rpc_server and rpc_upload from bench/llamacpp/build.sh (default {DEFAULT_BIN})",
+    )
     p.add_argument("--model", type=Path, help="GGUF to push (default: the cached synthetic ~2 GB Llama, made once)")
     p.add_argument("--runs", type=int, default=5, help="counted rounds (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="uncounted rounds first (default 1)")
     p.add_argument("--settle", type=float, default=20.0, help="pause in seconds before every run (default 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the per-round arm orders (default 0)")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
-    p.add_argument("--no-fence", action="store_true",
-                   help="llama.rpc: end the timing when the last SET_TENSOR is written, not when it is stored")
+    p.add_argument(
+        "--no-fence",
+        action="store_true",
+        help="llama.rpc: end the timing when the last SET_TENSOR is written, not when it is stored",
+    )
     p.add_argument("--no-verify", action="store_true", help="skip the byte-for-byte read-back check of one rpc upload")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a client may run (default 600)")
     p.add_argument("--json", metavar="FILE", help="also write every sample and the summary as JSON")
@@ -376,27 +411,39 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--arms must name some of {','.join(ARMS)}; --runs >= 1; --warmup >= 0")
     a.llama_bin = a.llama_bin.expanduser()
     if "llama.rpc" in arms and not all((a.llama_bin / x).exists() for x in ("rpc_server", "rpc_upload")):
-        p.error(f"no rpc_server/rpc_upload in {a.llama_bin}: build them with bench/llamacpp/build.sh SRC_DIR {a.llama_bin}")
+        p.error(
+            f"no rpc_server/rpc_upload in {a.llama_bin}: build them with bench/llamacpp/build.sh SRC_DIR {a.llama_bin}"
+        )
 
     if a.model:
         model = a.model.expanduser()
         from gguf import GGUFReader
 
         r = GGUFReader(model)
-        meta = {"tensors": len(r.tensors), "bytes": sum(int(t.n_bytes) for t in r.tensors),
-                "file_bytes": model.stat().st_size}
+        meta = {
+            "tensors": len(r.tensors),
+            "bytes": sum(int(t.n_bytes) for t in r.tensors),
+            "file_bytes": model.stat().st_size,
+        }
         del r
     else:
         model = CACHE / "bench" / f"llama-{BLOCKS}blk-f16.gguf"
         meta = make_model(model)
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
 
-    env = {"ggml_commit": ggml_commit(a.llama_bin), "weightlift_commit": wl_commit(),
-           "python": platform.python_version(), "kernel": platform.release(), "cpus": os.cpu_count(),
-           "loadavg_before": loadavg()}
+    env = {
+        "ggml_commit": ggml_commit(a.llama_bin),
+        "weightlift_commit": wl_commit(),
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "cpus": os.cpu_count(),
+        "loadavg_before": loadavg(),
+    }
     say(f"model {model}: {meta['tensors']} tensors, {meta['bytes']:,} tensor bytes ({meta['bytes'] / 1e9:.2f} GB)")
-    say(f"ggml {env['ggml_commit']}, weightlift {env['weightlift_commit']}, {env['cpus']} CPUs, "
-        f"load average {env['loadavg_before']}")
+    say(
+        f"ggml {env['ggml_commit']}, weightlift {env['weightlift_commit']}, {env['cpus']} CPUs, "
+        f"load average {env['loadavg_before']}"
+    )
 
     # warm the page cache, and check one rpc upload byte for byte (not timed)
     with open(model, "rb") as f:
@@ -406,8 +453,10 @@ def main(argv: list[str] | None = None) -> int:
     if "llama.rpc" in arms and not a.no_verify:
         v = run_llama(a, model, meta, verify=True)
         verified = v["ok"]
-        say(f"rpc read-back check: {v['tensors']} tensors, {v['bytes']:,} bytes, "
-            f"{v['detail']['mismatched']} differ from the file -> {'ok' if v['ok'] else 'FAILED'}")
+        say(
+            f"rpc read-back check: {v['tensors']} tensors, {v['bytes']:,} bytes, "
+            f"{v['detail']['mismatched']} differ from the file -> {'ok' if v['ok'] else 'FAILED'}"
+        )
 
     samples: dict[str, list[dict[str, Any]]] = {x: [] for x in arms}
     order_log = []
@@ -425,9 +474,11 @@ def main(argv: list[str] | None = None) -> int:
             samples[name].append(s)
             tag = f"run {rnd - a.warmup + 1}" if counted else "warm-up"
             scpu = "-" if s["server_cpu_push_s"] is None else f"{s['server_cpu_push_s']:.2f}"
-            say(f"  {tag:<8} {name:<12} {s['wall_s']:.3f} s (in-process {s['inner_s']:.3f} s; client CPU "
+            say(
+                f"  {tag:<8} {name:<12} {s['wall_s']:.3f} s (in-process {s['inner_s']:.3f} s; client CPU "
                 f"{s['client_cpu_s']:.2f} s, server CPU {scpu} s; {s['tensors']} tensors, {s['bytes']:,} bytes "
-                f"{'ok' if s['ok'] else 'WRONG'})")
+                f"{'ok' if s['ok'] else 'WRONG'})"
+            )
     env["loadavg_after"] = loadavg()
     env["rpc_protocol"] = RPC_VERSION[0]
 
@@ -448,7 +499,11 @@ def main(argv: list[str] | None = None) -> int:
             if name == "llama.rpc":
                 continue
             by_round = {s["round"]: s["wall_s"] for s in samples[name] if s["counted"]}
-            rs = [s["wall_s"] / by_round[s["round"]] for s in samples["llama.rpc"] if s["counted"] and s["round"] in by_round]
+            rs = [
+                s["wall_s"] / by_round[s["round"]]
+                for s in samples["llama.rpc"]
+                if s["counted"] and s["round"] in by_round
+            ]
             ratios[f"llama.rpc/{name}"] = {"per_round": rs, **(summary(rs) or {})}
 
     lines = [
@@ -458,33 +513,56 @@ def main(argv: list[str] | None = None) -> int:
         f"{a.warmup} warm-up + {a.runs} counted rounds, arm order shuffled per round (seeded {a.seed}; each "
         f"permutation once per {math.factorial(len(arms))} rounds), "
         f"{a.settle:g} s pause before every run; fresh server per run, started and ready before the client",
-        "time: client process spawn to exit" + ("" if "llama.rpc" not in arms else
-                                                 (", llama.rpc fenced (ends when the server has stored every byte)"
-                                                  if not a.no_fence else ", llama.rpc NOT fenced")),
+        "time: client process spawn to exit"
+        + (
+            ""
+            if "llama.rpc" not in arms
+            else (
+                ", llama.rpc fenced (ends when the server has stored every byte)"
+                if not a.no_fence
+                else ", llama.rpc NOT fenced"
+            )
+        ),
         f"load average before {env['loadavg_before']}, after {env['loadavg_after']} ({env['cpus']} CPUs)",
         "",
         f"{'arm':<12} {'spawn to exit, median (min-max)':<34} {'in-process':<26} {'client CPU':<12} {'server CPU':<12} bytes",
     ]
     for name in arms:
         r = res[name]
-        lines.append(f"{name:<12} {fmt(r['wall']):<34} {fmt(r['inner']):<26} "
-                     f"{(r['client_cpu'] or {}).get('median', float('nan')):>7.2f} s   "
-                     f"{(r['server_cpu'] or {}).get('median', float('nan')):>7.2f} s   "
-                     f"{'all ok' if r['all_ok'] else 'MISMATCH'}")
+        lines.append(
+            f"{name:<12} {fmt(r['wall']):<34} {fmt(r['inner']):<26} "
+            f"{(r['client_cpu'] or {}).get('median', float('nan')):>7.2f} s   "
+            f"{(r['server_cpu'] or {}).get('median', float('nan')):>7.2f} s   "
+            f"{'all ok' if r['all_ok'] else 'MISMATCH'}"
+        )
     if ratios:
         lines.append("")
         for k, v in ratios.items():
-            lines.append(f"{k}: median of per-round ratios {v['median']:.2f}x (min {v['min']:.2f}, max {v['max']:.2f}); "
-                         f"per round " + ", ".join(f"{x:.2f}" for x in v["per_round"]))
+            lines.append(
+                f"{k}: median of per-round ratios {v['median']:.2f}x (min {v['min']:.2f}, max {v['max']:.2f}); "
+                f"per round " + ", ".join(f"{x:.2f}" for x in v["per_round"])
+            )
     if verified is not None:
-        lines.append(f"rpc read-back check before the rounds: {'every byte matches the file' if verified else 'FAILED'}")
-    lines.append("in-process: rpc_upload's own load time (connect to fence); wl.push: the CLI's reported push "
-                 "time; wl.push.api: Client.push's seconds. server CPU: user+sys from ready to after the client exited")
+        lines.append(
+            f"rpc read-back check before the rounds: {'every byte matches the file' if verified else 'FAILED'}"
+        )
+    lines.append(
+        "in-process: rpc_upload's own load time (connect to fence); wl.push: the CLI's reported push "
+        "time; wl.push.api: Client.push's seconds. server CPU: user+sys from ready to after the client exited"
+    )
     print("\n".join(lines), flush=True)
 
     if a.json:
-        out = {"env": env, "model": {"path": str(model), **meta}, "args": {k: str(v) for k, v in vars(a).items()},
-               "order": order_log, "samples": samples, "summary": res, "ratios": ratios, "verified": verified}
+        out = {
+            "env": env,
+            "model": {"path": str(model), **meta},
+            "args": {k: str(v) for k, v in vars(a).items()},
+            "order": order_log,
+            "samples": samples,
+            "summary": res,
+            "ratios": ratios,
+            "verified": verified,
+        }
         Path(a.json).write_text(json.dumps(out, indent=1))
         print(f"wrote {a.json}")
     bad = [n for n in arms if not res[n]["all_ok"]] + (["rpc read-back"] if verified is False else [])

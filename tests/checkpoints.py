@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from weightlift.dtypes import DTYPES, byte_length
 from weightlift.benchmark.synthetic import write_checkpoint
+from weightlift.dtypes import DTYPES, byte_length
 
 # one shape per dtype; sub-byte types need whole bytes
 SHAPES: dict[str, tuple[int, ...]] = {d.name: (3, 5) for d in DTYPES}
@@ -30,7 +30,9 @@ def every_dtype(seed: int = 0) -> list[tuple[str, str, tuple[int, ...], bytes]]:
     return out
 
 
-def write(path: Path, tensors: list[tuple[str, str, tuple[int, ...], bytes]], metadata: dict[str, str] | None = None) -> Path:
+def write(
+    path: Path, tensors: list[tuple[str, str, tuple[int, ...], bytes]], metadata: dict[str, str] | None = None
+) -> Path:
     """A .safetensors file holding exactly these tensors' bytes."""
     write_checkpoint(path, tensors, metadata=metadata)
     return path

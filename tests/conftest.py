@@ -12,6 +12,7 @@ import threading
 
 import pytest
 
+
 @pytest.fixture
 def thread_errors(monkeypatch):
     """Exceptions that escaped any thread while the test ran (there must be none)."""

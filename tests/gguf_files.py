@@ -13,7 +13,9 @@ from typing import Any
 
 import numpy as np
 from gguf import GGUFWriter
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFEndian, GGUFValueType as V
+from gguf.constants import GGML_QUANT_SIZES, GGUFEndian
+from gguf.constants import GGMLQuantizationType as Q
+from gguf.constants import GGUFValueType as V
 from gguf.quants import quantize
 
 # key -> (value type, sub type for arrays or None, python value as our parser returns it)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 
 import weightlift as wl
+from tests.checkpoints import every_dtype, raw_bytes, write
 from weightlift.errors import NotFoundError, OptionError
 from weightlift.split import parse_remote
-
-from tests.checkpoints import every_dtype, raw_bytes, write
 
 
 def test_parse_remote():

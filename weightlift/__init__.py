@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from weightlift.checkpoint import Checkpoint, open_checkpoint as open
+from weightlift.api import load
+from weightlift.checkpoint import Checkpoint
+from weightlift.checkpoint import open_checkpoint as open
+from weightlift.distributed.shard import Shard
 from weightlift.errors import (
     AuthError,
     CacheError,
@@ -29,9 +32,7 @@ from weightlift.errors import (
     TransportError,
     WeightliftError,
 )
-from weightlift.distributed.shard import Shard
 from weightlift.formats import TensorInfo
-from weightlift.api import load
 
 __version__ = "0.1.0"
 

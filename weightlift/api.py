@@ -8,7 +8,8 @@ and hands the rest over, so the local loader never learns about the remote optio
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from weightlift.checkpoint import Checkpoint, Select
 from weightlift.local.loader import load_local
@@ -60,22 +61,29 @@ def load(
     tensor server (with ``token`` and ``streams``) while the rest load here, at the same time;
     the result holds the local tensors and ``report["remote"]`` what each push did.
     """
+    local: dict[str, Any] = dict(
+        device=device, framework=framework, dtype=dtype, copy=copy, page_cache=page_cache, warm=warm,
+        threads=threads, engine=engine, dequantize=dequantize, profile=profile, progress=progress, report=report,
+    )  # fmt: skip
     if shard is not None or group is not None:  # a rank's slices, or one read shared by a process group
         from weightlift.distributed import distributed_load
 
-        return distributed_load(path, shard=shard, group=group, device=device, framework=framework, select=select,
-                                copy=copy, engine=engine, report=report,
-                                unsupported={"dtype": dtype, "dequantize": dequantize, "remote": remote, "profile": profile})
-    if remote:
-        res = split_load(
-            path, remote, select=select, token=token, streams=streams, device=device, framework=framework,
-            dtype=dtype, copy=copy, page_cache=page_cache, warm=warm, threads=threads, engine=engine,
-            dequantize=dequantize, profile=profile, progress=progress, report=report,
+        return distributed_load(
+            path,
+            shard=shard,
+            group=group,
+            device=device,
+            framework=framework,
+            select=select,
+            copy=copy,
+            engine=engine,
+            report=report,
+            unsupported={"dtype": dtype, "dequantize": dequantize, "remote": remote, "profile": profile},
         )
+    if remote:
+        res = split_load(path, remote, select=select, token=token, streams=streams, **local)
         if report is not None:
             report["remote"] = res.remote
             report["seconds"] = res.seconds
         return res.local
-    return load_local(path, device=device, framework=framework, select=select, dtype=dtype, copy=copy,
-                      page_cache=page_cache, warm=warm, threads=threads, engine=engine, dequantize=dequantize,
-                      profile=profile, progress=progress, report=report)
+    return load_local(path, select=select, **local)

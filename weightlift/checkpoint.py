@@ -12,17 +12,22 @@ import fnmatch
 import json
 import os
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Pattern, Union
+from re import Pattern
+from typing import TYPE_CHECKING, Any
 
 from weightlift.errors import FormatError, NotFoundError, OptionError, os_error
 from weightlift.formats import TensorInfo
 from weightlift.formats import safetensors as st
 
+if TYPE_CHECKING:
+    from weightlift.disk.source import MappedFile
+
 __all__ = ["Checkpoint", "open_checkpoint", "Select", "MAX_INDEX_SIZE"]
 
 MAX_INDEX_SIZE = 64 * 1024 * 1024
-Select = Union[None, str, Pattern[str], Iterable[str], frozenset]
+Select = None | str | Pattern[str] | Iterable[str] | frozenset
 
 
 @dataclass
@@ -57,6 +62,17 @@ class Checkpoint:
 
     def __len__(self) -> int:
         return len(self.tensors)
+
+    def mapped(self, file: str) -> MappedFile:
+        """``file``'s one mapping, refused (FormatError) if the file is no longer the one whose header was parsed."""
+        from weightlift.disk.source import mapped
+
+        m = mapped(file)
+        seen = self.identity.get(file)
+        i = m.identity
+        if seen is not None and seen != (i.dev, i.ino, i.size, i.mtime_ns):
+            raise FormatError("changed on disk since its header was read; open it again", file=file)
+        return m
 
     @property
     def nbytes(self) -> int:
@@ -169,8 +185,8 @@ def _read_safetensors(path: str) -> tuple[list[TensorInfo], dict[str, str], tupl
 
 
 def _open_gguf(path: str) -> Checkpoint:
-    from weightlift.formats import gguf
     from weightlift.disk.source import mapped
+    from weightlift.formats import gguf
 
     m = mapped(path)
     head = gguf.parse_gguf(m.buffer, file=path, file_size=m.size)
@@ -199,7 +215,9 @@ def _open_index(path: str) -> Checkpoint:
         if not isinstance(shard, str) or not shard or os.path.isabs(shard) or ".." in shard.split("/"):
             raise FormatError(f"weight_map names shard {shard!r}, not a file beside the index", file=path, tensor=name)
         shards.setdefault(shard, []).append(name)
-    files, tensors, identity = [], [], {}
+    files: list[str] = []
+    tensors: list[TensorInfo] = []
+    identity: dict[str, Any] = {}
     for shard in sorted(shards):
         sp = os.path.join(base, shard)
         if not os.path.exists(sp):
@@ -212,5 +230,6 @@ def _open_index(path: str) -> Checkpoint:
         wanted = set(shards[shard])
         files.append(sp)
         tensors.extend(t for t in infos if t.name in wanted)
-    meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+    meta = obj.get("metadata")
+    meta = meta if isinstance(meta, dict) else {}
     return Checkpoint(path, "safetensors", files, tensors, dict(meta), identity)

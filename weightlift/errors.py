@@ -70,24 +70,21 @@ def _located(message: str, file: str | None, tensor: str | None) -> str:
     return f"{prefix}: {message}" if prefix else message
 
 
-class FormatError(WeightliftError):
+class _Located(WeightliftError):
+    # an error about a file and, where known, one of its tensors, named in the message
+    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
+        super().__init__(_located(message, file, tensor))
+        self.file = file
+        self.tensor = tensor
+        self.reason = message
+
+
+class FormatError(_Located):
     """A checkpoint file is malformed; the message names the file and, where known, the tensor."""
 
-    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
-        super().__init__(_located(message, file, tensor))
-        self.file = file
-        self.tensor = tensor
-        self.reason = message
 
-
-class NotFoundError(WeightliftError):
+class NotFoundError(_Located):
     """A path, a shard named by an index, a selected tensor or a server's tensor does not exist."""
-
-    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
-        super().__init__(_located(message, file, tensor))
-        self.file = file
-        self.tensor = tensor
-        self.reason = message
 
 
 class FileError(WeightliftError):
@@ -161,6 +158,8 @@ class PushError(WeightliftError):
     def __init__(self, errors: dict[str, BaseException], results: dict[str, Any]):
         first = next(iter(errors.items()))
         ok = f"; {len(results)} succeeded" if results else ""
-        super().__init__(f"{len(errors)} of {len(errors) + len(results)} pushes failed, first {first[0]}: {first[1]}{ok}")
+        super().__init__(
+            f"{len(errors)} of {len(errors) + len(results)} pushes failed, first {first[0]}: {first[1]}{ok}"
+        )
         self.errors = errors
         self.results = results

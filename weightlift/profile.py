@@ -77,6 +77,8 @@ class Profiler:
 
     enabled: bool
     trace: bool
+    _first_ns: int | None
+    _last_end_ns: int | None
 
     def __init__(self, enabled: bool | None = None, *, trace: bool = False) -> None:
         if enabled is None:
@@ -154,8 +156,8 @@ class Profiler:
             self._fg_bytes = [0] * len(PHASES)
             self._bg_ns = [0] * len(PHASES)
             self._bg_bytes = [0] * len(PHASES)
-            self._first_ns: int | None = None
-            self._last_end_ns: int | None = None
+            self._first_ns = None
+            self._last_end_ns = None
             self._commands: dict[str, list[int]] = {}
             self._tensors = 0
             self._calls = 0

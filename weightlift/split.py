@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from weightlift.checkpoint import Checkpoint, Select, matcher, open_checkpoint
 from weightlift.errors import NotFoundError, OptionError
@@ -76,7 +77,9 @@ def split_load(
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append(e)
 
-    threads = [threading.Thread(target=push, args=item, name=f"wl-push-{item[0]}", daemon=True) for item in remote_sets.items()]
+    threads = [
+        threading.Thread(target=push, args=item, name=f"wl-push-{item[0]}", daemon=True) for item in remote_sets.items()
+    ]
     for t in threads:
         t.start()
     try:
@@ -87,4 +90,3 @@ def split_load(
     if errors:
         raise errors[0]
     return SplitResult(local, reports, time.perf_counter() - t0)
-

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from weightlift.cli import main
-
 from tests.checkpoints import every_dtype, write
+from tests.devices import needs_torch
+from weightlift.cli import main
 
 
 @pytest.fixture()
@@ -28,9 +28,10 @@ def test_inspect_table_and_json(ckpt, capsys):
     assert obj["tensors"][0]["length"] == 60
 
 
-def test_load_json_has_figures_and_profile(ckpt, capsys, tmp_path):
+@pytest.mark.parametrize("framework", ["numpy", pytest.param("torch", marks=needs_torch)])
+def test_load_json_has_figures_and_profile(ckpt, capsys, tmp_path, framework):
     trace = tmp_path / "t.json"
-    assert main(["load", str(ckpt), "--json", "--profile", "--trace", str(trace), "--framework", "torch"]) == 0
+    assert main(["load", str(ckpt), "--json", "--profile", "--trace", str(trace), "--framework", framework]) == 0
     obj = json.loads(capsys.readouterr().out)
     for k in ("tensors", "bytes", "seconds", "gbps", "resident_before", "profile"):
         assert k in obj
@@ -61,8 +62,12 @@ def test_user_mistakes_are_one_line_exit_2(ckpt, tmp_path, argv, needle):
 
 
 def test_python_dash_m_weightlift_is_the_cli(ckpt):
-    res = subprocess.run([sys.executable, "-m", "weightlift", "inspect", str(ckpt), "--json"], capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "weightlift", "inspect", str(ckpt), "--json"], capture_output=True, text=True
+    )
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["tensors"]
-    res = subprocess.run([sys.executable, "-m", "weightlift", "inspect", "/no/such/file"], capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "weightlift", "inspect", "/no/such/file"], capture_output=True, text=True
+    )
     assert res.returncode == 2 and "Traceback" not in res.stderr

@@ -28,14 +28,15 @@ if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with the gloo backend is unavailable", allow_module_level=True)
 
 import weightlift as wl  # noqa: E402
+from tests.checkpoints import byte_length, every_dtype, raw_bytes, write, write_sharded  # noqa: E402
 from weightlift.distributed import Shard, chunk_bounds, push_many  # noqa: E402
 from weightlift.distributed.push import PushError  # noqa: E402
 from weightlift.errors import OptionError  # noqa: E402
 from weightlift.formats.gguf import dequantize  # noqa: E402
 
-from tests.checkpoints import byte_length, every_dtype, raw_bytes, write, write_sharded  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[2]  # the workers run as ``python -m tests.distributed.test_distributed`` from here
+ROOT = (
+    Path(__file__).resolve().parents[2]
+)  # the workers run as ``python -m tests.distributed.test_distributed`` from here
 GROUP_DEADLINE = 60.0  # seconds a whole group may take, start-up included, before it is a hang
 
 # name, dtype, shape: dim 0 (even and uneven), dim 1 with small rows (redistributed in a group
@@ -76,8 +77,10 @@ def _tensors(seed: int = 0) -> list[tuple[str, str, tuple[int, ...], bytes]]:
 def _write_all(folder: Path) -> dict[str, str]:
     folder.mkdir(parents=True, exist_ok=True)
     tensors = _tensors()
-    paths = {"st": str(write(folder / "model.safetensors", tensors)),
-             "index": str(write_sharded(folder / "sharded", tensors, 2))}
+    paths = {
+        "st": str(write(folder / "model.safetensors", tensors)),
+        "index": str(write_sharded(folder / "sharded", tensors, 2)),
+    }
     try:
         from tests.gguf_files import write_sample
 
@@ -96,7 +99,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 # -- the reference: slices of whole tensors ---------------------------------------------------
 
 
-def expected_slice(full: "torch.Tensor", dim: int | None, rank: int, world: int) -> "torch.Tensor":
+def expected_slice(full: torch.Tensor, dim: int | None, rank: int, world: int) -> torch.Tensor:
     """``torch.chunk(full, world, dim)[rank]``, empty where torch.chunk returns fewer parts."""
     if dim is None:
         return full
@@ -206,7 +209,9 @@ def test_rows_split_covers_the_rows_in_order():
             assert sub.nbytes <= 16 or sub.count == 1
             spans += [(at + i * sub.seg, sub.offset + i * sub.stride, sub.seg) for i in range(sub.count)]
         flat = [(dst + k, src + k) for dst, src, n in spans for k in range(n)]
-        want = [(i * rows.seg + k, rows.offset + i * rows.stride + k) for i in range(rows.count) for k in range(rows.seg)]
+        want = [
+            (i * rows.seg + k, rows.offset + i * rows.stride + k) for i in range(rows.count) for k in range(rows.seg)
+        ]
         assert flat == want
 
 
@@ -263,16 +268,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_group(world: int, scenario: str, tmp: Path, paths: dict[str, str], *, deadline: float = GROUP_DEADLINE,
-              may_die: tuple[int, ...] = ()) -> list[dict | None]:
+def run_group(
+    world: int,
+    scenario: str,
+    tmp: Path,
+    paths: dict[str, str],
+    *,
+    deadline: float = GROUP_DEADLINE,
+    may_die: tuple[int, ...] = (),
+) -> list[dict | None]:
     """Run ``scenario`` on ``world`` ranks; each rank's JSON report (None for a rank in ``may_die``
     that left without one; any other rank must report)."""
     port = _free_port()
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     procs = []
     for rank in range(world):
-        args = [sys.executable, "-m", "tests.distributed.test_distributed", "--worker", scenario, str(rank), str(world),
-                str(port), str(tmp), json.dumps(paths)]
+        args = [
+            sys.executable,
+            "-m",
+            "tests.distributed.test_distributed",
+            "--worker",
+            scenario,
+            str(rank),
+            str(world),
+            str(port),
+            str(tmp),
+            json.dumps(paths),
+        ]
         procs.append(subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     end = time.monotonic() + deadline
     logs = []
@@ -344,8 +366,13 @@ def test_a_rank_dying_mid_broadcast_fails_the_others(ckpts, tmp_path, who):
 def _worker(scenario: str, rank: int, world: int, port: int, tmp: Path, paths: dict[str, str]) -> None:
     import datetime
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=20),
+    )
     report: dict = {"failures": [], "bytes_read": {}, "paths": {}}
     out = tmp / f"{scenario}.{rank}.json"
     if scenario == "main":
@@ -371,21 +398,41 @@ def _main_checks(rank: int, world: int, paths: dict[str, str], report: dict) -> 
     record("index", wl.load(paths["index"], group=dist.group.WORLD, report=rep), rep, paths["index"], None)
     shard = Shard(RULES)  # rank and world from the group
     rep = {}
-    record("shard", wl.load(paths["st"], shard=shard, group=dist.group.WORLD, framework="torch", report=rep),
-           rep, paths["st"], shard.resolved(rank, world))
+    record(
+        "shard",
+        wl.load(paths["st"], shard=shard, group=dist.group.WORLD, framework="torch", report=rep),
+        rep,
+        paths["st"],
+        shard.resolved(rank, world),
+    )
     os.environ["WEIGHTLIFT_ROW_READ_MIN"] = "1"  # every rank alike: strided slices row by row
     rep = {}
-    record("shard_rows", wl.load(paths["st"], shard=shard, group=dist.group.WORLD, report=rep),
-           rep, paths["st"], shard.resolved(rank, world))
+    record(
+        "shard_rows",
+        wl.load(paths["st"], shard=shard, group=dist.group.WORLD, report=rep),
+        rep,
+        paths["st"],
+        shard.resolved(rank, world),
+    )
     del os.environ["WEIGHTLIFT_ROW_READ_MIN"]
     rep = {}
-    record("shard_pread", wl.load(paths["st"], shard=shard, group=dist.group.WORLD, engine="pread", report=rep),
-           rep, paths["st"], shard.resolved(rank, world))
+    record(
+        "shard_pread",
+        wl.load(paths["st"], shard=shard, group=dist.group.WORLD, engine="pread", report=rep),
+        rep,
+        paths["st"],
+        shard.resolved(rank, world),
+    )
     if "gguf" in paths and world == 2:
         gshard = Shard(GGUF_RULES)
         rep = {}
-        record("gguf", wl.load(paths["gguf"], shard=gshard, group=dist.group.WORLD, framework="torch", report=rep),
-               rep, paths["gguf"], gshard.resolved(rank, world))
+        record(
+            "gguf",
+            wl.load(paths["gguf"], shard=gshard, group=dist.group.WORLD, framework="torch", report=rep),
+            rep,
+            paths["gguf"],
+            gshard.resolved(rank, world),
+        )
     if "gguf" in paths and world == 4:
         try:  # every rank refuses the misaligned split, none is left waiting in a collective
             wl.load(paths["gguf"], shard=Shard({"blk.0.ffn_down.weight": 1}), group=dist.group.WORLD)
@@ -394,13 +441,20 @@ def _main_checks(rank: int, world: int, paths: dict[str, str], report: dict) -> 
             if "block boundaries" not in str(e):
                 fails.append(f"gguf misaligned: {e}")
     rep = {}
-    got = wl.distributed.broadcast_load(paths["st"] if rank == 0 else None, dist.group.WORLD, framework="torch",
-                                        chunk=1 << 20, timeout=20, report=rep)
+    got = wl.distributed.broadcast_load(
+        paths["st"] if rank == 0 else None, dist.group.WORLD, framework="torch", chunk=1 << 20, timeout=20, report=rep
+    )
     record("broadcast", got, rep, paths["st"], None)
     if "gguf" in paths:
         rep = {}
-        got = wl.distributed.broadcast_load(paths["gguf"] if rank == world - 1 else None, src=world - 1,
-                                            framework="torch", chunk=4096, timeout=20, report=rep)
+        got = wl.distributed.broadcast_load(
+            paths["gguf"] if rank == world - 1 else None,
+            src=world - 1,
+            framework="torch",
+            chunk=4096,
+            timeout=20,
+            report=rep,
+        )
         record("broadcast_gguf", got, rep, paths["gguf"], None)
 
 
@@ -415,8 +469,9 @@ def _die_checks(scenario: str, rank: int, world: int, paths: dict[str, str], rep
 
     t0 = time.monotonic()
     try:
-        wl.distributed.broadcast_load(paths["st"] if rank == 0 else None, dist.group.WORLD, chunk=64 << 10,
-                                      timeout=10, progress=progress)
+        wl.distributed.broadcast_load(
+            paths["st"] if rank == 0 else None, dist.group.WORLD, chunk=64 << 10, timeout=10, progress=progress
+        )
         report["error"] = None
     except Exception as e:  # noqa: BLE001 - reported to the test
         report["error"] = type(e).__name__
@@ -425,4 +480,6 @@ def _die_checks(scenario: str, rank: int, world: int, paths: dict[str, str], rep
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
-    _worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6]), json.loads(sys.argv[7]))
+    _worker(
+        sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6]), json.loads(sys.argv[7])
+    )

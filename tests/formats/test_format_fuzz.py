@@ -226,7 +226,9 @@ def built(draw: st.DrawFn) -> bytes:
         pairs.append(draw(st.sampled_from(pairs)))  # a key twice
     header = "{" + ",".join(f"{json.dumps(k)}:{_object_text(v)}" for k, v in pairs) + "}"
     data = bytes(max(0, pos + draw(st.sampled_from([0, 0, 0, 1, -1]))))
-    return struct.pack("<Q", len(header.encode("utf-8", "surrogatepass"))) + header.encode("utf-8", "surrogatepass") + data
+    return (
+        struct.pack("<Q", len(header.encode("utf-8", "surrogatepass"))) + header.encode("utf-8", "surrogatepass") + data
+    )
 
 
 def _object_text(v: object) -> str:

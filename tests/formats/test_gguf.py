@@ -8,11 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.gguf_files import SAMPLE_METADATA, kv_str, kv_u32, pack, s, tensor_info, write_sample
 from gguf import GGUFReader, GGUFWriter
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFEndian, GGUFValueType as V
-from gguf.quants import dequantize as ref_dequantize, quantize
+from gguf.constants import GGML_QUANT_SIZES, GGUFEndian
+from gguf.constants import GGMLQuantizationType as Q
+from gguf.constants import GGUFValueType as V
+from gguf.quants import dequantize as ref_dequantize
+from gguf.quants import quantize
 
+from tests.gguf_files import SAMPLE_METADATA, kv_str, kv_u32, pack, s, tensor_info, write_sample
 from weightlift.errors import FormatError, OptionError
 from weightlift.formats import TensorInfo
 from weightlift.formats.gguf import (
@@ -150,23 +153,34 @@ def test_accepts_any_buffer_without_copying(tmp_path: Path) -> None:
 # ---- golden bytes ----
 
 GOLDEN = (
-    b"GGUF" + b"\x03\x00\x00\x00"  # magic, version 3
+    b"GGUF"
+    + b"\x03\x00\x00\x00"  # magic, version 3
     + b"\x01\x00\x00\x00\x00\x00\x00\x00"  # one tensor
     + b"\x02\x00\x00\x00\x00\x00\x00\x00"  # two key/values
     + b"\x14\x00\x00\x00\x00\x00\x00\x00general.architecture"
-    + b"\x08\x00\x00\x00" + b"\x01\x00\x00\x00\x00\x00\x00\x00x"  # STRING "x"
-    + b"\x01\x00\x00\x00\x00\x00\x00\x00n" + b"\x04\x00\x00\x00" + b"\x07\x00\x00\x00"  # UINT32 7
-    + b"\x01\x00\x00\x00\x00\x00\x00\x00t" + b"\x02\x00\x00\x00"  # tensor "t", 2 dims
-    + b"\x03\x00\x00\x00\x00\x00\x00\x00" + b"\x02\x00\x00\x00\x00\x00\x00\x00"  # ne = (3, 2)
-    + b"\x00\x00\x00\x00" + b"\x00\x00\x00\x00\x00\x00\x00\x00"  # F32, offset 0
+    + b"\x08\x00\x00\x00"
+    + b"\x01\x00\x00\x00\x00\x00\x00\x00x"  # STRING "x"
+    + b"\x01\x00\x00\x00\x00\x00\x00\x00n"
+    + b"\x04\x00\x00\x00"
+    + b"\x07\x00\x00\x00"  # UINT32 7
+    + b"\x01\x00\x00\x00\x00\x00\x00\x00t"
+    + b"\x02\x00\x00\x00"  # tensor "t", 2 dims
+    + b"\x03\x00\x00\x00\x00\x00\x00\x00"
+    + b"\x02\x00\x00\x00\x00\x00\x00\x00"  # ne = (3, 2)
+    + b"\x00\x00\x00\x00"
+    + b"\x00\x00\x00\x00\x00\x00\x00\x00"  # F32, offset 0
     + bytes(5)  # header is 123 bytes: pad to 128
-    + np.arange(6, dtype="<f4").tobytes() + bytes(8)  # the data, padded to 32
+    + np.arange(6, dtype="<f4").tobytes()
+    + bytes(8)  # the data, padded to 32
 )
 
 
 def test_golden_bytes(tmp_path: Path) -> None:
-    assert GOLDEN == pack([kv_str("general.architecture", "x"), kv_u32("n", 7)], [tensor_info("t", (3, 2), F32, 0)],
-                          data=np.arange(6, dtype="<f4").tobytes() + bytes(8))
+    assert GOLDEN == pack(
+        [kv_str("general.architecture", "x"), kv_u32("n", 7)],
+        [tensor_info("t", (3, 2), F32, 0)],
+        data=np.arange(6, dtype="<f4").tobytes() + bytes(8),
+    )
     w = GGUFWriter(tmp_path / "tiny.gguf", arch="x")
     w.add_uint32("n", 7)
     w.add_tensor("t", np.arange(6, dtype=np.float32).reshape(2, 3))
@@ -274,15 +288,24 @@ def test_misaligned_offset() -> None:
 
 @pytest.mark.parametrize("ggml_type", [4, 5, 31, 99, 2**32 - 1])
 def test_unknown_ggml_type(ggml_type: int) -> None:
-    refused(header_with(tensors=(tensor_info("w", (32,), ggml_type, 0),), data=bytes(256)),
-            f"unknown ggml type {ggml_type}", tensor="w")
+    refused(
+        header_with(tensors=(tensor_info("w", (32,), ggml_type, 0),), data=bytes(256)),
+        f"unknown ggml type {ggml_type}",
+        tensor="w",
+    )
 
 
 def test_row_not_whole_blocks() -> None:
-    refused(header_with(tensors=(tensor_info("w", (16, 2), int(Q.Q8_0), 0),), data=bytes(64)),
-            "row length 16 is not a multiple of the Q8_0 block size 32", tensor="w")
-    refused(header_with(tensors=(tensor_info("w", (), int(Q.Q4_K), 0),), data=bytes(256)),
-            "row length 1 is not a multiple", tensor="w")
+    refused(
+        header_with(tensors=(tensor_info("w", (16, 2), int(Q.Q8_0), 0),), data=bytes(64)),
+        "row length 16 is not a multiple of the Q8_0 block size 32",
+        tensor="w",
+    )
+    refused(
+        header_with(tensors=(tensor_info("w", (), int(Q.Q4_K), 0),), data=bytes(256)),
+        "row length 1 is not a multiple",
+        tensor="w",
+    )
 
 
 @pytest.mark.parametrize("alignment", [0, 3, 48, 2**32 - 1])
@@ -297,8 +320,11 @@ def test_alignment_must_be_uint32() -> None:
 
 def test_too_many_dims() -> None:
     ne = (1,) * (MAX_DIMS + 1)
-    refused(header_with(tensors=(tensor_info("w", ne, F32, 0),), data=bytes(32)), "5 dimensions exceed the limit of 4",
-            tensor="w")
+    refused(
+        header_with(tensors=(tensor_info("w", ne, F32, 0),), data=bytes(32)),
+        "5 dimensions exceed the limit of 4",
+        tensor="w",
+    )
     four = parse(header_with(tensors=(tensor_info("w", (1, 2, 3, 4), F32, 0),), data=bytes(96)))
     assert four.tensors[0].shape == (4, 3, 2, 1)
 
@@ -319,11 +345,13 @@ def test_unknown_value_type() -> None:
 
 def test_counts_against_limits() -> None:
     base = header_with()
-    for pos, n, what in ((8, MAX_TENSORS + 1, "tensor count .* exceeds the limit"),
-                         (16, MAX_KV + 1, "metadata count .* exceeds the limit"),
-                         (16, 2**64 - 1, "metadata count .* exceeds the limit"),
-                         (8, 10**6, "header runs past the end .* 1000000 tensor records")):
-        refused(base[:pos] + struct.pack("<Q", n) + base[pos + 8:], what)
+    for pos, n, what in (
+        (8, MAX_TENSORS + 1, "tensor count .* exceeds the limit"),
+        (16, MAX_KV + 1, "metadata count .* exceeds the limit"),
+        (16, 2**64 - 1, "metadata count .* exceeds the limit"),
+        (8, 10**6, "header runs past the end .* 1000000 tensor records"),
+    ):
+        refused(base[:pos] + struct.pack("<Q", n) + base[pos + 8 :], what)
 
 
 def test_string_and_array_lengths_against_limits_and_buffer() -> None:
@@ -359,8 +387,7 @@ def test_duplicates() -> None:
 
 def test_names_must_be_utf8_values_need_not_be() -> None:
     refused(header_with(s(b"\xff\xfe") + struct.pack("<II", V.UINT32, 1)), "not valid UTF-8")
-    refused(header_with(tensors=(s(b"\xc3") + struct.pack("<IQIQ", 1, 8, F32, 0),), data=bytes(32)),
-            "not valid UTF-8")
+    refused(header_with(tensors=(s(b"\xc3") + struct.pack("<IQIQ", 1, 8, F32, 0),), data=bytes(32)), "not valid UTF-8")
     h = parse(header_with(s("k") + struct.pack("<I", V.STRING) + s(b"a\xffb")))
     assert h.metadata["k"].encode("utf-8", "surrogateescape") == b"a\xffb"
 
@@ -470,8 +497,12 @@ def test_empty_tensors_at_the_extent_limit_load(tmp_path: Path, framework: str) 
     if framework == "torch":
         pytest.importorskip("torch")
     q8 = MAX_EXTENT // 32 * 32
-    tensors = (tensor_info("f", (MAX_EXTENT, 0), F32, 0), tensor_info("i", (0, MAX_EXTENT), int(Q.I64), 0),
-               tensor_info("q", (q8, 0), int(Q.Q8_0), 0), tensor_info("b", (0, 2, MAX_EXTENT // 2), int(Q.BF16), 0))
+    tensors = (
+        tensor_info("f", (MAX_EXTENT, 0), F32, 0),
+        tensor_info("i", (0, MAX_EXTENT), int(Q.I64), 0),
+        tensor_info("q", (q8, 0), int(Q.Q8_0), 0),
+        tensor_info("b", (0, 2, MAX_EXTENT // 2), int(Q.BF16), 0),
+    )
     path = tmp_path / "edge.gguf"
     path.write_bytes(header_with(tensors=tensors))
     want = {"f": (0, MAX_EXTENT), "i": (MAX_EXTENT, 0), "q": (0, q8), "b": (MAX_EXTENT // 2, 2, 0)}
@@ -492,8 +523,13 @@ def test_what_a_load_returns(tmp_path: Path) -> None:
 
     path = tmp_path / "m.gguf"
     write_sample(path)
-    kinds = {"blk.0.attn_q.weight": "F16", "blk.0.attn_k.weight": "BF16", "blk.0.attn_v.weight": "Q8_0",
-             "output_norm.weight": "F32", "i32": "I32"}
+    kinds = {
+        "blk.0.attn_q.weight": "F16",
+        "blk.0.attn_k.weight": "BF16",
+        "blk.0.attn_v.weight": "Q8_0",
+        "output_norm.weight": "F32",
+        "i32": "I32",
+    }
     plain = {"F16": np.float16, "BF16": ml_dtypes.bfloat16, "F32": np.float32, "I32": np.int32}
     as_stored = wl.load(path, select=set(kinds))
     assert {n: v.dtype for n, v in as_stored.items()} == {n: np.dtype(plain.get(k, np.uint8)) for n, k in kinds.items()}
@@ -501,8 +537,9 @@ def test_what_a_load_returns(tmp_path: Path) -> None:
     decoded = wl.load(path, select=set(kinds), dequantize=True)
     assert {n: v.dtype for n, v in decoded.items()} == {n: np.dtype(plain.get(k, np.float32)) for n, k in kinds.items()}
     everything = wl.load(path, select=set(kinds), dequantize=True, dtype="F32")
-    assert {n: v.dtype for n, v in everything.items()} == {n: np.dtype(np.int32 if k == "I32" else np.float32)
-                                                           for n, k in kinds.items()}
+    assert {n: v.dtype for n, v in everything.items()} == {
+        n: np.dtype(np.int32 if k == "I32" else np.float32) for n, k in kinds.items()
+    }
     load_cmd = next(a for a in build_parser()._actions if a.dest == "command").choices["load"]
     (help_text,) = [a.help for a in load_cmd._actions if a.dest == "dequantize"]
     assert "quantized tensors to float32" in help_text and "F16 and BF16 keep their type" in help_text

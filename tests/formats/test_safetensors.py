@@ -176,8 +176,12 @@ ACCEPTED_LIKE_THE_REFERENCE = {
     "fields the format does not define": _with_field('{"k":1,"k":[-0,1e300,12345678901234567890123]}'),
     "nesting 127 deep": _with_field("[" * 125 + "]" * 125),
     "empty tensors sharing an offset": _file(
-        {"e": _entry("F32", [0], 4, 4), "f": _entry("I8", [3, 0], 4, 4), "a": _entry("F32", [1], 0, 4),
-         "z": _entry("U8", [0], 0, 0)},
+        {
+            "e": _entry("F32", [0], 4, 4),
+            "f": _entry("I8", [3, 0], 4, 4),
+            "a": _entry("F32", [1], 0, 4),
+            "z": _entry("U8", [0], 0, 0),
+        },
         bytes(4),
     ),
     "only empty tensors": _file({"e": _entry("F32", [0, 2**31], 0, 0)}),
@@ -197,7 +201,10 @@ REFUSED_ON_PURPOSE = {
         _file({"a": _entry("F32", [0, 2**62], 0, 0)}),
         "tensor 'a': shape \\[0, 4611686018427387904\\] is too large",
     ),
-    "an empty tensor with 2**62 behind the zero": (_file({"a": _entry("U8", [2**62, 0], 0, 0)}), "tensor 'a': .*too large"),
+    "an empty tensor with 2**62 behind the zero": (
+        _file({"a": _entry("U8", [2**62, 0], 0, 0)}),
+        "tensor 'a': .*too large",
+    ),
     "an empty tensor just past the extent": (_file({"a": _entry("U8", [0, 2**30, 2**30], 0, 0)}), "too large"),
     "65 dimensions": (_file({"a": _entry("F32", [1] * 65, 0, 4)}, bytes(4)), "tensor 'a': shape has 65 dimensions"),
 }
@@ -287,8 +294,10 @@ def test_a_cast_of_an_empty_tensor_loads(tmp_path, dtype):
 def test_inspect_shows_any_name_on_one_line(tmp_path, capsys):
     from weightlift.cli import main
 
-    blob = _raw('{"a\\u001b[2J\\nb":' + F32_1 + ',"\\u00e9\\ud83d\\ude00":{"dtype":"U8","shape":[0],'
-                '"data_offsets":[4,4]}}', bytes(4))
+    blob = _raw(
+        '{"a\\u001b[2J\\nb":' + F32_1 + ',"\\u00e9\\ud83d\\ude00":{"dtype":"U8","shape":[0],"data_offsets":[4,4]}}',
+        bytes(4),
+    )
     assert main(["inspect", str(_write(tmp_path / "names.safetensors", blob))]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out and "a\\x1b[2J\\nb " in out

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 import weightlift as wl
+from tests.checkpoints import every_dtype, raw_bytes, write, write_sharded
+from tests.devices import HAS_TORCH, needs_torch
 from weightlift.errors import FormatError, NotFoundError, OptionError
 
-from tests.checkpoints import every_dtype, raw_bytes, write, write_sharded
-
-torch = pytest.importorskip("torch")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+FRAMEWORKS = ["numpy", pytest.param("torch", marks=needs_torch)]
+FRAMEWORK_NAMES = ("numpy", "torch") if HAS_TORCH else ("numpy",)  # loops inside one test
 
 
 @pytest.fixture()
@@ -26,7 +26,7 @@ def ckpt(tmp_path: Path) -> tuple[Path, list]:
     return write(tmp_path / "m.safetensors", tensors, {"format": "pt"}), tensors
 
 
-@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("copy", [True, False])
 @pytest.mark.parametrize("engine", ["pread", "mmap"])
 def test_every_dtype_exact_bytes(ckpt, framework, copy, engine):
@@ -40,12 +40,14 @@ def test_every_dtype_exact_bytes(ckpt, framework, copy, engine):
             assert tuple(got.shape) == shape, name
 
 
+NP_KNOWN = {"F64", "F32", "F16", "I64", "U64", "I32", "U32", "I16", "U16", "I8", "U8", "BOOL", "C64"}
+PT_KNOWN = NP_KNOWN | {"BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"}
+
+
 def test_matches_safetensors_packages(ckpt):
-    """Byte for byte what safetensors' own numpy and torch loaders read, for every dtype they know."""
+    """Byte for byte what safetensors' own numpy loader reads, for every dtype it knows."""
     path, tensors = ckpt
-    np_known = {"F64", "F32", "F16", "I64", "U64", "I32", "U32", "I16", "U16", "I8", "U8", "BOOL", "C64"}
-    pt_known = np_known | {"BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"}
-    sub = [t for t in tensors if t[1] in np_known]
+    sub = [t for t in tensors if t[1] in NP_KNOWN]
     sub_path = write(path.parent / "np.safetensors", sub)
     ref = safetensors_numpy.load_file(str(sub_path))
     ours = wl.load(sub_path)
@@ -53,7 +55,14 @@ def test_matches_safetensors_packages(ckpt):
     for name in ref:
         assert raw_bytes(ref[name]) == raw_bytes(ours[name]) and ref[name].dtype == ours[name].dtype, name
         assert ref[name].shape == ours[name].shape
-    sub = [t for t in tensors if t[1] in pt_known]
+
+
+@needs_torch
+def test_matches_safetensors_torch(ckpt):
+    """Byte for byte what safetensors' own torch loader reads, for every dtype it knows."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    path, tensors = ckpt
+    sub = [t for t in tensors if t[1] in PT_KNOWN]
     sub_path = write(path.parent / "pt.safetensors", sub)
     ref = safetensors_torch.load_file(str(sub_path))
     ours = wl.load(sub_path, framework="torch")
@@ -102,9 +111,10 @@ def test_sharded_index_and_folder(tmp_path):
     for p in (idx, idx.parent):
         ck = wl.open(p)
         assert len(ck.files) == 3
-        out = wl.load(p, framework="torch")
-        for name, _, _, raw in tensors:
-            assert raw_bytes(out[name]) == raw
+        for fw in FRAMEWORK_NAMES:
+            out = wl.load(p, framework=fw)
+            for name, _, _, raw in tensors:
+                assert raw_bytes(out[name]) == raw
 
 
 def test_sharded_missing_shard_names_it(tmp_path):
@@ -132,11 +142,29 @@ def test_index_escaping_folder_refused(tmp_path):
         wl.open(idx)
 
 
-@pytest.mark.parametrize("select,expect", [
-    ("t.f*", {"t.f8_e5m2", "t.f8_e4m3", "t.f16", "t.f32", "t.f64", "t.f8_e4m3fnuz", "t.f8_e5m2fnuz", "t.f8_e8m0", "t.f4", "t.f6_e2m3", "t.f6_e3m2"}),
-    (["t.u8", "t.i64"], {"t.u8", "t.i64"}),
-    ("re:^t\\.[ui]16$", {"t.u16", "t.i16"}),
-])
+@pytest.mark.parametrize(
+    "select,expect",
+    [
+        (
+            "t.f*",
+            {
+                "t.f8_e5m2",
+                "t.f8_e4m3",
+                "t.f16",
+                "t.f32",
+                "t.f64",
+                "t.f8_e4m3fnuz",
+                "t.f8_e5m2fnuz",
+                "t.f8_e8m0",
+                "t.f4",
+                "t.f6_e2m3",
+                "t.f6_e3m2",
+            },
+        ),
+        (["t.u8", "t.i64"], {"t.u8", "t.i64"}),
+        ("re:^t\\.[ui]16$", {"t.u16", "t.i16"}),
+    ],
+)
 def test_select(ckpt, select, expect):
     path, _ = ckpt
     assert set(wl.load(path, select=select)) == expect
@@ -156,6 +184,15 @@ def test_dtype_cast_on_load(ckpt):
     np.testing.assert_array_equal(out["t.f32"], ref["t.f32"].astype(np.float16))
     np.testing.assert_array_equal(out["t.bf16"], ref["t.bf16"].astype(np.float16))
     assert raw_bytes(out["t.i32"]) == raw_bytes(ref["t.i32"])  # integers are never cast
+
+
+@needs_torch
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+def test_dtype_cast_on_load_torch(ckpt):
+    import torch
+
+    path, _ = ckpt
+    ref = wl.load(path, select=["t.f32"])
     out_t = wl.load(path, select=["t.f32"], dtype=torch.bfloat16, framework="torch")
     assert out_t["t.f32"].dtype == torch.bfloat16
     assert torch.equal(out_t["t.f32"], torch.from_numpy(ref["t.f32"]).to(torch.bfloat16))
@@ -179,7 +216,10 @@ def test_bad_options(ckpt):
 
 def test_coalesced_runs_same_bytes_as_per_tensor(tmp_path):
     rng = np.random.default_rng(5)
-    tensors = [(f"experts.{i}.w", "F32", (64, 33), rng.integers(0, 256, 64 * 33 * 4, dtype=np.uint8).tobytes()) for i in range(40)]
+    tensors = [
+        (f"experts.{i}.w", "F32", (64, 33), rng.integers(0, 256, 64 * 33 * 4, dtype=np.uint8).tobytes())
+        for i in range(40)
+    ]
     path = write(tmp_path / "moe.safetensors", tensors)
     from weightlift.local.plan import make_runs
 
@@ -211,7 +251,10 @@ def test_cold_path_readers_same_bytes(tmp_path, monkeypatch):
     from weightlift.disk import storage
 
     rng = np.random.default_rng(9)
-    tensors = [(f"w{i}", "U8", (3 * 2**20 + i,), rng.integers(0, 256, 3 * 2**20 + i, dtype=np.uint8).tobytes()) for i in range(12)]
+    tensors = [
+        (f"w{i}", "U8", (3 * 2**20 + i,), rng.integers(0, 256, 3 * 2**20 + i, dtype=np.uint8).tobytes())
+        for i in range(12)
+    ]
     path = write(tmp_path / "cold.safetensors", tensors)
     monkeypatch.setattr(load_mod, "resident_fraction", lambda f: 0.0)
     monkeypatch.setattr(load_mod, "CHUNK", 2**20)
@@ -255,6 +298,7 @@ def test_truncated_file_is_a_format_error(ckpt, tmp_path):
 
 # -- GGUF ----------------------------------------------------------------------------------
 
+
 def test_gguf_matches_reader(tmp_path):
     from gguf import GGUFReader
 
@@ -263,7 +307,7 @@ def test_gguf_matches_reader(tmp_path):
     path = tmp_path / "m.gguf"
     write_sample(path)
     reader = GGUFReader(str(path))
-    for fw in ("numpy", "torch"):
+    for fw in FRAMEWORK_NAMES:
         for copy in (True, False):
             out = wl.load(path, framework=fw, copy=copy)
             assert len(out) == len(reader.tensors)
@@ -298,10 +342,14 @@ print(before * 1024, after * 1024)
 def test_peak_rss(tmp_path, copy):
     size = 192 * 2**20
     rng = np.random.default_rng(1)
-    tensors = [(f"w{i}", "U8", (size // 8,), rng.integers(0, 256, size // 8, dtype=np.uint8).tobytes()) for i in range(8)]
+    tensors = [
+        (f"w{i}", "U8", (size // 8,), rng.integers(0, 256, size // 8, dtype=np.uint8).tobytes()) for i in range(8)
+    ]
     path = write(tmp_path / "big.safetensors", tensors)
     del tensors
-    res = subprocess.run([sys.executable, "-c", _RSS, str(path), "1" if copy else "0"], capture_output=True, text=True, check=True)
+    res = subprocess.run(
+        [sys.executable, "-c", _RSS, str(path), "1" if copy else "0"], capture_output=True, text=True, check=True
+    )
     before, after = map(int, res.stdout.split())
     grown = after - before
     if copy:

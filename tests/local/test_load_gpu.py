@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 import weightlift as wl
-
 from tests.checkpoints import every_dtype, raw_bytes, write
 
 torch = pytest.importorskip("torch")
@@ -24,7 +23,10 @@ def test_cuda_every_dtype(tmp_path):
 
 def test_cuda_large_multi_chunk_and_cast(tmp_path):
     rng = np.random.default_rng(2)
-    tensors = [(f"w{i}", "F32", (1024, 1024 + i), rng.standard_normal((1024, 1024 + i), dtype=np.float32).tobytes()) for i in range(24)]
+    tensors = [
+        (f"w{i}", "F32", (1024, 1024 + i), rng.standard_normal((1024, 1024 + i), dtype=np.float32).tobytes())
+        for i in range(24)
+    ]
     path = write(tmp_path / "big.safetensors", tensors)
     out = wl.load(path, device="cuda:0", framework="torch", threads=4)
     for name, _, _, raw in tensors:

@@ -44,4 +44,10 @@ def test_layout_keeps_file_alignment():
 def test_chunks_cover_runs_exactly():
     runs = make_runs([T("a", 0, 100), T("b", 500, 7)])
     chunks = make_chunks(runs, chunk=30)
-    assert [(c.run, c.start, c.length) for c in chunks] == [(0, 0, 30), (0, 30, 30), (0, 60, 30), (0, 90, 10), (1, 0, 7)]
+    assert [(c.run, c.start, c.length) for c in chunks] == [
+        (0, 0, 30),
+        (0, 30, 30),
+        (0, 60, 30),
+        (0, 90, 10),
+        (1, 0, 7),
+    ]

@@ -35,8 +35,13 @@ def _smaps_flags(addr: int) -> str:
 
 def test_default_policy_without_environment_or_calibration():
     p = fresh.policy()
-    assert (p.huge, p.ahead, p.method, p.helpers, p.source) == (DEFAULT.huge, DEFAULT.ahead, DEFAULT.method,
-                                                               DEFAULT.helpers, "default")
+    assert (p.huge, p.ahead, p.method, p.helpers, p.source) == (
+        DEFAULT.huge,
+        DEFAULT.ahead,
+        DEFAULT.method,
+        DEFAULT.helpers,
+        "default",
+    )
 
 
 def test_environment_overrides_each_choice_on_its_own(monkeypatch):
@@ -58,8 +63,13 @@ def test_a_calibration_recorded_for_this_machine_is_used_and_others_are_not(tmp_
 
     os.makedirs(os.path.dirname(path))
     with open(path, "w") as f:
-        json.dump({"another machine": {"huge": False, "ahead": False, "method": "touch"},
-                   fresh.machine_key(): {"huge": True, "ahead": True, "method": "populate"}}, f)
+        json.dump(
+            {
+                "another machine": {"huge": False, "ahead": False, "method": "touch"},
+                fresh.machine_key(): {"huge": True, "ahead": True, "method": "populate"},
+            },
+            f,
+        )
     p = fresh.policy()
     assert (p.huge, p.ahead, p.method, p.source) == (True, True, "populate", "calibrated")
 

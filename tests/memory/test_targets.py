@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.devices import has_cuda, needs_cuda, needs_torch
 from weightlift.errors import DeviceError, OptionError
 from weightlift.memory.targets import CastTarget, HostTarget, fresh_host, make_target
 
-torch = pytest.importorskip("torch")
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+FRAMEWORKS = ["numpy", pytest.param("torch", marks=needs_torch)]
 
 
 def test_fresh_host_is_writable_and_sized():
@@ -20,7 +20,7 @@ def test_fresh_host_is_writable_and_sized():
         assert int(a.sum()) == 7 * n
 
 
-@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_host_target_memcpy(framework):
     t = make_target("cpu", framework)
     assert isinstance(t, HostTarget) and t.memcpy_ok
@@ -28,11 +28,16 @@ def test_host_target_memcpy(framework):
     src = np.arange(24, dtype=np.uint8).tobytes()
     t.host_view(dest)[:] = src
     t.write(dest, 4, b"\xff\xff")
-    got = dest.view(np.uint8).tobytes() if framework == "numpy" else dest.reshape(-1).view(torch.uint8).numpy().tobytes()
+    if framework == "numpy":
+        got = dest.view(np.uint8).tobytes()
+    else:
+        import torch
+
+        got = dest.reshape(-1).view(torch.uint8).numpy().tobytes()
     assert got == src[:4] + b"\xff\xff" + src[6:]
 
 
-@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_cast_target_streams_chunks(framework):
     t = make_target("cpu", framework, "F16")
     assert isinstance(t, CastTarget) and not t.memcpy_ok
@@ -49,15 +54,16 @@ def test_cast_target_streams_chunks(framework):
         t.write(t.empty("F32", (4,)), 2, b"\x00" * 4)
 
 
+@needs_torch
 def test_cuda_refused_without_device():
-    if torch.cuda.is_available():
+    if has_cuda():
         pytest.skip("a CUDA device is present")
     with pytest.raises(DeviceError):
         make_target("cuda", "torch")
 
 
 @pytest.mark.gpu
-@cuda
+@needs_cuda
 def test_cuda_target_double_buffered_writes():
     t = make_target("cuda", "torch")
     src = np.random.default_rng(0).integers(0, 256, 3 * 1024 * 1024 + 5, dtype=np.uint8)

@@ -9,6 +9,7 @@ import blake3
 import numpy as np
 import pytest
 
+from weightlift.errors import CacheError, OptionError
 from weightlift.remote.server.cache import (
     DIGEST_SIZE,
     STALE_TEMP_SECONDS,
@@ -17,7 +18,6 @@ from weightlift.remote.server.cache import (
     digest_hex,
     disk_unusable,
 )
-from weightlift.errors import CacheError, OptionError
 
 
 def _data(n: int, seed: int = 0) -> bytes:

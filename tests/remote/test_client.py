@@ -11,15 +11,14 @@ import sys
 import numpy as np
 import pytest
 
+from tests.checkpoints import write
 from weightlift import cli
-from weightlift.remote.client.client import Client, PushResult, RemoteTensor
-from weightlift.remote.digest import MANIFEST_SUFFIX, hash_buffer
 from weightlift.dtypes import DTYPES, byte_length
 from weightlift.errors import AuthError, NotFoundError, OptionError, RemoteProtocolError, StateError, TransportError
 from weightlift.profile import Profiler
+from weightlift.remote.client.client import Client, PushResult, RemoteTensor
+from weightlift.remote.digest import MANIFEST_SUFFIX, hash_buffer
 from weightlift.remote.server.server import Server
-
-from tests.checkpoints import write
 
 
 def write_safetensors(path, tensors: dict[str, tuple[str, tuple[int, ...], bytes]]) -> str:
@@ -418,8 +417,24 @@ def test_cli_push_ls_pull(tmp_path, capsys):
         out = json.loads(capsys.readouterr().out)
         assert out["tensors"] == 4 and out["bytes_hashed"] == 0 and out["profile"]["tensors"] == 4
         assert out["profile"]["phases_s"]["hash"] == 0
-        assert cli.main(["push", path, "--to", to, "--token-file", str(token), "--streams", "2", "--profile",
-                         "--trace", str(tmp_path / "trace.json")]) == 0
+        assert (
+            cli.main(
+                [
+                    "push",
+                    path,
+                    "--to",
+                    to,
+                    "--token-file",
+                    str(token),
+                    "--streams",
+                    "2",
+                    "--profile",
+                    "--trace",
+                    str(tmp_path / "trace.json"),
+                ]
+            )
+            == 0
+        )
         text = capsys.readouterr().out
         assert "pushed 7 tensors" in text and "load profile" in text
         assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
@@ -444,9 +459,21 @@ def test_cli_push_ls_pull(tmp_path, capsys):
 def test_cli_serve_in_a_subprocess(tmp_path):
     path, tensors = model(tmp_path, large=1, small=2)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "weightlift.cli", "serve", "--port", "0", "--max-memory", "1M",
-         "--cache-dir", str(tmp_path / "cache")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "weightlift.cli",
+            "serve",
+            "--port",
+            "0",
+            "--max-memory",
+            "1M",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         line = proc.stdout.readline()
@@ -465,4 +492,3 @@ def test_cli_serve_refuses_a_public_address_without_token(capsys):
     assert cli.main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2
     assert "token" in capsys.readouterr().err
     assert cli.main(["serve", "--port", "0", "--max-memory", "lots"]) == 2
-

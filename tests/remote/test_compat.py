@@ -11,20 +11,17 @@ import numpy as np
 import pytest
 
 import weightlift.remote.protocol as P
+from tests.checkpoints import write
 from weightlift.remote.client.client import Client
 from weightlift.remote.protocol import NEED_DATA, Barrier, BarrierReply, Decoder, Hello, send
 from weightlift.remote.server.server import Server
-
-from tests.checkpoints import write
 
 NEW, OLD = P.PROTOCOL_MINOR, P.PREVIOUS_MINOR
 THRESHOLD = 100_000
 
 # The previous minor's HELLO as it went on the wire: major 1, minor 0, flags CACHE (an old server
 # never set it; a confused one might), max_frame 1 MiB, max_tensor_bytes 1 GiB, nonce 0x00..0x1f.
-OLD_HELLO = bytes.fromhex(
-    "00000000" "34000000" "0100" "0000" "01000000" "00001000" "0000004000000000"
-) + bytes(range(32))
+OLD_HELLO = bytes.fromhex("00000000340000000100000001000000000010000000004000000000") + bytes(range(32))
 
 
 def _model(tmp_path) -> tuple[str, dict[str, bytes]]:

@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from weightlift.errors import NotFoundError, OptionError
 from weightlift.remote.digest import (
     HASH_THRESHOLD,
     MANIFEST_SUFFIX,
@@ -22,7 +23,6 @@ from weightlift.remote.digest import (
     hash_buffer,
     hash_tensors,
 )
-from weightlift.errors import NotFoundError, OptionError
 
 
 def _data(n: int, seed: int = 0) -> bytes:

@@ -8,7 +8,6 @@ import pytest
 
 import weightlift.remote.protocol as P
 from weightlift.errors import LocalProtocolError
-from weightlift.remote.protocol.messages import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from weightlift.remote.protocol import (
     Alloc,
     Auth,
@@ -33,6 +32,7 @@ from weightlift.remote.protocol import (
     WriteHeader,
     send,
 )
+from weightlift.remote.protocol.messages import PROTOCOL_MAJOR, PROTOCOL_MINOR
 
 D1 = bytes(range(32))
 D2 = bytes(range(32, 64))
@@ -41,9 +41,23 @@ D2 = bytes(range(32, 64))
 def test_command_values_are_pinned():
     assert Command.HELLO == 0  # the handshake is always the first byte a server sees
     assert {c.name: int(c) for c in Command} == {
-        "HELLO": 0, "AUTH": 1, "ALLOC": 2, "WRITE": 3, "HAVE": 4, "FILL_FROM_CACHE": 5, "READ": 6,
-        "LIST": 7, "FREE": 8, "BARRIER": 9, "BYE": 10, "ERROR": 11, "HAVE_REPLY": 0x84,
-        "READ_REPLY": 0x86, "LIST_REPLY": 0x87, "FREE_REPLY": 0x88, "BARRIER_REPLY": 0x89,
+        "HELLO": 0,
+        "AUTH": 1,
+        "ALLOC": 2,
+        "WRITE": 3,
+        "HAVE": 4,
+        "FILL_FROM_CACHE": 5,
+        "READ": 6,
+        "LIST": 7,
+        "FREE": 8,
+        "BARRIER": 9,
+        "BYE": 10,
+        "ERROR": 11,
+        "HAVE_REPLY": 0x84,
+        "READ_REPLY": 0x86,
+        "LIST_REPLY": 0x87,
+        "FREE_REPLY": 0x88,
+        "BARRIER_REPLY": 0x89,
     }
     assert int(Capability.CACHE) == 1 and int(Capability.AUTH) == 2
     assert [int(c) for c in P.ErrorCode] == [1, 2, 3, 4, 5, 6]
@@ -68,42 +82,40 @@ def _hello() -> Hello:
 GOLDEN = [
     (
         _hello(),
-        "00000000" "3c000000" "0100" "0100" "03000000" "00001000" "0000004000000000" + D1.hex() + "0000004001000000",
+        "000000003c0000000100010003000000000010000000004000000000" + D1.hex() + "0000004001000000",
     ),
-    (Auth(D2), "01000000" "20000000" + D2.hex()),
+    (Auth(D2), "0100000020000000" + D2.hex()),
     (
         Alloc(3, "a.b", "BF16", (2, 3), 12, D1),
-        "02000000" "45000000" "03000000" "0800" "02" "01" "0c00000000000000" "0300" "612e62"
-        "0200000000000000" "0300000000000000" + D1.hex(),
+        "020000004500000003000000080002010c000000000000000300612e6202000000000000000300000000000000" + D1.hex(),
     ),
     (
         Alloc(7, "x", "F32", (), 4),
-        "02000000" "13000000" "07000000" "0b00" "00" "00" "0400000000000000" "0100" "78",
+        "0200000013000000070000000b0000000400000000000000010078",
     ),
-    (WriteHeader(3, 16, 4096), "03000000" "14000000" "03000000" "1000000000000000" "0010000000000000"),
-    (Have((D1, D2)), "04000000" "44000000" "02000000" + D1.hex() + D2.hex()),
-    (FillFromCache(9, D2), "05000000" "24000000" "09000000" + D2.hex()),
-    (Read("w", 8, 24), "06000000" "13000000" "0800000000000000" "1800000000000000" "0100" "77"),
-    (ListRequest("ab"), "07000000" "04000000" "0200" "6162"),
-    (ListRequest(), "07000000" "02000000" "0000"),
-    (Free(("a", "bc")), "08000000" "0b000000" "02000000" "0100" "61" "0200" "6263"),
-    (Barrier(), "09000000" "00000000"),
-    (Bye(), "0a000000" "00000000"),
-    (Error(4, "full"), "0b000000" "08000000" "0400" "0400" "66756c6c"),
+    (WriteHeader(3, 16, 4096), "03000000140000000300000010000000000000000010000000000000"),
+    (Have((D1, D2)), "040000004400000002000000" + D1.hex() + D2.hex()),
+    (FillFromCache(9, D2), "050000002400000009000000" + D2.hex()),
+    (Read("w", 8, 24), "060000001300000008000000000000001800000000000000010077"),
+    (ListRequest("ab"), "070000000400000002006162"),
+    (ListRequest(), "07000000020000000000"),
+    (Free(("a", "bc")), "080000000b0000000200000001006102006263"),
+    (Barrier(), "0900000000000000"),
+    (Bye(), "0a00000000000000"),
+    (Error(4, "full"), "0b000000080000000400040066756c6c"),
     (
         HaveReply((True, False, True, False, False, False, False, False, True)),
-        "84000000" "06000000" "09000000" "05" "01",
+        "8400000006000000090000000501",
     ),
-    (ReadReply(24), "86000000" "08000000" "1800000000000000"),
+    (ReadReply(24), "86000000080000001800000000000000"),
     (
         ListReply((ListEntry("a", "I64", (2,), 16),), more=True),
-        "87000000" "1b000000" "01" "01000000" "0100" "0d00" "01" "1000000000000000" "61" "0200000000000000",
+        "870000001b000000010100000001000d00011000000000000000610200000000000000",
     ),
-    (FreeReply(2), "88000000" "04000000" "02000000"),
+    (FreeReply(2), "880000000400000002000000"),
     (
         BarrierReply(2, 4096, ("bad",), (5, 6)),
-        "89000000" "21000000" "02000000" "0010000000000000" "01000000" "0300" "626164"
-        "02000000" "05000000" "06000000",
+        "8900000021000000020000000010000000000000010000000300626164020000000500000006000000",
     ),
 ]
 

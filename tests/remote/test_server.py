@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import weightlift.remote.protocol as P
-from weightlift.remote.digest import hash_buffer
+from tests.devices import has_cuda, needs_cuda, needs_torch
 from weightlift.errors import OptionError, StateError
+from weightlift.remote.digest import hash_buffer
 from weightlift.remote.protocol import (
     NEED_DATA,
     Alloc,
@@ -35,8 +36,6 @@ from weightlift.remote.protocol import (
     send,
 )
 from weightlift.remote.server.server import ENTRY_OVERHEAD, Server, is_loopback
-
-from tests.devices import has_cuda, needs_cuda, needs_torch
 
 
 def _cost(name: str, nbytes: int) -> int:
@@ -678,14 +677,12 @@ def test_cuda_server_round_trip(tmp_path):
 # ----- hostile clients: every byte is checked, bad input changes nothing, the server goes on --------
 
 
-import threading  # noqa: E402
-
+import weightlift.memory.faulter as faulter_mod  # noqa: E402
+import weightlift.memory.fresh as fresh_mod  # noqa: E402
+import weightlift.memory.pool as pool_mod  # noqa: E402
 import weightlift.remote.server.connection as connection_mod  # noqa: E402
 import weightlift.remote.server.receive as receive_mod  # noqa: E402
 import weightlift.remote.server.server as server_mod  # noqa: E402
-import weightlift.memory.pool as pool_mod  # noqa: E402
-import weightlift.memory.faulter as faulter_mod  # noqa: E402
-import weightlift.memory.fresh as fresh_mod  # noqa: E402
 from weightlift.errors import DeviceError  # noqa: E402
 
 
@@ -991,7 +988,9 @@ def test_what_a_client_may_not_send_is_an_error_not_a_dead_thread(server, thread
     assert thread_errors == []
 
 
-def test_an_unexpected_failure_answers_internal_and_ends_only_that_connection(server, thread_errors, monkeypatch, caplog):
+def test_an_unexpected_failure_answers_internal_and_ends_only_that_connection(
+    server, thread_errors, monkeypatch, caplog
+):
     def broken(self, req):
         raise ZeroDivisionError("a bug")
 

@@ -8,9 +8,10 @@ import threading
 
 import pytest
 
-from weightlift.remote import transport
 from weightlift.errors import OptionError, TransportError
-from weightlift.remote.transport import SocketListener as Listener, SocketStream, connect, parse_address
+from weightlift.remote import transport
+from weightlift.remote.transport import SocketListener as Listener
+from weightlift.remote.transport import SocketStream, connect, parse_address
 
 
 @pytest.fixture

@@ -21,14 +21,16 @@ This module imports nothing heavy at the top, so the parent may import it for th
 
 from __future__ import annotations
 
+import functools
 import json
 import mmap
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 READY = "WL_READY"
 SKIP = "WL_SKIP"
@@ -234,14 +236,20 @@ def _push_touch(server: Any, addr: Any, path: str, prof: Any = None) -> Any:
     return pushed, _touch_any(server.tensors().values())
 
 
-def _timed_push(server: Any, addr: Any, o: dict[str, Any], prof: Any, t0: int | None = None, *,
-                stats: bool = False, **extra: Any) -> dict[str, Any]:
+def _timed_push(
+    server: Any, addr: Any, o: dict[str, Any], prof: Any, t0: int | None = None, *, stats: bool = False, **extra: Any
+) -> dict[str, Any]:
     """The timed push of a push arm: ``load_s`` from ``t0`` (default: now) to every tensor in the
     server's memory and touched, the push's figures, ``extra``, the profiles when profiling."""
     t0 = time.perf_counter_ns() if t0 is None else t0
     pushed, (n, b) = _push_touch(server, addr, o["path"], prof)
-    info: dict[str, Any] = {"load_s": (time.perf_counter_ns() - t0) / 1e9, **extra, "tensors": n, "bytes": b,
-                            "push": {k: v for k, v in pushed.as_dict().items() if k != "profile"}}
+    info: dict[str, Any] = {
+        "load_s": (time.perf_counter_ns() - t0) / 1e9,
+        **extra,
+        "tensors": n,
+        "bytes": b,
+        "push": {k: v for k, v in pushed.as_dict().items() if k != "profile"},
+    }
     if stats:
         info["server_stats"] = server.stats()
     if prof.enabled:
@@ -346,8 +354,13 @@ def _wl_split(o: dict[str, Any]) -> dict[str, Any]:
         res = split_load(o["path"], {f"{host}:{port}": remote_names}, profile=_prof_arg(prof))
         n, b = _touch_any(res.local.values())
         rn, rb = _touch_any(server.tensors().values())
-        info: dict[str, Any] = {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n + rn,
-                                "bytes": b + rb, "local_bytes": b, "remote_bytes": rb}
+        info: dict[str, Any] = {
+            "load_s": (time.perf_counter_ns() - t0) / 1e9,
+            "tensors": n + rn,
+            "bytes": b + rb,
+            "local_bytes": b,
+            "remote_bytes": rb,
+        }
         if prof.enabled:
             info["profile"] = prof.report()
             info["server_profile"] = _server_report(server)
@@ -377,16 +390,16 @@ def _profile_loop(o: dict[str, Any]) -> dict[str, Any]:
     fds = {f: os.open(f, os.O_RDONLY) for f in ck.files}
     for t in ck.tensors:
         dst = np.empty(t.length, dtype=np.uint8)
-        view = memoryview(dst)
+        view = dst.data
         fd = fds[t.file]
         for pos in range(0, t.length, step):
             n = min(step, t.length - pos)
             if mode == "plain":
-                os.preadv(fd, [view[pos:pos + n]], t.offset + pos)
+                os.preadv(fd, [view[pos : pos + n]], t.offset + pos)
             else:
                 if prof.enabled:
                     t0 = time.perf_counter_ns()
-                os.preadv(fd, [view[pos:pos + n]], t.offset + pos)
+                os.preadv(fd, [view[pos : pos + n]], t.offset + pos)
                 if prof.enabled:
                     prof.record("read", t0, time.perf_counter_ns(), n)
                     prof.count(calls=1)
@@ -395,8 +408,12 @@ def _profile_loop(o: dict[str, Any]) -> dict[str, Any]:
     for fd in fds.values():
         os.close(fd)
     n, b = touch_numpy(out)
-    info: dict[str, Any] = {"load_s": (time.perf_counter_ns() - t_load) / 1e9, "tensors": n, "bytes": b,
-                            "read_calls": calls}
+    info: dict[str, Any] = {
+        "load_s": (time.perf_counter_ns() - t_load) / 1e9,
+        "tensors": n,
+        "bytes": b,
+        "read_calls": calls,
+    }
     if prof.enabled:
         info["profile"] = prof.report()
     return info
@@ -510,8 +527,13 @@ def _limit_copy(o: dict[str, Any], huge: bool = False) -> dict[str, Any]:
     shares = _shares(size, os.cpu_count() or 1)
     _copy_shares(src, dst, shares)
     n, b = _touch_any([dst])
-    return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": 0, "bytes": b,
-            "threads": len(shares), "huge": huge}
+    return {
+        "load_s": (time.perf_counter_ns() - t0) / 1e9,
+        "tensors": 0,
+        "bytes": b,
+        "threads": len(shares),
+        "huge": huge,
+    }
 
 
 def _fresh_mapping(size: int, huge: bool) -> mmap.mmap:
@@ -541,8 +563,13 @@ def _limit_fault(o: dict[str, Any], huge: bool = False) -> dict[str, Any]:
         dst[a:b:PAGE] = 1
 
     _run_threads(work, len(shares))
-    return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": 0, "bytes": size, "threads": len(shares),
-            "huge": huge}
+    return {
+        "load_s": (time.perf_counter_ns() - t0) / 1e9,
+        "tensors": 0,
+        "bytes": size,
+        "threads": len(shares),
+        "huge": huge,
+    }
 
 
 def _limit_read(o: dict[str, Any], k: int) -> dict[str, Any]:
@@ -595,8 +622,9 @@ def _baseline_read(o: dict[str, Any]) -> dict[str, Any]:
         # what this device is good at, for weightlift's own cold loads (weightlift.disk.storage)
         from weightlift.disk.storage import remember_readers
 
-        remember_readers(os.stat(path).st_dev, out["best_threads"],
-                         **{f"gbps_{k}": v["gbps"] for k, v in out["by_threads"].items()})
+        remember_readers(
+            os.stat(path).st_dev, out["best_threads"], **{f"gbps_{k}": v["gbps"] for k, v in out["by_threads"].items()}
+        )
     if resident:
         out["max_resident_before"] = max(resident)
     return out
@@ -638,7 +666,7 @@ def _baseline_tcp(o: dict[str, Any], fresh: bool = False) -> dict[str, Any]:
         got = 0
         with conn:
             while got < size:
-                n = conn.recv_into(dest[got:got + BLOCK] if fresh else dest)
+                n = conn.recv_into(dest[got : got + BLOCK] if fresh else dest)
                 if n == 0:
                     break
                 got += n
@@ -678,8 +706,12 @@ def _baseline_h2d(o: dict[str, Any]) -> dict[str, Any]:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
-    return {"bytes": size, "seconds": sorted(times), "gbps": _gbps(size, min(times)),
-            "device": torch.cuda.get_device_name(0)}
+    return {
+        "bytes": size,
+        "seconds": sorted(times),
+        "gbps": _gbps(size, min(times)),
+        "device": torch.cuda.get_device_name(0),
+    }
 
 
 def _make_pt(o: dict[str, Any]) -> dict[str, Any]:
@@ -703,58 +735,144 @@ _WL_PUSH_REQ = ("weightlift.remote.server", "weightlift.remote.client")
 SPECS: dict[str, ArmSpec] = {
     s.name: s
     for s in (
-        ArmSpec("safetensors.numpy", "local", "safetensors.numpy.load_file", ("safetensors", "numpy"),
-                safetensors_only=True),
-        ArmSpec("safetensors.torch", "local", "safetensors.torch.load_file", ("safetensors", "torch"),
-                safetensors_only=True),
-        ArmSpec("safetensors.cuda", "local", "safetensors.torch.load_file(device='cuda:0')",
-                ("safetensors", "torch"), cuda=True, safetensors_only=True),
-        ArmSpec("torch.load", "local", "torch.load(mmap=True) of a .pt copy", ("torch", "safetensors"),
-                uses_pt=True, safetensors_only=True),
-        ArmSpec("runai", "local", "runai_model_streamer SafetensorsStreamer to cpu",
-                ("runai_model_streamer", "torch"), safetensors_only=True),
-        ArmSpec("wl.numpy", "local", "weightlift.load(framework='numpy', copy=True)", ("weightlift.api",),
-                weightlift=True),
-        ArmSpec("wl.numpy.profiled", "probe", "weightlift.load(framework='numpy') with the profiler on",
-                ("weightlift.api",)),
-        ArmSpec("wl.numpy.nocopy", "local", "weightlift.load(framework='numpy', copy=False) + touch",
-                ("weightlift.api",), weightlift=True),
-        ArmSpec("wl.torch", "local", "weightlift.load(framework='torch')", ("weightlift.api", "torch"),
-                weightlift=True),
-        ArmSpec("wl.cuda", "local", "weightlift.load(device='cuda', framework='torch')",
-                ("weightlift.api", "torch"), cuda=True, weightlift=True),
-        ArmSpec("wl.push", "remote", "weightlift.Client push to a Server over loopback", _WL_PUSH_REQ,
-                weightlift=True),
-        ArmSpec("wl.push.legacy", "remote", "the same push with WEIGHTLIFT_LOAD_OPT=0", _WL_PUSH_REQ,
-                weightlift=True, env={"WEIGHTLIFT_LOAD_OPT": "0"}),
-        ArmSpec("wl.push.cached", "remote", "a second push to a caching server (cache filled by the warm-up)",
-                (*_WL_PUSH_REQ, "weightlift.remote.server.cache"), weightlift=True),
-        ArmSpec("wl.push.update", "remote", "a weight update (third push, same shapes) into a running server, timed alone",
-                _WL_PUSH_REQ, weightlift=True),
-        ArmSpec("wl.push.reserved", "remote", "a first push into a server started with reserve= (faulted), timed alone",
-                _WL_PUSH_REQ, weightlift=True),
-        ArmSpec("wl.push.second", "remote", "two pushes to one caching server (fresh cache): the second, timed alone",
-                (*_WL_PUSH_REQ, "weightlift.remote.server.cache"), weightlift=True),
-        ArmSpec("wl.split", "remote", "weightlift.load with half the tensors remote",
-                ("weightlift.api", "weightlift.remote.server"), weightlift=True),
-        ArmSpec("limit.copy", "limit", "copy floor: mmap -> fresh memory (4 KiB pages) on every core, fresh process",
-                ("numpy",)),
-        ArmSpec("limit.copy.huge", "limit", "copy floor: mmap -> fresh memory (huge pages advised) on every core, "
-                "fresh process", ("numpy",)),
-        *(ArmSpec(f"limit.read.{k}", "limit", f"raw read as an arm: {k} preadv thread(s) into touched buffers, "
-                  "fresh process") for k in READ_LIMIT_THREADS),
+        ArmSpec(
+            "safetensors.numpy", "local", "safetensors.numpy.load_file", ("safetensors", "numpy"), safetensors_only=True
+        ),
+        ArmSpec(
+            "safetensors.torch", "local", "safetensors.torch.load_file", ("safetensors", "torch"), safetensors_only=True
+        ),
+        ArmSpec(
+            "safetensors.cuda",
+            "local",
+            "safetensors.torch.load_file(device='cuda:0')",
+            ("safetensors", "torch"),
+            cuda=True,
+            safetensors_only=True,
+        ),
+        ArmSpec(
+            "torch.load",
+            "local",
+            "torch.load(mmap=True) of a .pt copy",
+            ("torch", "safetensors"),
+            uses_pt=True,
+            safetensors_only=True,
+        ),
+        ArmSpec(
+            "runai",
+            "local",
+            "runai_model_streamer SafetensorsStreamer to cpu",
+            ("runai_model_streamer", "torch"),
+            safetensors_only=True,
+        ),
+        ArmSpec(
+            "wl.numpy", "local", "weightlift.load(framework='numpy', copy=True)", ("weightlift.api",), weightlift=True
+        ),
+        ArmSpec(
+            "wl.numpy.profiled", "probe", "weightlift.load(framework='numpy') with the profiler on", ("weightlift.api",)
+        ),
+        ArmSpec(
+            "wl.numpy.nocopy",
+            "local",
+            "weightlift.load(framework='numpy', copy=False) + touch",
+            ("weightlift.api",),
+            weightlift=True,
+        ),
+        ArmSpec(
+            "wl.torch", "local", "weightlift.load(framework='torch')", ("weightlift.api", "torch"), weightlift=True
+        ),
+        ArmSpec(
+            "wl.cuda",
+            "local",
+            "weightlift.load(device='cuda', framework='torch')",
+            ("weightlift.api", "torch"),
+            cuda=True,
+            weightlift=True,
+        ),
+        ArmSpec("wl.push", "remote", "weightlift.Client push to a Server over loopback", _WL_PUSH_REQ, weightlift=True),
+        ArmSpec(
+            "wl.push.legacy",
+            "remote",
+            "the same push with WEIGHTLIFT_LOAD_OPT=0",
+            _WL_PUSH_REQ,
+            weightlift=True,
+            env={"WEIGHTLIFT_LOAD_OPT": "0"},
+        ),
+        ArmSpec(
+            "wl.push.cached",
+            "remote",
+            "a second push to a caching server (cache filled by the warm-up)",
+            (*_WL_PUSH_REQ, "weightlift.remote.server.cache"),
+            weightlift=True,
+        ),
+        ArmSpec(
+            "wl.push.update",
+            "remote",
+            "a weight update (third push, same shapes) into a running server, timed alone",
+            _WL_PUSH_REQ,
+            weightlift=True,
+        ),
+        ArmSpec(
+            "wl.push.reserved",
+            "remote",
+            "a first push into a server started with reserve= (faulted), timed alone",
+            _WL_PUSH_REQ,
+            weightlift=True,
+        ),
+        ArmSpec(
+            "wl.push.second",
+            "remote",
+            "two pushes to one caching server (fresh cache): the second, timed alone",
+            (*_WL_PUSH_REQ, "weightlift.remote.server.cache"),
+            weightlift=True,
+        ),
+        ArmSpec(
+            "wl.split",
+            "remote",
+            "weightlift.load with half the tensors remote",
+            ("weightlift.api", "weightlift.remote.server"),
+            weightlift=True,
+        ),
+        ArmSpec(
+            "limit.copy",
+            "limit",
+            "copy floor: mmap -> fresh memory (4 KiB pages) on every core, fresh process",
+            ("numpy",),
+        ),
+        ArmSpec(
+            "limit.copy.huge",
+            "limit",
+            "copy floor: mmap -> fresh memory (huge pages advised) on every core, fresh process",
+            ("numpy",),
+        ),
+        *(
+            ArmSpec(
+                f"limit.read.{k}",
+                "limit",
+                f"raw read as an arm: {k} preadv thread(s) into touched buffers, fresh process",
+            )
+            for k in READ_LIMIT_THREADS
+        ),
         ArmSpec("limit.tcp", "limit", "raw loopback TCP as an arm: sendfile -> recv_into, fresh process"),
-        ArmSpec("limit.fault", "limit", "fault-in floor: fresh memory of the checkpoint's size faulted in on every "
-                "core (one write per 4 KiB page), nothing copied, fresh process", ("numpy",)),
+        ArmSpec(
+            "limit.fault",
+            "limit",
+            "fault-in floor: fresh memory of the checkpoint's size faulted in on every "
+            "core (one write per 4 KiB page), nothing copied, fresh process",
+            ("numpy",),
+        ),
         ArmSpec("limit.fault.huge", "limit", "the fault-in floor with huge pages advised", ("numpy",)),
-        ArmSpec("limit.tcp.fresh", "limit", "raw loopback TCP into fresh memory: sendfile -> recv_into "
-                "untouched memory the size of the data, fresh process"),
+        ArmSpec(
+            "limit.tcp.fresh",
+            "limit",
+            "raw loopback TCP into fresh memory: sendfile -> recv_into "
+            "untouched memory the size of the data, fresh process",
+        ),
         ArmSpec("loop.plain", "probe", "read loop with no profiler code", ("weightlift.checkpoint",)),
-        ArmSpec("loop.off", "probe", "the same loop with the profiler checks, profiler off",
-                ("weightlift.checkpoint",)),
+        ArmSpec(
+            "loop.off", "probe", "the same loop with the profiler checks, profiler off", ("weightlift.checkpoint",)
+        ),
         ArmSpec("loop.on", "probe", "the same loop with the profiler on", ("weightlift.checkpoint",)),
-        ArmSpec("base.copy", "baseline", "copy limit: mmap -> memory on every core (fresh / touched)",
-                ("numpy",)),
+        ArmSpec("base.copy", "baseline", "copy limit: mmap -> memory on every core (fresh / touched)", ("numpy",)),
         ArmSpec("base.read", "baseline", "best raw read: preadv, 1/2/4 threads, touched buffers"),
         ArmSpec("base.tcp", "baseline", "raw loopback TCP: sendfile -> recv_into"),
         ArmSpec("base.h2d", "baseline", "pinned host -> device copy", ("torch",), cuda=True),
@@ -785,7 +903,7 @@ BODIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "limit.tcp.fresh": lambda o: _limit_tcp(o, fresh=True),
     "limit.fault": _limit_fault,
     "limit.fault.huge": lambda o: _limit_fault(o, huge=True),
-    **{f"limit.read.{k}": (lambda o, k=k: _limit_read(o, k)) for k in READ_LIMIT_THREADS},
+    **{f"limit.read.{k}": functools.partial(_limit_read, k=k) for k in READ_LIMIT_THREADS},
     "loop.plain": lambda o: _profile_loop({**o, "mode": "plain"}),
     "loop.off": lambda o: _profile_loop({**o, "mode": "off"}),
     "loop.on": lambda o: _profile_loop({**o, "mode": "on"}),

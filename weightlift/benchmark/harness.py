@@ -44,14 +44,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from weightlift import env
-from weightlift.benchmark.synthetic import llama_for_size, write_checkpoint
-from weightlift.disk import residency, source
 from weightlift.benchmark import arms as bench_arms
 from weightlift.benchmark.arms import READY, SKIP, SPECS
+from weightlift.benchmark.synthetic import ensure_demo_checkpoint, llama_for_size, write_checkpoint
+from weightlift.disk import residency, source
 from weightlift.errors import OptionError, WeightliftError
 
 __all__ = [
@@ -83,10 +84,31 @@ SCHEMA = "weightlift-bench/1"
 GIB = 1 << 30
 MIB = 1 << 20
 
-LOCAL_ARMS = ("safetensors.numpy", "safetensors.torch", "safetensors.cuda", "torch.load", "runai",
-              "wl.numpy", "wl.numpy.nocopy", "wl.torch", "wl.cuda", "limit.copy", "limit.copy.huge")
-REMOTE_ARMS = ("wl.push", "wl.push.legacy", "wl.push.cached", "wl.push.update", "wl.push.reserved", "wl.push.second",
-               "wl.split", "limit.tcp", "limit.tcp.fresh", "limit.fault")
+LOCAL_ARMS = (
+    "safetensors.numpy",
+    "safetensors.torch",
+    "safetensors.cuda",
+    "torch.load",
+    "runai",
+    "wl.numpy",
+    "wl.numpy.nocopy",
+    "wl.torch",
+    "wl.cuda",
+    "limit.copy",
+    "limit.copy.huge",
+)
+REMOTE_ARMS = (
+    "wl.push",
+    "wl.push.legacy",
+    "wl.push.cached",
+    "wl.push.update",
+    "wl.push.reserved",
+    "wl.push.second",
+    "wl.split",
+    "limit.tcp",
+    "limit.tcp.fresh",
+    "limit.fault",
+)
 QUICK_ARMS = ("safetensors.numpy", "wl.numpy", "wl.numpy.nocopy", "wl.push", "limit.copy")
 BASELINES = ("base.copy", "base.read", "base.tcp", "base.h2d")
 ARM_KINDS = ("local", "remote", "probe", "limit")  # what runs as an interleaved arm
@@ -119,8 +141,15 @@ def summarize(values: Sequence[float]) -> dict[str, Any]:
         q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
     else:
         q1 = q3 = xs[0]
-    return {"n": len(xs), "median": statistics.median(xs), "min": xs[0], "max": xs[-1],
-            "q1": q1, "q3": q3, "iqr": q3 - q1}
+    return {
+        "n": len(xs),
+        "median": statistics.median(xs),
+        "min": xs[0],
+        "max": xs[-1],
+        "q1": q1,
+        "q3": q3,
+        "iqr": q3 - q1,
+    }
 
 
 def paired_ratio(times: Sequence[float | None], base: Sequence[float | None]) -> dict[str, Any]:
@@ -169,8 +198,9 @@ def run_once(argv: list[str], *, env: dict[str, str] | None = None, timeout: flo
     full_env.update(env or {})
     with tempfile.TemporaryFile() as err:
         t0 = time.perf_counter_ns()
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
-                                env=full_env, close_fds=True)
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err, env=full_env, close_fds=True
+        )
         assert proc.stdout is not None
         fd = proc.stdout.fileno()
         deadline = t0 + int(timeout * 1e9)
@@ -198,7 +228,7 @@ def run_once(argv: list[str], *, env: dict[str, str] | None = None, timeout: flo
                     if line.startswith(READY.encode() + b" "):
                         found = (now, line)
                     elif line.startswith(SKIP.encode() + b" "):
-                        skipped = line[len(SKIP) + 1:].decode(errors="replace").strip()
+                        skipped = line[len(SKIP) + 1 :].decode(errors="replace").strip()
                     else:
                         others = (others + [line])[-5:]
         try:
@@ -229,7 +259,7 @@ def run_once(argv: list[str], *, env: dict[str, str] | None = None, timeout: flo
 
 
 def _expand(paths: Sequence[str]) -> list[str]:
-    out = []
+    out: list[str] = []
     for p in paths:
         if os.path.isdir(p):
             for root, _, names in os.walk(p):
@@ -296,10 +326,20 @@ def run_arms(
     say = log or (lambda s: None)
     res: dict[str, dict[str, Any]] = {}
     for a in arms:
-        res[a.name] = {"status": "skipped" if a.skip else "ok", "reason": a.skip, "kind": a.kind,
-                       "description": a.description, "times_s": [], "inner_s": [], "load_s": [],
-                       "resident_before": [], "bytes": None, "tensors": None, "profile": None,
-                       "server_profile": None}
+        res[a.name] = {
+            "status": "skipped" if a.skip else "ok",
+            "reason": a.skip,
+            "kind": a.kind,
+            "description": a.description,
+            "times_s": [],
+            "inner_s": [],
+            "load_s": [],
+            "resident_before": [],
+            "bytes": None,
+            "tensors": None,
+            "profile": None,
+            "server_profile": None,
+        }
     order_log: list[dict[str, Any]] = []
     live = [a for a in arms if not a.skip]
     for rnd in range(warmup + runs):
@@ -342,18 +382,26 @@ def run_arms(
         r["summary"] = summarize(r["times_s"])
         r["inner"] = summarize(r["inner_s"])
         r["load"] = summarize(r["load_s"])
-        both = base and r["status"] == "ok"
-        r["ratio"] = paired_ratio(r["times_s"], res[base]["times_s"]) if both else None
-        r["load_ratio"] = paired_ratio(r["load_s"], res[base]["load_s"]) if both else None
+        ref = res[base] if base is not None and r["status"] == "ok" else None
+        r["ratio"] = paired_ratio(r["times_s"], ref["times_s"]) if ref is not None else None
+        r["load_ratio"] = paired_ratio(r["load_s"], ref["load_s"]) if ref is not None else None
         if r.get("first_s") and len(r["first_s"]) == len(r["load_s"]):
             r["first"] = summarize(r["first_s"])
             r["second_speedup"] = paired_ratio(r["first_s"], r["load_s"])  # first over second, per run
     residents = [x for r in res.values() for x in r["resident_before"]]
-    return {"arms": res, "order": order_log, "order_mode": order, "baseline": base, "runs": runs, "warmup": warmup,
-            "settle_s": settle,
-            "mode": "cold" if cold else "warm",
-            "cold_check": {"runs_checked": len(residents),
-                           "max_resident_before": max(residents) if residents else None} if cold else None}
+    return {
+        "arms": res,
+        "order": order_log,
+        "order_mode": order,
+        "baseline": base,
+        "runs": runs,
+        "warmup": warmup,
+        "settle_s": settle,
+        "mode": "cold" if cold else "warm",
+        "cold_check": {"runs_checked": len(residents), "max_resident_before": max(residents) if residents else None}
+        if cold
+        else None,
+    }
 
 
 def _one(a: Arm, argv: list[str], *, cold: bool, timeout: float, r: dict[str, Any] | None) -> Sample | None:
@@ -399,14 +447,9 @@ def synthetic_checkpoint(size: int) -> str:
 
 
 def default_checkpoint(*, quick: bool, size: int | None = None) -> str:
-    """The demo checkpoint where weightlift.cli.demo provides one; a synthetic one otherwise."""
+    """The demo checkpoint, or for ``quick`` or a given ``size`` a synthetic one of that size."""
     if size is None and not quick:
-        try:
-            from weightlift.cli.demo import ensure_demo_checkpoint  # type: ignore[attr-defined]
-        except ImportError:
-            pass
-        else:
-            return str(ensure_demo_checkpoint())
+        return str(ensure_demo_checkpoint())
     return synthetic_checkpoint(size if size else (256 * MIB if quick else 2 * GIB))
 
 
@@ -427,9 +470,15 @@ def describe_checkpoint(path: str) -> dict[str, Any]:
             n = header_length(f.read(PREFIX_SIZE), file=path, file_size=size)
             tensors, _ = parse_header(f.read(n), file=path, file_size=size)
         files, fmt = [path], "safetensors"
-    return {"path": os.path.abspath(path), "format": fmt, "files": [os.path.abspath(f) for f in files],
-            "tensors": len(tensors), "bytes": sum(t.length for t in tensors), "names": [t.name for t in tensors],
-            "file_bytes": sum(os.path.getsize(f) for f in files)}
+    return {
+        "path": os.path.abspath(path),
+        "format": fmt,
+        "files": [os.path.abspath(f) for f in files],
+        "tensors": len(tensors),
+        "bytes": sum(t.length for t in tensors),
+        "names": [t.name for t in tensors],
+        "file_bytes": sum(os.path.getsize(f) for f in files),
+    }
 
 
 def ensure_pt(ck: dict[str, Any], *, timeout: float = 1800.0) -> str:
@@ -455,8 +504,12 @@ def cuda_reason() -> str | None:
     import glob
 
     # a cheap negative first: no driver node, no driver proc entry, no nvidia-smi (ROCm: /dev/kfd)
-    if not (glob.glob("/dev/nvidia*") or os.path.exists("/proc/driver/nvidia") or os.path.exists("/dev/kfd")
-            or shutil.which("nvidia-smi")):
+    if not (
+        glob.glob("/dev/nvidia*")
+        or os.path.exists("/proc/driver/nvidia")
+        or os.path.exists("/dev/kfd")
+        or shutil.which("nvidia-smi")
+    ):
         reason = "no CUDA device (no NVIDIA driver on this machine)"
     elif _missing("torch"):
         reason = "torch is not installed"
@@ -563,11 +616,20 @@ def build_arms(ck: dict[str, Any], names: Sequence[str], *, cache_dir: str | Non
             # through a file: a long name list would not fit in one command-line argument
             split = os.path.join(bench_dir(), "split-names.json")
             with open(split, "w", encoding="utf-8") as f:
-                json.dump(ck["names"][len(ck["names"]) // 2:], f)
+                json.dump(ck["names"][len(ck["names"]) // 2 :], f)
             opts["split_file"] = split
-        arms.append(Arm(name, child_argv(name, opts), env=dict(spec.env), files=files, skip=reason,
-                        description=spec.description, kind=spec.kind,
-                        profile_argv=child_argv(name, {**opts, "profile": True}) if spec.weightlift else None))
+        arms.append(
+            Arm(
+                name,
+                child_argv(name, opts),
+                env=dict(spec.env),
+                files=files,
+                skip=reason,
+                description=spec.description,
+                kind=spec.kind,
+                profile_argv=child_argv(name, {**opts, "profile": True}) if spec.weightlift else None,
+            )
+        )
     return arms
 
 
@@ -581,8 +643,15 @@ def _warm(path: str) -> None:
             pass
 
 
-def run_baselines(ck: dict[str, Any], names: Sequence[str], *, cold: bool = False, repeats: int = 3,
-                  timeout: float = 600.0, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_baselines(
+    ck: dict[str, Any],
+    names: Sequence[str],
+    *,
+    cold: bool = False,
+    repeats: int = 3,
+    timeout: float = 600.0,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Measure each baseline in its own child, on the checkpoint's largest file."""
     say = log or (lambda s: None)
     target = max(ck["files"], key=os.path.getsize)
@@ -637,7 +706,8 @@ def run_benchmark(
     if cold and arms is None:
         # a copy limit of a cold file measures the disk; the read limits are the cold ceiling
         names = [n for n in names if not n.startswith("limit.copy")] + [
-            f"limit.read.{k}" for k in bench_arms.READ_LIMIT_THREADS]
+            f"limit.read.{k}" for k in bench_arms.READ_LIMIT_THREADS
+        ]
     if path is None:
         path = default_checkpoint(quick=quick, size=size)
     ck = describe_checkpoint(path)
@@ -653,22 +723,39 @@ def run_benchmark(
     say(f"arms ({'cold' if cold else 'warm'}, 1 warm-up + {runs} runs, interleaved): {', '.join(names)}")
     if settle is None:
         settle = QUICK_SETTLE_S if quick else SETTLE_S
-    result = run_arms(arm_list, runs=runs, warmup=warmup, cold=cold, baseline=baseline, timeout=timeout,
-                      profile_round=profile_round, settle=settle, order=order, log=say)
+    result = run_arms(
+        arm_list,
+        runs=runs,
+        warmup=warmup,
+        cold=cold,
+        baseline=baseline,
+        timeout=timeout,
+        profile_round=profile_round,
+        settle=settle,
+        order=order,
+        log=say,
+    )
     _derive(result, ck, bl)
-    result.update({
-        "schema": SCHEMA,
-        "checkpoint": {k: v for k, v in ck.items() if k != "names"},
-        "baselines": bl,
-        "quick": quick,
-        # every other arm, with the reason it could not run here (None: it could)
-        "not_selected": {n: arm_reason(n, ck) for n, s in SPECS.items()
-                         if s.kind in ("local", "remote") and n not in names},
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "platform": platform.platform(), "cuda": cuda_reason() or "available"},
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-        "elapsed_s": time.time() - started,
-    })
+    result.update(
+        {
+            "schema": SCHEMA,
+            "checkpoint": {k: v for k, v in ck.items() if k != "names"},
+            "baselines": bl,
+            "quick": quick,
+            # every other arm, with the reason it could not run here (None: it could)
+            "not_selected": {
+                n: arm_reason(n, ck) for n, s in SPECS.items() if s.kind in ("local", "remote") and n not in names
+            },
+            "machine": {
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+                "platform": platform.platform(),
+                "cuda": cuda_reason() or "available",
+            },
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+            "elapsed_s": time.time() - started,
+        }
+    )
     result["notes"] = _notes(result)
     if json_path:
         with open(json_path, "w", encoding="utf-8") as f:
@@ -680,15 +767,20 @@ def run_benchmark(
 
 def _derive(result: dict[str, Any], ck: dict[str, Any], bl: dict[str, Any]) -> None:
     """GB/s per arm from the checkpoint bytes, and the share of the matching limit."""
-    limits = {"local": bl.get("base.copy", {}).get("fresh", {}).get("gbps"),
-              "remote": bl.get("base.tcp", {}).get("gbps")}
+    limits = {
+        "local": bl.get("base.copy", {}).get("fresh", {}).get("gbps"),
+        "remote": bl.get("base.tcp", {}).get("gbps"),
+    }
     # a limit measured as an arm (fresh process, same pauses, median of the same rounds) is the
     # one the arms are held to; the in-process baselines (best of three repeats) otherwise
     reads = [n for n in result["arms"] if n.startswith("limit.read.")]
     copies = ["limit.copy", "limit.copy.huge"]  # the copy floor: the faster page size
     for kind, cands, fallback in (("local", reads or copies, "base.copy"), ("remote", ["limit.tcp"], "base.tcp")):
-        ok = [(result["arms"][n]["load"]["median"], n) for n in cands
-              if n in result["arms"] and result["arms"][n]["status"] == "ok" and result["arms"][n]["load"]["median"]]
+        ok = [
+            (result["arms"][n]["load"]["median"], n)
+            for n in cands
+            if n in result["arms"] and result["arms"][n]["status"] == "ok" and result["arms"][n]["load"]["median"]
+        ]
         if ok:
             best, name = min(ok)  # the fastest reader count or page size
             limits[kind] = ck["bytes"] / best / 1e9
@@ -712,11 +804,15 @@ def _notes(result: dict[str, Any]) -> list[str]:
         if worst is None:
             notes.append("cold: no run was checked")
         elif worst <= 0.001:
-            notes.append(f"cold: evicted, {100 * worst:.1f} % resident before each run "
-                         f"({cc['runs_checked']} counted runs checked with mincore)")
+            notes.append(
+                f"cold: evicted, {100 * worst:.1f} % resident before each run "
+                f"({cc['runs_checked']} counted runs checked with mincore)"
+            )
         else:
-            notes.append(f"cold: eviction incomplete, up to {100 * worst:.1f} % resident before a run "
-                         "(this filesystem may keep pages, e.g. tmpfs)")
+            notes.append(
+                f"cold: eviction incomplete, up to {100 * worst:.1f} % resident before a run "
+                "(this filesystem may keep pages, e.g. tmpfs)"
+            )
     else:
         notes.append("warm: the page cache is left as it is (the warm-up round fills it)")
     for name, r in result["arms"].items():
@@ -735,12 +831,14 @@ def _f(x: float | None, spec: str = ".3f") -> str:
 def format_table(result: dict[str, Any]) -> str:
     """The result as a terminal table, then the baselines, the skips and the notes."""
     ck = result["checkpoint"]
-    lines = [f"checkpoint: {ck['path']} ({ck['tensors']} tensors, {ck['bytes'] / GIB:.2f} GiB, {ck['format']}); "
-             f"{result['mode']}, 1 warm-up + {result['runs']} runs per arm, fresh process per run"
-             + (f", {result['settle_s']:g} s pause before each" if result.get("settle_s") else ""),
-             "time to ready = spawn -> every tensor in memory and every page touched (device: synchronised)",
-             f"{'arm':<18} {'median s':>9} {'min-max s':>15} {'IQR s':>7} {'GB/s':>6} {'load s':>7} "
-             f"{'load GB/s':>9} {'of limit':>8} {'ratio':>6}"]
+    lines = [
+        f"checkpoint: {ck['path']} ({ck['tensors']} tensors, {ck['bytes'] / GIB:.2f} GiB, {ck['format']}); "
+        f"{result['mode']}, 1 warm-up + {result['runs']} runs per arm, fresh process per run"
+        + (f", {result['settle_s']:g} s pause before each" if result.get("settle_s") else ""),
+        "time to ready = spawn -> every tensor in memory and every page touched (device: synchronised)",
+        f"{'arm':<18} {'median s':>9} {'min-max s':>15} {'IQR s':>7} {'GB/s':>6} {'load s':>7} "
+        f"{'load GB/s':>9} {'of limit':>8} {'ratio':>6}",
+    ]
     base = result["baseline"]
     skipped = []
     for name, r in result["arms"].items():
@@ -753,29 +851,46 @@ def format_table(result: dict[str, Any]) -> str:
             f"{name:<18} {_f(s['median']):>9} {_f(s['min']) + '-' + _f(s['max']):>15} {_f(s['iqr']):>7} "
             f"{_f(r['gbps'], '.2f'):>6} {_f(r['load']['median']):>7} {_f(r['load_gbps'], '.2f'):>9} "
             f"{(format(100 * r['limit_share'], '.0f') + '%') if r['limit_share'] else '-':>8} "
-            f"{_f(ratio, '.2f'):>6}{'  (baseline)' if name == base else ''}")
+            f"{_f(ratio, '.2f'):>6}{'  (baseline)' if name == base else ''}"
+        )
     for name, r in result["arms"].items():
         if r["status"] == "ok" and r.get("second_speedup") and r["second_speedup"]["median"]:
-            lines.append(f"{name}: first push {_f(r['first']['median'])} s, timed push {_f(r['load']['median'])} s "
-                         f"(medians, same server); {r['second_speedup']['median']:.1f}x faster than the first "
-                         "(median of per-run ratios)")
-    floors = [(r["load"]["median"], n) for n in ("limit.fault", "limit.fault.huge")
-              if (r := result["arms"].get(n)) and r["status"] == "ok" and r["load"]["median"]]
+            lines.append(
+                f"{name}: first push {_f(r['first']['median'])} s, timed push {_f(r['load']['median'])} s "
+                f"(medians, same server); {r['second_speedup']['median']:.1f}x faster than the first "
+                "(median of per-run ratios)"
+            )
+    floors = [
+        (r["load"]["median"], n)
+        for n in ("limit.fault", "limit.fault.huge")
+        if (r := result["arms"].get(n)) and r["status"] == "ok" and r["load"]["median"]
+    ]
     if floors:
         fl, fname = min(floors)  # the faster page size
-        over = [f"{n} {r['load']['median'] / fl:.2f}x" for n, r in result["arms"].items()
-                if r["status"] == "ok" and r["load"]["median"] and (r["kind"] == "remote" or n == "limit.tcp.fresh")]
+        over = [
+            f"{n} {r['load']['median'] / fl:.2f}x"
+            for n, r in result["arms"].items()
+            if r["status"] == "ok" and r["load"]["median"] and (r["kind"] == "remote" or n == "limit.tcp.fresh")
+        ]
         lines.append(f"fault-in floor ({fname}, load {fl:.3f} s): load s over it: " + ", ".join(over))
-    copies = [(r["load"]["median"], n) for n in ("limit.copy", "limit.copy.huge")
-              if (r := result["arms"].get(n)) and r["status"] == "ok" and r["load"]["median"]]
+    copies = [
+        (r["load"]["median"], n)
+        for n in ("limit.copy", "limit.copy.huge")
+        if (r := result["arms"].get(n)) and r["status"] == "ok" and r["load"]["median"]
+    ]
     if copies:
         cf, cname = min(copies)
-        over = [f"{n} {r['load']['median'] / cf:.2f}x" for n, r in result["arms"].items()
-                if r["status"] == "ok" and r["load"]["median"] and r["kind"] == "local"]
+        over = [
+            f"{n} {r['load']['median'] / cf:.2f}x"
+            for n, r in result["arms"].items()
+            if r["status"] == "ok" and r["load"]["median"] and r["kind"] == "local"
+        ]
         lines.append(f"copy floor ({cname}, load {cf:.3f} s): load s over it: " + ", ".join(over))
-    lines.append(f"ratio: run i over run i of {base} in the same round, median; "
-                 f"of limit: load GB/s over the copy or read limit (local: {result.get('local_limit', 'base.copy')}) "
-                 f"or raw loopback TCP (remote: {result.get('remote_limit', 'base.tcp')})")
+    lines.append(
+        f"ratio: run i over run i of {base} in the same round, median; "
+        f"of limit: load GB/s over the copy or read limit (local: {result.get('local_limit', 'base.copy')}) "
+        f"or raw loopback TCP (remote: {result.get('remote_limit', 'base.tcp')})"
+    )
     bl = result["baselines"]
     if any(n in bl for n in BASELINES):
         lines.append(f"baselines on {bl.get('file')}:")
@@ -786,12 +901,16 @@ def format_table(result: dict[str, Any]) -> str:
         if b["status"] != "ok":
             lines.append(f"  {name}: {b['status']}: {b['reason']}")
         elif name == "base.copy":
-            lines.append(f"  copy limit: {b['fresh']['gbps']:.2f} GB/s into fresh memory, "
-                         f"{b['touched']['gbps']:.2f} GB/s into touched memory ({b['threads']} threads)")
+            lines.append(
+                f"  copy limit: {b['fresh']['gbps']:.2f} GB/s into fresh memory, "
+                f"{b['touched']['gbps']:.2f} GB/s into touched memory ({b['threads']} threads)"
+            )
         elif name == "base.read":
             per = ", ".join(f"{k}: {v['gbps']:.2f}" for k, v in b["by_threads"].items())
-            lines.append(f"  raw read ({'cold' if b.get('cold') else 'warm'}): best {b['gbps']:.2f} GB/s "
-                         f"with {b['best_threads']} threads (threads: GB/s {per})")
+            lines.append(
+                f"  raw read ({'cold' if b.get('cold') else 'warm'}): best {b['gbps']:.2f} GB/s "
+                f"with {b['best_threads']} threads (threads: GB/s {per})"
+            )
         elif name == "base.tcp":
             lines.append(f"  raw loopback TCP (sendfile -> recv_into): {b['gbps']:.2f} GB/s")
         elif name == "base.h2d":
@@ -802,8 +921,9 @@ def format_table(result: dict[str, Any]) -> str:
     others = result.get("not_selected") or {}
     could = [n for n, why in others.items() if why is None]
     if could:
-        lines.append(f"{'left out by --quick' if result.get('quick') else 'not selected'} "
-                     f"(could run here): {', '.join(could)}")
+        lines.append(
+            f"{'left out by --quick' if result.get('quick') else 'not selected'} (could run here): {', '.join(could)}"
+        )
     cannot = [(n, why) for n, why in others.items() if why is not None]
     if cannot:
         lines.append("not selected, and could not run here:")
@@ -824,12 +944,15 @@ def plot(result: dict[str, Any], path: str) -> str | None:
     ok = [(n, r) for n, r in result["arms"].items() if r["status"] == "ok" and r["summary"]["median"]]
     prof = [(n, r["profile"]) for n, r in ok if r.get("profile")]
     prof += [(n + " (server)", r["server_profile"]) for n, r in ok if r.get("server_profile")]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, max(4.0, 0.5 * len(ok) + 2)),
-                                   gridspec_kw={"width_ratios": [3, 2]})
+    fig, (ax1, ax2) = plt.subplots(
+        1, 2, figsize=(14, max(4.0, 0.5 * len(ok) + 2)), gridspec_kw={"width_ratios": [3, 2]}
+    )
     names = [n for n, _ in ok]
     med = [r["summary"]["median"] for _, r in ok]
-    err = [[m - r["summary"]["min"] for m, (_, r) in zip(med, ok)],
-           [r["summary"]["max"] - m for m, (_, r) in zip(med, ok)]]
+    err = [
+        [m - r["summary"]["min"] for m, (_, r) in zip(med, ok)],
+        [r["summary"]["max"] - m for m, (_, r) in zip(med, ok)],
+    ]
     colors = ["tab:orange" if n.startswith("wl.") else "tab:blue" for n in names]
     ax1.barh(names, med, xerr=err, color=colors, capsize=3, label="spawn to ready")
     loads = [r["load"]["median"] or 0.0 for _, r in ok]
@@ -865,8 +988,14 @@ def plot(result: dict[str, Any], path: str) -> str | None:
 # -- command line ------------------------------------------------------------------------------
 
 
-def add_arguments(p: Any, *, default_arms: str | None = None, quick_arms: str | None = None,
-                  default_baseline: str | None = None, default_size_gib: float | None = None) -> None:
+def add_arguments(
+    p: Any,
+    *,
+    default_arms: str | None = None,
+    quick_arms: str | None = None,
+    default_baseline: str | None = None,
+    default_size_gib: float | None = None,
+) -> None:
     """The options shared by ``weightlift bench`` and the bench/ scripts.
 
     ``quick_arms`` replaces ``default_arms`` under ``--quick`` unless ``--arms`` was given.
@@ -877,25 +1006,40 @@ def add_arguments(p: Any, *, default_arms: str | None = None, quick_arms: str | 
     p.add_argument("--cold", action="store_true", help="evict the files before every run and check with mincore")
     p.add_argument("--runs", type=int, help="counted runs per arm (default 5; 3 with --quick)")
     p.add_argument("--warmup", type=int, default=1, help="uncounted rounds first (default 1)")
-    p.add_argument("--arms", default=default_arms,
-                   help="comma list of arms, or the groups local, remote, all (see --list)")
+    p.add_argument(
+        "--arms", default=default_arms, help="comma list of arms, or the groups local, remote, all (see --list)"
+    )
     p.add_argument("--baseline", default=default_baseline, help="arm the ratios are taken against")
-    p.add_argument("--size-gib", type=float,
-                   help="size of the synthetic checkpoint when no PATH is given"
-                   + (f" (default {default_size_gib:g}; 0.25 with --quick)" if default_size_gib else ""))
+    p.add_argument(
+        "--size-gib",
+        type=float,
+        help="size of the synthetic checkpoint when no PATH is given"
+        + (f" (default {default_size_gib:g}; 0.25 with --quick)" if default_size_gib else ""),
+    )
     p.set_defaults(size_gib_default=default_size_gib)
     p.add_argument("--no-baselines", action="store_true", help="skip the copy/read/TCP/H2D baselines")
     p.add_argument("--no-profile", action="store_true", help="skip the extra profiled round of weightlift arms")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
-    p.add_argument("--settle", type=float, metavar="SECONDS",
-                   help=f"pause before every run, so no arm inherits memory the one before it freed "
-                        f"(default {SETTLE_S:g}; {QUICK_SETTLE_S:g} with --quick)")
-    p.add_argument("--order", choices=("shuffle", "forward", "reverse"), default="shuffle",
-                   help="arm order per round: a seeded shuffle (default), or as given / reversed in every "
-                        "round (run both to check that the pause is long enough: same medians either way)")
-    p.add_argument("--calibrate-memory", action="store_true",
-                   help="time the ways of filling fresh memory on this machine, in fresh processes, and "
-                        "remember the fastest for weightlift's loads and servers (weightlift.memory.fresh)")
+    p.add_argument(
+        "--settle",
+        type=float,
+        metavar="SECONDS",
+        help=f"pause before every run, so no arm inherits memory the one before it freed "
+        f"(default {SETTLE_S:g}; {QUICK_SETTLE_S:g} with --quick)",
+    )
+    p.add_argument(
+        "--order",
+        choices=("shuffle", "forward", "reverse"),
+        default="shuffle",
+        help="arm order per round: a seeded shuffle (default), or as given / reversed in every "
+        "round (run both to check that the pause is long enough: same medians either way)",
+    )
+    p.add_argument(
+        "--calibrate-memory",
+        action="store_true",
+        help="time the ways of filling fresh memory on this machine, in fresh processes, and "
+        "remember the fastest for weightlift's loads and servers (weightlift.memory.fresh)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the full result as JSON")
     p.add_argument("--png", metavar="FILE", help="draw time to ready and weightlift's phases (matplotlib)")
     p.add_argument("--list", action="store_true", help="list the arms and baselines, then exit")
@@ -915,10 +1059,23 @@ def command(args: Any) -> int:
     if args.quick and arms == getattr(args, "arms_default", None) and getattr(args, "quick_arms", None):
         arms = args.quick_arms
     result = run_benchmark(
-        args.path, arms=arms, quick=args.quick, cold=args.cold, runs=args.runs, warmup=args.warmup,
-        baseline=args.baseline, size=size, baselines=() if args.no_baselines else None, timeout=args.timeout,
-        profile_round=not args.no_profile, settle=args.settle, json_path=args.json, png_path=args.png,
-        order=args.order, log=lambda s: print(s, file=sys.stderr, flush=True))
+        args.path,
+        arms=arms,
+        quick=args.quick,
+        cold=args.cold,
+        runs=args.runs,
+        warmup=args.warmup,
+        baseline=args.baseline,
+        size=size,
+        baselines=() if args.no_baselines else None,
+        timeout=args.timeout,
+        profile_round=not args.no_profile,
+        settle=args.settle,
+        json_path=args.json,
+        png_path=args.png,
+        order=args.order,
+        log=lambda s: print(s, file=sys.stderr, flush=True),
+    )
     print(format_table(result))
     if args.json:
         print(f"wrote {args.json}")
@@ -933,17 +1090,22 @@ def _calibrate_command(args: Any) -> int:
     size = int(args.size_gib * GIB) if args.size_gib else 512 * MIB
     pause = QUICK_SETTLE_S if args.quick and args.settle is None else (SETTLE_S if args.settle is None else args.settle)
     rounds = args.runs or (1 if args.quick else 3)
-    print(f"filling {size / MIB:.0f} MiB of fresh memory {len(fresh.TRIALS)} ways, {rounds} round(s), "
-          f"{pause:g} s pause before each, fresh process each", file=sys.stderr, flush=True)
+    print(
+        f"filling {size / MIB:.0f} MiB of fresh memory {len(fresh.TRIALS)} ways, {rounds} round(s), "
+        f"{pause:g} s pause before each, fresh process each",
+        file=sys.stderr,
+        flush=True,
+    )
     res = fresh.calibrate(size, rounds=rounds, pause=pause, log=lambda s: print(s, file=sys.stderr, flush=True))
     for name, v in sorted(res["medians_s"].items(), key=lambda kv: kv[1]):
         print(f"{name:<20} {v:.3f} s  {size / v / 1e9:.2f} GB/s")
     pol = res["policy"]
-    print(f"chosen: {'huge' if pol['huge'] else '4 KiB'} pages, kernel copies "
-          f"{'faulted ahead (' + pol['method'] + ')' if pol['ahead'] else 'fault their own pages'}, "
-          f"fault method {pol['method']}; remembered in {fresh.memory_file()}")
+    print(
+        f"chosen: {'huge' if pol['huge'] else '4 KiB'} pages, kernel copies "
+        f"{'faulted ahead (' + pol['method'] + ')' if pol['ahead'] else 'fault their own pages'}, "
+        f"fault method {pol['method']}; remembered in {fresh.memory_file()}"
+    )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(res, f, indent=1)
     return 0
-

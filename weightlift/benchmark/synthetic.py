@@ -9,25 +9,39 @@ Llama model (BF16 weights, F32 norms), so the loads measured look like real ones
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Any, Sequence, Union
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from weightlift import env
 from weightlift.dtypes import byte_length
 from weightlift.formats.safetensors import build_header
 
-__all__ = ["Tensor", "llama_tensors", "llama_for_size", "write_checkpoint"]
+__all__ = [
+    "Tensor",
+    "llama_tensors",
+    "llama_for_size",
+    "write_checkpoint",
+    "demo_dir",
+    "demo_tensors",
+    "ensure_demo_checkpoint",
+]
 
 MIB = 1 << 20
 GIB = 1 << 30
+DEMO_NAME = "demo-llm-1g"  # the demo's checkpoint, under the cache folder
 _CHUNK = 64 * MIB  # random bytes are made and written this much at a time
 
-Tensor = Union[tuple[str, str, tuple[int, ...]], tuple[str, str, tuple[int, ...], bytes]]
+Tensor = tuple[str, str, tuple[int, ...]] | tuple[str, str, tuple[int, ...], bytes]
 
 
-def llama_tensors(*, layers: int = 8, hidden: int = 2048, inter: int = 5632, vocab: int = 32000,
-                  kv: int = 256) -> list[tuple[str, str, tuple[int, ...]]]:
+def llama_tensors(
+    *, layers: int = 8, hidden: int = 2048, inter: int = 5632, vocab: int = 32000, kv: int = 256
+) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype, shape) of a Llama-shaped model: BF16 weights, F32 norms."""
     out: list[tuple[str, str, tuple[int, ...]]] = [("model.embed_tokens.weight", "BF16", (vocab, hidden))]
     for i in range(layers):
@@ -58,11 +72,16 @@ def llama_for_size(size: int) -> list[tuple[str, str, tuple[int, ...]]]:
     return llama_tensors(layers=layers, hidden=h, inter=ff, vocab=vocab, kv=h)
 
 
-def write_checkpoint(path: str | os.PathLike[str], tensors: Sequence[Tensor], *, seed: int = 0,
-                     metadata: dict[str, str] | None = None, digests: bool = False) -> dict[str, str]:
+def write_checkpoint(
+    path: str | os.PathLike[str],
+    tensors: Sequence[Tensor],
+    *,
+    seed: int = 0,
+    metadata: dict[str, str] | None = None,
+    digests: bool = False,
+) -> dict[str, str]:
     """Write a .safetensors file of ``tensors``; returns the BLAKE3 hex digest per tensor with ``digests``."""
-    entries = [(t[0], t[1], tuple(t[2]), len(t[3]) if len(t) == 4 else byte_length(t[1], tuple(t[2])))  # type: ignore[misc]
-               for t in tensors]
+    entries = [(t[0], t[1], tuple(t[2]), len(t[3]) if len(t) == 4 else byte_length(t[1], tuple(t[2]))) for t in tensors]
     header, _ = build_header(entries, metadata)
     rng = np.random.default_rng(seed)
     hasher: Any = None
@@ -94,10 +113,36 @@ def write_checkpoint(path: str | os.PathLike[str], tensors: Sequence[Tensor], *,
 
 def _pieces(t: Tensor, n: int, rng: np.random.Generator) -> Any:
     if len(t) == 4:
-        yield t[3]  # type: ignore[misc]
+        yield t[3]
         return
     while n > 0:
         k = min(n, _CHUNK)
         words = rng.integers(0, 2**63, size=(k + 7) // 8, dtype=np.uint64)
-        yield memoryview(words).cast("B")[:k]
+        yield words.data.cast("B")[:k]
         n -= k
+
+
+def demo_dir() -> Path:
+    """Where the demo checkpoint and its digests live: under weightlift's cache folder."""
+    return Path(env.cache_dir()) / DEMO_NAME
+
+
+def demo_tensors(*, layers: int = 8) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, shape) of the demo's Llama-shaped model: BF16 weights, F32 norms."""
+    return llama_tensors(layers=layers)
+
+
+def ensure_demo_checkpoint(*, layers: int = 8) -> Path:
+    """The demo checkpoint's path, written on first use and reused afterwards."""
+    d = demo_dir()
+    path = d / "model.safetensors"
+    sums = d / "digests.json"
+    if path.exists() and sums.exists():
+        return path
+    d.mkdir(parents=True, exist_ok=True)
+    print(f"writing the demo checkpoint (once): {path}")
+    digests = write_checkpoint(
+        path, demo_tensors(layers=layers), metadata={"format": "pt", "weightlift": "demo"}, digests=True
+    )
+    sums.write_text(json.dumps(digests, indent=0))
+    return path

@@ -16,48 +16,22 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-
-from weightlift import env
-from weightlift.benchmark.synthetic import llama_tensors, write_checkpoint
+from weightlift.benchmark.synthetic import demo_dir, demo_tensors, ensure_demo_checkpoint
 from weightlift.errors import IntegrityError
 
 __all__ = ["demo_dir", "ensure_demo_checkpoint", "ensure_tiny_model", "demo_tensors", "run_demo"]
 
-DEMO_NAME = "demo-llm-1g"
 TINY_NAME = "demo-tiny-llama"
-
-
-def demo_dir() -> Path:
-    return Path(env.cache_dir()) / DEMO_NAME
-
-
-def demo_tensors(*, layers: int = 8) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(name, dtype, shape) of the demo's Llama-shaped model: BF16 weights, F32 norms."""
-    return llama_tensors(layers=layers)
-
-
-def ensure_demo_checkpoint(*, layers: int = 8) -> Path:
-    """The demo checkpoint's path, written on first use and reused afterwards."""
-    d = demo_dir()
-    path = d / "model.safetensors"
-    sums = d / "digests.json"
-    if path.exists() and sums.exists():
-        return path
-    d.mkdir(parents=True, exist_ok=True)
-    print(f"writing the demo checkpoint (once): {path}")
-    digests = write_checkpoint(path, demo_tensors(layers=layers), metadata={"format": "pt", "weightlift": "demo"},
-                               digests=True)
-    sums.write_text(json.dumps(digests, indent=0))
-    return path
 
 
 def verify(tensors: dict[str, Any], digests: dict[str, str]) -> int:
     """BLAKE3 of every loaded tensor against the recorded digest; returns bytes checked."""
-    from weightlift.remote.digest import hash_buffer
     from weightlift.memory.targets import as_bytes
+    from weightlift.remote.digest import hash_buffer
 
     checked = 0
     missing = set(digests) - set(tensors)
@@ -79,6 +53,7 @@ def run_demo(*, rounds: int = 3, push: bool = True, layers: int = 8) -> dict[str
     path = ensure_demo_checkpoint(layers=layers)
     digests = json.loads((path.parent / "digests.json").read_text())
     size = path.stat().st_size
+    st_load: Callable[..., dict[str, Any]] | None
     try:
         from safetensors.numpy import load_file as st_load
     except ImportError:
@@ -105,8 +80,10 @@ def run_demo(*, rounds: int = 3, push: bool = True, layers: int = 8) -> dict[str
     out["profile"] = prof.report()
     print(f"checkpoint  {path}  ({size / 2**30:.2f} GiB, {len(digests)} tensors)")
     print(f"verified    {out['bytes_verified']:,} bytes: every tensor's BLAKE3 matches what was written")
-    print(f"page cache  {report.get('resident_before', 0) * 100:.0f} % resident when this process first probed it"
-          " (the probe runs once per file per process)")
+    print(
+        f"page cache  {report.get('resident_before', 0) * 100:.0f} % resident when this process first probed it"
+        " (the probe runs once per file per process)"
+    )
     print(f"time to ready, median of {rounds} interleaved runs (host memory, owned copies):")
     for k, v in med.items():
         print(f"  {k:<12} {v:7.3f} s   {size / v / 1e9:6.2f} GB/s")
@@ -137,8 +114,10 @@ def _demo_push(path: Path, digests: dict[str, str]) -> dict[str, Any] | None:
         checked = verify(got, digests)
     secs = getattr(res, "seconds", 0.0) or 0.0
     nbytes = getattr(res, "bytes", checked)
-    print(f"remote push to a server on {host}:{port}: {nbytes / 2**30:.2f} GiB in {secs:.3f} s"
-          f" ({nbytes / secs / 1e9 if secs else 0:.2f} GB/s), {checked:,} bytes verified on the server")
+    print(
+        f"remote push to a server on {host}:{port}: {nbytes / 2**30:.2f} GiB in {secs:.3f} s"
+        f" ({nbytes / secs / 1e9 if secs else 0:.2f} GB/s), {checked:,} bytes verified on the server"
+    )
     return {"seconds": secs, "bytes": nbytes, "verified": checked}
 
 
@@ -152,8 +131,15 @@ def ensure_tiny_model() -> Path:
         return d
     print(f"writing the tiny model for the check (once): {d}")
     cfg = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, initializer_range=0.3,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
     )
     tmp = d.with_name(f"{TINY_NAME}.{os.getpid()}.tmp")
     with torch.random.fork_rng(devices=[]):  # a fixed model without touching the caller's RNG

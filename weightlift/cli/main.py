@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from weightlift.errors import WeightliftError
 
@@ -68,7 +69,9 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
     for t, name in zip(tensors, names):
         print(f"{name:<{w}}  {t.dtype:<8} {str(list(t.shape)):<22} {t.offset:>14} {t.length:>14}")
     total = sum(t.length for t in tensors)
-    print(f"{len(tensors)} tensors, {total:,} bytes ({total / 2**30:.3f} GiB) in {len(ck.files)} file(s), format {ck.format}")
+    print(
+        f"{len(tensors)} tensors, {total:,} bytes ({total / 2**30:.3f} GiB) in {len(ck.files)} file(s), format {ck.format}"
+    )
     return 0
 
 
@@ -198,8 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _register_bench(sub: Any) -> None:
     from weightlift.benchmark import harness
 
-    p = sub.add_parser("bench", help="time to ready of weightlift and its peers, fresh process per run",
-                       description=(harness.__doc__ or "").split("\n\n")[0] or None)
+    p = sub.add_parser(
+        "bench",
+        help="time to ready of weightlift and its peers, fresh process per run",
+        description=(harness.__doc__ or "").split("\n\n")[0] or None,
+    )
     harness.add_arguments(p)
     p.set_defaults(func=harness.command)
 

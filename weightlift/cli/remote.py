@@ -148,7 +148,12 @@ def _cmd_ls(a: argparse.Namespace) -> int:
     with _client(a, a.source) as c:
         entries = c.list()
     if a.json:
-        print(json.dumps([{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "nbytes": e.nbytes} for e in entries], indent=1))
+        print(
+            json.dumps(
+                [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "nbytes": e.nbytes} for e in entries],
+                indent=1,
+            )
+        )
         return 0
     w = max([len(e.name) for e in entries] + [4])
     print(f"{'name':<{w}}  {'dtype':<8} {'shape':<22} {'bytes':>14}")

@@ -30,8 +30,8 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from weightlift import env
 from weightlift.disk import residency
@@ -273,8 +273,9 @@ def prefetch(
         if k == 1:
             run(shares[0])
         else:
-            ts = [threading.Thread(target=run, args=(shares[i],), name=f"wl-prefetch-{i}", daemon=True)
-                  for i in range(k)]
+            ts = [
+                threading.Thread(target=run, args=(shares[i],), name=f"wl-prefetch-{i}", daemon=True) for i in range(k)
+            ]
             for t in ts:
                 t.start()
             for t in ts:
@@ -326,7 +327,7 @@ class Warmer:
         self._started_at = 0.0
         self._adapter: threading.Thread | None = None
 
-    def start(self) -> "Warmer":
+    def start(self) -> Warmer:
         self._started_at = time.perf_counter()
         self._spawn()
         if self._max > 1:
@@ -403,7 +404,7 @@ class Warmer:
         for t in list(self._threads):
             t.join()
 
-    def __enter__(self) -> "Warmer":
+    def __enter__(self) -> Warmer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

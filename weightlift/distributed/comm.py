@@ -15,14 +15,15 @@ staging buffer of :data:`STAGING` bytes, so a caller fills at most that much at 
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
+from weightlift.distributed.shard import Piece
 from weightlift.dtypes import dtype_info
 from weightlift.errors import OptionError, TransportError, WeightliftError
 from weightlift.memory.targets import fresh_host, view_as
-from weightlift.distributed.shard import Piece
 
 __all__ = ["Comm", "Arena", "pack", "ALIGN", "STAGING"]
 
@@ -75,6 +76,7 @@ class Comm:
     def global_rank(self, r: int) -> int:
         if self.group is self.dist.group.WORLD:
             return r
+        assert self.group is not None  # None is the default group, which WORLD stands for above
         return int(self.dist.get_global_rank(self.group, r))
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
@@ -119,10 +121,22 @@ class Comm:
         self.wait(work, what)
         return None
 
-    def all_to_all(self, out: Any, inp: Any, out_splits: list[int], in_splits: list[int], *,
-                   async_op: bool = False, what: str = "all_to_all") -> Any:
-        work = self._call(what, lambda: self.dist.all_to_all_single(
-            out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits, group=self.group, async_op=True))
+    def all_to_all(
+        self,
+        out: Any,
+        inp: Any,
+        out_splits: list[int],
+        in_splits: list[int],
+        *,
+        async_op: bool = False,
+        what: str = "all_to_all",
+    ) -> Any:
+        work = self._call(
+            what,
+            lambda: self.dist.all_to_all_single(
+                out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits, group=self.group, async_op=True
+            ),
+        )
         if async_op:
             return work
         self.wait(work, what)
@@ -192,9 +206,9 @@ class Arena:
             return view_as(raw, t.dtype, p.shape, framework)
         from weightlift.dtypes import torch_dtype
 
-        raw = self.dev[off : off + n]
+        dev = self.dev[off : off + n]
         if t.quantized:
-            return raw.reshape(p.raw_shape)
+            return dev.reshape(p.raw_shape)
         if dtype_info(t.dtype).bits % 8:
-            return raw
-        return raw.view(torch_dtype(t.dtype)).reshape(p.shape)
+            return dev
+        return dev.view(torch_dtype(t.dtype)).reshape(p.shape)

@@ -18,16 +18,17 @@ import json
 import math
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
+from weightlift.distributed.comm import Arena, Comm, pack
+from weightlift.distributed.group import overlaps, read_all
+from weightlift.distributed.reader import SliceReader
+from weightlift.distributed.shard import Rows, whole
 from weightlift.dtypes import byte_length, dtype_info
 from weightlift.errors import GroupError, OptionError, RemoteProtocolError
 from weightlift.formats import TensorInfo
-from weightlift.distributed.comm import Arena, Comm, pack
-from weightlift.distributed.group import _checked_map, _overlaps, read_all
-from weightlift.distributed.reader import SliceReader
-from weightlift.distributed.shard import Rows, whole
 
 __all__ = ["broadcast_load", "BROADCAST_CHUNK", "MAX_DESCRIPTION"]
 
@@ -77,7 +78,7 @@ def broadcast_load(
                 raise OptionError("the source rank needs a path")
             ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
             infos = ckpt.select(select)
-            reader = SliceReader({f: _checked_map(ckpt, f) for f in dict.fromkeys(t.file for t in infos)}, engine=engine)
+            reader = SliceReader({f: ckpt.mapped(f) for f in dict.fromkeys(t.file for t in infos)}, engine=engine)
             offs, total = pack([t.length for t in infos])
             desc = _describe(infos, offs, total)
         except Exception as e:  # noqa: BLE001 - the receivers are told, then it is raised here
@@ -95,8 +96,15 @@ def broadcast_load(
     for lo in range(0, total, chunk):
         hi = min(total, lo + chunk)
         if source:
-            read_all(arena, reader, [(Rows(t.file, t.offset + a, b - a, b - a, 1), off + a)  # type: ignore[arg-type]
-                                     for t, off, a, b in _overlaps(infos, offs, lo, hi)])
+            assert reader is not None  # made with the description, or the source raised above
+            read_all(
+                arena,
+                reader,
+                [
+                    (Rows(t.file, t.offset + a, b - a, b - a, 1), off + a)
+                    for t, off, a, b in overlaps(infos, offs, lo, hi)
+                ],
+            )
         pending.append((comm.broadcast(at[lo:hi], src, async_op=True, what="broadcast of weights"), hi - lo))
         chunks += 1
         if len(pending) > 1:
@@ -105,9 +113,17 @@ def broadcast_load(
         done += _finish(comm, pending.popleft(), progress)
     out = {t.name: arena.view(off, whole(t), framework) for t, off in zip(infos, offs)}
     if report is not None:
-        report.update(tensors=len(out), bytes=sum(t.length for t in infos), arena=total, chunks=chunks,
-                      bytes_read=reader.bytes_read if reader is not None else 0, seconds=time.perf_counter() - t0,
-                      rank=comm.rank, world=comm.world, src=src)
+        report.update(
+            tensors=len(out),
+            bytes=sum(t.length for t in infos),
+            arena=total,
+            chunks=chunks,
+            bytes_read=reader.bytes_read if reader is not None else 0,
+            seconds=time.perf_counter() - t0,
+            rank=comm.rank,
+            world=comm.world,
+            src=src,
+        )
     return out
 
 
@@ -134,14 +150,20 @@ def _broadcast_description(comm: Comm, desc: bytes, src: int, *, failed: bool = 
         raise GroupError(f"the source rank {src} failed to open its checkpoint (its own error says why)")
     if not 0 < size <= MAX_DESCRIPTION:
         raise RemoteProtocolError(f"rank {src} announced a tensor list of {size} bytes (limit {MAX_DESCRIPTION})")
-    buf = torch.frombuffer(bytearray(desc), dtype=torch.uint8).to(dev) if desc else torch.empty(size, dtype=torch.uint8, device=dev)
+    buf = (
+        torch.frombuffer(bytearray(desc), dtype=torch.uint8).to(dev)
+        if desc
+        else torch.empty(size, dtype=torch.uint8, device=dev)
+    )
     comm.broadcast(buf, src, what="broadcast of the tensor list")
     return bytes(buf.cpu().numpy()) if not desc else desc
 
 
 def _describe(infos: list[TensorInfo], offs: list[int], total: int) -> bytes:
-    rows = [[t.name, t.dtype, list(t.shape), list(t.extra.get("raw_shape", t.shape)), t.ggml_type, t.length, off]
-            for t, off in zip(infos, offs)]
+    rows = [
+        [t.name, t.dtype, list(t.shape), list(t.extra.get("raw_shape", t.shape)), t.ggml_type, t.length, off]
+        for t, off in zip(infos, offs)
+    ]
     return json.dumps({"format": _FORMAT, "total": total, "tensors": rows}, separators=(",", ":")).encode()
 
 
@@ -157,15 +179,21 @@ def _parse(desc: bytes) -> tuple[list[TensorInfo], list[int], int]:
             raise ValueError("bad arena size")
         infos, offs, end = [], [], 0
         for name, dtype, shape, raw_shape, ggml_type, length, off in obj["tensors"]:
-            if not (isinstance(name, str) and isinstance(off, int) and isinstance(length, int)
-                    and all(isinstance(x, int) and x >= 0 for x in shape + raw_shape)):
+            if not (
+                isinstance(name, str)
+                and isinstance(off, int)
+                and isinstance(length, int)
+                and all(isinstance(x, int) and x >= 0 for x in shape + raw_shape)
+            ):
                 raise ValueError(f"bad entry for {name!r}")
             if off < end or off + length > total:
                 raise ValueError(f"tensor {name!r} at [{off}, {off + length}) overlaps another or leaves the arena")
             end = off + length
             if ggml_type is not None and not isinstance(ggml_type, int):
                 raise ValueError(f"bad ggml type for {name!r}")
-            t = TensorInfo(name, dtype, tuple(shape), "", 0, length, ggml_type=ggml_type, extra={"raw_shape": tuple(raw_shape)})
+            t = TensorInfo(
+                name, dtype, tuple(shape), "", 0, length, ggml_type=ggml_type, extra={"raw_shape": tuple(raw_shape)}
+            )
             if not t.quantized:
                 dtype_info(dtype)
                 if byte_length(dtype, t.shape) != length:

@@ -28,18 +28,19 @@ import hashlib
 import time
 import warnings
 from collections import deque
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
-from weightlift.errors import FormatError, GroupError, OptionError
-from weightlift.formats import TensorInfo
-from weightlift.disk.source import MappedFile, mapped
+from weightlift.disk.source import MappedFile
 from weightlift.distributed.comm import ALIGN, Arena, Comm, pack
-from weightlift.distributed.reader import SliceReader, _strided
+from weightlift.distributed.reader import SliceReader, strided
 from weightlift.distributed.shard import Piece, Rows, Shard, slice_piece, whole
+from weightlift.errors import GroupError, OptionError
+from weightlift.formats import TensorInfo
 
 __all__ = ["distributed_load", "STRIPE", "ROUND"]
 
@@ -87,14 +88,19 @@ def distributed_load(
         try:
             comm = Comm(None)
         except OptionError:
-            raise OptionError("a Shard without rank and world takes them from a process group: "
-                              "pass group=, or Shard(rank=..., world=...)") from None
+            raise OptionError(
+                "a Shard without rank and world takes them from a process group: "
+                "pass group=, or Shard(rank=..., world=...)"
+            ) from None
     if shard is not None:
         if shard.world is None:
-            shard = shard.resolved(comm.rank, comm.world)  # type: ignore[union-attr]
-        elif group is not None and (shard.rank, shard.world) != (comm.rank, comm.world):  # type: ignore[union-attr]
-            raise OptionError(f"Shard(rank={shard.rank}, world={shard.world}) disagrees with the group "
-                              f"(rank {comm.rank} of {comm.world})")  # type: ignore[union-attr]
+            assert comm is not None  # made above for a Shard without rank and world
+            shard = shard.resolved(comm.rank, comm.world)
+        elif comm is not None and group is not None and (shard.rank, shard.world) != (comm.rank, comm.world):
+            raise OptionError(
+                f"Shard(rank={shard.rank}, world={shard.world}) disagrees with the group "
+                f"(rank {comm.rank} of {comm.world})"
+            )
     if group is None:
         comm = None  # rank and world came from the default group; the load itself is local
     if comm is not None and not copy:
@@ -105,7 +111,7 @@ def distributed_load(
     try:
         ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
         infos = ckpt.select(select)
-        maps = {f: _checked_map(ckpt, f) for f in dict.fromkeys(t.file for t in infos)}
+        maps = {f: ckpt.mapped(f) for f in dict.fromkeys(t.file for t in infos)}
         reader = SliceReader(maps, engine=engine)
         # every rank's slices are checked on every rank, so a bad split fails everywhere alike
         pieces = _all_pieces(infos, shard)
@@ -119,7 +125,7 @@ def distributed_load(
         _agree(comm, None if failure is not None else _plan_digest(infos, pieces, reader.row_min))
         if failure is not None:
             raise failure
-    me = shard.rank if shard is not None else (comm.rank if comm is not None else 0)
+    me = shard.rank if shard is not None and shard.rank is not None else (comm.rank if comm is not None else 0)
     if comm is None:
         mine = [p[me] if p is not None else whole(t) for t, p in zip(infos, pieces)]
         if not copy:
@@ -132,20 +138,20 @@ def distributed_load(
     if report is not None:
         seconds = time.perf_counter() - t0
         nbytes = sum(_nbytes(v) for v in out.values())
-        report.update(tensors=len(out), bytes=nbytes, bytes_read=reader.bytes_read, requests=reader.requests,
-                      seconds=seconds, gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0, paths=paths,
-                      rank=me, world=shard.world if shard is not None else (comm.world if comm else 1),
-                      device=str(device), framework=framework)
+        report.update(
+            tensors=len(out),
+            bytes=nbytes,
+            bytes_read=reader.bytes_read,
+            requests=reader.requests,
+            seconds=seconds,
+            gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+            paths=paths,
+            rank=me,
+            world=shard.world if shard is not None else (comm.world if comm else 1),
+            device=str(device),
+            framework=framework,
+        )
     return out
-
-
-def _checked_map(ckpt: Checkpoint, f: str) -> MappedFile:
-    m = mapped(f)
-    seen = ckpt.identity.get(f)
-    i = m.identity
-    if seen is not None and seen != (i.dev, i.ino, i.size, i.mtime_ns):
-        raise FormatError("changed on disk since its header was read; open it again", file=f)
-    return m
 
 
 def _plan_digest(infos: list[TensorInfo], pieces: list[list[Piece] | None], row_min: int) -> bytes:
@@ -172,8 +178,10 @@ def _agree(comm: Comm, digest: bytes | None) -> None:
             raise GroupError(f"rank {r} failed to plan the group load (its own error says why)")
     for r in range(comm.world):
         if bytes(rows[r, 1:]) != bytes(rows[0, 1:]):
-            raise OptionError(f"ranks 0 and {r} planned different loads: the checkpoint, select, shard rules "
-                              "and WEIGHTLIFT_ROW_READ_MIN must be the same on every rank")
+            raise OptionError(
+                f"ranks 0 and {r} planned different loads: the checkpoint, select, shard rules "
+                "and WEIGHTLIFT_ROW_READ_MIN must be the same on every rank"
+            )
 
 
 def _nbytes(v: Any) -> int:
@@ -226,16 +234,22 @@ def _borrowed(m: MappedFile, p: Piece, framework: str) -> Any:
     packed = not t.quantized and dtype_info(t.dtype).bits % 8 != 0
     if not p.nbytes:
         if framework == "numpy":
-            return np.empty(p.raw_shape if not packed else (0,), np.uint8 if t.quantized or packed else numpy_dtype(t.dtype))
+            return np.empty(
+                p.raw_shape if not packed else (0,), np.uint8 if t.quantized or packed else numpy_dtype(t.dtype)
+            )
         import torch
 
-        return torch.empty(p.raw_shape if not packed else (0,), dtype=torch.uint8 if t.quantized or packed else torch_dtype(t.dtype))
+        return torch.empty(
+            p.raw_shape if not packed else (0,), dtype=torch.uint8 if t.quantized or packed else torch_dtype(t.dtype)
+        )
     if p.rows.contiguous:
         rows = np.frombuffer(m.view(p.rows.offset, p.nbytes), dtype=np.uint8).reshape(1, p.nbytes)
     elif packed:
-        raise OptionError(f"copy=False: a strided slice of packed {t.dtype} tensor {t.name!r} is no flat view; use copy=True")
+        raise OptionError(
+            f"copy=False: a strided slice of packed {t.dtype} tensor {t.name!r} is no flat view; use copy=True"
+        )
     else:
-        rows = _strided(m, p.rows)
+        rows = strided(m, p.rows)
     if framework == "numpy":
         if t.quantized:
             return rows.reshape(p.raw_shape)
@@ -257,8 +271,15 @@ def _borrowed(m: MappedFile, p: Piece, framework: str) -> Any:
 class _GroupLoad:
     """One group load: the three sets, their layout in this rank's arena, and the pipeline."""
 
-    def __init__(self, infos: list[TensorInfo], pieces: list[list[Piece] | None], comm: Comm,
-                 reader: SliceReader, device: str, framework: str):
+    def __init__(
+        self,
+        infos: list[TensorInfo],
+        pieces: list[list[Piece] | None],
+        comm: Comm,
+        reader: SliceReader,
+        device: str,
+        framework: str,
+    ):
         self.comm, self.reader, self.device, self.framework = comm, reader, device, framework
         w, me = comm.world, comm.rank
         self.rep: list[TensorInfo] = []
@@ -296,19 +317,40 @@ class _GroupLoad:
 
         for base, c in rounds:
             lo = base + me * c
-            read_all(arena, self.reader, [(Rows(t.file, t.offset + a, b - a, b - a, 1), off + a)
-                                          for t, off, a, b in _overlaps(self.rep, rep_offs, lo, lo + c)])
-            post(comm.all_gather(at[base : base + w * c], at[lo : lo + c], async_op=True,
-                                 what="all_gather of replicated tensors"), "all_gather of replicated tensors")
-        sends = [None, None]
+            read_all(
+                arena,
+                self.reader,
+                [
+                    (Rows(t.file, t.offset + a, b - a, b - a, 1), off + a)
+                    for t, off, a, b in overlaps(self.rep, rep_offs, lo, lo + c)
+                ],
+            )
+            post(
+                comm.all_gather(
+                    at[base : base + w * c], at[lo : lo + c], async_op=True, what="all_gather of replicated tensors"
+                ),
+                "all_gather of replicated tensors",
+            )
+        sends: list[Arena | None] = [None, None]
         for k, (xr, xo) in enumerate(zip(xplan, x_offs)):
             send = sends[k % 2] = self._send_buffer(sends[k % 2], sum(xr.send_splits(me)))
             xr.fill(me, send, self.reader)
             send_t = send.tensor()
             n_in = sum(xr.send_splits(me))
-            post(comm.all_to_all(at[xo : xo + x_sizes[k]], send_t[:n_in], xr.recv_splits(me), xr.send_splits(me),
-                                 async_op=True, what="all_to_all of sharded tensors"), "all_to_all of sharded tensors")
-        read_all(arena, self.reader, [(p.rows, off) for p, off in zip(self.direct, d_offs)])  # overlaps the last collectives
+            post(
+                comm.all_to_all(
+                    at[xo : xo + x_sizes[k]],
+                    send_t[:n_in],
+                    xr.recv_splits(me),
+                    xr.send_splits(me),
+                    async_op=True,
+                    what="all_to_all of sharded tensors",
+                ),
+                "all_to_all of sharded tensors",
+            )
+        read_all(
+            arena, self.reader, [(p.rows, off) for p, off in zip(self.direct, d_offs)]
+        )  # overlaps the last collectives
         while pending:
             comm.wait(*pending.popleft())
         out: dict[str, Any] = {}
@@ -339,7 +381,7 @@ def _stripes(total: int, world: int, stripe: int) -> tuple[list[tuple[int, int]]
     return rounds, base
 
 
-def _overlaps(tensors: list[TensorInfo], starts: list[int], lo: int, hi: int) -> list[tuple[TensorInfo, int, int, int]]:
+def overlaps(tensors: list[TensorInfo], starts: list[int], lo: int, hi: int) -> list[tuple[TensorInfo, int, int, int]]:
     """(tensor, its arena offset, a, b): the bytes [a, b) of each tensor lying in arena [lo, hi)."""
     out = []
     i = max(0, bisect.bisect_right(starts, lo) - 1)
@@ -383,14 +425,17 @@ class _Round:
             else:  # through host memory of the tensor's size, then one copy per rank's slice
                 host = np.empty(sum(p.nbytes for p in ps), dtype=np.uint8)
                 hoffs = np.cumsum([0] + [p.nbytes for p in ps])
-                reader.scatter(ps[0].tensor.file, first, count, segs, [host[hoffs[q] : hoffs[q + 1]] for q in range(self.world)])
+                reader.scatter(
+                    ps[0].tensor.file, first, count, segs, [host[hoffs[q] : hoffs[q + 1]] for q in range(self.world)]
+                )
                 for q, p in enumerate(ps):
                     for at_, sub in Rows("", 0, p.nbytes, p.nbytes, 1).split(send.limit):
                         chunk = host[hoffs[q] + at_ : hoffs[q] + at_ + sub.nbytes]
                         send.fill(dst_offs[q] + at_, sub.nbytes, lambda buf, c=chunk: np.copyto(buf, c))  # type: ignore[misc]
 
     def received(self, me: int, base: int) -> list[tuple[Piece, int]]:
-        out, at = [], base
+        out: list[Any] = []
+        at = base
         for o in range(self.world):
             offs, _ = pack([ps[me].nbytes for ps in self.groups[o]], at)
             out.extend((ps[me], off) for ps, off in zip(self.groups[o], offs))

@@ -14,12 +14,10 @@ a benchmark can check that a group reads each byte once. The path per slice:
   between rows into one reused sink buffer. Storage reads the span, and ``bytes_read`` says so.
   (A group load sends such tensors through an owner rank instead: see :mod:`.group`.)
 
-:data:`ROW_READ_MIN` comes from a measurement on an evicted 256 MiB file on this project's
-virtual disk (sequential ``preadv``: 1.0-1.25 GB/s): per-row reads of 4, 16, 64, 256 KiB and 1
-MiB rows at a stride of two rows took 1.0, 0.6, 0.3, 0.35 and 0.2 s against 0.21-0.26 s for the
-whole span; at a stride of eight rows, 16 KiB rows and up beat the span. Per-row reads win at
-every world size from 1 MiB rows on, so that is the threshold (``WEIGHTLIFT_ROW_READ_MIN``
-overrides it; a group load needs the same value on every rank).
+:data:`ROW_READ_MIN` is the row size from which per-row reads of a cold file beat reading the
+whole span at every world size, measured on an evicted file (figures in bench/RESULTS.md); small
+rows at a short stride lose to the span because each request pays the device's latency
+(``WEIGHTLIFT_ROW_READ_MIN`` overrides it; a group load needs the same value on every rank).
 """
 
 from __future__ import annotations
@@ -27,15 +25,15 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from weightlift import env
-from weightlift.errors import FileError, OptionError
 from weightlift.disk.source import RESIDENT_THRESHOLD, MappedFile, resident_fraction
-from weightlift.memory.targets import populate
 from weightlift.distributed.shard import Rows
+from weightlift.errors import FileError, OptionError
+from weightlift.memory.targets import populate
 
 __all__ = ["SliceReader", "ROW_READ_MIN", "row_read_min", "IOV_MAX"]
 
@@ -91,14 +89,14 @@ class SliceReader:
             return
         m = self.maps[rows.file]
         if self._use_mmap(rows.file):
-            src = _strided(m, rows)
+            src = strided(m, rows)
             np.copyto(dst.reshape(rows.count, rows.seg), src)
             # the page cache keeps the pages; dropping this process's entries keeps RSS at one copy
             m.advise(mmap.MADV_DONTNEED, rows.offset, rows.span)
             self._count(rows.nbytes, 1)
             return
         populate(dst)  # faulting fresh pages inside preadv costs several times more
-        mv = memoryview(dst)
+        mv = dst.data
         if rows.contiguous:
             self._count(_pread_full(m, [mv], rows.offset), 1)
         elif rows.seg >= self.row_min:
@@ -129,7 +127,7 @@ class SliceReader:
             col = 0
             for seg, dst in zip(segs, dsts):
                 if seg:
-                    np.copyto(dst.reshape(count, seg), _strided(m, Rows(file, offset + col, seg, stride, count)))
+                    np.copyto(dst.reshape(count, seg), strided(m, Rows(file, offset + col, seg, stride, count)))
                 col += seg
             m.advise(mmap.MADV_DONTNEED, offset, count * stride)
             self._count(count * stride, 1)
@@ -137,7 +135,7 @@ class SliceReader:
         views = []
         for seg, dst in zip(segs, dsts):
             populate(dst)
-            views.append((seg, memoryview(dst)))
+            views.append((seg, dst.data))
         iovs = [v[i * seg : (i + 1) * seg] for i in range(count) for seg, v in views if seg]
         self._count(_scatter(m, iovs, offset), -(-len(iovs) // IOV_MAX))
 
@@ -147,10 +145,12 @@ class SliceReader:
         return self._sink
 
 
-def _strided(m: MappedFile, rows: Rows) -> np.ndarray:
+def strided(m: MappedFile, rows: Rows) -> np.ndarray:
     """The rows as a (count, seg) strided view of the mapping: no copy."""
     base = np.frombuffer(m.view(rows.offset, rows.span), dtype=np.uint8)
-    return np.lib.stride_tricks.as_strided(base, shape=(rows.count, rows.seg), strides=(rows.stride, 1), writeable=False)
+    return np.lib.stride_tricks.as_strided(
+        base, shape=(rows.count, rows.seg), strides=(rows.stride, 1), writeable=False
+    )
 
 
 def _pread_full(m: MappedFile, iovs: list[memoryview], offset: int) -> int:

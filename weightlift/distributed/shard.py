@@ -40,8 +40,9 @@ all 1) is one contiguous byte range; any other slice is ``count`` rows of ``seg`
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 from weightlift.checkpoint import matcher
 from weightlift.dtypes import dtype_info
@@ -183,7 +184,9 @@ class Shard:
         compiled = []
         for item in items:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-                raise OptionError(f"shard rules: expected {{pattern: placement}} or (pattern, placement) pairs, got {item!r}")
+                raise OptionError(
+                    f"shard rules: expected {{pattern: placement}} or (pattern, placement) pairs, got {item!r}"
+                )
             compiled.append((matcher(item[0]), parse_placement(item[1])))
         object.__setattr__(self, "rules", tuple(items))
         object.__setattr__(self, "_compiled", tuple(compiled))
@@ -245,6 +248,7 @@ def slice_piece(t: TensorInfo, dim: int | None, rank: int, world: int, *, uneven
         # raw bytes: the logical shape with the innermost dimension in bytes of whole blocks
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+        assert t.ggml_type is not None  # a quantized tensor has its ggml type
         block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(t.ggml_type)]
         dims = tuple(t.extra["raw_shape"])
         last = len(t.shape) - 1
@@ -269,7 +273,9 @@ def slice_piece(t: TensorInfo, dim: int | None, rank: int, world: int, *, uneven
     inner_bits = math.prod(dims[dim + 1 :]) * unit_bits
     bits = (ua * inner_bits, (ub - ua) * inner_bits, dims[dim] * inner_bits)
     if any(x % 8 for x in bits):
-        raise OptionError(f"tensor {t.name!r} ({t.dtype}): a split along dimension {dim} over {world} ranks does not fall on a byte")
+        raise OptionError(
+            f"tensor {t.name!r} ({t.dtype}): a split along dimension {dim} over {world} ranks does not fall on a byte"
+        )
     first, seg, stride = (x // 8 for x in bits)
     if outer == 0 or seg == 0:
         rows = Rows(t.file, t.offset, 0, 0, 0)

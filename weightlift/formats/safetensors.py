@@ -62,9 +62,7 @@ def header_length(prefix: bytes, *, file: str, file_size: int) -> int:
     return n
 
 
-def parse_header(
-    header: bytes, *, file: str, file_size: int
-) -> tuple[list[TensorInfo], dict[str, str]]:
+def parse_header(header: bytes, *, file: str, file_size: int) -> tuple[list[TensorInfo], dict[str, str]]:
     """Parse a JSON header (without its 8-byte prefix) into tensors in file order and metadata."""
     data_start = PREFIX_SIZE + len(header)
     obj = _loads(header, file=file)
@@ -89,10 +87,11 @@ def parse_header(
     return tensors, metadata
 
 
-class _Repeats(dict):  # type: ignore[type-arg]
+class _Repeats(dict[str, Any]):
     """A JSON object in which some keys appeared more than once (the last value kept)."""
 
     __slots__ = ("dups",)
+    dups: tuple[str, ...]
 
 
 def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -140,7 +139,9 @@ def _loads(header: bytes, *, file: str) -> Any:
     # be seen while parsing, and looking for it first spares most headers a call per integer.
     parse_int = _int if "-0" in text else None
     try:
-        return json.loads(text, object_pairs_hook=_object, parse_constant=_constant, parse_int=parse_int, parse_float=_float)
+        return json.loads(
+            text, object_pairs_hook=_object, parse_constant=_constant, parse_int=parse_int, parse_float=_float
+        )
     except (ValueError, RecursionError) as e:
         raise FormatError(f"header is not valid JSON: {type(e).__name__}: {e}", file=file) from None
 
@@ -249,13 +250,18 @@ def _check_tiling(tensors: list[TensorInfo], *, file: str, data_start: int, file
             raise FormatError(f"bytes overlap: {msg}", file=file, tensor=t.name)
         if t.offset > pos:
             where = "the data region's start" if before is None else f"the end of tensor {before!r}"
-            msg = f"data_offsets begin at {t.offset - data_start}, leaving a gap of {t.offset - pos} bytes after {where}"
+            msg = (
+                f"data_offsets begin at {t.offset - data_start}, leaving a gap of {t.offset - pos} bytes after {where}"
+            )
             raise FormatError(msg, file=file, tensor=t.name)
         pos, before = t.end, t.name
     if pos != file_size:
         what = "the header, which describes no bytes" if before is None else f"the last tensor, {before!r}"
         n = file_size - pos
-        raise FormatError(f"{n} {'byte follows' if n == 1 else 'bytes follow'} {what}: the file must end where its data does", file=file)
+        raise FormatError(
+            f"{n} {'byte follows' if n == 1 else 'bytes follow'} {what}: the file must end where its data does",
+            file=file,
+        )
 
 
 def build_header(

@@ -12,9 +12,8 @@ Theory of operation.
 4. **Move.** Worker threads take chunks in file order. Host targets in the checkpoint's dtype
    take a plain copy straight into the arena out of the file's one mapping (borrowed slices, no
    staging copy; the mapping's page-table entries are dropped behind the copy so the file does
-   not count twice in RSS), or ``preadv`` from the file where the mapping is off. Measured on
-   a 2 GiB checkpoint in fresh processes, the mapping copy was the faster of the two warm
-   (medians 0.43 s against 1.0 s) and the same cold. A CUDA target gets the same reads into pinned slots, each
+   not count twice in RSS), or ``preadv`` from the file where the mapping is off; warm, the
+   mapping copy was the faster of the two, cold the same (bench/RESULTS.md). A CUDA target gets the same reads into pinned slots, each
    worker double-buffering its own two slots so the disk or page-cache read of one chunk
    overlaps the device copy of the previous one. A cast target converts straight out of the
    mapping in its own fill step. While the workers copy, warmers read ahead of them on cold files.
@@ -31,28 +30,28 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
 from weightlift import env
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
-from weightlift.dtypes import DTYPES, dtype_info, from_numpy, from_torch
-from weightlift.errors import FileError, FormatError, OptionError, WeightliftError
-from weightlift.formats import TensorInfo
-from weightlift.memory.fresh import policy as _fill_policy
-from weightlift.local.plan import CHUNK, Run, layout, make_chunks, make_runs
 from weightlift.disk.source import (
     MAX_WARMERS,
-    MappedFile,
     RESIDENT_THRESHOLD,
+    MappedFile,
     Warmer,
     evict_range,
-    mapped,
     page_eviction_override,
     prefetch,
     resident_fraction,
 )
+from weightlift.dtypes import DTYPES, dtype_info, from_numpy, from_torch
+from weightlift.errors import FileError, OptionError, WeightliftError
+from weightlift.formats import TensorInfo
+from weightlift.local.plan import CHUNK, Run, layout, make_chunks, make_runs
+from weightlift.memory.fresh import policy as _fill_policy
 from weightlift.memory.targets import CastTarget, CudaTarget, Target, fresh_host, make_target, populate, view_as
 
 __all__ = ["load_local", "DEFAULT_THREADS"]
@@ -100,7 +99,7 @@ def load_local(
         # tensor bytes, not the padding a coalesced run copies along with them
         prof.count(tensors=len(infos), nbytes=nbytes)
     files = list(dict.fromkeys(t.file for t in infos))
-    maps = {f: _checked_map(ckpt, f) for f in files}  # one mapping per file for the whole load
+    maps = {f: ckpt.mapped(f) for f in files}  # one mapping per file for the whole load
     resident = {f: resident_fraction(f) for f in files}
     if not copy:
         if str(device) != "cpu" or cast is not None:
@@ -136,9 +135,7 @@ def load_local(
             bytes=nbytes,
             seconds=seconds,
             gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
-            resident_before=(
-                sum(resident[f] * maps[f].size for f in files) / max(1, sum(maps[f].size for f in files))
-            ),
+            resident_before=(sum(resident[f] * maps[f].size for f in files) / max(1, sum(maps[f].size for f in files))),
             files=len(files),
             copy=copy,
             device=str(device),
@@ -247,18 +244,11 @@ def _dequantized(t: TensorInfo, raw: Any, framework: str) -> Any:
     return res if isinstance(raw, np.ndarray) or raw.device.type == "cpu" else res.to(raw.device)
 
 
-def _checked_map(ckpt: Checkpoint, f: str) -> MappedFile:
-    """The file's mapping, refused if the file is no longer the one whose header was parsed."""
-    m = mapped(f)
-    seen = ckpt.identity.get(f)
-    i = m.identity
-    if seen is not None and seen != (i.dev, i.ino, i.size, i.mtime_ns):
-        raise FormatError("changed on disk since its header was read; open it again", file=f)
-    return m
-
-
 def _prefetch(
-    infos: list[TensorInfo], maps: dict[str, MappedFile], files: list[str], prof: Any,
+    infos: list[TensorInfo],
+    maps: dict[str, MappedFile],
+    files: list[str],
+    prof: Any,
     progress: Callable[[int], None] | None,
 ) -> None:
     """Bring the selected bytes of cold files into the page cache before views of them are
@@ -275,15 +265,23 @@ def _prefetch(
     for f in files:
         ranges = [(r.offset, r.length) for r in runs if r.file == f]
         m = maps[f]
-        prefetch(m, ranges, readers=readers_for(m.identity.dev) or MAX_WARMERS,
-                 on_chunk=on_chunk if prof is not None or progress is not None else None)
+        prefetch(
+            m,
+            ranges,
+            readers=readers_for(m.identity.dev) or MAX_WARMERS,
+            on_chunk=on_chunk if prof is not None or progress is not None else None,
+        )
 
 
 def _borrow(infos: list[TensorInfo], maps: dict[str, MappedFile], framework: str, dequantize: bool) -> dict[str, Any]:
     out = {}
     for t in infos:
         m = maps[t.file]
-        raw = np.frombuffer(m.buffer, dtype=np.uint8, count=t.length, offset=t.offset) if t.length else np.empty(0, np.uint8)
+        raw = (
+            np.frombuffer(m.buffer, dtype=np.uint8, count=t.length, offset=t.offset)
+            if t.length
+            else np.empty(0, np.uint8)
+        )
         if not t.length:
             raw.flags.writeable = False
         v = _raw_view(raw, t, framework)
@@ -321,9 +319,8 @@ class _Mover:
         self.threads = threads
         self.evict = evict
         # A resident file is copied out of its mapping. A cold one is read with preadv straight
-        # into the destination by up to MAX_WARMERS readers (see _Gate): measured on this kind
-        # of machine, that matched the best raw read, while a mapping copy behind the
-        # read-ahead warmer took about twice as long.
+        # into the destination by up to MAX_WARMERS readers (see _Gate): that matched the best
+        # raw read, while a mapping copy behind the read-ahead warmer took about twice as long.
         self.engine = {f: (engine if engine != "auto" else ("pread" if c else "mmap")) for f, c in cold.items()}
         self.cold_read = engine == "auto" and any(cold.values())
         # the separate warmer reads ahead of a mapping copy: only where a cold file is copied
@@ -335,9 +332,12 @@ class _Mover:
         self._error: BaseException | None = None
 
     def _casts(self, t: TensorInfo) -> bool:
-        return self.cast is not None and t.dtype in _PLAIN and dtype_info(t.dtype).numpy.startswith(
-            ("float", "bfloat")
-        ) and t.dtype != self.cast
+        return (
+            self.cast is not None
+            and t.dtype in _PLAIN
+            and dtype_info(t.dtype).numpy.startswith(("float", "bfloat"))
+            and t.dtype != self.cast
+        )
 
     def run(self) -> dict[str, Any]:
         direct = [t for t in self.infos if not self._casts(t)]
@@ -428,7 +428,7 @@ class _Mover:
                         w.advance(src_off)
                     if device:
                         flip ^= 1
-                        self._device_chunk(r.file, src_off, c.length, arena_dev, dst_off, slots, flip)  # type: ignore[arg-type]
+                        self._device_chunk(r.file, src_off, c.length, arena_dev, dst_off, slots, flip)
                     else:
                         self._host_chunk(r.file, src_off, c.length, arena[dst_off : dst_off + c.length])
                     if self.evict:
@@ -470,7 +470,7 @@ class _Mover:
         populate(dst)  # faulted ahead of preadv where this machine's fill policy says it pays
         if prof is not None and _fill_policy().ahead:
             prof.record("stage", t0, time.perf_counter_ns(), 0, name="fault-in")
-        mv = memoryview(dst)
+        mv = dst.data
         done = 0
         while done < n:
             got = os.preadv(m.fileno(), [mv[done:]], off + done)
@@ -519,11 +519,11 @@ class _Mover:
                 ct.write(dest, 0, self.maps[t.file].view(t.offset, t.length))
                 out[t.name] = ct.finish(dest)
             return out
-        ct = CastTarget(self.framework, self.cast)  # type: ignore[arg-type]
+        cast = CastTarget(self.framework, self.cast)  # type: ignore[arg-type]
         for t in infos:
             prof = self.prof
             t0 = time.perf_counter_ns() if prof is not None else 0
-            out[t.name] = ct.convert(self.maps[t.file].view(t.offset, t.length), t.dtype, t.shape)
+            out[t.name] = cast.convert(self.maps[t.file].view(t.offset, t.length), t.dtype, t.shape)
             if prof is not None:
                 prof.record("stage", t0, time.perf_counter_ns(), t.length)
                 prof.count(calls=1)

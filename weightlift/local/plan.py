@@ -9,8 +9,8 @@ spans two runs, so every chunk is one contiguous source range and one contiguous
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterable
 
 from weightlift.dtypes import DTYPES
 from weightlift.formats import TensorInfo

@@ -1,7 +1,7 @@
 """Faulting fresh destination memory in ahead of the bytes that will land in it.
 
-On a VM the host backs a fresh guest page only when it is first touched, at about 1 GB/s per
-thread here, and a page first touched inside the kernel's copy (``recv_into``, ``readinto``)
+On a VM the host may back a fresh guest page only when it is first touched, far slower than a
+copy into touched memory (bench/RESULTS.md), and a page first touched inside the kernel's copy (``recv_into``, ``readinto``)
 costs several times more than one touched from user space beforehand. A receiver therefore
 hands each fresh destination to a :class:`Faulter` as soon as it is allocated: helper threads
 touch it piece by piece, in the order destinations were added, across tensor boundaries, while
@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 from weightlift.memory.fresh import fault_in, policy
 
@@ -58,8 +59,15 @@ class _Region:
 class Faulter:
     """Helper threads that fault registered regions in, piece by piece, in registration order."""
 
-    def __init__(self, *, threads: int = 2, piece: int = 4 << 20, window: int = 32 << 20, name: str = "wl-fault",
-                 ahead: bool | None = None):
+    def __init__(
+        self,
+        *,
+        threads: int = 2,
+        piece: int = 4 << 20,
+        window: int = 32 << 20,
+        name: str = "wl-fault",
+        ahead: bool | None = None,
+    ):
         if threads < 1 or piece < 1 or window < piece:
             raise ValueError("need threads >= 1 and window >= piece >= 1")
         self.piece, self.window, self._nthreads, self._name = piece, window, threads, name

@@ -47,8 +47,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -88,9 +89,9 @@ class FillPolicy:
             raise ValueError(f"fault method must be 'touch' or 'populate', not {self.method!r}")
 
 
-# Measured on a 2-core VM whose host backs memory lazily (bench/RESULTS.md, fill strategies):
-# 4 KiB pages filled by the copy itself were the fastest way to land bytes in fresh memory;
-# huge pages and faulting ahead were slower for every fill.
+# Where a host backs guest memory lazily, 4 KiB pages filled by the copy itself were the fastest
+# way to land bytes in fresh memory, huge pages and faulting ahead slower for every fill
+# (bench/RESULTS.md, fill strategies); a calibration or the environment overrides it.
 DEFAULT = FillPolicy(huge=False, ahead=False, method="touch")
 
 _lock = threading.Lock()
@@ -118,16 +119,22 @@ def machine_key() -> str:
     except (OSError, IndexError):
         pass
     thp = "/sys/kernel/mm/transparent_hugepage/"
-    return "|".join((platform.release(), mem, str(os.cpu_count()), _read_sys(thp + "enabled"),
-                     _read_sys(thp + "defrag")))
+    return "|".join(
+        (platform.release(), mem, str(os.cpu_count()), _read_sys(thp + "enabled"), _read_sys(thp + "defrag"))
+    )
 
 
 def _recorded() -> FillPolicy | None:
     try:
         with open(memory_file(), encoding="utf-8") as f:
             entry = json.load(f).get(machine_key())
-        return replace(DEFAULT, huge=bool(entry["huge"]), ahead=bool(entry["ahead"]), method=str(entry["method"]),
-                       source="calibrated")
+        return replace(
+            DEFAULT,
+            huge=bool(entry["huge"]),
+            ahead=bool(entry["ahead"]),
+            method=str(entry["method"]),
+            source="calibrated",
+        )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -141,9 +148,14 @@ def policy() -> FillPolicy:
             huge, ahead = env.hugepages(), env.fault_ahead()
             method, helpers = env.fault_method(), env.fault_helpers()
             if huge is not None or ahead is not None or method is not None or helpers is not None:
-                p = replace(p, huge=p.huge if huge is None else huge, ahead=p.ahead if ahead is None else ahead,
-                            method=p.method if method is None else method,
-                            helpers=p.helpers if helpers is None else helpers, source="environment")
+                p = replace(
+                    p,
+                    huge=p.huge if huge is None else huge,
+                    ahead=p.ahead if ahead is None else ahead,
+                    method=p.method if method is None else method,
+                    helpers=p.helpers if helpers is None else helpers,
+                    source="environment",
+                )
             _policy = p
         return _policy
 
@@ -241,7 +253,7 @@ def _trial(fd: int, size: int, huge: bool, kind: str, k: int) -> float:
             return
         if kind != "pread":
             fault_in(dst[a:b], method=kind.split("+")[0])
-        mv = memoryview(dst)
+        mv = dst.data
         while a < b:
             a += os.preadv(fd, [mv[a : min(b, a + (8 << 20))]], a)
 
@@ -254,7 +266,11 @@ def _trial(fd: int, size: int, huge: bool, kind: str, k: int) -> float:
 
 
 def calibrate(
-    size: int = 512 << 20, *, rounds: int = 3, pause: float = 15.0, remember: bool = True,
+    size: int = 512 << 20,
+    *,
+    rounds: int = 3,
+    pause: float = 15.0,
+    remember: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Time every way of filling fresh memory (:data:`TRIALS`), each in a fresh process after
@@ -275,9 +291,20 @@ def calibrate(
             for huge, kind in TRIALS if r % 2 == 0 else TRIALS[::-1]:
                 time.sleep(pause)
                 out = subprocess.run(
-                    [sys.executable, "-c", "import sys,weightlift.memory.fresh as f;f._child(sys.argv[1:])",
-                     str(fd), str(size), str(int(huge)), kind, str(os.cpu_count() or 1)],
-                    pass_fds=(fd,), capture_output=True, text=True, timeout=600,
+                    [
+                        sys.executable,
+                        "-c",
+                        "import sys,weightlift.memory.fresh as f;f._child(sys.argv[1:])",
+                        str(fd),
+                        str(size),
+                        str(int(huge)),
+                        kind,
+                        str(os.cpu_count() or 1),
+                    ],
+                    pass_fds=(fd,),
+                    capture_output=True,
+                    text=True,
+                    timeout=600,
                 )
                 if out.returncode != 0:
                     raise RuntimeError(f"calibration trial failed: {out.stderr.strip()[-500:]}")
@@ -295,9 +322,14 @@ def calibrate(
     best = min(kernel, key=kernel.__getitem__)
     method = "populate" if med[(huge, "populate+pread")] < med[(huge, "touch+pread")] else "touch"
     chosen = replace(DEFAULT, huge=huge, ahead=best != "pread", method=method, source="calibrated")
-    result = {"size": size, "rounds": rounds, "pause_s": pause, "machine": machine_key(),
-              "medians_s": {f"{'huge' if h else '4k'} {k}": v for (h, k), v in med.items()},
-              "policy": {k: v for k, v in asdict(chosen).items() if k in ("huge", "ahead", "method")}}
+    result = {
+        "size": size,
+        "rounds": rounds,
+        "pause_s": pause,
+        "machine": machine_key(),
+        "medians_s": {f"{'huge' if h else '4k'} {k}": v for (h, k), v in med.items()},
+        "policy": {k: v for k, v in asdict(chosen).items() if k in ("huge", "ahead", "method")},
+    }
     if remember:
         _remember(result)
         reset_policy()

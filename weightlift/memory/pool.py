@@ -152,8 +152,9 @@ class HostPool:
             self._end = size
             self._idle += size
             self._faulting = True
-            self._faulter = threading.Thread(target=self._fault_reserve, args=(self._arena,), name="wl-reserve",
-                                             daemon=True)
+            self._faulter = threading.Thread(
+                target=self._fault_reserve, args=(self._arena,), name="wl-reserve", daemon=True
+            )
             self._faulter.start()
 
     def _fault_reserve(self, arena: mmap.mmap) -> None:

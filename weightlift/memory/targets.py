@@ -101,7 +101,7 @@ class HostTarget(Target):
         return view_as(fresh_host(byte_length(dtype, shape)), dtype, shape, self.framework)
 
     def host_view(self, dest: Any) -> memoryview:
-        return memoryview(as_bytes(dest))
+        return as_bytes(dest).data
 
     def write(self, dest: Any, offset: int, data: Any) -> None:
         src = np.frombuffer(data, dtype=np.uint8)
@@ -121,12 +121,13 @@ class CastTarget(Target):
     def __init__(self, framework: str, dtype: str):
         self.framework = framework
         self.dtype = dtype
+        self.cast = dtype
         self._src: dict[int, str] = {}
 
     def empty(self, dtype: str, shape: tuple[int, ...]) -> Any:
-        if dtype_info(dtype).bits % 8 or dtype_info(self.dtype).bits % 8:
-            raise OptionError(f"cannot cast packed type {dtype} to {self.dtype}")
-        dest = view_as(fresh_host(byte_length(self.dtype, shape)), self.dtype, shape, self.framework)
+        if dtype_info(dtype).bits % 8 or dtype_info(self.cast).bits % 8:
+            raise OptionError(f"cannot cast packed type {dtype} to {self.cast}")
+        dest = view_as(fresh_host(byte_length(self.cast, shape)), self.cast, shape, self.framework)
         self._src[id(dest)] = dtype
         return dest
 
@@ -172,7 +173,9 @@ class CudaTarget(Target):
     memcpy_ok = False
     framework = "torch"
 
-    def __init__(self, device: str = "cuda", dtype: str | None = None, *, slot_bytes: int = STAGING_SLOT, slots: int = 2):
+    def __init__(
+        self, device: str = "cuda", dtype: str | None = None, *, slot_bytes: int = STAGING_SLOT, slots: int = 2
+    ):
         import torch
 
         if not torch.cuda.is_available():
@@ -207,7 +210,9 @@ class CudaTarget(Target):
         """A free pinned slot (index, uint8 numpy view), waiting for its last copy if needed."""
         if not self._slots:
             torch = self._torch
-            self._slots = [torch.empty(self._slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(self._nslots)]
+            self._slots = [
+                torch.empty(self._slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(self._nslots)
+            ]
             self._slot_np = [s.numpy() for s in self._slots]
         i = self._next
         self._next = (i + 1) % self._nslots

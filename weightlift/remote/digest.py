@@ -24,6 +24,7 @@ without a server cache a digest is pure cost. Three pieces keep that cost down:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -57,10 +58,8 @@ DIGEST_SIZE = 32
 #: Tensors at or above this size are hashed when the server has a cache; below it the round trip
 #: of asking costs more than sending the bytes.
 HASH_THRESHOLD = 10 * 1024 * 1024
-#: Inputs at least this large are hashed with blake3's multithreaded mode. Measured on 2 cores:
-#: 64 MiB hashes at about 2.1 GiB/s on one thread and 4.4 GiB/s with ``AUTO``; fed in pieces,
-#: ``AUTO`` wins from 256 KiB pieces up but loses badly at 16 KiB (0.8 GiB/s), so small inputs
-#: stay single-threaded.
+#: Inputs at least this large are hashed with blake3's multithreaded mode; fed in small pieces
+#: its thread pool loses to one thread, so small inputs stay single-threaded (bench/RESULTS.md).
 PARALLEL_HASH_MIN = 1024 * 1024
 #: Suffix of the sidecar manifest next to a checkpoint file.
 MANIFEST_SUFFIX = ".wl-manifest.json"
@@ -102,7 +101,7 @@ def _numpy_bytes(buf: Any) -> memoryview:
         raise OptionError(f"expected a buffer, got {type(buf).__name__}")
     if not buf.flags.c_contiguous:
         raise OptionError("buffer is not contiguous; hash or cache a contiguous copy instead")
-    return memoryview(buf.reshape(-1).view(np.uint8))
+    return buf.reshape(-1).view(np.uint8).data
 
 
 def hash_buffer(buf: Any, *, max_threads: int | None = None) -> bytes:
@@ -349,7 +348,7 @@ def _mapped_view(t: _TensorLike) -> memoryview:
 def hash_tensors(
     tensors: Iterable[_TensorLike],
     *,
-    view: Callable[[_TensorLike], Any] | None = None,
+    view: Callable[[Any], Any] | None = None,
     pool: DigestPool | None = None,
     threshold: int = HASH_THRESHOLD,
     manifests: bool = True,
@@ -403,4 +402,8 @@ def _save_when_done(manifest: Manifest, pending: Sequence[tuple[_TensorLike, Fut
             manifest.save()
 
     for t, fut in pending:
-        fut.add_done_callback(lambda f, t=t: done(t, f))
+        fut.add_done_callback(functools.partial(_then, done, t))
+
+
+def _then(done: Callable[[Any, Future[bytes]], None], t: Any, fut: Future[bytes]) -> None:
+    done(t, fut)

@@ -26,7 +26,8 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Protocol, Sequence, Union
+from collections.abc import Sequence
+from typing import Protocol
 
 from weightlift.errors import OptionError, TransportError
 from weightlift.remote.protocol import NEED_DATA, Decoder, Message
@@ -47,7 +48,7 @@ __all__ = [
     "SOCKET_BUFFER",
 ]
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 # Large kernel buffers let a fast link run without the sender stalling on every window; the
 # kernel caps the request at its own limit (net.core.wmem_max / rmem_max) without complaint.
@@ -315,7 +316,7 @@ class SocketListener:
         try:
             self._sock.settimeout(timeout)
             sock, addr = self._sock.accept()
-        except socket.timeout:
+        except TimeoutError:
             return None
         except OSError as e:
             raise TransportError(f"accept on {self.address[0]}:{self.address[1]} failed: {e.strerror or e}") from None

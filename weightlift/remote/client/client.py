@@ -21,19 +21,21 @@ buffer, and a BARRIER round trip after every tensor.
 
 from __future__ import annotations
 
+import builtins
 import itertools
 import mmap
 import os
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 from weightlift import env
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
-from weightlift.remote.digest import HASH_THRESHOLD, DigestPool, hash_buffer, hash_tensors
+from weightlift.disk.source import mapped
 from weightlift.dtypes import CODES, byte_length
 from weightlift.errors import (
     AuthError,
@@ -48,6 +50,7 @@ from weightlift.errors import (
 from weightlift.formats import TensorInfo
 from weightlift.formats.safetensors import build_header
 from weightlift.profile import Profiler
+from weightlift.remote.digest import HASH_THRESHOLD, DigestPool, hash_buffer, hash_tensors
 from weightlift.remote.protocol import (
     MAX_FRAME,
     MAX_TENSORS,
@@ -75,7 +78,6 @@ from weightlift.remote.protocol import (
     WriteHeader,
     send,
 )
-from weightlift.disk.source import mapped
 from weightlift.remote.transport import TCP, Backend, Stream, receive_message, receive_payload
 
 __all__ = ["Client", "PushResult", "RemoteTensor"]
@@ -144,7 +146,8 @@ class _Conn:
     def _handshake(self) -> None:
         self.send(send(self.session.start()))
         auth = self.session.server_hello(self.expect(Hello))
-        self.server = self.session.server
+        assert self.session.server is not None  # set by server_hello
+        self.server: Hello = self.session.server
         self.minor = self.session.minor
         self.max_frame = self.session.max_frame
         self.cache = self.session.cache
@@ -344,7 +347,12 @@ class Client:
             hashing.close(ok=ok)
         seconds = time.perf_counter() - t0
         return PushResult(
-            tally.tensors, tally.bytes, tally.sent, tally.hashed + hashing.hashed_bytes, tally.cached, seconds,
+            tally.tensors,
+            tally.bytes,
+            tally.sent,
+            tally.hashed + hashing.hashed_bytes,
+            tally.cached,
+            seconds,
             prof.report() if prof.enabled else None,
         )
 
@@ -399,11 +407,11 @@ class Client:
         return freed + (self._free_batch(conn, batch) if batch else 0)
 
     @staticmethod
-    def _free_batch(conn: _Conn, names: list[str]) -> int:
+    def _free_batch(conn: _Conn, names: builtins.list[str]) -> int:
         conn.send(conn.frame(Free(tuple(names))))
         return conn.expect(FreeReply).freed
 
-    def pull(self, path: str | os.PathLike[str]) -> list[RemoteTensor]:
+    def pull(self, path: str | os.PathLike[str]) -> builtins.list[RemoteTensor]:
         """Write every tensor the server holds to ``path`` as a .safetensors file; returns them."""
         entries = self.list()
         conn = self._conn()
@@ -434,7 +442,9 @@ class Client:
             raise
         return entries
 
-    def _read_all(self, conn: _Conn, entries: list[RemoteTensor], starts: list[int], mm: mmap.mmap | None) -> None:
+    def _read_all(
+        self, conn: _Conn, entries: builtins.list[RemoteTensor], starts: builtins.list[int], mm: mmap.mmap | None
+    ) -> None:
         view = memoryview(mm) if mm is not None else memoryview(b"")
         try:
             sent = 0
@@ -512,7 +522,7 @@ class _Pusher:
         small = deque(p for p in plans if p.info.name not in futures)
         large = deque(p for p in plans if p.info.name in futures)
         while small or large:
-            ready = []
+            ready: list[_Plan] = []
             while large and futures[large[0].info.name].done() and len(ready) < HAVE_BATCH:
                 ready.append(large.popleft())
             if ready:
@@ -584,7 +594,9 @@ class _Pusher:
         if self.prof.enabled:
             self.prof.count(calls=1)
 
-    def _send(self, p: _Plan, digest: bytes | None, tid: int | None = None, upcoming: deque[_Plan] | None = None) -> None:
+    def _send(
+        self, p: _Plan, digest: bytes | None, tid: int | None = None, upcoming: deque[_Plan] | None = None
+    ) -> None:
         """ALLOC (unless resending or ALLOCated ahead) and WRITE with the payload, in one send
         where possible; with ``upcoming``, the ALLOCs of the next tensors go out ahead, first."""
         t = p.info

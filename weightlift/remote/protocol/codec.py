@@ -18,10 +18,11 @@ message that cannot be encoded raises LocalProtocolError.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Final, Literal, Union
+from typing import Any, Final, Literal
 
-from weightlift.dtypes import DTYPES, CODES, byte_length
+from weightlift.dtypes import CODES, DTYPES, byte_length
 from weightlift.errors import LocalProtocolError, RemoteProtocolError, WeightliftError
 from weightlift.remote.protocol.messages import (
     BARRIER_NEED_LAYOUT,
@@ -93,7 +94,7 @@ class Payload:
     data: bytes
 
 
-Event = Union[Message, Payload, _NeedData]
+Event = Message | Payload | _NeedData
 
 
 # ---------------------------------------------------------------------------------------------

@@ -147,14 +147,29 @@ COMMAND_SINCE.update({Command.HAVE: 1, Command.FILL_FROM_CACHE: 1, Command.HAVE_
 
 CLIENT_COMMANDS = frozenset(
     {
-        Command.HELLO, Command.AUTH, Command.ALLOC, Command.WRITE, Command.HAVE,
-        Command.FILL_FROM_CACHE, Command.READ, Command.LIST, Command.FREE, Command.BARRIER, Command.BYE,
+        Command.HELLO,
+        Command.AUTH,
+        Command.ALLOC,
+        Command.WRITE,
+        Command.HAVE,
+        Command.FILL_FROM_CACHE,
+        Command.READ,
+        Command.LIST,
+        Command.FREE,
+        Command.BARRIER,
+        Command.BYE,
     }
 )
 SERVER_COMMANDS = frozenset(
     {
-        Command.HELLO, Command.AUTH, Command.ERROR, Command.HAVE_REPLY, Command.READ_REPLY,
-        Command.LIST_REPLY, Command.FREE_REPLY, Command.BARRIER_REPLY,
+        Command.HELLO,
+        Command.AUTH,
+        Command.ERROR,
+        Command.HAVE_REPLY,
+        Command.READ_REPLY,
+        Command.LIST_REPLY,
+        Command.FREE_REPLY,
+        Command.BARRIER_REPLY,
     }
 )
 PAYLOAD_COMMANDS = frozenset({Command.WRITE, Command.READ_REPLY})
@@ -417,7 +432,22 @@ class Bye(Message):
 MESSAGE_TYPES: dict[Command, type[Message]] = {
     m.COMMAND: m
     for m in (
-        Hello, Auth, Alloc, WriteHeader, Have, HaveReply, FillFromCache, Read, ReadReply,
-        ListRequest, ListReply, Free, FreeReply, Barrier, BarrierReply, Error, Bye,
+        Hello,
+        Auth,
+        Alloc,
+        WriteHeader,
+        Have,
+        HaveReply,
+        FillFromCache,
+        Read,
+        ReadReply,
+        ListRequest,
+        ListReply,
+        Free,
+        FreeReply,
+        Barrier,
+        BarrierReply,
+        Error,
+        Bye,
     )
 }

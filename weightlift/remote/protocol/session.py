@@ -77,7 +77,9 @@ class ServerSession:
         self.check(msg)
         if msg.major != PROTOCOL_MAJOR:
             self.state = SessionState.CLOSED
-            raise RemoteProtocolError(f"client speaks protocol {msg.major}.{msg.minor}; this server speaks {PROTOCOL_MAJOR}.x")
+            raise RemoteProtocolError(
+                f"client speaks protocol {msg.major}.{msg.minor}; this server speaks {PROTOCOL_MAJOR}.x"
+            )
         if 0 < msg.max_frame < MIN_FRAME:
             self.state = SessionState.CLOSED
             raise RemoteProtocolError(f"HELLO max_frame {msg.max_frame} is below the minimum of {MIN_FRAME}")
@@ -128,7 +130,9 @@ class ClientSession:
             raise RemoteProtocolError("HELLO is not expected now")
         if hello.major != PROTOCOL_MAJOR:
             self.state = SessionState.CLOSED
-            raise RemoteProtocolError(f"server speaks protocol {hello.major}.{hello.minor}; this client speaks {PROTOCOL_MAJOR}.x")
+            raise RemoteProtocolError(
+                f"server speaks protocol {hello.major}.{hello.minor}; this client speaks {PROTOCOL_MAJOR}.x"
+            )
         self.server = hello
         self.minor = min(self.our_minor, hello.minor)
         self.max_frame = min(hello.max_frame or MAX_FRAME, MAX_FRAME)

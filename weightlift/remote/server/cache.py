@@ -52,8 +52,8 @@ from typing import Any
 
 import blake3
 
-from weightlift.remote.digest import DIGEST_SIZE, PARALLEL_HASH_MIN, byte_view, digest_hex
 from weightlift.errors import CacheError, OptionError
+from weightlift.remote.digest import DIGEST_SIZE, PARALLEL_HASH_MIN, byte_view, digest_hex
 
 __all__ = [
     "DIGEST_SIZE",
@@ -76,8 +76,8 @@ STALE_TEMP_SECONDS = 15 * 60
 #: rather than one entry bad; see :func:`disk_unusable`.
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
 
-#: The smallest piece for which blake3's thread pool pays (measured on 2 cores: a 64 MiB input
-#: fed in 256 KiB pieces hashes at 3.3 GiB/s with it and 2.5 without; in 16 KiB pieces, 0.8 vs 2.2).
+#: The smallest piece for which blake3's thread pool pays: in smaller pieces its start-up costs
+#: more than the parallel hashing saves (measured figures: bench/RESULTS.md).
 PARALLEL_PIECE_MIN = 256 * 1024
 
 _TEMP_PREFIX = ".tmp-"

@@ -79,7 +79,9 @@ class Connection:
         self.minor = ctx.minor
         self.session = ServerSession(minor=ctx.minor, auth_required=ctx.token is not None)
         # Until READY: the server's own minor (the client's is not known yet) and tiny frames.
-        self.dec = Decoder(our_role="server", minor=ctx.minor, max_frame=MAX_HANDSHAKE_FRAME, max_tensor_bytes=self._max_tensor_bytes())
+        self.dec = Decoder(
+            our_role="server", minor=ctx.minor, max_frame=MAX_HANDSHAKE_FRAME, max_tensor_bytes=self._max_tensor_bytes()
+        )
         self.deadline: float | None = time.monotonic() + ctx.handshake_timeout
         self.nonce = new_nonce()
         self.client_nonce = b""
@@ -87,8 +89,15 @@ class Connection:
         self.prof = Profiler(ctx.profile)
         self.scratch = memoryview(bytearray(SCRATCH_BYTES))
         self._staging: np.ndarray | None = None
-        self.rx = Receiver(ctx, payload=self._payload, scratch=self.scratch, target=lambda: self.target,
-                           pooled=lambda: self.pooled, staging=self.staging, prof=self.prof)
+        self.rx = Receiver(
+            ctx,
+            payload=self._payload,
+            scratch=self.scratch,
+            target=lambda: self.target,
+            pooled=lambda: self.pooled,
+            staging=self.staging,
+            prof=self.prof,
+        )
 
     def _max_tensor_bytes(self) -> int:
         return min(MAX_TENSOR_BYTES, self.ctx.max_memory)
@@ -108,7 +117,7 @@ class Connection:
     def staging(self) -> memoryview:
         if self._staging is None:
             self._staging = np.empty(STAGING_BYTES, dtype=np.uint8)  # reused, never zero-filled
-        return memoryview(self._staging)
+        return self._staging.data
 
     def _payload(self, view: memoryview) -> None:
         receive_payload(self.stream, self.dec, view)
@@ -198,7 +207,10 @@ class Connection:
         """Handle one message; True when the connection should end."""
         if isinstance(msg, Hello):
             if msg.major != PROTOCOL_MAJOR:
-                self._fatal(ErrorCode.VERSION, f"client speaks protocol {msg.major}.{msg.minor}; this server speaks {PROTOCOL_MAJOR}.{self.ctx.minor}")
+                self._fatal(
+                    ErrorCode.VERSION,
+                    f"client speaks protocol {msg.major}.{msg.minor}; this server speaks {PROTOCOL_MAJOR}.{self.ctx.minor}",
+                )
                 return True
             self._hello(msg)
             return False
@@ -218,7 +230,9 @@ class Connection:
             self.rx.guard(msg.tensor_id, self.rx.fill, msg)
         elif isinstance(msg, Have):
             cache = self.ctx.cache
-            self._reply(HaveReply(tuple(self.store.holds(d) or (cache is not None and cache.has(d)) for d in msg.digests)))
+            self._reply(
+                HaveReply(tuple(self.store.holds(d) or (cache is not None and cache.has(d)) for d in msg.digests))
+            )
         elif isinstance(msg, Barrier):
             self._reply(self.rx.barrier())
         elif isinstance(msg, Read):
@@ -273,11 +287,16 @@ class Connection:
             return
         nbytes, dest = entry.nbytes, entry.tensor
         if r.offset + r.length > nbytes:
-            self._reply(Error(ErrorCode.LIMIT, f"READ [{r.offset}, {r.offset + r.length}) runs past the {nbytes} bytes of {r.name!r}"))
+            self._reply(
+                Error(
+                    ErrorCode.LIMIT,
+                    f"READ [{r.offset}, {r.offset + r.length}) runs past the {nbytes} bytes of {r.name!r}",
+                )
+            )
             return
         head = send(ReadReply(r.length), minor=self.minor)
         if _is_host(dest):
-            self.stream.send_parts([head, memoryview(as_bytes(dest))[r.offset : r.offset + r.length]])
+            self.stream.send_parts([head, as_bytes(dest).data[r.offset : r.offset + r.length]])
             return
         import torch
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left, bisect_right
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -27,7 +28,15 @@ from weightlift.memory.pool import POOL_MIN, size_class
 from weightlift.memory.targets import CudaTarget, Target, populate, view_as
 from weightlift.profile import Profiler
 from weightlift.remote.digest import hash_buffer
-from weightlift.remote.protocol import MAX_ERRORS, MAX_MESSAGE, MAX_TENSORS, Alloc, BarrierReply, FillFromCache, WriteHeader
+from weightlift.remote.protocol import (
+    MAX_ERRORS,
+    MAX_MESSAGE,
+    MAX_TENSORS,
+    Alloc,
+    BarrierReply,
+    FillFromCache,
+    WriteHeader,
+)
 from weightlift.remote.server import legacy
 from weightlift.remote.server.cache import disk_unusable
 from weightlift.remote.server.context import Context, RequestError
@@ -50,8 +59,21 @@ class Pending:
     costs O(log n) per WRITE plus the ranges it joins, never a rebuild of the list.
     """
 
-    __slots__ = ("name", "dtype", "shape", "nbytes", "cost", "charge", "dest", "digest", "starts", "ends", "writer",
-                 "hashed", "proven")
+    __slots__ = (
+        "name",
+        "dtype",
+        "shape",
+        "nbytes",
+        "cost",
+        "charge",
+        "dest",
+        "digest",
+        "starts",
+        "ends",
+        "writer",
+        "hashed",
+        "proven",
+    )
 
     def __init__(self, a: Alloc, cost: int, charge: Charge | None):
         self.name, self.dtype, self.shape, self.nbytes = a.name, a.dtype, a.shape, a.nbytes
@@ -117,9 +139,17 @@ class Receiver:
     ``pooled()`` says whether its tensors land in the store's pooled host memory.
     """
 
-    def __init__(self, ctx: Context, *, payload: Callable[[memoryview], None], scratch: memoryview,
-                 target: Callable[[], Target], pooled: Callable[[], bool], staging: Callable[[], memoryview],
-                 prof: Profiler):
+    def __init__(
+        self,
+        ctx: Context,
+        *,
+        payload: Callable[[memoryview], None],
+        scratch: memoryview,
+        target: Callable[[], Target],
+        pooled: Callable[[], bool],
+        staging: Callable[[], memoryview],
+        prof: Profiler,
+    ):
         self.ctx = ctx
         self.store = ctx.store
         self.payload = payload
@@ -198,7 +228,9 @@ class Receiver:
         if len(self.pending) >= MAX_TENSORS:
             raise RequestError(f"more than {MAX_TENSORS} tensors in flight on one connection")
         pooled = self._pooled() and a.nbytes >= POOL_MIN
-        cost = entry_cost(a.name, size_class(a.nbytes) if pooled else a.nbytes)  # a pooled tensor holds whole huge pages
+        cost = entry_cost(
+            a.name, size_class(a.nbytes) if pooled else a.nbytes
+        )  # a pooled tensor holds whole huge pages
         charge: Charge | None
         try:
             charge = self.store.charge(cost, a.nbytes if pooled else 0)
@@ -242,7 +274,9 @@ class Receiver:
             else:
                 p.dest = self.target.empty(p.dtype, p.shape)
         except Exception as e:  # ENOMEM from mmap, numpy on an absurd shape, torch out of memory, no device
-            raise RequestError(f"cannot allocate {p.name!r} ({p.dtype} {p.shape}, {p.nbytes} bytes): {type(e).__name__}: {e}") from None
+            raise RequestError(
+                f"cannot allocate {p.name!r} ({p.dtype} {p.shape}, {p.nbytes} bytes): {type(e).__name__}: {e}"
+            ) from None
         if fresh and fault and self.ctx.opt and fill_policy().helpers > 0:
             if self._faulter is None:
                 self._faulter = Faulter(threads=fill_policy().helpers, piece=FAULT_PIECE, window=FAULT_WINDOW)
@@ -283,7 +317,9 @@ class Receiver:
             self.drain(h.length)
             return
         if not p.can_add(h.offset, h.offset + h.length):
-            self._abandon(h.tensor_id, p, f"tensor {p.name!r}: WRITEs leave more than {MAX_RANGES} separate byte ranges")
+            self._abandon(
+                h.tensor_id, p, f"tensor {p.name!r}: WRITEs leave more than {MAX_RANGES} separate byte ranges"
+            )
             self.drain(h.length)
             return
         try:
@@ -352,25 +388,26 @@ class Receiver:
         target = self.target
         stage = self._staging()
         flat = None
-        if isinstance(target, CudaTarget) and target.dtype is None:
+        cuda = target if isinstance(target, CudaTarget) and target.dtype is None else None
+        if cuda is not None:
             import torch
 
             flat = p.dest.reshape(-1).view(torch.uint8)
         pos = 0
         while pos < h.length:
             off = h.offset + pos
-            if flat is not None:  # receive straight into the target's pinned slot, then upload async
-                slot, buf = target.slot()
+            if cuda is not None:  # receive straight into the target's pinned slot, then upload async
+                slot, buf = cuda.slot()
                 n = min(len(buf), h.length - pos)
-                chunk = memoryview(buf)[:n]
+                chunk = buf.data[:n]
             else:
                 n = min(len(stage), h.length - pos)
                 chunk = stage[:n]
             self._wire(chunk, p.name)
             self.hash(p, chunk)
             t0 = time.perf_counter_ns() if self.prof.enabled else 0
-            if flat is not None:
-                target.upload(slot, flat[off : off + n], n)
+            if cuda is not None and flat is not None:
+                cuda.upload(slot, flat[off : off + n], n)
             else:
                 target.write(p.dest, off, chunk)
             if self.prof.enabled:

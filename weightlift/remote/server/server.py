@@ -167,9 +167,15 @@ class Server:
             raise OptionError("token is empty")
         if not is_loopback(host):
             if self._token is None and not insecure:
-                raise OptionError(f"binding {host} exposes the server beyond this machine: pass a token, or insecure=True")
+                raise OptionError(
+                    f"binding {host} exposes the server beyond this machine: pass a token, or insecure=True"
+                )
             if self._token is None:
-                warnings.warn(f"serving on {host} without a token: anyone who can reach it may write memory", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"serving on {host} without a token: anyone who can reach it may write memory",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         self.host, self.port = host, port
         self.device, self.framework = device, framework
         host_target = _check_device(device, framework)  # fails now on a missing device, not per client
@@ -184,8 +190,15 @@ class Server:
         self._reserve_bytes = reserve
         store = Store(max_memory=max_memory, pool=pool, remember_digests=cache_dir is not None)
         self._ctx = Context(
-            device=device, framework=framework, host_target=host_target, token=self._token, minor=protocol_minor,
-            handshake_timeout=float(handshake_timeout), opt=env.load_opt(), profile=profile, store=store,
+            device=device,
+            framework=framework,
+            host_target=host_target,
+            token=self._token,
+            minor=protocol_minor,
+            handshake_timeout=float(handshake_timeout),
+            opt=env.load_opt(),
+            profile=profile,
+            store=store,
             cache=TensorCache(cache_dir) if cache_dir is not None else None,
         )
         self._store = store
@@ -269,7 +282,9 @@ class Server:
                 if not full:
                     self._conns.add(stream)
                     self._store.count("connections")
-                    t = threading.Thread(target=self._serve_one, args=(stream,), name=f"weightlift-conn {stream.peer}", daemon=True)
+                    t = threading.Thread(
+                        target=self._serve_one, args=(stream,), name=f"weightlift-conn {stream.peer}", daemon=True
+                    )
                     self._threads.add(t)
             if full:
                 self._refuse(stream)
@@ -280,7 +295,16 @@ class Server:
         """Close a connection over the limit at once, with a best-effort ERROR that cannot block."""
         try:
             stream.set_timeout(0.0)
-            stream.send_parts([send(Error(ErrorCode.LIMIT, f"the server is serving its limit of {self._max_connections} connections"), minor=0)])
+            stream.send_parts(
+                [
+                    send(
+                        Error(
+                            ErrorCode.LIMIT, f"the server is serving its limit of {self._max_connections} connections"
+                        ),
+                        minor=0,
+                    )
+                ]
+            )
         except (TransportError, OSError):
             pass
         stream.close()

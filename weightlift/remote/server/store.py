@@ -51,7 +51,14 @@ class Entry:
     __slots__ = ("dtype", "shape", "nbytes", "tensor", "cost", "digest")
 
     def __init__(self, dtype: str, shape: tuple[int, ...], nbytes: int, tensor: Any, cost: int, digest: bytes | None):
-        self.dtype, self.shape, self.nbytes, self.tensor, self.cost, self.digest = dtype, shape, nbytes, tensor, cost, digest
+        self.dtype, self.shape, self.nbytes, self.tensor, self.cost, self.digest = (
+            dtype,
+            shape,
+            nbytes,
+            tensor,
+            cost,
+            digest,
+        )
 
 
 class Charge:
@@ -93,8 +100,16 @@ class Store:
         self._entries: dict[str, Entry] = {}
         self._held: dict[bytes, str] = {}  # digest -> name of a stored tensor proven to hold those bytes
         self._used = 0
-        self._stats = {"connections": 0, "tensors": 0, "bytes_received": 0, "bytes_from_cache": 0, "cache_hits": 0,
-                       "memory_hits": 0, "bytes_from_memory": 0, "errors": 0}
+        self._stats = {
+            "connections": 0,
+            "tensors": 0,
+            "bytes_received": 0,
+            "bytes_from_cache": 0,
+            "cache_hits": 0,
+            "memory_hits": 0,
+            "bytes_from_memory": 0,
+            "errors": 0,
+        }
 
     # -- the memory account ------------------------------------------------------------------
 
@@ -138,8 +153,16 @@ class Store:
 
     # -- entries -------------------------------------------------------------------------------
 
-    def publish(self, name: str, dtype: str, shape: tuple[int, ...], nbytes: int, tensor: Any, charge: Charge,
-                digest: bytes | None) -> None:
+    def publish(
+        self,
+        name: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        nbytes: int,
+        tensor: Any,
+        charge: Charge,
+        digest: bytes | None,
+    ) -> None:
         """Make a complete tensor visible under ``name``, replacing any earlier version.
 
         The entry takes over ``charge``; a replaced version's cost is released and its memory

@@ -25,12 +25,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[3]))  # the repository root: this file also runs as a script
 
 import numpy as np  # noqa: E402
-from tests.checkpoints import every_dtype  # noqa: E402
-from tests.gguf_files import kv_str, kv_u32, pack, s, tensor_info  # noqa: E402
 from gguf import GGUFWriter  # noqa: E402
 from gguf.constants import GGMLQuantizationType as Q  # noqa: E402
 from gguf.quants import quantize  # noqa: E402
 
+from tests.checkpoints import every_dtype  # noqa: E402
+from tests.gguf_files import kv_str, kv_u32, pack, s, tensor_info  # noqa: E402
 from weightlift.formats.safetensors import build_header  # noqa: E402
 
 F32_1 = '{"dtype":"F32","shape":[1],"data_offsets":[0,4]}'
@@ -58,31 +58,42 @@ def safetensors_files() -> dict[str, bytes]:
         "ok-no-tensors": st_raw("{}"),
         "ok-null-metadata": st_raw('{"__metadata__":null,"a":' + F32_1 + "}", bytes(4)),
         "ok-empties-share-an-offset": st_obj(
-            {"e": entry("F32", [0, 3], 4, 4), "f": entry("BF16", [2, 0], 4, 4), "a": entry("F32", [1], 0, 4),
-             "b": entry("U8", [2], 4, 6)}, bytes(6)),
+            {
+                "e": entry("F32", [0, 3], 4, 4),
+                "f": entry("BF16", [2, 0], 4, 4),
+                "a": entry("F32", [1], 0, 4),
+                "b": entry("U8", [2], 4, 6),
+            },
+            bytes(6),
+        ),
         "ok-unknown-fields": st_raw(
             '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":{"k":1,"k":[-0,1e300,"\\u00e9"]},"y":null}}',
-            bytes(4)),
-        "ok-escaped-names": st_raw('{"\\ud83d\\ude00":' + F32_1 + ',"a\\u001b[2Jb":{"dtype":"U8","shape":[0],'
-                                   '"data_offsets":[4,4]}}', bytes(4)),
-        "ok-whitespace": st_raw(" \n{ \"a\" :\t" + F32_1 + " }\r\n ", bytes(4)),
+            bytes(4),
+        ),
+        "ok-escaped-names": st_raw(
+            '{"\\ud83d\\ude00":' + F32_1 + ',"a\\u001b[2Jb":{"dtype":"U8","shape":[0],"data_offsets":[4,4]}}', bytes(4)
+        ),
+        "ok-whitespace": st_raw(' \n{ "a" :\t' + F32_1 + " }\r\n ", bytes(4)),
         "bad-bytes-after-the-last-tensor": st_raw('{"a":' + F32_1 + "}", bytes(5)),
         "bad-gap": st_obj({"a": entry("F32", [1], 0, 4), "b": entry("F32", [1], 8, 12)}, bytes(12)),
         "bad-first-tensor-not-at-0": st_obj({"a": entry("F32", [1], 4, 8)}, bytes(8)),
         "bad-overlap": st_obj({"a": entry("F32", [2], 0, 8), "b": entry("F32", [1], 4, 8)}, bytes(8)),
         "bad-length": st_obj({"a": entry("F32", [2], 0, 4)}, bytes(4)),
-        "bad-nan": st_raw('{"__metadata__":{"k":"v"},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":NaN}}',
-                          bytes(4)),
+        "bad-nan": st_raw(
+            '{"__metadata__":{"k":"v"},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":NaN}}', bytes(4)
+        ),
         "bad-bom": st_raw(b"\xef\xbb\xbf{}"),
         "bad-utf16": st_raw("{}".encode("utf-16")),
         "bad-lone-surrogate": st_raw('{"\\ud800":' + F32_1 + "}", bytes(4)),
         "bad-repeated-field": st_raw('{"a":{"dtype":"F32","dtype":"F16","shape":[1],"data_offsets":[0,4]}}', bytes(4)),
         "bad-negative-zero": st_raw('{"a":{"dtype":"F32","shape":[1],"data_offsets":[-0,4]}}', bytes(4)),
-        "bad-too-deep": st_raw('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":' + "[" * 126 + "]" * 126
-                               + "}}", bytes(4)),
+        "bad-too-deep": st_raw(
+            '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":' + "[" * 126 + "]" * 126 + "}}", bytes(4)
+        ),
         "bad-header-length": struct.pack("<Q", 100_000_001) + b"{}",
-        "dev-repeated-name": st_raw('{"a":' + F32_1 + ',"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}',
-                                    bytes(8)),
+        "dev-repeated-name": st_raw(
+            '{"a":' + F32_1 + ',"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', bytes(8)
+        ),
         "dev-repeated-metadata-key": st_raw('{"__metadata__":{"k":"v","k":"w"}}'),
         "dev-empty-but-huge": st_obj({"a": entry("F32", [0, 2**62], 0, 0)}),
         "dev-65-dimensions": st_obj({"a": entry("F32", [1] * 65, 0, 4)}, bytes(4)),
@@ -116,10 +127,12 @@ def gguf_files() -> dict[str, bytes]:
     f32 = int(Q.F32)
     return {
         "ok-sample": gguf_sample(),
-        "ok-empty-tensors": pack([arch], [tensor_info("e", (0, 5), f32, 0), tensor_info("s", (), f32, 0)],
-                                 data=bytes(32)),
-        "ok-alignment-8": pack([arch, kv_u32("general.alignment", 8)], [tensor_info("w", (2,), f32, 0)],
-                               data=bytes(8), alignment=8),
+        "ok-empty-tensors": pack(
+            [arch], [tensor_info("e", (0, 5), f32, 0), tensor_info("s", (), f32, 0)], data=bytes(32)
+        ),
+        "ok-alignment-8": pack(
+            [arch, kv_u32("general.alignment", 8)], [tensor_info("w", (2,), f32, 0)], data=bytes(8), alignment=8
+        ),
         "bad-magic": pack([arch], [], magic=b"GGML"),
         "bad-empty-but-huge": pack([arch], [tensor_info("e", (2**62, 0), f32, 0)]),
         "bad-outside-the-file": pack([arch], [tensor_info("w", (16,), f32, 0)], data=bytes(32)),

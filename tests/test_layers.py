@@ -1,0 +1,152 @@
+"""The package's layering, checked from its source: folders are layers, and imports go downward.
+
+Read with ``ast`` (nothing is imported), every import of a weightlift module is an edge from the
+importing module's component (its top-level module or folder) to the imported one's. The rules:
+
+* an edge goes to a lower rank, or stays within one component: ``local`` and ``remote`` share a
+  rank, so neither imports the other; nothing imports the CLI or the benchmark (the CLI may run
+  the benchmark);
+* no module imports another module's private name (``from x import _y``);
+* the imports made when a module loads (not those inside functions or under TYPE_CHECKING)
+  form no cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "weightlift"
+
+RANK = {
+    "errors": 0,
+    "dtypes": 1,
+    "env": 1,
+    "progress": 1,
+    "profile": 2,
+    "formats": 2,
+    "disk": 3,
+    "memory": 3,
+    "checkpoint": 4,
+    "local": 5,
+    "remote": 5,
+    "split": 6,
+    "distributed": 6,
+    "api": 7,
+    "hf": 8,
+    "check": 9,
+    "benchmark": 10,
+    "cli": 11,
+    "__init__": 12,
+    "__main__": 12,
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PKG.rglob("*.py")):
+        parts = ["weightlift", *path.relative_to(PKG).with_suffix("").parts]
+        if parts[-1] == "__init__" and len(parts) > 2:
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _component(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _resolve(module: str, name: str) -> str:
+    """``from module import name``: the submodule if ``name`` is one, else ``module`` itself."""
+    sub = f"{module}.{name}"
+    return sub if sub in MODULES else module
+
+
+def _imports(module: str, path: Path) -> Iterator[tuple[str, list[str], bool]]:
+    """(imported module, names taken from it, whether it runs at load time) per import."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+    def walk(node: ast.AST, at_load: bool) -> Iterator[tuple[str, list[str], bool]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                yield from walk(child, False)
+            elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                yield from walk(child, False)
+            elif isinstance(child, ast.Import):
+                for a in child.names:
+                    if a.name.split(".")[0] == "weightlift":
+                        yield a.name, [], at_load
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package.split(".")
+                    base = base[: len(base) - child.level + 1]
+                    src = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    src = child.module or ""
+                if src.split(".")[0] != "weightlift":
+                    continue
+                for a in child.names:
+                    target = _resolve(src, a.name)
+                    yield target, ([] if target != src else [a.name]), at_load
+            else:
+                yield from walk(child, at_load)
+
+    yield from walk(tree, True)
+
+
+def test_layers_import_downward() -> None:
+    bad = []
+    for module, path in MODULES.items():
+        mine = _component(module)
+        assert mine in RANK, f"{module}: component {mine!r} has no rank in this test"
+        for target, names, _ in _imports(module, path):
+            theirs = _component(target)
+            if theirs == mine:
+                continue
+            if theirs == "__init__" and names == ["__version__"]:
+                continue  # the version string, read by the CLI
+            if RANK[theirs] >= RANK[mine]:
+                bad.append(f"{module} imports {target} ({mine} -> {theirs})")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_private_names_cross_modules() -> None:
+    bad = [
+        f"{module} imports {name} from {target}"
+        for module, path in MODULES.items()
+        for target, names, _ in _imports(module, path)
+        for name in names
+        if name.startswith("_") and not name.startswith("__") and target != module
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles_at_load() -> None:
+    graph = {
+        m: {t for t, _, at_load in _imports(m, p) if at_load and t in MODULES and t != m} for m, p in MODULES.items()
+    }
+    # a package's __init__ runs before its submodules load: an edge to a package is an edge to it
+    seen: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        seen[m] = 1
+        stack.append(m)
+        for t in sorted(graph[m]):
+            if seen.get(t) == 1:
+                cycle = stack[stack.index(t) :] + [t]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if t not in seen:
+                visit(t)
+        stack.pop()
+        seen[m] = 2
+
+    for m in sorted(graph):
+        if m not in seen:
+            visit(m)
