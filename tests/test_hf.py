@@ -289,7 +289,7 @@ def test_check_catches_a_corrupted_tensor_on_the_server(models, tmp_path, capsys
 
 def test_check_catches_a_file_corrupted_on_disk_by_its_recorded_digests(models, tmp_path, capsys):
     """Both loaders read the same corrupt bytes, so only digests recorded beforehand can tell."""
-    from weightlift.remote.digest import hash_tensors
+    from weightlift.remote.manifest import hash_tensors
 
     path = _copy(models, "llama", tmp_path)
     name = "model.layers.0.mlp.up_proj.weight"

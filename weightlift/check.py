@@ -140,7 +140,7 @@ def _recorded_digests(files: list[str]) -> tuple[dict[str, tuple[int, str]], lis
     """From the digest manifests beside ``files``: {name: (length, blake3 hex)}, and the files
     whose manifest was taken before the file last changed (its records are still what the file
     held then, which is what a check wants to know)."""
-    from .remote.digest import MANIFEST_SUFFIX, MANIFEST_VERSION, Manifest
+    from .remote.manifest import MANIFEST_SUFFIX, MANIFEST_VERSION, Manifest
 
     records: dict[str, tuple[int, str]] = {}
     stale = []

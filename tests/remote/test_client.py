@@ -17,7 +17,8 @@ from weightlift.dtypes import DTYPES, byte_length
 from weightlift.errors import AuthError, NotFoundError, OptionError, RemoteProtocolError, StateError, TransportError
 from weightlift.profile import Profiler
 from weightlift.remote.client.client import Client, PushResult, RemoteTensor
-from weightlift.remote.digest import MANIFEST_SUFFIX, hash_buffer
+from weightlift.remote.digest import hash_buffer
+from weightlift.remote.manifest import MANIFEST_SUFFIX
 from weightlift.remote.server.server import Server
 
 
@@ -182,13 +183,13 @@ def _record_allocs_and_writes(monkeypatch) -> list[tuple[str, int]]:
 
 
 def test_allocs_run_ahead_of_writes_within_the_window(tmp_path, monkeypatch):
-    import weightlift.remote.client.client as client_mod
+    import weightlift.remote.client.push as push_mod
 
     t = {f"w.{i}": ("U8", (3 << 20,), _rand(3 << 20, i)) for i in range(6)}  # pooled: the server faults them ahead
     t["w.empty"] = ("F32", (0,), b"")
     path = write_safetensors(tmp_path / "m.safetensors", t)
     seen = _record_allocs_and_writes(monkeypatch)
-    monkeypatch.setattr(client_mod, "ALLOC_AHEAD_BYTES", 7 << 20)  # two 3 MiB tensors ahead, not three
+    monkeypatch.setattr(push_mod, "ALLOC_AHEAD_BYTES", 7 << 20)  # two 3 MiB tensors ahead, not three
     with Server() as s, Client(s.address) as c:
         c.push(path)
         assert_holds(s, t)
@@ -203,7 +204,7 @@ def test_allocs_run_ahead_of_writes_within_the_window(tmp_path, monkeypatch):
             assert len(ahead) - written - 1 <= 2
             if written < 4:
                 assert len(ahead) - written - 1 == 2
-    monkeypatch.setattr(client_mod, "ALLOC_AHEAD_BYTES", 0)
+    monkeypatch.setattr(push_mod, "ALLOC_AHEAD_BYTES", 0)
     seen.clear()
     with Server() as s, Client(s.address) as c:
         c.push(path)
@@ -212,12 +213,12 @@ def test_allocs_run_ahead_of_writes_within_the_window(tmp_path, monkeypatch):
 
 
 def test_a_push_that_fails_mid_stream_closes_the_client_one_refused_at_the_barrier_does_not(tmp_path, monkeypatch):
-    import weightlift.remote.client.client as client_mod
+    import weightlift.remote.client.push as push_mod
 
     path, tensors = model(tmp_path, large=2, small=2)
     with Server() as s:
         c = Client(s.address)
-        real = client_mod._Pusher._send
+        real = push_mod.Pusher._send
         calls = []
 
         def failing(self, p, digest, tid=None, upcoming=None):
@@ -226,7 +227,7 @@ def test_a_push_that_fails_mid_stream_closes_the_client_one_refused_at_the_barri
                 raise OSError("disk went away")
             return real(self, p, digest, tid, upcoming)
 
-        monkeypatch.setattr(client_mod._Pusher, "_send", failing)
+        monkeypatch.setattr(push_mod.Pusher, "_send", failing)
         with pytest.raises(OSError):
             c.push(path)  # tensors were ALLOCated ahead and never written: the connection goes
         with pytest.raises(StateError, match="closed"):
@@ -240,11 +241,11 @@ def test_a_push_that_fails_mid_stream_closes_the_client_one_refused_at_the_barri
 
 
 def test_a_naive_push_that_fails_mid_stream_closes_the_client_too(tmp_path, monkeypatch):
-    import weightlift.remote.client.client as client_mod
+    import weightlift.remote.client.push as push_mod
 
     path, _ = model(tmp_path, large=3, small=0)
     monkeypatch.setenv("WEIGHTLIFT_LOAD_OPT", "0")
-    real = client_mod.hash_buffer
+    real = push_mod.hash_buffer
     calls = []
 
     def failing(*a, **k):
@@ -253,7 +254,7 @@ def test_a_naive_push_that_fails_mid_stream_closes_the_client_too(tmp_path, monk
             raise OSError("disk went away")
         return real(*a, **k)
 
-    monkeypatch.setattr(client_mod, "hash_buffer", failing)
+    monkeypatch.setattr(push_mod, "hash_buffer", failing)
     with Server() as s:
         c = Client(s.address)
         with pytest.raises(OSError):
@@ -263,13 +264,13 @@ def test_a_naive_push_that_fails_mid_stream_closes_the_client_too(tmp_path, monk
 
 
 def test_allocs_ahead_go_on_past_a_large_tensor_already_allocated(tmp_path, monkeypatch):
-    import weightlift.remote.client.client as client_mod
+    import weightlift.remote.client.push as push_mod
 
     sizes = [1 << 20, 1 << 20, 5 << 20, 1 << 20, 1 << 20, 1 << 20]
     t = {f"w.{i}": ("U8", (n,), _rand(n, i)) for i, n in enumerate(sizes)}
     path = write_safetensors(tmp_path / "m.safetensors", t)
     seen = _record_allocs_and_writes(monkeypatch)
-    monkeypatch.setattr(client_mod, "ALLOC_AHEAD_BYTES", 7 << 20)
+    monkeypatch.setattr(push_mod, "ALLOC_AHEAD_BYTES", 7 << 20)
     with Server() as s, Client(s.address) as c:
         c.push(path)
         assert_holds(s, t)

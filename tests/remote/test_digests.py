@@ -14,15 +14,8 @@ import numpy as np
 import pytest
 
 from weightlift.errors import NotFoundError, OptionError
-from weightlift.remote.digest import (
-    HASH_THRESHOLD,
-    MANIFEST_SUFFIX,
-    DigestPool,
-    Manifest,
-    byte_view,
-    hash_buffer,
-    hash_tensors,
-)
+from weightlift.remote.digest import HASH_THRESHOLD, DigestPool, byte_view, hash_buffer
+from weightlift.remote.manifest import MANIFEST_SUFFIX, Manifest, hash_tensors
 
 
 def _data(n: int, seed: int = 0) -> bytes:

@@ -149,7 +149,7 @@ def ensure_tiny_model() -> Path:
     # digests recorded while the files are as written, so the check has something independent
     # of the files to compare with
     from weightlift.checkpoint import open_checkpoint
-    from weightlift.remote.digest import hash_tensors
+    from weightlift.remote.manifest import hash_tensors
 
     hash_tensors(list(open_checkpoint(d)), threshold=0)
     return d

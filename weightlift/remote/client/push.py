@@ -1,0 +1,309 @@
+"""One push job on one connection: ALLOCs ahead of WRITEs, payloads straight from the mapping,
+HAVE for tensors the server may already hold, and one BARRIER at the end.
+
+See :mod:`weightlift.remote.client.client` for the theory of operation; :class:`Pusher` is the
+sender of one connection, :class:`Hashing` the digests computed beside it, :func:`balance` the
+split of a push over several connections.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from typing import NamedTuple
+
+from weightlift.disk.source import mapped
+from weightlift.dtypes import CODES, byte_length
+from weightlift.errors import (
+    RemoteProtocolError,
+    WeightliftError,
+)
+from weightlift.formats import TensorInfo
+from weightlift.profile import Profiler
+from weightlift.remote.client.connection import Connection
+from weightlift.remote.digest import DigestPool, hash_buffer
+from weightlift.remote.manifest import hash_tensors
+from weightlift.remote.protocol import (
+    Alloc,
+    Barrier,
+    BarrierReply,
+    FillFromCache,
+    Have,
+    HaveReply,
+    Message,
+    WriteHeader,
+)
+
+__all__ = [
+    "Plan",
+    "wire_form",
+    "Tally",
+    "Hashing",
+    "balance",
+    "Pusher",
+    "ALLOC_AHEAD_BYTES",
+    "ALLOC_AHEAD_TENSORS",
+    "HAVE_BATCH",
+    "SENDFILE_MIN",
+]
+
+SENDFILE_MIN = 1 << 20  # below this a header and payload go out in one sendmsg
+HAVE_BATCH = 4096
+# ALLOCs run this far ahead of the WRITEs (bytes, tensors): a server faults a tensor's fresh
+# memory in as soon as it is allocated, so it can do the next tensors' while this one arrives.
+# Half the server's fault-ahead window (weightlift.remote.server.FAULT_WINDOW): what is allocated
+# ahead never takes all of it from the tensor being received.
+ALLOC_AHEAD_BYTES = 32 << 20
+ALLOC_AHEAD_TENSORS = 64
+
+
+class Plan(NamedTuple):
+    info: TensorInfo
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def wire_form(t: TensorInfo) -> Plan:
+    """The dtype and shape a tensor travels as: its own, or raw bytes for types the wire lacks."""
+    if t.dtype in CODES:
+        try:
+            if byte_length(t.dtype, t.shape) == t.length:
+                return Plan(t, t.dtype, t.shape)
+        except WeightliftError:
+            pass
+    return Plan(t, "U8", (t.length,))  # GGUF quantized blocks: pushed as their raw bytes
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.tensors = self.bytes = self.sent = self.hashed = self.cached = 0
+
+    def add(self, **kw: int) -> None:
+        with self.lock:
+            for k, v in kw.items():
+                setattr(self, k, getattr(self, k) + v)
+
+
+class Hashing:
+    """Digests of the large tensors of one push: from the files' manifests, else hashed on a pool.
+
+    Counts the bytes it actually hashes: :func:`hash_tensors` asks for a tensor's bytes only
+    when the manifest lacks its digest.
+    """
+
+    def __init__(self, plans: list[Plan], *, threshold: int, prof: Profiler, enabled: bool):
+        self.futures: dict[str, Future[bytes]] = {}
+        self.hashed_bytes = 0
+        self._pool: DigestPool | None = None
+        chosen = [p.info for p in plans if p.info.length >= max(threshold, 1)] if enabled else []
+        if chosen:
+            self._pool = DigestPool(max(1, min(4, (os.cpu_count() or 2) // 2)), profiler=prof)
+            self.futures = hash_tensors(chosen, view=self._view, pool=self._pool, threshold=0)
+
+    def _view(self, t: TensorInfo) -> memoryview:
+        self.hashed_bytes += t.length
+        return mapped(t.file).view(t.offset, t.length)
+
+    def close(self, *, ok: bool) -> None:
+        """After a push: wait for the workers (they save the manifests), or cancel on failure."""
+        if self._pool is not None:
+            self._pool.close(wait=ok)
+
+
+def balance(plans: list[Plan], n: int) -> list[list[Plan]]:
+    """Split into ``n`` groups of about equal bytes; each group keeps file order."""
+    if n == 1:
+        return [plans]
+    groups: list[list[Plan]] = [[] for _ in range(n)]
+    load = [0] * n
+    for p in sorted(plans, key=lambda p: -p.info.length):
+        i = load.index(min(load))
+        groups[i].append(p)
+        load[i] += p.info.length
+    for g in groups:
+        g.sort(key=lambda p: (p.info.file, p.info.offset))
+    return groups
+
+
+class Pusher:
+    """Pushes one group of tensors over one connection."""
+
+    def __init__(self, conn: Connection, opt: bool, prof: Profiler, tally: Tally, hashing: Hashing, threshold: int):
+        self.conn, self.opt, self.prof, self.tally, self.hashing = conn, opt, prof, tally, hashing
+        self.threshold = threshold
+        self.sent: dict[int, Plan] = {}
+        self.ahead: dict[int, int] = {}  # tensors ALLOCated ahead of their WRITE: id(plan) -> tensor id
+        self.ahead_bytes = 0
+        self.settled = True  # False while frames are out that no BARRIER reply has answered
+
+    def run(self, plans: list[Plan]) -> None:
+        self.settled = not plans
+        if not self.opt:
+            for p in plans:
+                self._naive(p)
+            return
+        futures = self.hashing.futures
+        small = deque(p for p in plans if p.info.name not in futures)
+        large = deque(p for p in plans if p.info.name in futures)
+        while small or large:
+            ready: list[Plan] = []
+            while large and futures[large[0].info.name].done() and len(ready) < HAVE_BATCH:
+                ready.append(large.popleft())
+            if ready:
+                self._large(ready)
+            elif small:
+                self._send(small.popleft(), None, upcoming=small)
+            else:
+                futures[large[0].info.name].result()  # nothing else to send: wait for this hash
+        self._barrier()
+
+    def _large(self, plans: list[Plan]) -> None:
+        digests = [self.hashing.futures[p.info.name].result() for p in plans]
+        have = self._have(digests)
+        for p, d, h in zip(plans, digests, have):
+            if h:
+                self._fill(p, d)
+            else:
+                self._send(p, d)
+
+    def _fill(self, p: Plan, digest: bytes) -> None:
+        """ALLOC and FILL_FROM_CACHE: the server takes the bytes from its own cache."""
+        tid = self._alloc(p, digest)
+        self._command(FillFromCache(tid, digest))
+        if self.prof.enabled:
+            self.prof.count(tensors=1)
+        self.tally.add(tensors=1, bytes=p.info.length, cached=1)
+
+    def _have(self, digests: list[bytes]) -> tuple[bool, ...]:
+        t0 = time.perf_counter_ns() if self.prof.enabled else 0
+        self.conn.send(self.conn.frame(Have(tuple(digests))))
+        reply = self.conn.expect(HaveReply)
+        if self.prof.enabled:
+            self.prof.command("HAVE", t0, time.perf_counter_ns())
+        if len(reply.have) != len(digests):
+            raise RemoteProtocolError(f"HAVE asked about {len(digests)} digests; the reply has {len(reply.have)}")
+        return reply.have
+
+    def _new_id(self, p: Plan) -> int:
+        tid = self.conn.next_id
+        self.conn.next_id = (tid + 1) & 0xFFFFFFFF
+        self.sent[tid] = p
+        return tid
+
+    def _alloc_ahead(self, upcoming: deque[Plan]) -> bytes:
+        """ALLOC frames for the next tensors without a digest, up to the ALLOC_AHEAD limits."""
+        frames = []
+        for q in itertools.islice(upcoming, ALLOC_AHEAD_TENSORS):
+            if id(q) in self.ahead:
+                continue  # counted in ahead_bytes already
+            if self.ahead_bytes + q.info.length > ALLOC_AHEAD_BYTES:
+                break
+            if q.info.length:
+                tid = self._new_id(q)
+                frames.append(self._alloc_frame(tid, q, None))
+                self.ahead[id(q)] = tid
+                self.ahead_bytes += q.info.length
+        return b"".join(frames)
+
+    def _alloc_frame(self, tid: int, p: Plan, digest: bytes | None) -> bytes:
+        return self.conn.frame(Alloc(tid, p.info.name, p.dtype, p.shape, p.info.length, digest))
+
+    def _alloc(self, p: Plan, digest: bytes | None) -> int:
+        tid = self._new_id(p)
+        self._command(Alloc(tid, p.info.name, p.dtype, p.shape, p.info.length, digest))
+        return tid
+
+    def _command(self, msg: Message) -> None:
+        self.conn.send(self.conn.frame(msg))
+        if self.prof.enabled:
+            self.prof.count(calls=1)
+
+    def _send(self, p: Plan, digest: bytes | None, tid: int | None = None, upcoming: deque[Plan] | None = None) -> None:
+        """ALLOC (unless resending or ALLOCated ahead) and WRITE with the payload, in one send
+        where possible; with ``upcoming``, the ALLOCs of the next tensors go out ahead, first."""
+        t = p.info
+        head = b""
+        if tid is None and id(p) in self.ahead:
+            tid = self.ahead.pop(id(p))
+            self.ahead_bytes -= t.length
+        if tid is None:
+            tid = self._new_id(p)
+            head = self._alloc_frame(tid, p, digest)
+        if upcoming:
+            head += self._alloc_ahead(upcoming)
+        if t.length == 0:  # complete at ALLOC: a WRITE would name a tensor no longer in flight
+            self.conn.send(head)
+            if self.prof.enabled:
+                self.prof.count(tensors=1, calls=1)
+            self.tally.add(tensors=1)
+            return
+        head += self.conn.frame(WriteHeader(tid, 0, t.length))
+        t0 = time.perf_counter_ns() if self.prof.enabled else 0
+        m = mapped(t.file)
+        if t.length >= SENDFILE_MIN:
+            self.conn.send(head)
+            self.conn.sendfile(m.fileno(), t.offset, t.length)
+        else:
+            self.conn.send(head, m.view(t.offset, t.length))
+        if self.prof.enabled:
+            self.prof.record("wire", t0, time.perf_counter_ns(), t.length, name=t.name)
+            self.prof.count(tensors=1, calls=2, nbytes=t.length)
+        self.tally.add(tensors=1, bytes=t.length, sent=t.length)
+
+    def _barrier(self) -> None:
+        for _ in range(3):
+            t0 = time.perf_counter_ns() if self.prof.enabled else 0
+            self.conn.send(self.conn.frame(Barrier()))
+            reply: BarrierReply = self.conn.expect(BarrierReply)
+            if self.prof.enabled:
+                self.prof.command("BARRIER", t0, time.perf_counter_ns())
+            if reply.errors:
+                self.settled = not reply.need  # in step with the server, nothing left allocated
+                raise RemoteProtocolError("server: " + "; ".join(reply.errors))
+            if not reply.need:
+                self.settled = True
+                return
+            for tid in reply.need:  # a cache entry failed its check on the server: send the bytes
+                p = self.sent.get(tid)
+                if p is None:
+                    raise RemoteProtocolError(f"server asks again for tensor id {tid}, which this client never sent")
+                self.tally.add(tensors=-1, bytes=-p.info.length, cached=-1)
+                self._send(p, None, tid)
+        raise RemoteProtocolError("server keeps asking for tensors again")
+
+    def _naive(self, p: Plan) -> None:
+        """The unoptimised path (WEIGHTLIFT_LOAD_OPT=0), kept for A/B runs."""
+        self.settled = False
+        t = p.info
+        view = mapped(t.file).view(t.offset, t.length)
+        digest = None
+        if t.length >= max(self.threshold, 1):
+            t0 = time.perf_counter_ns() if self.prof.enabled else 0
+            digest = hash_buffer(view, max_threads=1)
+            if self.prof.enabled:
+                self.prof.record("hash", t0, time.perf_counter_ns(), t.length, name=t.name)
+            self.tally.add(hashed=t.length)
+        if digest is not None and self.conn.cache and self._have([digest])[0]:
+            self._fill(p, digest)
+        else:
+            tid = self._new_id(p)
+            head = self._alloc_frame(tid, p, digest if self.conn.cache else None)
+            if t.length:
+                head += self.conn.frame(WriteHeader(tid, 0, t.length))
+            t0 = time.perf_counter_ns() if self.prof.enabled else 0
+            buf = bytearray(len(head) + t.length)  # zero-filled, then copied into: the staging cost
+            buf[: len(head)] = head
+            buf[len(head) :] = view
+            t1 = time.perf_counter_ns() if self.prof.enabled else 0
+            self.conn.send(buf)
+            if self.prof.enabled:
+                self.prof.record("stage", t0, t1, t.length, name=t.name)
+                self.prof.record("wire", t1, time.perf_counter_ns(), t.length, name=t.name)
+                self.prof.count(tensors=1, calls=2, nbytes=t.length)
+            self.tally.add(tensors=1, bytes=t.length, sent=t.length)
+        self._barrier()  # one round trip per tensor

@@ -1,0 +1,284 @@
+"""Digests remembered across runs: a checkpoint file's sidecar manifest, and hashing a list of tensors.
+
+A server that keeps a tensor cache can fill a tensor from it when the client names the tensor's
+BLAKE3 digest, so the client needs digests for the tensors worth asking about, and only then:
+without a server cache a digest is pure cost.
+
+:class:`Manifest` remembers the digests of a checkpoint file in a sidecar JSON, so a second push of
+the same file hashes nothing. The server trusts a digest blindly (it cannot see the client's
+bytes), so a stale digest would put wrong weights in the server's memory without any error; that
+is why a manifest's entries count only while the file's size, mtime, ctime, inode and device are
+what they were when the digests were taken. ctime is in the identity because tools such as
+``rsync -t``, ``tar x`` and ``touch -r`` set mtime back after changing the bytes, while ctime
+cannot be set from user space; the price is a rehash after a chmod or rename of the checkpoint.
+
+:func:`hash_tensors` ties it together for a list of tensors: digests from the manifest where it
+has them, the rest hashed on a :class:`~weightlift.remote.digest.DigestPool`, the manifest saved
+once they are all done.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import secrets
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+import blake3
+
+from weightlift import env
+from weightlift.errors import NotFoundError
+from weightlift.remote.digest import DIGEST_SIZE, HASH_THRESHOLD, DigestPool, digest_hex, hash_buffer
+
+__all__ = ["MANIFEST_SUFFIX", "MANIFEST_VERSION", "Manifest", "hash_tensors"]
+
+#: Suffix of the sidecar manifest next to a checkpoint file.
+MANIFEST_SUFFIX = ".wl-manifest.json"
+MANIFEST_VERSION = 1
+
+
+def _identity(st: os.stat_result) -> dict[str, int]:
+    return {
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+        "inode": st.st_ino,
+        "device": st.st_dev,
+    }
+
+
+def _fallback_dir() -> str:
+    return os.path.join(env.cache_home(), "weightlift", "manifests")
+
+
+class Manifest:
+    """Digests of the tensors of one checkpoint file, valid while the file is unchanged.
+
+    Stored as ``<file>.wl-manifest.json`` beside the file, or, where that folder cannot be written,
+    as ``~/.cache/weightlift/manifests/<blake3 of the real path>.json``. Safe to call from several
+    threads (digests arrive from pool workers).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], identity: dict[str, int]):
+        self.path = os.path.abspath(os.fspath(path))
+        self._identity = identity
+        self._entries: dict[str, tuple[int, int, bytes]] = {}
+        self._dirty = False
+        self._lock = threading.Lock()
+
+    @property
+    def sidecar_path(self) -> str:
+        return self.path + MANIFEST_SUFFIX
+
+    @property
+    def fallback_path(self) -> str:
+        key = blake3.blake3(os.path.realpath(self.path).encode("utf-8", "surrogateescape"))
+        return os.path.join(_fallback_dir(), key.hexdigest() + ".json")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Manifest:
+        """The manifest of ``path`` as saved, or an empty one if none matches the file as it is now.
+
+        NotFoundError if the checkpoint file itself cannot be stat'ed; a missing, corrupt or stale
+        manifest is never an error.
+        """
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise NotFoundError(f"cannot stat checkpoint: {exc.strerror}", file=os.fspath(path)) from exc
+        m = cls(path, _identity(st))
+        for candidate in (m.sidecar_path, m.fallback_path):
+            entries = _read_manifest(candidate, m._identity)
+            if entries is not None:
+                m._entries = entries
+                break
+        return m
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, name: str, offset: int, length: int) -> bytes | None:
+        """The digest recorded for ``name`` at exactly (offset, length), or None."""
+        with self._lock:
+            entry = self._entries.get(name)
+        if entry is None or entry[0] != offset or entry[1] != length:
+            return None
+        return entry[2]
+
+    def put(self, name: str, offset: int, length: int, digest: bytes) -> None:
+        """Record a digest taken of the file's bytes [offset, offset+length)."""
+        digest_hex(digest)  # validates the size
+        with self._lock:
+            if self._entries.get(name) != (offset, length, bytes(digest)):
+                self._entries[name] = (offset, length, bytes(digest))
+                self._dirty = True
+
+    def save(self) -> None:
+        """Write the manifest atomically if it changed; a failure is a warning, never an error.
+
+        Nothing is written if the file changed since :meth:`load`: the digests may then describe
+        bytes that are no longer there.
+        """
+        with self._lock:
+            if not self._dirty:
+                return
+            entries = dict(self._entries)
+            self._dirty = False
+        try:
+            now = _identity(os.stat(self.path))
+        except OSError:
+            now = None
+        if now != self._identity:
+            warnings.warn(f"{self.path} changed while it was hashed; its digests are not saved", stacklevel=2)
+            return
+        doc = {
+            "version": MANIFEST_VERSION,
+            "file": self._identity,
+            "tensors": {
+                name: {"offset": off, "length": ln, "blake3": d.hex()} for name, (off, ln, d) in entries.items()
+            },
+        }
+        data = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+        errors: list[str] = []
+        for target in (self.sidecar_path, self.fallback_path):
+            try:
+                if target == self.fallback_path:
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                _write_atomic(target, data)
+                return
+            except OSError as exc:
+                errors.append(f"{target}: {exc.strerror or exc}")
+        warnings.warn("cannot save digest manifest (" + "; ".join(errors) + ")", stacklevel=2)
+
+
+def _write_atomic(target: str, data: bytes) -> None:
+    tmp = f"{target}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, target)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _read_manifest(path: str, identity: dict[str, int]) -> dict[str, tuple[int, int, bytes]] | None:
+    """The entries in ``path`` if it is a well-formed manifest for ``identity``; None otherwise."""
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read())
+        if not isinstance(doc, dict) or doc.get("version") != MANIFEST_VERSION or doc.get("file") != identity:
+            return None
+        tensors = doc["tensors"]
+        if not isinstance(tensors, dict):
+            return None
+        out: dict[str, tuple[int, int, bytes]] = {}
+        for name, e in tensors.items():
+            off, ln, hx = e["offset"], e["length"], e["blake3"]
+            if type(off) is not int or type(ln) is not int or off < 0 or ln < 0:
+                return None
+            if not isinstance(hx, str) or len(hx) != 2 * DIGEST_SIZE:
+                return None
+            out[name] = (off, ln, bytes.fromhex(hx))
+        return out
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Background hashing
+
+
+class _TensorLike(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def file(self) -> str: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def length(self) -> int: ...
+
+
+def _mapped_view(t: _TensorLike) -> memoryview:
+    from weightlift.disk.source import mapped
+
+    return mapped(t.file).view(t.offset, t.length)
+
+
+def hash_tensors(
+    tensors: Iterable[_TensorLike],
+    *,
+    view: Callable[[Any], Any] | None = None,
+    pool: DigestPool | None = None,
+    threshold: int = HASH_THRESHOLD,
+    manifests: bool = True,
+) -> dict[str, Future[bytes]]:
+    """Digest futures for every tensor of at least ``threshold`` bytes, by name.
+
+    Digests come from each file's :class:`Manifest` where it has them; the rest are hashed on
+    ``pool`` (or inline, already done, when there is none) from ``view(tensor)``, by default the
+    read-only mmap slice of the tensor. When the last digest of a file arrives its manifest is
+    saved, so the next push of the same file hashes nothing.
+    """
+    view = view or _mapped_view
+    chosen = [t for t in tensors if t.length >= threshold]
+    by_file: dict[str, list[_TensorLike]] = {}
+    for t in chosen:
+        by_file.setdefault(t.file, []).append(t)
+    out: dict[str, Future[bytes]] = {}
+    for file, group in by_file.items():
+        manifest = Manifest.load(file) if manifests else None
+        pending: list[tuple[_TensorLike, Future[bytes]]] = []
+        for t in group:
+            known = manifest.get(t.name, t.offset, t.length) if manifest is not None else None
+            fut: Future[bytes]
+            if known is not None:
+                fut = Future()
+                fut.set_result(known)
+            elif pool is not None:
+                fut = pool.submit(t.name, view(t))
+                pending.append((t, fut))
+            else:
+                fut = Future()
+                fut.set_result(hash_buffer(view(t)))
+                pending.append((t, fut))
+            out[t.name] = fut
+        if manifest is not None and pending:
+            _save_when_done(manifest, pending)
+    return out
+
+
+def _save_when_done(manifest: Manifest, pending: Sequence[tuple[_TensorLike, Future[bytes]]]) -> None:
+    remaining = [len(pending)]
+    lock = threading.Lock()
+
+    def done(t: _TensorLike, fut: Future[bytes]) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            manifest.put(t.name, t.offset, t.length, fut.result())
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            manifest.save()
+
+    for t, fut in pending:
+        fut.add_done_callback(functools.partial(_then, done, t))
+
+
+def _then(done: Callable[[Any, Future[bytes]], None], t: Any, fut: Future[bytes]) -> None:
+    done(t, fut)
