@@ -306,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     args = p.parse_args(argv)
 
-    from weightlift.benchmark.harness import evict_files, round_order, summarize, synthetic_checkpoint
+    from weightlift.benchmark.harness import evict_files, round_order, synthetic_checkpoint
+    from weightlift.benchmark.stats import summarize
     from weightlift.distributed import BROADCAST_CHUNK
 
     path = args.path or synthetic_checkpoint(args.size_mib * MIB)

@@ -24,7 +24,10 @@ import json
 import sys
 import timeit
 
-from weightlift.benchmark.harness import GIB, format_table, paired_ratio, run_benchmark
+from weightlift.benchmark.harness import run_benchmark
+from weightlift.benchmark.report import format_table
+from weightlift.benchmark.stats import paired_ratio
+from weightlift.benchmark.synthetic import GIB
 from weightlift.profile import Profiler
 
 ARMS = "loop.plain,loop.off,loop.on,wl.numpy,wl.numpy.profiled"

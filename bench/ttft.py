@@ -44,8 +44,8 @@ from weightlift.benchmark.harness import (
     evict_files,
     max_resident,
     run_once,
-    summarize,
 )
+from weightlift.benchmark.stats import summarize
 
 ARMS = ("transformers", "weightlift", "weightlift.nocopy")
 MODEL_NAME = "ttft-llama-0.8g"

@@ -13,6 +13,16 @@ import threading
 import pytest
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _session_cache(tmp_path_factory):
+    """weightlift's cache folder is the test session's own: what a benchmark recorded on this
+    machine (the fill policy it calibrated, reader counts) must not change a test's outcome."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("WEIGHTLIFT_CACHE", str(tmp_path_factory.mktemp("wl-cache")))
+    yield
+    patch.undo()
+
+
 @pytest.fixture
 def thread_errors(monkeypatch):
     """Exceptions that escaped any thread while the test ran (there must be none)."""

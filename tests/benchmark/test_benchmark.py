@@ -21,16 +21,15 @@ from weightlift.benchmark.harness import (
     describe_checkpoint,
     evict_files,
     expand_arm_names,
-    format_table,
     make_checkpoint,
     max_resident,
-    paired_ratio,
     round_order,
     run_arms,
     run_benchmark,
     run_once,
-    summarize,
 )
+from weightlift.benchmark.report import format_table
+from weightlift.benchmark.stats import paired_ratio, summarize
 from weightlift.errors import OptionError
 
 

@@ -36,6 +36,7 @@ READY = "WL_READY"
 SKIP = "WL_SKIP"
 PAGE = mmap.PAGESIZE
 BLOCK = 8 * 1024 * 1024  # baseline read / copy granule
+BASELINES = ("base.copy", "base.read", "base.tcp", "base.h2d")  # in-process baselines, reported under each table
 READ_LIMIT_THREADS = (1, 2, 4)  # the raw read limit is the fastest of these reader counts
 
 
