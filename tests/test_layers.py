@@ -33,6 +33,7 @@ RANK = {
     "remote": 5,
     "split": 6,
     "distributed": 6,
+    "integrity": 6,
     "api": 7,
     "hf": 8,
     "check": 9,

@@ -11,7 +11,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from weightlift.checkpoint import Checkpoint, Select
+from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
+from weightlift.errors import OptionError
 from weightlift.local.loader import load_local
 from weightlift.split import split_load
 
@@ -39,6 +40,8 @@ def load(
     streams: int = 1,
     shard: Any = None,
     group: Any = None,
+    verify: bool = False,
+    manifest: Any = None,
 ) -> dict[str, Any]:
     """Load tensors from a checkpoint into memory; returns ``{name: array}`` in file order.
 
@@ -60,11 +63,24 @@ def load(
     ``remote`` makes it a split load: ``{"host:port": select}`` pushes those tensors to each
     tensor server (with ``token`` and ``streams``) while the rest load here, at the same time;
     the result holds the local tensors and ``report["remote"]`` what each push did.
+
+    ``verify=True`` hashes (BLAKE3) the bytes that landed in the destination, as they land, on
+    the threads that copied them, and compares each tensor with ``manifest`` (a published
+    manifest's path, see :mod:`weightlift.integrity`) or, without one, with the digests of the
+    file's own bytes (from the sidecar beside it, hashed once when it has none). A CUDA load
+    hashes the host-side staging bytes it copies to the device; a dtype cast, the bytes it read.
+    A mismatch raises IntegrityError naming the tensors, and nothing is returned.
     """
     local: dict[str, Any] = dict(
         device=device, framework=framework, dtype=dtype, copy=copy, page_cache=page_cache, warm=warm,
         threads=threads, engine=engine, dequantize=dequantize, profile=profile, progress=progress, report=report,
     )  # fmt: skip
+    if manifest is not None and not verify:
+        raise OptionError("manifest= is only used with verify=True")
+    if verify and (shard is not None or group is not None or remote):
+        raise OptionError("verify=True is for local loads (not with remote, shard or group)")
+    if verify:
+        return _verified_load(path, select, manifest, local)
     if shard is not None or group is not None:  # a rank's slices, or one read shared by a process group
         from weightlift.distributed import distributed_load
 
@@ -87,3 +103,18 @@ def load(
             report["seconds"] = res.seconds
         return res.local
     return load_local(path, select=select, **local)
+
+
+def _verified_load(path: Any, select: Select, manifest: Any, local: dict[str, Any]) -> dict[str, Any]:
+    from weightlift.integrity import LandedHasher, expected_digests
+
+    ck = path if isinstance(path, Checkpoint) else open_checkpoint(path)
+    infos = ck.select(select)
+    hasher = LandedHasher(infos, expected_digests(infos, manifest))
+    out = load_local(ck, select=select, on_landed=hasher.landed, **local)
+    try:
+        hasher.check()
+    except BaseException:
+        out.clear()
+        raise
+    return out

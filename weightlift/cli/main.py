@@ -113,6 +113,9 @@ def _cmd_load(a: argparse.Namespace) -> int:
         profile=prof,
         report=report,
     )
+    if a.verify or a.manifest:
+        kwargs["verify"] = True
+        kwargs["manifest"] = a.manifest
     if a.remote:
         from weightlift.remote.token import read_token
         from weightlift.split import parse_remote
@@ -135,6 +138,41 @@ def _cmd_load(a: argparse.Namespace) -> int:
     if prof is not None:
         print(prof.format())
     return 0
+
+
+def _cmd_manifest(a: argparse.Namespace) -> int:
+    from weightlift.integrity import default_manifest_path, make_manifest
+    from weightlift.remote.manifest import write_atomic
+
+    m = make_manifest(a.path, select=a.select)
+    if a.output == "-":
+        sys.stdout.write(m.to_json())
+        return 0
+    out = a.output or default_manifest_path(a.path)
+    try:
+        write_atomic(out, m.to_json().encode())
+    except OSError as e:
+        from weightlift.errors import FileError
+
+        raise FileError(f"cannot write manifest: {e.strerror or e}", file=out, errno=e.errno) from None
+    total = sum(e.length for e in m.entries)
+    print(f"{len(m.entries)} tensors, {total:,} bytes; manifest digest {m.digest}; written to {out}")
+    return 0
+
+
+def _cmd_verify(a: argparse.Namespace) -> int:
+    from weightlift.integrity import default_manifest_path, read_manifest, verify_checkpoint
+
+    path = a.manifest or default_manifest_path(a.path)
+    m = read_manifest(path)
+    differ = verify_checkpoint(a.path, m, select=a.select)
+    if a.json:
+        print(json.dumps({"manifest": path, "digest": m.digest, "ok": not differ, "differ": differ}, indent=1))
+    else:
+        for d in differ:
+            print(f"differs: {_shown(d)}")
+        print(f"{'FAILED' if differ else 'OK'}: {len(differ)} tensor(s) differ from {path} (digest {m.digest})")
+    return 1 if differ else 0
 
 
 def _cmd_demo(a: argparse.Namespace) -> int:
@@ -186,8 +224,27 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--token-file", help="split load: the servers' shared token")
     ld.add_argument("--profile", action="store_true", help="report the load by phase")
     ld.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the load")
+    ld.add_argument(
+        "--verify",
+        action="store_true",
+        help="hash the landed bytes as they land and compare with --manifest (or the file's own digests)",
+    )
+    ld.add_argument("--manifest", metavar="FILE", help="with --verify: the published manifest to compare with")
     ld.add_argument("--json", action="store_true")
     ld.set_defaults(func=_cmd_load)
+
+    mf = sub.add_parser("manifest", help="write a checkpoint's manifest: per tensor dtype, shape, bytes, BLAKE3")
+    mf.add_argument("path")
+    _add_select(mf)
+    mf.add_argument("-o", "--output", metavar="FILE", help="where to write it ('-': stdout; default: beside PATH)")
+    mf.set_defaults(func=_cmd_manifest)
+
+    vf = sub.add_parser("verify", help="hash a checkpoint afresh and compare with its manifest; exit 1 if any differs")
+    vf.add_argument("path")
+    _add_select(vf)
+    vf.add_argument("--manifest", metavar="FILE", help="the manifest (default: the one `manifest` writes beside PATH)")
+    vf.add_argument("--json", action="store_true")
+    vf.set_defaults(func=_cmd_verify)
 
     from weightlift import check
     from weightlift.cli import remote

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -54,10 +54,16 @@ from weightlift.local.plan import CHUNK, Run, layout, make_chunks, make_runs
 from weightlift.memory.fresh import policy as _fill_policy
 from weightlift.memory.targets import CastTarget, CudaTarget, Target, fresh_host, make_target, populate, view_as
 
-__all__ = ["load_local", "DEFAULT_THREADS"]
+__all__ = ["load_local", "Landed", "DEFAULT_THREADS"]
 
 DEFAULT_THREADS = max(1, min(8, os.cpu_count() or 1))
 _PLAIN = {d.name for d in DTYPES}
+
+
+class Landed(Protocol):
+    """Told the bytes of ``file`` at ``offset`` as they landed (see :func:`load_local`)."""
+
+    def __call__(self, file: str, offset: int, data: Any, *, stable: bool = True) -> None: ...
 
 
 def load_local(
@@ -76,11 +82,18 @@ def load_local(
     profile: Any = None,
     progress: bool | None = None,
     report: dict[str, Any] | None = None,
+    on_landed: Landed | None = None,
 ) -> dict[str, Any]:
     """Load tensors from a checkpoint into this process's memory; returns ``{name: array}`` in file order.
 
     The options are :func:`weightlift.load`'s local ones (see there); the split and distributed
     loads are dispatched by :mod:`weightlift.api` before they reach this function.
+
+    ``on_landed(file, offset, data, stable=...)`` is called by the worker that landed them with
+    the bytes of ``file`` at ``offset`` as they now are in the destination, right after the copy
+    (a verified load hashes them there, while they are in the cache). For a CUDA destination
+    ``data`` is the host-side pinned staging buffer, reused after the call (``stable=False``);
+    for a dtype cast it is the source bytes the conversion read; for ``copy=False`` the views.
     """
     t_start = time.perf_counter()
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
@@ -108,6 +121,9 @@ def load_local(
         if want:
             _prefetch(infos, maps, want, prof, _progress(progress, nbytes))
         out = _borrow(infos, maps, framework, dequantize)
+        if on_landed is not None:
+            for t in infos:
+                on_landed(t.file, t.offset, maps[t.file].view(t.offset, t.length))
     else:
         target = make_target(device, framework, None)
         evict = _evict_policy(page_cache, target)
@@ -124,6 +140,7 @@ def load_local(
             warm=warm,
             prof=prof,
             progress=_progress(progress, nbytes),
+            on_landed=on_landed,
         )
         out = mover.run()
         if dequantize:
@@ -310,7 +327,9 @@ class _Mover:
         warm: bool | None,
         prof: Any,
         progress: Callable[[int], None] | None,
+        on_landed: Landed | None = None,
     ):
+        self.on_landed = on_landed
         self.infos = infos
         self.target = target
         self.maps = maps
@@ -431,6 +450,8 @@ class _Mover:
                         self._device_chunk(r.file, src_off, c.length, arena_dev, dst_off, slots, flip)
                     else:
                         self._host_chunk(r.file, src_off, c.length, arena[dst_off : dst_off + c.length])
+                        if self.on_landed is not None:
+                            self.on_landed(r.file, src_off, arena[dst_off : dst_off + c.length])
                     if self.evict:
                         evict_range(r.file, src_off, c.length)
                     if self.progress is not None:
@@ -504,6 +525,8 @@ class _Mover:
             ev = torch.cuda.Event()
             ev.record(stream)
         events[k] = ev
+        if self.on_landed is not None:  # the staging slot, read beside the device copy
+            self.on_landed(file, off, nps[k][:n], stable=False)
         if prof is not None:
             prof.record("stage", t0, t1, n)
             prof.record("device", t1, time.perf_counter_ns(), n)
@@ -515,6 +538,8 @@ class _Mover:
         if isinstance(self.target, CudaTarget):
             ct = CudaTarget(self.target.device, self.cast)  # one set of pinned slots for all tensors
             for t in infos:
+                if self.on_landed is not None:
+                    self.on_landed(t.file, t.offset, self.maps[t.file].view(t.offset, t.length))
                 dest = ct.empty(t.dtype, t.shape)
                 ct.write(dest, 0, self.maps[t.file].view(t.offset, t.length))
                 out[t.name] = ct.finish(dest)
@@ -523,6 +548,8 @@ class _Mover:
         for t in infos:
             prof = self.prof
             t0 = time.perf_counter_ns() if prof is not None else 0
+            if self.on_landed is not None:
+                self.on_landed(t.file, t.offset, self.maps[t.file].view(t.offset, t.length))
             out[t.name] = cast.convert(self.maps[t.file].view(t.offset, t.length), t.dtype, t.shape)
             if prof is not None:
                 prof.record("stage", t0, time.perf_counter_ns(), t.length)

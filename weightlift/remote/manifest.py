@@ -35,7 +35,7 @@ from weightlift import env
 from weightlift.errors import NotFoundError
 from weightlift.remote.digest import DIGEST_SIZE, HASH_THRESHOLD, DigestPool, digest_hex, hash_buffer
 
-__all__ = ["MANIFEST_SUFFIX", "MANIFEST_VERSION", "Manifest", "hash_tensors"]
+__all__ = ["MANIFEST_SUFFIX", "MANIFEST_VERSION", "Manifest", "hash_tensors", "write_atomic"]
 
 #: Suffix of the sidecar manifest next to a checkpoint file.
 MANIFEST_SUFFIX = ".wl-manifest.json"
@@ -149,14 +149,15 @@ class Manifest:
             try:
                 if target == self.fallback_path:
                     os.makedirs(os.path.dirname(target), exist_ok=True)
-                _write_atomic(target, data)
+                write_atomic(target, data)
                 return
             except OSError as exc:
                 errors.append(f"{target}: {exc.strerror or exc}")
         warnings.warn("cannot save digest manifest (" + "; ".join(errors) + ")", stacklevel=2)
 
 
-def _write_atomic(target: str, data: bytes) -> None:
+def write_atomic(target: str, data: bytes) -> None:
+    """Write ``data`` to ``target`` through a temporary file and a rename: all or nothing."""
     tmp = f"{target}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:

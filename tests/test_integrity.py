@@ -1,0 +1,141 @@
+"""Manifests, verify, and verified loads: exact bytes, a flipped byte caught and named."""
+
+from __future__ import annotations
+
+import json
+
+import blake3
+import numpy as np
+import pytest
+
+import weightlift
+from weightlift.checkpoint import open_checkpoint
+from weightlift.cli.main import main
+from weightlift.errors import IntegrityError, OptionError
+from weightlift.formats import TensorInfo
+from weightlift.integrity import (
+    LandedHasher,
+    default_manifest_path,
+    make_manifest,
+    read_manifest,
+    verify_checkpoint,
+)
+from weightlift.local import loader
+from weightlift.remote.manifest import MANIFEST_SUFFIX
+
+from .checkpoints import every_dtype, write
+
+
+def _tensors(n: int = 6, size: int = 20_000) -> list[tuple[str, str, tuple[int, ...], bytes]]:
+    rng = np.random.default_rng(7)
+    out = [(f"layer.{i}", "U8", (size,), rng.integers(0, 256, size, dtype=np.uint8).tobytes()) for i in range(n)]
+    return out + every_dtype()
+
+
+def _flip(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_manifest_round_trip_and_digests(tmp_path):
+    ts = _tensors()
+    path = write(tmp_path / "m.safetensors", ts)
+    m = make_manifest(path)
+    assert [e.name for e in m.entries] == [t.name for t in open_checkpoint(path).select()]  # file order
+    by_name = m.by_name()
+    for name, dtype, shape, raw in ts:
+        e = by_name[name]
+        assert (e.dtype, e.shape, e.length, e.blake3) == (dtype, shape, len(raw), blake3.blake3(raw).hexdigest())
+    out = tmp_path / "published.json"
+    out.write_text(m.to_json())
+    back = read_manifest(out)
+    assert back == m and back.digest == m.digest
+    doc = json.loads(out.read_text())
+    assert (
+        doc["digest"]
+        == blake3.blake3(
+            json.dumps([e.as_dict() for e in m.entries], separators=(",", ":"), sort_keys=True).encode()
+        ).hexdigest()
+    )
+    assert verify_checkpoint(path, back) == []
+    # the sidecar the push client uses was filled: a second manifest hashes nothing new
+    assert (tmp_path / ("m.safetensors" + MANIFEST_SUFFIX)).exists()
+
+
+def test_edited_manifest_is_refused(tmp_path):
+    path = write(tmp_path / "m.safetensors", _tensors(2))
+    doc = json.loads(make_manifest(path).to_json())
+    doc["tensors"][0]["blake3"] = "00" * 32
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    with pytest.raises(IntegrityError, match="own digest"):
+        read_manifest(tmp_path / "bad.json")
+
+
+def test_flipped_byte_in_file_is_named(tmp_path, capsys):
+    ts = _tensors()
+    path = write(tmp_path / "m.safetensors", ts)
+    assert main(["manifest", str(path)]) == 0
+    assert (tmp_path / "m.safetensors.manifest.json").exists() and default_manifest_path(path).endswith(
+        ".manifest.json"
+    )
+    assert main(["verify", str(path)]) == 0
+    t3 = open_checkpoint(path).select("layer.3")[0]
+    _flip(path, t3.offset + 1234)
+    capsys.readouterr()
+    assert main(["verify", str(path), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] is False and out["differ"] == ["layer.3 (BLAKE3 differs)"]
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_verified_load_matches(tmp_path, monkeypatch, threads):
+    monkeypatch.setattr(loader, "CHUNK", 4096)  # many chunks per tensor, landing out of order
+    ts = _tensors()
+    path = write(tmp_path / "m.safetensors", ts)
+    (tmp_path / "pub.json").write_text(make_manifest(path).to_json())
+    for manifest in (None, str(tmp_path / "pub.json")):
+        out = weightlift.load(path, verify=True, manifest=manifest, threads=threads)
+        assert {k: v.tobytes() for k, v in out.items()} == {n: raw for n, _, _, raw in ts}
+
+
+def test_flipped_byte_in_destination_is_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(loader, "CHUNK", 4096)
+    ts = _tensors()
+    path = write(tmp_path / "m.safetensors", ts)
+    target = open_checkpoint(path).select("layer.4")[0]
+    real = loader._Mover._host_chunk
+
+    def corrupting(self, file, off, n, dst):
+        real(self, file, off, n, dst)
+        if off <= target.offset + 5000 < off + n:  # lands right, then is changed in memory
+            dst[target.offset + 5000 - off] ^= 1
+
+    monkeypatch.setattr(loader._Mover, "_host_chunk", corrupting)
+    with pytest.raises(IntegrityError, match=r"1 tensor\(s\).*: layer\.4$"):
+        weightlift.load(path, verify=True, threads=4)
+    assert main(["load", str(path), "--verify"]) == 2
+
+
+def test_landed_pieces_in_any_order_and_reused_buffers():
+    data = np.random.default_rng(1).integers(0, 256, 10_000, dtype=np.uint8)
+    ts = [TensorInfo("a", "U8", (3000,), "f", 100, 3000), TensorInfo("b", "U8", (6900,), "f", 3100, 6900)]
+    expected = {t.name: blake3.blake3(data[t.offset : t.end].tobytes()).digest() for t in ts}
+    h = LandedHasher(ts, expected)
+    pieces = [(o, min(o + 700, 10_000)) for o in range(0, 10_000, 700)]
+    for a, b in reversed(pieces):  # every piece early but the last: all parked, then drained
+        buf = data[a:b].copy()
+        h.landed("f", a, buf, stable=False)
+        buf[:] = 0  # a staging slot reused at once
+    h.check()
+
+
+def test_verify_options(tmp_path):
+    path = write(tmp_path / "m.safetensors", _tensors(1))
+    with pytest.raises(OptionError):
+        weightlift.load(path, manifest=str(tmp_path / "x.json"))
+    (tmp_path / "pub.json").write_text(make_manifest(path, select="layer.*").to_json())
+    with pytest.raises(IntegrityError, match="not in the manifest"):
+        weightlift.load(path, verify=True, manifest=str(tmp_path / "pub.json"))
