@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from weightlift.errors import NotFoundError, OptionError
-from weightlift.remote.digest import HASH_THRESHOLD, DigestPool, byte_view, hash_buffer
+from weightlift.remote.digest import HASH_THRESHOLD, NAIVE_HASH_THRESHOLD, DigestPool, byte_view, hash_buffer
 from weightlift.remote.manifest import MANIFEST_SUFFIX, Manifest, hash_tensors
 
 
@@ -313,7 +313,8 @@ def test_hash_tensors_uses_and_fills_manifest(tmp_path):
 
 
 def test_hash_threshold():
-    assert HASH_THRESHOLD == 10 * 1024 * 1024
+    assert HASH_THRESHOLD == 1024 * 1024  # mixture-of-experts experts are 1-8 MiB
+    assert NAIVE_HASH_THRESHOLD == 10 * 1024 * 1024
 
 
 def test_hash_tensors_default_view_reads_the_file(tmp_path):

@@ -17,13 +17,28 @@ import blake3
 
 from weightlift.errors import OptionError
 
-__all__ = ["DIGEST_SIZE", "HASH_THRESHOLD", "PARALLEL_HASH_MIN", "digest_hex", "byte_view", "hash_buffer", "DigestPool"]
+__all__ = [
+    "DIGEST_SIZE",
+    "HASH_THRESHOLD",
+    "NAIVE_HASH_THRESHOLD",
+    "PARALLEL_HASH_MIN",
+    "digest_hex",
+    "byte_view",
+    "hash_buffer",
+    "DigestPool",
+]
 
 #: Bytes in a BLAKE3 digest as used on the wire and as a cache key.
 DIGEST_SIZE = 32
-#: Tensors at or above this size are hashed when the server has a cache; below it the round trip
-#: of asking costs more than sending the bytes.
-HASH_THRESHOLD = 10 * 1024 * 1024
+#: Tensors at or above this size are hashed when the server has a cache. Low enough for the
+#: experts of a mixture-of-experts checkpoint (1-8 MiB each): the client asks about thousands of
+#: digests in one HAVE, so a cached tensor costs an ALLOC and a FILL_FROM_CACHE frame (about a
+#: hundred bytes) and no round trip of its own. Every server that keeps a cache (minor 1 on)
+#: takes digests of any size, so no new capability is needed.
+HASH_THRESHOLD = 1024 * 1024
+#: The naive client's threshold (``WEIGHTLIFT_LOAD_OPT=0``), one round trip per tensor: kept as
+#: it was for A/B runs.
+NAIVE_HASH_THRESHOLD = 10 * 1024 * 1024
 #: Inputs at least this large are hashed with blake3's multithreaded mode; fed in small pieces
 #: its thread pool loses to one thread, so small inputs stay single-threaded (bench/RESULTS.md).
 PARALLEL_HASH_MIN = 1024 * 1024

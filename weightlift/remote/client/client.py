@@ -6,7 +6,8 @@ mapping (or with sendfile for large payloads): no staging copy, no zero-fill, an
 wait for. One BARRIER at the end collects what the server completed and any errors.
 
 Hashing happens only where it can pay: when the server's HELLO says it keeps a cache, and only
-for tensors of at least ``hash_threshold`` bytes. Their digests come from the file's sidecar
+for tensors of at least ``hash_threshold`` bytes (1 MiB by default, so the experts of a
+mixture-of-experts checkpoint are covered). Their digests come from the file's sidecar
 manifest when it has them (so a second push of the same file hashes nothing) and are otherwise
 computed on worker threads while the sender moves the small tensors. Each batch of large
 tensors whose digests are ready is asked about in one HAVE; the server fills the ones it has
@@ -42,7 +43,7 @@ from weightlift.formats.safetensors import build_header
 from weightlift.profile import Profiler
 from weightlift.remote.client.connection import Connection
 from weightlift.remote.client.push import Hashing, Plan, Pusher, Tally, balance, wire_form
-from weightlift.remote.digest import HASH_THRESHOLD
+from weightlift.remote.digest import HASH_THRESHOLD, NAIVE_HASH_THRESHOLD
 from weightlift.remote.protocol import (
     MAX_TENSORS,
     PROTOCOL_MINOR,
@@ -155,9 +156,15 @@ class Client:
         source: str | os.PathLike[str] | Checkpoint,
         *,
         select: Select = None,
-        hash_threshold: int = HASH_THRESHOLD,
+        hash_threshold: int | None = None,
     ) -> PushResult:
-        """Send the selected tensors of a checkpoint to the server; returns when all have landed."""
+        """Send the selected tensors of a checkpoint to the server; returns when all have landed.
+
+        ``hash_threshold``: tensors of at least this many bytes are hashed and asked about when
+        the server keeps a cache (default :data:`~weightlift.remote.digest.HASH_THRESHOLD`).
+        """
+        if hash_threshold is None:
+            hash_threshold = HASH_THRESHOLD if self._opt else NAIVE_HASH_THRESHOLD
         ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
         plans = [wire_form(t) for t in ck.select(select)]
         self._conn()
