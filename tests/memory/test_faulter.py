@@ -38,6 +38,7 @@ def receiver_faults_ahead(monkeypatch):
     """These tests pin the receiver's side to faulting a piece the helpers have not reached;
     the other policy has a test of its own."""
     monkeypatch.setenv("WEIGHTLIFT_FAULT_AHEAD", "1")
+    monkeypatch.setenv("WEIGHTLIFT_FAULT_METHOD", "touch")  # one zero written per page shows each fault
     fresh.reset_policy()
     yield
     fresh.reset_policy()

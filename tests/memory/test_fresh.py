@@ -50,11 +50,12 @@ def test_environment_overrides_each_choice_on_its_own(monkeypatch):
     p = fresh.policy()
     assert p.huge is True and p.helpers == 0 and p.source == "environment"
     assert p.ahead == DEFAULT.ahead and p.method == DEFAULT.method
-    monkeypatch.setenv("WEIGHTLIFT_FAULT_AHEAD", "1")
-    monkeypatch.setenv("WEIGHTLIFT_FAULT_METHOD", "populate")
+    other = "touch" if DEFAULT.method == "populate" else "populate"
+    monkeypatch.setenv("WEIGHTLIFT_FAULT_AHEAD", "0" if DEFAULT.ahead else "1")
+    monkeypatch.setenv("WEIGHTLIFT_FAULT_METHOD", other)
     assert fresh.policy().ahead == DEFAULT.ahead  # read once per process ...
     fresh.reset_policy()
-    assert fresh.policy().ahead is True and fresh.policy().method == "populate"  # ... until reset
+    assert fresh.policy().ahead is not DEFAULT.ahead and fresh.policy().method == other  # ... until reset
 
 
 def test_a_calibration_recorded_for_this_machine_is_used_and_others_are_not(tmp_path):
@@ -138,6 +139,7 @@ def test_fault_in_with_populate_keeps_the_bytes_of_memory_already_written():
 
 def test_before_kernel_copy_follows_the_policy(monkeypatch):
     a = np.ones(3 * 4096, dtype=np.uint8)
+    monkeypatch.setenv("WEIGHTLIFT_FAULT_METHOD", "touch")  # writes a zero into each page it faults
     monkeypatch.setenv("WEIGHTLIFT_FAULT_AHEAD", "0")
     fresh.reset_policy()
     fresh.before_kernel_copy(a)

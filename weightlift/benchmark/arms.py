@@ -779,6 +779,14 @@ SPECS: dict[str, ArmSpec] = {
             weightlift=True,
         ),
         ArmSpec(
+            "wl.numpy.hugeahead",
+            "local",
+            "wl.numpy with huge pages and every kernel copy faulted ahead by touch (the fill before the policy)",
+            ("weightlift.api",),
+            weightlift=True,
+            env={"WEIGHTLIFT_HUGEPAGES": "1", "WEIGHTLIFT_FAULT_AHEAD": "1", "WEIGHTLIFT_FAULT_METHOD": "touch"},
+        ),
+        ArmSpec(
             "wl.torch", "local", "weightlift.load(framework='torch')", ("weightlift.api", "torch"), weightlift=True
         ),
         ArmSpec(
@@ -790,6 +798,22 @@ SPECS: dict[str, ArmSpec] = {
             weightlift=True,
         ),
         ArmSpec("wl.push", "remote", "weightlift.Client push to a Server over loopback", _WL_PUSH_REQ, weightlift=True),
+        ArmSpec(
+            "wl.push.hugeahead",
+            "remote",
+            "wl.push with huge pages and every kernel copy faulted ahead by touch (the fill before the policy)",
+            _WL_PUSH_REQ,
+            weightlift=True,
+            env={"WEIGHTLIFT_HUGEPAGES": "1", "WEIGHTLIFT_FAULT_AHEAD": "1", "WEIGHTLIFT_FAULT_METHOD": "touch"},
+        ),
+        ArmSpec(
+            "wl.push.nohelpers",
+            "remote",
+            "wl.push with no fault-ahead helper threads in the server",
+            _WL_PUSH_REQ,
+            weightlift=True,
+            env={"WEIGHTLIFT_FAULT_HELPERS": "0"},
+        ),
         ArmSpec(
             "wl.push.legacy",
             "remote",
@@ -889,10 +913,13 @@ BODIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "wl.numpy": lambda o: _wl_load(o, framework="numpy", copy=True),
     "wl.numpy.profiled": lambda o: _wl_load({**o, "profile": True}, framework="numpy", copy=True),
     "wl.numpy.nocopy": lambda o: _wl_load(o, framework="numpy", copy=False),
+    "wl.numpy.hugeahead": lambda o: _wl_load(o, framework="numpy", copy=True),
     "wl.torch": lambda o: _wl_load(o, framework="torch"),
     "wl.cuda": lambda o: _wl_load(o, framework="torch", device="cuda"),
     "wl.push": _wl_push,
     "wl.push.legacy": _wl_push,
+    "wl.push.hugeahead": _wl_push,
+    "wl.push.nohelpers": _wl_push,
     "wl.push.cached": lambda o: _wl_push(o, cache=True),
     "wl.push.update": lambda o: _wl_push_again(o, cache=False),
     "wl.push.second": lambda o: _wl_push_again(o, cache=True),

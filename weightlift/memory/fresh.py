@@ -89,10 +89,12 @@ class FillPolicy:
             raise ValueError(f"fault method must be 'touch' or 'populate', not {self.method!r}")
 
 
-# Where a host backs guest memory lazily, 4 KiB pages filled by the copy itself were the fastest
-# way to land bytes in fresh memory, huge pages and faulting ahead slower for every fill
-# (bench/RESULTS.md, fill strategies); a calibration or the environment overrides it.
-DEFAULT = FillPolicy(huge=False, ahead=False, method="touch")
+# Where a host backs guest memory lazily, 4 KiB pages were faster than huge pages for every way
+# of filling fresh memory, and a kernel copy into memory populated first (MADV_POPULATE_WRITE,
+# one call per piece) faster than one left to fault its own pages (bench/RESULTS.md, fill
+# strategies); a calibration or the environment overrides it. Without MADV_POPULATE_WRITE
+# (Linux before 5.14) fault_in falls back to one write per page.
+DEFAULT = FillPolicy(huge=False, ahead=True, method="populate")
 
 _lock = threading.Lock()
 _policy: FillPolicy | None = None
