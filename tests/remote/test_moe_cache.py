@@ -17,7 +17,7 @@ MIB = 1 << 20
 def moe(tmp_path) -> tuple[str, dict[str, bytes]]:
     """16 experts of 1 or 1.5 MiB between small norms and a router, as MoE layers lie in a file."""
     rng = np.random.default_rng(11)
-    tensors = []
+    tensors: list[tuple[str, str, tuple[int, ...], bytes]] = []
     for layer in range(2):
         tensors.append((f"l{layer}.norm", "F32", (1024,), rng.integers(0, 256, 4096, dtype=np.uint8).tobytes()))
         tensors.append((f"l{layer}.router", "BF16", (8, 512), rng.integers(0, 256, 8192, dtype=np.uint8).tobytes()))
