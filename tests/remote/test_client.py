@@ -355,9 +355,9 @@ def test_server_errors_surface_at_the_end_of_a_push(tmp_path):
             c.push(path)
         assert list(s.tensors()) == ["large.0"]
         # each stored tensor is charged its name and a per-entry overhead besides its bytes
-        from weightlift.remote.server.server import ENTRY_OVERHEAD
+        from weightlift.remote.server.store import entry_cost
 
-        assert s.memory_used == 300_000 + len("large.0") + ENTRY_OVERHEAD
+        assert s.memory_used == entry_cost("large.0", 300_000, 1)
 
 
 def test_connection_refused_is_a_transport_error():

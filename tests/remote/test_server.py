@@ -35,12 +35,13 @@ from weightlift.remote.protocol import (
     WriteHeader,
     send,
 )
-from weightlift.remote.server.server import ENTRY_OVERHEAD, Server, is_loopback
+from weightlift.remote.server.server import Server, is_loopback
+from weightlift.remote.server.store import entry_cost
 
 
-def _cost(name: str, nbytes: int) -> int:
+def _cost(name: str, nbytes: int, ndim: int = 1) -> int:
     """What one tensor counts against max_memory."""
-    return nbytes + len(name.encode()) + ENTRY_OVERHEAD
+    return entry_cost(name, nbytes, ndim)
 
 
 class Raw:
@@ -128,7 +129,7 @@ def test_raw_push_becomes_visible_and_reports_at_barrier(server):
     got = server.tensors()
     assert np.array_equal(got["w"], a) and got["w"].dtype == np.float32
     assert got["empty"].shape == (0, 4)
-    assert server.memory_used == _cost("w", a.nbytes) + _cost("empty", 0)
+    assert server.memory_used == _cost("w", a.nbytes) + _cost("empty", 0, 2)
     raw.send(Bye())
     assert raw.closed()
 
@@ -299,7 +300,7 @@ def test_max_memory_enforced():
         assert reply.tensors == 2
         assert len(reply.errors) == 1 and "memory limit" in reply.errors[0]
         assert sorted(s.tensors()) == ["a", "c"] and s.memory_used == limit
-        raw.send(Alloc(3, "big", "U8", (2000,), 2000))
+        raw.send(Alloc(3, "big", "U8", (20000,), 20000))
         reply = raw.recv()  # over the largest tensor the server takes: a protocol error
         assert isinstance(reply, Error) and "limit" in reply.message
 
@@ -909,7 +910,9 @@ def test_a_tensor_allocated_ahead_at_the_limit_is_charged_at_its_first_byte():
             raw.send(WriteHeader(i, 0, t.nbytes), t.tobytes())
         assert _barrier(raw).tensors == 4
         full = s.memory_used
-    with Server(max_memory=full + (4 << 20) + 1024) as s:
+    # room for one more tensor's data, and the bookkeeping of those allocated ahead of it
+    headroom = (4 << 20) + 4 * _cost("t0", 0)
+    with Server(max_memory=full + headroom) as s:
         raw = Raw(s.address)
         raw.hello()
         for i, t in enumerate(ts):
@@ -936,7 +939,7 @@ def test_a_tensor_allocated_ahead_at_the_limit_is_charged_at_its_first_byte():
         assert reply.tensors == 1 and len(reply.errors) == 1 and "memory limit" in reply.errors[0]
         assert "big" not in s.tensors() and s.tensors()["t0"][0] == 0
         used = s.memory_used
-    assert used <= full + (4 << 20) + 1024
+    assert used <= full + headroom
 
 
 def test_failed_allocations_release_their_reservation(monkeypatch, thread_errors):

@@ -466,6 +466,11 @@ class Decoder:
         return self._payload_left
 
     @property
+    def buffered(self) -> int:
+        """Bytes fed and not yet taken out as messages or payload."""
+        return len(self._buf)
+
+    @property
     def at_boundary(self) -> bool:
         """True between frames with nothing buffered: the peer may close here cleanly."""
         return not self._buf and self._payload_left == 0 and self._frame_len < 0

@@ -25,6 +25,7 @@ from weightlift.remote.protocol import (
     MAX_HANDSHAKE_FRAME,
     MAX_TENSOR_BYTES,
     MAX_TENSORS,
+    NEED_DATA,
     PROTOCOL_MAJOR,
     Alloc,
     Auth,
@@ -57,13 +58,15 @@ from weightlift.remote.protocol import (
 )
 from weightlift.remote.server.context import Context
 from weightlift.remote.server.receive import STAGING_BYTES, Receiver
-from weightlift.remote.transport import Stream, receive_message, receive_payload
+from weightlift.remote.server.store import Charge, MemoryFull
+from weightlift.remote.transport import Stream, receive_payload
 
-__all__ = ["Connection", "SCRATCH_BYTES", "LINGER_BYTES", "LINGER_SECONDS"]
+__all__ = ["Connection", "SCRATCH_BYTES", "LINGER_BYTES", "LINGER_SECONDS", "FRAME_SLACK"]
 
 SCRATCH_BYTES = 64 * 1024  # frame headers and drained payloads
 LINGER_BYTES = 64 * 1024 * 1024  # after an ERROR, how much of the peer's input to drain before closing
 LINGER_SECONDS = 2.0  # ... and for how long at most, however the peer spaces its bytes
+FRAME_SLACK = 1 / 8  # a frame buffer is charged its length and this much more (a bytearray over-allocates)
 
 _log = logging.getLogger("weightlift.remote.server")
 
@@ -88,6 +91,8 @@ class Connection:
         self.client_max_frame = MAX_FRAME
         self.prof = Profiler(ctx.profile)
         self.scratch = memoryview(bytearray(SCRATCH_BYTES))
+        self._frame_charge: Charge | None = None  # a frame larger than scratch, while it is buffered
+        self._timeout: float | None = -1.0  # the stream's timeout as last set (-1: not set yet)
         self._staging: np.ndarray | None = None
         self.rx = Receiver(
             ctx,
@@ -127,7 +132,7 @@ class Connection:
     def run(self) -> None:
         try:
             while True:
-                msg = receive_message(self.stream, self.dec, self.scratch, deadline=self.deadline)
+                msg = self._next()
                 if msg is None:
                     return
                 t0 = time.perf_counter_ns() if self.prof.enabled else 0
@@ -140,6 +145,8 @@ class Connection:
             self._fatal(ErrorCode.PROTOCOL, str(e))
         except AuthError as e:
             self._fatal(ErrorCode.AUTH, str(e))
+        except _FrameTooLarge as e:
+            self._fatal(ErrorCode.LIMIT, str(e))
         except TransportError:
             if self.deadline is not None and time.monotonic() >= self.deadline:
                 what = "HELLO and AUTH" if self.ctx.token is not None else "HELLO"
@@ -153,9 +160,68 @@ class Connection:
             self._fatal(ErrorCode.INTERNAL, f"internal server error: {type(e).__name__}")
         finally:
             self.rx.close()
+            if self._frame_charge is not None:
+                self._frame_charge.release()
             if self.prof.enabled:
                 self.ctx.reports.append(self.prof.report())
                 sys.stderr.write(f"weightlift server: connection {self.stream.peer} closed\n{self.prof.format()}\n")
+
+    def _set_timeout(self, seconds: float | None) -> None:
+        if seconds != self._timeout:
+            self.stream.set_timeout(seconds)
+            self._timeout = seconds
+
+    def _next(self) -> Message | None:
+        """The next message; None if the peer closed cleanly between frames.
+
+        Reads exactly what the decoder still wants (a payload that follows a header stays in the
+        socket for the receiver), at most a scratch buffer at a time: the cost per byte does not
+        depend on how the peer fragments them. A frame larger than the scratch buffer is
+        charged to max_memory while the decoder buffers it. Before READY every receive waits
+        only for what is left of the handshake deadline; after it, the wait for the next request
+        is bounded by the idle timeout and every receive inside a frame by the I/O timeout.
+        """
+        dec, scratch = self.dec, self.scratch
+        while True:
+            ev = dec.next_event()
+            if ev is not NEED_DATA:
+                if self._frame_charge is not None:
+                    self._frame_charge.release()
+                    self._frame_charge = None
+                    if dec.at_boundary:
+                        self._renew_decoder()  # its buffer's memory goes with it
+                if self.deadline is None:
+                    self._set_timeout(self.ctx.io_timeout)  # the payload and the reply
+                return ev  # type: ignore[return-value]
+            want = dec.bytes_wanted()
+            if want > len(scratch) and self._frame_charge is None:
+                size = want + dec.buffered
+                try:
+                    self._frame_charge = self.store.charge(size + int(size * FRAME_SLACK))
+                except MemoryFull as e:
+                    raise _FrameTooLarge(f"a frame of {size} bytes: {e}") from None
+            if self.deadline is not None:
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise TransportError("the peer did not send a whole message in time")
+                self.stream.set_timeout(left)
+                self._timeout = -1.0
+            elif dec.at_boundary:
+                self._set_timeout(self.ctx.idle_timeout)
+            else:
+                self._set_timeout(self.ctx.io_timeout)
+            try:
+                n = self.stream.recv_into(scratch[: min(want, len(scratch))])
+            except TransportError as e:
+                if self.deadline is None:
+                    what = "idle" if dec.at_boundary else "stalled inside a frame"
+                    _log.info("weightlift server: closing %s: %s (%s)", self.stream.peer, what, e)
+                raise
+            if n == 0:
+                if dec.at_boundary:
+                    return None
+                raise TransportError("the peer closed the connection inside a frame")
+            dec.feed(scratch[:n])
 
     def _fatal(self, code: ErrorCode, message: str) -> None:
         """Reply ERROR, then close without a reset, so the client can read why."""
@@ -201,7 +267,7 @@ class Connection:
         )
         if ready:
             self.deadline = None
-            self.stream.set_timeout(None)
+            self._set_timeout(self.ctx.io_timeout)
 
     def dispatch(self, msg: Message) -> bool:
         """Handle one message; True when the connection should end."""
@@ -321,6 +387,10 @@ class Connection:
             budget -= size
             entries.append(ListEntry(name, e.dtype, e.shape, e.nbytes))
         self._reply(ListReply(tuple(entries), more=len(entries) < len(items)))
+
+
+class _FrameTooLarge(Exception):
+    """A frame whose buffer would take the server past max_memory."""
 
 
 def _is_host(dest: Any) -> bool:

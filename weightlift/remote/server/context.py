@@ -33,6 +33,8 @@ class Context:
     token: bytes | None
     minor: int  # the newest minor version this server speaks
     handshake_timeout: float
+    idle_timeout: float | None  # seconds a READY connection may wait between requests; None: no limit
+    io_timeout: float | None  # seconds one receive inside a frame, or one send, may wait; None: no limit
     opt: bool  # False: WEIGHTLIFT_LOAD_OPT=0, the naive receive paths
     profile: bool | None
     store: Store

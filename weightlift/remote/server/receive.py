@@ -66,6 +66,7 @@ class Pending:
         "nbytes",
         "cost",
         "charge",
+        "deferred",
         "dest",
         "digest",
         "starts",
@@ -75,10 +76,11 @@ class Pending:
         "proven",
     )
 
-    def __init__(self, a: Alloc, cost: int, charge: Charge | None):
+    def __init__(self, a: Alloc, cost: int, charge: Charge, deferred: int = 0):
         self.name, self.dtype, self.shape, self.nbytes = a.name, a.dtype, a.shape, a.nbytes
         self.cost = cost
-        self.charge = charge  # None: allocated while the server was full, charged at the first byte
+        self.charge: Charge | None = charge  # None once released or published
+        self.deferred = deferred  # data bytes not charged yet (allocated while the server was full)
         self.dest: Any = None
         self.digest = a.digest
         self.starts: list[int] = []
@@ -228,23 +230,24 @@ class Receiver:
         if len(self.pending) >= MAX_TENSORS:
             raise RequestError(f"more than {MAX_TENSORS} tensors in flight on one connection")
         pooled = self._pooled() and a.nbytes >= POOL_MIN
-        cost = entry_cost(
-            a.name, size_class(a.nbytes) if pooled else a.nbytes
-        )  # a pooled tensor holds whole huge pages
-        charge: Charge | None
+        data = size_class(a.nbytes) if pooled else a.nbytes  # a pooled tensor holds whole huge pages
+        cost = entry_cost(a.name, data, len(a.shape))
         try:
             charge = self.store.charge(cost, a.nbytes if pooled else 0)
+            deferred = 0
         except MemoryFull:
             # A client allocates ahead of its writes: while an earlier tensor of this connection
             # is still arriving, its old version may be about to make the room (a weight update
-            # near the limit). Charge this one at its first byte instead, and fail there.
+            # near the limit). Its bookkeeping is charged now, its data at its first byte, and
+            # it fails there. Nothing a client allocates is ever held without a charge.
             if not self.pending or not a.nbytes:
                 raise
-            charge = None
-        p = Pending(a, cost, charge)
+            charge = self.store.charge(cost - data)
+            deferred = data
+        p = Pending(a, cost, charge, deferred)
         # A tensor named by digest may be filled from memory the server already holds: its
         # destination is made when the first byte needs a place, not here.
-        if charge is not None and (a.digest is None or a.nbytes == 0 or not self.store.remembers_digests):
+        if not deferred and (a.digest is None or a.nbytes == 0 or not self.store.remembers_digests):
             try:
                 self._ensure_dest(p)
             except (RequestError, MemoryFull):
@@ -283,9 +286,10 @@ class Receiver:
             self._faulter.add(p, raw)
 
     def _charge(self, p: Pending) -> None:
-        """Count a tensor allocated while the server was full against max_memory now."""
-        if p.charge is None:
-            p.charge = self.store.charge(p.cost, p.nbytes if self._pooled() and p.nbytes >= POOL_MIN else 0)
+        """Count the data of a tensor allocated while the server was full against max_memory now."""
+        if p.deferred and p.charge is not None:
+            p.charge.grow(p.deferred, p.nbytes if self._pooled() and p.nbytes >= POOL_MIN else 0)
+            p.deferred = 0
 
     def _unfault(self, p: Pending) -> None:
         """Stop faulting ``p``'s memory in (waiting for a piece in progress): before the memory
@@ -528,7 +532,7 @@ class Receiver:
                         return
                     self._cache_failed(e)
         dest = self.target.finish(p.dest)
-        if p.charge is None:
+        if p.charge is None or p.deferred:
             raise AssertionError(f"tensor {p.name!r} completed without a charge")
         self.store.publish(p.name, p.dtype, p.shape, p.nbytes, dest, p.charge, p.digest if p.proven else None)
         p.charge = None

@@ -55,10 +55,21 @@ from weightlift.remote.server.context import Context
 from weightlift.remote.server.store import ENTRY_OVERHEAD, Store
 from weightlift.remote.transport import TCP, Backend, Listener, Stream
 
-__all__ = ["Server", "is_loopback", "default_max_memory", "ENTRY_OVERHEAD", "MAX_CONNECTIONS", "HANDSHAKE_TIMEOUT"]
+__all__ = [
+    "Server",
+    "is_loopback",
+    "default_max_memory",
+    "ENTRY_OVERHEAD",
+    "MAX_CONNECTIONS",
+    "HANDSHAKE_TIMEOUT",
+    "IDLE_TIMEOUT",
+    "IO_TIMEOUT",
+]
 
 MAX_CONNECTIONS = 64  # connections served at once; more are closed at accept
 HANDSHAKE_TIMEOUT = 10.0  # seconds from accept for a connection to become READY (HELLO, AUTH)
+IDLE_TIMEOUT = 300.0  # seconds a READY connection may wait between requests before it is closed
+IO_TIMEOUT = 60.0  # seconds one receive inside a frame or payload, or one send, may wait
 MEMORY_FRACTION = 0.9  # of physical RAM: a cpu server's max_memory when none is given
 
 _log = logging.getLogger(__name__)
@@ -124,7 +135,10 @@ class Server:
     tensor counted as its bytes plus its name plus ENTRY_OVERHEAD; None (the default) means
     :func:`default_max_memory`: 90 % of physical RAM for ``cpu``, the device's total memory for
     ``cuda``. ``max_connections`` connections are served at once (more are closed at accept), and
-    each must finish HELLO (and AUTH) within ``handshake_timeout`` seconds or is closed.
+    each must finish HELLO (and AUTH) within ``handshake_timeout`` seconds or is closed. After
+    that a connection that sends no request for ``idle_timeout`` seconds is closed, and so is one
+    that stalls for ``io_timeout`` seconds inside a frame or payload, or while a reply is sent
+    (None: no limit).
     ``protocol_minor`` makes the server speak an older minor version (compatibility tests).
     ``profile`` None reads WEIGHTLIFT_LOADPROF; with it on, each connection's report is printed
     to stderr when the connection closes. ``reserve`` (host memory only) faults that many bytes
@@ -147,6 +161,8 @@ class Server:
         reserve: int = 0,
         max_connections: int = MAX_CONNECTIONS,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        idle_timeout: float | None = IDLE_TIMEOUT,
+        io_timeout: float | None = IO_TIMEOUT,
         profile: bool | None = None,
         protocol_minor: int = PROTOCOL_MINOR,
         backend: Backend = TCP,
@@ -159,6 +175,9 @@ class Server:
             raise OptionError(f"max_connections must be >= 1, got {max_connections}")
         if not handshake_timeout > 0:
             raise OptionError(f"handshake_timeout must be > 0, got {handshake_timeout}")
+        for what, t in (("idle_timeout", idle_timeout), ("io_timeout", io_timeout)):
+            if t is not None and not t > 0:
+                raise OptionError(f"{what} must be > 0 or None, got {t}")
         if not 0 <= protocol_minor <= PROTOCOL_MINOR:
             raise OptionError(f"protocol_minor must be between 0 and {PROTOCOL_MINOR}")
         self._backend = backend
@@ -196,6 +215,8 @@ class Server:
             token=self._token,
             minor=protocol_minor,
             handshake_timeout=float(handshake_timeout),
+            idle_timeout=None if idle_timeout is None else float(idle_timeout),
+            io_timeout=None if io_timeout is None else float(io_timeout),
             opt=env.load_opt(),
             profile=profile,
             store=store,

@@ -3,7 +3,9 @@
 Invariants, and why this module is the only code that changes them:
 
 * **Cost.** A tensor counts against ``max_memory`` as its bytes (a pooled tensor: its whole
-  2 MiB size class), its name and :data:`ENTRY_OVERHEAD` (:func:`entry_cost`). Idle pooled memory
+  2 MiB size class) and what its bookkeeping really costs: :data:`ENTRY_OVERHEAD`, the name
+  :data:`NAME_COPIES` times and :data:`DIM_OVERHEAD` per dimension (:func:`entry_cost`; the
+  figures are measured by the tests, with a long name and many dimensions). Idle pooled memory
   counts too and is given back first when a charge would not fit.
 * **Charges.** Memory is charged before a destination is made (:meth:`Store.charge`), as a
   :class:`Charge` that its holder releases once (:meth:`Charge.release`, idempotent) if the tensor
@@ -12,8 +14,10 @@ Invariants, and why this module is the only code that changes them:
 * **Visibility.** A tensor is visible (``tensors()``, READ, LIST) only once complete:
   :meth:`Store.publish` is the one place an entry appears, so a client that vanishes mid-tensor
   leaves nothing behind.
-* **Release.** A replaced or freed entry's memory goes back when the last reference to its array
-  goes (the pool's ``weakref.finalize``): memory a reader still holds is never reused.
+* **Release.** A replaced or freed entry's memory, and its charge, go back when the last
+  reference to its array goes (``weakref.finalize``): memory a reader still holds (a READ reply
+  the peer is slow to take, an in-process caller of ``tensors()``) is never reused and still
+  counts against ``max_memory``, so stalled readers cannot pin old versions beyond the limit.
 * **Proven digests.** An entry whose bytes were proven to hash to a digest answers HAVE and can
   fill a later ALLOC of that digest; :meth:`Store.distrust` forgets a digest whose bytes have
   changed since (a reader wrote into its tensor).
@@ -24,20 +28,25 @@ One lock guards all of it; connections never touch the dictionaries themselves.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
 
 from weightlift.memory.pool import HostPool
 
-__all__ = ["ENTRY_OVERHEAD", "Entry", "Charge", "MemoryFull", "Store", "entry_cost"]
+__all__ = ["ENTRY_OVERHEAD", "NAME_COPIES", "DIM_OVERHEAD", "Entry", "Charge", "MemoryFull", "Store", "entry_cost"]
 
-ENTRY_OVERHEAD = 256  # bytes charged per tensor on top of its data and name: a store entry costs memory too
+# What one tensor's bookkeeping costs besides its data, measured (tests/remote/test_server_limits.py):
+# the entry, the array object, its finalizer, the pending record and its message while in flight.
+ENTRY_OVERHEAD = 2048  # bytes per tensor
+NAME_COPIES = 3  # the name is held as str by the message, the pending record and the entry (and its key)
+DIM_OVERHEAD = 96  # per dimension: a Python int in the shape tuple(s), the array's shape and strides
 
 
-def entry_cost(name: str, nbytes: int) -> int:
-    """What a tensor counts against max_memory: its bytes, its name, and a store entry's overhead."""
-    return nbytes + len(name.encode("utf-8")) + ENTRY_OVERHEAD
+def entry_cost(name: str, nbytes: int, ndim: int = 1) -> int:
+    """What a tensor counts against max_memory: its bytes and its bookkeeping (name, dimensions, entry)."""
+    return nbytes + NAME_COPIES * len(name.encode("utf-8", "surrogatepass")) + DIM_OVERHEAD * ndim + ENTRY_OVERHEAD
 
 
 class MemoryFull(Exception):
@@ -75,6 +84,13 @@ class Charge:
     def live(self) -> bool:
         return self._live
 
+    def grow(self, nbytes: int, alloc: int = 0) -> None:
+        """Charge ``nbytes`` more to this live charge; MemoryFull if they do not fit."""
+        if not self._live:
+            raise AssertionError("a released charge cannot grow")
+        self._store.charge(nbytes, alloc)._hand_over()
+        self.nbytes += nbytes
+
     def release(self) -> None:
         """Give the bytes back (the tensor will not complete); a no-op the second time."""
         if self._live:
@@ -96,10 +112,12 @@ class Store:
         self.max_memory = max_memory
         self.pool = pool  # touched host memory of released tensors, reused for new ones
         self._remember = remember_digests  # digests of held tensors are remembered (the in-memory tier)
-        self._lock = threading.Lock()
+        # reentrant: a finalizer giving a charge back may run in any thread, also one holding it
+        self._lock = threading.RLock()
         self._entries: dict[str, Entry] = {}
         self._held: dict[bytes, str] = {}  # digest -> name of a stored tensor proven to hold those bytes
         self._used = 0
+        self._unowned: dict[int, int] = {}  # id -> cost of held tensors that take no weak references
         self._stats = {
             "connections": 0,
             "tensors": 0,
@@ -171,25 +189,49 @@ class Store:
         cost = charge._hand_over()
         with self._lock:
             old = self._entries.get(name)
+            if old is not None and old.tensor is tensor:
+                # the same memory published again (unchanged weights): it is charged once, by
+                # the finalizer its first publication set
+                self._used -= cost
+                cost = old.cost
+            else:
+                self._charge_until_gone(tensor, cost)
             self._entries[name] = Entry(dtype, shape, nbytes, tensor, cost, digest)
             if old is not None:
-                self._used -= old.cost
                 self._unhold(name, old)
+                if old.tensor is not tensor:
+                    self._drop(old)
             if digest is not None and self._remember:
                 self._held[digest] = name
             self._stats["tensors"] += 1
         del old  # the last reference to a replaced tensor: its memory goes back to the pool now
 
+    def _charge_until_gone(self, tensor: Any, cost: int) -> None:
+        # The charge goes back when the array does, not when the entry does: a reply in flight
+        # or a caller may still hold it. The lock is held.
+        try:
+            weakref.finalize(tensor, self._uncharge, cost)
+        except TypeError:  # an object without weak references: trust the entry's lifetime
+            self._unowned[id(tensor)] = cost
+
+    def _drop(self, entry: Entry) -> None:
+        # the lock is held
+        cost = self._unowned.pop(id(entry.tensor), None)
+        if cost is not None:
+            self._used -= cost
+
     def free(self, names: tuple[str, ...]) -> int:
         """Drop the named tensors; returns how many there were."""
-        freed = 0
+        dropped = []  # released outside the lock's bookkeeping: their finalizers may run at once
         with self._lock:
             for n in names:
                 entry = self._entries.pop(n, None)
                 if entry is not None:
-                    self._used -= entry.cost
                     self._unhold(n, entry)
-                    freed += 1
+                    self._drop(entry)
+                    dropped.append(entry)
+        freed = len(dropped)
+        del dropped
         return freed
 
     def _unhold(self, name: str, entry: Entry) -> None:

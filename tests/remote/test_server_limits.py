@@ -1,0 +1,141 @@
+"""What a hostile client can make the server hold: every byte of it is charged to max_memory.
+
+Each test reproduces one way a client got the server past its limit and checks the limit holds.
+"""
+
+from __future__ import annotations
+
+import gc
+import socket
+import time
+import tracemalloc
+
+import numpy as np
+
+from tests.remote.test_server import Raw, _barrier, _put
+from weightlift.remote.protocol import Alloc, ErrorCode, Free, FreeReply, Have, HaveReply, Read, WriteHeader
+from weightlift.remote.server.server import Server
+from weightlift.remote.server.store import entry_cost
+
+
+def _wait_for(cond, seconds: float = 10.0) -> None:
+    end = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.01)
+
+
+def _stalled_reader(address, name: str, nbytes: int) -> socket.socket:
+    """A client that asks for a tensor and takes one byte of the reply: the server is then inside
+    its send, holding the tensor's memory, until this socket reads or closes."""
+    raw = Raw(address)
+    raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    raw.hello()
+    raw.send(Read(name, 0, nbytes))
+    assert raw.sock.recv(1)
+    return raw.sock
+
+
+def test_a_stalled_reader_keeps_the_old_version_charged():
+    big = 24 << 20
+    data = np.ones(big, dtype=np.uint8)
+    with Server(max_memory=entry_cost("w", big) + (8 << 20)) as s:
+        raw = Raw(s.address)
+        raw.hello()
+        _put(raw, 0, "w", data, dtype="U8")
+        assert _barrier(raw).tensors == 1
+        used = s.memory_used
+        stalled = _stalled_reader(s.address, "w", big)
+        raw.send(Free(("w",)))
+        assert raw.recv() == FreeReply(1)
+        # the freed version is still held by the reply in flight: it still counts
+        assert s.memory_used == used
+        _put(raw, 1, "v", data, dtype="U8")
+        reply = _barrier(raw)
+        assert reply.tensors == 0 and "memory limit" in reply.errors[0]
+        stalled.close()  # the reader goes: the send fails, the memory and its charge go back
+        _wait_for(lambda: s.memory_used == 0)
+        _put(raw, 2, "v", data, dtype="U8")
+        assert _barrier(raw).tensors == 1
+        raw.close()
+
+
+def test_allocations_ahead_at_the_limit_are_charged_their_bookkeeping():
+    name = "n" * 4000
+    shape = (1,) * 63 + (1 << 20,)
+    per = entry_cost(name, 0, len(shape))
+    limit = entry_cost("first", 1 << 20) + 10 * per
+    with Server(max_memory=limit) as s:
+        raw = Raw(s.address)
+        raw.hello()
+        raw.send(Alloc(0, "first", "U8", (1 << 20,), 1 << 20))  # pending: its bytes have not come
+        for i in range(1, 101):  # none of these fit: allocated ahead, charged at least their bookkeeping
+            raw.send(Alloc(i, f"{name}{i:03}", "U8", shape, 1 << 20))
+        reply = _barrier(raw)
+        assert s.memory_used <= limit
+        assert len(reply.errors) >= 100 - 10 and all("memory limit" in e for e in reply.errors)
+        raw.close()
+        _wait_for(lambda: s.memory_used == 0)
+
+
+def _rss_python() -> int:
+    gc.collect()
+    return tracemalloc.get_traced_memory()[0]
+
+
+def test_an_entry_is_charged_at_least_what_it_costs():
+    # zero-byte tensors with the longest names and the most dimensions the protocol allows
+    name = "x" * 4000
+    shape = (0,) + (1,) * 63
+    n = 300
+    with Server() as s:
+        raw = Raw(s.address)
+        raw.hello()
+        raw.send(Alloc(0, "warm-up", "U8", shape, 0))
+        _barrier(raw)
+        tracemalloc.start()
+        try:
+            before, used = _rss_python(), s.memory_used
+            for i in range(n):
+                raw.send(Alloc(i + 1, f"{name}{i:04}", "U8", shape, 0))
+            assert _barrier(raw).tensors == n
+            held, charged = _rss_python() - before, s.memory_used - used
+        finally:
+            tracemalloc.stop()
+        assert held <= charged, f"{held / n:.0f} bytes held per entry, {charged / n:.0f} charged"
+        raw.close()
+
+
+def test_a_large_unfinished_frame_is_charged():
+    # A HAVE of many digests is a large frame; its buffer is charged while it arrives.
+    with Server(max_memory=1 << 20) as s:
+        raw = Raw(s.address)
+        raw.hello()
+        from weightlift.remote.protocol import send
+
+        frame = send(Have(tuple(bytes([i % 256]) * 32 for i in range(60_000))))
+        raw.sock.sendall(frame[: len(frame) // 2])
+        reply = raw.recv()  # the frame would not fit: refused before it is buffered
+        assert reply is not None and reply.code == ErrorCode.LIMIT and "memory" in reply.message
+        raw.close()
+    with Server() as s:
+        raw = Raw(s.address)
+        raw.hello()
+        raw.sock.sendall(frame[: len(frame) // 2])
+        _wait_for(lambda: s.memory_used >= len(frame))
+        raw.sock.sendall(frame[len(frame) // 2 :])
+        assert raw.recv() == HaveReply((False,) * 60_000)
+        _wait_for(lambda: s.memory_used == 0)
+        raw.close()
+
+
+def test_write_into_a_pending_tensor_still_works_at_the_limit():
+    data = np.arange(1000, dtype=np.uint8)
+    with Server(max_memory=entry_cost("a", 1000)) as s:
+        raw = Raw(s.address)
+        raw.hello()
+        raw.send(Alloc(0, "a", "U8", data.shape, data.nbytes))
+        raw.send(WriteHeader(0, 0, data.nbytes), data.tobytes())
+        assert _barrier(raw).tensors == 1 and s.memory_used == s.max_memory
+        raw.close()
