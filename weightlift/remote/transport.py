@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -70,6 +71,8 @@ class Stream(Protocol):
     def recv_into(self, buf: memoryview) -> int: ...
 
     def set_timeout(self, seconds: float | None) -> None: ...
+
+    def set_io_timeout(self, seconds: float | None) -> None: ...
 
     def shutdown_write(self) -> None: ...
 
@@ -120,6 +123,8 @@ class SocketStream:
             _tune(sock)
 
     def _error(self, e: OSError, what: str) -> TransportError:
+        if isinstance(e, (BlockingIOError, TimeoutError)):  # a kernel or socket timeout ran out
+            return TransportError(f"{what} {self.peer or 'peer'} timed out")
         return TransportError(f"{what} {self.peer or 'peer'} failed: {e.strerror or e}")
 
     def send_parts(self, parts: Sequence[Buffer]) -> None:
@@ -203,6 +208,20 @@ class SocketStream:
     def set_timeout(self, seconds: float | None) -> None:
         """A receive timeout (for draining an error reply); None restores blocking mode."""
         self._sock.settimeout(seconds)
+
+    def set_io_timeout(self, seconds: float | None) -> None:
+        """Bound every blocking send, sendfile and receive to ``seconds`` (None: no bound).
+
+        Kernel timeouts (SO_SNDTIMEO, SO_RCVTIMEO) keep the socket in blocking mode, which
+        sendfile and partial sendmsg need; a call that waits longer fails as TransportError.
+        """
+        usec = 0 if not seconds else max(1, int(seconds * 1e6))
+        tv = struct.pack("@ll", usec // 1_000_000, usec % 1_000_000)
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        except OSError as e:
+            raise self._error(e, "setting a timeout on the connection to") from None
 
     def close(self) -> None:
         if not self.closed:

@@ -60,6 +60,9 @@ from weightlift.remote.transport import TCP, Backend
 __all__ = ["Client", "PushResult", "RemoteTensor"]
 
 READ_WINDOW = 32  # READs in flight during a pull
+#: The most tensors :meth:`Client.list` takes from a server (a server states none of its own):
+#: a server that answers every LIST with "more" cannot make the client loop or grow unbounded.
+MAX_LIST_ENTRIES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,8 @@ class Client:
     ``address`` is ``"host:port"`` or ``(host, port)``. ``token`` (str or bytes) answers a server
     that wants AUTH. ``profile``: None reads WEIGHTLIFT_LOADPROF, a bool forces it, or pass a
     :class:`~weightlift.profile.Profiler`. ``protocol_minor`` speaks an older minor version.
+    ``timeout`` (seconds, None for none) bounds the connect and every blocking send and receive
+    after it: a server that stops reading or answering makes a call fail with TransportError.
     """
 
     def __init__(
@@ -124,7 +129,10 @@ class Client:
 
     def _connect(self) -> Connection:
         return Connection(
-            self._backend.connect(self.address, timeout=self._timeout), token=self._token, minor=self._minor
+            self._backend.connect(self.address, timeout=self._timeout),
+            token=self._token,
+            minor=self._minor,
+            timeout=self._timeout,
         )
 
     @property
@@ -235,6 +243,13 @@ class Client:
         while True:
             conn.send(conn.frame(ListRequest(after)))
             page = conn.expect(ListReply)
+            prev = after
+            for e in page.entries:  # name order, each page after the last: else it could repeat forever
+                if (out or prev) and e.name <= prev:
+                    raise RemoteProtocolError(f"LIST reply is out of order: {e.name!r:.80} after {prev!r:.80}")
+                prev = e.name
+            if len(out) + len(page.entries) > MAX_LIST_ENTRIES:
+                raise RemoteProtocolError(f"server lists more than {MAX_LIST_ENTRIES} tensors; stopped reading")
             out.extend(RemoteTensor(e.name, e.dtype, e.shape, e.nbytes) for e in page.entries)
             if not page.more or not page.entries:
                 return out

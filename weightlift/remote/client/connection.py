@@ -43,8 +43,9 @@ def remote_error(msg: Error) -> WeightliftError:
 class Connection:
     """One connection: handshake, framed sends, replies, and the error the server sent on closing."""
 
-    def __init__(self, stream: Stream, *, token: bytes | None, minor: int):
+    def __init__(self, stream: Stream, *, token: bytes | None, minor: int, timeout: float | None = None):
         self.stream = stream
+        self.timeout = timeout
         self.dec = Decoder(our_role="client", minor=minor)
         self.scratch = memoryview(bytearray(64 * 1024))
         self.next_id = 0
@@ -52,6 +53,8 @@ class Connection:
         self.minor = minor
         self.max_frame = MAX_FRAME
         try:
+            # every send, sendfile and receive from here on waits at most ``timeout`` seconds
+            stream.set_io_timeout(timeout)
             self._handshake()
         except BaseException:
             self.stream.close()
@@ -87,7 +90,7 @@ class Connection:
     def _why_closed(self, e: TransportError) -> WeightliftError:
         """The server's ERROR, if it sent one before closing on us; else the transport error."""
         try:
-            self.stream.set_timeout(2.0)
+            self.stream.set_timeout(min(2.0, self.timeout or 2.0))
             while True:
                 msg = self._next()
                 if isinstance(msg, Error):
