@@ -211,10 +211,13 @@ class LandedHasher:
         if missing:
             raise IntegrityError(f"no digest to verify {len(missing)} tensor(s) against: {', '.join(missing[:3])}")
         self.expected = expected
+        self._all = list(tensors)
         self._tensors: dict[str, list[TensorInfo]] = {}
         for t in sorted(tensors, key=lambda t: (t.file, t.offset)):
-            self._tensors.setdefault(t.file, []).append(t)
-        self._starts = {f: [t.offset for t in ts] for f, ts in self._tensors.items()}
+            if t.length:  # an empty tensor lands no bytes, and would break the order of ends
+                self._tensors.setdefault(t.file, []).append(t)
+        # tensors do not overlap, so their ends rise with their offsets
+        self._ends = {f: [t.end for t in ts] for f, ts in self._tensors.items()}
         self._state = {t.name: _TensorHash() for t in tensors}
         self._lock = threading.Lock()
 
@@ -226,10 +229,10 @@ class LandedHasher:
         """
         view = byte_view(data)
         end = offset + view.nbytes
-        ts, starts = self._tensors.get(file), self._starts.get(file)
-        if not ts or not starts:
+        ts, ends = self._tensors.get(file), self._ends.get(file)
+        if not ts or not ends:
             return
-        i = max(0, bisect.bisect_right(starts, offset) - 1)
+        i = bisect.bisect_right(ends, offset)  # the first tensor ending after offset
         while i < len(ts) and ts[i].offset < end:
             t = ts[i]
             a, b = max(offset, t.offset), min(end, t.end)
@@ -256,11 +259,10 @@ class LandedHasher:
     def check(self) -> None:
         """IntegrityError naming each tensor whose landed bytes differ from the expected digest."""
         differ = []
-        for file_ts in self._tensors.values():
-            for t in file_ts:
-                st = self._state[t.name]
-                if st.pos != t.length or st.hasher.digest() != self.expected[t.name]:
-                    differ.append(t.name)
+        for t in self._all:
+            st = self._state[t.name]
+            if st.pos != t.length or st.hasher.digest() != self.expected[t.name]:
+                differ.append(t.name)
         if differ:
             shown = ", ".join(differ[:8]) + (f" and {len(differ) - 8} more" if len(differ) > 8 else "")
             raise IntegrityError(f"{len(differ)} tensor(s) landed with bytes that differ from their BLAKE3: {shown}")
