@@ -1055,8 +1055,8 @@ def test_errors_kept_per_connection_are_capped_and_the_rest_counted(server, monk
     conns = []
     real_init = connection_mod.Connection.__init__
 
-    def init(self, *a):
-        real_init(self, *a)
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
         conns.append(self)
 
     monkeypatch.setattr(connection_mod.Connection, "__init__", init)

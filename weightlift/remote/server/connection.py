@@ -58,6 +58,7 @@ from weightlift.remote.protocol import (
 )
 from weightlift.remote.server.context import Context
 from weightlift.remote.server.receive import STAGING_BYTES, Receiver
+from weightlift.remote.server.slots import Slot
 from weightlift.remote.server.store import Charge, MemoryFull
 from weightlift.remote.transport import Stream, receive_payload
 
@@ -74,8 +75,9 @@ _log = logging.getLogger("weightlift.remote.server")
 class Connection:
     """One client: reads frames, dispatches them; its receiver owns everything in flight."""
 
-    def __init__(self, ctx: Context, stream: Stream):
+    def __init__(self, ctx: Context, stream: Stream, *, slot: Slot | None = None):
         self.ctx = ctx
+        self.slot = slot  # its place among the server's connections: moved to a READY one once READY
         self.store = ctx.store
         self.stream = stream
         self._target: Target | None = ctx.host_target  # a CUDA target is made at the first ALLOC
@@ -145,7 +147,7 @@ class Connection:
             self._fatal(ErrorCode.PROTOCOL, str(e))
         except AuthError as e:
             self._fatal(ErrorCode.AUTH, str(e))
-        except _FrameTooLarge as e:
+        except (_FrameTooLarge, _Refused) as e:
             self._fatal(ErrorCode.LIMIT, str(e))
         except TransportError:
             if self.deadline is not None and time.monotonic() >= self.deadline:
@@ -323,6 +325,7 @@ class Connection:
             flags |= Capability.CACHE
         if self.ctx.token is not None:
             flags |= Capability.AUTH
+        self._take_ready_slot()
         reply = Hello(
             PROTOCOL_MAJOR,
             self.ctx.minor,
@@ -335,12 +338,20 @@ class Connection:
         self.stream.send_parts([send(reply)])
         self._renew_decoder()
 
+    def _take_ready_slot(self) -> None:
+        """Once READY (before the reply that tells the client so), move to a READY slot."""
+        if self.session.state is SessionState.READY and self.slot is not None:
+            refused = self.slot.ready()
+            if refused is not None:
+                raise _Refused(refused)
+
     def _auth(self, msg: Auth) -> None:
         token = self.ctx.token
         if token is None:
             raise RemoteProtocolError("AUTH sent to a server that wants none")
         verify_mac(client_mac(token, self.client_nonce, self.nonce), msg.mac, who="client")
         self.session.authenticated()
+        self._take_ready_slot()
         self._reply(Auth(server_mac(token, self.client_nonce, self.nonce)))
         self._renew_decoder()
 
@@ -391,6 +402,10 @@ class Connection:
 
 class _FrameTooLarge(Exception):
     """A frame whose buffer would take the server past max_memory."""
+
+
+class _Refused(Exception):
+    """Every READY slot is taken: the connection cannot go on past its handshake."""
 
 
 def _is_host(dest: Any) -> bool:

@@ -52,6 +52,7 @@ from weightlift.remote.protocol import PROTOCOL_MINOR, Error, ErrorCode, send
 from weightlift.remote.server.cache import TensorCache
 from weightlift.remote.server.connection import Connection
 from weightlift.remote.server.context import Context
+from weightlift.remote.server.slots import Slot, Slots
 from weightlift.remote.server.store import ENTRY_OVERHEAD, Store
 from weightlift.remote.transport import TCP, Backend, Listener, Stream
 
@@ -66,7 +67,9 @@ __all__ = [
     "IO_TIMEOUT",
 ]
 
-MAX_CONNECTIONS = 64  # connections served at once; more are closed at accept
+MAX_CONNECTIONS = 64  # READY (authenticated) connections served at once; more are closed at accept
+MAX_HANDSHAKES = 16  # connections still in HELLO/AUTH at once, apart from the READY ones
+MAX_PER_ADDRESS = 32  # connections from one peer address at once, of both kinds
 HANDSHAKE_TIMEOUT = 10.0  # seconds from accept for a connection to become READY (HELLO, AUTH)
 IDLE_TIMEOUT = 300.0  # seconds a READY connection may wait between requests before it is closed
 IO_TIMEOUT = 60.0  # seconds one receive inside a frame or payload, or one send, may wait
@@ -134,8 +137,11 @@ class Server:
     it) or ``insecure=True``. ``max_memory`` caps the bytes allocated across all clients, each
     tensor counted as its bytes plus its name plus ENTRY_OVERHEAD; None (the default) means
     :func:`default_max_memory`: 90 % of physical RAM for ``cpu``, the device's total memory for
-    ``cuda``. ``max_connections`` connections are served at once (more are closed at accept), and
-    each must finish HELLO (and AUTH) within ``handshake_timeout`` seconds or is closed. After
+    ``cuda``. ``max_connections`` READY (authenticated) connections are served at once (more are closed
+    at accept); connections still in their handshake take one of ``max_handshakes`` slots of
+    their own, so peers without the token never lock authenticated clients out; one peer
+    address holds at most ``max_per_address`` connections of both kinds. Each connection must
+    finish HELLO (and AUTH) within ``handshake_timeout`` seconds or is closed. After
     that a connection that sends no request for ``idle_timeout`` seconds is closed, and so is one
     that stalls for ``io_timeout`` seconds inside a frame or payload, or while a reply is sent
     (None: no limit).
@@ -160,6 +166,8 @@ class Server:
         max_memory: int | None = None,
         reserve: int = 0,
         max_connections: int = MAX_CONNECTIONS,
+        max_handshakes: int = MAX_HANDSHAKES,
+        max_per_address: int = MAX_PER_ADDRESS,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         idle_timeout: float | None = IDLE_TIMEOUT,
         io_timeout: float | None = IO_TIMEOUT,
@@ -171,8 +179,13 @@ class Server:
             raise OptionError(f"port {port!r} is out of range")
         if max_memory is not None and max_memory < 0:
             raise OptionError(f"max_memory must be >= 0, got {max_memory}")
-        if max_connections < 1:
-            raise OptionError(f"max_connections must be >= 1, got {max_connections}")
+        for what, n in (
+            ("max_connections", max_connections),
+            ("max_handshakes", max_handshakes),
+            ("max_per_address", max_per_address),
+        ):
+            if n < 1:
+                raise OptionError(f"{what} must be >= 1, got {n}")
         if not handshake_timeout > 0:
             raise OptionError(f"handshake_timeout must be > 0, got {handshake_timeout}")
         for what, t in (("idle_timeout", idle_timeout), ("io_timeout", io_timeout)):
@@ -202,6 +215,7 @@ class Server:
         if not 0 <= reserve <= max_memory:
             raise OptionError(f"reserve must be between 0 and max_memory ({max_memory}), got {reserve}")
         self._max_connections = max_connections
+        self._slots = Slots(ready=max_connections, handshakes=max_handshakes, per_address=max_per_address)
         # touched host memory of released tensors, reused for new ones (a weight update)
         pool = HostPool() if host_target is not None and host_target.memcpy_ok else None
         if reserve and pool is None:
@@ -295,48 +309,41 @@ class Server:
                 continue
             if stream is None:
                 continue
+            slot = self._slots.admit(stream.peer.rpartition(":")[0], stream.shutdown)
+            if isinstance(slot, str):
+                self._refuse(stream, slot)
+                continue
             with self._lock:
                 if self._closing.is_set():
+                    slot.release()
                     stream.close()
                     return
-                full = len(self._conns) >= self._max_connections
-                if not full:
-                    self._conns.add(stream)
-                    self._store.count("connections")
-                    t = threading.Thread(
-                        target=self._serve_one, args=(stream,), name=f"weightlift-conn {stream.peer}", daemon=True
-                    )
-                    self._threads.add(t)
-            if full:
-                self._refuse(stream)
-                continue
+                self._conns.add(stream)
+                self._store.count("connections")
+                t = threading.Thread(
+                    target=self._serve_one, args=(stream, slot), name=f"weightlift-conn {stream.peer}", daemon=True
+                )
+                self._threads.add(t)
             t.start()
 
-    def _refuse(self, stream: Stream) -> None:
-        """Close a connection over the limit at once, with a best-effort ERROR that cannot block."""
+    def _refuse(self, stream: Stream, why: str) -> None:
+        """Close a connection over a limit at once, with a best-effort ERROR that cannot block."""
+        _log.info("weightlift server: refused %s: %s", stream.peer, why)
         try:
             stream.set_timeout(0.0)
-            stream.send_parts(
-                [
-                    send(
-                        Error(
-                            ErrorCode.LIMIT, f"the server is serving its limit of {self._max_connections} connections"
-                        ),
-                        minor=0,
-                    )
-                ]
-            )
+            stream.send_parts([send(Error(ErrorCode.LIMIT, why), minor=0)])
         except (TransportError, OSError):
             pass
         stream.close()
 
-    def _serve_one(self, stream: Stream) -> None:
+    def _serve_one(self, stream: Stream, slot: Slot) -> None:
         try:
-            Connection(self._ctx, stream).run()
+            Connection(self._ctx, stream, slot=slot).run()
         except Exception:  # a last resort: run() answers what it can; nothing may kill the server
             _log.exception("weightlift server: connection %s failed", stream.peer)
         finally:
             stream.close()
+            slot.release()
             with self._lock:
                 self._conns.discard(stream)
                 self._threads.discard(threading.current_thread())
