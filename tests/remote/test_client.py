@@ -335,12 +335,12 @@ def test_pull_of_an_empty_server_writes_a_valid_file(tmp_path):
 
 def test_token(tmp_path):
     path, tensors = model(tmp_path, large=1, small=1)
-    with Server(token="sesame") as s:
+    with Server(token="sesame-sesame-sesame") as s:
         with pytest.raises(AuthError, match="wants a token"):
             Client(s.address)
         with pytest.raises(AuthError):
             Client(s.address, token="wrong")
-        with Client(s.address, token=b"sesame") as c:
+        with Client(s.address, token=b"sesame-sesame-sesame") as c:
             c.push(path)
         assert_holds(s, tensors)
     with Server() as s:  # a server that does not ask for the token has not proven it knows it
@@ -410,8 +410,9 @@ def test_gguf_quantized_tensors_travel_as_raw_bytes(tmp_path):
 def test_cli_push_ls_pull(tmp_path, capsys):
     path, tensors = model(tmp_path)
     token = tmp_path / "token"
-    token.write_text("sesame\n")
-    with Server(token="sesame", cache_dir=tmp_path / "cache") as s:
+    token.write_text("sesame-sesame-sesame\n")
+    token.chmod(0o600)
+    with Server(token="sesame-sesame-sesame", cache_dir=tmp_path / "cache") as s:
         host, port = s.address
         to = f"{host}:{port}"
         assert cli.main(["push", path, "--to", to, "--token-file", str(token), "--json", "--select", "small.*"]) == 0

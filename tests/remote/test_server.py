@@ -290,7 +290,7 @@ def test_max_memory_enforced():
     limit = _cost("a", 800) + _cost("c", 200)
     with Server(max_memory=limit) as s:
         raw = Raw(s.address)
-        assert raw.hello().max_memory == limit
+        assert raw.hello().max_memory == limit  # no token: anyone here may know it
         _put(raw, 0, "a", _f32(200))  # 800 bytes
         raw.send(Alloc(1, "b", "F32", (100,), 400))  # 400 more would not fit
         raw.send(WriteHeader(1, 0, 400), bytes(400))  # drained, no second error
@@ -306,7 +306,7 @@ def test_max_memory_enforced():
 
 
 def test_token_required_before_anything():
-    with Server(token="sesame") as s:
+    with Server(token="sesame-sesame-sesame") as s:
         raw = Raw(s.address)
         hello = raw.hello()
         assert hello.has(Capability.AUTH)
@@ -325,7 +325,7 @@ def test_token_required_before_anything():
         assert wrong.closed()
 
         good = Raw(s.address)
-        good.hello(token=b"sesame")
+        good.hello(token=b"sesame-sesame-sesame")
         _put(good, 0, "w", _f32(4))
         assert _barrier(good).tensors == 1
         assert list(s.tensors()) == ["w"]
@@ -338,7 +338,7 @@ def test_binding_beyond_loopback_needs_token_or_insecure():
         Server("0.0.0.0", 0)
     with pytest.raises(OptionError, match="token"):
         Server("192.0.2.1", 0)
-    Server("0.0.0.0", 0, token="t")  # made, never bound
+    Server("0.0.0.0", 0, token="t" * 16)  # made, never bound
     with pytest.warns(RuntimeWarning, match="without a token"):
         Server("0.0.0.0", 0, insecure=True)
 
@@ -354,6 +354,8 @@ def test_options_checked():
         Server(device="tpu")
     with pytest.raises(OptionError):
         Server(token="")
+    with pytest.raises(OptionError, match="at least 16"):
+        Server(token="short-token")
     s = Server()
     with pytest.raises(StateError, match="not started"):
         s.address
@@ -703,7 +705,7 @@ def _serves(s: Server) -> None:
 
 
 def test_unauthenticated_big_frame_is_refused_from_its_prefix():
-    with Server(token="sesame") as s:
+    with Server(token="sesame-sesame-sesame") as s:
         for after_hello in (False, True):
             raw = Raw(s.address)
             if after_hello:
@@ -717,13 +719,13 @@ def test_unauthenticated_big_frame_is_refused_from_its_prefix():
             assert raw.closed()
         assert s.memory_used == 0
         good = Raw(s.address)
-        good.hello(token=b"sesame")
+        good.hello(token=b"sesame-sesame-sesame")
         _put(good, 0, "w", _f32(300_000))  # once READY the full frame and payload sizes apply
         assert _barrier(good).tensors == 1
 
 
 def test_handshake_timeout_closes_connections_that_never_become_ready():
-    with Server(token="sesame", handshake_timeout=0.3) as s:
+    with Server(token="sesame-sesame-sesame", handshake_timeout=0.3) as s:
         silent = Raw(s.address)
         reply = silent.recv()  # sent nothing: closed with a reason
         assert isinstance(reply, Error) and reply.code == ErrorCode.PROTOCOL
@@ -749,7 +751,7 @@ def test_handshake_timeout_closes_connections_that_never_become_ready():
         trickle.close()
 
         ready = Raw(s.address)
-        ready.hello(token=b"sesame")
+        ready.hello(token=b"sesame-sesame-sesame")
         time.sleep(0.6)  # twice the handshake timeout: a READY connection is not held to it
         _put(ready, 0, "w", _f32(4))
         assert _barrier(ready).tensors == 1

@@ -333,7 +333,9 @@ class Connection:
             MAX_FRAME,
             self._max_tensor_bytes(),
             self.nonce,
-            self.ctx.max_memory,
+            # the memory limit is nothing a peer that has not authenticated needs to know: 0 is
+            # "not stated" (a client learns it from a BARRIER's errors when it matters)
+            self.ctx.max_memory if self.ctx.token is None else 0,
         )
         self.stream.send_parts([send(reply)])
         self._renew_decoder()

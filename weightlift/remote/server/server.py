@@ -54,6 +54,7 @@ from weightlift.remote.server.connection import Connection
 from weightlift.remote.server.context import Context
 from weightlift.remote.server.slots import Slot, Slots
 from weightlift.remote.server.store import ENTRY_OVERHEAD, Store
+from weightlift.remote.token import check_token
 from weightlift.remote.transport import TCP, Backend, Listener, Stream
 
 __all__ = [
@@ -195,8 +196,8 @@ class Server:
             raise OptionError(f"protocol_minor must be between 0 and {PROTOCOL_MINOR}")
         self._backend = backend
         self._token = token.encode() if isinstance(token, str) else token
-        if self._token is not None and not self._token:
-            raise OptionError("token is empty")
+        if self._token is not None:
+            check_token(self._token)
         if not is_loopback(host):
             if self._token is None and not insecure:
                 raise OptionError(

@@ -1,0 +1,165 @@
+"""Who may hold the server's connections, and for how long: handshake slots apart from READY ones,
+eviction of the oldest handshake, a cap per address, idle and I/O timeouts; and a peer's
+fragmentation does not multiply the server's CPU cost."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.remote.test_server import Raw, _barrier, _put
+from weightlift.remote.protocol import Bye, Error, ErrorCode, Free, FreeReply, Have, HaveReply, Read, send
+from weightlift.remote.server.server import Server
+
+TOKEN = b"0123456789abcdef-token"
+
+
+def _wait_for(cond, seconds: float = 10.0) -> None:
+    end = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.01)
+
+
+def test_unauthenticated_peers_never_lock_out_an_authenticated_client():
+    with Server(token=TOKEN, max_connections=2, max_handshakes=4, handshake_timeout=60) as s:
+        working = Raw(s.address)
+        working.hello(token=TOKEN)
+        squatters = [socket.create_connection(s.address) for _ in range(30)]  # no HELLO, ever
+        late = Raw(s.address)  # a client arriving while every handshake slot is held
+        late.hello(token=TOKEN)
+        for raw in (working, late):
+            _put(raw, 0, "w", np.ones(4, dtype=np.float32))
+            assert _barrier(raw).tensors == 1
+        assert s._slots.evicted >= 30 - 4 + 1
+        for q in squatters:
+            q.close()
+        working.close()
+        late.close()
+
+
+def test_connections_from_one_address_are_capped():
+    with Server(max_per_address=3) as s:
+        held = [Raw(s.address) for _ in range(3)]
+        for r in held:
+            r.hello()
+        extra = Raw(s.address)
+        reply = extra.recv()
+        assert isinstance(reply, Error) and reply.code == ErrorCode.LIMIT and "127.0.0.1" in reply.message
+        held[0].send(Bye())
+        assert held[0].closed()
+        _wait_for(lambda: s._slots.n_ready == 2)
+        again = Raw(s.address)
+        again.hello()
+        for r in held[1:] + [again, extra]:
+            r.close()
+
+
+def test_an_idle_connection_is_closed():
+    with Server(idle_timeout=0.2) as s:
+        raw = Raw(s.address)
+        raw.hello()
+        assert raw.closed()  # the server closed it (the socket's own timeout is 10 s)
+        _wait_for(lambda: s._slots.n_ready == 0)
+
+
+def test_a_connection_stalled_inside_a_frame_is_closed():
+    with Server(io_timeout=0.2, idle_timeout=None) as s:
+        raw = Raw(s.address)
+        raw.hello()
+        raw.sock.sendall(send(Free(("w",)))[:-1])  # all but its last byte
+        assert raw.closed()
+
+
+def test_a_reader_that_stops_reading_is_closed_and_its_memory_goes_back():
+    big = 16 << 20
+    with Server(io_timeout=0.3) as s:
+        raw = Raw(s.address)
+        raw.hello()
+        _put(raw, 0, "w", np.ones(big, dtype=np.uint8), dtype="U8")
+        assert _barrier(raw).tensors == 1
+        stalled = Raw(s.address)
+        stalled.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.hello()
+        stalled.send(Read("w", 0, big))
+        raw.send(Free(("w",)))
+        assert raw.recv() == FreeReply(1)
+        _wait_for(lambda: s.memory_used == 0)  # the send timed out: the reply's hold on it went
+        stalled.close()
+        raw.close()
+
+
+_SERVE = """
+import sys
+from weightlift.remote.server.server import Server
+s = Server()
+print(s.bind()[1], flush=True)
+s.serve_forever()
+"""
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads a process's CPU time from /proc")
+def test_a_trickled_frame_costs_the_server_about_what_a_whole_one_does():
+    # A HAVE of the most digests a frame may name (2 MiB): sent whole, then 1 KiB per send.
+    frame = send(Have(tuple(i.to_bytes(32, "little") for i in range(65536))))
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        raw = Raw(("127.0.0.1", port))
+        raw.hello()
+        raw.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def cost(pieces: int, rounds: int = 4) -> float:
+            t0 = _cpu_seconds(proc.pid)
+            for _ in range(rounds):
+                step = -(-len(frame) // pieces)
+                for pos in range(0, len(frame), step):
+                    raw.sock.sendall(frame[pos : pos + step])
+                assert isinstance(raw.recv(), HaveReply)
+            return _cpu_seconds(proc.pid) - t0
+
+        cost(1, rounds=1)  # warm-up
+        whole = cost(1)
+        trickled = cost(len(frame) // 1024)
+        assert trickled <= 4 * max(whole, 0.05), (whole, trickled)
+        raw.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_hello_tells_an_unauthenticated_peer_nothing_of_the_limits():
+    with Server(token=TOKEN, max_memory=123 << 20) as s:
+        assert Raw(s.address).hello().max_memory == 0
+
+
+def test_loose_or_short_tokens_are_refused(tmp_path):
+    from weightlift.errors import OptionError
+    from weightlift.remote.token import read_token
+
+    f = tmp_path / "token"
+    f.write_text("a-token-long-enough-to-use\n")
+    f.chmod(0o644)
+    with pytest.raises(OptionError, match="chmod 600"):
+        read_token(str(f))
+    f.chmod(0o600)
+    assert read_token(str(f)) == b"a-token-long-enough-to-use"
+    f.write_text("x\n")
+    with pytest.raises(OptionError, match="at least 16"):
+        read_token(str(f))
+    with pytest.raises(OptionError, match="at least 16"):
+        Server(token=b"x")
