@@ -163,3 +163,33 @@ def test_loose_or_short_tokens_are_refused(tmp_path):
         read_token(str(f))
     with pytest.raises(OptionError, match="at least 16"):
         Server(token=b"x")
+
+
+def test_a_tensor_may_not_be_named_metadata():
+    from weightlift.remote.protocol import Alloc
+
+    with Server() as s:
+        raw = Raw(s.address)
+        raw.hello()
+        raw.send(Alloc(0, "__metadata__", "U8", (0,), 0))
+        reply = _barrier(raw)
+        assert reply.tensors == 0 and "metadata" in reply.errors[0]
+        assert s.tensors() == {}
+        raw.close()
+
+
+def test_ls_shows_names_safely(capsys):
+    from weightlift.cli import main as cli_main
+    from weightlift.remote.protocol import Alloc
+
+    with Server() as s:
+        raw = Raw(s.address)
+        raw.hello()
+        raw.send(Alloc(0, "evil\x1b]0;owned\x07\x1b[2J\\", "U8", (0,), 0))
+        assert _barrier(raw).tensors == 1
+        host, port = s.address
+        assert cli_main(["ls", "--from", f"{host}:{port}"]) == 0
+        out = capsys.readouterr().out
+        assert "\x1b" not in out and "\x07" not in out
+        assert "evil\\x1b]0;owned\\x07\\x1b[2J\\\\" in out
+        raw.close()

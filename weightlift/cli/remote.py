@@ -144,6 +144,20 @@ def _cmd_pull(a: argparse.Namespace) -> int:
     return 0
 
 
+def printable(name: str) -> str:
+    """``name`` safe for a terminal: control characters (escape sequences), lone surrogates and
+    backslashes are shown escaped, as Python writes them in a string literal."""
+    if name.isprintable() and "\\" not in name:
+        return name
+    return "".join(_printable_char(c) for c in name)
+
+
+def _printable_char(c: str) -> str:
+    if c == "\\":
+        return "\\\\"
+    return c if c.isprintable() else repr(c)[1:-1]  # repr escapes what is not printable
+
+
 def _cmd_ls(a: argparse.Namespace) -> int:
     with _client(a, a.source) as c:
         entries = c.list()
@@ -155,10 +169,11 @@ def _cmd_ls(a: argparse.Namespace) -> int:
             )
         )
         return 0
-    w = max([len(e.name) for e in entries] + [4])
+    names = [printable(e.name) for e in entries]
+    w = max([len(n) for n in names] + [4])
     print(f"{'name':<{w}}  {'dtype':<8} {'shape':<22} {'bytes':>14}")
-    for e in entries:
-        print(f"{e.name:<{w}}  {e.dtype:<8} {str(list(e.shape)):<22} {e.nbytes:>14}")
+    for name, e in zip(names, entries):
+        print(f"{name:<{w}}  {e.dtype:<8} {str(list(e.shape)):<22} {e.nbytes:>14}")
     total = sum(e.nbytes for e in entries)
     print(f"{len(entries)} tensors, {total:,} bytes on {a.source}", file=sys.stdout)
     return 0

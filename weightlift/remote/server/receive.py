@@ -49,6 +49,7 @@ HASH_PIECE = 4 * 1024 * 1024  # received-then-hashed piece: still in the CPU cac
 FAULT_PIECE = 4 * 1024 * 1024  # fresh destination memory is faulted in this much at a time by the helpers ...
 FAULT_WINDOW = 64 * 1024 * 1024  # ... at most this far ahead of the bytes received (weightlift.memory.faulter)
 MAX_RANGES = 4096  # disjoint byte ranges one pending tensor's WRITEs may leave
+RESERVED_NAMES = frozenset({"__metadata__"})  # names a pulled safetensors file could not hold
 
 
 class Pending:
@@ -229,6 +230,8 @@ class Receiver:
             raise RequestError(f"tensor id {a.tensor_id} ({a.name!r}) is already in flight")
         if len(self.pending) >= MAX_TENSORS:
             raise RequestError(f"more than {MAX_TENSORS} tensors in flight on one connection")
+        if a.name in RESERVED_NAMES:
+            raise RequestError(f"{a.name!r} is not a tensor name: safetensors reserves it for the file's metadata")
         pooled = self._pooled() and a.nbytes >= POOL_MIN
         data = size_class(a.nbytes) if pooled else a.nbytes  # a pooled tensor holds whole huge pages
         cost = entry_cost(a.name, data, len(a.shape))
