@@ -117,4 +117,6 @@ def _verified_load(path: Any, select: Select, manifest: Any, local: dict[str, An
     except BaseException:
         out.clear()
         raise
+    if local.get("report") is not None:
+        local["report"]["verified"] = len(infos)
     return out

@@ -133,6 +133,8 @@ def _cmd_load(a: argparse.Namespace) -> int:
         f"({report['bytes'] / max(report['seconds'], 1e-9) / 1e9:.2f} GB/s) to {a.device}/{a.framework}; "
         f"{report['resident_before'] * 100:.0f} % of the file was resident before the load"
     )
+    if "verified" in report:
+        print(f"verified {report['verified']} tensors: every landed byte matches its BLAKE3")
     for addr, r in report.get("remote", {}).items():
         print(f"pushed {r['tensors']} tensors, {r['bytes']:,} bytes to {addr} in {r['seconds']:.3f} s")
     if prof is not None:
