@@ -162,6 +162,7 @@ def test_cli_load_verify_with_a_published_manifest(tmp_path, capsys):
     path = write(tmp_path / "m.safetensors", _tensors(3))
     out = tmp_path / "pub.json"
     assert main(["manifest", str(path), "-o", str(out)]) == 0
+    capsys.readouterr()
     assert main(["load", str(path), "--verify", "--manifest", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["verified"] == len(_tensors(3))
     _flip(path, open_checkpoint(path).select("layer.1")[0].offset)
