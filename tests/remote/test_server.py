@@ -532,9 +532,14 @@ def test_a_lazy_allocation_that_fails_leaves_nothing_in_flight(tmp_path, monkeyp
     with Server(cache_dir=tmp_path / "c") as s:
         raw = Raw(s.address)
         raw.hello()
+        _cache_push(raw, a, 9, "v", d)  # on disk now ...
+        assert _barrier(raw).tensors == 1
+        raw.send(Free(("v",)))  # ... and nowhere in memory
+        assert raw.recv() == FreeReply(1)
+        s._store.pool.trim(0)  # not even pooled
         monkeypatch.setattr(pool_mod, "new_mapping", no_memory)
         raw.send(Alloc(0, "w", "F32", a.shape, a.nbytes, d))  # named by digest: memory comes at the first byte
-        raw.send(P.FillFromCache(0, d))  # nothing holds it, so it needs memory now, and there is none
+        raw.send(P.FillFromCache(0, d))  # a fill from the disk needs memory now, and there is none
         reply = _barrier(raw)
         assert reply.tensors == 0 and "cannot allocate 'w'" in reply.errors[0]
         assert s.memory_used == 0

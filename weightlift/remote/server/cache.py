@@ -381,6 +381,40 @@ def _unlink_quiet(path: str) -> None:
         pass
 
 
+class DigestCheck:
+    """Proves that bytes hash to a digest without storing them: the same ``write``, ``commit``
+    and ``abort`` as a :class:`CacheWriter`, and no file (an entry already cached, or a connection
+    holding its share of open files)."""
+
+    def __init__(self, digest: bytes, length: int, threads: int | None = None):
+        self.digest = bytes(digest)
+        self.length = length
+        self._threads = threads
+        self._hasher: Any = None
+        self.written = 0
+        self.is_open = True
+
+    def write(self, buf: Any) -> None:
+        view = byte_view(buf)
+        if self.written + view.nbytes > self.length:
+            self.is_open = False
+            raise CacheError(f"more than the declared {self.length} bytes hashed")
+        if self._hasher is None:
+            self._hasher = _hasher(self.length, view.nbytes, self._threads)
+        self._hasher.update(view)
+        self.written += view.nbytes
+
+    def commit(self) -> None:
+        """CacheError unless exactly ``length`` bytes were written and they hash to the digest."""
+        self.is_open = False
+        actual = (self._hasher or blake3.blake3()).digest()
+        if self.written != self.length or not hmac.compare_digest(actual, self.digest):
+            raise CacheError(f"the bytes do not match the digest {self.digest.hex()[:16]}")
+
+    def abort(self) -> None:
+        self.is_open = False
+
+
 class CacheWriter:
     """Writes one entry: ``write`` pieces as they arrive, then ``commit`` or ``abort``.
 
@@ -459,6 +493,11 @@ class CacheWriter:
             raise CacheError(f"cache entry {hx}: commit failed: {_reason(exc)}") from exc
         self._open = False
         self._cache._committed(self.length, replaced)
+
+    @property
+    def is_open(self) -> bool:
+        """Whether it still holds its temporary file (neither committed nor aborted)."""
+        return self._open
 
     def abort(self) -> None:
         """Discard what was written. Safe to call more than once."""

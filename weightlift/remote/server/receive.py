@@ -38,7 +38,7 @@ from weightlift.remote.protocol import (
     WriteHeader,
 )
 from weightlift.remote.server import legacy
-from weightlift.remote.server.cache import disk_unusable
+from weightlift.remote.server.cache import CacheWriter, DigestCheck, disk_unusable
 from weightlift.remote.server.context import Context, RequestError
 from weightlift.remote.server.store import Charge, MemoryFull, entry_cost
 
@@ -49,6 +49,7 @@ HASH_PIECE = 4 * 1024 * 1024  # received-then-hashed piece: still in the CPU cac
 FAULT_PIECE = 4 * 1024 * 1024  # fresh destination memory is faulted in this much at a time by the helpers ...
 FAULT_WINDOW = 64 * 1024 * 1024  # ... at most this far ahead of the bytes received (weightlift.memory.faulter)
 MAX_RANGES = 4096  # disjoint byte ranges one pending tensor's WRITEs may leave
+MAX_OPEN_FILES = 8  # cache temporary files one connection holds open at once (tensors in flight by digest)
 RESERVED_NAMES = frozenset({"__metadata__"})  # names a pulled safetensors file could not hold
 
 
@@ -169,6 +170,11 @@ class Receiver:
         self.done_tensors = 0
         self.done_bytes = 0
         self._faulter: Faulter | None = None  # made at the first fresh destination
+        self._files: list[CacheWriter] = []  # cache writers made, some still holding a temporary file
+
+    def _files_open(self) -> int:
+        self._files = [w for w in self._files if w.is_open]
+        return len(self._files)
 
     def _wire(self, view: memoryview, name: str) -> None:
         if self.prof.enabled:
@@ -337,11 +343,17 @@ class Receiver:
             return
         cache = self.ctx.cache
         if p.digest is not None and cache is not None and p.writer is None and h.offset == 0 and p.hashed == 0:
-            if not cache.has(p.digest, p.nbytes):
+            # The bytes of a tensor named by digest are always hashed, to prove them before it is
+            # published; into a new cache entry where there is none yet and this connection
+            # holds fewer than MAX_OPEN_FILES temporary files, else only hashed.
+            if not cache.has(p.digest, p.nbytes) and self._files_open() < MAX_OPEN_FILES:
                 try:
                     p.writer = cache.writer(p.digest, p.nbytes)
+                    self._files.append(p.writer)
                 except CacheError as e:
                     self._cache_failed(e)
+            if p.writer is None:
+                p.writer = DigestCheck(p.digest, p.nbytes, cache.hash_threads)
         if p.writer is not None and h.offset != p.hashed:  # out of order: cannot hash in one pass
             p.writer.abort()
             p.writer = None
@@ -434,7 +446,9 @@ class Receiver:
                 self._complete(f.tensor_id, p)
                 return
             cache = self.ctx.cache
-            if cache is None:
+            if cache is None or not cache.has(f.digest, p.nbytes):
+                # nothing cached, or an entry of another size (the client's tensor and the
+                # digest disagree): the client sends the bytes; a valid entry stays
                 self.need[f.tensor_id] = None
                 return
             self._ensure_dest(p)  # fresh memory: the helpers fault it in ahead of the reads below
@@ -534,6 +548,14 @@ class Receiver:
                         self.error(f"tensor {p.name!r}: the bytes received do not match the digest the client sent")
                         return
                     self._cache_failed(e)
+        if p.digest is not None and not p.proven and self.store.remembers_digests and self.target.memcpy_ok:
+            # not hashed as it arrived (WRITEs out of order, a cache write that failed): a tensor
+            # named by digest is published only with its bytes proven
+            if hash_buffer(self.target.host_view(p.dest)) != p.digest:
+                p.release()
+                self.error(f"tensor {p.name!r}: the bytes received do not match the digest the client sent")
+                return
+            p.proven = True
         dest = self.target.finish(p.dest)
         if p.charge is None or p.deferred:
             raise AssertionError(f"tensor {p.name!r} completed without a charge")

@@ -1,0 +1,84 @@
+"""A tensor named by digest is published only with its bytes proven, whatever the cache holds; a
+client's mistakes never cost a valid entry; one connection holds a bounded number of files open."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import weightlift.remote.protocol as P
+from tests.remote.test_server import Raw, _barrier, _cache_push, _f32
+from weightlift.remote.digest import hash_buffer
+from weightlift.remote.protocol import Alloc, BarrierReply, WriteHeader
+from weightlift.remote.server.receive import MAX_OPEN_FILES
+from weightlift.remote.server.server import Server
+
+
+def test_a_fill_of_the_wrong_size_keeps_the_valid_entry(tmp_path):
+    a = _f32(50_000, 1)
+    d = hash_buffer(a)
+    with Server(cache_dir=tmp_path / "c") as s:
+        raw = Raw(s.address)
+        raw.hello()
+        _cache_push(raw, a, 0, "w", d)
+        assert _barrier(raw).tensors == 1
+        entry = tmp_path / "c" / d.hex()[:2] / d.hex()
+        raw.send(Alloc(1, "bigger", "F32", (2 * a.size,), 2 * a.nbytes, d))
+        raw.send(P.FillFromCache(1, d))
+        assert _barrier(raw) == BarrierReply(0, 0, (), (1,))  # not filled: send the bytes
+        assert entry.read_bytes() == a.tobytes()  # and the entry is still there
+        raw.close()
+
+
+def test_wrong_bytes_under_a_cached_digest_are_refused(tmp_path):
+    a = _f32(50_000, 2)
+    d = hash_buffer(a)
+    with Server(cache_dir=tmp_path / "c") as s:
+        raw = Raw(s.address)
+        raw.hello()
+        _cache_push(raw, a, 0, "w", d)
+        assert _barrier(raw).tensors == 1
+        _cache_push(raw, _f32(50_000, 3), 1, "liar", d)  # the digest is cached: the bytes are still checked
+        reply = _barrier(raw)
+        assert reply.tensors == 0 and "do not match the digest" in reply.errors[0]
+        assert "liar" not in s.tensors()
+        raw.close()
+
+
+def test_out_of_order_writes_under_a_digest_are_proven_at_the_end(tmp_path):
+    a = _f32(50_000, 4)
+    bad = a.copy()
+    bad[7] += 1
+    with Server(cache_dir=tmp_path / "c") as s:
+        raw = Raw(s.address)
+        raw.hello()
+        for tid, name, arr in ((0, "good", a), (1, "bad", bad)):
+            raw.send(Alloc(tid, name, "F32", a.shape, a.nbytes, hash_buffer(a)))
+            half = a.nbytes // 2
+            raw.send(WriteHeader(tid, half, a.nbytes - half), arr.tobytes()[half:])
+            raw.send(WriteHeader(tid, 0, half), arr.tobytes()[:half])
+        reply = _barrier(raw)
+        assert reply.tensors == 1 and "'bad'" in reply.errors[0] and "do not match" in reply.errors[0]
+        assert np.array_equal(s.tensors()["good"], a) and "bad" not in s.tensors()
+        raw.close()
+
+
+def test_one_connection_holds_a_bounded_number_of_cache_files(tmp_path):
+    arrs = [_f32(1000, 10 + i) for i in range(40)]
+    with Server(cache_dir=tmp_path / "c") as s:
+        raw = Raw(s.address)
+        raw.hello()
+        half = arrs[0].nbytes // 2
+        for i, a in enumerate(arrs):  # every tensor begun, none finished
+            raw.send(Alloc(i, f"t{i}", "F32", a.shape, a.nbytes, hash_buffer(a)))
+            raw.send(WriteHeader(i, 0, half), a.tobytes()[:half])
+        raw.send(P.ListRequest())
+        raw.recv()  # every WRITE above was handled
+        temps = [f for f in (tmp_path / "c").rglob(".tmp-*")]
+        assert len(temps) <= MAX_OPEN_FILES
+        for i, a in enumerate(arrs):
+            raw.send(WriteHeader(i, half, a.nbytes - half), a.tobytes()[half:])
+        assert _barrier(raw).tensors == len(arrs)
+        assert all(np.array_equal(s.tensors()[f"t{i}"], a) for i, a in enumerate(arrs))
+        raw.send(P.Have(tuple(hash_buffer(a) for a in arrs)))
+        assert raw.recv() == P.HaveReply((True,) * len(arrs))  # every one proven, cached or not
+        raw.close()
