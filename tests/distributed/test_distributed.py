@@ -259,6 +259,41 @@ def test_push_many_reports_every_failure(ckpts):
     assert set(ei.value.errors) == {f"127.0.0.1:{port}"} and set(ei.value.results) == {f"{ha}:{pa}"}
 
 
+def test_push_many_reports_a_first_server_that_is_down(ckpts):
+    with wl.Server(port=0) as a:
+        ha, pa = a.start()
+        port = _free_port()
+        with pytest.raises(PushError) as ei:
+            push_many(ckpts["st"], {f"127.0.0.1:{port}": "emb.*", f"{ha}:{pa}": "l0.*"}, timeout=5)
+        got = a.tensors()
+    assert set(ei.value.errors) == {f"127.0.0.1:{port}"} and set(ei.value.results) == {f"{ha}:{pa}"}
+    assert set(got) == {n for n, _, _ in LAYOUT if n.startswith("l0.")}
+
+
+def test_client_push_to_several_servers_at_once(ckpts):
+    with wl.Server(port=0) as a, wl.Server(port=0) as b, wl.Server(port=0) as c:
+        (ha, pa), (hb, pb), (hc, pc) = a.start(), b.start(), c.start()
+        with wl.Client(f"{ha}:{pa}") as cl:
+            res = cl.push(ckpts["st"], select="l0.*", to={f"{hb}:{pb}": "emb.*", (hc, pc): "l0.*"})
+            again = cl.push(ckpts["st"], select="emb.*")  # the client's own connection is still usable
+        got = {k: s.tensors() for k, s in (("a", a), ("b", b), ("c", c))}
+    assert set(res) == {f"{ha}:{pa}", f"{hb}:{pb}", f"{hc}:{pc}"} and again.tensors == 1
+    raws = {n: r for n, _, _, r in _tensors()}
+    l0 = {n for n, _, _ in LAYOUT if n.startswith("l0.")}
+    assert set(got["a"]) == l0 | {"emb.weight"} and set(got["b"]) == {"emb.weight"} and set(got["c"]) == l0
+    for tensors in got.values():
+        for name, arr in tensors.items():
+            assert raw_bytes(arr) == raws[name]
+    assert res[f"{hb}:{pb}"].tensors == 1 and res[f"{hc}:{pc}"].tensors == len(l0)
+
+
+def test_client_push_to_refuses_its_own_server_twice(ckpts):
+    with wl.Server(port=0) as a:
+        ha, pa = a.start()
+        with wl.Client(f"{ha}:{pa}") as cl, pytest.raises(wl.OptionError):
+            cl.push(ckpts["st"], to=[f"{ha}:{pa}"])
+
+
 # -- gloo groups of processes --------------------------------------------------------------------
 
 

@@ -10,12 +10,11 @@ outside any group.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
-from weightlift.errors import OptionError, PushError
+from weightlift.errors import OptionError, PushError, WeightliftError
 
 __all__ = ["push_many", "PushError"]
 
@@ -29,7 +28,8 @@ def push_many(
     timeout: float | None = 30.0,
 ) -> dict[str, Any]:
     """Push ``{address: select}`` (``"host:port"`` or ``(host, port)``) in parallel, one thread
-    per server; returns ``{address: PushResult}`` once every push has landed.
+    per server; returns ``{address: PushResult}`` once every push has landed. The same as
+    ``Client(first).push(path, select=..., to={the others})``.
 
     Every push runs to its end even if another fails; then a failure raises :class:`PushError`
     (a :class:`~weightlift.errors.WeightliftError`), which holds each error and each result.
@@ -41,26 +41,22 @@ def push_many(
     ck = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     for sel in targets.values():
         ck.select(sel)  # a selection that matches nothing fails here, before any connection
-    results: dict[str, Any] = {}
-    errors: dict[str, BaseException] = {}
-    lock = threading.Lock()
-
-    def push(addr: Any, sel: Select) -> None:
-        key = addr if isinstance(addr, str) else f"{addr[0]}:{addr[1]}"
+    items = list(targets.items())
+    unreachable: dict[str, BaseException] = {}
+    # the first server that answers carries the others' pushes (Client.push(to=...)); one that
+    # does not is reported with the rest, never silently skipped
+    for i, (addr, sel) in enumerate(items):
         try:
-            with Client(addr, token=token, streams=streams, timeout=timeout) as c:
-                res = c.push(ck, select=sel)
-            with lock:
-                results[key] = res
-        except Exception as e:  # noqa: BLE001 - gathered and raised in the caller's thread
-            with lock:
-                errors[key] = e
-
-    threads = [threading.Thread(target=push, args=(a, s), name=f"wl-push-{a}", daemon=True) for a, s in targets.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise PushError(errors, results)
-    return results
+            client = Client(addr, token=token, streams=streams, timeout=timeout)
+        except WeightliftError as e:
+            unreachable[addr if isinstance(addr, str) else f"{addr[0]}:{addr[1]}"] = e
+            continue
+        with client:
+            try:
+                results = client.push(ck, select=sel, to=dict(items[i + 1 :]))
+            except PushError as e:
+                raise PushError({**unreachable, **e.errors}, e.results) from None
+        if unreachable:
+            raise PushError(unreachable, results)
+        return results
+    raise PushError(unreachable, {})

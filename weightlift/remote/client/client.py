@@ -27,15 +27,16 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 from weightlift import env
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
 from weightlift.errors import (
     FileError,
     OptionError,
+    PushError,
     RemoteProtocolError,
     StateError,
 )
@@ -88,6 +89,10 @@ class RemoteTensor(NamedTuple):
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+
+
+def _address_key(addr: Any) -> str:
+    return addr if isinstance(addr, str) else f"{addr[0]}:{addr[1]}"
 
 
 class Client:
@@ -159,18 +164,48 @@ class Client:
 
     # -- push ----------------------------------------------------------------------------------
 
+    @overload
     def push(
         self,
         source: str | os.PathLike[str] | Checkpoint,
         *,
         select: Select = None,
         hash_threshold: int | None = None,
-    ) -> PushResult:
+        to: None = None,
+    ) -> PushResult: ...
+
+    @overload
+    def push(
+        self,
+        source: str | os.PathLike[str] | Checkpoint,
+        *,
+        select: Select = None,
+        hash_threshold: int | None = None,
+        to: Mapping[Any, Select] | Sequence[Any],
+    ) -> dict[str, PushResult]: ...
+
+    def push(
+        self,
+        source: str | os.PathLike[str] | Checkpoint,
+        *,
+        select: Select = None,
+        hash_threshold: int | None = None,
+        to: Mapping[Any, Select] | Sequence[Any] | None = None,
+    ) -> PushResult | dict[str, PushResult]:
         """Send the selected tensors of a checkpoint to the server; returns when all have landed.
 
         ``hash_threshold``: tensors of at least this many bytes are hashed and asked about when
         the server keeps a cache (default :data:`~weightlift.remote.digest.HASH_THRESHOLD`).
+
+        ``to`` pushes to more servers at the same time (a model split over several workers):
+        ``{address: select}`` gives each its own selection, a list of addresses sends each
+        ``select``. This client's server gets ``select`` as well; every push runs on its own
+        thread with this client's token, streams and timeout, the checkpoint opened once. Returns
+        ``{address: PushResult}`` once every push has landed; if any failed, every push still
+        runs to its end and :class:`~weightlift.errors.PushError` holds each error and result.
         """
+        if to is not None:
+            return self._push_to(source, select, hash_threshold, to)
         if hash_threshold is None:
             hash_threshold = HASH_THRESHOLD if self._opt else NAIVE_HASH_THRESHOLD
         ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
@@ -212,6 +247,58 @@ class Client:
             seconds,
             prof.report() if prof.enabled else None,
         )
+
+    def _push_to(
+        self,
+        source: str | os.PathLike[str] | Checkpoint,
+        select: Select,
+        hash_threshold: int | None,
+        to: Mapping[Any, Select] | Sequence[Any],
+    ) -> dict[str, PushResult]:
+        ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
+        others = dict(to) if isinstance(to, Mapping) else {a: select for a in to}
+        targets = {_address_key(self.address): select, **{_address_key(a): s for a, s in others.items()}}
+        if len(targets) != len(others) + 1:
+            raise OptionError("push(to=...): every server once, this client's own not again")
+        for sel in targets.values():
+            ck.select(sel)  # a selection that matches nothing fails here, before any byte is sent
+        results: dict[str, PushResult] = {}
+        errors: dict[str, BaseException] = {}
+        lock = threading.Lock()
+
+        def run(addr: Any, sel: Select) -> None:
+            key = _address_key(addr)
+            try:
+                if key == _address_key(self.address):
+                    res = self.push(ck, select=sel, hash_threshold=hash_threshold)
+                else:
+                    with Client(
+                        addr,
+                        token=self._token,
+                        streams=self.streams,
+                        timeout=self._timeout,
+                        protocol_minor=self._minor,
+                        backend=self._backend,
+                    ) as c:
+                        res = c.push(ck, select=sel, hash_threshold=hash_threshold)
+                with lock:
+                    results[key] = res
+            except Exception as e:  # noqa: BLE001 - gathered and raised in the caller's thread
+                with lock:
+                    errors[key] = e
+
+        pairs = [(self.address, select), *others.items()]
+        threads = [
+            threading.Thread(target=run, args=pair, name=f"weightlift-push {i}", daemon=True)
+            for i, pair in enumerate(pairs)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise PushError(errors, results)
+        return results
 
     def _push_parallel(self, pushers: list[Pusher], groups: list[list[Plan]]) -> None:
         errors: list[BaseException] = []
