@@ -1,13 +1,14 @@
 """Faulting fresh destination memory in ahead of the bytes that will land in it.
 
-On a VM the host may back a fresh guest page only when it is first touched, far slower than a
-copy into touched memory (bench/RESULTS.md), and a page first touched inside the kernel's copy (``recv_into``, ``readinto``)
-costs several times more than one touched from user space beforehand. A receiver therefore
-hands each fresh destination to a :class:`Faulter` as soon as it is allocated: helper threads
-touch it piece by piece, in the order destinations were added, across tensor boundaries, while
-the socket fills the pieces already done. The receiver asks for a range just before it writes
-into it (:meth:`Faulter.ready`): done pieces cost nothing, a piece still queued is faulted by
-the receiver itself, only the part it asked for (it never waits behind the queue), a running
+On a VM the host may back a fresh guest page only when it is first touched, slower than a
+copy into touched memory, so faulting is work worth taking off the receiving thread. A receiver
+therefore hands each fresh destination to a :class:`Faulter` as soon as it is allocated: helper
+threads fault it in piece by piece (:func:`weightlift.memory.fresh.fault_in`), in the order
+destinations were added, across tensor boundaries, while the socket fills the pieces already
+done. The receiver asks for a range just before it writes into it (:meth:`Faulter.ready`): done
+pieces cost nothing; a piece still queued is faulted by the receiver itself, only the part it
+asked for (it never waits behind the queue), or left for the kernel copy to fault, as the fill
+policy says is faster on this machine (:mod:`weightlift.memory.fresh`); a running
 one is waited for. The region the receiver asked for last is the helpers' first choice, so a
 destination written out of allocation order (or registered late) is not left behind the
 others.
@@ -17,7 +18,7 @@ peer that allocates and sends nothing makes the server touch at most that much m
 connection, besides the piece being received) beyond what it sent; the allocation itself was
 already charged against its limit.
 
-Safe to reuse memory afterwards: a helper writes a zero into every page it faults, so before a
+Safe to reuse memory afterwards: a helper may write a zero into the pages it faults, so before a
 destination is freed, handed to someone else or filled by any other path, its owner calls
 :meth:`Faulter.cancel`, which drops its queued pieces, waits for the running ones and lets go
 of the memory.
