@@ -5,6 +5,7 @@ fragmentation does not multiply the server's CPU cost."""
 from __future__ import annotations
 
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -193,3 +194,45 @@ def test_ls_shows_names_safely(capsys):
         assert "\x1b" not in out and "\x07" not in out
         assert "evil\\x1b]0;owned\\x07\\x1b[2J\\\\" in out
         raw.close()
+
+
+_SERVE_FEW_FDS = """
+import resource, sys
+from weightlift.remote.server.server import Server
+s = Server(max_handshakes=200, max_per_address=200, max_connections=200)
+port = s.bind()[1]
+import os
+used = len(os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (used + 8, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+print(port, flush=True)
+s.serve_forever()
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_out_of_descriptors_a_client_is_told_and_the_log_says_why():
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SERVE_FEW_FDS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    held = []
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        port = int(proc.stdout.readline())
+        refused = None
+        for _ in range(40):
+            raw = Raw(("127.0.0.1", port))
+            held.append(raw)
+            if not select.select([raw.sock], [], [], 0.5)[0]:  # not refused at once: a handshake
+                raw.hello()
+                continue
+            reply = raw.recv()
+            if isinstance(reply, Error):
+                refused = reply
+                break
+        assert refused is not None and "file descriptors" in refused.message
+    finally:
+        for r in held:
+            r.close()
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+    assert "out of file descriptors" in err

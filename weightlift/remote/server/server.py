@@ -36,6 +36,7 @@ and copies it out, the naive way, for A/B measurements (:mod:`.legacy`).
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import os
@@ -105,6 +106,13 @@ def default_max_memory(device: str = "cpu") -> int:
     except (AttributeError, ValueError, OSError):
         raise OptionError("cannot tell how much memory this machine has: pass max_memory") from None
     return int(total * MEMORY_FRACTION)
+
+
+def _spare_descriptor() -> int:
+    try:
+        return os.open(os.devnull, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return -1
 
 
 def _check_device(device: str, framework: str) -> Target | None:
@@ -244,6 +252,8 @@ class Server:
         self._conns: set[Stream] = set()
         self._threads: set[threading.Thread] = set()
         self._closing = threading.Event()
+        self._spare_fd = _spare_descriptor()  # given up to refuse a client when descriptors run out
+        self._emfile_logged = -1e9
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -303,10 +313,12 @@ class Server:
         while not self._closing.is_set():
             try:
                 stream = self._listener.accept(timeout=0.2)
-            except TransportError:
+            except TransportError as e:
                 if self._closing.is_set():
                     return
-                time.sleep(0.05)  # e.g. EMFILE: back off rather than spin
+                if getattr(e.__context__, "errno", None) in (errno.EMFILE, errno.ENFILE):
+                    self._out_of_descriptors(e)
+                time.sleep(0.05)  # back off rather than spin
                 continue
             if stream is None:
                 continue
@@ -327,12 +339,39 @@ class Server:
                 self._threads.add(t)
             t.start()
 
+    def _out_of_descriptors(self, e: TransportError) -> None:
+        """The process has no descriptor left for a new connection: say so in the log, and use
+        the one kept spare to accept the waiting client and tell it why, instead of leaving it
+        hanging in the backlog."""
+        now = time.monotonic()
+        if now - self._emfile_logged > 10.0:
+            self._emfile_logged = now
+            _log.warning(
+                "weightlift server: out of file descriptors (%s); refusing new connections "
+                "until some close (raise the limit with `ulimit -n`)",
+                e,
+            )
+        if self._spare_fd < 0 or self._listener is None:
+            return
+        os.close(self._spare_fd)
+        self._spare_fd = -1
+        try:
+            stream = self._listener.accept(timeout=0)
+            if stream is not None:
+                self._refuse(stream, "the server is out of file descriptors; try again later")
+        except TransportError:
+            pass
+        finally:
+            self._spare_fd = _spare_descriptor()
+
     def _refuse(self, stream: Stream, why: str) -> None:
         """Close a connection over a limit at once, with a best-effort ERROR that cannot block."""
         _log.info("weightlift server: refused %s: %s", stream.peer, why)
         try:
             stream.set_timeout(0.0)
             stream.send_parts([send(Error(ErrorCode.LIMIT, why), minor=0)])
+            stream.shutdown_write()
+            stream.recv_into(memoryview(bytearray(256)))  # a HELLO already here: unread input would reset the reply
         except (TransportError, OSError):
             pass
         stream.close()
@@ -363,6 +402,9 @@ class Server:
                 t.join(timeout=10)
         if self._accept_thread is not None and self._accept_thread is not threading.current_thread():
             self._accept_thread.join(timeout=10)
+        if self._spare_fd >= 0:
+            os.close(self._spare_fd)
+            self._spare_fd = -1
         if self._store.pool is not None:
             self._store.pool.close()  # idle memory goes back; tensors still held keep theirs
 
