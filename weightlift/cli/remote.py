@@ -46,13 +46,34 @@ def register(sub: Any) -> None:
         "--max-memory",
         metavar="BYTES",
         help="cap on bytes allocated for all clients (e.g. 8G; default: 90%% of physical RAM for cpu, the "
-        "device's total memory for cuda; each tensor also counts its name length plus 256 bytes)",
+        "device's total memory for cuda; each tensor also counts its bookkeeping: see SECURITY.md)",
     )
     s.add_argument(
         "--reserve",
         metavar="BYTES",
         help="fault this much host memory in at start, in the background, so the first push lands in "
         "memory already backed (e.g. 16G; counts against --max-memory; cpu only)",
+    )
+    s.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="close a connection that sends no request for S seconds (default 300; 0: never)",
+    )
+    s.add_argument(
+        "--io-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="close a connection stalled S seconds inside a message or a reply (default 60; 0: never)",
+    )
+    s.add_argument(
+        "--max-per-address",
+        type=int,
+        default=32,
+        metavar="N",
+        help="connections one peer address may hold at once (default 32)",
     )
     s.set_defaults(func=_cmd_serve)
 
@@ -94,6 +115,9 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         insecure=a.insecure,
         max_memory=parse_size(a.max_memory) if a.max_memory is not None else None,
         reserve=parse_size(a.reserve) if a.reserve is not None else 0,
+        idle_timeout=a.idle_timeout or None,
+        io_timeout=a.io_timeout or None,
+        max_per_address=a.max_per_address,
     )
     host, port = server.bind()
     cache = f", cache {a.cache_dir}" if a.cache_dir else ""
