@@ -82,3 +82,18 @@ def test_one_connection_holds_a_bounded_number_of_cache_files(tmp_path):
         raw.send(P.Have(tuple(hash_buffer(a) for a in arrs)))
         assert raw.recv() == P.HaveReply((True,) * len(arrs))  # every one proven, cached or not
         raw.close()
+
+
+def test_the_disk_cache_is_capped_least_recently_used_first(tmp_path):
+    arrs = [_f32(25_000, 20 + i) for i in range(4)]  # 100 kB each
+    with Server(cache_dir=tmp_path / "c", cache_max_bytes=250_000) as s:
+        raw = Raw(s.address)
+        raw.hello()
+        for i, a in enumerate(arrs):
+            _cache_push(raw, a, i, f"t{i}", hash_buffer(a))
+            assert _barrier(raw).tensors == 1
+        held = sum(f.stat().st_size for f in (tmp_path / "c").rglob("*") if f.is_file())
+        assert held <= 250_000
+        assert s._ctx.cache is not None and s._ctx.cache.has(hash_buffer(arrs[-1]))
+        assert not s._ctx.cache.has(hash_buffer(arrs[0]))
+        raw.close()

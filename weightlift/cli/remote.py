@@ -40,6 +40,11 @@ def register(sub: Any) -> None:
     s.add_argument("--device", default="cpu", help="where tensors land: cpu or cuda[:N]")
     s.add_argument("--framework", choices=["numpy", "torch"], help="numpy (default on cpu) or torch (always on cuda)")
     s.add_argument("--cache-dir", metavar="DIR", help="keep a content-addressed cache of received tensors here")
+    s.add_argument(
+        "--cache-max",
+        metavar="BYTES",
+        help="cap on the disk cache (e.g. 100G); the least recently used entries go first (default: no cap)",
+    )
     s.add_argument("--token-file", metavar="F", help="clients must prove they hold the token in this file")
     s.add_argument("--insecure", action="store_true", help="allow a non-loopback address without a token")
     s.add_argument(
@@ -111,6 +116,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         device=a.device,
         framework=framework,
         cache_dir=a.cache_dir,
+        cache_max_bytes=parse_size(a.cache_max) if a.cache_max is not None else None,
         token=read_token(a.token_file),
         insecure=a.insecure,
         max_memory=parse_size(a.max_memory) if a.max_memory is not None else None,

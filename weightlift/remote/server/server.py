@@ -154,6 +154,7 @@ class Server:
     that a connection that sends no request for ``idle_timeout`` seconds is closed, and so is one
     that stalls for ``io_timeout`` seconds inside a frame or payload, or while a reply is sent
     (None: no limit).
+    ``cache_max_bytes`` caps the disk cache's entries, the least recently used evicted first.
     ``protocol_minor`` makes the server speak an older minor version (compatibility tests).
     ``profile`` None reads WEIGHTLIFT_LOADPROF; with it on, each connection's report is printed
     to stderr when the connection closes. ``reserve`` (host memory only) faults that many bytes
@@ -170,6 +171,7 @@ class Server:
         device: str = "cpu",
         framework: str = "numpy",
         cache_dir: str | os.PathLike[str] | None = None,
+        cache_max_bytes: int | None = None,
         token: str | bytes | None = None,
         insecure: bool = False,
         max_memory: int | None = None,
@@ -243,7 +245,7 @@ class Server:
             opt=env.load_opt(),
             profile=profile,
             store=store,
-            cache=TensorCache(cache_dir) if cache_dir is not None else None,
+            cache=TensorCache(cache_dir, max_bytes=cache_max_bytes) if cache_dir is not None else None,
         )
         self._store = store
         self._lock = threading.Lock()  # guards the connections and their threads
