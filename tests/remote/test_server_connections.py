@@ -15,7 +15,20 @@ import numpy as np
 import pytest
 
 from tests.remote.test_server import Raw, _barrier, _put
-from weightlift.remote.protocol import Bye, Error, ErrorCode, Free, FreeReply, Have, HaveReply, Read, send
+from weightlift.remote.protocol import (
+    Alloc,
+    BarrierReply,
+    Bye,
+    Error,
+    ErrorCode,
+    Free,
+    FreeReply,
+    Have,
+    HaveReply,
+    Read,
+    WriteHeader,
+    send,
+)
 from weightlift.remote.server.server import Server
 
 TOKEN = b"0123456789abcdef-token"
@@ -114,8 +127,8 @@ def _cpu_seconds(pid: int) -> float:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads a process's CPU time from /proc")
 def test_a_trickled_frame_costs_the_server_about_what_a_whole_one_does():
-    # A HAVE of the most digests a frame may name (2 MiB): sent whole, then 1 KiB per send.
-    frame = send(Have(tuple(i.to_bytes(32, "little") for i in range(65536))))
+    # A HAVE of 4096 digests (128 KiB), sent whole, then one byte per send.
+    frame = send(Have(tuple(i.to_bytes(32, "little") for i in range(4096))))
     proc = subprocess.Popen([sys.executable, "-c", _SERVE], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -124,19 +137,25 @@ def test_a_trickled_frame_costs_the_server_about_what_a_whole_one_does():
         raw.hello()
         raw.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-        def cost(pieces: int, rounds: int = 4) -> float:
+        def cost(step: int, rounds: int = 3) -> float:
             t0 = _cpu_seconds(proc.pid)
             for _ in range(rounds):
-                step = -(-len(frame) // pieces)
                 for pos in range(0, len(frame), step):
                     raw.sock.sendall(frame[pos : pos + step])
                 assert isinstance(raw.recv(), HaveReply)
             return _cpu_seconds(proc.pid) - t0
 
-        cost(1, rounds=1)  # warm-up
-        whole = cost(1)
-        trickled = cost(len(frame) // 1024)
+        cost(len(frame), rounds=1)  # warm-up
+        whole = cost(len(frame))
+        trickled = cost(1)
         assert trickled <= 4 * max(whole, 0.05), (whole, trickled)
+        # a payload trickled a byte at a time lands whole
+        payload = np.arange(1 << 16, dtype=np.uint8)
+        raw.send(Alloc(0, "w", "U8", payload.shape, payload.nbytes))
+        data = send(WriteHeader(0, 0, payload.nbytes)) + payload.tobytes()
+        for pos in range(len(data)):
+            raw.sock.sendall(data[pos : pos + 1])
+        assert _barrier(raw) == BarrierReply(1, payload.nbytes)
         raw.close()
     finally:
         proc.terminate()

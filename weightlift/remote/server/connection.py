@@ -60,13 +60,23 @@ from weightlift.remote.server.context import Context
 from weightlift.remote.server.receive import STAGING_BYTES, Receiver
 from weightlift.remote.server.slots import Slot
 from weightlift.remote.server.store import Charge, MemoryFull
-from weightlift.remote.transport import Stream, receive_payload
+from weightlift.remote.transport import Stream
 
-__all__ = ["Connection", "SCRATCH_BYTES", "LINGER_BYTES", "LINGER_SECONDS", "FRAME_SLACK"]
+__all__ = [
+    "Connection",
+    "SCRATCH_BYTES",
+    "LINGER_BYTES",
+    "LINGER_SECONDS",
+    "FRAME_SLACK",
+    "TRICKLE_BYTES",
+    "TRICKLE_PAUSE",
+]
 
 SCRATCH_BYTES = 64 * 1024  # frame headers and drained payloads
 LINGER_BYTES = 64 * 1024 * 1024  # after an ERROR, how much of the peer's input to drain before closing
 LINGER_SECONDS = 2.0  # ... and for how long at most, however the peer spaces its bytes
+TRICKLE_BYTES = 512  # two receives in a row inside one frame or payload bringing less than this ...
+TRICKLE_PAUSE = 0.002  # ... and the next waits this long first, so that bytes gather in the socket
 FRAME_SLACK = 1 / 8  # a frame buffer is charged its length and this much more (a bytearray over-allocates)
 
 _log = logging.getLogger("weightlift.remote.server")
@@ -127,7 +137,21 @@ class Connection:
         return self._staging.data
 
     def _payload(self, view: memoryview) -> None:
-        receive_payload(self.stream, self.dec, view)
+        """Fill ``view`` with the next payload bytes, straight from the socket. A peer that
+        trickles its bytes is read after a short pause per receive (:data:`TRICKLE_PAUSE`), so
+        that they gather: the server's cost per byte does not depend on how the peer fragments
+        them."""
+        got = self.dec.payload_into(view)
+        small = 0
+        while got < len(view):
+            if small >= 2:
+                time.sleep(TRICKLE_PAUSE)
+            n = self.stream.recv_into(view[got:])
+            if n == 0:
+                raise TransportError("the peer closed the connection inside a payload")
+            self.dec.payload_received(n)
+            got += n
+            small = small + 1 if n < TRICKLE_BYTES or small >= 2 else 0  # once trickling, for the rest of it
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -182,8 +206,11 @@ class Connection:
         charged to max_memory while the decoder buffers it. Before READY every receive waits
         only for what is left of the handshake deadline; after it, the wait for the next request
         is bounded by the idle timeout and every receive inside a frame by the I/O timeout.
+        A peer that trickles (two receives in a row bringing fewer than TRICKLE_BYTES) is read
+        after a short pause per receive, so that its bytes gather in the socket.
         """
         dec, scratch = self.dec, self.scratch
+        small = 0  # receives in a row inside this frame that brought fewer than TRICKLE_BYTES
         while True:
             ev = dec.next_event()
             if ev is not NEED_DATA:
@@ -212,6 +239,8 @@ class Connection:
                 self._set_timeout(self.ctx.idle_timeout)
             else:
                 self._set_timeout(self.ctx.io_timeout)
+            if small >= 2 and not dec.at_boundary:
+                time.sleep(TRICKLE_PAUSE)  # a trickling peer: let its bytes gather
             try:
                 n = self.stream.recv_into(scratch[: min(want, len(scratch))])
             except TransportError as e:
@@ -224,6 +253,7 @@ class Connection:
                     return None
                 raise TransportError("the peer closed the connection inside a frame")
             dec.feed(scratch[:n])
+            small = small + 1 if n < min(want, TRICKLE_BYTES) or small >= 2 else 0  # once trickling, for the rest
 
     def _fatal(self, code: ErrorCode, message: str) -> None:
         """Reply ERROR, then close without a reset, so the client can read why."""
