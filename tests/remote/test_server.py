@@ -10,6 +10,7 @@ import pytest
 
 import weightlift.remote.protocol as P
 from tests.devices import has_cuda, needs_cuda, needs_torch
+from tests.waiting import wait_for
 from weightlift.errors import OptionError, StateError
 from weightlift.remote.digest import hash_buffer
 from weightlift.remote.protocol import (
@@ -553,7 +554,7 @@ def test_a_reserve_is_faulted_at_start_and_carved_for_the_first_push():
     s = Server(reserve=32 * 2**20, max_memory=1 << 30)
     assert s.reserved == (0, 0)  # nothing before start
     with s:  # starts it
-        _wait_for(lambda: s.reserved[0] == s.reserved[1] == 32 * 2**20)
+        wait_for(lambda: s.reserved[0] == s.reserved[1] == 32 * 2**20)
         raw = Raw(s.address)
         raw.hello()
         for i, a in enumerate(v):
@@ -569,7 +570,7 @@ def test_a_reserve_is_faulted_at_start_and_carved_for_the_first_push():
 def test_a_reserve_as_large_as_max_memory_is_carved_not_cut_away():
     v = [_f32(700_000, i) for i in range(8)]  # 8 x 4 MiB slices: the whole reserve
     with Server(reserve=32 * 2**20, max_memory=32 * 2**20 + 8 * _cost("w0", 0)) as s:
-        _wait_for(lambda: s.reserved[0] == s.reserved[1] == 32 * 2**20)
+        wait_for(lambda: s.reserved[0] == s.reserved[1] == 32 * 2**20)
         raw = Raw(s.address)
         raw.hello()
         for i, a in enumerate(v):
@@ -694,13 +695,6 @@ import weightlift.remote.server.server as server_mod  # noqa: E402
 from weightlift.errors import DeviceError  # noqa: E402
 
 
-def _wait_for(cond, seconds: float = 10.0) -> None:
-    """Poll until ``cond()`` (the server notices things on its own threads); no timing asserted."""
-    deadline = time.monotonic() + seconds
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.01)
-
-
 def _serves(s: Server) -> None:
     ok = Raw(s.address)
     ok.hello()
@@ -760,7 +754,7 @@ def test_handshake_timeout_closes_connections_that_never_become_ready():
         time.sleep(0.6)  # twice the handshake timeout: a READY connection is not held to it
         _put(ready, 0, "w", _f32(4))
         assert _barrier(ready).tensors == 1
-        _wait_for(lambda: len(s._conns) == 1)
+        wait_for(lambda: len(s._conns) == 1)
         assert len(s._conns) == 1
 
 
@@ -778,7 +772,7 @@ def test_connections_over_the_limit_are_closed_at_accept():
         assert _barrier(a).tensors == 1
         a.send(Bye())
         assert a.closed()
-        _wait_for(lambda: len(s._conns) < 2)
+        wait_for(lambda: len(s._conns) < 2)
         _serves(s)  # a slot freed: the next client is served
 
 
@@ -855,12 +849,12 @@ def test_fresh_destination_is_faulted_in_at_most_a_window_ahead_of_the_payload(m
         data = np.random.default_rng(1).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes()
         raw.send(Alloc(0, "w", "U8", (len(data),), len(data)))
         # nothing sent yet: the helpers fault the window in, and no more
-        _wait_for(lambda: sum(touched) >= 4 * piece)
+        wait_for(lambda: sum(touched) >= 4 * piece)
         time.sleep(0.1)  # a server that faulted the whole tensor in would have gone on by now
         assert sum(touched) == 4 * piece and max(touched) <= piece
         sent = 100_000
         raw.send(WriteHeader(0, 0, len(data)), data[:sent])  # the header announces 4 MiB; 100 KB follow
-        _wait_for(lambda: sum(touched) >= sent + 4 * piece)
+        wait_for(lambda: sum(touched) >= sent + 4 * piece)
         time.sleep(0.1)
         # what arrived (in whole pieces) and the window ahead of it
         assert sum(touched) <= (sent // piece + 1) * piece + 4 * piece
@@ -897,7 +891,7 @@ def test_tensors_allocated_ahead_land_whole_in_any_write_order(monkeypatch):
         assert "gone" not in held
         before = s.memory_used
         raw.close()  # the half-written tensor is dropped, its faulting cancelled, its charge released
-        _wait_for(lambda: s.memory_used < before)
+        wait_for(lambda: s.memory_used < before)
         assert before - s.memory_used >= 4 << 20
         raw = Raw(s.address)
         raw.hello()
@@ -993,7 +987,7 @@ def test_what_a_client_may_not_send_is_an_error_not_a_dead_thread(server, thread
     assert raw.closed()
     raw.close()
     _serves(server)
-    _wait_for(lambda: server.memory_used == _cost("ok", 16))
+    wait_for(lambda: server.memory_used == _cost("ok", 16))
     assert server.memory_used == _cost("ok", 16)  # the refused client's ALLOC was dropped with it
     assert thread_errors == []
 
@@ -1013,7 +1007,7 @@ def test_an_unexpected_failure_answers_internal_and_ends_only_that_connection(
     assert isinstance(reply, Error) and reply.code == ErrorCode.INTERNAL and "ZeroDivisionError" in reply.message
     assert raw.closed()
     raw.close()
-    _wait_for(lambda: server.memory_used == 0)
+    wait_for(lambda: server.memory_used == 0)
     assert server.memory_used == 0
     _serves(server)
     assert thread_errors == []

@@ -9,12 +9,12 @@ import select
 import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
 from tests.remote.test_server import Raw, _barrier, _put
+from tests.waiting import wait_for
 from weightlift.remote.protocol import (
     Alloc,
     BarrierReply,
@@ -32,14 +32,6 @@ from weightlift.remote.protocol import (
 from weightlift.remote.server.server import Server
 
 TOKEN = b"0123456789abcdef-token"
-
-
-def _wait_for(cond, seconds: float = 10.0) -> None:
-    end = time.monotonic() + seconds
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
 
 
 def test_unauthenticated_peers_never_lock_out_an_authenticated_client():
@@ -69,7 +61,7 @@ def test_connections_from_one_address_are_capped():
         assert isinstance(reply, Error) and reply.code == ErrorCode.LIMIT and "127.0.0.1" in reply.message
         held[0].send(Bye())
         assert held[0].closed()
-        _wait_for(lambda: s._slots.n_ready == 2)
+        wait_for(lambda: s._slots.n_ready == 2)
         again = Raw(s.address)
         again.hello()
         for r in held[1:] + [again, extra]:
@@ -81,7 +73,7 @@ def test_an_idle_connection_is_closed():
         raw = Raw(s.address)
         raw.hello()
         assert raw.closed()  # the server closed it (the socket's own timeout is 10 s)
-        _wait_for(lambda: s._slots.n_ready == 0)
+        wait_for(lambda: s._slots.n_ready == 0)
 
 
 def test_a_connection_stalled_inside_a_frame_is_closed():
@@ -105,7 +97,7 @@ def test_a_reader_that_stops_reading_is_closed_and_its_memory_goes_back():
         stalled.send(Read("w", 0, big))
         raw.send(Free(("w",)))
         assert raw.recv() == FreeReply(1)
-        _wait_for(lambda: s.memory_used == 0)  # the send timed out: the reply's hold on it went
+        wait_for(lambda: s.memory_used == 0)  # the send timed out: the reply's hold on it went
         stalled.close()
         raw.close()
 

@@ -7,23 +7,15 @@ from __future__ import annotations
 
 import gc
 import socket
-import time
 import tracemalloc
 
 import numpy as np
 
 from tests.remote.test_server import Raw, _barrier, _put
+from tests.waiting import wait_for
 from weightlift.remote.protocol import Alloc, ErrorCode, Free, FreeReply, Have, HaveReply, Read, WriteHeader
 from weightlift.remote.server.server import Server
 from weightlift.remote.server.store import entry_cost
-
-
-def _wait_for(cond, seconds: float = 10.0) -> None:
-    end = time.monotonic() + seconds
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
 
 
 def _stalled_reader(address, name: str, nbytes: int) -> socket.socket:
@@ -55,7 +47,7 @@ def test_a_stalled_reader_keeps_the_old_version_charged():
         reply = _barrier(raw)
         assert reply.tensors == 0 and "memory limit" in reply.errors[0]
         stalled.close()  # the reader goes: the send fails, the memory and its charge go back
-        _wait_for(lambda: s.memory_used == 0)
+        wait_for(lambda: s.memory_used == 0)
         _put(raw, 2, "v", data, dtype="U8")
         assert _barrier(raw).tensors == 1
         raw.close()
@@ -76,7 +68,7 @@ def test_allocations_ahead_at_the_limit_are_charged_their_bookkeeping():
         assert s.memory_used <= limit
         assert len(reply.errors) >= 100 - 10 and all("memory limit" in e for e in reply.errors)
         raw.close()
-        _wait_for(lambda: s.memory_used == 0)
+        wait_for(lambda: s.memory_used == 0)
 
 
 def _rss_python() -> int:
@@ -123,10 +115,10 @@ def test_a_large_unfinished_frame_is_charged():
         raw = Raw(s.address)
         raw.hello()
         raw.sock.sendall(frame[: len(frame) // 2])
-        _wait_for(lambda: s.memory_used >= len(frame))
+        wait_for(lambda: s.memory_used >= len(frame))
         raw.sock.sendall(frame[len(frame) // 2 :])
         assert raw.recv() == HaveReply((False,) * 60_000)
-        _wait_for(lambda: s.memory_used == 0)
+        wait_for(lambda: s.memory_used == 0)
         raw.close()
 
 

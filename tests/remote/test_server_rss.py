@@ -37,14 +37,6 @@ def _rss(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def _wait_for(cond, seconds: float = 10.0) -> None:
-    end = time.monotonic() + seconds
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
-
-
 def test_resident_memory_stays_within_the_limit_under_every_attack():
     proc = subprocess.Popen([sys.executable, "-c", _SERVE], stdout=subprocess.PIPE, text=True)
     socks: list[Raw] = []
