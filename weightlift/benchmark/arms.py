@@ -769,6 +769,13 @@ SPECS: dict[str, ArmSpec] = {
             "wl.numpy", "local", "weightlift.load(framework='numpy', copy=True)", ("weightlift.api",), weightlift=True
         ),
         ArmSpec(
+            "wl.numpy.pread",
+            "local",
+            "weightlift.load(framework='numpy', engine='pread'): preadv into the destination, warm too",
+            ("weightlift.api",),
+            weightlift=True,
+        ),
+        ArmSpec(
             "wl.numpy.profiled", "probe", "weightlift.load(framework='numpy') with the profiler on", ("weightlift.api",)
         ),
         ArmSpec(
@@ -913,6 +920,7 @@ BODIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "wl.numpy": lambda o: _wl_load(o, framework="numpy", copy=True),
     "wl.numpy.profiled": lambda o: _wl_load({**o, "profile": True}, framework="numpy", copy=True),
     "wl.numpy.nocopy": lambda o: _wl_load(o, framework="numpy", copy=False),
+    "wl.numpy.pread": lambda o: _wl_load(o, framework="numpy", copy=True, engine="pread"),
     "wl.numpy.hugeahead": lambda o: _wl_load(o, framework="numpy", copy=True),
     "wl.torch": lambda o: _wl_load(o, framework="torch"),
     "wl.cuda": lambda o: _wl_load(o, framework="torch", device="cuda"),
