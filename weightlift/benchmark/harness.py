@@ -331,6 +331,8 @@ def run_arms(
                 r["load_s"].append(s.info.get("load_s") if s else None)
                 if s is not None and "first_s" in s.info:  # arms that time a first and a second push
                     r.setdefault("first_s", []).append(s.info["first_s"])
+                if s is not None and "push" in s.info:  # what each push sent and found cached
+                    r.setdefault("push", []).append(s.info["push"])
                 if s is not None and s.resident_before is not None:
                     r["resident_before"].append(s.resident_before)
     if profile_round:
@@ -740,7 +742,8 @@ def _derive(result: dict[str, Any], ck: dict[str, Any], bl: dict[str, Any]) -> N
     }
     # a limit measured as an arm (fresh process, same pauses, median of the same rounds) is the
     # one the arms are held to; the in-process baselines (best of three repeats) otherwise
-    reads = [n for n in result["arms"] if n.startswith("limit.read.")]
+    # the raw read into reused buffers; limit.read.fresh.* (into fresh memory) is reported beside it
+    reads = [n for n in result["arms"] if n.startswith("limit.read.") and not n.startswith("limit.read.fresh.")]
     copies = ["limit.copy", "limit.copy.huge"]  # the copy floor: the faster page size
     for kind, cands, fallback in (("local", reads or copies, "base.copy"), ("remote", ["limit.tcp"], "base.tcp")):
         ok = [

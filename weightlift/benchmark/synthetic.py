@@ -25,6 +25,7 @@ __all__ = [
     "Tensor",
     "llama_tensors",
     "llama_for_size",
+    "moe_tensors",
     "write_checkpoint",
     "demo_dir",
     "demo_tensors",
@@ -70,6 +71,35 @@ def llama_for_size(size: int) -> list[tuple[str, str, tuple[int, ...]]]:
     vocab = max(64, int(size * 0.12) // (h * 2))
     layers = max(1, (size - 2 * vocab * h * 2) // layer)
     return llama_tensors(layers=layers, hidden=h, inter=ff, vocab=vocab, kv=h)
+
+
+def moe_tensors(
+    *, layers: int = 4, experts: int = 16, hidden: int = 1024, vocab: int = 8192
+) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, shape) of a mixture-of-experts decoder whose experts are small, as in real MoE
+    checkpoints: per layer an attention block, a router and ``experts`` experts of three
+    projections each (1 to 8 MiB per tensor at the defaults), between an embedding and a head of
+    16 MiB each. The defaults make about 0.5 GiB in about 200 tensors."""
+    out: list[tuple[str, str, tuple[int, ...]]] = [("model.embed_tokens.weight", "BF16", (vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "input_layernorm.weight", "F32", (hidden,)),
+            (p + "self_attn.qkv_proj.weight", "BF16", (3 * hidden, hidden)),
+            (p + "self_attn.o_proj.weight", "BF16", (hidden, hidden)),
+            (p + "post_attention_layernorm.weight", "F32", (hidden,)),
+            (p + "mlp.gate.weight", "BF16", (experts, hidden)),
+        ]
+        for e in range(experts):
+            inter = 512 * (1 + (e * 7 + i) % 4)  # 512..2048 rows: 1 to 4 MiB per projection
+            q = f"{p}mlp.experts.{e}."
+            out += [
+                (q + "gate_proj.weight", "BF16", (inter, hidden)),
+                (q + "up_proj.weight", "BF16", (inter, hidden)),
+                (q + "down_proj.weight", "BF16", (hidden, inter)),
+            ]
+    out += [("model.norm.weight", "F32", (hidden,)), ("lm_head.weight", "BF16", (vocab, hidden))]
+    return out
 
 
 def write_checkpoint(
