@@ -821,6 +821,14 @@ SPECS: dict[str, ArmSpec] = {
             weightlift=True,
         ),
         ArmSpec(
+            "wl.numpy.verify",
+            "local",
+            "weightlift.load(framework='numpy', verify=True): every tensor hashed as it lands and "
+            "compared with the checkpoint's sidecar manifest (made by the warm-up)",
+            ("weightlift.api",),
+            weightlift=True,
+        ),
+        ArmSpec(
             "wl.numpy.profiled", "probe", "weightlift.load(framework='numpy') with the profiler on", ("weightlift.api",)
         ),
         ArmSpec(
@@ -976,6 +984,7 @@ BODIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "wl.numpy.profiled": lambda o: _wl_load({**o, "profile": True}, framework="numpy", copy=True),
     "wl.numpy.nocopy": lambda o: _wl_load(o, framework="numpy", copy=False),
     "wl.numpy.pread": lambda o: _wl_load(o, framework="numpy", copy=True, engine="pread"),
+    "wl.numpy.verify": lambda o: _wl_load(o, framework="numpy", copy=True, verify=True),
     "wl.numpy.hugeahead": lambda o: _wl_load(o, framework="numpy", copy=True),
     "wl.torch": lambda o: _wl_load(o, framework="torch"),
     "wl.cuda": lambda o: _wl_load(o, framework="torch", device="cuda"),
