@@ -7,7 +7,7 @@ import struct
 import pytest
 
 import weightlift.remote.protocol as P
-from weightlift.errors import LocalProtocolError
+from weightlift.errors import LocalProtocolError, RemoteProtocolError
 from weightlift.remote.protocol import (
     Alloc,
     Auth,
@@ -60,11 +60,14 @@ def test_command_values_are_pinned():
         "BARRIER_REPLY": 0x89,
     }
     assert int(Capability.CACHE) == 1 and int(Capability.AUTH) == 2
+    assert int(Capability.VERIFY) == 4 and int(Capability.MAC) == 8
+    assert (Alloc.FLAG_DIGEST, Alloc.FLAG_VERIFY, Barrier.FLAG_DIGESTS, Read.FLAG_DIGEST) == (1, 2, 1, 1)
     assert [int(c) for c in P.ErrorCode] == [1, 2, 3, 4, 5, 6]
 
 
 def test_versions_and_limits_are_pinned():
-    assert (P.PROTOCOL_MAJOR, P.PROTOCOL_MINOR, P.PREVIOUS_MINOR) == (1, 1, 0)
+    assert (P.PROTOCOL_MAJOR, P.PROTOCOL_MINOR, P.PREVIOUS_MINOR) == (1, 2, 1)
+    assert (P.MAX_DIGESTS, P.MAC_SIZE) == (4096, 32)
     assert P.MAX_FRAME == 16 << 20
     assert (P.MAX_NAME, P.MAX_DIMS, P.MAX_TENSORS) == (4096, 64, 65536)
     assert P.MAX_TENSOR_BYTES == 1 << 40
@@ -96,18 +99,25 @@ GOLDEN = [
     (WriteHeader(3, 16, 4096), "03000000140000000300000010000000000000000010000000000000"),
     (Have((D1, D2)), "040000004400000002000000" + D1.hex() + D2.hex()),
     (FillFromCache(9, D2), "050000002400000009000000" + D2.hex()),
-    (Read("w", 8, 24), "060000001300000008000000000000001800000000000000010077"),
+    (
+        Alloc(7, "x", "F32", (), 4, None, True),
+        "0200000013000000070000000b0000020400000000000000010078",
+    ),
+    (Read("w", 8, 24), "06000000140000000800000000000000180000000000000001007700"),
+    (Read("w", 0, 4, 1), "06000000140000000000000000000000040000000000000001007701"),
     (ListRequest("ab"), "070000000400000002006162"),
     (ListRequest(), "07000000020000000000"),
     (Free(("a", "bc")), "080000000b0000000200000001006102006263"),
-    (Barrier(), "0900000000000000"),
+    (Barrier(), "090000000100000000"),
+    (Barrier(1), "090000000100000001"),
     (Bye(), "0a00000000000000"),
     (Error(4, "full"), "0b000000080000000400040066756c6c"),
     (
         HaveReply((True, False, True, False, False, False, False, False, True)),
         "8400000006000000090000000501",
     ),
-    (ReadReply(24), "86000000080000001800000000000000"),
+    (ReadReply(24), "8600000009000000180000000000000000"),
+    (ReadReply(24, D1), "8600000029000000180000000000000001" + D1.hex()),
     (
         ListReply((ListEntry("a", "I64", (2,), 16),), more=True),
         "870000001b000000010100000001000d00011000000000000000610200000000000000",
@@ -115,7 +125,12 @@ GOLDEN = [
     (FreeReply(2), "880000000400000002000000"),
     (
         BarrierReply(2, 4096, ("bad",), (5, 6)),
-        "8900000021000000020000000010000000000000010000000300626164020000000500000006000000",
+        "8900000025000000020000000010000000000000010000000300626164020000000500000006000000" + "00000000",
+    ),
+    (
+        BarrierReply(1, 8, (), (), ((7, D2),)),
+        # head (tensors 1, bytes 8, no errors), need count 0, digest count 1, id 7, digest
+        "890000003c000000" + "01000000" + "0800000000000000" + "00000000" + "0000000001000000" + "07000000" + D2.hex(),
     ),
 ]
 
@@ -157,7 +172,7 @@ def test_dtype_codes_on_the_wire_follow_the_dtype_table():
 
 
 def test_previous_minor_hello_is_the_shorter_layout():
-    old = Hello(1, P.PREVIOUS_MINOR, 0, 1 << 20, 1 << 30, D1, max_memory=123)
+    old = Hello(1, 0, 0, 1 << 20, 1 << 30, D1, max_memory=123)
     raw = send(old)
     assert len(raw) == 8 + P.HELLO_LAYOUT_PREVIOUS.size
     assert raw[8:] == P.HELLO_LAYOUT_PREVIOUS.pack(1, 0, 0, 1 << 20, 1 << 30, D1)
@@ -190,10 +205,41 @@ def test_barrier_reply_need_list_is_minor_one():
         send(BarrierReply(0, 0, (), (1,)), minor=0)
 
 
+def test_verify_fields_are_minor_two():
+    for msg in (
+        Barrier(1),
+        Read("t", 0, 1, 1),
+        ReadReply(1, D1),
+        BarrierReply(0, 0, (), (), ((1, D1),)),
+        Alloc(1, "t", "U8", (1,), 1, None, True),
+    ):
+        with pytest.raises(LocalProtocolError, match="minor 2"):
+            send(msg, minor=1)
+    # without the new fields a minor-2 message is laid out as minor 1 laid it out
+    assert send(Barrier(), minor=1) == bytes.fromhex("0900000000000000")
+    assert send(ReadReply(24), minor=1) == bytes.fromhex("86000000080000001800000000000000")
+    # a minor-2 reply read by a decoder that stops at minor 1's fields: the tail is skipped
+    dec = Decoder(our_role="client")
+    dec.feed(send(BarrierReply(1, 10, (), (3,), ((3, D1),))) + send(FreeReply(1)))
+    assert dec.next_event() == BarrierReply(1, 10, (), (3,), ((3, D1),))
+    assert dec.next_event() == FreeReply(1)
+
+
+def test_a_barrier_reply_holds_at_most_max_digests():
+    with pytest.raises(LocalProtocolError, match="digests"):
+        send(BarrierReply(0, 0, (), (), tuple((i, D1) for i in range(P.MAX_DIGESTS + 1))))
+    raw = bytearray(send(BarrierReply(0, 0, (), (), ((1, D1),))))
+    raw[8 + 16 + 4 : 8 + 16 + 8] = struct.pack("<I", P.MAX_DIGESTS + 1)
+    dec = Decoder(our_role="client")
+    dec.feed(bytes(raw))
+    with pytest.raises(RemoteProtocolError, match="digests"):
+        dec.next_event()
+
+
 def test_cache_commands_do_not_exist_in_the_previous_minor():
     for msg in (Have((D1,)), FillFromCache(1, D1), HaveReply((True,))):
         with pytest.raises(LocalProtocolError, match="minor"):
-            send(msg, minor=P.PREVIOUS_MINOR)
+            send(msg, minor=0)
         send(msg, minor=P.PROTOCOL_MINOR)
 
 
@@ -244,7 +290,13 @@ def test_handshake_frames_fit_the_handshake_limit():
 def test_the_largest_reply_fits_the_smallest_frame_a_client_may_state():
     # A server holds its errors to MAX_ERRORS and its need list to MAX_TENSORS, so a client that
     # states MIN_FRAME can always be answered; nothing else a server sends is larger.
-    worst = BarrierReply(1, 1, ("x" * P.MAX_MESSAGE,) * P.MAX_ERRORS, tuple(range(P.MAX_TENSORS)))
+    worst = BarrierReply(
+        1,
+        1,
+        ("x" * P.MAX_MESSAGE,) * P.MAX_ERRORS,
+        tuple(range(P.MAX_TENSORS)),
+        tuple((i, D1) for i in range(P.MAX_DIGESTS)),
+    )
     assert len(send(worst, max_frame=P.MIN_FRAME)) <= 8 + P.MIN_FRAME
     assert len(send(HaveReply((True,) * P.MAX_TENSORS), max_frame=P.MIN_FRAME)) <= 8 + P.MIN_FRAME
     assert len(send(Error(6, "x" * 5000), max_frame=P.MIN_FRAME)) <= 8 + 4 + P.MAX_MESSAGE

@@ -13,7 +13,7 @@ import re
 import sys
 from typing import Any
 
-from weightlift.errors import OptionError
+from weightlift.errors import IntegrityError, OptionError
 from weightlift.remote.token import read_token
 
 __all__ = ["register", "DEFAULT_PORT", "parse_size", "read_token"]
@@ -88,6 +88,11 @@ def register(sub: Any) -> None:
     p.add_argument("--select", action="append", metavar="PATTERN", help="a glob, or re:<regex>; repeat for several")
     p.add_argument("--streams", type=int, default=1, help="connections to spread the tensors over")
     p.add_argument("--token-file", metavar="F")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="the server reports the digest of every tensor it stored; exit 1 naming each one that differs from the file",
+    )
     p.add_argument("--json", action="store_true", help="print the result and profile as JSON")
     p.add_argument("--profile", action="store_true", help="print where the time went")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the push")
@@ -97,6 +102,11 @@ def register(sub: Any) -> None:
     g.add_argument("--from", dest="source", required=True, metavar="HOST:PORT")
     g.add_argument("-o", "--output", required=True, metavar="FILE.safetensors")
     g.add_argument("--token-file", metavar="F")
+    g.add_argument(
+        "--verify",
+        action="store_true",
+        help="the server states each tensor's digest; keep the file only if every tensor arrived as stated",
+    )
     g.set_defaults(func=_cmd_pull)
 
     ls = sub.add_parser("ls", help="list the tensors a tensor server holds")
@@ -150,7 +160,11 @@ def _cmd_push(a: argparse.Namespace) -> int:
     want = a.profile or a.json or a.trace
     prof = Profiler(enabled=True, trace=bool(a.trace)) if want else None
     with _client(a, a.to, streams=a.streams, profile=prof) as c:
-        result = c.push(a.path, select=a.select)
+        try:
+            result = c.push(a.path, select=a.select, verify=a.verify)
+        except IntegrityError as e:  # the push ran; its bytes are wrong: exit 1, as verify does
+            print(f"weightlift: {e}", file=sys.stderr)
+            return 1
     if a.trace:
         prof.write_trace(a.trace)  # type: ignore[union-attr]
     if a.json:
@@ -160,6 +174,7 @@ def _cmd_push(a: argparse.Namespace) -> int:
     print(
         f"pushed {result.tensors} tensors, {result.bytes:,} bytes to {a.to} in {result.seconds:.3f} s ({rate:.2f} GB/s); "
         f"{result.bytes_sent:,} bytes sent, {result.bytes_hashed:,} hashed, {result.cached} from the server's cache"
+        + (f"; {result.verified} verified on the server" if a.verify else "")
     )
     if a.profile and prof is not None:
         print(prof.format())
@@ -168,9 +183,14 @@ def _cmd_push(a: argparse.Namespace) -> int:
 
 def _cmd_pull(a: argparse.Namespace) -> int:
     with _client(a, a.source) as c:
-        entries = c.pull(a.output)
+        try:
+            entries = c.pull(a.output, verify=a.verify)
+        except IntegrityError as e:
+            print(f"weightlift: {e}", file=sys.stderr)
+            return 1
     total = sum(e.nbytes for e in entries)
-    print(f"pulled {len(entries)} tensors, {total:,} bytes from {a.source} into {a.output}")
+    verified = ", every tensor verified" if a.verify else ""
+    print(f"pulled {len(entries)} tensors, {total:,} bytes from {a.source} into {a.output}{verified}")
     return 0
 
 

@@ -31,10 +31,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple, overload
 
+import blake3
+
 from weightlift import env
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
 from weightlift.errors import (
     FileError,
+    IntegrityError,
+    LocalProtocolError,
     OptionError,
     PushError,
     RemoteProtocolError,
@@ -61,6 +65,7 @@ from weightlift.remote.transport import TCP, Backend
 __all__ = ["Client", "PushResult", "RemoteTensor"]
 
 READ_WINDOW = 32  # READs in flight during a pull
+PULL_PIECE = 4 << 20  # a verifying pull hashes what it received this much at a time, while it is hot
 #: The most tensors :meth:`Client.list` takes from a server (a server states none of its own):
 #: a server that answers every LIST with "more" cannot make the client loop or grow unbounded.
 MAX_LIST_ENTRIES = 1 << 20
@@ -70,7 +75,8 @@ MAX_LIST_ENTRIES = 1 << 20
 class PushResult:
     """What a push did. ``bytes``: tensor bytes now on the server; ``bytes_sent``: payload that
     crossed the wire; ``bytes_hashed``: bytes hashed by this push; ``cached``: tensors the server
-    filled from its cache; ``profile``: the profiler report when profiling was on."""
+    filled from its cache; ``profile``: the profiler report when profiling was on; ``verified``:
+    tensors proven to be on the server as they are in the file (``verify=True``)."""
 
     tensors: int
     bytes: int
@@ -79,6 +85,7 @@ class PushResult:
     cached: int
     seconds: float
     profile: dict[str, Any] | None = None
+    verified: int = 0  # tensors whose digest the server reported and the client matched (verify=True)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -171,6 +178,7 @@ class Client:
         *,
         select: Select = None,
         hash_threshold: int | None = None,
+        verify: bool = False,
         to: None = None,
     ) -> PushResult: ...
 
@@ -181,6 +189,7 @@ class Client:
         *,
         select: Select = None,
         hash_threshold: int | None = None,
+        verify: bool = False,
         to: Mapping[Any, Select] | Sequence[Any],
     ) -> dict[str, PushResult]: ...
 
@@ -190,6 +199,7 @@ class Client:
         *,
         select: Select = None,
         hash_threshold: int | None = None,
+        verify: bool = False,
         to: Mapping[Any, Select] | Sequence[Any] | None = None,
     ) -> PushResult | dict[str, PushResult]:
         """Send the selected tensors of a checkpoint to the server; returns when all have landed.
@@ -203,9 +213,16 @@ class Client:
         thread with this client's token, streams and timeout, the checkpoint opened once. Returns
         ``{address: PushResult}`` once every push has landed; if any failed, every push still
         runs to its end and :class:`~weightlift.errors.PushError` holds each error and result.
+
+        ``verify``: the server hashes every tensor as it lands and reports the digests of what it
+        stored; the client compares them with the file's (its sidecar manifest, else hashed
+        while it sends) and raises :class:`~weightlift.errors.IntegrityError` naming every
+        tensor that differs. Needs a server of protocol minor 2 (LocalProtocolError otherwise).
+        Without it a push reports what the server received, not that the bytes are right: on a
+        connection without a token, bytes changed in flight are stored and the push succeeds.
         """
         if to is not None:
-            return self._push_to(source, select, hash_threshold, to)
+            return self._push_to(source, select, hash_threshold, to, verify)
         if hash_threshold is None:
             hash_threshold = HASH_THRESHOLD if self._opt else NAIVE_HASH_THRESHOLD
         ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
@@ -214,14 +231,21 @@ class Client:
         while len(self._conns) < self.streams:
             self._conns.append(self._connect())
         conns = self._conns[: self.streams]
+        if verify and not all(c.verify for c in conns):
+            raise LocalProtocolError(
+                f"push(verify=True): the server speaks protocol 1.{conns[0].minor}, which cannot report "
+                "digests (it needs minor 2)"
+            )
         prof = self.profiler
         if self._own_profiler:
             prof.reset()
         tally = Tally()
         t0 = time.perf_counter()
-        hashing = Hashing(plans, threshold=hash_threshold, prof=prof, enabled=self._opt and conns[0].cache)
+        hashing = Hashing(
+            plans, threshold=hash_threshold, prof=prof, enabled=self._opt and conns[0].cache, verify=verify
+        )
         ok = False
-        pushers = [Pusher(c, self._opt, prof, tally, hashing, hash_threshold) for c in conns]
+        pushers = [Pusher(c, self._opt, prof, tally, hashing, hash_threshold, verify) for c in conns]
         try:
             groups = balance(plans, len(conns))
             if len(conns) == 1:
@@ -238,6 +262,11 @@ class Client:
         finally:
             hashing.close(ok=ok)
         seconds = time.perf_counter() - t0
+        if tally.differ:
+            raise IntegrityError(
+                f"push to {_address_key(self.address)}: {len(tally.differ)} of {len(plans)} tensors are not on "
+                "the server as they are in the file: " + ", ".join(tally.differ)
+            )
         return PushResult(
             tally.tensors,
             tally.bytes,
@@ -246,6 +275,7 @@ class Client:
             tally.cached,
             seconds,
             prof.report() if prof.enabled else None,
+            tally.verified,
         )
 
     def _push_to(
@@ -254,6 +284,7 @@ class Client:
         select: Select,
         hash_threshold: int | None,
         to: Mapping[Any, Select] | Sequence[Any],
+        verify: bool,
     ) -> dict[str, PushResult]:
         ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
         others = dict(to) if isinstance(to, Mapping) else {a: select for a in to}
@@ -270,7 +301,7 @@ class Client:
             key = _address_key(addr)
             try:
                 if key == _address_key(self.address):
-                    res = self.push(ck, select=sel, hash_threshold=hash_threshold)
+                    res = self.push(ck, select=sel, hash_threshold=hash_threshold, verify=verify)
                 else:
                     with Client(
                         addr,
@@ -280,7 +311,7 @@ class Client:
                         protocol_minor=self._minor,
                         backend=self._backend,
                     ) as c:
-                        res = c.push(ck, select=sel, hash_threshold=hash_threshold)
+                        res = c.push(ck, select=sel, hash_threshold=hash_threshold, verify=verify)
                 with lock:
                     results[key] = res
             except Exception as e:  # noqa: BLE001 - gathered and raised in the caller's thread
@@ -362,10 +393,21 @@ class Client:
         conn.send(conn.frame(Free(tuple(names))))
         return conn.expect(FreeReply).freed
 
-    def pull(self, path: str | os.PathLike[str]) -> builtins.list[RemoteTensor]:
-        """Write every tensor the server holds to ``path`` as a .safetensors file; returns them."""
-        entries = self.list()
+    def pull(self, path: str | os.PathLike[str], *, verify: bool = False) -> builtins.list[RemoteTensor]:
+        """Write every tensor the server holds to ``path`` as a .safetensors file; returns them.
+
+        ``verify``: the server states the digest of each tensor as it sends it, the client hashes
+        the bytes as they land, and the file is kept only if every tensor matches (else
+        :class:`~weightlift.errors.IntegrityError` naming each one that differs, and no file).
+        Needs a server of protocol minor 2 (LocalProtocolError otherwise).
+        """
         conn = self._conn()
+        if verify and not conn.verify:
+            raise LocalProtocolError(
+                f"pull(verify=True): the server speaks protocol 1.{conn.minor}, which cannot state digests "
+                "(it needs minor 2)"
+            )
+        entries = self.list()
         header, offsets = build_header([(e.name, e.dtype, e.shape, e.nbytes) for e in entries])
         total = len(header) + sum(e.nbytes for e in entries)
         path = os.fspath(path)
@@ -377,7 +419,12 @@ class Client:
                 f.flush()
                 mm = mmap.mmap(f.fileno(), total) if total > len(header) else None
                 try:
-                    self._read_all(conn, entries, [len(header) + o for o in offsets], mm)
+                    differ = self._read_all(conn, entries, [len(header) + o for o in offsets], mm, verify)
+                    if differ:
+                        raise IntegrityError(
+                            f"pull from {_address_key(self.address)}: {len(differ)} of {len(entries)} tensors "
+                            "arrived other than the server states them: " + ", ".join(differ)
+                        )
                     if mm is not None:
                         mm.flush()
                 finally:
@@ -387,6 +434,9 @@ class Client:
         except OSError as e:
             _unlink(tmp)
             raise FileError(f"cannot write: {e.strerror or e}", file=str(path), errno=e.errno) from None
+        except IntegrityError:
+            _unlink(tmp)  # every reply was read: the connection is still in step
+            raise
         except BaseException:
             _unlink(tmp)
             self.close()  # replies may still be in flight: the connection is unusable
@@ -394,21 +444,43 @@ class Client:
         return entries
 
     def _read_all(
-        self, conn: Connection, entries: builtins.list[RemoteTensor], starts: builtins.list[int], mm: mmap.mmap | None
-    ) -> None:
+        self,
+        conn: Connection,
+        entries: builtins.list[RemoteTensor],
+        starts: builtins.list[int],
+        mm: mmap.mmap | None,
+        verify: bool = False,
+    ) -> builtins.list[str]:
+        """READ every entry into its place in ``mm``; with ``verify`` each is hashed as it lands,
+        a piece at a time while the piece is hot, and the names that differ are returned."""
         view = memoryview(mm) if mm is not None else memoryview(b"")
+        flags = Read.FLAG_DIGEST if verify else 0
+        differ: builtins.list[str] = []
         try:
             sent = 0
             for i, e in enumerate(entries):
                 while sent < len(entries) and sent < i + READ_WINDOW:
-                    conn.send(conn.frame(Read(entries[sent].name, 0, entries[sent].nbytes)))
+                    conn.send(conn.frame(Read(entries[sent].name, 0, entries[sent].nbytes, flags)))
                     sent += 1
                 reply = conn.expect(ReadReply)
                 if reply.length != e.nbytes:
                     raise RemoteProtocolError(f"READ of {e.name!r} returned {reply.length} bytes, not {e.nbytes}")
-                conn.recv_payload(view[starts[i] : starts[i] + e.nbytes])
+                dest = view[starts[i] : starts[i] + e.nbytes]
+                if not verify:
+                    conn.recv_payload(dest)
+                    continue
+                if reply.digest is None:
+                    raise RemoteProtocolError(f"READ of {e.name!r}: the server stated no digest")
+                hasher = blake3.blake3(max_threads=blake3.blake3.AUTO if e.nbytes >= PULL_PIECE else 1)
+                for pos in range(0, e.nbytes, PULL_PIECE):
+                    piece = dest[pos : pos + PULL_PIECE]
+                    conn.recv_payload(piece)
+                    hasher.update(piece)
+                if hasher.digest() != reply.digest:
+                    differ.append(repr(e.name))
         finally:
             view.release()
+        return differ
 
 
 def _unlink(path: str) -> None:

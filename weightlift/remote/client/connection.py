@@ -68,6 +68,7 @@ class Connection:
         self.minor = self.session.minor
         self.max_frame = self.session.max_frame
         self.cache = self.session.cache
+        self.verify = self.session.verify
         if auth is not None:
             self.send(send(auth, minor=self.minor))
             self.session.server_auth(self.expect(Auth))

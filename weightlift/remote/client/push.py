@@ -28,6 +28,7 @@ from weightlift.remote.client.connection import Connection
 from weightlift.remote.digest import DigestPool, hash_buffer
 from weightlift.remote.manifest import hash_tensors
 from weightlift.remote.protocol import (
+    MAX_DIGESTS,
     Alloc,
     Barrier,
     BarrierReply,
@@ -81,7 +82,12 @@ def wire_form(t: TensorInfo) -> Plan:
 class Tally:
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.tensors = self.bytes = self.sent = self.hashed = self.cached = 0
+        self.tensors = self.bytes = self.sent = self.hashed = self.cached = self.verified = 0
+        self.differ: list[str] = []  # verified tensors whose server digest is not the file's
+
+    def mismatch(self, what: str) -> None:
+        with self.lock:
+            self.differ.append(what)
 
     def add(self, **kw: int) -> None:
         with self.lock:
@@ -90,20 +96,25 @@ class Tally:
 
 
 class Hashing:
-    """Digests of the large tensors of one push: from the files' manifests, else hashed on a pool.
+    """Digests of the large tensors of one push (asked about with HAVE), and with ``verify`` of
+    every tensor (compared with what the server reports): from the files' manifests, else
+    hashed on a pool while the sender sends.
 
     Counts the bytes it actually hashes: :func:`hash_tensors` asks for a tensor's bytes only
     when the manifest lacks its digest.
     """
 
-    def __init__(self, plans: list[Plan], *, threshold: int, prof: Profiler, enabled: bool):
-        self.futures: dict[str, Future[bytes]] = {}
+    def __init__(self, plans: list[Plan], *, threshold: int, prof: Profiler, enabled: bool, verify: bool = False):
+        self.futures: dict[str, Future[bytes]] = {}  # the tensors to ask the cache about
+        self.all: dict[str, Future[bytes]] = {}  # every tensor hashed, the above included
         self.hashed_bytes = 0
         self._pool: DigestPool | None = None
         chosen = [p.info for p in plans if p.info.length >= max(threshold, 1)] if enabled else []
-        if chosen:
+        wanted = [p.info for p in plans] if verify else chosen
+        if wanted:
             self._pool = DigestPool(max(1, min(4, (os.cpu_count() or 2) // 2)), profiler=prof)
-            self.futures = hash_tensors(chosen, view=self._view, pool=self._pool, threshold=0)
+            self.all = hash_tensors(wanted, view=self._view, pool=self._pool, threshold=0)
+            self.futures = {t.name: self.all[t.name] for t in chosen}
 
     def _view(self, t: TensorInfo) -> memoryview:
         self.hashed_bytes += t.length
@@ -133,9 +144,21 @@ def balance(plans: list[Plan], n: int) -> list[list[Plan]]:
 class Pusher:
     """Pushes one group of tensors over one connection."""
 
-    def __init__(self, conn: Connection, opt: bool, prof: Profiler, tally: Tally, hashing: Hashing, threshold: int):
+    def __init__(
+        self,
+        conn: Connection,
+        opt: bool,
+        prof: Profiler,
+        tally: Tally,
+        hashing: Hashing,
+        threshold: int,
+        verify: bool = False,
+    ):
         self.conn, self.opt, self.prof, self.tally, self.hashing = conn, opt, prof, tally, hashing
         self.threshold = threshold
+        self.verify = verify
+        self.unverified: dict[int, Plan] = {}  # completed on the wire, no digest reported yet
+        self.since_barrier = 0  # tensors whose last frame went out since the last BARRIER
         self.sent: dict[int, Plan] = {}
         self.ahead: dict[int, int] = {}  # tensors ALLOCated ahead of their WRITE: id(plan) -> tensor id
         self.ahead_bytes = 0
@@ -150,9 +173,11 @@ class Pusher:
         futures = self.hashing.futures
         small = deque(p for p in plans if p.info.name not in futures)
         large = deque(p for p in plans if p.info.name in futures)
+        # a verifying push asks for digests at least every MAX_DIGESTS tensors (what one reply holds)
+        batch = MAX_DIGESTS // 2 if self.verify else HAVE_BATCH
         while small or large:
             ready: list[Plan] = []
-            while large and futures[large[0].info.name].done() and len(ready) < HAVE_BATCH:
+            while large and futures[large[0].info.name].done() and len(ready) < batch:
                 ready.append(large.popleft())
             if ready:
                 self._large(ready)
@@ -160,6 +185,8 @@ class Pusher:
                 self._send(small.popleft(), None, upcoming=small)
             else:
                 futures[large[0].info.name].result()  # nothing else to send: wait for this hash
+            if self.verify and self.since_barrier >= MAX_DIGESTS // 2:
+                self._barrier(last=False)
         self._barrier()
 
     def _large(self, plans: list[Plan]) -> None:
@@ -175,9 +202,16 @@ class Pusher:
         """ALLOC and FILL_FROM_CACHE: the server takes the bytes from its own cache."""
         tid = self._alloc(p, digest)
         self._command(FillFromCache(tid, digest))
+        self._completed(tid, p)
         if self.prof.enabled:
             self.prof.count(tensors=1)
         self.tally.add(tensors=1, bytes=p.info.length, cached=1)
+
+    def _completed(self, tid: int, p: Plan) -> None:
+        """The last frame of tensor ``tid`` went out: with verify, its digest is due."""
+        self.since_barrier += 1
+        if self.verify:
+            self.unverified[tid] = p
 
     def _have(self, digests: list[bytes]) -> tuple[bool, ...]:
         t0 = time.perf_counter_ns() if self.prof.enabled else 0
@@ -211,11 +245,11 @@ class Pusher:
         return b"".join(frames)
 
     def _alloc_frame(self, tid: int, p: Plan, digest: bytes | None) -> bytes:
-        return self.conn.frame(Alloc(tid, p.info.name, p.dtype, p.shape, p.info.length, digest))
+        return self.conn.frame(Alloc(tid, p.info.name, p.dtype, p.shape, p.info.length, digest, self.verify))
 
     def _alloc(self, p: Plan, digest: bytes | None) -> int:
         tid = self._new_id(p)
-        self._command(Alloc(tid, p.info.name, p.dtype, p.shape, p.info.length, digest))
+        self._command(Alloc(tid, p.info.name, p.dtype, p.shape, p.info.length, digest, self.verify))
         return tid
 
     def _command(self, msg: Message) -> None:
@@ -238,6 +272,7 @@ class Pusher:
             head += self._alloc_ahead(upcoming)
         if t.length == 0:  # complete at ALLOC: a WRITE would name a tensor no longer in flight
             self.conn.send(head)
+            self._completed(tid, p)
             if self.prof.enabled:
                 self.prof.count(tensors=1, calls=1)
             self.tally.add(tensors=1)
@@ -250,23 +285,45 @@ class Pusher:
             self.conn.sendfile(m.fileno(), t.offset, t.length)
         else:
             self.conn.send(head, m.view(t.offset, t.length))
+        self._completed(tid, p)
         if self.prof.enabled:
             self.prof.record("wire", t0, time.perf_counter_ns(), t.length, name=t.name)
             self.prof.count(tensors=1, calls=2, nbytes=t.length)
         self.tally.add(tensors=1, bytes=t.length, sent=t.length)
 
-    def _barrier(self) -> None:
+    def _check(self, digests: tuple[tuple[int, bytes], ...]) -> None:
+        """Compare the digests the server reports with the files' (from the manifest or hashed)."""
+        for tid, got in digests:
+            p = self.unverified.pop(tid, None)
+            if p is None:
+                raise RemoteProtocolError(f"server reports a digest for tensor id {tid}, which is not due")
+            want = self.hashing.all[p.info.name].result()
+            if got != want:
+                self.tally.mismatch(f"{p.info.name!r} (server {got.hex()[:16]}, file {want.hex()[:16]})")
+            else:
+                self.tally.add(verified=1)
+
+    def _barrier(self, *, last: bool = True) -> None:
+        flags = Barrier.FLAG_DIGESTS if self.verify else 0
         for _ in range(3):
             t0 = time.perf_counter_ns() if self.prof.enabled else 0
-            self.conn.send(self.conn.frame(Barrier()))
+            self.conn.send(self.conn.frame(Barrier(flags)))
+            self.since_barrier = 0
             reply: BarrierReply = self.conn.expect(BarrierReply)
             if self.prof.enabled:
                 self.prof.command("BARRIER", t0, time.perf_counter_ns())
+            if reply.digests and not self.verify:
+                raise RemoteProtocolError("server reports digests this client did not ask for")
+            self._check(reply.digests)
             if reply.errors:
                 self.settled = not reply.need  # in step with the server, nothing left allocated
                 raise RemoteProtocolError("server: " + "; ".join(reply.errors))
             if not reply.need:
                 self.settled = True
+                if last and self.unverified:  # completed, yet the server stated no digest
+                    for q in self.unverified.values():
+                        self.tally.mismatch(f"{q.info.name!r} (the server reported no digest)")
+                    self.unverified.clear()
                 return
             for tid in reply.need:  # a cache entry failed its check on the server: send the bytes
                 p = self.sent.get(tid)
@@ -301,6 +358,7 @@ class Pusher:
             buf[len(head) :] = view
             t1 = time.perf_counter_ns() if self.prof.enabled else 0
             self.conn.send(buf)
+            self._completed(tid, p)
             if self.prof.enabled:
                 self.prof.record("stage", t0, t1, t.length, name=t.name)
                 self.prof.record("wire", t1, time.perf_counter_ns(), t.length, name=t.name)

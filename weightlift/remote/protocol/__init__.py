@@ -11,7 +11,14 @@ from weightlift.remote.protocol.auth import client_mac, new_nonce, server_mac, v
 from weightlift.remote.protocol.codec import NEED_DATA, Decoder, Event, Payload, send
 from weightlift.remote.protocol.messages import *  # noqa: F403 - the wire spec is this package's vocabulary
 from weightlift.remote.protocol.messages import __all__ as _messages_all
-from weightlift.remote.protocol.session import ClientSession, ServerSession, SessionState, cache_usable
+from weightlift.remote.protocol.session import (
+    ClientSession,
+    ServerSession,
+    SessionState,
+    cache_usable,
+    mac_usable,
+    verify_usable,
+)
 
 __all__ = [
     "NEED_DATA",
@@ -22,6 +29,8 @@ __all__ = [
     "ServerSession",
     "SessionState",
     "cache_usable",
+    "mac_usable",
+    "verify_usable",
     "client_mac",
     "new_nonce",
     "send",

@@ -25,12 +25,14 @@ from typing import Any, Final, Literal
 from weightlift.dtypes import CODES, DTYPES, byte_length
 from weightlift.errors import LocalProtocolError, RemoteProtocolError, WeightliftError
 from weightlift.remote.protocol.messages import (
+    BARRIER_DIGEST_LAYOUT,
     BARRIER_NEED_LAYOUT,
     CLIENT_COMMANDS,
     COMMAND_SINCE,
     DIGEST_SIZE,
     HELLO_LAYOUT,
     HELLO_LAYOUT_PREVIOUS,
+    MAX_DIGESTS,
     MAX_DIMS,
     MAX_ERRORS,
     MAX_FRAME,
@@ -76,6 +78,7 @@ _DTYPE_NAMES = [d.name for d in DTYPES]
 _NAME = struct.Struct("<H")
 _DIM = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
+_U8 = struct.Struct("<B")
 
 
 class _NeedData:
@@ -137,8 +140,16 @@ def _enc_hello(m: Hello, minor: int) -> bytes:
     return HELLO_LAYOUT.pack(*head, m.max_memory)
 
 
+def _since(minor: int, needed: int, what: str) -> None:
+    if minor < needed:
+        raise LocalProtocolError(f"{what} requires minor {needed}; peer speaks {minor}")
+
+
 def _enc_alloc(m: Alloc, minor: int) -> bytes:
     flags = Alloc.FLAG_DIGEST if m.digest is not None else 0
+    if m.verify:
+        _since(minor, 2, "ALLOC's VERIFY flag")
+        flags |= Alloc.FLAG_VERIFY
     if any(d < 0 for d in m.shape) or m.nbytes < 0:
         raise LocalProtocolError(f"ALLOC {m.name!r}: negative shape {m.shape} or size {m.nbytes}")
     name = _name(m.name, "tensor name")
@@ -165,7 +176,31 @@ def _enc_have_reply(m: HaveReply, minor: int) -> bytes:
 
 def _enc_read(m: Read, minor: int) -> bytes:
     name = _name(m.name, "tensor name")
-    return Read.LAYOUT.pack(m.offset, m.length, len(name) - 2) + name[2:]
+    out = Read.LAYOUT.pack(m.offset, m.length, len(name) - 2) + name[2:]
+    if minor >= 2:
+        return out + _U8.pack(m.flags)
+    if m.flags:
+        _since(minor, 2, "READ flags")
+    return out
+
+
+def _enc_read_reply(m: ReadReply, minor: int) -> bytes:
+    out = ReadReply.LAYOUT.pack(m.length)
+    if minor >= 2:
+        if m.digest is None:
+            return out + _U8.pack(0)
+        return out + _U8.pack(1) + _digest(m.digest, "READ_REPLY digest")
+    if m.digest is not None:
+        _since(minor, 2, "READ_REPLY digest")
+    return out
+
+
+def _enc_barrier(m: Barrier, minor: int) -> bytes:
+    if minor >= 2:
+        return _U8.pack(m.flags)
+    if m.flags:
+        _since(minor, 2, "BARRIER flags")
+    return b""
 
 
 def _enc_list_reply(m: ListReply, minor: int) -> bytes:
@@ -194,6 +229,13 @@ def _enc_barrier_reply(m: BarrierReply, minor: int) -> bytes:
         raise LocalProtocolError("BARRIER_REPLY need list requires minor 1")
     if len(m.need) > MAX_TENSORS:
         raise LocalProtocolError(f"BARRIER_REPLY needs {len(m.need)} tensors; the limit is {MAX_TENSORS}")
+    if len(m.digests) > MAX_DIGESTS:
+        raise LocalProtocolError(f"BARRIER_REPLY carries {len(m.digests)} digests; the limit is {MAX_DIGESTS}")
+    if minor >= 2:
+        out += BARRIER_NEED_LAYOUT.pack(len(m.digests))
+        out += b"".join(BARRIER_DIGEST_LAYOUT.pack(i, _digest(d, "BARRIER_REPLY digest")) for i, d in m.digests)
+    elif m.digests:
+        _since(minor, 2, "BARRIER_REPLY digests")
     return out
 
 
@@ -211,12 +253,12 @@ _ENCODERS: dict[type, Callable[[Any, int], bytes]] = {
     HaveReply: _enc_have_reply,
     FillFromCache: lambda m, minor: FillFromCache.LAYOUT.pack(m.tensor_id, _digest(m.digest, "digest")),
     Read: _enc_read,
-    ReadReply: lambda m, minor: ReadReply.LAYOUT.pack(m.length),
+    ReadReply: _enc_read_reply,
     ListRequest: lambda m, minor: _name(m.after, "LIST cursor"),
     ListReply: _enc_list_reply,
     Free: lambda m, minor: Free.LAYOUT.pack(len(m.names)) + b"".join(_name(n, "tensor name") for n in m.names),
     FreeReply: lambda m, minor: FreeReply.LAYOUT.pack(m.freed),
-    Barrier: lambda m, minor: b"",
+    Barrier: _enc_barrier,
     BarrierReply: _enc_barrier_reply,
     Error: _enc_error,
     Bye: lambda m, minor: b"",
@@ -330,7 +372,7 @@ def _dec_alloc(r: _Reader, lim: _Limits) -> Alloc:
     shape = r.shape(ndims)
     r.sized(dtype, shape, nbytes, lim.max_tensor_bytes, f"tensor {name!r}")
     digest = bytes(r.take(DIGEST_SIZE, "digest")) if flags & Alloc.FLAG_DIGEST else None
-    return Alloc(tid, name, dtype, shape, nbytes, digest)
+    return Alloc(tid, name, dtype, shape, nbytes, digest, bool(flags & Alloc.FLAG_VERIFY))
 
 
 def _dec_write(r: _Reader, lim: _Limits) -> WriteHeader:
@@ -359,14 +401,20 @@ def _dec_read(r: _Reader, lim: _Limits) -> Read:
     name = r.text(name_len, MAX_NAME, "tensor name")
     if offset + length > lim.max_tensor_bytes:
         raise r.fail(f"bytes [{offset}, {offset + length}) exceed the tensor limit of {lim.max_tensor_bytes}")
-    return Read(name, offset, length)
+    flags = r.unpack(_U8, "READ flags")[0] if r.remaining else 0  # appended in minor 2
+    return Read(name, offset, length, flags)
 
 
 def _dec_read_reply(r: _Reader, lim: _Limits) -> ReadReply:
     (length,) = r.unpack(ReadReply.LAYOUT, "length")
     if length > lim.max_tensor_bytes:
         raise r.fail(f"{length} payload bytes exceed the tensor limit of {lim.max_tensor_bytes}")
-    return ReadReply(length)
+    digest = None
+    if r.remaining:  # appended in minor 2
+        (flags,) = r.unpack(_U8, "READ_REPLY flags")
+        if flags & 1:
+            digest = bytes(r.take(DIGEST_SIZE, "READ_REPLY digest"))
+    return ReadReply(length, digest)
 
 
 def _dec_list_reply(r: _Reader, lim: _Limits) -> ListReply:
@@ -398,7 +446,12 @@ def _dec_barrier_reply(r: _Reader, lim: _Limits) -> BarrierReply:
     if r.remaining:  # appended in minor 1
         n = r.count(BARRIER_NEED_LAYOUT, _U32.size, MAX_TENSORS, "needed tensors")
         need = struct.unpack(f"<{n}I", r.take(n * _U32.size, "need list"))
-    return BarrierReply(tensors, nbytes, errors, need)
+    digests: tuple[tuple[int, bytes], ...] = ()
+    if r.remaining:  # appended in minor 2
+        n = r.count(BARRIER_NEED_LAYOUT, BARRIER_DIGEST_LAYOUT.size, MAX_DIGESTS, "digests")
+        raw = r.take(n * BARRIER_DIGEST_LAYOUT.size, "digest list")
+        digests = tuple((i, bytes(d)) for i, d in BARRIER_DIGEST_LAYOUT.iter_unpack(raw))
+    return BarrierReply(tensors, nbytes, errors, need, digests)
 
 
 def _dec_error(r: _Reader, lim: _Limits) -> Error:
@@ -426,7 +479,7 @@ _DECODERS: dict[Command, Callable[[_Reader, _Limits], Message]] = {
     Command.LIST_REPLY: _dec_list_reply,
     Command.FREE: _dec_free,
     Command.FREE_REPLY: lambda r, lim: FreeReply(*r.unpack(FreeReply.LAYOUT, "FREE_REPLY")),
-    Command.BARRIER: lambda r, lim: Barrier(),
+    Command.BARRIER: lambda r, lim: Barrier(r.unpack(_U8, "BARRIER flags")[0] if r.remaining else 0),
     Command.BARRIER_REPLY: _dec_barrier_reply,
     Command.ERROR: _dec_error,
     Command.BYE: lambda r, lim: Bye(),

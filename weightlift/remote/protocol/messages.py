@@ -57,6 +57,8 @@ __all__ = [
     "MAX_TENSOR_BYTES",
     "MAX_ERRORS",
     "MAX_MESSAGE",
+    "MAX_DIGESTS",
+    "MAC_SIZE",
     "DIGEST_SIZE",
     "NONCE_SIZE",
     "PREFIX",
@@ -93,9 +95,11 @@ __all__ = [
 
 PROTOCOL_MAJOR = 1
 # Minor 1 added the content cache (HAVE, FILL_FROM_CACHE, the CACHE flag, BARRIER_REPLY's need
-# list) and HELLO's max_memory.
-PROTOCOL_MINOR = 1
-PREVIOUS_MINOR = 0
+# list) and HELLO's max_memory. Minor 2 added verification (ALLOC's VERIFY flag, BARRIER's flags
+# and BARRIER_REPLY's digests, READ's flags and READ_REPLY's digest) and, on a connection with a
+# token, a MAC after every frame (see ``weightlift.remote.protocol.mac``).
+PROTOCOL_MINOR = 2
+PREVIOUS_MINOR = 1
 
 # Limits checked by the decoder before anything is allocated from a length on the wire.
 MAX_FRAME = 16 * 1024 * 1024  # body bytes of one frame (payloads are not frames)
@@ -113,6 +117,10 @@ MAX_TENSORS = 65536  # entries in one HAVE / FREE / LIST_REPLY, and live allocat
 MAX_TENSOR_BYTES = 1 << 40
 MAX_ERRORS = 256  # error strings in one BARRIER_REPLY; the server drops the rest and says so
 MAX_MESSAGE = 1024  # bytes of one error string
+# Digests one BARRIER_REPLY carries, and verified tensors a server remembers between barriers: a
+# verifying client sends a BARRIER at least this often (a reply then stays within MIN_FRAME).
+MAX_DIGESTS = 4096
+MAC_SIZE = 32  # the tag after every frame of a protected connection (keyed BLAKE3)
 DIGEST_SIZE = 32
 NONCE_SIZE = 32
 
@@ -180,6 +188,8 @@ class Capability(IntFlag):
 
     CACHE = 1  # the server keeps a content cache: HAVE can answer yes
     AUTH = 2  # the server wants AUTH before anything else
+    VERIFY = 4  # (minor 2) the server hashes ALLOCs flagged VERIFY and reports their digests
+    MAC = 8  # (minor 2) after AUTH every frame carries a MAC; implied by minor 2 and a token
 
 
 class ErrorCode(IntEnum):
@@ -203,7 +213,7 @@ class Message:
     HAS_PAYLOAD: ClassVar[bool] = False
 
 
-# HELLO's fixed part in the previous minor, and now: max_memory was appended in minor 1.
+# HELLO's fixed part in minor 0, and since minor 1, which appended max_memory.
 HELLO_LAYOUT_PREVIOUS = struct.Struct("<HHIIQ32s")
 HELLO_LAYOUT = struct.Struct("<HHIIQ32sQ")
 
@@ -246,11 +256,14 @@ class Alloc(Message):
     """Make room for a named tensor under a connection-local id; it stays invisible until full.
 
     Wire: LAYOUT(id, dtype code, ndims, flags, nbytes, name_len) name dims [digest if flags&1].
+    ``verify`` (flags&2, minor 2): hash the bytes as they land and report the digest of what was
+    stored at the next BARRIER that asks for digests.
     """
 
     COMMAND = Command.ALLOC
     LAYOUT = struct.Struct("<IHBBQH")
     FLAG_DIGEST: ClassVar[int] = 1
+    FLAG_VERIFY: ClassVar[int] = 2
 
     tensor_id: int
     name: str
@@ -258,6 +271,7 @@ class Alloc(Message):
     shape: tuple[int, ...]
     nbytes: int
     digest: bytes | None = None
+    verify: bool = False  # since minor 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,25 +320,30 @@ class FillFromCache(Message):
 
 @dataclass(frozen=True, slots=True)
 class Read(Message):
-    """Bytes [offset, offset+length) of a complete tensor. Wire: LAYOUT(offset, length, name_len) name."""
+    """Bytes [offset, offset+length) of a complete tensor. Wire: LAYOUT(offset, length, name_len) name,
+    then (minor 2) flags:u8; flags&1 asks the reply to state the BLAKE3 digest of those bytes."""
 
     COMMAND = Command.READ
     LAYOUT = struct.Struct("<QQH")
+    FLAG_DIGEST: ClassVar[int] = 1
 
     name: str
     offset: int
     length: int
+    flags: int = 0  # since minor 2
 
 
 @dataclass(frozen=True, slots=True)
 class ReadReply(Message):
-    """Answer to READ: ``length`` payload bytes follow."""
+    """Answer to READ: ``length`` payload bytes follow. Wire: LAYOUT(length), then (minor 2)
+    flags:u8 and, when flags&1, the digest of the payload as the server holds it."""
 
     COMMAND = Command.READ_REPLY
     LAYOUT = struct.Struct("<Q")
     HAS_PAYLOAD = True
 
     length: int
+    digest: bytes | None = None  # since minor 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -382,14 +401,22 @@ class FreeReply(Message):
 
 @dataclass(frozen=True, slots=True)
 class Barrier(Message):
-    """Report what happened since the last barrier; the reply comes after every earlier frame."""
+    """Report what happened since the last barrier; the reply comes after every earlier frame.
+
+    Wire (minor 2): flags:u8; flags&1 asks for the digests of the tensors ALLOCated with VERIFY
+    that completed since the last barrier."""
 
     COMMAND = Command.BARRIER
     LAYOUT = struct.Struct("<")
+    FLAG_DIGESTS: ClassVar[int] = 1
+
+    flags: int = 0  # since minor 2
 
 
-# BARRIER_REPLY's head; minor 1 appended need_count:u32 and need ids:u32*need_count after the errors.
+# BARRIER_REPLY's head; minor 1 appended need_count:u32 and need ids:u32*need_count after the errors,
+# minor 2 digest_count:u32 and (id:u32, digest:32 bytes)*digest_count after those.
 BARRIER_NEED_LAYOUT = struct.Struct("<I")
+BARRIER_DIGEST_LAYOUT = struct.Struct("<I32s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,8 +424,11 @@ class BarrierReply(Message):
     """Tensors completed and bytes received since the last barrier, errors, and ids to resend.
 
     ``need`` lists tensors that FILL_FROM_CACHE could not fill (entry gone or corrupt): the client
-    sends their bytes with WRITE. Wire: LAYOUT(tensors, bytes, error_count) name-encoded errors,
-    then (minor 1) need_count:u32 u32*need_count.
+    sends their bytes with WRITE. ``digests`` (minor 2, when the BARRIER asked) pairs the id of
+    each tensor ALLOCated with VERIFY that completed since the last barrier with the BLAKE3 digest
+    of the bytes the server stored. Wire: LAYOUT(tensors, bytes, error_count) name-encoded errors,
+    then (minor 1) need_count:u32 u32*need_count, then (minor 2) digest_count:u32 and
+    (id:u32, digest)*digest_count.
     """
 
     COMMAND = Command.BARRIER_REPLY
@@ -408,6 +438,7 @@ class BarrierReply(Message):
     nbytes: int
     errors: tuple[str, ...] = ()
     need: tuple[int, ...] = field(default=())  # since minor 1
+    digests: tuple[tuple[int, bytes], ...] = field(default=())  # since minor 2
 
 
 @dataclass(frozen=True, slots=True)

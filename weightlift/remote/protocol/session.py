@@ -8,7 +8,8 @@ session checks them, answers with the messages to send, and records what was neg
 no I/O: the caller moves the bytes (:mod:`weightlift.remote.transport`), so the same handshake
 runs over any stream and back to back in memory in the tests.
 
-What a minor version enables is said once, here (:func:`cache_usable`), and both ends ask.
+What a minor version enables is said once, here (:func:`cache_usable`, :func:`verify_usable`,
+:func:`mac_usable`), and both ends ask.
 """
 
 from __future__ import annotations
@@ -31,12 +32,30 @@ from weightlift.remote.protocol.messages import (
     Message,
 )
 
-__all__ = ["SessionState", "ServerSession", "ClientSession", "cache_usable"]
+__all__ = ["SessionState", "ServerSession", "ClientSession", "cache_usable", "verify_usable", "mac_usable"]
+
+VERIFY_SINCE = 2  # ALLOC's VERIFY flag, BARRIER_REPLY's digests, READ_REPLY's digest
+MAC_SINCE = 2  # a MAC after every frame once a token was proven
 
 
 def cache_usable(minor: int) -> bool:
     """Whether a connection that speaks ``minor`` can use the server's content cache (HAVE, FILL)."""
     return minor >= COMMAND_SINCE[Command.HAVE]
+
+
+def verify_usable(minor: int) -> bool:
+    """Whether a connection that speaks ``minor`` can ask the server for the digests of what it stored."""
+    return minor >= VERIFY_SINCE
+
+
+def mac_usable(minor: int, token: bytes | None) -> bool:
+    """Whether a connection that speaks ``minor`` protects its frames: whenever it authenticated.
+
+    Not a flag either side may leave out: HELLO travels before anything is proven, so a relay
+    could clear a flag; the minor is bound into the frame keys (:mod:`.mac`), so it cannot lower
+    that without the first protected frame failing.
+    """
+    return token is not None and minor >= MAC_SINCE
 
 
 class SessionState(Enum):
@@ -116,13 +135,16 @@ class ClientSession:
         self.minor = minor  # negotiated at the server's HELLO
         self.max_frame = MAX_FRAME  # what the server accepts, once it said so
         self.cache = False  # the server keeps a cache this connection can use
+        self.verify = False  # the server reports digests of what it stored (minor 2)
+        self.hello: Hello | None = None  # the HELLO we sent
         self.server: Hello | None = None
         self._token = token
         self._nonce = new_nonce()
 
     def start(self) -> Hello:
         """The HELLO that opens the connection."""
-        return Hello(PROTOCOL_MAJOR, self.our_minor, 0, MAX_FRAME, 0, self._nonce)
+        self.hello = Hello(PROTOCOL_MAJOR, self.our_minor, 0, MAX_FRAME, 0, self._nonce)
+        return self.hello
 
     def server_hello(self, hello: Hello) -> Auth | None:
         """Take the server's HELLO; returns the AUTH to send, or None if the session is now READY."""
@@ -138,6 +160,7 @@ class ClientSession:
         self.max_frame = min(hello.max_frame or MAX_FRAME, MAX_FRAME)
         # A server of an older minor cannot have a cache we can use, whatever its flag byte says.
         self.cache = hello.has(Capability.CACHE) and cache_usable(self.minor)
+        self.verify = verify_usable(self.minor)
         if hello.has(Capability.AUTH):
             if self._token is None:
                 self.state = SessionState.CLOSED

@@ -15,11 +15,13 @@ import sys
 import time
 from typing import Any
 
+import blake3
 import numpy as np
 
 from weightlift.errors import AuthError, LocalProtocolError, RemoteProtocolError, TransportError, WeightliftError
 from weightlift.memory.targets import Target, as_bytes, make_target
 from weightlift.profile import Profiler
+from weightlift.remote.digest import hash_buffer
 from weightlift.remote.protocol import (
     MAX_FRAME,
     MAX_HANDSHAKE_FRAME,
@@ -55,6 +57,7 @@ from weightlift.remote.protocol import (
     send,
     server_mac,
     verify_mac,
+    verify_usable,
 )
 from weightlift.remote.server.context import Context
 from weightlift.remote.server.receive import STAGING_BYTES, Receiver
@@ -332,7 +335,7 @@ class Connection:
                 HaveReply(tuple(self.store.holds(d) or (cache is not None and cache.has(d)) for d in msg.digests))
             )
         elif isinstance(msg, Barrier):
-            self._reply(self.rx.barrier())
+            self._reply(self.rx.barrier(msg.flags))
         elif isinstance(msg, Read):
             self._read(msg)
         elif isinstance(msg, ListRequest):
@@ -355,6 +358,8 @@ class Connection:
             flags |= Capability.CACHE
         if self.ctx.token is not None:
             flags |= Capability.AUTH
+        if verify_usable(self.minor):
+            flags |= Capability.VERIFY
         self._take_ready_slot()
         reply = Hello(
             PROTOCOL_MAJOR,
@@ -403,17 +408,29 @@ class Connection:
                 )
             )
             return
-        head = send(ReadReply(r.length), minor=self.minor)
+        # The digest is stated before the bytes, so it is taken first: of the tensor as it is now,
+        # which is what the reply carries (a stored digest could predate a writer in process).
+        want_digest = bool(r.flags & Read.FLAG_DIGEST) and verify_usable(self.minor)
         if _is_host(dest):
-            self.stream.send_parts([head, as_bytes(dest).data[r.offset : r.offset + r.length]])
+            view = as_bytes(dest).data[r.offset : r.offset + r.length]
+            digest = hash_buffer(view) if want_digest else None
+            self.stream.send_parts([send(ReadReply(r.length, digest), minor=self.minor), view])
             return
         import torch
 
         flat = dest.reshape(-1).view(torch.uint8)
-        self.stream.send_parts([head])
         stage = self.staging()
         staging = self._staging
         assert staging is not None
+        digest = None
+        if want_digest:
+            hasher = blake3.blake3()
+            for pos in range(r.offset, r.offset + r.length, len(stage)):
+                n = min(len(stage), r.offset + r.length - pos)
+                torch.from_numpy(staging[:n]).copy_(flat[pos : pos + n])
+                hasher.update(stage[:n])
+            digest = hasher.digest()
+        self.stream.send_parts([send(ReadReply(r.length, digest), minor=self.minor)])
         for pos in range(r.offset, r.offset + r.length, len(stage)):
             n = min(len(stage), r.offset + r.length - pos)
             torch.from_numpy(staging[:n]).copy_(flat[pos : pos + n])

@@ -6,10 +6,12 @@ memory, or the target's own (a CUDA tensor). Fresh host memory goes to this conn
 :class:`~weightlift.memory.faulter.Faulter`, whose helper threads fault it in ahead of the bytes.
 Each WRITE is read from the socket as a stream: straight into the destination where a plain
 memcpy is the right fill (host memory), else through one reused staging buffer into the target's
-own fill step; with a disk cache the bytes are hashed as they pass. A tensor whose byte ranges
-cover it is complete: its cache entry is committed (proving its digest) and the store publishes
-it. Errors are kept for the next BARRIER, whose reply also names the tensors a FILL could not
-fill (the client sends their bytes instead).
+own fill step; with a disk cache the bytes are hashed as they pass, and so are the bytes of a
+tensor ALLOCated with VERIFY (one hash serves both). A tensor whose byte ranges cover it is
+complete: its cache entry is committed (proving its digest) and the store publishes it. Errors
+are kept for the next BARRIER, whose reply also names the tensors a FILL could not fill (the
+client sends their bytes instead) and, when asked, the digests of the verified tensors that
+completed.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from typing import Any
 
+import blake3
 import numpy as np
 
 from weightlift.errors import CacheError
@@ -27,12 +30,14 @@ from weightlift.memory.fresh import policy as fill_policy
 from weightlift.memory.pool import POOL_MIN, size_class
 from weightlift.memory.targets import CudaTarget, Target, populate, view_as
 from weightlift.profile import Profiler
-from weightlift.remote.digest import hash_buffer
+from weightlift.remote.digest import PARALLEL_HASH_MIN, byte_view, hash_buffer
 from weightlift.remote.protocol import (
+    MAX_DIGESTS,
     MAX_ERRORS,
     MAX_MESSAGE,
     MAX_TENSORS,
     Alloc,
+    Barrier,
     BarrierReply,
     FillFromCache,
     WriteHeader,
@@ -42,7 +47,16 @@ from weightlift.remote.server.cache import CacheWriter, DigestCheck, disk_unusab
 from weightlift.remote.server.context import Context, RequestError
 from weightlift.remote.server.store import Charge, MemoryFull, entry_cost
 
-__all__ = ["Pending", "Receiver", "HASH_PIECE", "FAULT_PIECE", "FAULT_WINDOW", "MAX_RANGES", "STAGING_BYTES"]
+__all__ = [
+    "Pending",
+    "Receiver",
+    "StreamHash",
+    "HASH_PIECE",
+    "FAULT_PIECE",
+    "FAULT_WINDOW",
+    "MAX_RANGES",
+    "STAGING_BYTES",
+]
 
 STAGING_BYTES = 8 * 1024 * 1024  # one per connection, for targets that are not host memory
 HASH_PIECE = 4 * 1024 * 1024  # received-then-hashed piece: still in the CPU cache when hashed
@@ -51,6 +65,33 @@ FAULT_WINDOW = 64 * 1024 * 1024  # ... at most this far ahead of the bytes recei
 MAX_RANGES = 4096  # disjoint byte ranges one pending tensor's WRITEs may leave
 MAX_OPEN_FILES = 8  # cache temporary files one connection holds open at once (tensors in flight by digest)
 RESERVED_NAMES = frozenset({"__metadata__"})  # names a pulled safetensors file could not hold
+
+
+class StreamHash:
+    """The digest of bytes fed in order, for a tensor ALLOCated with VERIFY that no cache writer
+    hashes: the same ``write``, ``commit`` and ``abort`` as one, and ``value`` at the end."""
+
+    def __init__(self, length: int):
+        self.length = length
+        self._hasher: Any = None
+        self.is_open = True
+
+    def write(self, buf: Any) -> None:
+        view = byte_view(buf)
+        if self._hasher is None:  # as for the cache: threads pay only on large pieces
+            big = min(self.length, view.nbytes) >= PARALLEL_HASH_MIN
+            self._hasher = blake3.blake3(max_threads=blake3.blake3.AUTO if big else 1)
+        self._hasher.update(view)
+
+    def commit(self) -> None:
+        self.is_open = False
+
+    def abort(self) -> None:
+        self.is_open = False
+
+    @property
+    def value(self) -> bytes:
+        return (self._hasher or blake3.blake3()).digest()
 
 
 class Pending:
@@ -76,6 +117,7 @@ class Pending:
         "writer",
         "hashed",
         "proven",
+        "verify",
     )
 
     def __init__(self, a: Alloc, cost: int, charge: Charge, deferred: int = 0):
@@ -90,6 +132,7 @@ class Pending:
         self.writer: Any = None
         self.hashed = 0
         self.proven = False  # the bytes in dest are known to hash to digest
+        self.verify = a.verify  # report the digest of what was stored at the next barrier
 
     def _span(self, begin: int, end: int) -> tuple[int, int]:
         # Ranges i..j-1 overlap or touch [begin, end): those before i end before it begins,
@@ -169,6 +212,9 @@ class Receiver:
         self.need: dict[int, None] = {}  # pending ids a FILL_FROM_CACHE could not fill, in order
         self.done_tensors = 0
         self.done_bytes = 0
+        # (id, digest) of verified tensors completed since the last barrier, at most MAX_DIGESTS
+        self.verified: list[tuple[int, bytes]] = []
+        self.verified_dropped = 0
         self._faulter: Faulter | None = None  # made at the first fresh destination
         self._files: list[CacheWriter] = []  # cache writers made, some still holding a temporary file
 
@@ -219,14 +265,21 @@ class Receiver:
         else:
             self.dropped_errors += 1
 
-    def barrier(self) -> BarrierReply:
-        """The reply to BARRIER: what completed and failed since the last one, and what to resend."""
+    def barrier(self, flags: int = 0) -> BarrierReply:
+        """The reply to BARRIER: what completed and failed since the last one, what to resend, and
+        (``flags`` asking for them) the digests of the verified tensors that completed."""
+        if self.verified_dropped:
+            self.error(
+                f"{self.verified_dropped} verified tensors completed past the {MAX_DIGESTS} one barrier"
+                " reports: their digests are lost (send BARRIER more often)"
+            )
         errors = self.errors
         if self.dropped_errors:
             errors = errors[: MAX_ERRORS - 1] + [f"... and {self.dropped_errors + 1} more errors"]
-        reply = BarrierReply(self.done_tensors, self.done_bytes, tuple(errors), tuple(self.need))
-        self.errors, self.need = [], {}
-        self.dropped_errors = self.done_tensors = self.done_bytes = 0
+        digests = tuple(self.verified) if flags & Barrier.FLAG_DIGESTS else ()
+        reply = BarrierReply(self.done_tensors, self.done_bytes, tuple(errors), tuple(self.need), digests)
+        self.errors, self.need, self.verified = [], {}, []
+        self.dropped_errors = self.done_tensors = self.done_bytes = self.verified_dropped = 0
         return reply
 
     # -- ALLOC -------------------------------------------------------------------------------------
@@ -354,6 +407,8 @@ class Receiver:
                     self._cache_failed(e)
             if p.writer is None:
                 p.writer = DigestCheck(p.digest, p.nbytes, cache.hash_threads)
+        elif p.verify and p.writer is None and h.offset == 0 and p.hashed == 0:
+            p.writer = StreamHash(p.nbytes)  # the digest the next barrier reports
         if p.writer is not None and h.offset != p.hashed:  # out of order: cannot hash in one pass
             p.writer.abort()
             p.writer = None
@@ -533,10 +588,13 @@ class Receiver:
         self._unfault(p)
         del self.pending[tid]
         self.need.pop(tid, None)  # the bytes came after all: the client need not send them again
+        streamed: bytes | None = None  # the digest of the bytes as they arrived, where one was taken
         if p.writer is not None:
             writer, p.writer = p.writer, None
             if p.hashed != p.nbytes:
                 writer.abort()
+            elif isinstance(writer, StreamHash):
+                streamed = writer.value
             else:
                 try:
                     writer.commit()
@@ -556,6 +614,13 @@ class Receiver:
                 self.error(f"tensor {p.name!r}: the bytes received do not match the digest the client sent")
                 return
             p.proven = True
+        if p.verify:
+            if streamed is None:
+                streamed = p.digest if p.proven and p.digest is not None else self._hash_dest(p)
+            if len(self.verified) < MAX_DIGESTS:
+                self.verified.append((tid, streamed))
+            else:
+                self.verified_dropped += 1
         dest = self.target.finish(p.dest)
         if p.charge is None or p.deferred:
             raise AssertionError(f"tensor {p.name!r} completed without a charge")
@@ -564,6 +629,21 @@ class Receiver:
         self.done_tensors += 1
         if self.prof.enabled:
             self.prof.count(tensors=1, nbytes=p.nbytes)
+
+    def _hash_dest(self, p: Pending) -> bytes:
+        """The digest of ``p``'s destination, hashed in one pass after the fact: for the tensors
+        not hashed as they arrived (written out of order, or empty)."""
+        if p.nbytes == 0:
+            return blake3.blake3().digest()
+        if self.target.memcpy_ok:
+            return hash_buffer(self.target.host_view(p.dest))
+        import torch
+
+        flat = p.dest.reshape(-1).view(torch.uint8)
+        h = blake3.blake3()
+        for pos in range(0, p.nbytes, STAGING_BYTES):
+            h.update(flat[pos : pos + STAGING_BYTES].cpu().numpy())
+        return h.digest()
 
     def close(self) -> None:
         """The connection ends: stop the faulter (nothing writes into freed memory), drop what is in flight."""

@@ -1,0 +1,226 @@
+"""push(verify=True) and pull(verify=True): the server reports the digests of what it stored (or
+states them with what it serves), and a byte changed on the wire or in a cache entry is caught
+and named."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+
+import blake3
+import numpy as np
+import pytest
+
+import weightlift.remote.protocol as P
+from tests.checkpoints import write
+from tests.remote.relay import Relay
+from weightlift.cli.main import main as cli
+from weightlift.errors import IntegrityError, LocalProtocolError, RemoteProtocolError
+from weightlift.remote.client.client import Client
+from weightlift.remote.protocol import NEED_DATA, Alloc, Barrier, BarrierReply, Decoder, Hello, WriteHeader, send
+from weightlift.remote.server.server import Server
+
+THRESHOLD = 100_000  # tensors at least this large are named by digest to a caching server
+
+
+def _model(tmp_path, name: str = "m.safetensors") -> tuple[str, dict[str, bytes]]:
+    rng = np.random.default_rng(1)
+    tensors = {f"small.{i}": rng.integers(0, 256, 300 * (i + 1), dtype=np.uint8).tobytes() for i in range(4)}
+    tensors["empty"] = b""
+    tensors.update({f"large.{i}": rng.integers(0, 256, 150_000 + i, dtype=np.uint8).tobytes() for i in range(3)})
+    path = write(tmp_path / name, [(n, "U8", (len(b),), b) for n, b in tensors.items()])
+    return str(path), tensors
+
+
+def _holds(server: Server, tensors: dict[str, bytes]) -> None:
+    got = server.tensors()
+    assert sorted(got) == sorted(tensors)
+    for n, b in tensors.items():
+        assert got[n].tobytes() == b, n
+
+
+@pytest.mark.parametrize("cache", [False, True])
+@pytest.mark.parametrize("streams", [1, 2])
+def test_verified_push_proves_every_tensor(tmp_path, cache, streams):
+    path, tensors = _model(tmp_path)
+    with Server(cache_dir=tmp_path / "c" if cache else None) as s:
+        with Client(s.address, streams=streams) as c:
+            assert c.server_hello.has(P.Capability.VERIFY)
+            r = c.push(path, verify=True, hash_threshold=THRESHOLD)
+            assert (r.tensors, r.verified) == (len(tensors), len(tensors))
+            again = c.push(path, verify=True, hash_threshold=THRESHOLD)  # from the cache when there is one
+            assert again.verified == len(tensors)
+            assert again.cached == (3 if cache else 0)
+        _holds(s, tensors)
+
+
+def test_a_push_without_verify_verifies_nothing(tmp_path):
+    path, tensors = _model(tmp_path)
+    with Server() as s, Client(s.address) as c:
+        assert c.push(path).verified == 0
+
+
+def test_a_flipped_byte_on_the_wire_is_caught_only_with_verify(tmp_path):
+    # An unauthenticated connection has nothing that protects its frames: a relay on the path
+    # changes a byte of a tensor after a valid handshake. A plain push "succeeds" and the server
+    # holds the wrong bytes; a verified push names the tensor.
+    path, tensors = _model(tmp_path)
+    target = tensors["small.2"]
+    for verify in (False, True):
+        with Server() as s, Relay(s.address, tamper=("c2s", target[40:72], 5)) as relay:
+            with Client(relay.address) as c:
+                if not verify:
+                    c.push(path)
+                else:
+                    with pytest.raises(IntegrityError, match=r"1 of 8 tensors.*'small\.2'") as e:
+                        c.push(path, verify=True)
+                    assert "large" not in str(e.value)
+                    assert c.list()  # the connection is still in step after the failure
+            assert relay.flipped.is_set()
+            held = s.tensors()["small.2"].tobytes()
+            assert held != target and held[:45] == target[:45] and held[46:] == target[46:]
+
+
+def test_a_flipped_byte_in_a_large_tensor_is_caught_with_a_caching_server(tmp_path):
+    # a tensor named by digest is proven by the server itself; the push fails either way
+    path, tensors = _model(tmp_path)
+    target = tensors["large.1"]
+    with Server(cache_dir=tmp_path / "c") as s, Relay(s.address, tamper=("c2s", target[9000:9032], 3)) as relay:
+        with Client(relay.address) as c, pytest.raises(RemoteProtocolError, match="large.1.*do not match"):
+            c.push(path, verify=True, hash_threshold=THRESHOLD)
+        assert relay.flipped.is_set()
+        assert "large.1" not in s.tensors()
+
+
+def test_a_flipped_byte_in_a_cache_entry_never_reaches_the_server_memory(tmp_path):
+    path, tensors = _model(tmp_path)
+    cache = tmp_path / "c"
+    with Server(cache_dir=cache) as s, Client(s.address) as c:
+        c.push(path, verify=True, hash_threshold=THRESHOLD)
+    digest = blake3.blake3(tensors["large.0"]).digest()
+    entry = cache / digest.hex()[:2] / digest.hex()
+    raw = bytearray(entry.read_bytes())
+    raw[1234] ^= 1
+    entry.write_bytes(bytes(raw))
+    with Server(cache_dir=cache) as s, Client(s.address) as c:  # a restarted server, filling from disk
+        r = c.push(path, verify=True, hash_threshold=THRESHOLD)
+        # the cache's own check dropped the bad entry and the client sent the bytes again
+        assert (r.verified, r.cached) == (len(tensors), 2)
+        assert r.bytes_sent >= len(tensors["large.0"])
+        _holds(s, tensors)
+    assert not entry.exists() or entry.read_bytes() == tensors["large.0"]
+
+
+def test_verify_against_a_minor_one_server_is_a_clear_error(tmp_path):
+    path, tensors = _model(tmp_path)
+    with Server(protocol_minor=1) as s, Client(s.address) as c:
+        assert not c.server_hello.has(P.Capability.VERIFY)
+        with pytest.raises(LocalProtocolError, match="protocol 1.1.*minor 2"):
+            c.push(path, verify=True)
+        with pytest.raises(LocalProtocolError, match="protocol 1.1.*minor 2"):
+            c.pull(tmp_path / "out.safetensors", verify=True)
+        c.push(path)  # nothing was sent: the connection still works
+        _holds(s, tensors)
+
+
+def test_verified_pull_writes_the_server_tensors(tmp_path):
+    path, tensors = _model(tmp_path)
+    out = tmp_path / "out.safetensors"
+    with Server() as s, Client(s.address) as c:
+        c.push(path)
+        got = c.pull(out, verify=True)
+    assert {e.name for e in got} == set(tensors)
+    from weightlift import load
+
+    loaded = load(out)
+    for n, b in tensors.items():
+        assert np.asarray(loaded[n]).tobytes() == b
+
+
+def test_a_flipped_byte_on_the_way_back_fails_a_verified_pull_and_writes_no_file(tmp_path):
+    path, tensors = _model(tmp_path)
+    target = tensors["large.2"]
+    out = tmp_path / "out.safetensors"
+    with Server() as s:
+        with Client(s.address) as c:
+            c.push(path)
+        with Relay(s.address, tamper=("s2c", target[5000:5032], 7)) as relay, Client(relay.address) as c:
+            with pytest.raises(IntegrityError, match=r"'large\.2'") as e:
+                c.pull(out, verify=True)
+            assert "small" not in str(e.value) and relay.flipped.is_set()
+            assert not out.exists() and not [f for f in os.listdir(tmp_path) if "wl-tmp" in f]
+            assert len(c.list()) == len(tensors)  # still in step
+
+
+def test_cli_push_and_pull_verify(tmp_path, capsys):
+    path, tensors = _model(tmp_path)
+    with Server() as s:
+        addr = f"{s.address[0]}:{s.address[1]}"
+        assert cli(["push", path, "--to", addr, "--verify"]) == 0
+        assert f"{len(tensors)} verified on the server" in capsys.readouterr().out
+        assert cli(["pull", "--from", addr, "-o", str(tmp_path / "o.safetensors"), "--verify"]) == 0
+        assert "every tensor verified" in capsys.readouterr().out
+        with Relay(s.address, tamper=("c2s", tensors["small.3"][100:132], 0)) as relay:
+            raddr = f"{relay.address[0]}:{relay.address[1]}"
+            assert cli(["push", path, "--to", raddr, "--verify"]) == 1
+            assert "'small.3'" in capsys.readouterr().err
+
+
+# ----- the server side, frame by frame ---------------------------------------------------------
+
+
+class _Raw:
+    def __init__(self, address):
+        self.sock = socket.create_connection(address, timeout=10)
+        self.dec = Decoder(our_role="client")
+        self.sock.sendall(send(Hello(1, P.PROTOCOL_MINOR, nonce=P.new_nonce())))
+        self.hello = self.recv()
+
+    def send(self, msg, payload: bytes = b"") -> None:
+        self.sock.sendall(send(msg) + payload)
+
+    def recv(self):
+        while (ev := self.dec.next_event()) is NEED_DATA:
+            self.dec.feed(self.sock.recv(65536))
+        return ev
+
+
+def test_server_reports_digests_only_for_verify_allocs_and_only_when_asked():
+    a, b = b"abc" * 1000, os.urandom(5000)
+    with Server() as s:
+        raw = _Raw(s.address)
+        raw.send(Alloc(1, "a", "U8", (len(a),), len(a), None, True))
+        # out of order: hashed once complete, from memory
+        raw.send(WriteHeader(1, 1000, len(a) - 1000), a[1000:])
+        raw.send(WriteHeader(1, 0, 1000), a[:1000])
+        raw.send(Alloc(2, "b", "U8", (len(b),), len(b)))
+        raw.send(WriteHeader(2, 0, len(b)), b)
+        raw.send(Alloc(3, "z", "U8", (0,), 0, None, True))
+        raw.send(Barrier(Barrier.FLAG_DIGESTS))
+        reply = raw.recv()
+        assert reply == BarrierReply(
+            3, len(a) + len(b), digests=((1, blake3.blake3(a).digest()), (3, blake3.blake3(b"").digest()))
+        )
+        raw.send(Alloc(4, "a2", "U8", (len(a),), len(a), None, True))
+        raw.send(WriteHeader(4, 0, len(a)), a)
+        raw.send(Barrier())  # not asked: the digests are dropped with the barrier
+        assert raw.recv().digests == ()
+        raw.send(Barrier(Barrier.FLAG_DIGESTS))
+        assert raw.recv().digests == ()
+
+
+def test_server_remembers_at_most_max_digests_between_barriers(monkeypatch):
+    import weightlift.remote.server.receive as receive
+
+    monkeypatch.setattr(receive, "MAX_DIGESTS", 3)
+    with Server() as s:
+        raw = _Raw(s.address)
+        for i in range(5):
+            raw.send(Alloc(i, f"t{i}", "U8", (1,), 1, None, True))
+            raw.send(WriteHeader(i, 0, 1), bytes([i]))
+        raw.send(Barrier(Barrier.FLAG_DIGESTS))
+        reply = raw.recv()
+        assert [i for i, _ in reply.digests] == [0, 1, 2]
+        assert len(reply.errors) == 1 and "2 verified tensors" in reply.errors[0]
+        assert struct.calcsize("<I32s") * P.MAX_DIGESTS < P.MIN_FRAME // 2
