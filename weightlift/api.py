@@ -54,8 +54,9 @@ def load(
     (``warm=False``: bare lazy views). ``page_cache`` is "keep" or "evict" (default:
     keep, evict on unified-memory devices; WEIGHTLIFT_PAGE_EVICTION overrides the default).
     ``warm`` forces the read-ahead warmer on or off (default: on when under 90 % of a file is
-    resident). ``engine`` is "auto" (a copy out of the mapping for a resident file, ``preadv``
-    readers for a cold one, as many as the device is known to like), "mmap" or "pread" to force one path. GGUF quantized tensors come
+    resident). ``engine`` is "auto" (``preadv`` straight into the destination, with as many
+    readers for a cold file as its device is known to like; a file truncated under the load is
+    a FileError), or "mmap" (a copy out of the mapping) or "pread" to force one path. GGUF quantized tensors come
     back as their raw blocks (uint8) unless ``dequantize=True``. ``profile`` is True, False,
     None (env WEIGHTLIFT_LOADPROF) or a :class:`~weightlift.profile.Profiler`. ``report``, if
     given, is filled with the load's figures (bytes, seconds, residency, profile).

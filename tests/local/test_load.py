@@ -13,7 +13,7 @@ import pytest
 import weightlift as wl
 from tests.checkpoints import every_dtype, raw_bytes, write, write_sharded
 from tests.devices import HAS_TORCH, needs_torch
-from weightlift.errors import FormatError, NotFoundError, OptionError
+from weightlift.errors import FileError, FormatError, NotFoundError, OptionError
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 FRAMEWORKS = ["numpy", pytest.param("torch", marks=needs_torch)]
@@ -390,3 +390,38 @@ def test_deep_json_and_special_files_are_format_errors(tmp_path):
             wl.open(sock_path)
     finally:
         s.close()
+
+
+def test_file_changed_after_open_is_refused(tmp_path):
+    rng = np.random.default_rng(5)
+    tensors = [(f"t{i}", "F32", (256, 1024), rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()) for i in range(4)]
+    path = write(tmp_path / "m.safetensors", tensors)
+    ck = wl.open(path)
+    os.truncate(path, os.path.getsize(path) // 2)
+    with pytest.raises(FormatError, match="changed on disk"):
+        wl.load(ck)
+
+
+@pytest.mark.parametrize("framework", ["numpy", pytest.param("torch", marks=needs_torch)])
+def test_file_truncated_under_the_load_is_a_file_error_not_sigbus(tmp_path, framework, monkeypatch):
+    """Owned copies are read with preadv: a checkpoint truncated while it loads ends in a short
+    read, a FileError naming the file; a copy out of the mapping would have taken the process
+    down with SIGBUS at the first missing page. The file is cut as soon as the first chunk has
+    landed (one worker, 1 MiB chunks), so the next read runs past its end."""
+    from weightlift.local import loader
+
+    monkeypatch.setattr(loader, "CHUNK", 1 << 20)
+    rng = np.random.default_rng(5)
+    tensors = [(f"t{i}", "F32", (256, 1024), rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()) for i in range(4)]
+    path = write(tmp_path / "m.safetensors", tensors)
+    cut = []
+
+    def landed(file, offset, data, stable=True):
+        if not cut:
+            os.truncate(path, offset + len(data))
+            cut.append(offset)
+
+    with pytest.raises(FileError) as e:
+        loader.load_local(path, framework=framework, threads=1, on_landed=landed)
+    assert cut and e.value.file == str(path)
+    assert "ended" in str(e.value)

@@ -10,10 +10,12 @@ Theory of operation.
    become one arena whose layout mirrors the file (so each run is one copy and each tensor a
    view), and the arena is cut into chunks for the worker threads.
 4. **Move.** Worker threads take chunks in file order. Host targets in the checkpoint's dtype
-   take a plain copy straight into the arena out of the file's one mapping (borrowed slices, no
-   staging copy; the mapping's page-table entries are dropped behind the copy so the file does
-   not count twice in RSS), or ``preadv`` from the file where the mapping is off; warm, the
-   mapping copy was the faster of the two, cold the same (bench/RESULTS.md). A CUDA target gets the same reads into pinned slots, each
+   are read with ``preadv`` straight into the arena (no staging copy): warm, that matched a
+   copy out of the file's mapping (bench/RESULTS.md, wl.numpy.pread), and a file truncated
+   under the load then ends in a short read, a FileError naming the file, where a copy out of
+   the mapping would kill the process with SIGBUS. ``engine="mmap"`` keeps the mapping copy
+   (its page-table entries dropped behind it so the file does not count twice in RSS). A CUDA
+   target gets the same reads into pinned slots, each
    worker double-buffering its own two slots so the disk or page-cache read of one chunk
    overlaps the device copy of the previous one. A cast target converts straight out of the
    mapping in its own fill step. While the workers copy, warmers read ahead of them on cold files.
@@ -337,10 +339,12 @@ class _Mover:
         self.cast = cast
         self.threads = threads
         self.evict = evict
-        # A resident file is copied out of its mapping. A cold one is read with preadv straight
-        # into the destination by up to MAX_WARMERS readers (see _Gate): that matched the best
-        # raw read, while a mapping copy behind the read-ahead warmer took about twice as long.
-        self.engine = {f: (engine if engine != "auto" else ("pread" if c else "mmap")) for f, c in cold.items()}
+        self.cold = cold
+        # Every file is read with preadv straight into the destination: warm, as fast as a copy
+        # out of the mapping, and a file truncated under the load is a short read (FileError),
+        # never SIGBUS. A cold one gets up to MAX_WARMERS readers (see _Gate): that matched the
+        # best raw read, while a mapping copy behind the read-ahead warmer took about twice as long.
+        self.engine = {f: (engine if engine != "auto" else "pread") for f in cold}
         self.cold_read = engine == "auto" and any(cold.values())
         # the separate warmer reads ahead of a mapping copy: only where a cold file is copied
         # out of its mapping, or where the caller asks for it
@@ -421,7 +425,7 @@ class _Mover:
         limit = max(self.threads, MAX_WARMERS) if self.cold_read else self.threads
         workers = min(limit, max(1, len(chunks)))
         device = arena_dev is not None
-        cold_files = [f for f, e in self.engine.items() if e == "pread"]
+        cold_files = [f for f, e in self.engine.items() if e == "pread" and self.cold.get(f)]
         dev = os.stat(cold_files[0]).st_dev if self.cold_read and cold_files else None
         gate = _Gate(workers, cold=self.cold_read, device=dev)
 
