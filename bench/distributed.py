@@ -15,7 +15,8 @@ Then, once each: bytes read from the files per rank for a group load (``load(gro
 sharded group load (``load(shard=, group=)``, tensor-parallel rules) and a sharded load
 without a group, at 2 and 4 ranks; the storage rate (cold and warm sequential ``preadv``),
 the gloo link rate (a 2-rank broadcast of memory) and the single-push rate; and from those a
-model of 8 and 64 receivers on separate machines.
+model of 8 and 64 receivers on separate machines (bench/fanout_model.py, which also takes
+this script's --json output).
 
     python bench/distributed.py --size-mib 256 --runs 3 --json dist.json
     python bench/distributed.py --quick
@@ -274,25 +275,6 @@ def storage_rate(path: str, *, cold: bool) -> float:
         os.close(fd)
 
 
-def model(size: int, n: int, *, push_rate: float, link: float, storage: float, chunk: int) -> dict[str, float]:
-    """Seconds to ready for ``n`` receivers on separate machines, from measured rates.
-
-    Transfer terms only: each receiver also fills its own fresh memory, in parallel with the
-    others, a cost that is the same for every strategy and does not grow with ``n``.
-    """
-    return {
-        # the source's uplink carries every byte once per receiver
-        "push.link": n * size / link,
-        "push.measured": n * size / push_rate,
-        # gloo's binomial tree: the source sends each chunk ceil(log2(n + 1)) times
-        "bcast.gloo_tree": math.ceil(math.log2(n + 1)) * size / link,
-        # a pipelined chain or ring: every link carries the bytes once, plus a chunk per hop
-        "bcast.chain": size / min(link, storage) + (n - 1) * min(chunk, size) / link,
-        # shared storage, group load: 1/n of the reads each, then a ring all_gather
-        "group.ring": size / (n * storage) + (n - 1) / n * size / link,
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-mib", type=int, default=256, help="synthetic checkpoint size (default 256)")
@@ -370,22 +352,15 @@ def main(argv: list[str] | None = None) -> int:
         f"gloo link {link / 1e9:.2f} GB/s (2-rank broadcast of memory); push {push1 / 1e9:.2f} GB/s "
         f"(x receivers, from push.{counts[0]})"
     )
-    result["model"] = {}
-    print(f"\nmodel for separate machines, {size / 1e6:.0f} MB, chunk {BROADCAST_CHUNK // MIB} MiB, these rates (s):")
-    print("  pushes: n*S/link, and n*S/(measured push rate); gloo tree: ceil(log2(n+1))*S/link;")
-    print(
-        "  chain: S/min(link, storage) + (n-1)*chunk/link; group ring (shared storage): S/(n*storage) + (n-1)/n*S/link"
-    )
-    print(
-        f"{'receivers':>9s} {'push@link':>10s} {'push@meas':>10s} {'gloo tree':>10s} {'chain':>8s} {'group ring':>11s}"
-    )
-    for n in (*counts, 8, 64):
-        m = model(size, n, push_rate=push1, link=link, storage=cold, chunk=BROADCAST_CHUNK)
-        result["model"][n] = m
-        print(
-            f"{n:9d} {m['push.link']:10.2f} {m['push.measured']:10.2f} {m['bcast.gloo_tree']:10.2f} "
-            f"{m['bcast.chain']:8.2f} {m['group.ring']:11.2f}"
-        )
+    # the projection for separate machines: bench/fanout_model.py (also runnable on this JSON)
+    from fanout_model import print_table, table
+
+    model_rates = {"bytes": size, "link": link, "storage": cold, "latency": 0.0, "chunk": BROADCAST_CHUNK}
+    model_rates["push"] = push1
+    print("\nmodel for separate machines (bench/fanout_model.py), the gloo loopback link as the link:")
+    rows = table(model_rates, sorted({*counts, 8, 64}))
+    print_table(model_rates, rows)
+    result["model"] = {"rates": model_rates, "projection": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
