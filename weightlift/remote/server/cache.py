@@ -459,7 +459,7 @@ class CacheWriter:
                 view = view[os.write(self._fd, view) :]
         except OSError as exc:
             self.abort()
-            raise CacheError(f"cache write failed: {_reason(exc)}") from exc
+            raise CacheError(f"cache write failed in {self._cache.root}: {_reason(exc)}") from exc
         self.written += n
 
     def commit(self) -> None:
