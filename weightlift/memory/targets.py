@@ -168,6 +168,13 @@ class CudaTarget(Target):
     Two pinned slots (double buffering): while the device copies out of one, the host fills the
     other. A slot is reused only after the event recorded behind its copy has completed, so the
     caller may reuse its own buffer as soon as :meth:`write` returns.
+
+    The copies run on the target's own stream, and the destination was allocated on the current
+    one, so each destination is marked as in use by the copy stream (``record_stream``): a tensor
+    dropped while its copies are still in flight (a client gone mid-tensor, a digest that did not
+    match) goes back to torch's caching allocator, which hands its memory to no other tensor
+    until the copies queued on that stream have finished. Without the mark the memory could be
+    reused at once, and the late copy would land in someone else's tensor.
     """
 
     memcpy_ok = False
@@ -226,6 +233,7 @@ class CudaTarget(Target):
         torch = self._torch
         with torch.cuda.stream(self._stream):
             dest_bytes.copy_(self._slots[slot][:n], non_blocking=True)
+            dest_bytes.record_stream(self._stream)  # see the class docstring: freed only after the copy
             ev = torch.cuda.Event()
             ev.record(self._stream)
         self._events[slot] = ev
@@ -254,6 +262,7 @@ class CudaTarget(Target):
         with torch.cuda.stream(self._stream):
             src = self._slots[slot][:n].view(torch_dtype(src_dtype)).to(self._dev, non_blocking=True)
             dest.reshape(-1)[offset // size : offset // size + src.numel()].copy_(src)
+            dest.record_stream(self._stream)  # src was allocated on this stream; dest was not
             ev = torch.cuda.Event()
             ev.record(self._stream)
         self._events[slot] = ev

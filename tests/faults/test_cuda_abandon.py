@@ -1,0 +1,205 @@
+"""A CUDA tensor abandoned while its asynchronous copies are in flight is not reused under them.
+
+The server fills a CUDA tensor with copies on the target's own stream; the tensor was allocated
+on the current stream. If it is dropped mid-copy (a client gone mid-tensor, a digest that did not
+match), torch's caching allocator may hand its memory to the next tensor at once, and the late
+copy lands there. CudaTarget marks each destination as used by its copy stream, so the
+allocator waits for those copies before reusing the memory.
+
+The CPU test drives CudaTarget's copy steps against a model of that allocator (blocks freed
+while a stream they were recorded on has work queued are not reused until it finishes); the GPU
+test does the same on a device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.devices import needs_cuda, needs_torch
+from weightlift.memory.targets import CudaTarget
+
+
+class FakeStream:
+    """A stream whose queued copies run only when :meth:`finish` says so (a slow DMA)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.queued: list[Any] = []
+
+    def finish(self) -> None:
+        work, self.queued = self.queued, []
+        for job in work:
+            job()
+
+    def synchronize(self) -> None:
+        self.finish()
+
+
+class Allocator:
+    """The caching allocator's rule: a freed block is reusable at once unless it was recorded on
+    another stream, in which case it waits for the work queued there when it was freed."""
+
+    def __init__(self) -> None:
+        self.free_blocks: list[np.ndarray] = []
+        self.waiting: list[tuple[np.ndarray, list[FakeStream]]] = []
+
+    def alloc(self, n: int) -> np.ndarray:
+        # blocks whose streams have finished their work become reusable
+        done = [w for w in self.waiting if not any(s.queued for s in w[1])]
+        self.waiting = [w for w in self.waiting if w not in done]
+        self.free_blocks += [block for block, _ in done]
+        for i, b in enumerate(self.free_blocks):
+            if b.size == n:
+                return self.free_blocks.pop(i)
+        return np.zeros(n, dtype=np.uint8)
+
+    def release(self, block: np.ndarray, streams: list[FakeStream]) -> None:
+        busy = [s for s in streams if s.queued]
+        if busy:
+            self.waiting.append((block, busy))
+        else:
+            self.free_blocks.append(block)
+
+
+class DeviceTensor:
+    """A device tensor over one allocator block; a view shares the block and its stream record."""
+
+    def __init__(self, alloc: Allocator, block: np.ndarray, lo: int = 0, hi: int | None = None, owner: Any = None):
+        self.alloc, self.block, self.lo, self.hi = alloc, block, lo, block.size if hi is None else hi
+        self.owner = owner or self
+        if owner is None:
+            self.streams: list[FakeStream] = []
+            self.released = False
+
+    def __getitem__(self, s: slice) -> DeviceTensor:
+        lo, hi, _ = s.indices(self.hi - self.lo)
+        return DeviceTensor(self.alloc, self.block, self.lo + lo, self.lo + hi, self.owner)
+
+    def copy_(self, src: Any, non_blocking: bool = False) -> None:
+        data = np.array(src, dtype=np.uint8)  # what the host slot holds when the copy is queued
+        block, lo = self.block, self.lo
+        CURRENT[-1].queued.append(lambda: block.__setitem__(slice(lo, lo + data.size), data))
+
+    def record_stream(self, stream: FakeStream) -> None:
+        if stream not in self.owner.streams:
+            self.owner.streams.append(stream)
+
+    def drop(self) -> None:
+        """The last reference goes: the block returns to the allocator."""
+        owner = self.owner
+        if not owner.released:
+            owner.released = True
+            self.alloc.release(owner.block, owner.streams)
+
+
+DEFAULT = FakeStream("default")
+CURRENT = [DEFAULT]
+
+
+class _Cuda:
+    @staticmethod
+    @contextlib.contextmanager
+    def stream(s: FakeStream):
+        CURRENT.append(s)
+        try:
+            yield
+        finally:
+            CURRENT.pop()
+
+    class Event:
+        def record(self, stream: FakeStream) -> None:
+            self.stream = stream
+
+        def synchronize(self) -> None:
+            self.stream.finish()
+
+
+class FakeTorch:
+    cuda = _Cuda
+
+
+def _target(slot_bytes: int) -> CudaTarget:
+    t = object.__new__(CudaTarget)  # no device needed: the copy steps are what is tested
+    t._torch = FakeTorch
+    t._stream = FakeStream("copies")
+    t._slot_bytes = slot_bytes
+    t._nslots = 2
+    t._slots = [np.zeros(slot_bytes, dtype=np.uint8) for _ in range(2)]
+    t._slot_np = list(t._slots)
+    t._events = [None, None]
+    t._next = 0
+    t._dev = "cuda"
+    return t
+
+
+def test_a_tensor_dropped_mid_copy_is_not_reused_until_its_copies_finish():
+    n = 1 << 16
+    alloc = Allocator()
+    target = _target(n)
+    dest = DeviceTensor(alloc, alloc.alloc(n))
+    slot, buf = target.slot()
+    buf[:] = 7
+    target.upload(slot, dest[0:n], n)  # queued on the copy stream, not run yet
+    dest.drop()  # abandoned with the copy in flight
+    other = DeviceTensor(alloc, alloc.alloc(n))  # the next tensor, on the current stream
+    other.block[:] = 0
+    target.synchronize()  # the late copy lands now
+    assert other.block is not dest.block, "the abandoned tensor's memory was reused under its copy"
+    assert not other.block.any()
+    assert alloc.alloc(n) is dest.block  # and once the copy finished, the memory is reused
+
+
+@needs_torch  # the cast step names torch dtypes
+def test_a_cast_tensor_dropped_mid_copy_is_not_reused_until_its_copies_finish(monkeypatch):
+    n = 1 << 12
+    alloc = Allocator()
+    target = _target(n)
+    target._src = {}
+
+    class Staged(np.ndarray):
+        def view(self, *_a: Any) -> Any:  # a torch dtype view of a host slot
+            return self
+
+        def to(self, *_a: Any, **_k: Any) -> Any:  # the device copy of the slot, on the copy stream
+            return np.asarray(self).copy().view(Staged)
+
+        def numel(self) -> int:
+            return self.size
+
+    target._slots = [np.zeros(n, dtype=np.uint8).view(Staged) for _ in range(2)]
+    target._slot_np = [np.asarray(s) for s in target._slots]
+    dest = DeviceTensor(alloc, alloc.alloc(n))
+    dest.reshape = lambda *_a: dest  # type: ignore[attr-defined]
+    slot, buf = target.slot()
+    buf[:] = 9
+    target._cast_upload(dest, "U8", 0, slot, n)
+    dest.drop()
+    other = DeviceTensor(alloc, alloc.alloc(n))
+    other.block[:] = 0
+    target.synchronize()
+    assert other.block is not dest.block, "the abandoned tensor's memory was reused under its copy"
+    assert not other.block.any()
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_on_a_device_a_tensor_dropped_mid_copy_does_not_write_into_the_next_one():
+    import torch
+
+    n = 256 << 20  # a copy long enough to be in flight while the next tensor is made and zeroed
+    target = CudaTarget("cuda", slot_bytes=n)
+    for _ in range(3):
+        dest = target.empty("U8", (n,))
+        slot, buf = target.slot()
+        buf[:] = 0xA5
+        target.upload(slot, dest.view(torch.uint8), n)
+        del dest  # abandoned while the copy may still run
+        other = torch.zeros(n, dtype=torch.uint8, device="cuda")
+        target.synchronize()
+        torch.cuda.synchronize()
+        assert int(other.count_nonzero()) == 0, "a late copy landed in another tensor"
+        del other
