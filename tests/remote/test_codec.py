@@ -241,14 +241,14 @@ def test_in_memory_conversation_with_session_table():
 
     cn, sn, token = P.new_nonce(), P.new_nonce(), b"secret"
     assert cn != sn and len(cn) == 32
-    hello = deliver(Hello(1, 1, nonce=cn), to_server)
+    hello = deliver(Hello(1, 2, nonce=cn), to_server)
     with pytest.raises(RemoteProtocolError):
         server.check(Barrier())  # nothing before HELLO
-    assert server.hello(hello) == 1
+    assert server.hello(hello) == 2
     assert server.state is SessionState.AWAIT_AUTH
     with pytest.raises(RemoteProtocolError, match="not allowed"):
         server.check(Alloc(0, "t", "U8", (1,), 1))  # nothing but AUTH once auth is wanted
-    reply = deliver(Hello(1, 1, P.Capability.AUTH, nonce=sn), to_client)
+    reply = deliver(Hello(1, 2, P.Capability.AUTH, nonce=sn), to_client)
     assert reply.has(P.Capability.AUTH)
     auth = deliver(Auth(P.client_mac(token, cn, reply.nonce)), to_server)
     server.check(auth)

@@ -52,20 +52,51 @@ class Raw:
         self.sock = socket.create_connection(address, timeout=10)
         self.dec = Decoder(our_role="client")
         self.minor = minor
+        self.mac_out: P.FrameMac | None = None  # a protected connection (token, minor 2)
+        self.mac_in: P.FrameMac | None = None
+        self._payload = b""
 
     def hello(self, *, token: bytes | None = None) -> Hello:
         nonce = P.new_nonce()
-        self.send(Hello(1, self.minor, nonce=nonce))
+        ours = Hello(1, self.minor, nonce=nonce)
+        self.send(ours)
         reply = self.recv()
         if token is not None:
             self.send(Auth(P.client_mac(token, nonce, reply.nonce)))
             assert isinstance(self.recv(), Auth)
+            if P.mac_usable(min(self.minor, reply.minor), token):
+                c2s, s2c = P.frame_keys(token, ours, reply)
+                self.mac_out, self.mac_in = P.FrameMac(c2s), P.FrameMac(s2c)
         return reply
 
     def send(self, msg, payload: bytes = b"") -> None:
-        self.sock.sendall(send(msg, minor=self.minor) + payload)
+        raw = send(msg, minor=self.minor) + payload
+        self.sock.sendall(raw + (self.mac_out.seal([raw]) if self.mac_out is not None else b""))
+
+    def _exactly(self, n: int) -> bytes | None:
+        out = b""
+        while len(out) < n:
+            data = self.sock.recv(n - len(out))
+            if not data:
+                return None
+            out += data
+        return out
 
     def recv(self):
+        if self.mac_in is not None:  # frame by frame, each checked against the tag after it
+            self.mac_in.begin()
+            while (ev := self.dec.next_event()) is NEED_DATA:
+                data = self._exactly(self.dec.bytes_wanted())
+                if data is None:
+                    return None
+                self.dec.feed(data)
+                self.mac_in.update(data)
+            if ev.HAS_PAYLOAD:
+                self._payload = self._exactly(ev.length)
+                self.dec.payload_received(ev.length)
+                self.mac_in.update(self._payload)
+            self.mac_in.check(self._exactly(P.MAC_SIZE))
+            return ev
         while True:
             ev = self.dec.next_event()
             if ev is not NEED_DATA:
@@ -76,6 +107,10 @@ class Raw:
             self.dec.feed(data)
 
     def read_payload(self, n: int) -> bytes:
+        if self.mac_in is not None:
+            out, self._payload = self._payload, b""
+            assert len(out) == n
+            return out
         out = b""
         while len(out) < n:
             ev = self.dec.next_event()
@@ -318,7 +353,7 @@ def test_token_required_before_anything():
 
         wrong = Raw(s.address)
         nonce = P.new_nonce()
-        wrong.send(Hello(1, 1, nonce=nonce))
+        wrong.send(Hello(1, P.PROTOCOL_MINOR, nonce=nonce))
         srv_nonce = wrong.recv().nonce
         wrong.send(Auth(P.client_mac(b"guess", nonce, srv_nonce)))
         reply = wrong.recv()
@@ -708,7 +743,7 @@ def test_unauthenticated_big_frame_is_refused_from_its_prefix():
         for after_hello in (False, True):
             raw = Raw(s.address)
             if after_hello:
-                raw.send(Hello(1, 1, nonce=P.new_nonce()))
+                raw.send(Hello(1, P.PROTOCOL_MINOR, nonce=P.new_nonce()))
                 assert isinstance(raw.recv(), Hello)
             # an ALLOC announcing a 16 MiB body: refused before the body is read or buffered
             raw.sock.sendall(P.PREFIX.pack(P.Command.ALLOC, P.MAX_FRAME) + bytes(1000))
@@ -733,14 +768,14 @@ def test_handshake_timeout_closes_connections_that_never_become_ready():
         silent.close()
 
         no_auth = Raw(s.address)
-        no_auth.send(Hello(1, 1, nonce=P.new_nonce()))
+        no_auth.send(Hello(1, P.PROTOCOL_MINOR, nonce=P.new_nonce()))
         assert isinstance(no_auth.recv(), Hello)
         assert "within" in no_auth.recv().message  # HELLO alone is not READY
         assert no_auth.closed()
         no_auth.close()
 
         trickle = Raw(s.address)  # a HELLO a byte at a time, never finished: the deadline is for the whole
-        for b in send(Hello(1, 1, nonce=P.new_nonce()))[:10]:
+        for b in send(Hello(1, P.PROTOCOL_MINOR, nonce=P.new_nonce()))[:10]:
             try:
                 trickle.sock.sendall(bytes([b]))
             except OSError:

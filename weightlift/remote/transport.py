@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from weightlift.errors import OptionError, TransportError
-from weightlift.remote.protocol import NEED_DATA, Decoder, Message
+from weightlift.remote.protocol import MAC_SIZE, NEED_DATA, PAYLOAD_COMMANDS, Decoder, FrameMac, Message
 
 __all__ = [
     "Buffer",
@@ -46,6 +46,7 @@ __all__ = [
     "parse_address",
     "receive_message",
     "receive_payload",
+    "receive_tag",
     "SOCKET_BUFFER",
 ]
 
@@ -239,7 +240,12 @@ class SocketStream:
 
 
 def receive_message(
-    stream: Stream, decoder: Decoder, scratch: memoryview, *, deadline: float | None = None
+    stream: Stream,
+    decoder: Decoder,
+    scratch: memoryview,
+    *,
+    deadline: float | None = None,
+    mac: FrameMac | None = None,
 ) -> Message | None:
     """The next message from ``stream``; None if the peer closed cleanly between frames.
 
@@ -248,10 +254,23 @@ def receive_message(
     inside a frame, or if ``deadline`` (a ``time.monotonic()`` instant) passes first: every
     receive waits only for the time left, however the peer spaces its bytes. With a deadline the
     stream is left with a timeout; the caller restores blocking mode when it no longer wants one.
+    ``mac`` (a protected connection) is begun here and fed every byte the decoder is fed; the
+    tag of a frame without payload is checked before its body is decoded, that of a WRITE or
+    READ_REPLY is the caller's to check once the payload is in (:func:`receive_tag`).
     """
+    checked = mac is None
+    if mac is not None:
+        mac.begin()
     while True:
+        if not checked:
+            cmd = decoder.complete_frame()
+            if cmd is not None and cmd not in PAYLOAD_COMMANDS:
+                receive_tag(stream, mac)  # type: ignore[arg-type]
+                checked = True
         ev = decoder.next_event()
         if ev is not NEED_DATA:
+            if not checked and not ev.length:  # type: ignore[union-attr]  # a payload frame, empty
+                receive_tag(stream, mac)  # type: ignore[arg-type]
             return ev  # type: ignore[return-value]
         want = decoder.bytes_wanted()
         buf = scratch if want <= len(scratch) else memoryview(bytearray(want))
@@ -266,17 +285,34 @@ def receive_message(
                 return None
             raise TransportError("the peer closed the connection inside a frame")
         decoder.feed(buf[:n])
+        if mac is not None:
+            mac.update(buf[:n])
 
 
-def receive_payload(stream: Stream, decoder: Decoder, view: memoryview) -> None:
-    """Fill ``view`` with the next payload bytes of the current frame, straight from the socket."""
-    got = decoder.payload_into(view)
+def receive_tag(stream: Stream, mac: FrameMac) -> None:
+    """Read the tag that follows a protected frame and check it (AuthError if it fails)."""
+    tag = memoryview(bytearray(MAC_SIZE))
+    got = 0
+    while got < MAC_SIZE:
+        n = stream.recv_into(tag[got:])
+        if n == 0:
+            raise TransportError("the peer closed the connection before a frame's MAC")
+        got += n
+    mac.check(bytes(tag))
+
+
+def receive_payload(stream: Stream, decoder: Decoder, view: memoryview, *, mac: FrameMac | None = None) -> None:
+    """Fill ``view`` with the next payload bytes of the current frame, straight from the socket;
+    ``mac`` is fed the bytes received here (those the decoder held it was fed with them)."""
+    got = start = decoder.payload_into(view)
     while got < len(view):
         n = stream.recv_into(view[got:])
         if n == 0:
             raise TransportError("the peer closed the connection inside a payload")
         decoder.payload_received(n)
         got += n
+    if mac is not None and got > start:
+        mac.update(view[start:got])  # while the bytes are hot
 
 
 def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:

@@ -456,6 +456,7 @@ class Client:
         view = memoryview(mm) if mm is not None else memoryview(b"")
         flags = Read.FLAG_DIGEST if verify else 0
         differ: builtins.list[str] = []
+        dest = piece = view
         try:
             sent = 0
             for i, e in enumerate(entries):
@@ -479,7 +480,9 @@ class Client:
                 if hasher.digest() != reply.digest:
                     differ.append(repr(e.name))
         finally:
-            view.release()
+            # released here, not when the frames of a traceback go: the mapping closes next
+            for v in (piece, dest, view):
+                v.release()
         return differ
 
 

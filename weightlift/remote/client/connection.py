@@ -3,6 +3,11 @@ framed sends, replies, and the server's ERROR turned into the matching weightlif
 
 A server that closes on us after an ERROR has usually said why; a send or receive that fails
 looks for that ERROR before reporting the transport's own failure, so the user reads the cause.
+
+On a protected connection (a token, minor 2: :mod:`weightlift.remote.protocol.mac`) every frame
+made by :meth:`Connection.frame` carries its tag; a WRITE's tag covers its payload, so it is
+taken by :meth:`Connection.payload_tag` once the payload is known, before the next frame is made.
+Every frame received is checked before it is acted on.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from typing import Any
 
 from weightlift.errors import (
     AuthError,
+    LocalProtocolError,
     NotFoundError,
     RemoteProtocolError,
     TransportError,
@@ -24,11 +30,12 @@ from weightlift.remote.protocol import (
     Decoder,
     Error,
     ErrorCode,
+    FrameMac,
     Hello,
     Message,
     send,
 )
-from weightlift.remote.transport import Stream, receive_message, receive_payload
+from weightlift.remote.transport import Stream, receive_message, receive_payload, receive_tag
 
 __all__ = ["Connection", "remote_error"]
 
@@ -52,6 +59,8 @@ class Connection:
         self.session = ClientSession(minor=minor, token=token)
         self.minor = minor
         self.max_frame = MAX_FRAME
+        self.mac_out: FrameMac | None = None  # set once READY on a protected connection
+        self.mac_in: FrameMac | None = None
         try:
             # every send, sendfile and receive from here on waits at most ``timeout`` seconds
             stream.set_io_timeout(timeout)
@@ -72,9 +81,38 @@ class Connection:
         if auth is not None:
             self.send(send(auth, minor=self.minor))
             self.session.server_auth(self.expect(Auth))
+            macs = self.session.frame_macs()
+            if macs is not None:
+                self.mac_out, self.mac_in = macs
+
+    @property
+    def protected(self) -> bool:
+        """Whether every frame carries a MAC."""
+        return self.mac_out is not None
 
     def frame(self, msg: Message) -> bytes:
-        return send(msg, minor=self.minor, max_frame=self.max_frame)
+        """The bytes of ``msg``, with its tag on a protected connection; a WRITE's tag comes from
+        :meth:`payload_tag`, which must be called before the next frame is made."""
+        raw = send(msg, minor=self.minor, max_frame=self.max_frame)
+        mac = self.mac_out
+        if mac is None:
+            return raw
+        if mac.open:
+            raise LocalProtocolError("a frame was made before the tag of the previous WRITE's payload")
+        mac.begin()
+        mac.update(raw)
+        if msg.HAS_PAYLOAD:
+            if msg.length:  # type: ignore[attr-defined]
+                return raw  # the tag follows the payload
+        return raw + mac.tag()
+
+    def payload_tag(self, payload: Any) -> bytes:
+        """The tag of the WRITE just made, over its ``payload`` (b"" on an unprotected connection)."""
+        mac = self.mac_out
+        if mac is None:
+            return b""
+        mac.update(payload)
+        return mac.tag()
 
     def send(self, *parts: Any) -> None:
         try:
@@ -102,7 +140,9 @@ class Connection:
             return e
 
     def _next(self) -> Message | None:
-        return receive_message(self.stream, self.dec, self.scratch)
+        # on a protected connection every frame's tag is checked before it is decoded (a payload
+        # frame's once its payload is in: recv_payload)
+        return receive_message(self.stream, self.dec, self.scratch, mac=self.mac_in)
 
     def recv(self) -> Message:
         """The next message; a server ERROR is raised as the matching weightlift error."""
@@ -123,14 +163,19 @@ class Connection:
         return msg
 
     def recv_payload(self, view: memoryview) -> None:
+        """The next payload bytes into ``view``; once the payload is complete its tag is checked."""
         try:
-            receive_payload(self.stream, self.dec, view)
+            receive_payload(self.stream, self.dec, view, mac=self.mac_in)
+            if self.mac_in is not None and self.mac_in.open and self.dec.payload_remaining == 0:
+                receive_tag(self.stream, self.mac_in)
         except TransportError as e:
             raise self._why_closed(e) from None
 
     def close(self) -> None:
         try:
-            self.stream.send_parts([send(Bye(), minor=self.minor)])
+            if self.mac_out is not None and self.mac_out.open:
+                raise TransportError("a WRITE was left without its payload")  # say nothing more
+            self.stream.send_parts([self.frame(Bye())])
         except (TransportError, AttributeError):
             pass
         self.stream.close()

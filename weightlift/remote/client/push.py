@@ -280,11 +280,16 @@ class Pusher:
         head += self.conn.frame(WriteHeader(tid, 0, t.length))
         t0 = time.perf_counter_ns() if self.prof.enabled else 0
         m = mapped(t.file)
+        # on a protected connection the WRITE's tag covers the payload: hashed from the mapping
+        # (which also brings its pages in for sendfile), sent right after it
+        tag = self.conn.payload_tag(m.view(t.offset, t.length)) if self.conn.protected else b""
         if t.length >= SENDFILE_MIN:
             self.conn.send(head)
             self.conn.sendfile(m.fileno(), t.offset, t.length)
+            if tag:
+                self.conn.send(tag)
         else:
-            self.conn.send(head, m.view(t.offset, t.length))
+            self.conn.send(head, m.view(t.offset, t.length), tag)
         self._completed(tid, p)
         if self.prof.enabled:
             self.prof.record("wire", t0, time.perf_counter_ns(), t.length, name=t.name)
@@ -357,7 +362,7 @@ class Pusher:
             buf[: len(head)] = head
             buf[len(head) :] = view
             t1 = time.perf_counter_ns() if self.prof.enabled else 0
-            self.conn.send(buf)
+            self.conn.send(buf, self.conn.payload_tag(view) if t.length else b"")
             self._completed(tid, p)
             if self.prof.enabled:
                 self.prof.record("stage", t0, t1, t.length, name=t.name)

@@ -1,5 +1,6 @@
 """The weightlift wire protocol, with no I/O: message types in ``messages``, bytes in ``codec``,
-the two ends' state machines in ``session``, the token challenge-response in ``auth``.
+the two ends' state machines in ``session``, the token challenge-response in ``auth``, the
+frame MACs of an authenticated connection in ``mac``.
 
 See ``messages`` for the framing and the conversation, ``codec`` for the decoder's contract,
 ``session`` for the handshake.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from weightlift.remote.protocol.auth import client_mac, new_nonce, server_mac, verify_mac
 from weightlift.remote.protocol.codec import NEED_DATA, Decoder, Event, Payload, send
+from weightlift.remote.protocol.mac import FrameMac, frame_keys
 from weightlift.remote.protocol.messages import *  # noqa: F403 - the wire spec is this package's vocabulary
 from weightlift.remote.protocol.messages import __all__ as _messages_all
 from weightlift.remote.protocol.session import (
@@ -24,6 +26,8 @@ __all__ = [
     "NEED_DATA",
     "Decoder",
     "Event",
+    "FrameMac",
+    "frame_keys",
     "Payload",
     "ClientSession",
     "ServerSession",

@@ -542,6 +542,15 @@ class Decoder:
             return max(0, PREFIX.size + self._peek_length() - len(self._buf))
         return max(0, PREFIX.size + self._frame_len - len(self._buf))
 
+    def complete_frame(self) -> Command | None:
+        """The command of a frame whose prefix and body are all buffered but not yet decoded, else
+        None: a protected connection checks the frame's MAC here, before its body is parsed."""
+        if self._failed is not None or self._payload_left or len(self._buf) < PREFIX.size:
+            return None
+        code, n = PREFIX.unpack_from(self._buf)
+        cmd = self._check_prefix(code, n)
+        return cmd if len(self._buf) >= PREFIX.size + n else None
+
     def _peek_length(self) -> int:
         code, n = PREFIX.unpack_from(self._buf)
         self._check_prefix(code, n)

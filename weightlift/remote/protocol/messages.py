@@ -2,7 +2,8 @@
 
 Framing (all integers little-endian)::
 
-    frame   := prefix body [payload]
+    frame   := prefix body [payload] [tag]
+    tag     := 32 bytes after every frame of a protected connection (a token, minor 2: see ``mac``)
     prefix  := command:u8  pad:3 bytes (sent as 0, ignored)  body_len:u32        8 bytes
     body    := fixed head (the message's LAYOUT) then its variable part (names, dims, lists),
                then extension fields added by later minors, in the order they were added
@@ -24,7 +25,7 @@ A conversation::
     ALLOC(id, name, dtype, shape, nbytes[, digest]) ->           no reply
     WRITE(id, offset, length) payload ->                         no reply
     FILL_FROM_CACHE(id, digest) ->                               no reply
-    BARRIER ->                            <- BARRIER_REPLY(tensors, bytes, errors, need)
+    BARRIER(flags) ->                     <- BARRIER_REPLY(tensors, bytes, errors, need, digests)
     READ / LIST / FREE ->                 <- READ_REPLY + payload / LIST_REPLY / FREE_REPLY
     BYE ->                                   (server closes)
                                           <- ERROR(code, message) in place of any reply;

@@ -18,6 +18,7 @@ from enum import Enum
 
 from weightlift.errors import AuthError, RemoteProtocolError
 from weightlift.remote.protocol.auth import client_mac, new_nonce, server_mac, verify_mac
+from weightlift.remote.protocol.mac import FrameMac, frame_keys
 from weightlift.remote.protocol.messages import (
     CLIENT_COMMANDS,
     COMMAND_SINCE,
@@ -103,6 +104,13 @@ class ServerSession:
             self.state = SessionState.CLOSED
             raise RemoteProtocolError(f"HELLO max_frame {msg.max_frame} is below the minimum of {MIN_FRAME}")
         self.minor = min(self.our_minor, msg.minor)
+        if self.auth_required and self.our_minor >= MAC_SINCE and not mac_usable(self.minor, b""):
+            # a relay could have lowered the minor to switch the MACs off: refuse, never downgrade
+            self.state = SessionState.CLOSED
+            raise AuthError(
+                f"client speaks protocol {msg.major}.{msg.minor}, which cannot protect its frames; "
+                f"this server wants {PROTOCOL_MAJOR}.{MAC_SINCE} or later with a token"
+            )
         self.state = SessionState.AWAIT_AUTH if self.auth_required else SessionState.READY
         return self.minor
 
@@ -165,6 +173,12 @@ class ClientSession:
             if self._token is None:
                 self.state = SessionState.CLOSED
                 raise AuthError("the server wants a token; pass one (--token-file)")
+            if self.our_minor >= MAC_SINCE and not mac_usable(self.minor, self._token):
+                self.state = SessionState.CLOSED
+                raise AuthError(
+                    f"server speaks protocol {hello.major}.{hello.minor}, which cannot protect its frames: "
+                    "refusing (pass protocol_minor=1 to accept unprotected frames)"
+                )
             self.state = SessionState.AWAIT_AUTH
             return Auth(client_mac(self._token, self._nonce, hello.nonce))
         if self._token is not None:
@@ -179,6 +193,15 @@ class ClientSession:
             raise RemoteProtocolError("AUTH is not expected now")
         verify_mac(server_mac(self._token, self._nonce, self.server.nonce), proof.mac, who="server")
         self.state = SessionState.READY
+
+    def frame_macs(self) -> tuple[FrameMac, FrameMac] | None:
+        """(outgoing, incoming) frame MACs once READY on a protected connection, else None."""
+        if self.state is not SessionState.READY or self._token is None or self.server is None or self.hello is None:
+            return None
+        if not mac_usable(self.minor, self._token):
+            return None
+        c2s, s2c = frame_keys(self._token, self.hello, self.server)
+        return FrameMac(c2s), FrameMac(s2c)
 
     def close(self) -> None:
         self.state = SessionState.CLOSED

@@ -6,6 +6,12 @@ socket for the receiver to put where it belongs), checks each message against it
 to its :class:`~weightlift.remote.server.receive.Receiver`; complete tensors and the memory
 account belong to the store, which the connection only asks. A protocol or authentication
 failure is answered with ERROR before the connection closes, so the client can say why.
+
+On a protected connection (a token, minor 2: :mod:`weightlift.remote.protocol.mac`) every frame
+read is fed to the incoming MAC as its bytes arrive, payload bytes as they land in their
+destination, and its tag is checked before the frame is acted on; a WRITE's tag is checked
+before its bytes count towards the tensor, so a tensor is published only with every WRITE of it
+proven. A tag that fails ends the connection, and what it had in flight is dropped.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from weightlift.remote.protocol import (
     MAX_TENSOR_BYTES,
     MAX_TENSORS,
     NEED_DATA,
+    PAYLOAD_COMMANDS,
     PROTOCOL_MAJOR,
     Alloc,
     Auth,
@@ -38,6 +45,7 @@ from weightlift.remote.protocol import (
     Error,
     ErrorCode,
     FillFromCache,
+    FrameMac,
     Free,
     FreeReply,
     Have,
@@ -53,6 +61,8 @@ from weightlift.remote.protocol import (
     SessionState,
     WriteHeader,
     client_mac,
+    frame_keys,
+    mac_usable,
     new_nonce,
     send,
     server_mac,
@@ -63,7 +73,7 @@ from weightlift.remote.server.context import Context
 from weightlift.remote.server.receive import STAGING_BYTES, Receiver
 from weightlift.remote.server.slots import Slot
 from weightlift.remote.server.store import Charge, MemoryFull
-from weightlift.remote.transport import Stream
+from weightlift.remote.transport import Stream, receive_tag
 
 __all__ = [
     "Connection",
@@ -103,6 +113,10 @@ class Connection:
         self.deadline: float | None = time.monotonic() + ctx.handshake_timeout
         self.nonce = new_nonce()
         self.client_nonce = b""
+        self.client_hello: Hello | None = None
+        self.server_hello: Hello | None = None
+        self.mac_in: FrameMac | None = None  # set once the client's AUTH checks (protected connections)
+        self.mac_out: FrameMac | None = None  # set once our AUTH went out
         self.client_max_frame = MAX_FRAME
         self.prof = Profiler(ctx.profile)
         self.scratch = memoryview(bytearray(SCRATCH_BYTES))
@@ -117,6 +131,7 @@ class Connection:
             pooled=lambda: self.pooled,
             staging=self.staging,
             prof=self.prof,
+            frame_end=self._frame_end,
         )
 
     def _max_tensor_bytes(self) -> int:
@@ -144,7 +159,7 @@ class Connection:
         trickles its bytes is read after a short pause per receive (:data:`TRICKLE_PAUSE`), so
         that they gather: the server's cost per byte does not depend on how the peer fragments
         them."""
-        got = self.dec.payload_into(view)
+        got = start = self.dec.payload_into(view)  # bytes the decoder held were MACed as they came
         small = 0
         while got < len(view):
             if small >= 2:
@@ -155,6 +170,14 @@ class Connection:
             self.dec.payload_received(n)
             got += n
             small = small + 1 if n < TRICKLE_BYTES or small >= 2 else 0  # once trickling, for the rest of it
+        if self.mac_in is not None and got > start:
+            self.mac_in.update(view[start:got])  # as they land, while they are hot
+
+    def _frame_end(self) -> None:
+        """A WRITE's payload is in: on a protected connection its tag is checked before any of
+        its bytes count (AuthError ends the connection)."""
+        if self.mac_in is not None and self.mac_in.open:
+            receive_tag(self.stream, self.mac_in)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -212,11 +235,21 @@ class Connection:
         A peer that trickles (two receives in a row bringing fewer than TRICKLE_BYTES) is read
         after a short pause per receive, so that its bytes gather in the socket.
         """
-        dec, scratch = self.dec, self.scratch
+        dec, scratch, mac = self.dec, self.scratch, self.mac_in
+        if mac is not None:
+            mac.begin()
         small = 0  # receives in a row inside this frame that brought fewer than TRICKLE_BYTES
+        checked = mac is None
         while True:
+            if not checked:
+                cmd = dec.complete_frame()
+                if cmd is not None and cmd not in PAYLOAD_COMMANDS:
+                    receive_tag(self.stream, mac)  # type: ignore[arg-type]  # before the body is decoded
+                    checked = True
             ev = dec.next_event()
             if ev is not NEED_DATA:
+                if not checked and not ev.length:  # type: ignore[union-attr]  # an empty WRITE
+                    receive_tag(self.stream, mac)  # type: ignore[arg-type]
                 if self._frame_charge is not None:
                     self._frame_charge.release()
                     self._frame_charge = None
@@ -256,6 +289,8 @@ class Connection:
                     return None
                 raise TransportError("the peer closed the connection inside a frame")
             dec.feed(scratch[:n])
+            if mac is not None:
+                mac.update(scratch[:n])
             small = small + 1 if n < min(want, TRICKLE_BYTES) or small >= 2 else 0  # once trickling, for the rest
 
     def _fatal(self, code: ErrorCode, message: str) -> None:
@@ -263,7 +298,7 @@ class Connection:
         self.store.count("errors")
         try:
             self.stream.set_timeout(LINGER_SECONDS)  # a peer that reads nothing must not hold the send
-            self.stream.send_parts([send(Error(code, message), minor=self.minor)])
+            self.stream.send_parts(self._sealed(send(Error(code, message), minor=self.minor)))
             self.stream.shutdown_write()
             # Keep reading a while: closing with unread input would reset the connection and
             # could destroy the reply before the client reads it.
@@ -281,8 +316,14 @@ class Connection:
         except TransportError:
             pass
 
+    def _sealed(self, *parts: Any) -> list[Any]:
+        """``parts`` (one frame and its payload), with the tag after them on a protected connection."""
+        if self.mac_out is None:
+            return list(parts)
+        return [*parts, self.mac_out.seal(parts)]
+
     def _reply(self, msg: Message) -> None:
-        self.stream.send_parts([send(msg, minor=self.minor, max_frame=self.client_max_frame)])
+        self.stream.send_parts(self._sealed(send(msg, minor=self.minor, max_frame=self.client_max_frame)))
 
     def _renew_decoder(self) -> None:
         """A decoder for the negotiated minor, and, once READY, the full frame limit.
@@ -351,6 +392,7 @@ class Connection:
     def _hello(self, msg: Hello) -> None:
         self.minor = self.session.hello(msg)
         self.client_nonce = msg.nonce
+        self.client_hello = msg
         if msg.max_frame:
             self.client_max_frame = min(msg.max_frame, MAX_FRAME)
         flags = 0
@@ -360,6 +402,8 @@ class Connection:
             flags |= Capability.AUTH
         if verify_usable(self.minor):
             flags |= Capability.VERIFY
+        if mac_usable(self.minor, self.ctx.token):
+            flags |= Capability.MAC  # informational: the minor and the token decide, not this bit
         self._take_ready_slot()
         reply = Hello(
             PROTOCOL_MAJOR,
@@ -372,6 +416,7 @@ class Connection:
             # "not stated" (a client learns it from a BARRIER's errors when it matters)
             self.ctx.max_memory if self.ctx.token is None else 0,
         )
+        self.server_hello = reply
         self.stream.send_parts([send(reply)])
         self._renew_decoder()
 
@@ -389,7 +434,14 @@ class Connection:
         verify_mac(client_mac(token, self.client_nonce, self.nonce), msg.mac, who="client")
         self.session.authenticated()
         self._take_ready_slot()
+        c2s = s2c = b""
+        if mac_usable(self.minor, token):
+            assert self.client_hello is not None and self.server_hello is not None  # set at HELLO
+            c2s, s2c = frame_keys(token, self.client_hello, self.server_hello)
+            self.mac_in = FrameMac(c2s)  # every frame after the client's AUTH
         self._reply(Auth(server_mac(token, self.client_nonce, self.nonce)))
+        if s2c:
+            self.mac_out = FrameMac(s2c)  # every frame after ours
         self._renew_decoder()
 
     # -- serving tensors back ----------------------------------------------------------------------
@@ -414,7 +466,7 @@ class Connection:
         if _is_host(dest):
             view = as_bytes(dest).data[r.offset : r.offset + r.length]
             digest = hash_buffer(view) if want_digest else None
-            self.stream.send_parts([send(ReadReply(r.length, digest), minor=self.minor), view])
+            self.stream.send_parts(self._sealed(send(ReadReply(r.length, digest), minor=self.minor), view))
             return
         import torch
 
@@ -430,11 +482,20 @@ class Connection:
                 torch.from_numpy(staging[:n]).copy_(flat[pos : pos + n])
                 hasher.update(stage[:n])
             digest = hasher.digest()
-        self.stream.send_parts([send(ReadReply(r.length, digest), minor=self.minor)])
+        head = send(ReadReply(r.length, digest), minor=self.minor)
+        mac = self.mac_out
+        if mac is not None:
+            mac.begin()
+            mac.update(head)
+        self.stream.send_parts([head])
         for pos in range(r.offset, r.offset + r.length, len(stage)):
             n = min(len(stage), r.offset + r.length - pos)
             torch.from_numpy(staging[:n]).copy_(flat[pos : pos + n])
+            if mac is not None:
+                mac.update(stage[:n])
             self.stream.send_parts([stage[:n]])
+        if mac is not None:
+            self.stream.send_parts([mac.tag()])
 
     def _list(self, req: ListRequest) -> None:
         items = self.store.listing(req.after)

@@ -183,7 +183,9 @@ class Receiver:
     ``payload(view)`` fills ``view`` with the next payload bytes of the current frame from the
     socket; ``scratch`` is the connection's buffer for payloads nobody keeps; ``target()`` and
     ``staging()`` are the connection's destination maker and its reused staging buffer;
-    ``pooled()`` says whether its tensors land in the store's pooled host memory.
+    ``pooled()`` says whether its tensors land in the store's pooled host memory;
+    ``frame_end()`` runs once a WRITE's payload is in, before any of it counts (the connection
+    checks the frame's MAC there).
     """
 
     def __init__(
@@ -196,6 +198,7 @@ class Receiver:
         pooled: Callable[[], bool],
         staging: Callable[[], memoryview],
         prof: Profiler,
+        frame_end: Callable[[], None] = lambda: None,
     ):
         self.ctx = ctx
         self.store = ctx.store
@@ -205,6 +208,7 @@ class Receiver:
         self._pooled = pooled
         self._staging = staging
         self.prof = prof
+        self.frame_end = frame_end
         self.pending: dict[int, Pending] = {}
         self.failed: dict[int, None] = {}  # ids whose ALLOC failed (oldest first): their WRITEs are drained quietly
         self.errors: list[str] = []
@@ -381,18 +385,21 @@ class Receiver:
             elif h.tensor_id not in self.failed:  # a failed ALLOC was reported already
                 self.error(f"WRITE to tensor id {h.tensor_id}, which is not allocated")
             self.drain(h.length)
+            self.frame_end()
             return
         if not p.can_add(h.offset, h.offset + h.length):
             self._abandon(
                 h.tensor_id, p, f"tensor {p.name!r}: WRITEs leave more than {MAX_RANGES} separate byte ranges"
             )
             self.drain(h.length)
+            self.frame_end()
             return
         try:
             self._ensure_dest(p)
         except (RequestError, MemoryFull) as e:
             self._abandon(h.tensor_id, p, str(e))
             self.drain(h.length)
+            self.frame_end()
             return
         cache = self.ctx.cache
         if p.digest is not None and cache is not None and p.writer is None and h.offset == 0 and p.hashed == 0:
@@ -418,6 +425,7 @@ class Receiver:
             self._receive_direct(p, h)
         else:
             self._receive_staged(p, h)
+        self.frame_end()  # the frame is proven before any of its bytes count
         self.store.count("bytes_received", h.length)
         self.done_bytes += h.length
         p.add(h.offset, h.offset + h.length)
