@@ -47,6 +47,8 @@ def register(sub: Any) -> None:
     )
     s.add_argument("--token-file", metavar="F", help="clients must prove they hold the token in this file")
     s.add_argument("--insecure", action="store_true", help="allow a non-loopback address without a token")
+    s.add_argument("--tls-cert", metavar="F", help="speak TLS with this certificate (PEM; needs --tls-key)")
+    s.add_argument("--tls-key", metavar="F", help="the private key of --tls-cert (PEM)")
     s.add_argument(
         "--max-memory",
         metavar="BYTES",
@@ -88,6 +90,8 @@ def register(sub: Any) -> None:
     p.add_argument("--select", action="append", metavar="PATTERN", help="a glob, or re:<regex>; repeat for several")
     p.add_argument("--streams", type=int, default=1, help="connections to spread the tensors over")
     p.add_argument("--token-file", metavar="F")
+    p.add_argument("--tls", action="store_true", help="speak TLS to a server started with --tls-cert")
+    p.add_argument("--tls-ca", metavar="F", help="trust this CA (PEM) for the server's certificate (implies --tls)")
     p.add_argument(
         "--verify",
         action="store_true",
@@ -102,6 +106,8 @@ def register(sub: Any) -> None:
     g.add_argument("--from", dest="source", required=True, metavar="HOST:PORT")
     g.add_argument("-o", "--output", required=True, metavar="FILE.safetensors")
     g.add_argument("--token-file", metavar="F")
+    g.add_argument("--tls", action="store_true", help="speak TLS to a server started with --tls-cert")
+    g.add_argument("--tls-ca", metavar="F", help="trust this CA (PEM) for the server's certificate (implies --tls)")
     g.add_argument(
         "--verify",
         action="store_true",
@@ -112,14 +118,20 @@ def register(sub: Any) -> None:
     ls = sub.add_parser("ls", help="list the tensors a tensor server holds")
     ls.add_argument("--from", dest="source", required=True, metavar="HOST:PORT")
     ls.add_argument("--token-file", metavar="F")
+    ls.add_argument("--tls", action="store_true", help="speak TLS to a server started with --tls-cert")
+    ls.add_argument("--tls-ca", metavar="F", help="trust this CA (PEM) for the server's certificate (implies --tls)")
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=_cmd_ls)
 
 
 def _cmd_serve(a: argparse.Namespace) -> int:
     from weightlift.remote.server.server import Server
+    from weightlift.remote.transport import server_tls_context
 
     framework = a.framework or ("numpy" if a.device == "cpu" else "torch")
+    if (a.tls_cert is None) != (a.tls_key is None):
+        raise OptionError("--tls-cert and --tls-key go together")
+    tls = server_tls_context(a.tls_cert, a.tls_key) if a.tls_cert is not None else None
     server = Server(
         a.host,
         a.port,
@@ -134,10 +146,12 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         idle_timeout=a.idle_timeout or None,
         io_timeout=a.io_timeout or None,
         max_per_address=a.max_per_address,
+        tls=tls,
     )
     host, port = server.bind()
     cache = f", cache {a.cache_dir}" if a.cache_dir else ""
     auth = ", token required" if a.token_file else ""
+    auth += ", TLS" if tls is not None else ""
     print(f"weightlift: serving on {host}:{port} (device {a.device}, {framework}{cache}{auth})", flush=True)
     try:
         server.serve_forever()
@@ -148,8 +162,10 @@ def _cmd_serve(a: argparse.Namespace) -> int:
 
 def _client(a: argparse.Namespace, address: str, **kw: Any) -> Any:
     from weightlift.remote.client.client import Client
+    from weightlift.remote.transport import client_tls_context
 
-    return Client(address, token=read_token(a.token_file), **kw)
+    tls = client_tls_context(a.tls_ca) if a.tls or a.tls_ca else None
+    return Client(address, token=read_token(a.token_file), tls=tls, **kw)
 
 
 def _cmd_push(a: argparse.Namespace) -> int:

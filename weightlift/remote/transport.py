@@ -13,6 +13,12 @@ client and server know nothing of sockets; both talk to a :class:`Stream`:
 * ``shutdown()``: wake a thread blocked on the stream (a server closing its connections).
 * ``close()``, and ``peer``, a printable name of the other end for messages.
 
+:class:`TlsStream` is the same over TLS (Python's ``ssl``): the bytes are encrypted in user
+space, so a send is a plain ``sendall`` of each buffer (no scatter-gather, no ``sendfile``: a
+file range is read and sent in pieces) and a receive decrypts straight into the caller's
+memory; :class:`TlsBackend` makes them from an ``ssl.SSLContext``. A server's TLS handshake runs
+in the connection's own thread, at its first receive, under the handshake deadline.
+
 Streams come from a :class:`Backend`: ``connect(address, timeout)`` for a client and
 ``listen(host, port)`` for a server, whose :class:`Listener` hands out accepted streams. The
 client and the server take a backend (default :data:`TCP`) and never build a socket themselves,
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Sequence
@@ -42,6 +49,11 @@ __all__ = [
     "TcpBackend",
     "SocketStream",
     "SocketListener",
+    "TlsStream",
+    "TlsListener",
+    "TlsBackend",
+    "server_tls_context",
+    "client_tls_context",
     "connect",
     "parse_address",
     "receive_message",
@@ -395,3 +407,117 @@ class TcpBackend:
 
 
 TCP: Backend = TcpBackend()
+
+
+# ---------------------------------------------------------------------------------------------
+# TLS
+
+_TLS_JOIN = 64 * 1024  # buffers smaller than this are joined, so a frame goes out as one record
+
+
+class TlsStream(SocketStream):
+    """A TLS connection (see the module's docstring): the zero-copy sends do not apply."""
+
+    def __init__(self, sock: ssl.SSLSocket, *, peer: str = ""):
+        super().__init__(sock, peer=peer)
+        self._tls: ssl.SSLSocket = sock
+        self._handshaken = False
+
+    def _handshake(self) -> None:
+        if not self._handshaken:
+            try:
+                self._tls.do_handshake()
+            except OSError as e:
+                raise self._error(e, "TLS handshake with") from None
+            self._handshaken = True
+
+    def send_parts(self, parts: Sequence[Buffer]) -> None:
+        self._handshake()
+        pending: list[memoryview] = []
+        size = 0
+        try:
+            for v in (memoryview(p).cast("B") for p in parts):
+                if len(v) < _TLS_JOIN:
+                    pending.append(v)
+                    size += len(v)
+                    continue
+                if pending:
+                    self._tls.sendall(b"".join(pending))
+                    pending, size = [], 0
+                self._tls.sendall(v)
+            if pending:
+                self._tls.sendall(b"".join(pending))
+        except OSError as e:
+            raise self._error(e, "sending to") from None
+
+    def sendfile(self, fd: int, offset: int, count: int) -> None:
+        self._sendfile_by_reads(fd, offset, count)  # the kernel cannot encrypt: read, then send
+
+    def recv_into(self, buf: memoryview) -> int:
+        self._handshake()
+        return super().recv_into(buf)
+
+
+class TlsListener(SocketListener):
+    """A listening TCP socket whose connections speak TLS (handshake at their first receive)."""
+
+    def __init__(self, context: ssl.SSLContext, host: str, port: int, *, backlog: int = 64):
+        super().__init__(host, port, backlog=backlog)
+        self._context = context
+
+    def accept(self, timeout: float | None = None) -> SocketStream | None:
+        plain = super().accept(timeout)
+        if plain is None:
+            return None
+        sock = plain._sock
+        try:
+            tls = self._context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        except OSError as e:
+            sock.close()
+            raise TransportError(f"TLS on a connection from {plain.peer} failed: {e.strerror or e}") from None
+        return TlsStream(tls, peer=plain.peer)
+
+
+class TlsBackend:
+    """TCP with TLS: ``context`` is a server context (for ``listen``) or a client one (``connect``)."""
+
+    def __init__(self, context: ssl.SSLContext):
+        self.context = context
+
+    def connect(self, address: str | tuple[str, int], *, timeout: float | None = 30.0) -> TlsStream:
+        host, port = parse_address(address)
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as e:
+            raise TransportError(f"cannot connect to {host}:{port}: {e.strerror or e}") from None
+        try:
+            tls = self.context.wrap_socket(sock, server_hostname=host)  # handshake within ``timeout``
+        except OSError as e:
+            sock.close()
+            raise TransportError(f"TLS handshake with {host}:{port} failed: {e.strerror or e}") from None
+        stream = TlsStream(tls, peer=f"{host}:{port}")
+        stream._handshaken = True
+        return stream
+
+    def listen(self, host: str, port: int, *, backlog: int = 64) -> TlsListener:
+        return TlsListener(self.context, host, port, backlog=backlog)
+
+
+def server_tls_context(cert: str | os.PathLike[str], key: str | os.PathLike[str]) -> ssl.SSLContext:
+    """A server's TLS context from a certificate (chain) and its private key, PEM files."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(os.fspath(cert), os.fspath(key))
+    except (OSError, ssl.SSLError) as e:
+        raise OptionError(f"cannot load the TLS certificate {os.fspath(cert)} and key: {e}") from None
+    return ctx
+
+
+def client_tls_context(ca: str | os.PathLike[str] | None = None) -> ssl.SSLContext:
+    """A client's TLS context: the server's certificate is checked against ``ca`` (a PEM file),
+    or the system's trusted roots, and must name the host connected to."""
+    try:
+        return ssl.create_default_context(cafile=os.fspath(ca) if ca is not None else None)
+    except (OSError, ssl.SSLError) as e:
+        raise OptionError(f"cannot load the TLS CA file {ca}: {e}") from None

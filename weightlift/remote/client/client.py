@@ -25,6 +25,7 @@ from __future__ import annotations
 import builtins
 import mmap
 import os
+import ssl
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -60,7 +61,7 @@ from weightlift.remote.protocol import (
     Read,
     ReadReply,
 )
-from weightlift.remote.transport import TCP, Backend
+from weightlift.remote.transport import TCP, Backend, TlsBackend
 
 __all__ = ["Client", "PushResult", "RemoteTensor"]
 
@@ -110,6 +111,9 @@ class Client:
     :class:`~weightlift.profile.Profiler`. ``protocol_minor`` speaks an older minor version.
     ``timeout`` (seconds, None for none) bounds the connect and every blocking send and receive
     after it: a server that stops reading or answering makes a call fail with TransportError.
+    ``tls``: a client ``ssl.SSLContext`` (:func:`~weightlift.remote.transport.client_tls_context`)
+    to speak TLS to a server started with one; every connection, and every server of
+    ``push(to=...)``, uses it.
     """
 
     def __init__(
@@ -122,7 +126,12 @@ class Client:
         timeout: float | None = 30.0,
         protocol_minor: int = PROTOCOL_MINOR,
         backend: Backend = TCP,
+        tls: ssl.SSLContext | None = None,
     ):
+        if tls is not None:
+            if backend is not TCP:
+                raise OptionError("pass tls= or backend=, not both")
+            backend = TlsBackend(tls)
         if not isinstance(streams, int) or streams < 1:
             raise OptionError(f"streams must be a positive integer, got {streams!r}")
         if not 0 <= protocol_minor <= PROTOCOL_MINOR:

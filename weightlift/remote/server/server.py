@@ -40,6 +40,7 @@ import errno
 import ipaddress
 import logging
 import os
+import ssl
 import threading
 import time
 import warnings
@@ -56,7 +57,7 @@ from weightlift.remote.server.context import Context
 from weightlift.remote.server.slots import Slot, Slots
 from weightlift.remote.server.store import ENTRY_OVERHEAD, Store
 from weightlift.remote.token import check_token
-from weightlift.remote.transport import TCP, Backend, Listener, Stream
+from weightlift.remote.transport import TCP, Backend, Listener, Stream, TlsBackend
 
 __all__ = [
     "Server",
@@ -155,6 +156,9 @@ class Server:
     that stalls for ``io_timeout`` seconds inside a frame or payload, or while a reply is sent
     (None: no limit).
     ``cache_max_bytes`` caps the disk cache's entries, the least recently used evicted first.
+    ``tls``: a server ``ssl.SSLContext`` (:func:`~weightlift.remote.transport.server_tls_context`):
+    every connection speaks TLS, its handshake bounded by ``handshake_timeout``. TLS gives
+    confidentiality; clients are still authenticated by the token.
     ``protocol_minor`` makes the server speak an older minor version (compatibility tests).
     ``profile`` None reads WEIGHTLIFT_LOADPROF; with it on, each connection's report is printed
     to stderr when the connection closes. ``reserve`` (host memory only) faults that many bytes
@@ -185,7 +189,12 @@ class Server:
         profile: bool | None = None,
         protocol_minor: int = PROTOCOL_MINOR,
         backend: Backend = TCP,
+        tls: ssl.SSLContext | None = None,
     ):
+        if tls is not None:
+            if backend is not TCP:
+                raise OptionError("pass tls= or backend=, not both")
+            backend = TlsBackend(tls)
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise OptionError(f"port {port!r} is out of range")
         if max_memory is not None and max_memory < 0:
