@@ -228,22 +228,34 @@ def _wl_load(o: dict[str, Any], **kw: Any) -> dict[str, Any]:
     return info
 
 
-def _push_touch(server: Any, addr: Any, path: str, prof: Any = None) -> Any:
-    """Push ``path`` to ``server`` (in this process) and touch every tensor it then holds."""
+def _push_touch(
+    server: Any, addr: Any, path: str, prof: Any = None, client: dict[str, Any] | None = None, **push: Any
+) -> Any:
+    """Push ``path`` to ``server`` (in this process) and touch every tensor it then holds;
+    ``client`` and ``push`` are extra arguments of the Client and of its push."""
     from weightlift.remote.client import Client
 
-    with Client(addr, profile=_prof_arg(prof) if prof is not None else None) as client:
-        pushed = client.push(path)
+    with Client(addr, profile=_prof_arg(prof) if prof is not None else None, **(client or {})) as c:
+        pushed = c.push(path, **push)
     return pushed, _touch_any(server.tensors().values())
 
 
 def _timed_push(
-    server: Any, addr: Any, o: dict[str, Any], prof: Any, t0: int | None = None, *, stats: bool = False, **extra: Any
+    server: Any,
+    addr: Any,
+    o: dict[str, Any],
+    prof: Any,
+    t0: int | None = None,
+    *,
+    stats: bool = False,
+    client: dict[str, Any] | None = None,
+    push: dict[str, Any] | None = None,
+    **extra: Any,
 ) -> dict[str, Any]:
     """The timed push of a push arm: ``load_s`` from ``t0`` (default: now) to every tensor in the
     server's memory and touched, the push's figures, ``extra``, the profiles when profiling."""
     t0 = time.perf_counter_ns() if t0 is None else t0
-    pushed, (n, b) = _push_touch(server, addr, o["path"], prof)
+    pushed, (n, b) = _push_touch(server, addr, o["path"], prof, client, **(push or {}))
     info: dict[str, Any] = {
         "load_s": (time.perf_counter_ns() - t0) / 1e9,
         **extra,
@@ -259,16 +271,76 @@ def _timed_push(
     return info
 
 
-def _wl_push(o: dict[str, Any], *, cache: bool = False) -> dict[str, Any]:
-    """Push the checkpoint to a weightlift Server in this process, over loopback."""
+_BENCH_TOKEN = b"weightlift-bench-token-0123456789"
+
+
+def _tls_contexts() -> tuple[Any, Any]:
+    """(server, client) TLS contexts around a fresh self-signed certificate for 127.0.0.1."""
+    import datetime
+    import ipaddress
+    import ssl
+    import tempfile
+
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        raise Skip("needs the cryptography package to make a certificate") from None
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .sign(key, hashes.SHA256())
+    )
+    folder = tempfile.mkdtemp(prefix="wl-bench-tls-")
+    cert_path, key_path = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
+    with open(cert_path, "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(key_path, "wb") as f:
+        f.write(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(cert_path, key_path)
+    return server, ssl.create_default_context(cafile=cert_path)
+
+
+def _wl_push(
+    o: dict[str, Any], *, cache: bool = False, verify: bool = False, mac: bool = False, tls: bool = False
+) -> dict[str, Any]:
+    """Push the checkpoint to a weightlift Server in this process, over loopback; ``verify``: the
+    server reports digests and the client checks them; ``mac``: a token, so every frame carries
+    a MAC; ``tls``: over TLS (its certificate made before the clock starts)."""
     from weightlift.remote.server import Server
 
     prof = _profiler(o)
+    server_tls, client_tls = _tls_contexts() if tls else (None, None)
+    token = _BENCH_TOKEN if mac else None
     t0 = time.perf_counter_ns()
-    server = Server("127.0.0.1", 0, cache_dir=o["cache_dir"] if cache else None, profile=prof.enabled)
+    server = Server(
+        "127.0.0.1",
+        0,
+        cache_dir=o["cache_dir"] if cache else None,
+        profile=prof.enabled,
+        token=token,
+        tls=server_tls,
+    )
     addr = server.start()
     try:
-        return _timed_push(server, addr, o, prof, t0)
+        client = {"token": token, "tls": client_tls} if mac or tls else None
+        return _timed_push(server, addr, o, prof, t0, client=client, push={"verify": True} if verify else None)
     finally:
         server.close()
 
@@ -875,6 +947,28 @@ SPECS: dict[str, ArmSpec] = {
             env={"WEIGHTLIFT_FAULT_HELPERS": "0"},
         ),
         ArmSpec(
+            "wl.push.verify",
+            "remote",
+            "wl.push with verify=True: the server hashes every tensor as it lands, the client checks "
+            "the digests against the sidecar manifest (made by the warm-up)",
+            _WL_PUSH_REQ,
+            weightlift=True,
+        ),
+        ArmSpec(
+            "wl.push.mac",
+            "remote",
+            "wl.push with a token: every frame, payloads included, carries a keyed-BLAKE3 MAC",
+            _WL_PUSH_REQ,
+            weightlift=True,
+        ),
+        ArmSpec(
+            "wl.push.tls",
+            "remote",
+            "wl.push over TLS (no token): sends without sendfile or scatter-gather",
+            (*_WL_PUSH_REQ, "ssl", "cryptography"),
+            weightlift=True,
+        ),
+        ArmSpec(
             "wl.push.legacy",
             "remote",
             "the same push with WEIGHTLIFT_LOAD_OPT=0",
@@ -993,6 +1087,9 @@ BODIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "wl.push.hugeahead": _wl_push,
     "wl.push.nohelpers": _wl_push,
     "wl.push.cached": lambda o: _wl_push(o, cache=True),
+    "wl.push.verify": lambda o: _wl_push(o, verify=True),
+    "wl.push.mac": lambda o: _wl_push(o, mac=True),
+    "wl.push.tls": lambda o: _wl_push(o, tls=True),
     "wl.push.update": lambda o: _wl_push_again(o, cache=False),
     "wl.push.second": lambda o: _wl_push_again(o, cache=True),
     "wl.push.reserved": _wl_push_reserved,
