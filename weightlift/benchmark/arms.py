@@ -886,9 +886,9 @@ SPECS: dict[str, ArmSpec] = {
             "wl.numpy", "local", "weightlift.load(framework='numpy', copy=True)", ("weightlift.api",), weightlift=True
         ),
         ArmSpec(
-            "wl.numpy.pread",
+            "wl.numpy.mmap",
             "local",
-            "weightlift.load(framework='numpy', engine='pread'): preadv into the destination, warm too",
+            "weightlift.load(framework='numpy', engine='mmap'): a copy out of the mapping (the default reads with preadv)",
             ("weightlift.api",),
             weightlift=True,
         ),
@@ -1077,7 +1077,7 @@ BODIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "wl.numpy": lambda o: _wl_load(o, framework="numpy", copy=True),
     "wl.numpy.profiled": lambda o: _wl_load({**o, "profile": True}, framework="numpy", copy=True),
     "wl.numpy.nocopy": lambda o: _wl_load(o, framework="numpy", copy=False),
-    "wl.numpy.pread": lambda o: _wl_load(o, framework="numpy", copy=True, engine="pread"),
+    "wl.numpy.mmap": lambda o: _wl_load(o, framework="numpy", copy=True, engine="mmap"),
     "wl.numpy.verify": lambda o: _wl_load(o, framework="numpy", copy=True, verify=True),
     "wl.numpy.hugeahead": lambda o: _wl_load(o, framework="numpy", copy=True),
     "wl.torch": lambda o: _wl_load(o, framework="torch"),
