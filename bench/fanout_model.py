@@ -9,8 +9,8 @@ From a link rate L (what one TCP connection carries between two machines), a sto
   receiver: ``max(n*S/L, S/R)``. (``push.measured`` uses weightlift's own single-push rate P,
   protocol included, in place of L: ``n*S/P``.)
 * ``tree``: gloo's broadcast, a binomial tree: the source sends each chunk to ``ceil(log2(n+1))``
-  children one after another, and the tree is that deep: ``ceil(log2(n+1))*S/L``, chunked so the
-  levels overlap: ``+ depth*(c/L + h)`` to fill the pipe.
+  children one after another, and the tree is that deep: ``max(ceil(log2(n+1))*S/L, S/R)``,
+  chunked so the levels overlap: ``+ depth*(c/L + h)`` to fill the pipe.
 * ``chain``: a pipelined chain (or ring): every link carries the bytes once, each hop behind the
   one before by a chunk and a latency: ``S/min(L, R) + (n-1)*(c/L + h)``. This is the lower bound a
   pipelined broadcast can reach; NCCL's ring broadcast is of this kind.
@@ -57,7 +57,7 @@ def model(
     depth = math.ceil(math.log2(n + 1))
     out = {
         "push": max(n * size / link, size / storage),
-        "tree": depth * size / link + depth * (c / link + latency),
+        "tree": max(depth * size / link, size / storage) + depth * (c / link + latency),
         "chain": size / min(link, storage) + (n - 1) * (c / link + latency),
         "group": size / (n * storage) + (n - 1) / n * size / link,
     }
@@ -192,6 +192,8 @@ def measure(path: str, nbytes: int) -> dict[str, Any]:
 
 def load_rates(path: str) -> dict[str, Any]:
     obj = json.loads(Path(path).read_text())
+    if "projection" in obj:  # this script's own --json output
+        return obj["rates"]
     if "rates" in obj and "link" not in obj:  # a bench/distributed.py result
         r = obj["rates"]
         return {
