@@ -139,6 +139,7 @@ class Worker:
         # what each own tensor may be now: a digest, or None for absent
         self.expect: dict[str, set[str | None]] = {n: {None} for n in self.names}
         self.ops = {"push": 0, "pull": 0, "list": 0, "free": 0}
+        self.streams = 1
         self.refused = 0
         self.conflicts = 0
         self.torn_pulls = 0
@@ -148,7 +149,7 @@ class Worker:
         self.errors: list[str] = []
 
     def run(self, deadline: float, others: dict[str, set[str]]) -> None:
-        c = Client(self.address, timeout=60)
+        c = Client(self.address, timeout=60, streams=self.streams)
         try:
             while time.monotonic() < deadline:
                 op = self.rng.choices(["push", "pull", "list", "free"], weights=[5, 2, 2, 1])[0]
@@ -161,7 +162,7 @@ class Worker:
                         raise
                     self.conflicts += 1
                     c.close()
-                    c = Client(self.address, timeout=60)
+                    c = Client(self.address, timeout=60, streams=self.streams)
                 self.ops[op] += 1
             self._free(c, others)
         except WeightliftError as e:
@@ -232,6 +233,7 @@ def soak(
     tensor_bytes: int = 4 * MIB,
     tensors: int = 4,
     cache: bool = True,
+    streams: int = 2,
     seed: int = 0,
     folder: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
@@ -255,6 +257,7 @@ def soak(
             torn.update(w.torn)
         for w in workers:
             w.torn_all = torn
+            w.streams = 1 + w.k % streams  # some clients spread their pushes over several connections
 
         # a warm-up push, pull and free: the server's lasting threads (the hash pool) start here
         fds0 = fds(proc.pid)
@@ -304,6 +307,7 @@ def soak(
         "clients": clients,
         "max_memory": max_memory,
         "cache": cache,
+        "streams": streams,
         "ops": ops,
         "refused": sum(w.refused for w in workers),
         "pull_conflicts": sum(w.conflicts for w in workers),
@@ -339,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensor-mib", type=float, default=4.0, help="the largest variant's tensor size")
     p.add_argument("--tensors", type=int, default=4, help="tensors per client checkpoint")
     p.add_argument("--no-cache", action="store_true", help="serve without a disk cache")
+    p.add_argument("--streams", type=int, default=2, help="client k pushes over 1 + k %% STREAMS connections")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--json", metavar="FILE", nargs="?", const="-", help="write the figures as JSON (- or no name: stdout)"
@@ -351,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         tensor_bytes=int(a.tensor_mib * MIB),
         tensors=a.tensors,
         cache=not a.no_cache,
+        streams=a.streams,
         seed=a.seed,
     )
     r["ok"] = ok(r)
