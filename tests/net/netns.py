@@ -82,6 +82,14 @@ def has_netem() -> bool:
         _ip("netns", "del", name, check=False)
 
 
+def impair_unavailable() -> str | None:
+    """Why :meth:`Net.impaired_pair` cannot run here, or None when it can."""
+    reason = unavailable()
+    if reason or has_netem() or os.path.exists("/dev/net/tun"):
+        return reason
+    return "neither tc netem nor /dev/net/tun is available"
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -15,10 +15,11 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import weightlift as wl
 from tests.checkpoints import byte_length, raw_bytes, write
-from tests.net.netns import has_netem
+from tests.net.netns import ROOT, has_netem, impair_unavailable
 
 CLI = [sys.executable, "-m", "weightlift.cli"]
 LAYOUT = [  # about 6 MiB: some 700 packets of 9000 bytes, so 1 % loss and 5 % reordering happen
@@ -57,6 +58,8 @@ def _serve(net, ns: str, addr: str, token: str) -> tuple[subprocess.Popen, str]:
 
 
 def test_push_over_a_slow_lossy_reordering_link_is_byte_exact(net, tmp_path):
+    if impair_unavailable():
+        pytest.skip(impair_unavailable())
     (ns_client, _, _), (ns_server, _, server_addr) = net.impaired_pair(delay_ms=20, loss=0.01, reorder=0.05, seed=7)
     tensors = _tensors()
     path = write(tmp_path / "model.safetensors", tensors)
@@ -100,3 +103,15 @@ def test_the_link_is_removed_with_the_fixture(net):
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(n in listed for n in names)
     assert not subprocess.run(["ip", "link", "show", ends[0][1]], capture_output=True).returncode == 0
+
+
+def test_namespaces_of_a_killed_run_are_swept(net):
+    # a process that makes a namespace and dies without closing, as a run killed with -9 would
+    code = "import os; from tests.net.netns import Net; n = Net(); print(n.namespace(), flush=True); os._exit(0)"
+    left = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    name = left.stdout.strip()
+    assert name in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    from tests.net.netns import Net
+
+    Net().close()
+    assert name not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
