@@ -425,3 +425,42 @@ def test_file_truncated_under_the_load_is_a_file_error_not_sigbus(tmp_path, fram
         loader.load_local(path, framework=framework, threads=1, on_landed=landed)
     assert cut and e.value.file == str(path)
     assert "ended" in str(e.value)
+
+
+@pytest.mark.parametrize("helpers", ["0", "2"])
+def test_cold_load_with_and_without_fault_helpers_same_bytes(tmp_path, monkeypatch, helpers):
+    """Cold readers get helper threads faulting the arena in ahead of them (the fill policy's
+    helper count; 0 turns them off): every chunk asks for its range first, and the bytes are the
+    file's either way."""
+    from weightlift.local import loader
+    from weightlift.memory import fresh
+
+    asked: list[tuple[int, int]] = []
+
+    class Counting(loader.Faulter):
+        def ready(self, key, begin, end):
+            asked.append((begin, end))
+            return super().ready(key, begin, end)
+
+    monkeypatch.setenv("WEIGHTLIFT_FAULT_HELPERS", helpers)
+    fresh.reset_policy()
+    monkeypatch.setattr(loader, "Faulter", Counting)
+    monkeypatch.setattr(loader, "resident_fraction", lambda f: 0.0)
+    monkeypatch.setattr(loader, "CHUNK", 1 << 20)
+    rng = np.random.default_rng(4)
+    tensors = [
+        (f"w{i}", "U8", (5 * 2**19 + i,), rng.integers(0, 256, 5 * 2**19 + i, dtype=np.uint8).tobytes())
+        for i in range(6)
+    ]
+    path = write(tmp_path / "cold.safetensors", tensors)
+    try:
+        out = wl.load(path, threads=2)
+    finally:
+        fresh.reset_policy()
+    for name, _, _, raw in tensors:
+        assert raw_bytes(out[name]) == raw
+    total = sum(len(t[3]) for t in tensors)
+    if helpers == "0":
+        assert asked == []
+    else:
+        assert sum(e - b for b, e in asked) >= total  # every chunk asked for its range first

@@ -50,6 +50,7 @@ class ArmSpec:
     requires: tuple[str, ...] = ()  # modules that must be importable
     cuda: bool = False  # needs a CUDA device
     uses_pt: bool = False  # reads the .pt copy of the checkpoint, not the safetensors files
+    uses_tensorizer: bool = False  # reads a tensorizer copy of the checkpoint
     weightlift: bool = False  # weightlift's own arm: takes a profiler, feeds the phase chart
     safetensors_only: bool = False  # a peer that reads safetensors files only
     env: dict[str, str] = field(default_factory=dict)
@@ -182,6 +183,46 @@ def _runai(o: dict[str, Any]) -> dict[str, Any]:
         s.stream_files(list(o["files"]), device="cpu")
         for name, t in s.get_tensors():
             out[name] = t  # owned by the caller (the default), so keeping it is safe
+    n, b = touch_torch(out.values())
+    return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n, "bytes": b}
+
+
+def _fastsafetensors(o: dict[str, Any]) -> dict[str, Any]:
+    # its CPU path: no GPUDirect Storage (nogds), files read into host buffers by its own threads
+    from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+
+    t0 = time.perf_counter_ns()
+    loader = SafeTensorsFileLoader(SingleGroup(), "cpu", nogds=True)
+    try:
+        loader.add_filenames({0: list(o["files"])})
+        fb = loader.copy_files_to_device()  # owning mode: the tensors keep their buffers after close()
+        out = {name: fb.get_tensor(name) for name in loader.get_keys()}
+        fb.close()
+    finally:
+        loader.close()
+    n, b = touch_torch(out.values())
+    return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n, "bytes": b}
+
+
+def _tensorizer(o: dict[str, Any]) -> dict[str, Any]:
+    from tensorizer import TensorDeserializer
+
+    t0 = time.perf_counter_ns()
+    d = TensorDeserializer(o["tz"], device="cpu", lazy_load=False)  # kept open: os._exit ends the child
+    out = dict(d.items())
+    n, b = touch_torch(out.values())
+    return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n, "bytes": b}
+
+
+def _instanttensor(o: dict[str, Any]) -> dict[str, Any]:
+    from instanttensor import safe_open
+
+    _cuda_context()
+    t0 = time.perf_counter_ns()
+    out: dict[str, Any] = {}
+    with safe_open(list(o["files"]), framework="pt", device=0) as f:
+        for name, t in f.tensors():
+            out[name] = t  # owned by default (copy=True)
     n, b = touch_torch(out.values())
     return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n, "bytes": b}
 
@@ -832,6 +873,22 @@ def _baseline_h2d(o: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _make_tensorizer(o: dict[str, Any]) -> dict[str, Any]:
+    """Write the checkpoint's tensors in tensorizer's format (for the tensorizer arm)."""
+    from safetensors.torch import load_file
+    from tensorizer import TensorSerializer
+
+    tensors: dict[str, Any] = {}
+    for f in o["files"]:
+        tensors.update(load_file(f))
+    tmp = o["tz"] + ".tmp"
+    s = TensorSerializer(tmp)
+    s.write_state_dict(tensors)
+    s.close()
+    os.replace(tmp, o["tz"])
+    return {"tensors": len(tensors)}
+
+
 def _make_pt(o: dict[str, Any]) -> dict[str, Any]:
     """Write the checkpoint's tensors as a torch zip file (for the torch.load arm)."""
     import torch
@@ -876,6 +933,29 @@ SPECS: dict[str, ArmSpec] = {
             safetensors_only=True,
         ),
         ArmSpec(
+            "fastsafetensors",
+            "local",
+            "fastsafetensors SafeTensorsFileLoader, CPU path (nogds=True)",
+            ("fastsafetensors", "torch"),
+            safetensors_only=True,
+        ),
+        ArmSpec(
+            "tensorizer",
+            "local",
+            "tensorizer TensorDeserializer(device='cpu') of a tensorizer copy",
+            ("tensorizer", "safetensors", "torch"),
+            uses_tensorizer=True,
+            safetensors_only=True,
+        ),
+        ArmSpec(
+            "instanttensor",
+            "local",
+            "instanttensor safe_open(device=0): it loads into CUDA devices only",
+            ("instanttensor", "torch"),
+            cuda=True,
+            safetensors_only=True,
+        ),
+        ArmSpec(
             "runai",
             "local",
             "runai_model_streamer SafetensorsStreamer to cpu",
@@ -891,6 +971,14 @@ SPECS: dict[str, ArmSpec] = {
             "weightlift.load(framework='numpy', engine='mmap'): a copy out of the mapping (the default reads with preadv)",
             ("weightlift.api",),
             weightlift=True,
+        ),
+        ArmSpec(
+            "wl.numpy.nohelpers",
+            "local",
+            "wl.numpy with no fault-ahead helpers (cold readers fault their own chunks)",
+            ("weightlift.api",),
+            weightlift=True,
+            env={"WEIGHTLIFT_FAULT_HELPERS": "0"},
         ),
         ArmSpec(
             "wl.numpy.verify",
@@ -1074,10 +1162,14 @@ BODIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "safetensors.cuda": lambda o: _st_torch(o, device="cuda:0"),
     "torch.load": _torch_load,
     "runai": _runai,
+    "fastsafetensors": _fastsafetensors,
+    "tensorizer": _tensorizer,
+    "instanttensor": _instanttensor,
     "wl.numpy": lambda o: _wl_load(o, framework="numpy", copy=True),
     "wl.numpy.profiled": lambda o: _wl_load({**o, "profile": True}, framework="numpy", copy=True),
     "wl.numpy.nocopy": lambda o: _wl_load(o, framework="numpy", copy=False),
     "wl.numpy.mmap": lambda o: _wl_load(o, framework="numpy", copy=True, engine="mmap"),
+    "wl.numpy.nohelpers": lambda o: _wl_load(o, framework="numpy", copy=True),
     "wl.numpy.verify": lambda o: _wl_load(o, framework="numpy", copy=True, verify=True),
     "wl.numpy.hugeahead": lambda o: _wl_load(o, framework="numpy", copy=True),
     "wl.torch": lambda o: _wl_load(o, framework="torch"),
@@ -1110,6 +1202,7 @@ BODIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "base.tcp": _baseline_tcp,
     "base.h2d": _baseline_h2d,
     "make-pt": _make_pt,
+    "make-tensorizer": _make_tensorizer,
 }
 
 

@@ -53,6 +53,7 @@ from weightlift.dtypes import DTYPES, dtype_info, from_numpy, from_torch
 from weightlift.errors import FileError, OptionError, WeightliftError
 from weightlift.formats import TensorInfo
 from weightlift.local.plan import CHUNK, Run, layout, make_chunks, make_runs
+from weightlift.memory.faulter import Faulter
 from weightlift.memory.fresh import policy as _fill_policy
 from weightlift.memory.targets import CastTarget, CudaTarget, Target, fresh_host, make_target, populate, view_as
 
@@ -353,6 +354,7 @@ class _Mover:
         self.progress = progress
         self._lock = threading.Lock()
         self._error: BaseException | None = None
+        self._faulter: Faulter | None = None
 
     def _casts(self, t: TensorInfo) -> bool:
         return (
@@ -387,11 +389,14 @@ class _Mover:
         else:
             arena = fresh_host(total)
         warmers = self._start_warmers(runs)
+        self._faulter = self._start_faulter(arena)
         try:
             self._work(runs, starts, chunks, arena, arena_dev if device else None)
         finally:
             for w in warmers:
                 w.stop()
+            if self._faulter is not None:
+                self._faulter.close()
 
         if self._error is not None:
             raise self._error
@@ -404,6 +409,21 @@ class _Mover:
                 else:
                     out[t.name] = _raw_view(arena[a : a + t.length], t, self.framework)  # type: ignore[index]
         return out
+
+    def _start_faulter(self, arena: Any) -> Faulter | None:
+        """Helper threads faulting the arena in ahead of cold readers.
+
+        A cold reader spends most of its time waiting on the disk, so faulting the next chunks'
+        fresh pages on otherwise idle cores hides that cost behind the reads, where a reader that
+        faults its own chunk first pays both in series. Warm, the readers keep every core busy
+        and the helpers would only take turns with them. ``WEIGHTLIFT_FAULT_HELPERS=0`` (the fill
+        policy's helper count) turns them off."""
+        helpers = _fill_policy().helpers
+        if arena is None or not self.cold_read or helpers < 1 or not arena.size:
+            return None
+        f = Faulter(threads=helpers, piece=4 << 20, window=COLD_FAULT_WINDOW, name="wl-load-fault")
+        f.add(_ARENA, arena)
+        return f
 
     def _start_warmers(self, runs: list[Run]) -> list[Warmer]:
         """A warmer per file that wants one, over that file's runs; kept by file for the workers."""
@@ -453,6 +473,8 @@ class _Mover:
                         flip ^= 1
                         self._device_chunk(r.file, src_off, c.length, arena_dev, dst_off, slots, flip)
                     else:
+                        if self._faulter is not None:
+                            self._faulter.ready(_ARENA, dst_off, dst_off + c.length)
                         self._host_chunk(r.file, src_off, c.length, arena[dst_off : dst_off + c.length])
                         if self.on_landed is not None:
                             self.on_landed(r.file, src_off, arena[dst_off : dst_off + c.length])
@@ -492,7 +514,8 @@ class _Mover:
             return
         prof = self.prof
         t0 = time.perf_counter_ns() if prof is not None else 0
-        populate(dst)  # faulted ahead of preadv where this machine's fill policy says it pays
+        if self._faulter is None:  # else the helpers faulted it, or ready() did
+            populate(dst)  # faulted ahead of preadv where this machine's fill policy says it pays
         if prof is not None and _fill_policy().ahead:
             prof.record("stage", t0, time.perf_counter_ns(), 0, name="fault-in")
         mv = dst.data
@@ -601,6 +624,10 @@ class _Gate:
 
 
 _DEVICE_CHUNK = 16 * 1024 * 1024
+_ARENA = "arena"  # the one region a load's faulter holds
+# how far the cold faulter's helpers may run ahead of the readers: the arena is allocated (and
+# its size known) already, so this only bounds how soon faulted pages are used
+COLD_FAULT_WINDOW = 256 * 1024 * 1024
 _pinned_pool: dict[str, list[Any]] = {}
 _pinned_lock = threading.Lock()
 
