@@ -480,3 +480,63 @@ def test_limit_copy_arm_copies_the_file(tmp_path) -> None:
     p.write_bytes(os.urandom(3 * 2**20 + 7))
     info = bench_arms._limit_copy({"files": [str(p)]})
     assert info["bytes"] == p.stat().st_size and info["load_s"] > 0
+
+
+# -- the peer arms: fastsafetensors, tensorizer, InstantTensor --
+
+PEERS = {
+    "fastsafetensors": ("fastsafetensors", "torch"),
+    "tensorizer": ("tensorizer", "torch"),
+    "instanttensor": ("instanttensor", "torch"),
+}
+
+
+def test_peer_arms_are_registered_as_local_arms() -> None:
+    for name, modules in PEERS.items():
+        spec = bench_arms.SPECS[name]
+        assert spec.kind == "local" and spec.safetensors_only, name
+        assert set(modules) <= set(spec.requires), name
+        assert name in bench_arms.BODIES and name in expand_arm_names("local"), name
+    assert bench_arms.SPECS["tensorizer"].uses_tensorizer and "make-tensorizer" in bench_arms.BODIES
+    assert bench_arms.SPECS["instanttensor"].cuda  # it loads into CUDA devices only
+
+
+def test_peer_arms_without_their_package_are_skips_naming_it(tiny, monkeypatch) -> None:
+    import weightlift.benchmark.harness as b
+
+    gone = {"fastsafetensors", "tensorizer", "instanttensor"}
+    real = b._missing
+    monkeypatch.setattr(b, "_missing", lambda m: f"module {m} is not installed" if m in gone else real(m))
+    monkeypatch.setattr(b, "_cuda_memo", ["no CUDA device (test)"])
+    ck = describe_checkpoint(tiny)
+    arms = {a.name: a for a in build_arms(ck, list(PEERS))}
+    for name in PEERS:
+        assert arms[name].skip == f"module {name} is not installed", name
+    bench = os.environ["WEIGHTLIFT_BENCH_DIR"]  # no tensorizer copy is written for an arm that is skipped
+    assert not os.path.isdir(bench) or not [f for f in os.listdir(bench) if f.endswith(".tensors")]
+
+
+def test_instanttensor_without_a_cuda_device_says_so(tiny, monkeypatch) -> None:
+    import weightlift.benchmark.harness as b
+
+    monkeypatch.setattr(b, "_missing", lambda m: None)
+    monkeypatch.setattr(b, "_cuda_memo", ["no CUDA device (test)"])
+    arm = build_arms(describe_checkpoint(tiny), ["instanttensor"])[0]
+    assert arm.skip == "no CUDA device (test)"
+
+
+@pytest.mark.parametrize("name", ["fastsafetensors", "tensorizer"])
+def test_cpu_peer_arm_bodies_report_every_byte(tiny, name) -> None:
+    for module in PEERS[name]:
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"the {name} arm needs {module} (pip install 'weightlift[bench]')")
+    ck = describe_checkpoint(tiny)
+    arm = build_arms(ck, [name])[0]
+    assert arm.skip is None, arm.skip
+    s = run_once(arm.argv, env=arm.env, timeout=300)
+    assert (s.info["tensors"], s.info["bytes"]) == (ck["tensors"], ck["bytes"])
+    assert s.info["inner_s"] >= s.info["load_s"] >= 0
+    if name == "tensorizer":  # read from its own copy, written once beside the others, outside the window
+        (tz,) = arm.files
+        assert tz.endswith(".tensors") and os.path.dirname(tz) == os.environ["WEIGHTLIFT_BENCH_DIR"]
+        assert build_arms(ck, [name])[0].files == (tz,)

@@ -87,6 +87,9 @@ LOCAL_ARMS = (
     "safetensors.cuda",
     "torch.load",
     "runai",
+    "fastsafetensors",
+    "tensorizer",
+    "instanttensor",
     "wl.numpy",
     "wl.numpy.nocopy",
     "wl.torch",
@@ -460,6 +463,16 @@ def ensure_pt(ck: dict[str, Any], *, timeout: float = 1800.0) -> str:
     return pt
 
 
+def ensure_tensorizer(ck: dict[str, Any], *, timeout: float = 1800.0) -> str:
+    """A tensorizer copy of the checkpoint for the tensorizer arm, made once in a child."""
+    stem = os.path.splitext(os.path.basename(ck["files"][0]))[0]
+    st = os.stat(ck["files"][0])
+    tz = os.path.join(bench_dir(), f"{stem}-{ck['file_bytes']}-{st.st_mtime_ns}.tensors")
+    if not os.path.exists(tz):
+        run_once(child_argv("make-tensorizer", {"files": ck["files"], "tz": tz}), timeout=timeout)
+    return tz
+
+
 # -- which arms can run here -------------------------------------------------------------------
 
 _cuda_memo: list[str | None] = []
@@ -576,6 +589,12 @@ def build_arms(ck: dict[str, Any], names: Sequence[str], *, cache_dir: str | Non
                 files = (opts["pt"],)
             except WeightliftError as e:
                 reason = f"could not write the .pt copy: {e}"
+        if spec.uses_tensorizer and reason is None:
+            try:
+                opts["tz"] = ensure_tensorizer(ck)
+                files = (opts["tz"],)
+            except WeightliftError as e:
+                reason = f"could not write the tensorizer copy: {e}"
         if name == "wl.push.cached":
             opts["cache_dir"] = cache_dir or os.path.join(bench_dir(), "server-cache")
             files += (opts["cache_dir"],)
