@@ -15,7 +15,6 @@ from typing import Any
 from weightlift.api import load
 from weightlift.checkpoint import Checkpoint
 from weightlift.checkpoint import open_checkpoint as open
-from weightlift.distributed.shard import Shard
 from weightlift.errors import (
     AuthError,
     CacheError,
@@ -63,6 +62,10 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     # the remote half imports sockets and threads; a plain local load should not pay for it
+    if name == "Shard":  # the distributed layer is for process groups; a plain load does not import it
+        from weightlift.distributed.shard import Shard
+
+        return Shard
     if name == "Server":
         from weightlift.remote.server import Server
 
