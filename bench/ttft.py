@@ -5,12 +5,15 @@
 
 Each run is a fresh process that imports torch and transformers, builds the model from the
 same folder (``transformers``: its ``from_pretrained``; ``weightlift``:
-``weightlift.hf.from_pretrained``, parameters in memory of their own; ``weightlift.nocopy``: the
-same with ``copy=False``, parameters viewing the files' read-only mapping, which is what
-transformers' own loader does with a copy-on-write one), runs one forward pass over an 8-token prompt and takes the greedy next token. Its window runs
-from the spawn to the line the child prints then, read here; the child also reports its own
-import, load and first-forward times and its peak RSS (``VmHWM``). Both arms must produce the
-same token.
+``weightlift.hf.from_pretrained`` as it is by default, parameters viewing a private copy-on-write
+mapping of the files as transformers' own are; ``weightlift.copy``: the same with ``copy=True``,
+parameters in memory of their own), runs one forward pass over an 8-token prompt and takes the
+greedy next token. Its window runs from the spawn to the line the child prints then, read here;
+the child also reports its own import, load and first-forward times, and its peak resident
+memory (``getrusage``'s ``ru_maxrss``) after the imports, after the load and at the end. All
+arms must produce the same token. The last line is the ratio for the README's table:
+transformers' median time to first token over weightlift's, warm and cold, and each arm's
+growth of peak resident memory from the imports to the first token against the checkpoint's size.
 
 The arms are interleaved (each round in its own order, see ``round_order``), with a pause
 before every run (``--settle``, 15 s) so that neither inherits memory the other just freed
@@ -47,7 +50,7 @@ from weightlift.benchmark.harness import (
 )
 from weightlift.benchmark.stats import summarize
 
-ARMS = ("transformers", "weightlift", "weightlift.nocopy")
+ARMS = ("transformers", "weightlift", "weightlift.copy")
 MODEL_NAME = "ttft-llama-0.8g"
 
 MAKE = r"""
@@ -62,26 +65,26 @@ transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16).save_pretr
 CHILD = r"""
 import time
 t0 = time.perf_counter()
-import json, os, sys
+import json, os, resource, sys
 arm, path = sys.argv[1], sys.argv[2]
 import torch, transformers
 with open(os.path.join(path, "config.json")) as f:
     cls = getattr(transformers, json.load(f)["architectures"][0])  # transformers imports the model's module here
 if arm.startswith("weightlift"):
     import weightlift.hf
-t_import = time.perf_counter()
+hwm = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+t_import, rss_import = time.perf_counter(), hwm()
 if arm == "transformers":
     model = cls.from_pretrained(path)
 else:
-    model = weightlift.hf.from_pretrained(path, model_class=cls, progress=False, copy=arm == "weightlift")
-t_load = time.perf_counter()
+    model = weightlift.hf.from_pretrained(path, model_class=cls, progress=False, copy=True if arm == "weightlift.copy" else None)
+t_load, rss_load = time.perf_counter(), hwm()
 with torch.inference_mode():
     token = int(model(input_ids=torch.tensor([[1, 8, 15, 22, 29, 36, 43, 50]])).logits[0, -1].argmax())
 t_first = time.perf_counter()
-with open("/proc/self/status") as f:
-    hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 info = {"import_s": t_import - t0, "load_s": t_load - t_import, "forward_s": t_first - t_load,
-        "inner_s": t_first - t0, "peak_rss": hwm, "token": token, "dtype": str(model.dtype)}
+        "inner_s": t_first - t0, "peak_rss": hwm(), "import_rss": rss_import, "load_growth": rss_load - rss_import,
+        "growth": hwm() - rss_import, "token": token, "dtype": str(model.dtype)}
 print(READY, time.time_ns(), json.dumps(info), flush=True)
 """.replace("READY,", repr(READY) + ",")
 
@@ -133,8 +136,11 @@ def run_mode(path: str, *, cold: bool, runs: int, settle: float, log: Any) -> di
             except (ArmFailed, ArmSkipped) as e:
                 raise SystemExit(f"ttft: the {arm} arm failed: {e}") from None
             label = "warm-up" if rnd < warmup else f"run {rnd - warmup + 1}"
-            log(f"  {'cold' if cold else 'warm'} {label} {arm}: {s.window_s:.2f} s to first token"
-                f" (load {s.info['load_s']:.2f} s, peak RSS {s.info['peak_rss'] / 2**30:.2f} GiB)")
+            log(
+                f"  {'cold' if cold else 'warm'} {label} {arm}: {s.window_s:.2f} s to first token"
+                f" (load {s.info['load_s']:.2f} s, peak RSS {s.info['peak_rss'] / 2**30:.2f} GiB,"
+                f" +{s.info['growth'] / 2**30:.2f} GiB from the imports to the first token)"
+            )
             if rnd >= warmup:
                 r = res[arm]
                 r["window_s"].append(s.window_s)
@@ -142,35 +148,77 @@ def run_mode(path: str, *, cold: bool, runs: int, settle: float, log: Any) -> di
                 if resident is not None:
                     r["resident_before"].append(resident)
     for r in res.values():
-        r["summary"] = {k: summarize([x[k] for x in r["samples"]]) for k in ("import_s", "load_s", "forward_s", "peak_rss")}
+        r["summary"] = {
+            k: summarize([x[k] for x in r["samples"]])
+            for k in ("import_s", "load_s", "forward_s", "peak_rss", "load_growth", "growth")
+        }
         r["summary"]["window_s"] = summarize(r["window_s"])
     tokens = {x["token"] for r in res.values() for x in r["samples"]}
-    return {"mode": "cold" if cold else "warm", "arms": res, "same_token": len(tokens) == 1,
-            "max_resident_before": max((x for r in res.values() for x in r["resident_before"]), default=None)}
+    return {
+        "mode": "cold" if cold else "warm",
+        "arms": res,
+        "same_token": len(tokens) == 1,
+        "max_resident_before": max((x for r in res.values() for x in r["resident_before"]), default=None),
+    }
 
 
 def format_table(result: dict[str, Any]) -> str:
-    lines = [f"model {result['model']} ({result['bytes'] / 1e9:.2f} GB in {result['files']} files), "
-             f"median of {result['runs']} runs per arm, {result['settle_s']:.0f} s pause before each run"]
-    head = f"{'mode':<5} {'arm':<17} {'to 1st token':>12} {'(min-max)':>15} {'import':>7} {'load':>7} {'forward':>8} {'peak RSS':>9}"
+    size = result["bytes"]
+    lines = [
+        f"model {result['model']} ({size / 1e9:.2f} GB in {result['files']} files), "
+        f"median of {result['runs']} runs per arm, {result['settle_s']:.0f} s pause before each run, "
+        f"load average {result.get('loadavg', '?')}"
+    ]
+    head = (
+        f"{'mode':<5} {'arm':<17} {'to 1st token':>12} {'(min-max)':>15} {'import':>7} {'load':>7} {'forward':>8}"
+        f" {'peak RSS':>9} {'RSS growth':>10}"
+    )
     lines += [head, "-" * len(head)]
     for m in result["modes"]:
         for arm in ARMS:
             s = m["arms"][arm]["summary"]
             w = s["window_s"]
-            lines.append(f"{m['mode']:<5} {arm:<17} {w['median']:>10.2f} s {w['min']:>6.2f}-{w['max']:<6.2f} s"
-                         f" {s['import_s']['median']:>6.2f}s {s['load_s']['median']:>6.2f}s {s['forward_s']['median']:>7.2f}s"
-                         f" {s['peak_rss']['median'] / 2**30:>6.2f} GiB")
+            lines.append(
+                f"{m['mode']:<5} {arm:<17} {w['median']:>10.2f} s {w['min']:>6.2f}-{w['max']:<6.2f} s"
+                f" {s['import_s']['median']:>6.2f}s {s['load_s']['median']:>6.2f}s {s['forward_s']['median']:>7.2f}s"
+                f" {s['peak_rss']['median'] / 2**30:>5.2f} GiB {s['growth']['median'] / size:>9.2f}x"
+            )
         t = m["arms"]["transformers"]["summary"]
         note = "      speed-up over transformers (its median over the arm's): " + ", ".join(
             f"{arm} load {t['load_s']['median'] / m['arms'][arm]['summary']['load_s']['median']:.2f}x, to first token "
-            f"{t['window_s']['median'] / m['arms'][arm]['summary']['window_s']['median']:.2f}x" for arm in ARMS[1:])
+            f"{t['window_s']['median'] / m['arms'][arm]['summary']['window_s']['median']:.2f}x"
+            for arm in ARMS[1:]
+        )
         if not m["same_token"]:
             note += "; WARNING: the arms produced different tokens"
         if m["max_resident_before"] is not None:
             note += f"; at most {m['max_resident_before'] * 100:.1f} % of a file resident before a cold run"
         lines.append(note)
+    lines.append(
+        "RSS growth: peak resident memory at the first token less that after the imports, over the checkpoint's size"
+    )
+    lines.append(ratio_line(result))
     return "\n".join(lines)
+
+
+def ratio_line(result: dict[str, Any]) -> str:
+    """One line for the README's table: transformers' time to first token over weightlift's."""
+    parts = []
+    for m in result["modes"]:
+        a = {arm: m["arms"][arm]["summary"] for arm in ARMS}
+        ratio = a["transformers"]["window_s"]["median"] / a["weightlift"]["window_s"]["median"]
+        parts.append(
+            f"{m['mode']} {ratio:.2f}x ({a['weightlift']['window_s']['median']:.2f} s vs "
+            f"{a['transformers']['window_s']['median']:.2f} s)"
+        )
+    growth = ", ".join(
+        f"{arm} {max(x['growth'] for m in result['modes'] for x in m['arms'][arm]['samples']) / result['bytes']:.2f}x"
+        for arm in ARMS
+    )
+    return (
+        f"RATIO time to first token, transformers' from_pretrained / weightlift.hf.from_pretrained: "
+        f"{'; '.join(parts)}; largest RSS growth to the first token / checkpoint size: {growth}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,13 +233,19 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--runs must be at least 1")
     path = a.model or ensure_model()
     files = model_files(path)
-    log = (lambda s: print(s, file=sys.stderr, flush=True))
+    log = lambda s: print(s, file=sys.stderr, flush=True)
     modes = ["warm", "cold"] if a.mode == "both" else [a.mode]
     result: dict[str, Any] = {
-        "schema": "weightlift-ttft/1", "model": path, "files": len(files),
+        "schema": "weightlift-ttft/1",
+        "model": path,
+        "files": len(files),
         "bytes": sum(os.path.getsize(f) for f in files if f.endswith(".safetensors")),
-        "runs": a.runs, "settle_s": a.settle, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "modes": [],
+        "runs": a.runs,
+        "settle_s": a.settle,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "modes": [],
+        "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
     for m in modes:
         result["modes"].append(run_mode(path, cold=m == "cold", runs=a.runs, settle=a.settle, log=log))

@@ -13,7 +13,9 @@ import shutil
 import pytest
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers", reason="weightlift.hf needs transformers (pip install 'weightlift[hf]')")
+transformers = pytest.importorskip(
+    "transformers", reason="weightlift.hf needs transformers (pip install 'weightlift[hf]')"
+)
 
 import weightlift as wl  # noqa: E402
 from weightlift import hf  # noqa: E402
@@ -28,16 +30,49 @@ def _configs() -> dict:
     t = transformers
     return {
         # tied embeddings: lm_head.weight is not in the checkpoint
-        "llama": (t.LlamaForCausalLM, t.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **SMALL)),
+        "llama": (
+            t.LlamaForCausalLM,
+            t.LlamaConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                tie_word_embeddings=True,
+                **SMALL,
+            ),
+        ),
         # experts saved one tensor each, merged into one tensor per layer on load
-        "mixtral": (t.MixtralForCausalLM, t.MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                                          num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                                          num_experts_per_tok=2, **SMALL)),
-        "gpt2": (t.GPT2LMHeadModel, t.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=128, vocab_size=256,
-                                                 bos_token_id=0, eos_token_id=0, initializer_range=0.3)),
-        "bert": (t.BertForMaskedLM, t.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                                 intermediate_size=64, **SMALL)),
+        "mixtral": (
+            t.MixtralForCausalLM,
+            t.MixtralConfig(
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                **SMALL,
+            ),
+        ),
+        "gpt2": (
+            t.GPT2LMHeadModel,
+            t.GPT2Config(
+                n_embd=32,
+                n_layer=2,
+                n_head=4,
+                n_positions=128,
+                vocab_size=256,
+                bos_token_id=0,
+                eos_token_id=0,
+                initializer_range=0.3,
+            ),
+        ),
+        "bert": (
+            t.BertForMaskedLM,
+            t.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, **SMALL),
+        ),
     }
 
 
@@ -143,15 +178,59 @@ def test_views_of_the_mapping_with_copy_false(models):
         hf.from_pretrained(models["gpt2"], copy=False, dtype=torch.float16)  # a cast needs memory of its own
 
 
+def test_default_is_a_private_mapping_that_writes_do_not_reach(models, tmp_path):
+    """As transformers' own loader: parameters view the files copy-on-write, so they can be
+    written (a fine-tune, a merged adapter) without touching the checkpoint."""
+    path = _copy(models, "gpt2", tmp_path)
+    files = sorted(path.glob("*.safetensors"))
+    before = [f.read_bytes() for f in files]
+    model, info = hf.from_pretrained(path, output_loading_info=True)
+    assert info["weightlift"]["storage"] == "private mapping"
+    assert info["weightlift"]["copied"] == [] and info["weightlift"]["load"]["tensors"] == len(wl.open(path))
+    expected = _logits(_reference(path))
+    assert torch.equal(_logits(model), expected)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert not torch.equal(_logits(model), expected)
+    assert [f.read_bytes() for f in files] == before
+    assert torch.equal(_logits(hf.from_pretrained(path)), expected)
+
+
+def test_copy_true_parameters_own_their_memory(models, tmp_path):
+    path = _copy(models, "llama", tmp_path)
+    model, info = hf.from_pretrained(path, copy=True, output_loading_info=True)
+    assert info["weightlift"]["storage"] == "copies" and info["weightlift"]["copied"] == []
+    expected = _logits(_reference(path))
+    _flip(path, "model.embed_tokens.weight")  # the file changes under a loaded model: its memory does not
+    assert torch.equal(_logits(model), expected)
+
+
+def test_a_cast_is_read_into_copies(models):
+    _, info = hf.from_pretrained(models["llama"], dtype=torch.bfloat16, output_loading_info=True)
+    assert info["weightlift"]["storage"] == "copies"
+
+
+@pytest.mark.parametrize("copy", [None, True])
+def test_the_reads_error_is_raised_from_the_callers_thread(models, copy):
+    # the read runs on a thread of its own while the model is built; its errors come back here
+    with pytest.raises(wl.OptionError, match="engine"):
+        hf.from_pretrained(models["llama"], copy=copy, engine="bogus")
+
+
 def test_moe_experts_are_merged_like_transformers(models):
     sd = wl.load(models["mixtral"], framework="torch")
     assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in sd  # the saved, per-expert layout
     model, info = hf.from_state_dict(sd, models["mixtral"], output_loading_info=True)
     experts = model.model.layers[0].mlp.experts
     assert experts.gate_up_proj.shape[0] == 4
-    assert torch.equal(experts.gate_up_proj[3, : experts.gate_up_proj.shape[1] // 2],
-                       sd["model.layers.0.block_sparse_moe.experts.3.w1.weight"])
-    assert model.model.layers[0].mlp.gate.weight.data_ptr() == sd["model.layers.0.block_sparse_moe.gate.weight"].data_ptr()
+    assert torch.equal(
+        experts.gate_up_proj[3, : experts.gate_up_proj.shape[1] // 2],
+        sd["model.layers.0.block_sparse_moe.experts.3.w1.weight"],
+    )
+    assert (
+        model.model.layers[0].mlp.gate.weight.data_ptr() == sd["model.layers.0.block_sparse_moe.gate.weight"].data_ptr()
+    )
     assert info["unexpected_keys"] == set()
 
 
@@ -184,7 +263,9 @@ def test_missing_and_unexpected_keys_reported_as_transformers_does(models):
     sd["transformer.h.9.mlp.c_fc.weight"] = torch.zeros(3)
     model, info = hf.from_state_dict(sd, models["gpt2"], output_loading_info=True)
     cls = type(model)
-    ref, ref_info = cls.from_pretrained(None, config=hf.load_config(models["gpt2"]), state_dict=sd, output_loading_info=True)
+    ref, ref_info = cls.from_pretrained(
+        None, config=hf.load_config(models["gpt2"]), state_dict=sd, output_loading_info=True
+    )
     assert info["missing_keys"] == {"transformer.h.1.mlp.c_fc.weight"} == ref_info["missing_keys"]
     assert info["unexpected_keys"] == {"transformer.h.9.mlp.c_fc.weight"} == ref_info["unexpected_keys"]
     assert model.transformer.h[1].mlp.c_fc.weight.device.type == "cpu"  # initialised, not left on meta

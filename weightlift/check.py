@@ -172,12 +172,20 @@ def _check_digests(reference_files: list[str], delivered: Any, what: str) -> Che
 
     records, stale = _recorded_digests(reference_files)
     if not records:
-        return CheckItem("digests", None, "no digest manifest beside the checkpoint: nothing recorded to compare with",
-                         {"recorded": 0})
+        return CheckItem(
+            "digests",
+            None,
+            "no digest manifest beside the checkpoint: nothing recorded to compare with",
+            {"recorded": 0},
+        )
     names = [t.name for t in delivered if t.name in records]
     if not names:
-        return CheckItem("digests", None, f"none of the {len(records)} tensors recorded is among those {what}",
-                         {"recorded": len(records), "checked": 0})
+        return CheckItem(
+            "digests",
+            None,
+            f"none of the {len(records)} tensors recorded is among those {what}",
+            {"recorded": len(records), "checked": 0},
+        )
     views = load(delivered, copy=False, select=names, progress=False)
     differ, checked = [], 0
     for t in delivered:
@@ -192,7 +200,12 @@ def _check_digests(reference_files: list[str], delivered: Any, what: str) -> Che
     data = {"recorded": len(records), "checked": checked, "differ": differ, "stale_manifests": stale}
     note = f" (the manifest of {len(stale)} file(s) predates their last change)" if stale else ""
     if differ:
-        return CheckItem("digests", False, f"{len(differ)} tensor(s) {what} differ from their recorded BLAKE3: {_names(differ)}{note}", data)
+        return CheckItem(
+            "digests",
+            False,
+            f"{len(differ)} tensor(s) {what} differ from their recorded BLAKE3: {_names(differ)}{note}",
+            data,
+        )
     return CheckItem("digests", True, f"{checked} tensors {what} match their recorded BLAKE3{note}", data)
 
 
@@ -202,14 +215,18 @@ def _check_digests(reference_files: list[str], delivered: Any, what: str) -> Che
 def _prompt_ids(folder: str, config: Any, prompt: str | None) -> tuple[list[int], Any]:
     """Token ids of the prompt and the tokenizer (None without one beside the checkpoint)."""
     vocab = int(getattr(config.get_text_config(), "vocab_size", 0) or 0)
-    has_tok = any(os.path.exists(os.path.join(folder, n)) for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    has_tok = any(
+        os.path.exists(os.path.join(folder, n)) for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    )
     if has_tok:
         from transformers import AutoTokenizer
 
         try:
             tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         except (OSError, ValueError) as e:
-            raise OptionError(f"{folder}: cannot read its tokenizer: {str(e).splitlines()[0] if str(e) else e}") from None
+            raise OptionError(
+                f"{folder}: cannot read its tokenizer: {str(e).splitlines()[0] if str(e) else e}"
+            ) from None
         ids = tok(prompt if prompt is not None else DEFAULT_PROMPT)["input_ids"]
         if not ids:
             raise OptionError("the prompt encodes to no tokens")
@@ -220,7 +237,9 @@ def _prompt_ids(folder: str, config: Any, prompt: str | None) -> tuple[list[int]
         try:
             ids = [int(x) for x in prompt.replace(" ", "").split(",") if x]
         except ValueError:
-            raise OptionError(f"no tokenizer beside {folder}: --prompt takes comma-separated token ids (e.g. 1,2,3)") from None
+            raise OptionError(
+                f"no tokenizer beside {folder}: --prompt takes comma-separated token ids (e.g. 1,2,3)"
+            ) from None
         if not ids:
             raise OptionError("--prompt holds no token ids")
     bad = [i for i in ids if not 0 <= i < vocab]
@@ -262,13 +281,21 @@ def run_check(
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # transformers' "Loading weights" bars would bury the verdict
     items: list[CheckItem] = []
-    result: dict[str, Any] = {"path": path, "source": source or "disk", "model_class": cls.__name__,
-                              "dtype": str(dt).replace("torch.", ""), "device": device, "prompt": ids}
+    result: dict[str, Any] = {
+        "path": path,
+        "source": source or "disk",
+        "model_class": cls.__name__,
+        "dtype": str(dt).replace("torch.", ""),
+        "device": device,
+        "prompt": ids,
+    }
     try:
         with tempfile.TemporaryDirectory(prefix="weightlift-check-") as tmp:
             t0 = time.perf_counter()
             if source is None:
-                subject, info = hf.from_pretrained(path, device=device, dtype=dt, model_class=cls, output_loading_info=True)
+                subject, info = hf.from_pretrained(
+                    path, device=device, dtype=dt, model_class=cls, output_loading_info=True
+                )
                 delivered, what = ckpt, "read from the checkpoint"
             else:
                 from .remote.client import Client
@@ -277,8 +304,9 @@ def run_check(
                 with Client(source, token=token) as c:
                     if not c.pull(pulled):
                         raise OptionError(f"the server at {source} holds no tensors")
-                subject, info = hf.from_pretrained(pulled, config=folder, device=device, dtype=dt, model_class=cls,
-                                                   output_loading_info=True)
+                subject, info = hf.from_pretrained(
+                    pulled, config=folder, device=device, dtype=dt, model_class=cls, output_loading_info=True
+                )
                 delivered, what = open_checkpoint(pulled), f"held by {source}"
             result["subject_seconds"] = time.perf_counter() - t0
             result["loading_info"] = _jsonable_info(info)
@@ -286,13 +314,17 @@ def run_check(
             try:
                 reference = cls.from_pretrained(folder, dtype=dt)
             except (OSError, ValueError) as e:
-                raise OptionError(f"{folder}: transformers cannot load its reference model: {str(e).splitlines()[0]}") from None
+                raise OptionError(
+                    f"{folder}: transformers cannot load its reference model: {str(e).splitlines()[0]}"
+                ) from None
             result["reference_seconds"] = time.perf_counter() - t0
             if device != "cpu":
                 reference = reference.to(device)
             items.append(_compare_tensors(subject, reference))
             items.append(_check_digests(ckpt.files, delivered, what))
-            items.extend(_run_model_checks(subject, reference, ids, tokens=tokens, seeds=seeds, temperature=temperature))
+            items.extend(
+                _run_model_checks(subject, reference, ids, tokens=tokens, seeds=seeds, temperature=temperature)
+            )
     finally:
         if bars:
             hf_logging.enable_progress_bar()
@@ -305,8 +337,9 @@ def run_check(
     return result
 
 
-def _run_model_checks(subject: Any, reference: Any, ids: list[int], *, tokens: int, seeds: tuple[int, ...],
-                      temperature: float) -> list[CheckItem]:
+def _run_model_checks(
+    subject: Any, reference: Any, ids: list[int], *, tokens: int, seeds: tuple[int, ...], temperature: float
+) -> list[CheckItem]:
     import torch
 
     items = []
@@ -315,15 +348,26 @@ def _run_model_checks(subject: Any, reference: Any, ids: list[int], *, tokens: i
         a, b = subject(input_ids=x).logits, reference(input_ids=x).logits
     same = _bits_equal(a, b)
     diff = 0.0 if same else float((a.float() - b.float()).abs().max())
-    items.append(CheckItem("logits", same, f"{'bit-identical' if same else f'differ (max |diff| {diff:.3g})'} on a {len(ids)}-token prompt",
-                           {"max_abs_diff": diff}))
+    items.append(
+        CheckItem(
+            "logits",
+            same,
+            f"{'bit-identical' if same else f'differ (max |diff| {diff:.3g})'} on a {len(ids)}-token prompt",
+            {"max_abs_diff": diff},
+        )
+    )
     if not subject.can_generate():
         items.append(CheckItem("generation", None, f"{type(subject).__name__} does not generate: logits only"))
         return items
     g_s, g_r = generate(subject, ids, tokens), generate(reference, ids, tokens)
-    items.append(CheckItem("greedy", g_s == g_r,
-                           f"{tokens} tokens {'identical' if g_s == g_r else 'DIFFER from the reference'}  blake3:{ids_digest(g_s)[:16]}",
-                           {"tokens": g_s, "reference": g_r, "blake3": ids_digest(g_s)}))
+    items.append(
+        CheckItem(
+            "greedy",
+            g_s == g_r,
+            f"{tokens} tokens {'identical' if g_s == g_r else 'DIFFER from the reference'}  blake3:{ids_digest(g_s)[:16]}",
+            {"tokens": g_s, "reference": g_r, "blake3": ids_digest(g_s)},
+        )
+    )
     gen_device = next(subject.parameters()).device
 
     def sample(model: Any, seed: int) -> list[int]:
@@ -335,15 +379,30 @@ def _run_model_checks(subject: Any, reference: Any, ids: list[int], *, tokens: i
     for seed in seeds:
         first, again, ref = sample(subject, seed), sample(subject, seed), sample(reference, seed)
         ok = first == again == ref
-        why = "same tokens twice and as the reference" if ok else (
-            "NOT reproduced by the same seed" if first != again else "differ from the reference's")
-        items.append(CheckItem(f"seed {seed}", ok, f"T={temperature:g}: {why}  blake3:{ids_digest(first)[:16]}",
-                               {"tokens": first, "again": again, "reference": ref, "blake3": ids_digest(first)}))
+        why = (
+            "same tokens twice and as the reference"
+            if ok
+            else ("NOT reproduced by the same seed" if first != again else "differ from the reference's")
+        )
+        items.append(
+            CheckItem(
+                f"seed {seed}",
+                ok,
+                f"T={temperature:g}: {why}  blake3:{ids_digest(first)[:16]}",
+                {"tokens": first, "again": again, "reference": ref, "blake3": ids_digest(first)},
+            )
+        )
         outputs[seed] = tuple(first)
     if len(seeds) > 1:
         distinct = len(set(outputs.values()))
-        items.append(CheckItem("seeds", distinct == len(outputs),
-                               f"{len(outputs)} seeds gave {distinct} different outputs", {"distinct": distinct}))
+        items.append(
+            CheckItem(
+                "seeds",
+                distinct == len(outputs),
+                f"{len(outputs)} seeds gave {distinct} different outputs",
+                {"distinct": distinct},
+            )
+        )
     return items
 
 
@@ -363,9 +422,11 @@ def format_result(r: dict[str, Any]) -> str:
     lines = [f"weightlift check {r['path']}: {r['model_class']}, {r['dtype']}, {r['device']}"]
     load = wl.get("pull") or wl.get("load") or {}
     src = f"server {r['source']}" if r["source"] != "disk" else "disk"
-    lines.append(f"  subject    weightlift from {src}: {load.get('tensors', '?')} tensors, {load.get('bytes', 0):,} bytes;"
-                 f" {wl.get('shared', 0)} of {wl.get('parameters', 0)} parameters are the loaded tensors themselves"
-                 f" ({r['subject_seconds']:.2f} s)")
+    lines.append(
+        f"  subject    weightlift from {src}: {load.get('tensors', '?')} tensors, {load.get('bytes', 0):,} bytes;"
+        f" {wl.get('shared', 0)} of {wl.get('parameters', 0)} parameters are the loaded tensors themselves"
+        f" ({r['subject_seconds']:.2f} s)"
+    )
     lines.append(f"  reference  transformers {r['model_class']}.from_pretrained ({r['reference_seconds']:.2f} s)")
     for k in ("missing_keys", "unexpected_keys"):
         if r["loading_info"].get(k):
@@ -375,8 +436,11 @@ def format_result(r: dict[str, Any]) -> str:
         lines.append(f"  {mark} {c['name']:<10} {c['detail']}")
         if c["name"] == "greedy" and c["data"].get("text") is not None:
             lines.append(f"                  {c['data']['text']!r}")
-    lines.append("PASS: weightlift's model runs exactly as transformers' own" if r["ok"] else
-                 "FAIL: " + "; ".join(c["name"] for c in r["checks"] if c["ok"] is False))
+    lines.append(
+        "PASS: weightlift's model runs exactly as transformers' own"
+        if r["ok"]
+        else "FAIL: " + "; ".join(c["name"] for c in r["checks"] if c["ok"] is False)
+    )
     return "\n".join(lines)
 
 
@@ -401,17 +465,30 @@ def _cmd_check(a: argparse.Namespace) -> int:
         from .remote.token import read_token
 
         token = read_token(a.token_file)
-    r = run_check(a.path, source=a.source, prompt=a.prompt, tokens=a.tokens, seeds=a.seeds, temperature=a.temperature,
-                  device=a.device, dtype=a.dtype, token=token)
+    r = run_check(
+        a.path,
+        source=a.source,
+        prompt=a.prompt,
+        tokens=a.tokens,
+        seeds=a.seeds,
+        temperature=a.temperature,
+        device=a.device,
+        dtype=a.dtype,
+        token=token,
+    )
     print(json.dumps(r, indent=1, default=str) if a.json else format_result(r))
     return 0 if r["ok"] else 1
 
 
 def register(sub: Any) -> None:
     """Add ``check`` to an argparse subparsers object."""
-    c = sub.add_parser("check", help="load a transformers model through weightlift and prove it runs exactly as transformers' own")
+    c = sub.add_parser(
+        "check", help="load a transformers model through weightlift and prove it runs exactly as transformers' own"
+    )
     c.add_argument("path", help="the model folder as save_pretrained writes it (the reference is loaded from here)")
-    c.add_argument("--from", dest="source", metavar="HOST:PORT", help="build weightlift's model from what this tensor server holds")
+    c.add_argument(
+        "--from", dest="source", metavar="HOST:PORT", help="build weightlift's model from what this tensor server holds"
+    )
     c.add_argument("--token-file", metavar="F", help="the server's token")
     c.add_argument("--prompt", help="prompt text (token ids, comma-separated, without a tokenizer)")
     c.add_argument("--tokens", type=int, default=16, help="tokens to generate (default 16)")

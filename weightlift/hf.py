@@ -20,6 +20,15 @@ conversion built from several tensors (stacked MoE experts) or had to cast. Both
 transformers internals of its v5 loader; a transformers without them is refused with one line
 rather than loaded some other way.
 
+Where the time goes, and so the order of the steps: compiling transformers' table of name
+conversions (every model's, a thousand regular expressions) and building the model take most
+of a warm load's Python time, and reading the bytes most of the rest. They do not depend on each
+other, so the read starts first, on a thread of its own, and the model is built meanwhile. On
+the host, without a cast, the read is what transformers' own loader does without reading:
+the parameters view a private copy-on-write mapping of the files; weightlift reads the cold
+files in with parallel readers and fills the mapping's page tables in that thread, so neither
+the load nor the first forward pass waits on a page fault (see :func:`from_pretrained`).
+
 :func:`from_server` does the same with the tensors a :class:`weightlift.Server` holds (the model
 then shares the server's memory, which the server never reuses while a tensor is referenced), or
 with what a remote server holds, pulled over the wire.
@@ -29,6 +38,7 @@ from __future__ import annotations
 
 import copy as _copy
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Mapping
@@ -37,7 +47,15 @@ from typing import Any
 from .checkpoint import Checkpoint, open_checkpoint
 from .errors import NotFoundError, OptionError, WeightliftError
 
-__all__ = ["from_pretrained", "from_server", "from_state_dict", "model_class_for", "load_config", "resolve_dtype", "require_transformers"]
+__all__ = [
+    "from_pretrained",
+    "from_server",
+    "from_state_dict",
+    "model_class_for",
+    "load_config",
+    "resolve_dtype",
+    "require_transformers",
+]
 
 #: The transformers releases whose loader this module drives (see the theory of operation).
 TRANSFORMERS_MAJOR = 5
@@ -49,7 +67,9 @@ def require_transformers() -> Any:
         import torch  # noqa: F401
         import transformers
     except ImportError as e:
-        raise OptionError(f"this needs transformers and torch ({e.name} is not installed): pip install 'weightlift[hf]'") from None
+        raise OptionError(
+            f"this needs transformers and torch ({e.name} is not installed): pip install 'weightlift[hf]'"
+        ) from None
     major = int(transformers.__version__.split(".")[0])
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping  # noqa: F401
@@ -99,7 +119,9 @@ def model_class_for(config: Any) -> type:
             return mapping[type(config)]
         except (KeyError, ValueError):
             continue
-    raise OptionError(f"no transformers model class for model_type {getattr(config, 'model_type', '?')!r}; pass model_class")
+    raise OptionError(
+        f"no transformers model class for model_type {getattr(config, 'model_type', '?')!r}; pass model_class"
+    )
 
 
 def _torch_dtype(dtype: Any) -> Any:
@@ -119,7 +141,9 @@ def _torch_dtype(dtype: Any) -> Any:
             except (WeightliftError, KeyError):
                 pass
     if found is None or not found.is_floating_point:
-        raise OptionError(f"dtype {dtype!r} is not a floating-point torch dtype (e.g. torch.bfloat16, 'float16', 'F32')")
+        raise OptionError(
+            f"dtype {dtype!r} is not a floating-point torch dtype (e.g. torch.bfloat16, 'float16', 'F32')"
+        )
     return found
 
 
@@ -218,8 +242,8 @@ def from_state_dict(
     tensors = {k: _as_torch(v) for k, v in state_dict.items()}
     dt = resolve_dtype(dtype, config, None, tensors)
     model = _empty_model(cls, config, dt)
-    model, info = _assemble(model, tensors, device=_device(device), dtype=dt, key_mapping=key_mapping,
-                            name_or_path=name_or_path, folder=None)
+    plan = _load_plan(model, device=_device(device), dtype=dt, key_mapping=key_mapping, name_or_path=name_or_path)
+    model, info = _assemble(model, tensors, plan, folder=None)
     return (model, info) if output_loading_info else model
 
 
@@ -232,6 +256,7 @@ def from_pretrained(
     config: Any = None,
     key_mapping: Mapping[str, str] | None = None,
     output_loading_info: bool = False,
+    copy: bool | None = None,
     **load_options: Any,
 ) -> Any:
     """The model of a checkpoint folder as ``save_pretrained`` writes it, loaded by weightlift.
@@ -241,13 +266,19 @@ def from_pretrained(
     object, a folder or a config.json). ``dtype`` None is transformers' ``dtype="auto"``.
     ``model_class`` defaults to the config's ``architectures``. ``key_mapping`` is transformers'
     ``{regex: replacement}`` for checkpoint names. ``load_options`` go to :func:`weightlift.load`
-    (``threads``, ``engine``, ``page_cache``, ``progress``...). Tensors are read straight into
-    ``device`` in their parameter's dtype and become the parameters without a second copy.
+    (``threads``, ``engine``, ``page_cache``, ``progress``, ``verify``...).
 
-    ``copy=False`` (host memory, no cast) makes the parameters views of the files' read-only
-    mapping, as transformers' own loader does with its copy-on-write one: nothing is copied and
-    pages come in as the model first touches them, but the parameters cannot be written (an
-    in-place update of one crashes the process), so it is for inference only.
+    ``copy`` says where the parameters' bytes live. None (the default) does what transformers'
+    own loader does on the host when the files hold the parameters' dtype: the parameters view a
+    private copy-on-write mapping of each file, so nothing is copied and a write to a parameter
+    copies that page for this process alone. What weightlift adds happens while the model is
+    being built: the files not already in the page cache are read in by parallel readers, and
+    the mapping's page tables are filled, so the first forward pass faults nothing in.
+    Elsewhere (a device, a cast) None is ``copy=True``: tensors are read straight into
+    ``device`` in their parameter's dtype, memory of their own, and become the parameters
+    without a second copy. ``copy=False`` (host, no cast) makes them views of weightlift's
+    read-only mapping: an in-place update of a parameter then crashes the process, so it is
+    for inference only.
     """
     require_transformers()
     ckpt = open_checkpoint(path)
@@ -258,19 +289,123 @@ def from_pretrained(
     cls = model_class or model_class_for(config)
     dt = resolve_dtype(dtype, config, ckpt)
     dev = _device(device)
-    model = _empty_model(cls, config, dt)
-    # one cast for all when every parameter shares a dtype; else file dtypes, cast per parameter below
-    cast = _uniform_dtype(model)
-    if cast is not None and all(_file_dtype(t.dtype) in (None, cast) for t in ckpt.tensors):
-        cast = None  # nothing to cast: plain copies (or, with copy=False, views of the mapping)
     report: dict[str, Any] = {}
     from .api import load
 
-    sd = load(ckpt, framework="torch", device=str(dev), dtype=cast, report=report, **load_options)
-    model, info = _assemble(model, sd, device=dev, dtype=dt, key_mapping=key_mapping,
-                            name_or_path=os.fspath(path), folder=folder)
+    # Where the files already hold the model's dtype nothing is cast, whatever the model turns
+    # out to be, so the read starts now, on threads of its own, and the model is built on the
+    # meta device and its name conversions compiled (pure Python, most of transformers' own
+    # load time) while it runs.
+    uncast = all(_file_dtype(t.dtype) in (None, dt) for t in ckpt.tensors)
+    mapped = copy is None and dev.type == "cpu" and uncast
+    early = None
+    if mapped:
+        early = _Background(lambda: _read_and_map(ckpt, report, load_options))
+    elif copy is not False and uncast:
+        early = _Background(lambda: load(ckpt, framework="torch", device=str(dev), report=report, **load_options))
+    try:
+        model = _empty_model(cls, config, dt)
+        plan = _load_plan(model, device=dev, dtype=dt, key_mapping=key_mapping, name_or_path=os.fspath(path))
+    except BaseException:
+        if early is not None:
+            early.wait()
+        raise
+    if early is not None:
+        sd = early.result()
+    else:
+        # one cast for all when every parameter shares a dtype; else file dtypes, cast per parameter below
+        cast = _uniform_dtype(model)
+        if cast is not None and all(_file_dtype(t.dtype) in (None, cast) for t in ckpt.tensors):
+            cast = None  # nothing to cast: plain copies (or, with copy=False, views of the mapping)
+        opts = dict(load_options, copy=copy is not False)
+        sd = load(ckpt, framework="torch", device=str(dev), dtype=cast, report=report, **opts)
+    model, info = _assemble(model, sd, plan, folder=folder)
     info["weightlift"]["load"] = {k: report[k] for k in ("tensors", "bytes", "seconds") if k in report}
+    info["weightlift"]["storage"] = "private mapping" if mapped else "read-only mapping" if copy is False else "copies"
     return (model, info) if output_loading_info else model
+
+
+def _read_and_map(ckpt: Checkpoint, report: dict[str, Any], load_options: Mapping[str, Any]) -> dict[str, Any]:
+    """The files read into the page cache where they are not (weightlift's parallel readers; the
+    read-only views that load returns are not kept), then mapped privately, page tables filled."""
+    from .api import load
+
+    load(ckpt, copy=False, report=report, **load_options)
+    return _private_mapping(ckpt)
+
+
+def _private_mapping(ckpt: Checkpoint) -> dict[str, Any]:
+    """Every tensor of ``ckpt`` as a view of a private copy-on-write mapping of its file.
+
+    This is the mapping transformers' own loader (through safetensors) hands out: lazy, shared
+    with the page cache until a page is written. A tensor whose offset does not suit its element
+    size (safetensors does not promise alignment) is copied out instead.
+    """
+    import torch
+
+    from .dtypes import torch_dtype
+
+    storages = {f: torch.UntypedStorage.from_file(f, shared=False, nbytes=os.path.getsize(f)) for f in ckpt.files}
+    for st in storages.values():
+        _populate(st.data_ptr(), st.nbytes())
+    out = {}
+    for t in ckpt.tensors:
+        dt = torch_dtype(t.dtype)
+        if not t.length:
+            out[t.name] = torch.empty(t.shape, dtype=dt)
+            continue
+        raw = torch.empty(0, dtype=torch.uint8).set_(storages[t.file], t.offset, (t.length,))
+        if t.offset % dt.itemsize:
+            raw = raw.clone()
+        out[t.name] = raw.view(dt).reshape(t.shape)
+    return out
+
+
+#: madvise(2) advice that fills a mapping's page tables from the page cache (Linux 5.14)
+MADV_POPULATE_READ = 22
+
+
+def _populate(address: int, size: int) -> None:
+    """Fill the page tables of a file mapping now, so that the first forward pass, which would
+    otherwise fault every page in on its own threads, finds them mapped. Best effort: a kernel
+    without the advice leaves the pages to be faulted in as they are touched."""
+    import ctypes
+    import mmap
+
+    if not size or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = address - address % mmap.PAGESIZE
+    libc.madvise(start, size + (address - start), MADV_POPULATE_READ)
+
+
+class _Background:
+    """``fn(*args)`` on a thread of its own; ``result()`` waits for it and returns or raises what it did."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        import threading
+
+        self._out: Any = None
+        self._err: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self._out = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+                self._err = e
+
+        self._thread = threading.Thread(target=run, name="wl-hf-load", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._err is not None:
+            raise self._err
+        return self._out
 
 
 def from_server(
@@ -296,8 +431,15 @@ def from_server(
         held = server.tensors()
         if not held:
             raise OptionError("the server holds no tensors")
-        return from_state_dict(held, config, model_class=model_class, device=device, dtype=dtype,
-                               key_mapping=key_mapping, output_loading_info=output_loading_info)
+        return from_state_dict(
+            held,
+            config,
+            model_class=model_class,
+            device=device,
+            dtype=dtype,
+            key_mapping=key_mapping,
+            output_loading_info=output_loading_info,
+        )
     from .remote.client import Client
 
     with tempfile.TemporaryDirectory(prefix="weightlift-pull-") as tmp:
@@ -308,8 +450,16 @@ def from_server(
         if not entries:
             raise OptionError(f"the server at {server} holds no tensors")
         seconds = time.perf_counter() - t0
-        out = from_pretrained(pulled, config=config, device=device, dtype=dtype, model_class=model_class,
-                              key_mapping=key_mapping, output_loading_info=True)
+        out = from_pretrained(
+            pulled,
+            config=config,
+            device=device,
+            dtype=dtype,
+            model_class=model_class,
+            key_mapping=key_mapping,
+            output_loading_info=True,
+            copy=True,  # owned memory: the pulled file goes with its folder
+        )
     model, info = out
     info["weightlift"]["pull"] = {"tensors": len(entries), "bytes": sum(e.nbytes for e in entries), "seconds": seconds}
     return (model, info) if output_loading_info else model
@@ -327,26 +477,42 @@ def _as_torch(x: Any) -> Any:
     return view_as(as_bytes(x), from_numpy(x.dtype), tuple(x.shape), "torch")
 
 
-def _assemble(model: Any, tensors: Mapping[str, Any], *, device: Any, dtype: Any, key_mapping: Any,
-              name_or_path: str | None, folder: str | None) -> tuple[Any, dict[str, Any]]:
-    """Set the tensors as the model's parameters and finish it, through transformers' own loader steps."""
-    import torch
+def _load_plan(model: Any, *, device: Any, dtype: Any, key_mapping: Any, name_or_path: str | None) -> Any:
+    """transformers' load settings for ``model``: its device, dtype plan and name conversions.
+
+    The conversions are compiled from transformers' table of every model's renamings, the
+    costliest step of its loader before any tensor is read; it needs the model, not the tensors.
+    """
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
 
-    load_config_ = LoadStateDictConfig(
+    return LoadStateDictConfig(
         pretrained_model_name_or_path=name_or_path,
         device_map={"": device},
         dtype=dtype,
         dtype_plan=model._get_dtype_plan(dtype),
         weight_mapping=get_model_conversion_mapping(model, key_mapping, None),
     )
+
+
+def _assemble(
+    model: Any, tensors: Mapping[str, Any], load_config_: Any, *, folder: str | None
+) -> tuple[Any, dict[str, Any]]:
+    """Set the tensors as the model's parameters and finish it, through transformers' own loader steps."""
+    import torch
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+
+    name_or_path = load_config_.pretrained_model_name_or_path
+    dtype = load_config_.dtype
     try:
-        loading, _ = convert_and_load_state_dict_in_model(model=model, state_dict=dict(tensors), load_config=load_config_)
+        loading, _ = convert_and_load_state_dict_in_model(
+            model=model, state_dict=dict(tensors), load_config=load_config_
+        )
         loading = type(model)._finalize_model_loading(model, load_config_, loading)
     except (RuntimeError, ValueError, KeyError, AttributeError) as e:
-        raise OptionError(f"{name_or_path or 'state dict'}: transformers cannot assemble {type(model).__name__} from these tensors: {_one_line(e)}") from None
+        raise OptionError(
+            f"{name_or_path or 'state dict'}: transformers cannot assemble {type(model).__name__} from these tensors: {_one_line(e)}"
+        ) from None
     model.config.dtype = dtype
     if name_or_path is not None:
         model.config.name_or_path = name_or_path
