@@ -13,11 +13,12 @@ What it checks, and prints (``--json``: as JSON):
   back to their count before the first client (``fds``, ``threads``: start and end).
 
 A push the server refuses because its memory is full is the limit doing its job, counted in
-``refused``. A pull lists, then reads each tensor: one freed or shrunk by another client in
-between fails that pull (``pull_conflicts``; the client reconnects), and one replaced by a
-larger version comes back as the first bytes of the new version under the old shape
-(``torn_pulls``: a known defect, pinned by tests/faults/test_pull_during_replace.py; a READ
-cannot yet say which version it means). Anything else a client sees is an error, listed in
+``refused``. A pull lists, then reads each tensor as the version listed (protocol 1.2): one
+replaced in between by the same layout is read again as its new version; one freed, or
+replaced by another layout again and again, fails that pull clearly (``pull_conflicts``; the
+client reconnects). A tensor that comes back as the first bytes of a newer version under the
+old shape (the defect the versions removed; tests/faults/test_pull_during_replace.py) counts in
+``torn_pulls`` and fails the soak. Anything else a client sees is an error, listed in
 ``errors``, and any other pulled bytes that no client pushed count in ``bytes_lost``.
 
     python bench/soak.py --seconds 600 --clients 8 --json soak.json
@@ -44,7 +45,7 @@ from typing import Any
 import blake3
 
 from weightlift.benchmark.synthetic import write_checkpoint
-from weightlift.errors import NotFoundError, RemoteProtocolError, WeightliftError
+from weightlift.errors import NotFoundError, RemoteProtocolError, StateError, WeightliftError
 from weightlift.remote.client.client import Client
 
 MIB = 1 << 20
@@ -155,10 +156,10 @@ class Worker:
                 op = self.rng.choices(["push", "pull", "list", "free"], weights=[5, 2, 2, 1])[0]
                 try:
                     getattr(self, "_" + op)(c, others)
-                except (NotFoundError, RemoteProtocolError) as e:
-                    # a pull lists, then reads: a tensor another client freed or replaced with
-                    # another size in between is an error of that pull, which closes its client
-                    if op != "pull" or not (isinstance(e, NotFoundError) or "runs past" in str(e)):
+                except (NotFoundError, RemoteProtocolError, StateError) as e:
+                    # a pull lists, then reads: a tensor another client freed, or kept replacing
+                    # with another layout, in between is a clear error of that pull
+                    if op != "pull" or not (isinstance(e, (NotFoundError, StateError)) or "runs past" in str(e)):
                         raise
                     self.conflicts += 1
                     c.close()
@@ -329,6 +330,7 @@ def ok(r: dict[str, Any]) -> bool:
     return (
         not r["errors"]
         and r["bytes_lost"] == 0
+        and r["torn_pulls"] == 0
         and r["rss_growth"] <= r["rss_allowed"]
         and r["fds"][0] == r["fds"][1]
         and r["threads"][0] == r["threads"][1]

@@ -2,10 +2,10 @@
 whole, with that version's dtype and shape, or the pull fails with a clear error.
 
 A pull lists the tensors, then reads each by name. A tensor replaced in between by one of
-another size or shape is read against the listing: today a larger replacement is read as the
-prefix of the new bytes under the old shape, with no error. The soak (bench/soak.py) found it;
-the fix needs READ to say which version it means, or its reply which version it read (the
-protocol's), so the mark below comes off with that change.
+another size or shape used to be read against the listing: a larger replacement came back as
+the prefix of the new bytes under the old shape, with no error (the soak, bench/soak.py, found
+it). Since protocol 1.2 LIST states each tensor's version and READ asks for the version listed;
+the server answers STALE for a replaced one, and the pull starts over.
 """
 
 from __future__ import annotations
@@ -40,11 +40,6 @@ def _header(path: Path) -> tuple[str, list[int]]:
     return h["w"]["dtype"], h["w"]["shape"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a pull reads a replaced tensor against its stale listing (READ does not name the version): "
-    "wrong bytes under the old shape, no error",
-)
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_tensor_replaced_between_list_and_read_is_pulled_whole_or_refused(tmp_path, case):
     old_shape, new_shape = CASES[case]
@@ -74,3 +69,39 @@ def test_a_tensor_replaced_between_list_and_read_is_pulled_whole_or_refused(tmp_
     assert (tuple(shape), hex_digest(source_bytes(out)["w"])) in versions, (
         "the pulled tensor is no version that was pushed"
     )
+
+
+def test_a_read_of_a_replaced_version_is_refused_as_stale(tmp_path):
+    """READ names the version LIST stated: the current one is served, a replaced one is refused
+    with STALE (never the new bytes), and a READ naming no version gets whatever is there. The
+    same bytes pushed again to a caching server are the same version (a listing stays good)."""
+    from tests.remote.test_server import Raw
+    from weightlift.remote.digest import HASH_THRESHOLD
+    from weightlift.remote.protocol import Error, ErrorCode, ListRequest, Read, ReadReply
+
+    n = HASH_THRESHOLD // 4  # named by digest: a second push finds it in memory
+    a = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    b = np.random.default_rng(2).standard_normal(2 * n).astype(np.float32)
+    path_a = write(tmp_path / "a.safetensors", [("w", "F32", (n,), a.tobytes())])
+    path_b = write(tmp_path / "b.safetensors", [("w", "F32", (2 * n,), b.tobytes())])
+    with Server(cache_dir=str(tmp_path / "cache")) as server, Client(server.address) as writer:
+        writer.push(path_a)
+        raw = Raw(server.address)
+        raw.hello()
+        raw.send(ListRequest())
+        (entry,) = raw.recv().entries
+        assert entry.version > 0
+        raw.send(Read("w", 0, 16, 0, entry.version))
+        assert raw.recv() == ReadReply(16) and raw.read_payload(16) == a.tobytes()[:16]
+        writer.push(path_a)
+        raw.send(ListRequest())
+        assert raw.recv().entries[0].version == entry.version
+        writer.push(path_b)
+        raw.send(Read("w", 0, 16, 0, entry.version))
+        reply = raw.recv()
+        assert isinstance(reply, Error) and reply.code == ErrorCode.STALE
+        raw.send(Read("w", 0, 16))
+        assert raw.recv() == ReadReply(16) and raw.read_payload(16) == b.tobytes()[:16]
+        raw.send(ListRequest())
+        assert raw.recv().entries[0].version > entry.version
+        raw.close()

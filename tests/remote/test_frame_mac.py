@@ -165,7 +165,7 @@ def test_a_server_error_after_auth_is_protected_too(tmp_path):
         assert c.list() == []  # the ERROR's tag checked, the connection still in step
 
 
-def P_entry(name: str):  # noqa: N802 - a RemoteTensor for a tensor that does not exist
-    from weightlift.remote.client.client import RemoteTensor
+def P_entry(name: str):  # noqa: N802 - a listing entry for a tensor that does not exist
+    from weightlift.remote.protocol import ListEntry
 
-    return RemoteTensor(name, "U8", (0,), 0)
+    return ListEntry(name, "U8", (0,), 0)

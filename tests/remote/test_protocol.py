@@ -62,7 +62,7 @@ def test_command_values_are_pinned():
     assert int(Capability.CACHE) == 1 and int(Capability.AUTH) == 2
     assert int(Capability.VERIFY) == 4 and int(Capability.MAC) == 8
     assert (Alloc.FLAG_DIGEST, Alloc.FLAG_VERIFY, Barrier.FLAG_DIGESTS, Read.FLAG_DIGEST) == (1, 2, 1, 1)
-    assert [int(c) for c in P.ErrorCode] == [1, 2, 3, 4, 5, 6]
+    assert [int(c) for c in P.ErrorCode] == [1, 2, 3, 4, 5, 6, 7]
 
 
 def test_versions_and_limits_are_pinned():
@@ -103,8 +103,9 @@ GOLDEN = [
         Alloc(7, "x", "F32", (), 4, None, True),
         "0200000013000000070000000b0000020400000000000000010078",
     ),
-    (Read("w", 8, 24), "06000000140000000800000000000000180000000000000001007700"),
-    (Read("w", 0, 4, 1), "06000000140000000000000000000000040000000000000001007701"),
+    (Read("w", 8, 24), "060000001c0000000800000000000000180000000000000001007700" + "0000000000000000"),
+    (Read("w", 0, 4, 1), "060000001c0000000000000000000000040000000000000001007701" + "0000000000000000"),
+    (Read("w", 0, 4, 0, 7), "060000001c0000000000000000000000040000000000000001007700" + "0700000000000000"),
     (ListRequest("ab"), "070000000400000002006162"),
     (ListRequest(), "07000000020000000000"),
     (Free(("a", "bc")), "080000000b0000000200000001006102006263"),
@@ -120,7 +121,11 @@ GOLDEN = [
     (ReadReply(24, D1), "8600000029000000180000000000000001" + D1.hex()),
     (
         ListReply((ListEntry("a", "I64", (2,), 16),), more=True),
-        "870000001b000000010100000001000d00011000000000000000610200000000000000",
+        "8700000023000000010100000001000d00011000000000000000610200000000000000" + "0000000000000000",
+    ),
+    (
+        ListReply((ListEntry("a", "I64", (2,), 16, 9),)),
+        "8700000023000000000100000001000d00011000000000000000610200000000000000" + "0900000000000000",
     ),
     (FreeReply(2), "880000000400000002000000"),
     (
@@ -203,6 +208,22 @@ def test_barrier_reply_need_list_is_minor_one():
     assert dec.next_event() == BarrierReply(1, 10, (), (3,))  # old reader just skips; ours knows it
     with pytest.raises(LocalProtocolError):
         send(BarrierReply(0, 0, (), (1,)), minor=0)
+
+
+def test_versions_are_minor_two():
+    """LIST states versions and READ may ask for one since minor 2; a minor-1 peer is not told
+    them (the listing is laid out as before) and cannot be asked for one."""
+    with pytest.raises(LocalProtocolError, match="minor 2"):
+        send(Read("t", 0, 1, 0, 5), minor=1)
+    listed = ListReply((ListEntry("a", "I64", (2,), 16, 9),))
+    assert send(listed, minor=1) == send(ListReply((ListEntry("a", "I64", (2,), 16),)), minor=1)
+    old = Decoder(our_role="client", minor=1)
+    old.feed(send(listed, minor=1))
+    assert old.next_event() == ListReply((ListEntry("a", "I64", (2,), 16, 0),))
+    dec = Decoder(our_role="server")
+    dec.feed(send(Read("t", 0, 1, 0, 5)) + send(Read("t", 0, 1), minor=1))
+    assert dec.next_event() == Read("t", 0, 1, 0, 5)
+    assert dec.next_event() == Read("t", 0, 1)  # a minor-1 READ: any version
 
 
 def test_verify_fields_are_minor_two():

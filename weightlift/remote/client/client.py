@@ -47,7 +47,7 @@ from weightlift.errors import (
 )
 from weightlift.formats.safetensors import build_header
 from weightlift.profile import Profiler
-from weightlift.remote.client.connection import Connection
+from weightlift.remote.client.connection import Connection, Replaced
 from weightlift.remote.client.push import Hashing, Plan, Pusher, Tally, balance, wire_form
 from weightlift.remote.digest import HASH_THRESHOLD, NAIVE_HASH_THRESHOLD
 from weightlift.remote.protocol import (
@@ -56,6 +56,7 @@ from weightlift.remote.protocol import (
     Free,
     FreeReply,
     Hello,
+    ListEntry,
     ListReply,
     ListRequest,
     Read,
@@ -66,6 +67,7 @@ from weightlift.remote.transport import TCP, Backend, TlsBackend
 __all__ = ["Client", "PushResult", "RemoteTensor"]
 
 READ_WINDOW = 32  # READs in flight during a pull
+PULL_ATTEMPTS = 3  # a pull that finds tensors replaced under it starts over this many times at most
 PULL_PIECE = 4 << 20  # a verifying pull hashes what it received this much at a time, while it is hot
 #: The most tensors :meth:`Client.list` takes from a server (a server states none of its own):
 #: a server that answers every LIST with "more" cannot make the client loop or grow unbounded.
@@ -364,8 +366,12 @@ class Client:
 
     def list(self) -> list[RemoteTensor]:
         """Every complete tensor the server holds, in name order."""
+        return [RemoteTensor(e.name, e.dtype, e.shape, e.nbytes) for e in self._listing()]
+
+    def _listing(self) -> builtins.list[ListEntry]:
+        """LIST, page by page: the entries with their versions (minor 2; else 0)."""
         conn = self._conn()
-        out: list[RemoteTensor] = []
+        out: builtins.list[ListEntry] = []
         after = ""
         while True:
             conn.send(conn.frame(ListRequest(after)))
@@ -377,7 +383,7 @@ class Client:
                 prev = e.name
             if len(out) + len(page.entries) > MAX_LIST_ENTRIES:
                 raise RemoteProtocolError(f"server lists more than {MAX_LIST_ENTRIES} tensors; stopped reading")
-            out.extend(RemoteTensor(e.name, e.dtype, e.shape, e.nbytes) for e in page.entries)
+            out.extend(page.entries)
             if not page.more or not page.entries:
                 return out
             after = page.entries[-1].name
@@ -416,10 +422,26 @@ class Client:
                 f"pull(verify=True): the server speaks protocol 1.{conn.minor}, which cannot state digests "
                 "(it needs minor 2)"
             )
-        entries = self.list()
+        for attempt in range(PULL_ATTEMPTS):
+            try:
+                return self._pull_once(conn, os.fspath(path), verify)
+            except Replaced as e:
+                if attempt == PULL_ATTEMPTS - 1:
+                    raise StateError(
+                        f"pull from {_address_key(self.address)}: tensors kept being replaced while they were "
+                        f"read ({PULL_ATTEMPTS} attempts; last: {e})"
+                    ) from None
+        raise AssertionError("unreachable")
+
+    def _pull_once(self, conn: Connection, path: str, verify: bool) -> builtins.list[RemoteTensor]:
+        """One pass of :meth:`pull`: list, then READ each tensor as listed (minor 2: that version
+        only). A tensor replaced in between by one of the same dtype and shape is read again as
+        its new version (each tensor in the file is then whole, as some version was); one
+        replaced by another layout raises Replaced, and no file is written."""
+        listed = self._listing()
+        entries = [RemoteTensor(e.name, e.dtype, e.shape, e.nbytes) for e in listed]
         header, offsets = build_header([(e.name, e.dtype, e.shape, e.nbytes) for e in entries])
         total = len(header) + sum(e.nbytes for e in entries)
-        path = os.fspath(path)
         tmp = f"{path}.{os.getpid()}.wl-tmp"
         try:
             with open(tmp, "w+b") as f:
@@ -428,7 +450,27 @@ class Client:
                 f.flush()
                 mm = mmap.mmap(f.fileno(), total) if total > len(header) else None
                 try:
-                    differ = self._read_all(conn, entries, [len(header) + o for o in offsets], mm, verify)
+                    starts = [len(header) + o for o in offsets]
+                    differ, stale = self._read_all(conn, listed, starts, mm, verify)
+                    for _ in range(PULL_ATTEMPTS):
+                        if not stale:
+                            break
+                        now = {e.name: e for e in self._listing()}
+                        again = [now.get(listed[i].name) for i in stale]
+                        moved = [
+                            listed[i].name
+                            for i, e in zip(stale, again)
+                            if e is None or _layout(e) != _layout(listed[i])
+                        ]
+                        if moved:
+                            raise Replaced(", ".join(map(repr, moved)) + " replaced by another layout since listed")
+                        more, stale_again = self._read_all(
+                            conn, [e for e in again if e is not None], [starts[i] for i in stale], mm, verify
+                        )
+                        differ += more
+                        stale = [stale[k] for k in stale_again]
+                    if stale:
+                        raise Replaced(", ".join(repr(listed[i].name) for i in stale) + " replaced again and again")
                     if differ:
                         raise IntegrityError(
                             f"pull from {_address_key(self.address)}: {len(differ)} of {len(entries)} tensors "
@@ -443,7 +485,7 @@ class Client:
         except OSError as e:
             _unlink(tmp)
             raise FileError(f"cannot write: {e.strerror or e}", file=str(path), errno=e.errno) from None
-        except IntegrityError:
+        except (IntegrityError, Replaced):
             _unlink(tmp)  # every reply was read: the connection is still in step
             raise
         except BaseException:
@@ -455,24 +497,36 @@ class Client:
     def _read_all(
         self,
         conn: Connection,
-        entries: builtins.list[RemoteTensor],
+        entries: builtins.list[ListEntry],
         starts: builtins.list[int],
         mm: mmap.mmap | None,
         verify: bool = False,
-    ) -> builtins.list[str]:
+    ) -> tuple[builtins.list[str], builtins.list[int]]:
         """READ every entry into its place in ``mm``; with ``verify`` each is hashed as it lands,
-        a piece at a time while the piece is hot, and the names that differ are returned."""
+        a piece at a time while the piece is hot, and the names that differ are returned.
+
+        Each READ asks for the version listed; the positions in ``entries`` of those the server
+        answers were replaced since are returned beside the names that differ, their bytes not
+        read."""
         view = memoryview(mm) if mm is not None else memoryview(b"")
         flags = Read.FLAG_DIGEST if verify else 0
         differ: builtins.list[str] = []
+        replaced: builtins.list[int] = []
         dest = piece = view
         try:
             sent = 0
             for i, e in enumerate(entries):
                 while sent < len(entries) and sent < i + READ_WINDOW:
-                    conn.send(conn.frame(Read(entries[sent].name, 0, entries[sent].nbytes, flags)))
+                    x = entries[sent]
+                    conn.send(conn.frame(Read(x.name, 0, x.nbytes, flags, x.version if conn.minor >= 2 else 0)))
                     sent += 1
-                reply = conn.expect(ReadReply)
+                try:
+                    reply = conn.expect(ReadReply)
+                except StateError as exc:
+                    if not isinstance(exc, Replaced):
+                        raise
+                    replaced.append(i)
+                    continue
                 if reply.length != e.nbytes:
                     raise RemoteProtocolError(f"READ of {e.name!r} returned {reply.length} bytes, not {e.nbytes}")
                 dest = view[starts[i] : starts[i] + e.nbytes]
@@ -492,7 +546,11 @@ class Client:
             # released here, not when the frames of a traceback go: the mapping closes next
             for v in (piece, dest, view):
                 v.release()
-        return differ
+        return differ, replaced
+
+
+def _layout(e: ListEntry) -> tuple[str, tuple[int, ...], int]:
+    return e.dtype, e.shape, e.nbytes
 
 
 def _unlink(path: str) -> None:

@@ -19,6 +19,7 @@ from weightlift.errors import (
     LocalProtocolError,
     NotFoundError,
     RemoteProtocolError,
+    StateError,
     TransportError,
     WeightliftError,
 )
@@ -37,9 +38,14 @@ from weightlift.remote.protocol import (
 )
 from weightlift.remote.transport import Stream, receive_message, receive_payload, receive_tag
 
-__all__ = ["Connection", "remote_error"]
+__all__ = ["Connection", "Replaced", "remote_error"]
 
-ERRORS = {ErrorCode.AUTH: AuthError, ErrorCode.NOT_FOUND: NotFoundError}
+
+class Replaced(StateError):
+    """The server answered a READ with STALE: the tensor listed was replaced before it was read."""
+
+
+ERRORS = {ErrorCode.AUTH: AuthError, ErrorCode.NOT_FOUND: NotFoundError, ErrorCode.STALE: Replaced}
 
 
 def remote_error(msg: Error) -> WeightliftError:

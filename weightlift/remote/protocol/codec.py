@@ -178,9 +178,11 @@ def _enc_read(m: Read, minor: int) -> bytes:
     name = _name(m.name, "tensor name")
     out = Read.LAYOUT.pack(m.offset, m.length, len(name) - 2) + name[2:]
     if minor >= 2:
-        return out + _U8.pack(m.flags)
+        return out + _U8.pack(m.flags) + _DIM.pack(m.version)
     if m.flags:
         _since(minor, 2, "READ flags")
+    if m.version:
+        _since(minor, 2, "READ version")
     return out
 
 
@@ -209,6 +211,8 @@ def _enc_list_reply(m: ListReply, minor: int) -> bytes:
         name = _name(e.name, "tensor name")
         parts.append(ListEntry.LAYOUT.pack(len(name) - 2, _code(e.dtype), len(e.shape), e.nbytes))
         parts.append(name[2:] + _dims(e.shape))
+    if minor >= 2:  # an older peer cannot ask for a version: it is not told them
+        parts.extend(_DIM.pack(e.version) for e in m.entries)
     return b"".join(parts)
 
 
@@ -402,7 +406,8 @@ def _dec_read(r: _Reader, lim: _Limits) -> Read:
     if offset + length > lim.max_tensor_bytes:
         raise r.fail(f"bytes [{offset}, {offset + length}) exceed the tensor limit of {lim.max_tensor_bytes}")
     flags = r.unpack(_U8, "READ flags")[0] if r.remaining else 0  # appended in minor 2
-    return Read(name, offset, length, flags)
+    version = r.unpack(_DIM, "READ version")[0] if r.remaining else 0  # appended in minor 2
+    return Read(name, offset, length, flags, version)
 
 
 def _dec_read_reply(r: _Reader, lim: _Limits) -> ReadReply:
@@ -429,6 +434,8 @@ def _dec_list_reply(r: _Reader, lim: _Limits) -> ListReply:
         shape = r.shape(ndims)
         r.sized(dtype, shape, nbytes, MAX_TENSOR_BYTES, f"tensor {name!r}")
         entries.append(ListEntry(name, dtype, shape, nbytes))
+    if r.remaining:  # appended in minor 2: one version per entry
+        entries = [ListEntry(e.name, e.dtype, e.shape, e.nbytes, r.unpack(_DIM, "entry version")[0]) for e in entries]
     return ListReply(tuple(entries), bool(more))
 
 

@@ -202,6 +202,7 @@ class ErrorCode(IntEnum):
     LIMIT = 4  # a request exceeds a limit (memory, tensor size)
     NOT_FOUND = 5  # no such tensor
     INTERNAL = 6  # the server failed for its own reasons
+    STALE = 7  # (minor 2) a READ named a version of the tensor that has since been replaced
 
 
 class Message:
@@ -322,7 +323,9 @@ class FillFromCache(Message):
 @dataclass(frozen=True, slots=True)
 class Read(Message):
     """Bytes [offset, offset+length) of a complete tensor. Wire: LAYOUT(offset, length, name_len) name,
-    then (minor 2) flags:u8; flags&1 asks the reply to state the BLAKE3 digest of those bytes."""
+    then (minor 2) flags:u8 and version:u64. flags&1 asks the reply to state the BLAKE3 digest of
+    those bytes; a non-zero ``version`` (from LIST) asks for that version only: if the tensor has
+    been replaced since, the reply is ERROR(STALE), never another version's bytes."""
 
     COMMAND = Command.READ
     LAYOUT = struct.Struct("<QQH")
@@ -332,6 +335,7 @@ class Read(Message):
     offset: int
     length: int
     flags: int = 0  # since minor 2
+    version: int = 0  # since minor 2; 0: whichever version is there
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,7 +363,10 @@ class ListRequest(Message):
 
 @dataclass(frozen=True, slots=True)
 class ListEntry:
-    """One LIST_REPLY entry. Wire: LAYOUT(name_len, dtype code, ndims, nbytes) name dims."""
+    """One LIST_REPLY entry. Wire: LAYOUT(name_len, dtype code, ndims, nbytes) name dims.
+
+    ``version`` (minor 2) names this version of the tensor: it changes whenever the name is
+    published again with other bytes, so a READ can ask for exactly what was listed."""
 
     LAYOUT: ClassVar[struct.Struct] = struct.Struct("<HHBQ")
 
@@ -367,11 +374,13 @@ class ListEntry:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    version: int = 0  # since minor 2
 
 
 @dataclass(frozen=True, slots=True)
 class ListReply(Message):
-    """A page of tensors in name order; ``more`` says another LIST is needed. Wire: LAYOUT(more, count) entries."""
+    """A page of tensors in name order; ``more`` says another LIST is needed. Wire: LAYOUT(more, count)
+    entries, then (minor 2) each entry's version as u64, in the same order."""
 
     COMMAND = Command.LIST_REPLY
     LAYOUT = struct.Struct("<BI")

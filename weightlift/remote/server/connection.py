@@ -451,6 +451,11 @@ class Connection:
         if entry is None:
             self._reply(Error(ErrorCode.NOT_FOUND, f"no tensor {r.name!r}"))
             return
+        if r.version and r.version != entry.version:
+            # the listing the reader works from is out of date: another version's bytes under
+            # the listed dtype and shape would be a silent wrong tensor
+            self._reply(Error(ErrorCode.STALE, f"{r.name!r} was replaced since it was listed"))
+            return
         nbytes, dest = entry.nbytes, entry.tensor
         if r.offset + r.length > nbytes:
             self._reply(
@@ -502,11 +507,11 @@ class Connection:
         budget = self.client_max_frame - 64
         entries: list[ListEntry] = []
         for name, e in items:
-            size = 15 + len(name.encode()) + 8 * len(e.shape)
+            size = 23 + len(name.encode()) + 8 * len(e.shape)
             if len(entries) >= MAX_TENSORS or size > budget:
                 break
             budget -= size
-            entries.append(ListEntry(name, e.dtype, e.shape, e.nbytes))
+            entries.append(ListEntry(name, e.dtype, e.shape, e.nbytes, e.version))
         self._reply(ListReply(tuple(entries), more=len(entries) < len(items)))
 
 

@@ -55,11 +55,21 @@ class MemoryFull(Exception):
 
 class Entry:
     """A complete tensor in the store. ``digest`` is set when its bytes were proven to hash to it
-    (hashed as they arrived, or filled from a verified cache entry): the in-memory tier."""
+    (hashed as they arrived, or filled from a verified cache entry): the in-memory tier.
+    ``version`` names this version of the tensor (LIST states it; a READ may ask for it)."""
 
-    __slots__ = ("dtype", "shape", "nbytes", "tensor", "cost", "digest")
+    __slots__ = ("dtype", "shape", "nbytes", "tensor", "cost", "digest", "version")
 
-    def __init__(self, dtype: str, shape: tuple[int, ...], nbytes: int, tensor: Any, cost: int, digest: bytes | None):
+    def __init__(
+        self,
+        dtype: str,
+        shape: tuple[int, ...],
+        nbytes: int,
+        tensor: Any,
+        cost: int,
+        digest: bytes | None,
+        version: int = 0,
+    ):
         self.dtype, self.shape, self.nbytes, self.tensor, self.cost, self.digest = (
             dtype,
             shape,
@@ -68,6 +78,7 @@ class Entry:
             cost,
             digest,
         )
+        self.version = version
 
 
 class Charge:
@@ -117,6 +128,7 @@ class Store:
         self._entries: dict[str, Entry] = {}
         self._held: dict[bytes, str] = {}  # digest -> name of a stored tensor proven to hold those bytes
         self._used = 0
+        self._versions = 0  # the last version number given to a published tensor
         self._unowned: dict[int, int] = {}  # id -> cost of held tensors that take no weak references
         self._stats = {
             "connections": 0,
@@ -196,7 +208,12 @@ class Store:
                 cost = old.cost
             else:
                 self._charge_until_gone(tensor, cost)
-            self._entries[name] = Entry(dtype, shape, nbytes, tensor, cost, digest)
+            if old is not None and old.tensor is tensor and (old.dtype, old.shape) == (dtype, shape):
+                version = old.version  # the same bytes as the same tensor: a reader's listing still holds
+            else:
+                self._versions += 1
+                version = self._versions
+            self._entries[name] = Entry(dtype, shape, nbytes, tensor, cost, digest, version)
             if old is not None:
                 self._unhold(name, old)
                 if old.tensor is not tensor:
