@@ -24,10 +24,9 @@ Where the time goes, and so the order of the steps: compiling transformers' tabl
 conversions (every model's, a thousand regular expressions) and building the model take most
 of a warm load's Python time, and reading the bytes most of the rest. They do not depend on each
 other, so the read starts first, on a thread of its own, and the model is built meanwhile. On
-the host, without a cast, the read is what transformers' own loader does without reading:
-the parameters view a private copy-on-write mapping of the files; weightlift reads the cold
-files in with parallel readers and fills the mapping's page tables in that thread, so neither
-the load nor the first forward pass waits on a page fault (see :func:`from_pretrained`).
+the host, without a cast, nothing needs copying: the parameters view a private copy-on-write
+mapping of the files, as transformers' own do, and that thread only reads the files not yet in
+the page cache, with weightlift's parallel readers (see :func:`from_pretrained`).
 
 :func:`from_server` does the same with the tensors a :class:`weightlift.Server` holds (the model
 then shares the server's memory, which the server never reuses while a tensor is referenced), or
@@ -38,7 +37,6 @@ from __future__ import annotations
 
 import copy as _copy
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Mapping
@@ -272,8 +270,7 @@ def from_pretrained(
     own loader does on the host when the files hold the parameters' dtype: the parameters view a
     private copy-on-write mapping of each file, so nothing is copied and a write to a parameter
     copies that page for this process alone. What weightlift adds happens while the model is
-    being built: the files not already in the page cache are read in by parallel readers, and
-    the mapping's page tables are filled, so the first forward pass faults nothing in.
+    being built: the files not already in the page cache are read in by parallel readers.
     Elsewhere (a device, a cast) None is ``copy=True``: tensors are read straight into
     ``device`` in their parameter's dtype, memory of their own, and become the parameters
     without a second copy. ``copy=False`` (host, no cast) makes them views of weightlift's
@@ -327,7 +324,7 @@ def from_pretrained(
 
 def _read_and_map(ckpt: Checkpoint, report: dict[str, Any], load_options: Mapping[str, Any]) -> dict[str, Any]:
     """The files read into the page cache where they are not (weightlift's parallel readers; the
-    read-only views that load returns are not kept), then mapped privately, page tables filled."""
+    read-only views that load returns are not kept), then mapped privately."""
     from .api import load
 
     load(ckpt, copy=False, report=report, **load_options)
@@ -346,8 +343,6 @@ def _private_mapping(ckpt: Checkpoint) -> dict[str, Any]:
     from .dtypes import torch_dtype
 
     storages = {f: torch.UntypedStorage.from_file(f, shared=False, nbytes=os.path.getsize(f)) for f in ckpt.files}
-    for st in storages.values():
-        _populate(st.data_ptr(), st.nbytes())
     out = {}
     for t in ckpt.tensors:
         dt = torch_dtype(t.dtype)
@@ -359,25 +354,6 @@ def _private_mapping(ckpt: Checkpoint) -> dict[str, Any]:
             raw = raw.clone()
         out[t.name] = raw.view(dt).reshape(t.shape)
     return out
-
-
-#: madvise(2) advice that fills a mapping's page tables from the page cache (Linux 5.14)
-MADV_POPULATE_READ = 22
-
-
-def _populate(address: int, size: int) -> None:
-    """Fill the page tables of a file mapping now, so that the first forward pass, which would
-    otherwise fault every page in on its own threads, finds them mapped. Best effort: a kernel
-    without the advice leaves the pages to be faulted in as they are touched."""
-    import ctypes
-    import mmap
-
-    if not size or not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    start = address - address % mmap.PAGESIZE
-    libc.madvise(start, size + (address - start), MADV_POPULATE_READ)
 
 
 class _Background:
@@ -428,7 +404,7 @@ def from_server(
     """
     require_transformers()
     if hasattr(server, "tensors") and callable(server.tensors):
-        held = server.tensors()
+        held = server.tensors(writable=True)  # they become the model's parameters, shared
         if not held:
             raise OptionError("the server holds no tensors")
         return from_state_dict(
