@@ -490,6 +490,41 @@ def test_second_push_of_a_held_tensor_keeps_its_memory(tmp_path):
         assert s.stats()["memory_hits"] == 2
 
 
+def test_held_tensors_are_handed_out_read_only_and_then_need_no_second_hash(tmp_path, monkeypatch):
+    """numpy tensors come as read-only views (the same object each time): nobody can write into
+    them, so a digest-named push of the same bytes finds them in memory without hashing them
+    again. One handed out writable is hashed again before it is trusted."""
+    from weightlift.remote.server import receive
+
+    hashed: list[int] = []
+    real = receive.hash_buffer
+    monkeypatch.setattr(
+        receive, "hash_buffer", lambda buf, **kw: hashed.append(len(memoryview(buf).cast("B"))) or real(buf, **kw)
+    )
+    a = _f32(700_000, 7)
+    d = hash_buffer(a)
+    with Server(cache_dir=tmp_path / "c") as s:
+        raw = Raw(s.address)
+        raw.hello()
+        _cache_push(raw, a, 0, "w", d)
+        _barrier(raw)
+        view = s.tensors()["w"]
+        assert s.tensors()["w"] is view and not view.flags.writeable
+        with pytest.raises(ValueError):
+            view[0] = 1.0
+        hashed.clear()
+        raw.send(Alloc(1, "w", "F32", a.shape, a.nbytes, d))
+        raw.send(P.FillFromCache(1, d))
+        assert _barrier(raw) == BarrierReply(1, 0)
+        assert hashed == [] and s.stats()["memory_hits"] == 1  # trusted: nobody could write into it
+        assert s.tensors()["w"] is view
+        s.tensors(writable=True)  # handed out writable: exposed from now on
+        raw.send(Alloc(2, "w", "F32", a.shape, a.nbytes, d))
+        raw.send(P.FillFromCache(2, d))
+        assert _barrier(raw) == BarrierReply(1, 0)
+        assert hashed == [a.nbytes] and s.stats()["memory_hits"] == 2  # proven again, then kept
+
+
 def test_a_held_tensor_written_in_place_is_not_trusted(tmp_path):
     a = _f32(700_000, 9)
     d = hash_buffer(a)
@@ -498,7 +533,7 @@ def test_a_held_tensor_written_in_place_is_not_trusted(tmp_path):
         raw.hello()
         _cache_push(raw, a, 0, "w", d)
         _barrier(raw)
-        s.tensors()["w"][10] += 1.0  # a reader changed its weights
+        s.tensors(writable=True)["w"][10] += 1.0  # a reader changed its weights
         raw.send(Alloc(1, "w", "F32", a.shape, a.nbytes, d))
         raw.send(P.FillFromCache(1, d))
         assert _barrier(raw) == BarrierReply(1, 0)
@@ -507,7 +542,7 @@ def test_a_held_tensor_written_in_place_is_not_trusted(tmp_path):
         assert st["memory_hits"] == 0 and st["cache_hits"] == 1
         # with no disk entry either, the client is asked for the bytes
         (tmp_path / "c" / d.hex()[:2] / d.hex()).unlink()
-        s.tensors()["w"][10] += 1.0
+        s.tensors(writable=True)["w"][10] += 1.0
         raw.send(Alloc(2, "w", "F32", a.shape, a.nbytes, d))
         raw.send(P.FillFromCache(2, d))
         assert _barrier(raw) == BarrierReply(0, 0, (), (2,))

@@ -552,18 +552,22 @@ class Receiver:
     def _fill_from_memory(self, p: Pending, digest: bytes) -> bool:
         """Fill ``p`` from a tensor the server holds whose bytes were proven to hash to
         ``digest``: the same name (a second push of unchanged weights keeps the very same
-        memory, no copy) or another name (one copy). The held bytes are hashed again first: a
-        reader may have written into its tensor since, and an entry is never trusted unchecked."""
+        memory, no copy) or another name (one copy). An entry handed out writable (see
+        :meth:`Store.tensors`) is hashed again first: a reader may have written into it since.
+        One nobody could write into still holds the bytes it was proven to hold."""
         if not self.store.remembers_digests or not self._pooled():
             return False  # host memory only (and no device is touched to find out)
         for name, e in self.store.candidates(p.name, digest):
             if e.digest != digest or e.nbytes != p.nbytes:
                 continue
             src = np.frombuffer(self.target.host_view(e.tensor), dtype=np.uint8)
-            t0 = time.perf_counter_ns() if self.prof.enabled else 0
-            ok = hash_buffer(src) == digest
-            if self.prof.enabled:
-                self.prof.record("hash", t0, time.perf_counter_ns(), p.nbytes, name="verify " + p.name)
+            sealed = not e.exposed  # nobody outside the server could have written into it
+            ok = True
+            if not sealed:
+                t0 = time.perf_counter_ns() if self.prof.enabled else 0
+                ok = hash_buffer(src) == digest
+                if self.prof.enabled:
+                    self.prof.record("hash", t0, time.perf_counter_ns(), p.nbytes, name="verify " + p.name)
             if not ok:  # written since it arrived: no longer proof of anything
                 self.store.distrust(name, e, digest)
                 continue
@@ -577,7 +581,7 @@ class Receiver:
                 dst[:] = src  # a user-space copy faults fresh pages itself as cheaply as anything
                 if self.prof.enabled:
                     self.prof.record("stage", t0, time.perf_counter_ns(), p.nbytes, name="copy " + p.name)
-                if hash_buffer(dst) != digest:  # the source changed under the copy: prove what landed
+                if not sealed and hash_buffer(dst) != digest:  # the source changed under the copy: prove what landed
                     continue
             p.fill()
             p.proven = True

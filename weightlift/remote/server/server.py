@@ -430,9 +430,15 @@ class Server:
 
     # -- what the server holds -------------------------------------------------------------
 
-    def tensors(self) -> dict[str, Any]:
-        """The complete tensors by name (numpy arrays or torch tensors); never a partial one."""
-        return self._store.tensors()
+    def tensors(self, *, writable: bool = False) -> dict[str, Any]:
+        """The complete tensors by name (numpy arrays or torch tensors); never a partial one.
+
+        numpy arrays come as read-only views: what the server holds is its proof of what was
+        pushed, and a digest-named push of the same bytes then finds them in memory without
+        hashing them again. ``writable=True`` hands out the arrays themselves, for a process that
+        changes its weights in place; those tensors (and torch tensors, which have no read-only
+        form) are hashed again before a later push trusts them."""
+        return self._store.tensors(writable=writable)
 
     @property
     def memory_used(self) -> int:

@@ -56,9 +56,11 @@ class MemoryFull(Exception):
 class Entry:
     """A complete tensor in the store. ``digest`` is set when its bytes were proven to hash to it
     (hashed as they arrived, or filled from a verified cache entry): the in-memory tier.
-    ``version`` names this version of the tensor (LIST states it; a READ may ask for it)."""
+    ``version`` names this version of the tensor (LIST states it; a READ may ask for it).
+    ``exposed`` says whether anyone outside the server may have been able to write into it
+    (handed out writable): only then must its bytes be hashed again before they prove anything."""
 
-    __slots__ = ("dtype", "shape", "nbytes", "tensor", "cost", "digest", "version")
+    __slots__ = ("dtype", "shape", "nbytes", "tensor", "cost", "digest", "version", "exposed", "_readonly")
 
     def __init__(
         self,
@@ -79,6 +81,17 @@ class Entry:
             digest,
         )
         self.version = version
+        self.exposed = False
+        self._readonly: Any = None
+
+    def readonly(self) -> Any:
+        """The tensor as a read-only numpy view (the same object every time), or None where the
+        tensor is not a numpy array (a torch tensor has no read-only form)."""
+        if self._readonly is None and isinstance(self.tensor, np.ndarray):
+            v = self.tensor.view()
+            v.flags.writeable = False
+            self._readonly = v
+        return self._readonly
 
 
 class Charge:
@@ -213,7 +226,9 @@ class Store:
             else:
                 self._versions += 1
                 version = self._versions
-            self._entries[name] = Entry(dtype, shape, nbytes, tensor, cost, digest, version)
+            entry = self._entries[name] = Entry(dtype, shape, nbytes, tensor, cost, digest, version)
+            if old is not None and old.tensor is tensor:  # the same memory: what was handed out holds
+                entry.exposed, entry._readonly = old.exposed, old._readonly
             if old is not None:
                 self._unhold(name, old)
                 if old.tensor is not tensor:
@@ -260,10 +275,20 @@ class Store:
         with self._lock:
             return self._entries.get(name)
 
-    def tensors(self) -> dict[str, Any]:
-        """The complete tensors by name; never a partial one."""
+    def tensors(self, *, writable: bool = False) -> dict[str, Any]:
+        """The complete tensors by name; never a partial one. numpy tensors come as read-only
+        views unless ``writable``; a tensor handed out writable (a torch tensor always is) is
+        marked exposed, and its digest is proven again before it is trusted."""
+        out = {}
         with self._lock:
-            return {name: entry.tensor for name, entry in self._entries.items()}
+            for name, entry in self._entries.items():
+                ro = None if writable else entry.readonly()
+                if ro is None:
+                    entry.exposed = True
+                    out[name] = entry.tensor
+                else:
+                    out[name] = ro
+        return out
 
     def listing(self, after: str) -> list[tuple[str, Entry]]:
         """Entries whose names sort after ``after``, in name order."""
