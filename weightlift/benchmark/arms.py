@@ -189,6 +189,7 @@ def _runai(o: dict[str, Any]) -> dict[str, Any]:
 
 def _fastsafetensors(o: dict[str, Any]) -> dict[str, Any]:
     # its CPU path: no GPUDirect Storage (nogds), files read into host buffers by its own threads
+    import torch  # noqa: F401  (fastsafetensors imports its framework when the loader is made: not in load_s)
     from fastsafetensors import SafeTensorsFileLoader, SingleGroup
 
     t0 = time.perf_counter_ns()
