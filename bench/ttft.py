@@ -6,7 +6,9 @@
 Each run is a fresh process that imports torch and transformers, builds the model from the
 same folder (``transformers``: its ``from_pretrained``; ``weightlift``:
 ``weightlift.hf.from_pretrained`` as it is by default, parameters viewing a private copy-on-write
-mapping of the files as transformers' own are; ``weightlift.copy``: the same with ``copy=True``,
+mapping of the files as transformers' own are; ``weightlift.prefetch``: the same, with
+``weightlift.prefetch(folder)`` called before the imports, so that a cold read runs under them;
+``weightlift.copy``: the same as ``weightlift`` with ``copy=True``,
 parameters in memory of their own), runs one forward pass over an 8-token prompt and takes the
 greedy next token. Its window runs from the spawn to the line the child prints then, read here;
 the child also reports its own import, load and first-forward times, and its peak resident
@@ -51,7 +53,7 @@ from weightlift.benchmark.harness import (
 )
 from weightlift.benchmark.stats import summarize
 
-ARMS = ("transformers", "weightlift", "weightlift.copy")
+ARMS = ("transformers", "weightlift", "weightlift.prefetch", "weightlift.copy")
 MODEL_NAME = "ttft-llama-0.8g"
 
 MAKE = r"""
@@ -68,6 +70,9 @@ import time
 t0 = time.perf_counter()
 import json, os, resource, sys
 arm, path = sys.argv[1], sys.argv[2]
+if arm == "weightlift.prefetch":
+    import weightlift
+    weightlift.prefetch(path)  # the files' read runs under the imports below
 import torch, transformers
 with open(os.path.join(path, "config.json")) as f:
     cls = getattr(transformers, json.load(f)["architectures"][0])  # transformers imports the model's module here
@@ -208,6 +213,7 @@ def ratio_line(result: dict[str, Any]) -> str:
     for m in result["modes"]:
         a = {arm: m["arms"][arm]["summary"] for arm in ARMS}
         ratio = a["transformers"]["window_s"]["median"] / a["weightlift"]["window_s"]["median"]
+        pre = a["transformers"]["window_s"]["median"] / a["weightlift.prefetch"]["window_s"]["median"]
         # the imports are the same for both and most of the window: the part after them, apart
         after = {
             arm: statistics.median(x["load_s"] + x["forward_s"] for x in m["arms"][arm]["samples"]) for arm in ARMS
@@ -215,7 +221,9 @@ def ratio_line(result: dict[str, Any]) -> str:
         parts.append(
             f"{m['mode']} {ratio:.2f}x ({a['weightlift']['window_s']['median']:.2f} s vs "
             f"{a['transformers']['window_s']['median']:.2f} s; after the imports "
-            f"{after['transformers'] / after['weightlift']:.2f}x, {after['weightlift']:.2f} s vs {after['transformers']:.2f} s)"
+            f"{after['transformers'] / after['weightlift']:.2f}x, {after['weightlift']:.2f} s vs {after['transformers']:.2f} s; "
+            f"with weightlift.prefetch before the imports {pre:.2f}x, "
+            f"{a['weightlift.prefetch']['window_s']['median']:.2f} s)"
         )
     growth = ", ".join(
         f"{arm} {max(x['growth'] for m in result['modes'] for x in m['arms'][arm]['samples']) / result['bytes']:.2f}x"

@@ -9,6 +9,8 @@ def test_all_is_pinned():
     assert sorted(weightlift.__all__) == sorted(
         [
             "load",
+            "prefetch",
+            "Prefetch",
             "open",
             "Checkpoint",
             "TensorInfo",

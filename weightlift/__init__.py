@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from weightlift.api import load
+from weightlift.api import Prefetch, load, prefetch
 from weightlift.checkpoint import Checkpoint
 from weightlift.checkpoint import open_checkpoint as open
 from weightlift.errors import (
@@ -37,6 +37,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "load",
+    "prefetch",
+    "Prefetch",
     "open",
     "Checkpoint",
     "TensorInfo",

@@ -13,10 +13,10 @@ from typing import Any
 
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
 from weightlift.errors import OptionError
-from weightlift.local.loader import load_local
+from weightlift.local.loader import Prefetch, load_local, prefetch
 from weightlift.split import split_load
 
-__all__ = ["load"]
+__all__ = ["load", "prefetch", "Prefetch"]
 
 
 def load(

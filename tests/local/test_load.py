@@ -464,3 +464,39 @@ def test_cold_load_with_and_without_fault_helpers_same_bytes(tmp_path, monkeypat
         assert asked == []
     else:
         assert sum(e - b for b, e in asked) >= total  # every chunk asked for its range first
+
+
+def test_prefetch_reads_cold_files_in_the_background_and_the_load_waits_for_it(tmp_path, monkeypatch):
+    """prefetch() returns at once with a thread reading the cold files in; a load of them waits
+    for it and reads nothing twice; a resident file is left alone; a bad path raises at once."""
+    from weightlift.local import loader
+
+    rng = np.random.default_rng(6)
+    tensors = [(f"t{i}", "U8", (1 << 20,), rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()) for i in range(4)]
+    path = write(tmp_path / "m.safetensors", tensors)
+    assert wl.prefetch(path).files == [] and wl.prefetch(path).done  # just written: resident
+    read: list[list[str]] = []
+    gate = __import__("threading").Event()
+    real = loader._prefetch
+
+    def slow(infos, maps, files, prof, progress):
+        gate.wait(10)  # held until the load has started, so it must wait
+        read.append(list(files))
+        real(infos, maps, files, prof, progress)
+
+    monkeypatch.setattr(loader, "_prefetch", slow)
+    monkeypatch.setattr(loader, "resident_fraction", lambda f, refresh=False: 0.0)
+    job = wl.prefetch(path)
+    assert job.files == [str(path)] and not job.done
+    waited = []
+    real_await = loader._await_prefetches
+    monkeypatch.setattr(
+        loader, "_await_prefetches", lambda files: (waited.append(not job.done), gate.set(), real_await(files))
+    )
+    out = wl.load(path)
+    assert waited == [True] and job.done and read == [[str(path)]]
+    for name, _, _, raw in tensors:
+        assert raw_bytes(out[name]) == raw
+    job.wait()
+    with pytest.raises(NotFoundError):
+        wl.prefetch(tmp_path / "missing.safetensors")

@@ -46,8 +46,10 @@ from weightlift.disk.source import (
     Warmer,
     evict_range,
     page_eviction_override,
-    prefetch,
     resident_fraction,
+)
+from weightlift.disk.source import (
+    prefetch as read_in,
 )
 from weightlift.dtypes import DTYPES, dtype_info, from_numpy, from_torch
 from weightlift.errors import FileError, OptionError, WeightliftError
@@ -57,7 +59,7 @@ from weightlift.memory.faulter import Faulter
 from weightlift.memory.fresh import policy as _fill_policy
 from weightlift.memory.targets import CastTarget, CudaTarget, Target, fresh_host, make_target, populate, view_as
 
-__all__ = ["load_local", "Landed", "DEFAULT_THREADS"]
+__all__ = ["load_local", "prefetch", "Prefetch", "Landed", "DEFAULT_THREADS"]
 
 DEFAULT_THREADS = max(1, min(8, os.cpu_count() or 1))
 _PLAIN = {d.name for d in DTYPES}
@@ -116,6 +118,7 @@ def load_local(
         prof.count(tensors=len(infos), nbytes=nbytes)
     files = list(dict.fromkeys(t.file for t in infos))
     maps = {f: ckpt.mapped(f) for f in files}  # one mapping per file for the whole load
+    _await_prefetches(files)
     resident = {f: resident_fraction(f) for f in files}
     if not copy:
         if str(device) != "cpu" or cast is not None:
@@ -264,6 +267,78 @@ def _dequantized(t: TensorInfo, raw: Any, framework: str) -> Any:
     return res if isinstance(raw, np.ndarray) or raw.device.type == "cpu" else res.to(raw.device)
 
 
+class Prefetch:
+    """Files of a checkpoint being read into the page cache on a thread of their own (see
+    :func:`prefetch`). A load of the same files waits for it instead of reading them again."""
+
+    def __init__(self, files: list[str], thread: threading.Thread | None):
+        self.files = files
+        self._thread = thread
+        self.error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Wait until the files are read in; a read error is raised here (and by the load)."""
+        if self._thread is not None:
+            self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+_prefetches: dict[str, Prefetch] = {}  # by file: the prefetch reading it now
+_prefetch_lock = threading.Lock()
+
+
+def prefetch(path: str | os.PathLike[str] | Checkpoint, *, select: Select = None) -> Prefetch:
+    """Start reading the selected bytes of a checkpoint's cold files into the page cache, on a
+    background thread, and return at once.
+
+    For the time a process spends before its load: importing torch and transformers takes
+    seconds, and a cold checkpoint's read can run under it (the readers wait on the disk in
+    ``sendfile``, without the GIL). Call it first thing, then import, then load: the load waits
+    for whatever the prefetch has not finished and reads nothing twice. Files already resident
+    are left alone. Headers are parsed now, so a missing or malformed checkpoint raises here."""
+    ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
+    infos = ckpt.select(select)
+    files = list(dict.fromkeys(t.file for t in infos))
+    maps = {f: ckpt.mapped(f) for f in files}
+    cold = [f for f in files if resident_fraction(f, refresh=True) < RESIDENT_THRESHOLD]
+    if not cold:
+        return Prefetch([], None)
+    job = Prefetch(cold, None)
+
+    def run() -> None:
+        try:
+            _prefetch(infos, maps, cold, None, None)
+        except BaseException as e:  # noqa: BLE001 - kept for wait() and the load
+            job.error = e
+        finally:
+            for f in cold:
+                resident_fraction(f, refresh=True)  # what the load will see
+            with _prefetch_lock:
+                for f in cold:
+                    if _prefetches.get(f) is job:
+                        del _prefetches[f]
+
+    job._thread = threading.Thread(target=run, name="wl-prefetch", daemon=True)
+    with _prefetch_lock:
+        for f in cold:
+            _prefetches[f] = job
+    job._thread.start()
+    return job
+
+
+def _await_prefetches(files: list[str]) -> None:
+    """Wait for prefetches still reading any of ``files`` (their reads are this load's)."""
+    with _prefetch_lock:
+        jobs = {id(j): j for f in files if (j := _prefetches.get(f)) is not None}
+    for j in jobs.values():
+        j.wait()
+
+
 def _prefetch(
     infos: list[TensorInfo],
     maps: dict[str, MappedFile],
@@ -285,7 +360,7 @@ def _prefetch(
     for f in files:
         ranges = [(r.offset, r.length) for r in runs if r.file == f]
         m = maps[f]
-        prefetch(
+        read_in(
             m,
             ranges,
             readers=readers_for(m.identity.dev) or MAX_WARMERS,
