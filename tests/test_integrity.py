@@ -106,14 +106,17 @@ def test_flipped_byte_in_destination_is_named(tmp_path, monkeypatch):
     ts = _tensors()
     path = write(tmp_path / "m.safetensors", ts)
     target = open_checkpoint(path).select("layer.4")[0]
-    real = loader._Mover._host_chunk
+    real = loader._Mover._read_into
 
-    def corrupting(self, file, off, n, dst):
-        real(self, file, off, n, dst)
-        if off <= target.offset + 5000 < off + n:  # lands right, then is changed in memory
-            dst[target.offset + 5000 - off] ^= 1
+    def corrupting(self, file, off, dst, landed=None):
+        def changed_then_hashed(f, o, data, stable=True):
+            if o <= target.offset + 5000 < o + len(data):  # landed right, then changed in memory
+                data[target.offset + 5000 - o] ^= 1
+            landed(f, o, data, stable=stable)
 
-    monkeypatch.setattr(loader._Mover, "_host_chunk", corrupting)
+        real(self, file, off, dst, changed_then_hashed if landed is not None else None)
+
+    monkeypatch.setattr(loader._Mover, "_read_into", corrupting)
     with pytest.raises(IntegrityError, match=r"1 tensor\(s\).*: layer\.4$"):
         weightlift.load(path, verify=True, threads=4)
     assert main(["load", str(path), "--verify"]) == 2

@@ -551,8 +551,6 @@ class _Mover:
                         if self._faulter is not None:
                             self._faulter.ready(_ARENA, dst_off, dst_off + c.length)
                         self._host_chunk(r.file, src_off, c.length, arena[dst_off : dst_off + c.length])
-                        if self.on_landed is not None:
-                            self.on_landed(r.file, src_off, arena[dst_off : dst_off + c.length])
                     if self.evict:
                         evict_range(r.file, src_off, c.length)
                     if self.progress is not None:
@@ -578,11 +576,19 @@ class _Mover:
         finally:
             gate.close()
 
-    def _read_into(self, file: str, off: int, dst: np.ndarray) -> None:
+    def _read_into(self, file: str, off: int, dst: np.ndarray, landed: Landed | None = None) -> None:
+        """Read ``dst.size`` bytes of ``file`` at ``off`` into ``dst``. ``landed``, if given, is
+        called with each piece of at most LANDED_PIECE bytes right after it lands, while it is
+        still in the CPU's cache (a verified load hashes it there: hashing a 32 MiB chunk
+        after the fact would read it back from memory)."""
         m = self.maps[file]
         n = dst.size
         if self.engine[file] == "mmap":
-            np.copyto(dst, np.frombuffer(m.buffer, dtype=np.uint8, count=n, offset=off))
+            for a in range(0, n, LANDED_PIECE if landed is not None else max(n, 1)):
+                b = min(n, a + (LANDED_PIECE if landed is not None else n))
+                np.copyto(dst[a:b], np.frombuffer(m.buffer, dtype=np.uint8, count=b - a, offset=off + a))
+                if landed is not None:
+                    landed(file, off + a, dst[a:b])
             # drop this process's page-table entries for what was copied (the page cache keeps
             # the pages): otherwise the mapped file doubles the load's RSS
             m.advise(mmap.MADV_DONTNEED, off, n)
@@ -594,17 +600,21 @@ class _Mover:
         if prof is not None and _fill_policy().ahead:
             prof.record("stage", t0, time.perf_counter_ns(), 0, name="fault-in")
         mv = dst.data
+        step = LANDED_PIECE if landed is not None else n
         done = 0
         while done < n:
-            got = os.preadv(m.fileno(), [mv[done:]], off + done)
+            end = min(n, done + step)
+            got = os.preadv(m.fileno(), [mv[done:end]], off + done)
             if got <= 0:
                 raise FileError(f"file ended at byte {off + done} while reading tensors", file=file)
+            if landed is not None:
+                landed(file, off + done, dst[done : done + got])
             done += got
 
     def _host_chunk(self, file: str, off: int, n: int, dst: np.ndarray) -> None:
         prof = self.prof
         t0 = time.perf_counter_ns() if prof is not None else 0
-        self._read_into(file, off, dst)
+        self._read_into(file, off, dst, self.on_landed)
         if prof is not None:
             prof.record("read", t0, time.perf_counter_ns(), n)
             prof.count(calls=1)
@@ -700,6 +710,9 @@ class _Gate:
 
 _DEVICE_CHUNK = 16 * 1024 * 1024
 _ARENA = "arena"  # the one region a load's faulter holds
+# a verified load hashes what landed this much at a time, right after it lands, while it is in
+# the CPU's cache (the last level's share of one core, on the machines measured)
+LANDED_PIECE = 1024 * 1024
 # how far the cold faulter's helpers may run ahead of the readers: the arena is allocated (and
 # its size known) already, so this only bounds how soon faulted pages are used
 COLD_FAULT_WINDOW = 256 * 1024 * 1024
