@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import blake3
@@ -70,47 +69,28 @@ RESERVED_NAMES = frozenset({"__metadata__"})  # names a pulled safetensors file 
 
 class StreamHash:
     """The digest of bytes fed in order, for a tensor ALLOCated with VERIFY that no cache writer
-    hashes: the same ``write``, ``commit`` and ``abort`` as one, and ``value`` at the end.
+    hashes: the same ``write``, ``commit`` and ``abort`` as one, and ``value`` at the end."""
 
-    With ``behind`` (a one-thread executor of the connection's) each piece is hashed there, in
-    order, while the socket fills the next: the pieces must then be the destination's own
-    memory, which stays put until ``value`` has waited for them (BLAKE3 releases the GIL)."""
-
-    def __init__(self, length: int, behind: ThreadPoolExecutor | None = None):
+    def __init__(self, length: int):
         self.length = length
         self._hasher: Any = None
         self.is_open = True
-        self._behind = behind
-        self._last: Future[None] | None = None
 
     def write(self, buf: Any) -> None:
         view = byte_view(buf)
         if self._hasher is None:  # as for the cache: threads pay only on large pieces
             big = min(self.length, view.nbytes) >= PARALLEL_HASH_MIN
-            self._hasher = blake3.blake3(max_threads=blake3.blake3.AUTO if big and self._behind is None else 1)
-        if self._behind is not None:
-            self._last = self._behind.submit(self._hasher.update, view)
-        else:
-            self._hasher.update(view)
-
-    def wait(self) -> None:
-        """Until every piece written so far is hashed."""
-        if self._last is not None:
-            self._last.result()
+            self._hasher = blake3.blake3(max_threads=blake3.blake3.AUTO if big else 1)
+        self._hasher.update(view)
 
     def commit(self) -> None:
         self.is_open = False
 
     def abort(self) -> None:
         self.is_open = False
-        try:
-            self.wait()  # the memory it reads may be let go next
-        except Exception:  # noqa: BLE001 - an aborted digest is not wanted
-            pass
 
     @property
     def value(self) -> bytes:
-        self.wait()
         return (self._hasher or blake3.blake3()).digest()
 
 
@@ -240,7 +220,6 @@ class Receiver:
         self.verified: list[tuple[int, bytes]] = []
         self.verified_dropped = 0
         self._faulter: Faulter | None = None  # made at the first fresh destination
-        self._behind: ThreadPoolExecutor | None = None  # hashes verified tensors behind the receive
         self._files: list[CacheWriter] = []  # cache writers made, some still holding a temporary file
 
     def _files_open(self) -> int:
@@ -436,10 +415,7 @@ class Receiver:
             if p.writer is None:
                 p.writer = DigestCheck(p.digest, p.nbytes, cache.hash_threads)
         elif p.verify and p.writer is None and h.offset == 0 and p.hashed == 0:
-            # the digest the next barrier reports; hashed behind the receive where the pieces are
-            # the destination's own memory
-            direct = self.ctx.opt and self.target.memcpy_ok
-            p.writer = StreamHash(p.nbytes, self._hash_behind() if direct else None)
+            p.writer = StreamHash(p.nbytes)  # the digest the next barrier reports
         if p.writer is not None and h.offset != p.hashed:  # out of order: cannot hash in one pass
             p.writer.abort()
             p.writer = None
@@ -681,15 +657,8 @@ class Receiver:
             h.update(flat[pos : pos + STAGING_BYTES].cpu().numpy())
         return h.digest()
 
-    def _hash_behind(self) -> ThreadPoolExecutor:
-        if self._behind is None:
-            self._behind = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wl-hash")
-        return self._behind
-
     def close(self) -> None:
         """The connection ends: stop the faulter (nothing writes into freed memory), drop what is in flight."""
-        if self._behind is not None:
-            self._behind.shutdown(wait=True)  # nothing reads memory about to be let go
         if self._faulter is not None:
             self._faulter.close()  # waits for the pieces in progress
         for p in self.pending.values():
