@@ -253,28 +253,6 @@ def run_link(size: int, timeout: float) -> float:
     return size / max(r["seconds"] for r in res)
 
 
-def storage_rate(path: str, *, cold: bool) -> float:
-    from weightlift.benchmark.harness import evict_files
-
-    if cold:
-        evict_files([path])
-    size = os.path.getsize(path)
-    buf = bytearray(16 * MIB)
-    mv = memoryview(buf)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        t0 = time.perf_counter()
-        off = 0
-        while off < size:
-            got = os.preadv(fd, [mv], off)
-            if got <= 0:
-                break
-            off += got
-        return size / (time.perf_counter() - t0)
-    finally:
-        os.close(fd)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-mib", type=int, default=256, help="synthetic checkpoint size (default 256)")
@@ -341,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  broadcast: the source reads {size / 1e6:.1f} MB, receivers 0")
 
     time.sleep(args.settle)
+    from fanout_model import storage_rate  # bench/ is this script's folder: on its path
+
     cold = storage_rate(path, cold=True)
     warm = storage_rate(path, cold=False)
     link = run_link(min(size, 256 * MIB), args.timeout)
