@@ -29,8 +29,7 @@ from weightlift.distributed.shard import Rows, whole
 from weightlift.dtypes import byte_length, dtype_info
 from weightlift.errors import GroupError, OptionError, RemoteProtocolError
 from weightlift.formats import TensorInfo
-from weightlift.memory.faulter import Faulter
-from weightlift.memory.fresh import policy as fill_policy
+from weightlift.memory.faulter import REGION, Faulter
 
 __all__ = ["broadcast_load", "BROADCAST_CHUNK", "MAX_DESCRIPTION"]
 
@@ -103,7 +102,7 @@ def broadcast_load(
                 # this chunk's fresh pages, faulted while the previous chunk is still in flight
                 # (the helpers have usually done them already): a receive into untouched memory
                 # measured two to three times slower than into touched memory
-                faulter.ready(_ARENA, lo, hi)
+                faulter.ready(REGION, lo, hi)
             chunks += _step(comm, arena, at, reader if source else None, infos, offs, lo, hi, src, pending)
             if len(pending) > 1:
                 done += _finish(comm, pending.popleft(), progress)
@@ -128,19 +127,15 @@ def broadcast_load(
     return out
 
 
-_ARENA = "arena"  # the one region a broadcast's faulter holds
 FAULT_WINDOW = 256 * 1024 * 1024  # how far the helpers may fault ahead of the chunk in flight
 
 
 def _faulter(arena: Arena) -> Faulter | None:
     """Helpers faulting a host arena in ahead of the chunks landing in it (the fill policy's
     helper count; 0: none, each chunk's pages are faulted by its receive)."""
-    helpers = fill_policy().helpers
-    if arena.host is None or helpers < 1 or not arena.nbytes:
+    if arena.host is None:
         return None
-    f = Faulter(threads=helpers, piece=4 << 20, window=FAULT_WINDOW, name="wl-bcast-fault")
-    f.add(_ARENA, arena.host)
-    return f
+    return Faulter.ahead(arena.host, window=FAULT_WINDOW, name="wl-bcast-fault")
 
 
 def _step(

@@ -55,7 +55,7 @@ from weightlift.dtypes import DTYPES, dtype_info, from_numpy, from_torch
 from weightlift.errors import FileError, OptionError, WeightliftError
 from weightlift.formats import TensorInfo
 from weightlift.local.plan import CHUNK, Run, layout, make_chunks, make_runs
-from weightlift.memory.faulter import Faulter
+from weightlift.memory.faulter import REGION, Faulter
 from weightlift.memory.fresh import policy as _fill_policy
 from weightlift.memory.targets import CastTarget, CudaTarget, Target, fresh_host, make_target, populate, view_as
 
@@ -493,12 +493,9 @@ class _Mover:
         faults its own chunk first pays both in series. Warm, the readers keep every core busy
         and the helpers would only take turns with them. ``WEIGHTLIFT_FAULT_HELPERS=0`` (the fill
         policy's helper count) turns them off."""
-        helpers = _fill_policy().helpers
-        if arena is None or not self.cold_read or helpers < 1 or not arena.size:
+        if arena is None or not self.cold_read:
             return None
-        f = Faulter(threads=helpers, piece=4 << 20, window=COLD_FAULT_WINDOW, name="wl-load-fault")
-        f.add(_ARENA, arena)
-        return f
+        return Faulter.ahead(arena, window=COLD_FAULT_WINDOW, name="wl-load-fault")
 
     def _start_warmers(self, runs: list[Run]) -> list[Warmer]:
         """A warmer per file that wants one, over that file's runs; kept by file for the workers."""
@@ -549,7 +546,7 @@ class _Mover:
                         self._device_chunk(r.file, src_off, c.length, arena_dev, dst_off, slots, flip)
                     else:
                         if self._faulter is not None:
-                            self._faulter.ready(_ARENA, dst_off, dst_off + c.length)
+                            self._faulter.ready(REGION, dst_off, dst_off + c.length)
                         self._host_chunk(r.file, src_off, c.length, arena[dst_off : dst_off + c.length])
                     if self.evict:
                         evict_range(r.file, src_off, c.length)
@@ -583,9 +580,10 @@ class _Mover:
         after the fact would read it back from memory)."""
         m = self.maps[file]
         n = dst.size
+        step = LANDED_PIECE if landed is not None else max(n, 1)
         if self.engine[file] == "mmap":
-            for a in range(0, n, LANDED_PIECE if landed is not None else max(n, 1)):
-                b = min(n, a + (LANDED_PIECE if landed is not None else n))
+            for a in range(0, n, step):
+                b = min(n, a + step)
                 np.copyto(dst[a:b], np.frombuffer(m.buffer, dtype=np.uint8, count=b - a, offset=off + a))
                 if landed is not None:
                     landed(file, off + a, dst[a:b])
@@ -600,7 +598,6 @@ class _Mover:
         if prof is not None and _fill_policy().ahead:
             prof.record("stage", t0, time.perf_counter_ns(), 0, name="fault-in")
         mv = dst.data
-        step = LANDED_PIECE if landed is not None else n
         done = 0
         while done < n:
             end = min(n, done + step)
@@ -709,7 +706,6 @@ class _Gate:
 
 
 _DEVICE_CHUNK = 16 * 1024 * 1024
-_ARENA = "arena"  # the one region a load's faulter holds
 # a verified load hashes what landed this much at a time, right after it lands, while it is in
 # the CPU's cache (the last level's share of one core, on the machines measured)
 LANDED_PIECE = 1024 * 1024

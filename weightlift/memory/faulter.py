@@ -33,7 +33,9 @@ from typing import Any
 
 from weightlift.memory.fresh import fault_in, policy
 
-__all__ = ["Faulter"]
+__all__ = ["Faulter", "REGION"]
+
+REGION = "arena"  # the key of the one region a Faulter made by Faulter.ahead holds
 
 _QUEUED, _RUNNING, _DONE, _CANCELLED = 0, 1, 2, 3
 
@@ -85,6 +87,18 @@ class Faulter:
         self._threads: list[threading.Thread] = []
         self._closed = False
         self.faulted = 0  # bytes the helpers faulted (for tests and profiles)
+
+    @classmethod
+    def ahead(cls, buf: Any, *, window: int, name: str, piece: int = 4 << 20) -> Faulter | None:
+        """Helpers faulting one region, ``buf``, in ahead of whoever fills it (registered as
+        :data:`REGION`): as many as the fill policy's helper count, or None when that is 0 or
+        ``buf`` is empty, and the filler faults its own pages."""
+        helpers = policy().helpers
+        if helpers < 1 or not memoryview(buf).nbytes:
+            return None
+        f = cls(threads=helpers, piece=piece, window=window, name=name)
+        f.add(REGION, buf)
+        return f
 
     # -- the receiver's side -------------------------------------------------------------------
 
