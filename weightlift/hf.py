@@ -23,10 +23,11 @@ rather than loaded some other way.
 Where the time goes, and so the order of the steps: compiling transformers' table of name
 conversions (every model's, a thousand regular expressions) and building the model take most
 of a warm load's Python time, and reading the bytes most of the rest. They do not depend on each
-other, so the read starts first, on a thread of its own, and the model is built meanwhile. On
+other, so the read starts first, on threads of its own, and the model is built meanwhile. On
 the host, without a cast, nothing needs copying: the parameters view a private copy-on-write
-mapping of the files, as transformers' own do, and that thread only reads the files not yet in
-the page cache, with weightlift's parallel readers (see :func:`from_pretrained`).
+mapping of the files, as transformers' own do, and those threads make the mapped bytes ready
+to read (read in where cold, mapped, touched once: :func:`weightlift.disk.source.map_in`), so
+that the first forward pass neither waits on storage nor faults page by page.
 
 :func:`from_server` does the same with the tensors a :class:`weightlift.Server` holds (the model
 then shares the server's memory, which the server never reuses while a tensor is referenced), or
@@ -37,7 +38,9 @@ from __future__ import annotations
 
 import copy as _copy
 import os
+import re as _re
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -270,7 +273,8 @@ def from_pretrained(
     own loader does on the host when the files hold the parameters' dtype: the parameters view a
     private copy-on-write mapping of each file, so nothing is copied and a write to a parameter
     copies that page for this process alone. What weightlift adds happens while the model is
-    being built: the files not already in the page cache are read in by parallel readers.
+    being built: the mapped bytes are read in where cold, mapped and touched once, on parallel
+    threads, so that the first forward pass finds them ready.
     Elsewhere (a device, a cast) None is ``copy=True``: tensors are read straight into
     ``device`` in their parameter's dtype, memory of their own, and become the parameters
     without a second copy. ``copy=False`` (host, no cast) makes them views of weightlift's
@@ -322,17 +326,33 @@ def from_pretrained(
     return (model, info) if output_loading_info else model
 
 
+#: ``from_pretrained`` options that the mapped path honours itself; any other (``verify``,
+#: ``engine``, ``page_cache``...) sends the files through :func:`weightlift.load` first.
+_MAPPED_OPTIONS = frozenset({"threads", "progress"})
+
+
 def _read_and_map(ckpt: Checkpoint, report: dict[str, Any], load_options: Mapping[str, Any]) -> dict[str, Any]:
-    """The files read into the page cache where they are not (weightlift's parallel readers; the
-    read-only views that load returns are not kept), then mapped privately."""
+    """Every tensor as a view of a private mapping of its file, with the mapped bytes made
+    ready to read: in the page cache, mapped, touched once (:func:`weightlift.disk.source.map_in`),
+    so that the first forward pass neither waits on storage nor faults page by page."""
     from .api import load
+    from .disk.source import map_in
 
-    load(ckpt, copy=False, report=report, **load_options)
-    return _private_mapping(ckpt)
+    t0 = time.perf_counter()
+    if set(load_options) - _MAPPED_OPTIONS:
+        load(ckpt, copy=False, report=report, **load_options)  # weightlift's reader, for its options
+    storages, out = _private_mapping(ckpt)
+    threads = load_options.get("threads") or min(os.cpu_count() or 1, 4)
+    map_in([(st.data_ptr(), st.nbytes(), f) for f, st in storages.items()], threads=threads)
+    report.setdefault("tensors", len(ckpt.tensors))
+    report.setdefault("bytes", sum(t.length for t in ckpt.tensors))
+    report.setdefault("seconds", time.perf_counter() - t0)
+    return out
 
 
-def _private_mapping(ckpt: Checkpoint) -> dict[str, Any]:
-    """Every tensor of ``ckpt`` as a view of a private copy-on-write mapping of its file.
+def _private_mapping(ckpt: Checkpoint) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every tensor of ``ckpt`` as a view of a private copy-on-write mapping of its file, and
+    the mappings (torch storages) by file.
 
     This is the mapping transformers' own loader (through safetensors) hands out: lazy, shared
     with the page cache until a page is written. A tensor whose offset does not suit its element
@@ -342,7 +362,11 @@ def _private_mapping(ckpt: Checkpoint) -> dict[str, Any]:
 
     from .dtypes import torch_dtype
 
-    storages = {f: torch.UntypedStorage.from_file(f, shared=False, nbytes=os.path.getsize(f)) for f in ckpt.files}
+    storages = {
+        f: torch.UntypedStorage.from_file(f, shared=False, nbytes=os.path.getsize(f))
+        for f in ckpt.files
+        if os.path.getsize(f)
+    }
     out = {}
     for t in ckpt.tensors:
         dt = torch_dtype(t.dtype)
@@ -353,7 +377,7 @@ def _private_mapping(ckpt: Checkpoint) -> dict[str, Any]:
         if t.offset % dt.itemsize:
             raw = raw.clone()
         out[t.name] = raw.view(dt).reshape(t.shape)
-    return out
+    return storages, out
 
 
 class _Background:
@@ -462,6 +486,7 @@ def _load_plan(model: Any, *, device: Any, dtype: Any, key_mapping: Any, name_or
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.modeling_utils import LoadStateDictConfig
 
+    _lazy_conversion_table()
     return LoadStateDictConfig(
         pretrained_model_name_or_path=name_or_path,
         device_map={"": device},
@@ -469,6 +494,85 @@ def _load_plan(model: Any, *, device: Any, dtype: Any, key_mapping: Any, name_or
         dtype_plan=model._get_dtype_plan(dtype),
         weight_mapping=get_model_conversion_mapping(model, key_mapping, None),
     )
+
+
+class _LazyPattern:
+    """A regular expression compiled at its first use; otherwise it acts as the compiled one."""
+
+    __slots__ = ("_args", "_compiled")
+
+    def __init__(self, *args: Any) -> None:
+        self._args = args
+        self._compiled: Any = None
+
+    def _get(self) -> Any:
+        if self._compiled is None:
+            self._compiled = _re.compile(*self._args)
+        return self._compiled
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._get(), name)
+
+    def __copy__(self) -> _LazyPattern:
+        return self  # immutable, as a compiled pattern is (copy and deepcopy return it too)
+
+    def __deepcopy__(self, memo: Any) -> _LazyPattern:
+        return self
+
+    def __reduce__(self) -> Any:
+        return (_re.compile, self._args)
+
+    def __repr__(self) -> str:
+        return repr(self._get())
+
+
+class _LazyRe:
+    """transformers' ``core_model_loading.re`` while it builds its table: ``compile`` is lazy."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_re, name)
+
+    @staticmethod
+    def compile(*args: Any) -> _LazyPattern:
+        return _LazyPattern(*args)
+
+
+_lazy_lock = threading.Lock()
+
+
+def _lazy_conversion_table() -> None:
+    """Build transformers' table of name conversions with each regular expression compiled at
+    its first use.
+
+    The table holds every model's renamings (about 1,200 of them, in transformers 5.x) and
+    transformers builds it, once per process, on the first load, compiling each one: 0.09-0.13 s
+    on this project's machine, most of a warm load's own time, for the one model's handful
+    that will ever match a name. Built here first, with ``re.compile`` deferred, it is the same
+    table (the same conversions, in the same order, each pattern compiled from the same text
+    when it is first matched), and transformers' own loads in this process use it too. A
+    transformers whose module does not look as expected is left to build its table itself.
+    """
+    try:
+        from transformers import conversion_mapping as cm
+        from transformers import core_model_loading as cml
+    except ImportError:
+        return
+    if (
+        getattr(cm, "_checkpoint_conversion_mapping_cache", False) is not None
+        or not callable(getattr(cm, "_build_checkpoint_conversion_mapping", None))
+        or getattr(cml, "re", None) is not _re
+    ):
+        return
+    with _lazy_lock:
+        if cm._checkpoint_conversion_mapping_cache is not None:
+            return
+        cml.re = _LazyRe()
+        try:
+            table = cm._build_checkpoint_conversion_mapping()
+        finally:
+            cml.re = _re
+        if cm._checkpoint_conversion_mapping_cache is None:
+            cm._checkpoint_conversion_mapping_cache = table
 
 
 def _assemble(

@@ -477,14 +477,15 @@ def test_prefetch_reads_cold_files_in_the_background_and_the_load_waits_for_it(t
     assert wl.prefetch(path).files == [] and wl.prefetch(path).done  # just written: resident
     read: list[list[str]] = []
     gate = __import__("threading").Event()
-    real = loader._prefetch
+    real = loader.map_in
 
-    def slow(infos, maps, files, prof, progress):
+    def slow(regions, *, threads):
         gate.wait(10)  # held until the load has started, so it must wait
-        read.append(list(files))
-        real(infos, maps, files, prof, progress)
+        read.append(sorted({f for _, _, f in regions}))
+        assert sum(n for _, n, _ in regions) == 4 << 20  # the tensors' bytes, once
+        return real(regions, threads=threads)
 
-    monkeypatch.setattr(loader, "_prefetch", slow)
+    monkeypatch.setattr(loader, "map_in", slow)
     monkeypatch.setattr(loader, "resident_fraction", lambda f, refresh=False: 0.0)
     job = wl.prefetch(path)
     assert job.files == [str(path)] and not job.done

@@ -45,6 +45,7 @@ from weightlift.disk.source import (
     MappedFile,
     Warmer,
     evict_range,
+    map_in,
     page_eviction_override,
     resident_fraction,
 )
@@ -297,10 +298,12 @@ def prefetch(path: str | os.PathLike[str] | Checkpoint, *, select: Select = None
     background thread, and return at once.
 
     For the time a process spends before its load: importing torch and transformers takes
-    seconds, and a cold checkpoint's read can run under it (the readers wait on the disk in
-    ``sendfile``, without the GIL). Call it first thing, then import, then load: the load waits
-    for whatever the prefetch has not finished and reads nothing twice. Files already resident
-    are left alone. Headers are parsed now, so a missing or malformed checkpoint raises here."""
+    seconds, and a cold checkpoint's read can run under it (:func:`~weightlift.disk.source.map_in`
+    on this process's mapping of each file: the readers wait on the disk in ``madvise``, without
+    the GIL, and touch each page once, which on a VM is a fault of its own). Call it first
+    thing, then import, then load: the load waits for whatever the prefetch has not finished and
+    reads nothing twice. Files already resident are left alone. Headers are parsed now, so a
+    missing or malformed checkpoint raises here."""
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     infos = ckpt.select(select)
     files = list(dict.fromkeys(t.file for t in infos))
@@ -310,9 +313,11 @@ def prefetch(path: str | os.PathLike[str] | Checkpoint, *, select: Select = None
         return Prefetch([], None)
     job = Prefetch(cold, None)
 
+    regions = [(maps[r.file].address() + r.offset, r.length, r.file) for r in make_runs(infos) if r.file in cold]
+
     def run() -> None:
         try:
-            _prefetch(infos, maps, cold, None, None)
+            map_in(regions, threads=_prefetch_threads())
         except BaseException as e:  # noqa: BLE001 - kept for wait() and the load
             job.error = e
         finally:
@@ -329,6 +334,12 @@ def prefetch(path: str | os.PathLike[str] | Checkpoint, *, select: Select = None
             _prefetches[f] = job
     job._thread.start()
     return job
+
+
+def _prefetch_threads() -> int:
+    """One core fewer than the machine has, at most MAX_WARMERS: a prefetch runs beside the
+    imports it hides under, which take a core of their own."""
+    return max(1, min((os.cpu_count() or 1) - 1, MAX_WARMERS))
 
 
 def _await_prefetches(files: list[str]) -> None:
