@@ -47,6 +47,7 @@ from weightlift.benchmark.harness import (
     ArmFailed,
     ArmSkipped,
     bench_dir,
+    ensure_bytecode,
     evict_files,
     max_resident,
     run_once,
@@ -246,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.runs < 1:
         ap.error("--runs must be at least 1")
     path = a.model or ensure_model()
+    ensure_bytecode()
     files = model_files(path)
     log = lambda s: print(s, file=sys.stderr, flush=True)
     modes = ["warm", "cold"] if a.mode == "both" else [a.mode]
