@@ -218,6 +218,41 @@ def test_the_reads_error_is_raised_from_the_callers_thread(models, copy):
         hf.from_pretrained(models["llama"], copy=copy, engine="bogus")
 
 
+def test_lazy_conversion_table_is_transformers_table(monkeypatch):
+    """The table built with re.compile deferred holds the same conversions as transformers' own
+    build, each pattern compiled from the same text and flags; a deferred pattern deep-copies
+    and pickles as the compiled one, and matches the same."""
+    import copy
+    import pickle
+    import re
+
+    from transformers import conversion_mapping as cm
+
+    monkeypatch.setattr(cm, "_checkpoint_conversion_mapping_cache", None)
+    hf._lazy_conversion_table()
+    lazy = cm._checkpoint_conversion_mapping_cache
+    eager = cm._build_checkpoint_conversion_mapping()
+    assert list(lazy) == list(eager)
+    n = 0
+    for key in eager:
+        assert [type(t) for t in lazy[key]] == [type(t) for t in eager[key]]
+        for a, b in zip(lazy[key], eager[key]):
+            assert a.source_patterns == b.source_patterns and a.target_patterns == b.target_patterns
+            if hasattr(b, "compiled_sources"):
+                assert isinstance(a.compiled_sources, hf._LazyPattern)
+                assert (a.compiled_sources.pattern, a.compiled_sources.flags) == (
+                    b.compiled_sources.pattern,
+                    b.compiled_sources.flags,
+                )
+                n += 1
+    assert n > 100
+    p = next(t.compiled_sources for ts in lazy.values() for t in ts if hasattr(t, "compiled_sources"))
+    assert copy.deepcopy(p) is p and isinstance(pickle.loads(pickle.dumps(p)), re.Pattern)
+    # built once per process: a second call leaves the table alone
+    hf._lazy_conversion_table()
+    assert cm._checkpoint_conversion_mapping_cache is lazy
+
+
 def test_moe_experts_are_merged_like_transformers(models):
     sd = wl.load(models["mixtral"], framework="torch")
     assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in sd  # the saved, per-expert layout
