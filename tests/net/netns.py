@@ -151,12 +151,33 @@ class Net:
         _ip("-n", ns, "addr", "add", f"{addr}/{prefix}", "dev", dev)
         _ip("-n", ns, "link", "set", dev, "up")
 
-    def pair(self, subnet: str = "10.231.0") -> list[tuple[str, str, str]]:
-        """Two namespaces on a veth pair: ``[(namespace, device, address), ...]``."""
+    def pair(self, subnet: str = "10.231.0", *, rate: str | None = None) -> list[tuple[str, str, str]]:
+        """Two namespaces on a veth pair: ``[(namespace, device, address), ...]``. ``rate`` (tc's
+        notation, e.g. ``"4gbit"``) caps what the first sends to the second with a token bucket
+        (``tc tbf``, in most kernels, unlike netem)."""
         na, nb = self.namespace(), self.namespace()
         a, b = self._veth(na, nb)
         self._address(na, a, f"{subnet}.1")
         self._address(nb, b, f"{subnet}.2")
+        if rate:
+            cmd = [
+                "tc",
+                "-n",
+                na,
+                "qdisc",
+                "add",
+                "dev",
+                a,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "4mb",
+                "latency",
+                "50ms",
+            ]
+            subprocess.run(cmd, check=True, capture_output=True, timeout=30)
         return [(na, a, f"{subnet}.1"), (nb, b, f"{subnet}.2")]
 
     def star(self, count: int, subnet: str = "10.232.0") -> list[tuple[str, str, str]]:

@@ -115,3 +115,24 @@ def test_namespaces_of_a_killed_run_are_swept(net):
 
     Net().close()
     assert name not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_a_rate_capped_pair_carries_a_verified_push(net, tmp_path):
+    """``pair(rate=...)`` puts a token bucket on the first end (what bench/verify_link.py uses);
+    a verified push crosses it and the server's digests match the file's."""
+    ends = net.pair("10.234.0", rate="200mbit")
+    (ns_a, dev_a, _), (ns_b, _, addr) = ends
+    shown = subprocess.run(["tc", "-n", ns_a, "qdisc", "show", "dev", dev_a], capture_output=True, text=True)
+    assert "tbf" in shown.stdout and "200Mbit" in shown.stdout
+    rng = np.random.default_rng(3)
+    tensors = [(n, d, s, rng.integers(0, 256, byte_length(d, s), dtype=np.uint8).tobytes()) for n, d, s in LAYOUT]
+    path = write(tmp_path / "m.safetensors", tensors)
+    server = net.popen(
+        ns_b, [*CLI, "serve", "--host", addr, "--port", "0", "--insecure"], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    to = server.stdout.readline().split()[3]
+    r = net.run(ns_a, [*CLI, "push", str(path), "--to", to, "--verify", "--json"], cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["bytes"] == sum(len(raw) for *_, raw in tensors)
+    assert res["verified"] == len(tensors)
