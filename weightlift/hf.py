@@ -26,7 +26,7 @@ of a warm load's Python time, and reading the bytes most of the rest. They do no
 other, so the read starts first, on threads of its own, and the model is built meanwhile. On
 the host, without a cast, nothing needs copying: the parameters view a private copy-on-write
 mapping of the files, as transformers' own do, and those threads make the mapped bytes ready
-to read (read in where cold, mapped, touched once: :func:`weightlift.disk.source.map_in`), so
+to read (read in where cold, mapped, touched once: :func:`weightlift.memory.fresh.map_in`), so
 that the first forward pass neither waits on storage nor faults page by page.
 
 :func:`from_server` does the same with the tensors a :class:`weightlift.Server` holds (the model
@@ -333,10 +333,10 @@ _MAPPED_OPTIONS = frozenset({"threads", "progress"})
 
 def _read_and_map(ckpt: Checkpoint, report: dict[str, Any], load_options: Mapping[str, Any]) -> dict[str, Any]:
     """Every tensor as a view of a private mapping of its file, with the mapped bytes made
-    ready to read: in the page cache, mapped, touched once (:func:`weightlift.disk.source.map_in`),
+    ready to read: in the page cache, mapped, touched once (:func:`weightlift.memory.fresh.map_in`),
     so that the first forward pass neither waits on storage nor faults page by page."""
     from .api import load
-    from .disk.source import map_in
+    from .memory.fresh import map_in
 
     t0 = time.perf_counter()
     if set(load_options) - _MAPPED_OPTIONS:

@@ -2,11 +2,13 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 
 import numpy as np
 import pytest
 
 import weightlift.memory.fresh as fresh
+from weightlift.errors import FileError
 from weightlift.memory.fresh import DEFAULT, FillPolicy
 
 
@@ -159,3 +161,62 @@ def test_calibrate_times_every_trial_in_child_processes_and_remembers_its_choice
     assert {k: entry[k] for k in ("huge", "ahead", "method")} == res["policy"]
     p = fresh.policy()
     assert p.source == "calibrated" and (p.huge, p.ahead, p.method) == tuple(res["policy"].values())
+
+
+@pytest.fixture()
+def blob(tmp_path):
+    p = tmp_path / "f.bin"
+    p.write_bytes(os.urandom(8 * 2**20 + 123))
+    return p
+
+
+def _mapping(path, size=None):
+    import mmap
+
+    import numpy as np
+
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), size or os.path.getsize(path), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+    return m, int(np.frombuffer(m, dtype=np.uint8).ctypes.data)
+
+
+@pytest.mark.parametrize("advice", [True, False])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_map_in_reads_maps_and_touches_every_page_of_the_regions(blob, threads, advice, monkeypatch):
+    """map_in brings every page of its regions in, pieces split over the threads, and returns
+    the bytes covered; a kernel without MADV_POPULATE_READ (EINVAL) gets the touch alone."""
+    import ctypes
+    import errno
+
+    from weightlift.disk import residency, source
+
+    if not advice:
+
+        def refuse(addr, n, adv):
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+
+        monkeypatch.setattr(fresh, "_madvise", lambda: refuse)
+    monkeypatch.setattr(fresh, "MAP_IN_PIECE", 2**20 + 4096)  # several pieces, none page-sized
+    source.evict(blob)
+    m, base = _mapping(blob)
+    size = os.path.getsize(blob)
+    regions = [(base, 3 * 2**20 + 5, str(blob)), (base + 4 * 2**20 + 7, size - 4 * 2**20 - 7, str(blob))]
+    got = fresh.map_in(regions, threads=threads)
+    assert got == sum(n for _, n, _ in regions)
+    # every page of each region is resident now (mincore over the mapping)
+    for a, n, _ in regions:
+        lo = a - a % fresh.PAGE
+        assert residency.mapping_fraction(lo, a + n - lo) == 1.0
+    assert m[: 3 * 2**20 + 5] == blob.read_bytes()[: 3 * 2**20 + 5]
+    assert fresh.map_in([], threads=2) == 0
+
+
+def test_map_in_of_a_file_cut_short_names_the_file(tmp_path):
+    """A file shorter than its mapping fails with FileError naming it, not SIGBUS."""
+    p = tmp_path / "short.bin"
+    p.write_bytes(os.urandom(8 * 2**20))
+    m, base = _mapping(p)
+    os.truncate(p, 2**20)
+    with pytest.raises(FileError, match=r"short\.bin: cannot read its mapped bytes"):
+        fresh.map_in([(base, 8 * 2**20, str(p))], threads=2)

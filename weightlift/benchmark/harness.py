@@ -408,10 +408,9 @@ def ensure_bytecode() -> None:
     not pay. Best effort: a read-only tree is left as it is."""
     import compileall
 
-    import weightlift
-
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # weightlift/
     try:
-        compileall.compile_dir(os.path.dirname(weightlift.__file__), quiet=2)
+        compileall.compile_dir(package, quiet=2)
     except OSError:
         pass
 

@@ -45,7 +45,6 @@ from weightlift.disk.source import (
     MappedFile,
     Warmer,
     evict_range,
-    map_in,
     page_eviction_override,
     resident_fraction,
 )
@@ -57,6 +56,7 @@ from weightlift.errors import FileError, OptionError, WeightliftError
 from weightlift.formats import TensorInfo
 from weightlift.local.plan import CHUNK, Run, layout, make_chunks, make_runs
 from weightlift.memory.faulter import REGION, Faulter
+from weightlift.memory.fresh import map_in
 from weightlift.memory.fresh import policy as _fill_policy
 from weightlift.memory.targets import CastTarget, CudaTarget, Target, fresh_host, make_target, populate, view_as
 
@@ -298,7 +298,7 @@ def prefetch(path: str | os.PathLike[str] | Checkpoint, *, select: Select = None
     background thread, and return at once.
 
     For the time a process spends before its load: importing torch and transformers takes
-    seconds, and a cold checkpoint's read can run under it (:func:`~weightlift.disk.source.map_in`
+    seconds, and a cold checkpoint's read can run under it (:func:`~weightlift.memory.fresh.map_in`
     on this process's mapping of each file: the readers wait on the disk in ``madvise``, without
     the GIL, and touch each page once, which on a VM is a fault of its own). Call it first
     thing, then import, then load: the load waits for whatever the prefetch has not finished and
