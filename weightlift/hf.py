@@ -327,7 +327,8 @@ def from_pretrained(
 
 
 #: ``from_pretrained`` options that the mapped path honours itself; any other (``verify``,
-#: ``engine``, ``page_cache``...) sends the files through :func:`weightlift.load` first.
+#: ``engine``, ``page_cache``, ``warm``, a progress bar...) sends the files through
+#: :func:`weightlift.load` first.
 _MAPPED_OPTIONS = frozenset({"threads", "progress"})
 
 
@@ -336,21 +337,26 @@ def _read_and_map(ckpt: Checkpoint, report: dict[str, Any], load_options: Mappin
     ready to read: in the page cache, mapped, touched once (:func:`weightlift.memory.fresh.map_in`),
     so that the first forward pass neither waits on storage nor faults page by page."""
     from .api import load
+    from .local.loader import await_prefetches
     from .memory.fresh import map_in
 
     t0 = time.perf_counter()
-    if set(load_options) - _MAPPED_OPTIONS:
+    if set(load_options) - _MAPPED_OPTIONS or load_options.get("progress"):
         load(ckpt, copy=False, report=report, **load_options)  # weightlift's reader, for its options
-    storages, out = _private_mapping(ckpt)
-    threads = load_options.get("threads") or min(os.cpu_count() or 1, 4)
-    map_in([(st.data_ptr(), st.nbytes(), f) for f, st in storages.items()], threads=threads)
+    else:
+        await_prefetches(ckpt.files)  # a prefetch still reading these files: its reads are ours
+    sizes = {f: ckpt.mapped(f).size for f in ckpt.files}  # FormatError if a file changed since its header
+    storages, out = _private_mapping(ckpt, sizes)
+    if load_options.get("warm") is not False:  # warm=False: views left lazy, as weightlift.load's are
+        threads = load_options.get("threads") or min(os.cpu_count() or 1, 4)
+        map_in([(st.data_ptr(), st.nbytes(), f) for f, st in storages.items()], threads=threads)
     report.setdefault("tensors", len(ckpt.tensors))
     report.setdefault("bytes", sum(t.length for t in ckpt.tensors))
-    report.setdefault("seconds", time.perf_counter() - t0)
+    report["seconds"] = time.perf_counter() - t0
     return out
 
 
-def _private_mapping(ckpt: Checkpoint) -> tuple[dict[str, Any], dict[str, Any]]:
+def _private_mapping(ckpt: Checkpoint, sizes: Mapping[str, int]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every tensor of ``ckpt`` as a view of a private copy-on-write mapping of its file, and
     the mappings (torch storages) by file.
 
@@ -362,11 +368,7 @@ def _private_mapping(ckpt: Checkpoint) -> tuple[dict[str, Any], dict[str, Any]]:
 
     from .dtypes import torch_dtype
 
-    storages = {
-        f: torch.UntypedStorage.from_file(f, shared=False, nbytes=os.path.getsize(f))
-        for f in ckpt.files
-        if os.path.getsize(f)
-    }
+    storages = {f: torch.UntypedStorage.from_file(f, shared=False, nbytes=n) for f, n in sizes.items() if n}
     out = {}
     for t in ckpt.tensors:
         dt = torch_dtype(t.dtype)
@@ -527,14 +529,17 @@ class _LazyPattern:
 
 
 class _LazyRe:
-    """transformers' ``core_model_loading.re`` while it builds its table: ``compile`` is lazy."""
+    """transformers' ``core_model_loading.re`` while it builds its table: ``compile`` is lazy for
+    the building thread only; any other thread running that module meanwhile gets ``re`` itself."""
+
+    def __init__(self) -> None:
+        self._builder = threading.get_ident()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(_re, name)
 
-    @staticmethod
-    def compile(*args: Any) -> _LazyPattern:
-        return _LazyPattern(*args)
+    def compile(self, *args: Any) -> Any:
+        return _LazyPattern(*args) if threading.get_ident() == self._builder else _re.compile(*args)
 
 
 _lazy_lock = threading.Lock()

@@ -490,9 +490,9 @@ def test_prefetch_reads_cold_files_in_the_background_and_the_load_waits_for_it(t
     job = wl.prefetch(path)
     assert job.files == [str(path)] and not job.done
     waited = []
-    real_await = loader._await_prefetches
+    real_await = loader.await_prefetches
     monkeypatch.setattr(
-        loader, "_await_prefetches", lambda files: (waited.append(not job.done), gate.set(), real_await(files))
+        loader, "await_prefetches", lambda files: (waited.append(not job.done), gate.set(), real_await(files))
     )
     out = wl.load(path)
     assert waited == [True] and job.done and read == [[str(path)]]

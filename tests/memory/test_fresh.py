@@ -180,36 +180,81 @@ def _mapping(path, size=None):
     return m, int(np.frombuffer(m, dtype=np.uint8).ctypes.data)
 
 
-@pytest.mark.parametrize("advice", [True, False])
-@pytest.mark.parametrize("threads", [1, 3])
-def test_map_in_reads_maps_and_touches_every_page_of_the_regions(blob, threads, advice, monkeypatch):
-    """map_in brings every page of its regions in, pieces split over the threads, and returns
-    the bytes covered; a kernel without MADV_POPULATE_READ (EINVAL) gets the touch alone."""
+def _recording_madvise(monkeypatch, *, refuse: bool) -> list[tuple[int, int]]:
+    """Replace map_in's madvise: record each (address, length); refuse it as a kernel before
+    5.14 does (EINVAL), or pass it on."""
     import ctypes
     import errno
 
-    from weightlift.disk import residency, source
+    calls: list[tuple[int, int]] = []
+    real = fresh._madvise()
 
-    if not advice:
-
-        def refuse(addr, n, adv):
+    def advise(addr, n, adv):
+        calls.append((addr.value, n))
+        if refuse:
             ctypes.set_errno(errno.EINVAL)
             return -1
+        return real(addr, n, adv)
 
-        monkeypatch.setattr(fresh, "_madvise", lambda: refuse)
-    monkeypatch.setattr(fresh, "MAP_IN_PIECE", 2**20 + 4096)  # several pieces, none page-sized
+    monkeypatch.setattr(fresh, "_madvise", lambda: advise)
+    return calls
+
+
+def _pages(a: int, n: int) -> tuple[int, int]:
+    return a - a % fresh.PAGE, -(-(a + n) // fresh.PAGE) * fresh.PAGE
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_map_in_advises_every_piece_page_aligned_and_reads_the_bytes_in(blob, threads, monkeypatch):
+    """map_in cuts its regions into MAP_IN_PIECE pieces, advises each once over exactly the
+    pages it spans, and leaves every page of the regions resident; returns the bytes covered."""
+    from weightlift.disk import residency, source
+
+    calls = _recording_madvise(monkeypatch, refuse=False)
+    step = 2**20 + 4096
+    monkeypatch.setattr(fresh, "MAP_IN_PIECE", step)  # several pieces, none page-sized
     source.evict(blob)
     m, base = _mapping(blob)
     size = os.path.getsize(blob)
     regions = [(base, 3 * 2**20 + 5, str(blob)), (base + 4 * 2**20 + 7, size - 4 * 2**20 - 7, str(blob))]
     got = fresh.map_in(regions, threads=threads)
     assert got == sum(n for _, n, _ in regions)
-    # every page of each region is resident now (mincore over the mapping)
+    want = [_pages(a + o, min(step, n - o)) for a, n, _ in regions for o in range(0, n, step)]
+    assert sorted((lo, lo + n) for lo, n in calls) == sorted(want)
     for a, n, _ in regions:
-        lo = a - a % fresh.PAGE
-        assert residency.mapping_fraction(lo, a + n - lo) == 1.0
+        lo, hi = _pages(a, n)
+        assert residency.mapping_fraction(lo, hi - lo) == 1.0  # mincore over the mapping
     assert m[: 3 * 2**20 + 5] == blob.read_bytes()[: 3 * 2**20 + 5]
     assert fresh.map_in([], threads=2) == 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_map_in_without_the_advice_touches_exactly_the_pages_of_its_regions(threads, monkeypatch):
+    """Where the kernel refuses MADV_POPULATE_READ, the touch alone must reach every page a
+    region spans, its partial first and last pages included, and no page beyond. Checked on
+    private anonymous memory, where each page faults on its own (no fault-around): after
+    map_in, reading the region's pages again faults nothing; the page after it still faults."""
+    import mmap
+    import resource
+
+    calls = _recording_madvise(monkeypatch, refuse=True)
+    monkeypatch.setattr(fresh, "MAP_IN_PIECE", 3 * fresh.PAGE + 100)
+    pages = 64
+    m = mmap.mmap(-1, pages * fresh.PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arr = np.frombuffer(m, dtype=np.uint8)
+    base = arr.ctypes.data
+    a, n = base + fresh.PAGE + 7, 20 * fresh.PAGE  # starts inside page 1, ends inside page 21
+    assert fresh.map_in([(a, n, "anon")], threads=threads) == n
+    assert calls  # advised, refused, then touched
+
+    def faults(lo: int, hi: int) -> int:
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        int(arr[lo * fresh.PAGE : hi * fresh.PAGE : fresh.PAGE].sum())
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+    assert faults(1, 22) == 0  # pages 1..21: every one the region touches was read in
+    assert faults(22, 23) >= 1  # page 22 was not: the check can see a missed page
+    assert faults(0, 1) >= 1  # nor page 0, before the region
 
 
 def test_map_in_of_a_file_cut_short_names_the_file(tmp_path):

@@ -119,7 +119,7 @@ def load_local(
         prof.count(tensors=len(infos), nbytes=nbytes)
     files = list(dict.fromkeys(t.file for t in infos))
     maps = {f: ckpt.mapped(f) for f in files}  # one mapping per file for the whole load
-    _await_prefetches(files)
+    await_prefetches(files)
     resident = {f: resident_fraction(f) for f in files}
     if not copy:
         if str(device) != "cpu" or cast is not None:
@@ -314,10 +314,15 @@ def prefetch(path: str | os.PathLike[str] | Checkpoint, *, select: Select = None
     job = Prefetch(cold, None)
 
     regions = [(maps[r.file].address() + r.offset, r.length, r.file) for r in make_runs(infos) if r.file in cold]
+    from weightlift.disk.storage import readers_for
 
-    def run() -> None:
+    threads = min(_prefetch_threads(), *(readers_for(maps[f].identity.dev) or MAX_WARMERS for f in cold))
+
+    def run(held: dict[str, MappedFile]) -> None:
+        # ``held``: the mappings stay mapped while map_in reads them by address, even if the
+        # file changes and the process's cache of mappings lets go of them
         try:
-            map_in(regions, threads=_prefetch_threads())
+            map_in(regions, threads=threads)
         except BaseException as e:  # noqa: BLE001 - kept for wait() and the load
             job.error = e
         finally:
@@ -328,7 +333,7 @@ def prefetch(path: str | os.PathLike[str] | Checkpoint, *, select: Select = None
                     if _prefetches.get(f) is job:
                         del _prefetches[f]
 
-    job._thread = threading.Thread(target=run, name="wl-prefetch", daemon=True)
+    job._thread = threading.Thread(target=run, args=(maps,), name="wl-prefetch", daemon=True)
     with _prefetch_lock:
         for f in cold:
             _prefetches[f] = job
@@ -342,7 +347,7 @@ def _prefetch_threads() -> int:
     return max(1, min((os.cpu_count() or 1) - 1, MAX_WARMERS))
 
 
-def _await_prefetches(files: list[str]) -> None:
+def await_prefetches(files: list[str]) -> None:
     """Wait for prefetches still reading any of ``files`` (their reads are this load's)."""
     with _prefetch_lock:
         jobs = {id(j): j for f in files if (j := _prefetches.get(f)) is not None}

@@ -244,22 +244,28 @@ def map_in(regions: list[tuple[int, int, str]], *, threads: int) -> int:
     and touched once, on ``threads`` threads; returns the bytes covered.
 
     ``regions`` are ``(address, length, file)``: parts of mappings of files (shared or
-    private). Each 64 MiB piece is populated with one ``madvise(MADV_POPULATE_READ)``, which
-    reads a cold piece from storage (the threads' pieces are separate streams) and maps it
-    without copying a byte, then one byte of each page is read. Where memory is virtual (a
-    VM) the first access to a page the hypervisor just filled is a fault of its own, as dear
-    as the read (768 MiB cold: 0.45 s): without the touch the model's first forward pass pays
-    it, on one thread. Measured for the mapped ``weightlift.hf`` load, bytes evicted from the
-    page cache (bench/RESULTS.md): the load and first forward in 0.96-0.98 s this way, against
-    1.16-1.29 s after parallel ``sendfile`` readers and 1.21-1.38 s for transformers' own.
+    private), which the caller keeps mapped until this returns. Each 64 MiB piece is populated
+    with one ``madvise(MADV_POPULATE_READ)``, which reads a cold piece from storage (the
+    threads' pieces are separate streams) and maps it without copying a byte, then one byte of
+    each page is read. Where memory is virtual (a VM) the first access to a page the
+    hypervisor just filled is a fault of its own, about as dear as the read (768 MiB just read
+    in: 0.45-0.55 s the first time, 0.07 s the second): without the touch the model's first
+    forward pass pays it, on one thread. Measured in isolation, evicted (bench/RESULTS.md,
+    2026-11-30 night): 0.61-0.64 s on two threads this way, 1.09-1.17 s on one, 1.0-1.1 s for
+    parallel ``sendfile`` readers followed by the first read.
 
-    A file shorter than its mapping fails ``MADV_POPULATE_READ`` with EFAULT, before any
-    touch could raise SIGBUS: that is a :class:`FileError` naming the file. A kernel without
-    the advice gets the touch alone, which faults the same pages in one at a time.
+    A read error, or a file shorter than its mapping, fails ``MADV_POPULATE_READ`` with EFAULT
+    before any touch: a :class:`FileError` naming the file. A kernel without the advice (before
+    5.14: EINVAL) gets the touch alone, which faults the same pages in one at a time; there a
+    file cut short raises SIGBUS at the touch, as any read of its mapping would.
     """
     from weightlift.errors import FileError
 
-    pieces = [(a + o, min(MAP_IN_PIECE, n - o), f) for a, n, f in regions if n > 0 for o in range(0, n, MAP_IN_PIECE)]
+    step = MAP_IN_PIECE
+    pieces = [(a + o, min(step, n - o), f) for a, n, f in regions if n > 0 for o in range(0, n, step)]
+    # one ctypes type for every piece (ctypes keeps a type per length for good); a piece reads
+    # only its own bytes of it
+    piece_type = ctypes.c_uint8 * step
     if not pieces:
         return 0
     advice = getattr(mmap, "MADV_POPULATE_READ", MADV_POPULATE_READ)
@@ -271,12 +277,12 @@ def map_in(regions: list[tuple[int, int, str]], *, threads: int) -> int:
         lo, hi = addr - addr % PAGE, -(-(addr + n) // PAGE) * PAGE
         if state["advise"] and _madvise()(ctypes.c_void_p(lo), hi - lo, advice) != 0:
             err = ctypes.get_errno()
-            if err in (errno.EFAULT, errno.EIO):
-                raise FileError(f"cannot read its mapped bytes ({os.strerror(err)}): shorter than it was?", file=f)
-            state["advise"] = False  # EINVAL: a kernel before 5.14
+            if err != errno.EINVAL:
+                why = "a read error, or the file is shorter than it was" if err == errno.EFAULT else os.strerror(err)
+                raise FileError(f"cannot read its mapped bytes ({why})", file=f, errno=err)
+            state["advise"] = False  # a kernel before 5.14
         first = -addr % PAGE  # the first page boundary inside the piece
-        buf = (ctypes.c_uint8 * n).from_address(addr)
-        arr = np.ctypeslib.as_array(buf)
+        arr = np.ctypeslib.as_array(piece_type.from_address(addr))[:n]
         int(arr[first::PAGE].sum())  # a read of one byte per page; numpy lets go of the GIL
         if first:
             int(arr[0])
