@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time to first token: transformers' own from_pretrained against weightlift.hf.from_pretrained.
 
-    python bench/ttft.py [--model DIR] [--runs 3] [--mode warm|cold|both] [--settle 15] [--json FILE]
+    python bench/ttft.py [--model DIR] [--runs 3] [--mode warm|cold|both] [--settle 15] [--arms A,B] [--json FILE]
 
 Each run is a fresh process that imports torch and transformers, builds the model from the
 same folder (``transformers``: its ``from_pretrained``; ``weightlift``:
@@ -214,18 +214,26 @@ def ratio_line(result: dict[str, Any]) -> str:
     for m in result["modes"]:
         a = {arm: m["arms"][arm]["summary"] for arm in ARMS}
         ratio = a["transformers"]["window_s"]["median"] / a["weightlift"]["window_s"]["median"]
-        pre = a["transformers"]["window_s"]["median"] / a["weightlift.prefetch"]["window_s"]["median"]
+        # run i of each arm ran in round i: the median of those ratios pairs runs of one round
+        paired = statistics.median(
+            t / w for t, w in zip(m["arms"]["transformers"]["window_s"], m["arms"]["weightlift"]["window_s"])
+        )
         # the imports are the same for both and most of the window: the part after them, apart
         after = {
             arm: statistics.median(x["load_s"] + x["forward_s"] for x in m["arms"][arm]["samples"]) for arm in ARMS
         }
-        parts.append(
+        text = (
             f"{m['mode']} {ratio:.2f}x ({a['weightlift']['window_s']['median']:.2f} s vs "
-            f"{a['transformers']['window_s']['median']:.2f} s; after the imports "
-            f"{after['transformers'] / after['weightlift']:.2f}x, {after['weightlift']:.2f} s vs {after['transformers']:.2f} s; "
-            f"with weightlift.prefetch before the imports {pre:.2f}x, "
-            f"{a['weightlift.prefetch']['window_s']['median']:.2f} s)"
+            f"{a['transformers']['window_s']['median']:.2f} s; per round {paired:.2f}x; after the imports "
+            f"{after['transformers'] / after['weightlift']:.2f}x, {after['weightlift']:.2f} s vs {after['transformers']:.2f} s"
         )
+        if "weightlift.prefetch" in a:
+            pre = a["transformers"]["window_s"]["median"] / a["weightlift.prefetch"]["window_s"]["median"]
+            text += (
+                f"; with weightlift.prefetch before the imports {pre:.2f}x, "
+                f"{a['weightlift.prefetch']['window_s']['median']:.2f} s"
+            )
+        parts.append(text + ")")
     growth = ", ".join(
         f"{arm} {max(x['growth'] for m in result['modes'] for x in m['arms'][arm]['samples']) / result['bytes']:.2f}x"
         for arm in ARMS
@@ -243,7 +251,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=["warm", "cold", "both"], default="both")
     ap.add_argument("--settle", type=float, default=15.0, help="pause before each run, seconds (default 15)")
     ap.add_argument("--json", metavar="FILE", help="write the result as JSON here ('-': stdout, instead of the table)")
+    ap.add_argument(
+        "--arms",
+        default=",".join(ARMS),
+        help=f"comma-separated, transformers and weightlift among them (default {','.join(ARMS)})",
+    )
     a = ap.parse_args(argv)
+    global ARMS
+    chosen = tuple(x.strip() for x in a.arms.split(",") if x.strip())
+    if set(chosen) - set(ARMS) or not {"transformers", "weightlift"} <= set(chosen):
+        ap.error(f"--arms: choose from {', '.join(ARMS)}, transformers and weightlift included")
+    ARMS = chosen
     if a.runs < 1:
         ap.error("--runs must be at least 1")
     path = a.model or ensure_model()
@@ -257,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "files": len(files),
         "bytes": sum(os.path.getsize(f) for f in files if f.endswith(".safetensors")),
         "runs": a.runs,
+        "arms": list(ARMS),
         "settle_s": a.settle,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
