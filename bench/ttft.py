@@ -245,6 +245,7 @@ def ratio_line(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global ARMS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a folder written by save_pretrained (default: a generated 0.76 GB Llama)")
     ap.add_argument("--runs", type=int, default=3)
@@ -257,7 +258,6 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated, transformers and weightlift among them (default {','.join(ARMS)})",
     )
     a = ap.parse_args(argv)
-    global ARMS
     chosen = tuple(x.strip() for x in a.arms.split(",") if x.strip())
     if set(chosen) - set(ARMS) or not {"transformers", "weightlift"} <= set(chosen):
         ap.error(f"--arms: choose from {', '.join(ARMS)}, transformers and weightlift included")
