@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,18 +41,8 @@ def _token(folder: Path) -> str:
 
 def one_push(net: Any, ends: list[tuple[str, str, str]], path: str, streams: int, token: str, timeout: float) -> dict:
     (ns_client, _, _), (ns_server, _, addr) = ends
-    server = net.popen(
-        ns_server,
-        [*CLI, "serve", "--host", addr, "--port", "0", "--token-file", token],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    server, to = net.serve(ns_server, addr, "--token-file", token)
     try:
-        line = server.stdout.readline()
-        if not line.startswith("weightlift: serving on"):
-            raise RuntimeError(f"the server did not start: {line!r} {server.stderr.read()}")
-        to = line.split()[3]
         t0 = time.perf_counter()
         r = net.run(
             ns_client,

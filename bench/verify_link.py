@@ -40,18 +40,8 @@ ARMS = ("push", "push.verify")
 
 def one_push(net: Any, ends: list[tuple[str, str, str]], path: str, verify: bool, timeout: float) -> dict[str, Any]:
     (ns_client, _, _), (ns_server, _, addr) = ends
-    server = net.popen(
-        ns_server,
-        [*CLI, "serve", "--host", addr, "--port", "0", "--insecure"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    server, to = net.serve(ns_server, addr, "--insecure")
     try:
-        line = server.stdout.readline()
-        if not line.startswith("weightlift: serving on"):
-            raise RuntimeError(f"the server did not start: {line!r} {server.stderr.read()}")
-        to = line.split()[3]
         cmd = [*CLI, "push", path, "--to", to, "--json"] + (["--verify"] if verify else [])
         r = net.run(ns_client, cmd, timeout=timeout)
         if r.returncode:

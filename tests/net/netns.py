@@ -257,6 +257,23 @@ class Net:
         self.procs.append(proc)
         return proc
 
+    def serve(self, ns: str, addr: str, *options: str) -> tuple[subprocess.Popen, str]:
+        """``weightlift serve --host addr --port 0 [options]`` in ``ns``: the process and the
+        ``host:port`` it serves on. RuntimeError with its output if it does not start."""
+        cli = [sys.executable, "-m", "weightlift.cli"]
+        proc = self.popen(
+            ns,
+            [*cli, "serve", "--host", addr, "--port", "0", *options],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        if not line.startswith(f"weightlift: serving on {addr}:"):
+            raise RuntimeError(f"the server did not start: {line!r} {proc.stderr.read()}")  # type: ignore[union-attr]
+        return proc, line.split()[3]
+
     def run(self, ns: str, argv: Sequence[str], *, timeout: float = 60, **kw: Any) -> subprocess.CompletedProcess:
         """Run ``argv`` inside ``ns`` to completion (text output captured)."""
         return subprocess.run(["ip", "netns", "exec", ns, *argv], capture_output=True, text=True, timeout=timeout, **kw)

@@ -44,19 +44,6 @@ def _token(tmp_path) -> str:
     return str(path)
 
 
-def _serve(net, ns: str, addr: str, token: str) -> tuple[subprocess.Popen, str]:
-    proc = net.popen(
-        ns,
-        [*CLI, "serve", "--host", addr, "--port", "0", "--token-file", token, "--max-memory", "256M"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    line = proc.stdout.readline()
-    assert line.startswith(f"weightlift: serving on {addr}:"), line + proc.stderr.read()
-    return proc, line.split()[3]
-
-
 def test_push_over_a_slow_lossy_reordering_link_is_byte_exact(net, tmp_path):
     if impair_unavailable():
         pytest.skip(impair_unavailable())
@@ -64,7 +51,7 @@ def test_push_over_a_slow_lossy_reordering_link_is_byte_exact(net, tmp_path):
     tensors = _tensors()
     path = write(tmp_path / "model.safetensors", tensors)
     token = _token(tmp_path)
-    server, to = _serve(net, ns_server, server_addr, token)
+    server, to = net.serve(ns_server, server_addr, "--token-file", token, "--max-memory", "256M")
 
     pushed = net.run(
         ns_client, [*CLI, "push", str(path), "--to", to, "--token-file", token, "--streams", "3", "--json"]
@@ -127,10 +114,7 @@ def test_a_rate_capped_pair_carries_a_verified_push(net, tmp_path):
     rng = np.random.default_rng(3)
     tensors = [(n, d, s, rng.integers(0, 256, byte_length(d, s), dtype=np.uint8).tobytes()) for n, d, s in LAYOUT]
     path = write(tmp_path / "m.safetensors", tensors)
-    server = net.popen(
-        ns_b, [*CLI, "serve", "--host", addr, "--port", "0", "--insecure"], stdout=subprocess.PIPE, text=True, cwd=ROOT
-    )
-    to = server.stdout.readline().split()[3]
+    server, to = net.serve(ns_b, addr, "--insecure")
     r = net.run(ns_a, [*CLI, "push", str(path), "--to", to, "--verify", "--json"], cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
