@@ -398,8 +398,13 @@ def test_options_checked():
 
 
 def _cache_push(raw: Raw, a: np.ndarray, tid: int, name: str, digest: bytes) -> None:
+    _put(raw, tid, name, a, digest=digest)
+
+
+def _fill(raw: Raw, a: np.ndarray, tid: int, name: str, digest: bytes) -> None:
+    """Allocate ``name`` named by ``digest`` and ask the server to fill it from what it holds."""
     raw.send(Alloc(tid, name, "F32", a.shape, a.nbytes, digest))
-    raw.send(WriteHeader(tid, 0, a.nbytes), a.tobytes())
+    raw.send(P.FillFromCache(tid, digest))
 
 
 def test_cache_is_filled_as_bytes_arrive_and_checks_the_digest(tmp_path):
@@ -438,8 +443,7 @@ def test_fill_from_cache_and_a_corrupt_entry_is_asked_for_again(tmp_path, n):
     with Server(cache_dir=tmp_path / "c") as s:  # restarted: the bytes are only on disk now
         second = Raw(s.address)
         second.hello()
-        second.send(Alloc(0, "w.copy", "F32", a.shape, a.nbytes, d))
-        second.send(P.FillFromCache(0, d))
+        _fill(second, a, 0, "w.copy", d)
         assert _barrier(second) == BarrierReply(1, 0)
         assert np.array_equal(s.tensors()["w.copy"], a)
         assert s.stats()["bytes_received"] == 0 and s.stats()["cache_hits"] == 1
@@ -450,8 +454,7 @@ def test_fill_from_cache_and_a_corrupt_entry_is_asked_for_again(tmp_path, n):
         raw_bytes = bytearray(entry.read_bytes())
         raw_bytes[1000] ^= 0xFF
         entry.write_bytes(raw_bytes)
-        second.send(Alloc(1, "w.again", "F32", a.shape, a.nbytes, d))
-        second.send(P.FillFromCache(1, d))
+        _fill(second, a, 1, "w.again", d)
         assert _barrier(second) == BarrierReply(0, 0, (), (1,))  # not filled: send it
         assert not entry.exists()  # the bad entry is gone
         assert "w.again" not in s.tensors()
@@ -474,16 +477,14 @@ def test_second_push_of_a_held_tensor_keeps_its_memory(tmp_path):
         (tmp_path / "c" / d.hex()[:2] / d.hex()).unlink()  # only the held tensor has these bytes now
         raw.send(P.Have((d, hash_buffer(b"other"))))
         assert raw.recv() == P.HaveReply((True, False))
-        raw.send(Alloc(1, "w", "F32", a.shape, a.nbytes, d))
-        raw.send(P.FillFromCache(1, d))
+        _fill(raw, a, 1, "w", d)
         assert _barrier(raw) == BarrierReply(1, 0)
         assert s.tensors()["w"] is held  # verified and kept: no copy, no new memory
         assert s.memory_used == used
         st = s.stats()
         assert st["memory_hits"] == 1 and st["bytes_from_memory"] == a.nbytes and st["cache_hits"] == 0
         # another name with the same bytes gets its own copy
-        raw.send(Alloc(2, "w.tied", "F32", a.shape, a.nbytes, d))
-        raw.send(P.FillFromCache(2, d))
+        _fill(raw, a, 2, "w.tied", d)
         assert _barrier(raw) == BarrierReply(1, 0)
         tied = s.tensors()["w.tied"]
         assert np.array_equal(tied, a) and not np.shares_memory(tied, held)
@@ -513,14 +514,12 @@ def test_held_tensors_are_handed_out_read_only_and_then_need_no_second_hash(tmp_
         with pytest.raises(ValueError):
             view[0] = 1.0
         hashed.clear()
-        raw.send(Alloc(1, "w", "F32", a.shape, a.nbytes, d))
-        raw.send(P.FillFromCache(1, d))
+        _fill(raw, a, 1, "w", d)
         assert _barrier(raw) == BarrierReply(1, 0)
         assert hashed == [] and s.stats()["memory_hits"] == 1  # trusted: nobody could write into it
         assert s.tensors()["w"] is view
         s.tensors(writable=True)  # handed out writable: exposed from now on
-        raw.send(Alloc(2, "w", "F32", a.shape, a.nbytes, d))
-        raw.send(P.FillFromCache(2, d))
+        _fill(raw, a, 2, "w", d)
         assert _barrier(raw) == BarrierReply(1, 0)
         assert hashed == [a.nbytes] and s.stats()["memory_hits"] == 2  # proven again, then kept
 
@@ -534,8 +533,7 @@ def test_a_held_tensor_written_in_place_is_not_trusted(tmp_path):
         _cache_push(raw, a, 0, "w", d)
         _barrier(raw)
         s.tensors(writable=True)["w"][10] += 1.0  # a reader changed its weights
-        raw.send(Alloc(1, "w", "F32", a.shape, a.nbytes, d))
-        raw.send(P.FillFromCache(1, d))
+        _fill(raw, a, 1, "w", d)
         assert _barrier(raw) == BarrierReply(1, 0)
         assert np.array_equal(s.tensors()["w"], a)  # the pushed bytes, from the verified disk entry
         st = s.stats()
@@ -543,8 +541,7 @@ def test_a_held_tensor_written_in_place_is_not_trusted(tmp_path):
         # with no disk entry either, the client is asked for the bytes
         (tmp_path / "c" / d.hex()[:2] / d.hex()).unlink()
         s.tensors(writable=True)["w"][10] += 1.0
-        raw.send(Alloc(2, "w", "F32", a.shape, a.nbytes, d))
-        raw.send(P.FillFromCache(2, d))
+        _fill(raw, a, 2, "w", d)
         assert _barrier(raw) == BarrierReply(0, 0, (), (2,))
 
 
@@ -741,8 +738,7 @@ def test_cuda_server_round_trip(tmp_path):
         raw = Raw(s.address)
         raw.hello()
         _cache_push(raw, a, 0, "w", d)
-        raw.send(Alloc(1, "from.cache", "F32", a.shape, a.nbytes, d))
-        raw.send(P.FillFromCache(1, d))
+        _fill(raw, a, 1, "from.cache", d)
         assert _barrier(raw).tensors == 2
         got = s.tensors()
         for name in ("w", "from.cache"):
