@@ -337,6 +337,7 @@ def _read_and_map(ckpt: Checkpoint, report: dict[str, Any], load_options: Mappin
     ready to read: in the page cache, mapped, touched once (:func:`weightlift.memory.fresh.map_in`),
     so that the first forward pass neither waits on storage nor faults page by page."""
     from .api import load
+    from .disk.source import MAX_WARMERS
     from .local.loader import await_prefetches
     from .memory.fresh import map_in
 
@@ -348,7 +349,7 @@ def _read_and_map(ckpt: Checkpoint, report: dict[str, Any], load_options: Mappin
     sizes = {f: ckpt.mapped(f).size for f in ckpt.files}  # FormatError if a file changed since its header
     storages, out = _private_mapping(ckpt, sizes)
     if load_options.get("warm") is not False:  # warm=False: views left lazy, as weightlift.load's are
-        threads = load_options.get("threads") or min(os.cpu_count() or 1, 4)
+        threads = load_options.get("threads") or min(os.cpu_count() or 1, MAX_WARMERS)
         map_in([(st.data_ptr(), st.nbytes(), f) for f, st in storages.items()], threads=threads)
     report.setdefault("tensors", len(ckpt.tensors))
     report.setdefault("bytes", sum(t.length for t in ckpt.tensors))
