@@ -181,7 +181,7 @@ def _results(procs: list[subprocess.Popen], timeout: float) -> list[dict[str, An
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            raise RuntimeError("a child ran past the timeout")
+            raise RuntimeError("a child ran past the timeout") from None
         lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
         if p.returncode or not lines:
             raise RuntimeError(f"a child failed (status {p.returncode}):\n{text[-2000:]}")

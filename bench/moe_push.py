@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     arm = result["arms"]["wl.push.second"]
     second = arm["load"]["median"]
     sent = [p["bytes_sent"] / result["checkpoint"]["bytes"] for p in arm.get("push", [])]
-    firsts = [f / s for f, s in zip(arm.get("first_s", []), arm["load_s"]) if f and s]
+    firsts = [f / s for f, s in zip(arm.get("first_s", []), arm["load_s"], strict=False) if f and s]
     out = {
         "first_push_fresh_server_s": first,
         "second_push_s": second,

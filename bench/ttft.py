@@ -216,7 +216,8 @@ def ratio_line(result: dict[str, Any]) -> str:
         ratio = a["transformers"]["window_s"]["median"] / a["weightlift"]["window_s"]["median"]
         # run i of each arm ran in round i: the median of those ratios pairs runs of one round
         paired = statistics.median(
-            t / w for t, w in zip(m["arms"]["transformers"]["window_s"], m["arms"]["weightlift"]["window_s"])
+            t / w
+            for t, w in zip(m["arms"]["transformers"]["window_s"], m["arms"]["weightlift"]["window_s"], strict=False)
         )
         # the imports are the same for both and most of the window: the part after them, apart
         after = {

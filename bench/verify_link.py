@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                         raise RuntimeError(f"pushed {r['bytes']} bytes of {size}")
                     times[arm].append(r["seconds"])
                     print(f"  rate {rate}, round {rnd}, {arm}: {r['seconds']:.3f} s", flush=True)
-            ratios = [v / p for v, p in zip(times["push.verify"], times["push"])]
+            ratios = [v / p for v, p in zip(times["push.verify"], times["push"], strict=False)]
             result["rates"][rate] = {
                 "seconds": times,
                 "summary": {a: summarize(times[a]) for a in ARMS},

@@ -130,7 +130,7 @@ def make_model(path: Path, seed: int = 0) -> dict[str, Any]:
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    for name, shape, dt in spec:
+    for _name, shape, dt in spec:
         if dt == "f16":
             # random bits with the top exponent bit clear: finite halves, |x| < 2
             a = (rng.integers(0, 1 << 16, size=shape, dtype=np.uint16) & np.uint16(0xBFFF)).view(np.float16)

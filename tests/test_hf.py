@@ -236,7 +236,7 @@ def test_lazy_conversion_table_is_transformers_table(monkeypatch):
     n = 0
     for key in eager:
         assert [type(t) for t in lazy[key]] == [type(t) for t in eager[key]]
-        for a, b in zip(lazy[key], eager[key]):
+        for a, b in zip(lazy[key], eager[key], strict=False):
             assert a.source_patterns == b.source_patterns and a.target_patterns == b.target_patterns
             if hasattr(b, "compiled_sources"):
                 assert isinstance(a.compiled_sources, hf._LazyPattern)
@@ -405,7 +405,7 @@ def test_check_catches_a_corrupted_tensor_on_the_server(models, tmp_path, capsys
 
 def test_check_catches_a_file_corrupted_on_disk_by_its_recorded_digests(models, tmp_path, capsys):
     """Both loaders read the same corrupt bytes, so only digests recorded beforehand can tell."""
-    from weightlift.remote.manifest import hash_tensors
+    from weightlift.digest.sidecar import hash_tensors
 
     path = _copy(models, "llama", tmp_path)
     name = "model.layers.0.mlp.up_proj.weight"

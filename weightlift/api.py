@@ -67,7 +67,7 @@ def load(
 
     ``verify=True`` hashes (BLAKE3) the bytes that landed in the destination, as they land, on
     the threads that copied them, and compares each tensor with ``manifest`` (a published
-    manifest's path, see :mod:`weightlift.integrity`) or, without one, with the digests of the
+    manifest's path, see :mod:`weightlift.digest.published`) or, without one, with the digests of the
     file's own bytes (from the sidecar beside it, hashed once when it has none). A CUDA load
     hashes the host-side staging bytes it copies to the device; a dtype cast, the bytes it read.
     A mismatch raises IntegrityError naming the tensors, and nothing is returned.
@@ -107,7 +107,8 @@ def load(
 
 
 def _verified_load(path: Any, select: Select, manifest: Any, local: dict[str, Any]) -> dict[str, Any]:
-    from weightlift.integrity import LandedHasher, expected_digests
+    from weightlift.digest.landed import LandedHasher
+    from weightlift.digest.published import expected_digests
 
     ck = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     infos = ck.select(select)

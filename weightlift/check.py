@@ -140,17 +140,17 @@ def _recorded_digests(files: list[str]) -> tuple[dict[str, tuple[int, str]], lis
     """From the digest manifests beside ``files``: {name: (length, blake3 hex)}, and the files
     whose manifest was taken before the file last changed (its records are still what the file
     held then, which is what a check wants to know)."""
-    from .remote.manifest import MANIFEST_SUFFIX, MANIFEST_VERSION, Manifest
+    from .digest.sidecar import SIDECAR_SUFFIX, SIDECAR_VERSION, Sidecar
 
     records: dict[str, tuple[int, str]] = {}
     stale = []
     for f in files:
-        paths = Manifest(f, {})  # for its two possible locations only
-        for candidate in (f + MANIFEST_SUFFIX, paths.fallback_path):
+        paths = Sidecar(f, {})  # for its two possible locations only
+        for candidate in (f + SIDECAR_SUFFIX, paths.fallback_path):
             try:
                 with open(candidate, "rb") as fh:
                     doc = json.loads(fh.read())
-                tensors = doc["tensors"] if isinstance(doc, dict) and doc.get("version") == MANIFEST_VERSION else None
+                tensors = doc["tensors"] if isinstance(doc, dict) and doc.get("version") == SIDECAR_VERSION else None
             except (OSError, ValueError, KeyError, TypeError):
                 continue
             if not isinstance(tensors, dict):
@@ -158,7 +158,7 @@ def _recorded_digests(files: list[str]) -> tuple[dict[str, tuple[int, str]], lis
             for name, e in tensors.items():
                 if isinstance(e, dict) and type(e.get("length")) is int and isinstance(e.get("blake3"), str):
                     records[name] = (e["length"], e["blake3"])
-            if len(Manifest.load(f)) == 0:
+            if len(Sidecar.load(f)) == 0:
                 stale.append(f)
             break
     return records, stale
@@ -168,7 +168,7 @@ def _check_digests(reference_files: list[str], delivered: Any, what: str) -> Che
     """The bytes of ``delivered`` (a Checkpoint: the files read, or what the server sent) against the
     digests recorded for ``reference_files``."""
     from .api import load
-    from .remote.digest import hash_buffer
+    from .digest.blake import hash_buffer
 
     records, stale = _recorded_digests(reference_files)
     if not records:

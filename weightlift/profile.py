@@ -2,10 +2,12 @@
 
 Theory of operation
 -------------------
-Call sites own the clock. They read ``time.perf_counter_ns()`` around a step and hand the two
-stamps to :meth:`Profiler.record` with the phase the step belongs to ("read", "hash", "stage",
-"wire", "device"). When the profiler is off, a call site pays one attribute check,
-``if prof.enabled:``, and nothing else: no lock, no clock read, no call.
+A call site wraps a step in ``with prof.phase("read", nbytes, name=...):`` (or
+``prof.command("HAVE")`` for a protocol round trip); the phases are "read", "hash", "stage",
+"wire", "device". When the profiler is off, ``phase`` returns one shared object whose enter and
+exit do nothing: no clock read, no lock, no allocation. A step whose byte count is known only at
+its end sets it on the span (``with prof.phase("wire") as sp: ...; sp.nbytes = n``). Call sites
+that already hold their own stamps hand them to :meth:`Profiler.record`.
 
 Records are *foreground* (on the path that decides when the load is done) or *background*
 (cache warmer threads, hash workers: work that overlaps the foreground and only costs when it
@@ -54,17 +56,61 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
+from types import TracebackType
 from typing import Any
 
 from weightlift import env
 from weightlift.errors import FileError, OptionError
 
-__all__ = ["PHASES", "ENV_VAR", "Profiler"]
+__all__ = ["PHASES", "ENV_VAR", "Profiler", "Span"]
 
 PHASES: tuple[str, ...] = ("read", "hash", "stage", "wire", "device")
 ENV_VAR = "WEIGHTLIFT_LOADPROF"
 
 _INDEX = {p: i for i, p in enumerate(PHASES)}
+
+
+class Span:
+    """One timed step: the clock is read on enter and the record made on exit.
+
+    ``nbytes`` may be set inside the block. The disabled profiler hands out one shared instance
+    of the base class, whose enter and exit do nothing.
+    """
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int = 0) -> None:
+        self.nbytes = nbytes
+
+    def __enter__(self) -> Span:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        return None
+
+
+class _TimedSpan(Span):
+    __slots__ = ("prof", "phase", "name", "background", "command", "t0")
+
+    def __init__(self, prof: Profiler, phase: str, nbytes: int, name: str | None, background: bool, command: bool):
+        super().__init__(nbytes)
+        self.prof, self.phase, self.name, self.background, self.command = prof, phase, name, background, command
+        self.t0 = 0
+
+    def __enter__(self) -> Span:
+        self.t0 = time.perf_counter_ns()
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        t1 = time.perf_counter_ns()
+        if self.command:
+            self.prof.command(self.phase, self.t0, t1)
+        else:
+            self.prof.record(self.phase, self.t0, t1, self.nbytes, name=self.name, background=self.background)
+
+
+_OFF = Span()
 
 
 class Profiler:
@@ -88,7 +134,23 @@ class Profiler:
         self._lock = threading.Lock()
         self.reset()
 
-    # -- recording (call only under ``if prof.enabled:``; still safe to call when off) --
+    # -- recording --
+
+    def phase(self, phase: str, nbytes: int = 0, *, name: str | None = None, background: bool = False) -> Span:
+        """A context manager that records one step of ``phase``; free when the profiler is off."""
+        if not self.enabled:
+            return _OFF
+        return _TimedSpan(self, phase, nbytes, name, background, False)
+
+    def timed(self, cmd_name: str) -> Span:
+        """A context manager that records one protocol command (see :meth:`command`)."""
+        if not self.enabled:
+            return _OFF
+        return _TimedSpan(self, cmd_name, 0, None, False, True)
+
+    def clock(self) -> int:
+        """``time.perf_counter_ns()`` when on, 0 when off: for stamps a step hands to :meth:`record`."""
+        return time.perf_counter_ns() if self.enabled else 0
 
     def record(
         self,

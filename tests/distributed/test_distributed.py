@@ -351,7 +351,7 @@ def run_group(
     for rank in range(world):
         f = tmp / f"{scenario}.{rank}.json"
         reports.append(json.loads(f.read_text()) if f.exists() else None)
-    for rank, (r, log) in enumerate(zip(reports, logs)):
+    for rank, (r, log) in enumerate(zip(reports, logs, strict=False)):
         if r is None and rank not in may_die:
             pytest.fail(f"{scenario} rank {rank} left no report\n{log[-3000:]}")
         if r is not None and r.get("failures"):

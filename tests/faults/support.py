@@ -16,7 +16,7 @@ from typing import Any
 import blake3
 import numpy as np
 
-from weightlift.remote.digest import PARALLEL_HASH_MIN, hash_buffer
+from weightlift.digest.blake import PARALLEL_HASH_MIN, hash_buffer
 from weightlift.remote.transport import TCP, Stream
 
 __all__ = [

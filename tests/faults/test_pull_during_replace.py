@@ -76,7 +76,7 @@ def test_a_read_of_a_replaced_version_is_refused_as_stale(tmp_path):
     with STALE (never the new bytes), and a READ naming no version gets whatever is there. The
     same bytes pushed again to a caching server are the same version (a listing stays good)."""
     from tests.remote.test_server import Raw
-    from weightlift.remote.digest import HASH_THRESHOLD
+    from weightlift.digest.blake import HASH_THRESHOLD
     from weightlift.remote.protocol import Error, ErrorCode, ListRequest, Read, ReadReply
 
     n = HASH_THRESHOLD // 4  # named by digest: a second push finds it in memory

@@ -59,7 +59,7 @@ def cross_check(path: Path, header: GGUFHeader) -> None:
     assert header.data_start == reader.data_offset
     assert header.alignment == reader.alignment
     assert [t.name for t in header.tensors] == [t.name for t in reader.tensors]
-    for t, rt in zip(header.tensors, reader.tensors):
+    for t, rt in zip(header.tensors, reader.tensors, strict=False):
         assert t.offset == rt.data_offset
         assert t.length == rt.n_bytes == rt.data.nbytes
         assert t.ggml_type == int(rt.tensor_type)
@@ -419,7 +419,7 @@ def test_dequantize_matches_gguf(tmp_path: Path) -> None:
     write_sample(path)
     data = path.read_bytes()
     reader = GGUFReader(path)
-    for t, rt in zip(parse(data).tensors, reader.tensors):
+    for t, rt in zip(parse(data).tensors, reader.tensors, strict=False):
         dtype, shape = numpy_dtype_and_shape(t)
         raw = np.frombuffer(data, dtype=dtype, count=t.length // dtype.itemsize, offset=t.offset).reshape(shape)
         got = dequantize(raw, t.ggml_type)

@@ -16,7 +16,7 @@ def test_cuda_every_dtype(tmp_path):
     tensors = every_dtype()
     path = write(tmp_path / "m.safetensors", tensors)
     out = wl.load(path, device="cuda", framework="torch")
-    for name, dtype, shape, raw in tensors:
+    for name, _dtype, _shape, raw in tensors:
         assert out[name].device.type == "cuda"
         assert raw_bytes(out[name]) == raw, name
 

@@ -30,7 +30,7 @@ def test_layout_keeps_file_alignment():
     ts = [T("a", 8, 16, "F64"), T("b", 1000 + 4, 8, "F32"), T("odd", 5001, 8, "F64")]
     runs = make_runs(ts)
     starts, total = layout(runs)
-    for r, s in zip(runs, starts):
+    for r, s in zip(runs, starts, strict=False):
         for t in r.tensors:
             a = s + t.offset - r.offset
             if t.name == "odd":
@@ -38,7 +38,7 @@ def test_layout_keeps_file_alignment():
             else:
                 assert a % ALIGN == t.offset % ALIGN
     assert total >= sum(r.length for r in runs)
-    assert all(s2 >= s1 + r.length for (s1, r), s2 in zip(zip(starts, runs), starts[1:]))
+    assert all(s2 >= s1 + r.length for (s1, r), s2 in zip(zip(starts, runs, strict=False), starts[1:], strict=False))
 
 
 def test_chunks_cover_runs_exactly():

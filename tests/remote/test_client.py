@@ -13,12 +13,12 @@ import pytest
 
 from tests.checkpoints import write
 from weightlift import cli
+from weightlift.digest.blake import hash_buffer
+from weightlift.digest.sidecar import SIDECAR_SUFFIX
 from weightlift.dtypes import DTYPES, byte_length
 from weightlift.errors import AuthError, NotFoundError, OptionError, RemoteProtocolError, StateError, TransportError
 from weightlift.profile import Profiler
 from weightlift.remote.client.client import Client, PushResult, RemoteTensor
-from weightlift.remote.digest import hash_buffer
-from weightlift.remote.manifest import MANIFEST_SUFFIX
 from weightlift.remote.server.server import Server
 
 
@@ -61,7 +61,7 @@ def _host_bytes(arr) -> bytes:
 def assert_holds(server: Server, tensors: dict) -> None:
     got = server.tensors()
     assert sorted(got) == sorted(tensors)
-    for name, (dtype, shape, data) in tensors.items():
+    for name, (_dtype, _shape, data) in tensors.items():
         assert _host_bytes(got[name]) == data, name
 
 
@@ -75,7 +75,7 @@ def test_push_list_pull_every_dtype_byte_for_byte(tmp_path):
         assert (result.tensors, result.bytes, result.bytes_sent, result.cached) == (len(tensors), total, total, 0)
         assert result.bytes_hashed == 0 and result.profile is None
         assert_holds(s, tensors)
-        for name, (dtype, shape, data) in tensors.items():
+        for name, (dtype, shape, _data) in tensors.items():
             d = next(x for x in DTYPES if x.name == dtype)
             if d.bits % 8 == 0:
                 assert s.tensors()[name].shape == shape
@@ -111,7 +111,7 @@ def test_push_to_server_without_cache_hashes_nothing(tmp_path):
         again = c.push(path, hash_threshold=THRESHOLD)
         assert again.profile["tensors"] == len(tensors)  # this push's figures, not both pushes'
         assert again.profile["commands"]["BARRIER"]["count"] == 1
-    assert not os.path.exists(path + MANIFEST_SUFFIX)
+    assert not os.path.exists(path + SIDECAR_SUFFIX)
 
 
 def test_second_push_to_a_caching_server_sends_no_large_payload_and_hashes_nothing(tmp_path):
@@ -121,7 +121,7 @@ def test_second_push_to_a_caching_server_sends_no_large_payload_and_hashes_nothi
     with Server(cache_dir=tmp_path / "cache") as s, Client(s.address) as c:
         first = c.push(path, hash_threshold=THRESHOLD)
         assert first.bytes_hashed == large and first.cached == 0 and first.bytes_sent == large + small
-        assert os.path.exists(path + MANIFEST_SUFFIX)  # digests saved beside the file
+        assert os.path.exists(path + SIDECAR_SUFFIX)  # digests saved beside the file
         c.free([n for n in tensors])
         assert s.tensors() == {}
         received = s.stats()["bytes_received"]

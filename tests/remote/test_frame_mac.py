@@ -58,7 +58,7 @@ def test_a_tag_covers_sequence_and_every_byte():
     frames = [b"first frame", b"second frame" + os.urandom(3 << 20), b""]
     tags = [send.seal([f]) for f in frames]
     assert len(set(tags)) == 3 and all(len(t) == P.MAC_SIZE for t in tags)
-    for f, t in zip(frames, tags):  # fed in pieces, as bytes arrive
+    for f, t in zip(frames, tags, strict=False):  # fed in pieces, as bytes arrive
         recv.begin()
         for i in range(0, len(f), 1 << 20):
             recv.update(f[i : i + (1 << 20)])

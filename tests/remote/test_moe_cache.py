@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from tests.checkpoints import write
+from weightlift.digest.blake import HASH_THRESHOLD
 from weightlift.remote.client.client import Client
-from weightlift.remote.digest import HASH_THRESHOLD
 from weightlift.remote.server.server import Server
 
 MIB = 1 << 20

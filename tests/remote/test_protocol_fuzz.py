@@ -71,7 +71,7 @@ def _drain(dec: Decoder, chunks: list[bytes]) -> list:
 
 def _split(data: bytes, cuts: list[int]) -> list[bytes]:
     points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
-    return [data[a:b] for a, b in zip(points, points[1:])]
+    return [data[a:b] for a, b in zip(points, points[1:], strict=False)]
 
 
 @FUZZ

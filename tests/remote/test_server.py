@@ -11,8 +11,8 @@ import pytest
 import weightlift.remote.protocol as P
 from tests.devices import has_cuda, needs_cuda, needs_torch
 from tests.waiting import wait_for
+from weightlift.digest.blake import hash_buffer
 from weightlift.errors import OptionError, StateError
-from weightlift.remote.digest import hash_buffer
 from weightlift.remote.protocol import (
     NEED_DATA,
     Alloc,
@@ -394,7 +394,7 @@ def test_options_checked():
         Server(token="short-token")
     s = Server()
     with pytest.raises(StateError, match="not started"):
-        s.address
+        _ = s.address
 
 
 def _cache_push(raw: Raw, a: np.ndarray, tid: int, name: str, digest: bytes) -> None:

@@ -7,7 +7,7 @@ import numpy as np
 
 import weightlift.remote.protocol as P
 from tests.remote.test_server import Raw, _barrier, _cache_push, _f32
-from weightlift.remote.digest import hash_buffer
+from weightlift.digest.blake import hash_buffer
 from weightlift.remote.protocol import Alloc, BarrierReply, WriteHeader
 from weightlift.remote.server.receive import MAX_OPEN_FILES
 from weightlift.remote.server.server import Server

@@ -136,8 +136,8 @@ def plot(result: dict[str, Any], path: str) -> str | None:
     names = [n for n, _ in ok]
     med = [r["summary"]["median"] for _, r in ok]
     err = [
-        [m - r["summary"]["min"] for m, (_, r) in zip(med, ok)],
-        [r["summary"]["max"] - m for m, (_, r) in zip(med, ok)],
+        [m - r["summary"]["min"] for m, (_, r) in zip(med, ok, strict=False)],
+        [r["summary"]["max"] - m for m, (_, r) in zip(med, ok, strict=False)],
     ]
     colors = ["tab:orange" if n.startswith("wl.") else "tab:blue" for n in names]
     ax1.barh(names, med, xerr=err, color=colors, capsize=3, label="spawn to ready")
@@ -157,7 +157,7 @@ def plot(result: dict[str, Any], path: str) -> str | None:
         for ph in phases:
             vals = [p["phases_s"].get(ph, 0.0) for _, p in prof]
             ax2.barh([n for n, _ in prof], vals, left=left, label=ph)
-            left = [a + b for a, b in zip(left, vals)]
+            left = [a + b for a, b in zip(left, vals, strict=False)]
         ax2.invert_yaxis()
         ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         ax2.set_xlabel("seconds of the load span, by phase (profiled round)")

@@ -36,5 +36,5 @@ def summarize(values: Sequence[float]) -> dict[str, Any]:
 
 def paired_ratio(times: Sequence[float | None], base: Sequence[float | None]) -> dict[str, Any]:
     """Run i over baseline run i of the same round, for the rounds both finished; their median."""
-    ratios = [a / b for a, b in zip(times, base) if a is not None and b is not None and b > 0]
+    ratios = [a / b for a, b in zip(times, base, strict=False) if a is not None and b is not None and b > 0]
     return {"ratios": ratios, "median": statistics.median(ratios) if ratios else None}

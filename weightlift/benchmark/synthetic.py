@@ -125,7 +125,7 @@ def write_checkpoint(
     try:
         with open(tmp, "wb") as f:
             f.write(header)
-            for t, (name, _, _, n) in zip(tensors, entries):
+            for t, (name, _, _, n) in zip(tensors, entries, strict=False):
                 h = hasher() if hasher is not None else None
                 for piece in _pieces(t, n, rng):
                     f.write(piece)

@@ -30,8 +30,8 @@ TINY_NAME = "demo-tiny-llama"
 
 def verify(tensors: dict[str, Any], digests: dict[str, str]) -> int:
     """BLAKE3 of every loaded tensor against the recorded digest; returns bytes checked."""
+    from weightlift.digest.blake import hash_buffer
     from weightlift.memory.targets import as_bytes
-    from weightlift.remote.digest import hash_buffer
 
     checked = 0
     missing = set(digests) - set(tensors)
@@ -149,7 +149,7 @@ def ensure_tiny_model() -> Path:
     # digests recorded while the files are as written, so the check has something independent
     # of the files to compare with
     from weightlift.checkpoint import open_checkpoint
-    from weightlift.remote.manifest import hash_tensors
+    from weightlift.digest.sidecar import hash_tensors
 
     hash_tensors(list(open_checkpoint(d)), threshold=0)
     return d

@@ -66,7 +66,7 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
     names = [_shown(t.name) for t in tensors]
     w = max([len(n) for n in names] + [4])
     print(f"{'name':<{w}}  {'dtype':<8} {'shape':<22} {'offset':>14} {'bytes':>14}")
-    for t, name in zip(tensors, names):
+    for t, name in zip(tensors, names, strict=False):
         print(f"{name:<{w}}  {t.dtype:<8} {str(list(t.shape)):<22} {t.offset:>14} {t.length:>14}")
     total = sum(t.length for t in tensors)
     print(
@@ -143,8 +143,8 @@ def _cmd_load(a: argparse.Namespace) -> int:
 
 
 def _cmd_manifest(a: argparse.Namespace) -> int:
-    from weightlift.integrity import default_manifest_path, make_manifest
-    from weightlift.remote.manifest import write_atomic
+    from weightlift.digest.published import default_manifest_path, make_manifest
+    from weightlift.digest.sidecar import write_atomic
 
     m = make_manifest(a.path, select=a.select)
     if a.output == "-":
@@ -163,7 +163,7 @@ def _cmd_manifest(a: argparse.Namespace) -> int:
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
-    from weightlift.integrity import default_manifest_path, read_manifest, verify_checkpoint
+    from weightlift.digest.published import default_manifest_path, read_manifest, verify_checkpoint
 
     path = a.manifest or default_manifest_path(a.path)
     m = read_manifest(path)

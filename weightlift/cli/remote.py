@@ -238,7 +238,7 @@ def _cmd_ls(a: argparse.Namespace) -> int:
     names = [printable(e.name) for e in entries]
     w = max([len(n) for n in names] + [4])
     print(f"{'name':<{w}}  {'dtype':<8} {'shape':<22} {'bytes':>14}")
-    for name, e in zip(names, entries):
+    for name, e in zip(names, entries, strict=False):
         print(f"{name:<{w}}  {e.dtype:<8} {str(list(e.shape)):<22} {e.nbytes:>14}")
     total = sum(e.nbytes for e in entries)
     print(f"{len(entries)} tensors, {total:,} bytes on {a.source}", file=sys.stdout)

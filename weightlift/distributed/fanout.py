@@ -111,7 +111,7 @@ def broadcast_load(
     finally:
         if faulter is not None:
             faulter.close()
-    out = {t.name: arena.view(off, whole(t), framework) for t, off in zip(infos, offs)}
+    out = {t.name: arena.view(off, whole(t), framework) for t, off in zip(infos, offs, strict=False)}
     if report is not None:
         report.update(
             tensors=len(out),
@@ -196,7 +196,7 @@ def _broadcast_description(comm: Comm, desc: bytes, src: int, *, failed: bool = 
 def _describe(infos: list[TensorInfo], offs: list[int], total: int) -> bytes:
     rows = [
         [t.name, t.dtype, list(t.shape), list(t.extra.get("raw_shape", t.shape)), t.ggml_type, t.length, off]
-        for t, off in zip(infos, offs)
+        for t, off in zip(infos, offs, strict=False)
     ]
     return json.dumps({"format": _FORMAT, "total": total, "tensors": rows}, separators=(",", ":")).encode()
 

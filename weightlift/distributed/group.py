@@ -127,7 +127,7 @@ def distributed_load(
             raise failure
     me = shard.rank if shard is not None and shard.rank is not None else (comm.rank if comm is not None else 0)
     if comm is None:
-        mine = [p[me] if p is not None else whole(t) for t, p in zip(infos, pieces)]
+        mine = [p[me] if p is not None else whole(t) for t, p in zip(infos, pieces, strict=False)]
         if not copy:
             out = {p.name: _borrowed(maps[p.tensor.file], p, framework) for p in mine}
         else:
@@ -156,7 +156,7 @@ def distributed_load(
 
 def _plan_digest(infos: list[TensorInfo], pieces: list[list[Piece] | None], row_min: int) -> bytes:
     h = hashlib.sha256(str(row_min).encode())
-    for t, ps in zip(infos, pieces):
+    for t, ps in zip(infos, pieces, strict=False):
         h.update(repr((t.name, t.dtype, t.shape, t.length)).encode())
         if ps is not None:
             h.update(repr([(p.dim, p.start, p.stop) for p in ps]).encode())
@@ -203,8 +203,8 @@ def _all_pieces(infos: list[TensorInfo], shard: Shard | None) -> list[list[Piece
 def _local(pieces: list[Piece], reader: SliceReader, device: str, framework: str) -> dict[str, Any]:
     offs, total = pack([p.nbytes for p in pieces])
     arena = Arena(total, device)
-    read_all(arena, reader, [(p.rows, off) for p, off in zip(pieces, offs)])
-    return {p.name: arena.view(off, p, framework) for p, off in zip(pieces, offs)}
+    read_all(arena, reader, [(p.rows, off) for p, off in zip(pieces, offs, strict=False)])
+    return {p.name: arena.view(off, p, framework) for p, off in zip(pieces, offs, strict=False)}
 
 
 def read_all(arena: Arena, reader: SliceReader, jobs: list[tuple[Rows, int]]) -> None:
@@ -285,7 +285,7 @@ class _GroupLoad:
         self.rep: list[TensorInfo] = []
         self.direct: list[Piece] = []
         self.redist: list[list[Piece]] = []
-        for t, ps in zip(infos, pieces):
+        for t, ps in zip(infos, pieces, strict=False):
             if ps is None:
                 self.rep.append(t)
             elif ps[0].rows.contiguous or ps[0].rows.seg >= reader.row_min or w == 1:
@@ -332,7 +332,7 @@ class _GroupLoad:
                 "all_gather of replicated tensors",
             )
         sends: list[Arena | None] = [None, None]
-        for k, (xr, xo) in enumerate(zip(xplan, x_offs)):
+        for k, (xr, xo) in enumerate(zip(xplan, x_offs, strict=False)):
             send = sends[k % 2] = self._send_buffer(sends[k % 2], sum(xr.send_splits(me)))
             xr.fill(me, send, self.reader)
             send_t = send.tensor()
@@ -349,17 +349,17 @@ class _GroupLoad:
                 "all_to_all of sharded tensors",
             )
         read_all(
-            arena, self.reader, [(p.rows, off) for p, off in zip(self.direct, d_offs)]
+            arena, self.reader, [(p.rows, off) for p, off in zip(self.direct, d_offs, strict=False)]
         )  # overlaps the last collectives
         while pending:
             comm.wait(*pending.popleft())
         out: dict[str, Any] = {}
-        for t, off in zip(self.rep, rep_offs):
+        for t, off in zip(self.rep, rep_offs, strict=False):
             out[t.name] = arena.view(off, whole(t), self.framework)
-        for xr, xo in zip(xplan, x_offs):
+        for xr, xo in zip(xplan, x_offs, strict=False):
             for p, off in xr.received(me, xo):
                 out[p.name] = arena.view(off, p, self.framework)
-        for p, off in zip(self.direct, d_offs):
+        for p, off in zip(self.direct, d_offs, strict=False):
             out[p.name] = arena.view(off, p, self.framework)
         paths = {"replicated": len(self.rep), "direct": len(self.direct), "redistributed": len(self.redist)}
         return {n: out[n] for n in self.order}, paths
@@ -420,7 +420,7 @@ class _Round:
             segs = [p.rows.seg if p.rows.count else 0 for p in ps]
             count, first = ps[0].rows.count, ps[0].tensor.offset
             if send.host is not None:
-                dsts = [send.host[o : o + p.nbytes] for o, p in zip(dst_offs, ps)]
+                dsts = [send.host[o : o + p.nbytes] for o, p in zip(dst_offs, ps, strict=False)]
                 reader.scatter(ps[0].tensor.file, first, count, segs, dsts)
             else:  # through host memory of the tensor's size, then one copy per rank's slice
                 host = np.empty(sum(p.nbytes for p in ps), dtype=np.uint8)
@@ -438,7 +438,7 @@ class _Round:
         at = base
         for o in range(self.world):
             offs, _ = pack([ps[me].nbytes for ps in self.groups[o]], at)
-            out.extend((ps[me], off) for ps, off in zip(self.groups[o], offs))
+            out.extend((ps[me], off) for ps, off in zip(self.groups[o], offs, strict=False))
             at += self.recv_splits(me)[o]
         return out
 

@@ -125,7 +125,7 @@ class SliceReader:
             return
         if self._use_mmap(file):
             col = 0
-            for seg, dst in zip(segs, dsts):
+            for seg, dst in zip(segs, dsts, strict=False):
                 if seg:
                     np.copyto(dst.reshape(count, seg), strided(m, Rows(file, offset + col, seg, stride, count)))
                 col += seg
@@ -133,7 +133,7 @@ class SliceReader:
             self._count(count * stride, 1)
             return
         views = []
-        for seg, dst in zip(segs, dsts):
+        for seg, dst in zip(segs, dsts, strict=False):
             populate(dst)
             views.append((seg, dst.data))
         iovs = [v[i * seg : (i + 1) * seg] for i in range(count) for seg, v in views if seg]

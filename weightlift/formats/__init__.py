@@ -87,6 +87,6 @@ def check_layout(tensors: list[TensorInfo], *, file: str, data_start: int, file_
                 tensor=t.name,
             )
     ordered = sorted((t for t in tensors if t.length), key=lambda t: t.offset)
-    for a, b in zip(ordered, ordered[1:]):
+    for a, b in zip(ordered, ordered[1:], strict=False):
         if b.offset < a.end:
             raise FormatError(f"bytes overlap those of tensor {a.name!r}", file=file, tensor=b.name)

@@ -492,7 +492,7 @@ class _Mover:
         if self._error is not None:
             raise self._error
         out = {}
-        for r, s in zip(runs, starts):
+        for r, s in zip(runs, starts, strict=False):
             for t in r.tensors:
                 a = s + (t.offset - r.offset)
                 if device:

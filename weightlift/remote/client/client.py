@@ -36,6 +36,7 @@ import blake3
 
 from weightlift import env
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
+from weightlift.digest.blake import HASH_THRESHOLD, NAIVE_HASH_THRESHOLD
 from weightlift.errors import (
     FileError,
     IntegrityError,
@@ -49,7 +50,6 @@ from weightlift.formats.safetensors import build_header
 from weightlift.profile import Profiler
 from weightlift.remote.client.connection import Connection, Replaced
 from weightlift.remote.client.push import Hashing, Plan, Pusher, Tally, balance, wire_form
-from weightlift.remote.digest import HASH_THRESHOLD, NAIVE_HASH_THRESHOLD
 from weightlift.remote.protocol import (
     MAX_TENSORS,
     PROTOCOL_MINOR,
@@ -216,7 +216,7 @@ class Client:
         """Send the selected tensors of a checkpoint to the server; returns when all have landed.
 
         ``hash_threshold``: tensors of at least this many bytes are hashed and asked about when
-        the server keeps a cache (default :data:`~weightlift.remote.digest.HASH_THRESHOLD`).
+        the server keeps a cache (default :data:`~weightlift.digest.blake.HASH_THRESHOLD`).
 
         ``to`` pushes to more servers at the same time (a model split over several workers):
         ``{address: select}`` gives each its own selection, a list of addresses sends each
@@ -353,7 +353,7 @@ class Client:
 
         threads = [
             threading.Thread(target=run, args=(p, g), name=f"weightlift-push {i}", daemon=True)
-            for i, (p, g) in enumerate(zip(pushers, groups))
+            for i, (p, g) in enumerate(zip(pushers, groups, strict=False))
         ]
         for t in threads:
             t.start()
@@ -459,7 +459,7 @@ class Client:
                         again = [now.get(listed[i].name) for i in stale]
                         moved = [
                             listed[i].name
-                            for i, e in zip(stale, again)
+                            for i, e in zip(stale, again, strict=False)
                             if e is None or _layout(e) != _layout(listed[i])
                         ]
                         if moved:

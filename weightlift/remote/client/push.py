@@ -16,6 +16,8 @@ from collections import deque
 from concurrent.futures import Future
 from typing import NamedTuple
 
+from weightlift.digest.blake import DigestPool, hash_buffer
+from weightlift.digest.sidecar import hash_tensors
 from weightlift.disk.source import mapped
 from weightlift.dtypes import CODES, byte_length
 from weightlift.errors import (
@@ -25,8 +27,6 @@ from weightlift.errors import (
 from weightlift.formats import TensorInfo
 from weightlift.profile import Profiler
 from weightlift.remote.client.connection import Connection
-from weightlift.remote.digest import DigestPool, hash_buffer
-from weightlift.remote.manifest import hash_tensors
 from weightlift.remote.protocol import (
     MAX_DIGESTS,
     Alloc,
@@ -192,7 +192,7 @@ class Pusher:
     def _large(self, plans: list[Plan]) -> None:
         digests = [self.hashing.futures[p.info.name].result() for p in plans]
         have = self._have(digests)
-        for p, d, h in zip(plans, digests, have):
+        for p, d, h in zip(plans, digests, have, strict=False):
             if h:
                 self._fill(p, d)
             else:

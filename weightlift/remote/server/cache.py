@@ -52,8 +52,8 @@ from typing import Any
 
 import blake3
 
+from weightlift.digest.blake import DIGEST_SIZE, PARALLEL_HASH_MIN, byte_view, digest_hex
 from weightlift.errors import CacheError, OptionError
-from weightlift.remote.digest import DIGEST_SIZE, PARALLEL_HASH_MIN, byte_view, digest_hex
 
 __all__ = [
     "DIGEST_SIZE",

@@ -24,10 +24,10 @@ from typing import Any
 import blake3
 import numpy as np
 
+from weightlift.digest.blake import hash_buffer
 from weightlift.errors import AuthError, LocalProtocolError, RemoteProtocolError, TransportError, WeightliftError
 from weightlift.memory.targets import Target, as_bytes, make_target
 from weightlift.profile import Profiler
-from weightlift.remote.digest import hash_buffer
 from weightlift.remote.protocol import (
     MAX_FRAME,
     MAX_HANDSHAKE_FRAME,

@@ -24,13 +24,13 @@ from typing import Any
 import blake3
 import numpy as np
 
+from weightlift.digest.blake import PARALLEL_HASH_MIN, byte_view, hash_buffer
 from weightlift.errors import CacheError
 from weightlift.memory.faulter import Faulter
 from weightlift.memory.fresh import policy as fill_policy
 from weightlift.memory.pool import POOL_MIN, size_class
 from weightlift.memory.targets import CudaTarget, Target, populate, view_as
 from weightlift.profile import Profiler
-from weightlift.remote.digest import PARALLEL_HASH_MIN, byte_view, hash_buffer
 from weightlift.remote.protocol import (
     MAX_DIGESTS,
     MAX_ERRORS,
@@ -164,7 +164,7 @@ class Pending:
 
     @property
     def ranges(self) -> list[tuple[int, int]]:
-        return list(zip(self.starts, self.ends))
+        return list(zip(self.starts, self.ends, strict=False))
 
     @property
     def complete(self) -> bool:

@@ -4,7 +4,7 @@
 the GIL for large inputs, so hashing on a worker thread runs beside the thread that sends other
 tensors. :class:`DigestPool` runs it on a few worker threads and hands back futures, so a sender
 asks for a digest only when it reaches that tensor. The digests remembered across runs are in
-:mod:`weightlift.remote.manifest`.
+:mod:`weightlift.digest.sidecar`.
 """
 
 from __future__ import annotations

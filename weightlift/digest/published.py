@@ -1,27 +1,19 @@
-"""Integrity: a checkpoint's published manifest, checking a file against it, and checking a load's
-landed bytes as they land.
+"""The published manifest: a checkpoint's tensors and their BLAKE3, checking files against it.
 
 A *published manifest* is JSON a user can put next to a model: per tensor its name, dtype,
 shape, byte length and BLAKE3 digest, in file order, plus one BLAKE3 digest over the canonical
 encoding of that list, so the whole model is named by one digest. It is built from the per-file
-sidecars the push client keeps (:class:`~weightlift.remote.manifest.Manifest`, valid while the
+sidecars the push client keeps (:class:`~weightlift.digest.sidecar.Sidecar`, valid while the
 file is unchanged): a second manifest of an unchanged checkpoint hashes nothing, and a manifest
 taken first makes the next push hash nothing either.
 
-A verified load (:class:`LandedHasher`) hashes what landed in the destination, not what was
-read: the loader's workers call :meth:`LandedHasher.landed` with each chunk right after copying
-it, while it is still in the cache. A chunk is cut at tensor boundaries into pieces; each tensor
-has one incremental BLAKE3 hasher fed in byte order. A piece that arrives before the one ahead
-of it (another worker still copying that chunk) is parked and hashed by whichever worker fills
-the gap, so hashing follows the copy on the same threads without a second pass over memory.
+A verified load hashes what landed against these digests: :mod:`weightlift.digest.landed`.
 """
 
 from __future__ import annotations
 
-import bisect
 import json
 import os
-import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,21 +21,21 @@ from typing import Any
 import blake3
 
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
+from weightlift.digest.blake import DIGEST_SIZE, DigestPool
+from weightlift.digest.sidecar import hash_tensors
 from weightlift.errors import FileError, IntegrityError, NotFoundError
 from weightlift.formats import TensorInfo
-from weightlift.remote.digest import DIGEST_SIZE, DigestPool, byte_view
-from weightlift.remote.manifest import hash_tensors
 
 __all__ = [
     "FORMAT",
     "ManifestEntry",
-    "PublishedManifest",
+    "Manifest",
     "default_manifest_path",
     "make_manifest",
     "read_manifest",
     "file_digests",
     "verify_checkpoint",
-    "LandedHasher",
+    "expected_digests",
 ]
 
 FORMAT = "weightlift-manifest"
@@ -67,7 +59,7 @@ class ManifestEntry:
 
 
 @dataclass(frozen=True)
-class PublishedManifest:
+class Manifest:
     entries: tuple[ManifestEntry, ...]
 
     @property
@@ -106,17 +98,17 @@ def file_digests(tensors: Sequence[TensorInfo], *, threads: int | None = None) -
     return out
 
 
-def make_manifest(source: str | os.PathLike[str] | Checkpoint, *, select: Select = None) -> PublishedManifest:
+def make_manifest(source: str | os.PathLike[str] | Checkpoint, *, select: Select = None) -> Manifest:
     """The published manifest of a checkpoint's (selected) tensors, in file order."""
     ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
     infos = ck.select(select)
     digests = file_digests(infos)
-    return PublishedManifest(
+    return Manifest(
         tuple(ManifestEntry(t.name, t.dtype, tuple(t.shape), t.length, digests[t.name].hex()) for t in infos)
     )
 
 
-def read_manifest(path: str | os.PathLike[str]) -> PublishedManifest:
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """A published manifest from ``path``: NotFoundError if absent, IntegrityError if malformed or
     if its own digest does not match its entries."""
     p = os.fspath(path)
@@ -142,7 +134,7 @@ def read_manifest(path: str | os.PathLike[str]) -> PublishedManifest:
             if not isinstance(hx, str) or len(bytes.fromhex(hx)) != DIGEST_SIZE:
                 raise TypeError(name)
             entries.append(ManifestEntry(name, dtype, tuple(shape), length, hx.lower()))
-        m = PublishedManifest(tuple(entries))
+        m = Manifest(tuple(entries))
         if not isinstance(doc["digest"], str) or doc["digest"].lower() != m.digest:
             raise IntegrityError(f"{p}: the manifest's own digest does not match its tensors (edited or damaged)")
     except (KeyError, TypeError, ValueError) as e:
@@ -169,7 +161,7 @@ def _differences(
 
 
 def verify_checkpoint(
-    source: str | os.PathLike[str] | Checkpoint, manifest: PublishedManifest, *, select: Select = None
+    source: str | os.PathLike[str] | Checkpoint, manifest: Manifest, *, select: Select = None
 ) -> list[str]:
     """Hash the checkpoint's tensors afresh and compare with ``manifest``: the tensors that differ
     (or are missing from either side), each with why; empty when all match."""
@@ -186,96 +178,14 @@ def verify_checkpoint(
     return differ
 
 
-# -- a verified load -------------------------------------------------------------------------------
-
-
-class _TensorHash:
-    __slots__ = ("hasher", "pos", "parked", "busy")
-
-    def __init__(self) -> None:
-        self.hasher = blake3.blake3()
-        self.pos = 0
-        self.parked: dict[int, Any] = {}
-        self.busy = False
-
-
-class LandedHasher:
-    """Hashes the bytes a load landed, per tensor, on the threads that landed them.
-
-    ``expected`` maps tensor names to digests; :meth:`check` raises IntegrityError naming every
-    tensor whose landed bytes differ (or that did not land completely).
-    """
-
-    def __init__(self, tensors: Sequence[TensorInfo], expected: dict[str, bytes]):
-        missing = [t.name for t in tensors if t.name not in expected]
-        if missing:
-            raise IntegrityError(f"no digest to verify {len(missing)} tensor(s) against: {', '.join(missing[:3])}")
-        self.expected = expected
-        self._all = list(tensors)
-        self._tensors: dict[str, list[TensorInfo]] = {}
-        for t in sorted(tensors, key=lambda t: (t.file, t.offset)):
-            if t.length:  # an empty tensor lands no bytes, and would break the order of ends
-                self._tensors.setdefault(t.file, []).append(t)
-        # tensors do not overlap, so their ends rise with their offsets
-        self._ends = {f: [t.end for t in ts] for f, ts in self._tensors.items()}
-        self._state = {t.name: _TensorHash() for t in tensors}
-        self._lock = threading.Lock()
-
-    def landed(self, file: str, offset: int, data: Any, *, stable: bool = True) -> None:
-        """The bytes of ``file`` at [offset, offset + len(data)) have landed as ``data``.
-
-        ``stable`` False means ``data`` is a staging buffer that is reused once this returns
-        (a CUDA load's pinned slot): a piece that cannot be hashed now is copied before parking.
-        """
-        view = byte_view(data)
-        end = offset + view.nbytes
-        ts, ends = self._tensors.get(file), self._ends.get(file)
-        if not ts or not ends:
-            return
-        i = bisect.bisect_right(ends, offset)  # the first tensor ending after offset
-        while i < len(ts) and ts[i].offset < end:
-            t = ts[i]
-            a, b = max(offset, t.offset), min(end, t.end)
-            if a < b:
-                self._feed(self._state[t.name], a - t.offset, view[a - offset : b - offset], stable)
-            i += 1
-
-    def _feed(self, st: _TensorHash, pos: int, piece: Any, stable: bool) -> None:
-        with self._lock:
-            if st.busy or pos != st.pos:  # not next, or another thread is hashing this tensor
-                st.parked[pos] = piece if stable else bytes(piece)
-                return
-            st.busy = True
-        while True:  # whoever hashes the piece at st.pos also drains what was parked after it
-            st.hasher.update(piece)
-            with self._lock:
-                st.pos += len(piece)
-                nxt = st.parked.pop(st.pos, None)
-                if nxt is None:
-                    st.busy = False
-                    return
-            piece = nxt
-
-    def check(self) -> None:
-        """IntegrityError naming each tensor whose landed bytes differ from the expected digest."""
-        differ = []
-        for t in self._all:
-            st = self._state[t.name]
-            if st.pos != t.length or st.hasher.digest() != self.expected[t.name]:
-                differ.append(t.name)
-        if differ:
-            shown = ", ".join(differ[:8]) + (f" and {len(differ) - 8} more" if len(differ) > 8 else "")
-            raise IntegrityError(f"{len(differ)} tensor(s) landed with bytes that differ from their BLAKE3: {shown}")
-
-
 def expected_digests(
-    tensors: Sequence[TensorInfo], manifest: str | os.PathLike[str] | PublishedManifest | None
+    tensors: Sequence[TensorInfo], manifest: str | os.PathLike[str] | Manifest | None
 ) -> dict[str, bytes]:
     """Digests to check a load against: the published manifest's, else the files' own (from the
     sidecars, hashed once when they lack them)."""
     if manifest is None:
         return file_digests(tensors)
-    m = manifest if isinstance(manifest, PublishedManifest) else read_manifest(manifest)
+    m = manifest if isinstance(manifest, Manifest) else read_manifest(manifest)
     by_name = m.by_name()
     out: dict[str, bytes] = {}
     bad = []

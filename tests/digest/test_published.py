@@ -11,19 +11,19 @@ import pytest
 import weightlift
 from weightlift.checkpoint import open_checkpoint
 from weightlift.cli.main import main
-from weightlift.errors import IntegrityError, OptionError
-from weightlift.formats import TensorInfo
-from weightlift.integrity import (
-    LandedHasher,
+from weightlift.digest.landed import LandedHasher
+from weightlift.digest.published import (
     default_manifest_path,
     make_manifest,
     read_manifest,
     verify_checkpoint,
 )
+from weightlift.digest.sidecar import SIDECAR_SUFFIX
+from weightlift.errors import IntegrityError, OptionError
+from weightlift.formats import TensorInfo
 from weightlift.local import loader
-from weightlift.remote.manifest import MANIFEST_SUFFIX
 
-from .checkpoints import every_dtype, write
+from ..checkpoints import every_dtype, write
 
 
 def _tensors(n: int = 6, size: int = 20_000) -> list[tuple[str, str, tuple[int, ...], bytes]]:
@@ -62,7 +62,7 @@ def test_manifest_round_trip_and_digests(tmp_path):
     )
     assert verify_checkpoint(path, back) == []
     # the sidecar the push client uses was filled: a second manifest hashes nothing new
-    assert (tmp_path / ("m.safetensors" + MANIFEST_SUFFIX)).exists()
+    assert (tmp_path / ("m.safetensors" + SIDECAR_SUFFIX)).exists()
 
 
 def test_edited_manifest_is_refused(tmp_path):
@@ -145,7 +145,7 @@ def test_verify_options(tmp_path):
 
 
 def test_verified_load_every_path(tmp_path):
-    from .checkpoints import write_sharded
+    from ..checkpoints import write_sharded
 
     ts = _tensors(4)
     idx = write_sharded(tmp_path / "sharded", ts, shards=3)

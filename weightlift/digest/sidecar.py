@@ -4,7 +4,7 @@ A server that keeps a tensor cache can fill a tensor from it when the client nam
 BLAKE3 digest, so the client needs digests for the tensors worth asking about, and only then:
 without a server cache a digest is pure cost.
 
-:class:`Manifest` remembers the digests of a checkpoint file in a sidecar JSON, so a second push of
+:class:`Sidecar` remembers the digests of a checkpoint file in a sidecar JSON, so a second push of
 the same file hashes nothing. The server trusts a digest blindly (it cannot see the client's
 bytes), so a stale digest would put wrong weights in the server's memory without any error; that
 is why a manifest's entries count only while the file's size, mtime, ctime, inode and device are
@@ -13,7 +13,7 @@ what they were when the digests were taken. ctime is in the identity because too
 cannot be set from user space; the price is a rehash after a chmod or rename of the checkpoint.
 
 :func:`hash_tensors` ties it together for a list of tensors: digests from the manifest where it
-has them, the rest hashed on a :class:`~weightlift.remote.digest.DigestPool`, the manifest saved
+has them, the rest hashed on a :class:`~weightlift.digest.blake.DigestPool`, the manifest saved
 once they are all done.
 """
 
@@ -32,14 +32,14 @@ from typing import Any, Protocol
 import blake3
 
 from weightlift import env
+from weightlift.digest.blake import DIGEST_SIZE, HASH_THRESHOLD, DigestPool, digest_hex, hash_buffer
 from weightlift.errors import NotFoundError
-from weightlift.remote.digest import DIGEST_SIZE, HASH_THRESHOLD, DigestPool, digest_hex, hash_buffer
 
-__all__ = ["MANIFEST_SUFFIX", "MANIFEST_VERSION", "Manifest", "hash_tensors", "write_atomic"]
+__all__ = ["SIDECAR_SUFFIX", "SIDECAR_VERSION", "Sidecar", "hash_tensors", "write_atomic"]
 
 #: Suffix of the sidecar manifest next to a checkpoint file.
-MANIFEST_SUFFIX = ".wl-manifest.json"
-MANIFEST_VERSION = 1
+SIDECAR_SUFFIX = ".wl-manifest.json"
+SIDECAR_VERSION = 1
 
 
 def _identity(st: os.stat_result) -> dict[str, int]:
@@ -56,7 +56,7 @@ def _fallback_dir() -> str:
     return os.path.join(env.cache_home(), "weightlift", "manifests")
 
 
-class Manifest:
+class Sidecar:
     """Digests of the tensors of one checkpoint file, valid while the file is unchanged.
 
     Stored as ``<file>.wl-manifest.json`` beside the file, or, where that folder cannot be written,
@@ -73,7 +73,7 @@ class Manifest:
 
     @property
     def sidecar_path(self) -> str:
-        return self.path + MANIFEST_SUFFIX
+        return self.path + SIDECAR_SUFFIX
 
     @property
     def fallback_path(self) -> str:
@@ -81,7 +81,7 @@ class Manifest:
         return os.path.join(_fallback_dir(), key.hexdigest() + ".json")
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> Manifest:
+    def load(cls, path: str | os.PathLike[str]) -> Sidecar:
         """The manifest of ``path`` as saved, or an empty one if none matches the file as it is now.
 
         NotFoundError if the checkpoint file itself cannot be stat'ed; a missing, corrupt or stale
@@ -137,7 +137,7 @@ class Manifest:
             warnings.warn(f"{self.path} changed while it was hashed; its digests are not saved", stacklevel=2)
             return
         doc = {
-            "version": MANIFEST_VERSION,
+            "version": SIDECAR_VERSION,
             "file": self._identity,
             "tensors": {
                 name: {"offset": off, "length": ln, "blake3": d.hex()} for name, (off, ln, d) in entries.items()
@@ -182,7 +182,7 @@ def _read_manifest(path: str, identity: dict[str, int]) -> dict[str, tuple[int, 
     try:
         with open(path, "rb") as f:
             doc = json.loads(f.read())
-        if not isinstance(doc, dict) or doc.get("version") != MANIFEST_VERSION or doc.get("file") != identity:
+        if not isinstance(doc, dict) or doc.get("version") != SIDECAR_VERSION or doc.get("file") != identity:
             return None
         tensors = doc["tensors"]
         if not isinstance(tensors, dict):
@@ -231,7 +231,7 @@ def hash_tensors(
 ) -> dict[str, Future[bytes]]:
     """Digest futures for every tensor of at least ``threshold`` bytes, by name.
 
-    Digests come from each file's :class:`Manifest` where it has them; the rest are hashed on
+    Digests come from each file's :class:`Sidecar` where it has them; the rest are hashed on
     ``pool`` (or inline, already done, when there is none) from ``view(tensor)``, by default the
     read-only mmap slice of the tensor. When the last digest of a file arrives its manifest is
     saved, so the next push of the same file hashes nothing.
@@ -243,7 +243,7 @@ def hash_tensors(
         by_file.setdefault(t.file, []).append(t)
     out: dict[str, Future[bytes]] = {}
     for file, group in by_file.items():
-        manifest = Manifest.load(file) if manifests else None
+        manifest = Sidecar.load(file) if manifests else None
         pending: list[tuple[_TensorLike, Future[bytes]]] = []
         for t in group:
             known = manifest.get(t.name, t.offset, t.length) if manifest is not None else None
@@ -264,7 +264,7 @@ def hash_tensors(
     return out
 
 
-def _save_when_done(manifest: Manifest, pending: Sequence[tuple[_TensorLike, Future[bytes]]]) -> None:
+def _save_when_done(manifest: Sidecar, pending: Sequence[tuple[_TensorLike, Future[bytes]]]) -> None:
     remaining = [len(pending)]
     lock = threading.Lock()
 

@@ -13,9 +13,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from weightlift.digest.blake import HASH_THRESHOLD, NAIVE_HASH_THRESHOLD, DigestPool, byte_view, hash_buffer
+from weightlift.digest.sidecar import SIDECAR_SUFFIX, Sidecar, hash_tensors
 from weightlift.errors import NotFoundError, OptionError
-from weightlift.remote.digest import HASH_THRESHOLD, NAIVE_HASH_THRESHOLD, DigestPool, byte_view, hash_buffer
-from weightlift.remote.manifest import MANIFEST_SUFFIX, Manifest, hash_tensors
 
 
 def _data(n: int, seed: int = 0) -> bytes:
@@ -67,7 +67,7 @@ def test_byte_view_refuses_non_contiguous():
     assert byte_view(a).nbytes == 400 and byte_view(a).format == "B"
 
 
-# -- Manifest -----------------------------------------------------------------------------------
+# -- Sidecar -----------------------------------------------------------------------------------
 
 
 def _checkpoint(tmp_path, data: bytes = b"") -> str:
@@ -84,13 +84,13 @@ D2 = bytes(range(32, 64))
 
 def test_manifest_round_trip(tmp_path):
     path = _checkpoint(tmp_path)
-    m = Manifest.load(path)
+    m = Sidecar.load(path)
     assert len(m) == 0 and m.get("a", 0, 10) is None
     m.put("a", 0, 10, D1)
     m.put("b", 10, 20, D2)
     m.save()
-    assert os.path.exists(path + MANIFEST_SUFFIX)
-    doc = json.loads(open(path + MANIFEST_SUFFIX).read())
+    assert os.path.exists(path + SIDECAR_SUFFIX)
+    doc = json.loads(open(path + SIDECAR_SUFFIX).read())
     assert doc["tensors"]["a"] == {"offset": 0, "length": 10, "blake3": D1.hex()}
     st = os.stat(path)
     assert (doc["file"]["size"], doc["file"]["mtime_ns"], doc["file"]["inode"]) == (
@@ -98,7 +98,7 @@ def test_manifest_round_trip(tmp_path):
         st.st_mtime_ns,
         st.st_ino,
     )
-    again = Manifest.load(path)
+    again = Sidecar.load(path)
     assert len(again) == 2
     assert again.get("a", 0, 10) == D1 and again.get("b", 10, 20) == D2
     # A digest counts only for exactly the bytes it was taken of.
@@ -107,29 +107,29 @@ def test_manifest_round_trip(tmp_path):
 
 def test_manifest_invalidated_by_mtime(tmp_path):
     path = _checkpoint(tmp_path)
-    m = Manifest.load(path)
+    m = Sidecar.load(path)
     m.put("a", 0, 10, D1)
     m.save()
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
-    assert len(Manifest.load(path)) == 0
+    assert len(Sidecar.load(path)) == 0
 
 
 def test_manifest_invalidated_by_size(tmp_path):
     path = _checkpoint(tmp_path)
-    m = Manifest.load(path)
+    m = Sidecar.load(path)
     m.put("a", 0, 10, D1)
     m.save()
     st = os.stat(path)
     with open(path, "ab") as f:
         f.write(b"x")
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # same mtime, other size
-    assert len(Manifest.load(path)) == 0
+    assert len(Sidecar.load(path)) == 0
 
 
 def test_manifest_invalidated_by_rewrite(tmp_path):
     path = _checkpoint(tmp_path, _data(4096, seed=1))
-    m = Manifest.load(path)
+    m = Sidecar.load(path)
     m.put("a", 0, 10, D1)
     m.save()
     st = os.stat(path)
@@ -142,7 +142,7 @@ def test_manifest_invalidated_by_rewrite(tmp_path):
         os.replace(tmp, path)
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
         assert os.stat(path).st_ino != st.st_ino
-        assert len(Manifest.load(path)) == 0
+        assert len(Sidecar.load(path)) == 0
     finally:
         keep.close()
 
@@ -150,7 +150,7 @@ def test_manifest_invalidated_by_rewrite(tmp_path):
 def test_manifest_invalidated_by_in_place_write_with_mtime_restored(tmp_path):
     # What rsync -t or touch -r leave: new bytes, old size and mtime, same inode.
     path = _checkpoint(tmp_path)
-    m = Manifest.load(path)
+    m = Sidecar.load(path)
     m.put("a", 0, 10, D1)
     m.save()
     st = os.stat(path)
@@ -158,7 +158,7 @@ def test_manifest_invalidated_by_in_place_write_with_mtime_restored(tmp_path):
     with open(path, "r+b") as f:
         f.write(b"changed!")
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert len(Manifest.load(path)) == 0
+    assert len(Sidecar.load(path)) == 0
 
 
 @pytest.mark.parametrize(
@@ -175,24 +175,24 @@ def test_manifest_invalidated_by_in_place_write_with_mtime_restored(tmp_path):
 def test_manifest_ignores_corrupt_sidecar(tmp_path, content):
     path = _checkpoint(tmp_path)
     if content is None:
-        m = Manifest.load(path)
+        m = Sidecar.load(path)
         m.put("a", 0, 10, D1)
         m.save()
-        doc = json.loads(open(path + MANIFEST_SUFFIX).read())
+        doc = json.loads(open(path + SIDECAR_SUFFIX).read())
         doc["tensors"]["a"]["blake3"] = "zz" * 32
         content = json.dumps(doc).encode()
-    with open(path + MANIFEST_SUFFIX, "wb") as f:
+    with open(path + SIDECAR_SUFFIX, "wb") as f:
         f.write(content)
-    m = Manifest.load(path)
+    m = Sidecar.load(path)
     assert len(m) == 0
     m.put("a", 0, 10, D2)
     m.save()  # overwrites the corrupt one
-    assert Manifest.load(path).get("a", 0, 10) == D2
+    assert Sidecar.load(path).get("a", 0, 10) == D2
 
 
 def test_manifest_of_missing_file(tmp_path):
     with pytest.raises(NotFoundError):
-        Manifest.load(tmp_path / "absent.safetensors")
+        Sidecar.load(tmp_path / "absent.safetensors")
 
 
 def _refuse_in(monkeypatch, folder: str) -> None:
@@ -210,39 +210,39 @@ def _refuse_in(monkeypatch, folder: str) -> None:
 def test_manifest_falls_back_when_folder_read_only(tmp_path, monkeypatch):
     path = _checkpoint(tmp_path)
     _refuse_in(monkeypatch, os.path.dirname(path))
-    m = Manifest.load(path)
+    m = Sidecar.load(path)
     m.put("a", 0, 10, D1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         m.save()
-    assert not os.path.exists(path + MANIFEST_SUFFIX)
+    assert not os.path.exists(path + SIDECAR_SUFFIX)
     assert m.fallback_path.startswith(str(tmp_path / "xdg" / "weightlift" / "manifests"))
     assert os.path.exists(m.fallback_path)
-    assert Manifest.load(path).get("a", 0, 10) == D1
+    assert Sidecar.load(path).get("a", 0, 10) == D1
     assert [n for n in os.listdir(os.path.dirname(m.fallback_path)) if n.endswith(".tmp")] == []
 
 
 def test_manifest_save_never_fails_the_caller(tmp_path, monkeypatch):
     path = _checkpoint(tmp_path)
-    m = Manifest.load(path)
+    m = Sidecar.load(path)
     m.put("a", 0, 10, D1)
     _refuse_in(monkeypatch, os.path.dirname(path))
     _refuse_in(monkeypatch, os.path.dirname(m.fallback_path))
     with pytest.warns(UserWarning, match="cannot save"):
         m.save()
     monkeypatch.undo()
-    assert len(Manifest.load(path)) == 0
+    assert len(Sidecar.load(path)) == 0
 
 
 def test_manifest_not_saved_if_file_changed_since_load(tmp_path):
     path = _checkpoint(tmp_path)
-    m = Manifest.load(path)
+    m = Sidecar.load(path)
     with open(path, "ab") as f:
         f.write(b"more")
     m.put("a", 0, 10, D1)
     with pytest.warns(UserWarning, match="changed"):
         m.save()
-    assert not os.path.exists(path + MANIFEST_SUFFIX)
+    assert not os.path.exists(path + SIDECAR_SUFFIX)
 
 
 # -- DigestPool and hash_tensors ----------------------------------------------------------------
