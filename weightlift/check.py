@@ -140,16 +140,18 @@ def _recorded_digests(files: list[str]) -> tuple[dict[str, tuple[int, str]], lis
     """From the digest manifests beside ``files``: {name: (length, blake3 hex)}, and the files
     whose manifest was taken before the file last changed (its records are still what the file
     held then, which is what a check wants to know)."""
-    from .digest.sidecar import SIDECAR_SUFFIX, SIDECAR_VERSION, Sidecar
+    from .digest.sidecar import SIDECAR_SUFFIX, SIDECAR_VERSION, Sidecar, read_trusted
 
     records: dict[str, tuple[int, str]] = {}
     stale = []
     for f in files:
         paths = Sidecar(f, {})  # for its two possible locations only
         for candidate in (f + SIDECAR_SUFFIX, paths.fallback_path):
+            raw = read_trusted(candidate)  # a sidecar someone else could have written says nothing
+            if raw is None:
+                continue
             try:
-                with open(candidate, "rb") as fh:
-                    doc = json.loads(fh.read())
+                doc = json.loads(raw)
                 tensors = doc["tensors"] if isinstance(doc, dict) and doc.get("version") == SIDECAR_VERSION else None
             except (OSError, ValueError, KeyError, TypeError):
                 continue

@@ -323,3 +323,141 @@ def test_hash_tensors_default_view_reads_the_file(tmp_path):
     tensors = [_T("x", path, 5000, 20_000)]
     futs = hash_tensors(tensors, threshold=1, manifests=False)
     assert futs["x"].result() == blake3.blake3(data[5000:25_000]).digest()
+
+
+# -- who may have written a sidecar ------------------------------------------------------------
+
+OTHER_UID = 65534  # nobody
+_root_only = pytest.mark.skipif(
+    os.name != "posix" or os.geteuid() != 0, reason="needs root to give a file to another user"
+)
+
+
+def _planted(tmp_path) -> tuple[str, dict[str, bytes]]:
+    """A real checkpoint with a well-formed sidecar beside it that names other digests than the
+    file's; returns the file and its real digests."""
+    from weightlift.checkpoint import open_checkpoint
+
+    from ..checkpoints import write
+
+    folder = tmp_path / "model"
+    folder.mkdir(exist_ok=True)
+    ts = [(f"w{i}", "U8", (5000,), _data(5000, seed=20 + i)) for i in range(3)]
+    path = str(write(folder / "model.safetensors", ts))
+    m = Sidecar.load(path)
+    for t in open_checkpoint(path).select():
+        m.put(t.name, t.offset, t.length, D1)  # what a planter would name
+    m.save()
+    real = {name: blake3.blake3(raw).digest() for name, _, _, raw in ts}
+    return path, real
+
+
+def _published_digests(path: str) -> dict[str, bytes]:
+    from weightlift.digest.published import make_manifest
+
+    return {e.name: bytes.fromhex(e.blake3) for e in make_manifest(path).entries}
+
+
+def _expected(path: str) -> dict[str, bytes]:
+    from weightlift.checkpoint import open_checkpoint
+    from weightlift.digest.published import expected_digests
+
+    return expected_digests(open_checkpoint(path).select(), None)
+
+
+def test_own_private_sidecar_is_trusted(tmp_path):
+    path, _ = _planted(tmp_path)
+    assert stat_mode(path + SIDECAR_SUFFIX) & 0o077 == 0  # written 0600
+    assert len(Sidecar.load(path)) == 3
+    assert set(_published_digests(path).values()) == {D1}  # the sidecar is believed (and here wrong)
+
+
+@_root_only
+def test_sidecar_of_another_user_is_ignored(tmp_path):
+    path, real = _planted(tmp_path)
+    side = path + SIDECAR_SUFFIX
+    os.chown(side, OTHER_UID, OTHER_UID)
+    os.chmod(side, 0o600)
+    assert len(Sidecar.load(path)) == 0
+    assert _published_digests(path) == real
+    assert os.stat(side).st_uid == 0  # and the next save replaced it with our own
+    os.chown(side, OTHER_UID, OTHER_UID)
+    assert _expected(path) == real
+
+
+def test_sidecar_writable_by_others_is_ignored(tmp_path):
+    path, real = _planted(tmp_path)
+    side = path + SIDECAR_SUFFIX
+    os.chmod(side, 0o666)
+    assert len(Sidecar.load(path)) == 0
+    assert _published_digests(path) == real
+    os.chmod(side, 0o620)
+    assert _expected(path) == real
+
+
+def test_sidecar_link_is_ignored_and_not_written_through(tmp_path):
+    path, real = _planted(tmp_path)
+    side = path + SIDECAR_SUFFIX
+    elsewhere = tmp_path / "elsewhere.json"
+    os.replace(side, elsewhere)
+    before = elsewhere.read_bytes()
+    os.symlink(elsewhere, side)
+    assert len(Sidecar.load(path)) == 0
+    assert _published_digests(path) == real
+    assert elsewhere.read_bytes() == before  # the save replaced the link, not what it points at
+    assert not os.path.islink(side)
+
+
+def test_sidecar_fifo_does_not_block(tmp_path):
+    path, real = _planted(tmp_path)
+    side = path + SIDECAR_SUFFIX
+    os.unlink(side)
+    os.mkfifo(side, 0o600)
+    got: list[int] = []
+    t = threading.Thread(target=lambda: got.append(len(Sidecar.load(path))), daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():  # unblock the reader so the test process can end
+        with open(side, "wb"):
+            pass
+        t.join(10)
+        pytest.fail("reading a FIFO planted as the sidecar blocked")
+    assert got == [0]
+
+
+def stat_mode(p: str) -> int:
+    import stat
+
+    return stat.S_IMODE(os.stat(p).st_mode)
+
+
+def test_fallback_folder_made_private(tmp_path, monkeypatch):
+    path = _checkpoint(tmp_path)
+    _refuse_in(monkeypatch, os.path.dirname(path))
+    m = Sidecar.load(path)
+    m.put("a", 0, 10, D1)
+    m.save()
+    folder = os.path.dirname(m.fallback_path)
+    assert stat_mode(folder) == 0o700 and stat_mode(m.fallback_path) & 0o077 == 0
+    os.chmod(folder, 0o755)  # an older, wider folder of ours is narrowed
+    m.put("a", 0, 10, D2)
+    m.save()
+    assert stat_mode(folder) == 0o700
+    assert Sidecar.load(path).get("a", 0, 10) == D2
+
+
+@_root_only
+def test_fallback_folder_of_another_user_is_ignored(tmp_path, monkeypatch):
+    path = _checkpoint(tmp_path)
+    _refuse_in(monkeypatch, os.path.dirname(path))
+    m = Sidecar.load(path)
+    m.put("a", 0, 10, D1)
+    m.save()
+    folder = os.path.dirname(m.fallback_path)
+    os.chown(folder, OTHER_UID, OTHER_UID)
+    assert len(Sidecar.load(path)) == 0  # not read from a folder another user controls
+    with pytest.warns(UserWarning, match="cannot save"):
+        m.put("a", 0, 10, D2)
+        m.save()  # nor written to it
+    os.chown(folder, 0, 0)
+    assert Sidecar.load(path).get("a", 0, 10) == D1

@@ -12,6 +12,17 @@ what they were when the digests were taken. ctime is in the identity because too
 ``rsync -t``, ``tar x`` and ``touch -r`` set mtime back after changing the bytes, while ctime
 cannot be set from user space; the price is a rehash after a chmod or rename of the checkpoint.
 
+The identity says whether a sidecar is stale, not who wrote it: anyone can read a file's size,
+times, inode and device with ``stat``. A sidecar is therefore trusted only when the user could
+not have been handed it by someone else (:func:`trusted_fd`): it is a regular file, not a link,
+owned by the effective user (or by root, who can change the checkpoint itself anyway), and not
+writable by its group or others. These checks are made on the open descriptor, so what is
+checked is what is read. A folder others may write (a sticky shared folder) lets them delete a
+sidecar or put their own in its place, but theirs is ignored and the file is hashed instead. The
+fallback folder under the user's cache is used only when it is the user's and private (0700).
+Sidecars are written to an exclusive temporary file (never through an existing name or link),
+mode 0600, and renamed into place.
+
 :func:`hash_tensors` ties it together for a list of tensors: digests from the manifest where it
 has them, the rest hashed on a :class:`~weightlift.digest.blake.DigestPool`, the manifest saved
 once they are all done.
@@ -23,6 +34,7 @@ import functools
 import json
 import os
 import secrets
+import stat
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -35,7 +47,7 @@ from weightlift import env
 from weightlift.digest.blake import DIGEST_SIZE, HASH_THRESHOLD, DigestPool, digest_hex, hash_buffer
 from weightlift.errors import NotFoundError
 
-__all__ = ["SIDECAR_SUFFIX", "SIDECAR_VERSION", "Sidecar", "hash_tensors", "write_atomic"]
+__all__ = ["SIDECAR_SUFFIX", "SIDECAR_VERSION", "Sidecar", "hash_tensors", "read_trusted", "trusted_fd", "write_atomic"]
 
 #: Suffix of the sidecar manifest next to a checkpoint file.
 SIDECAR_SUFFIX = ".wl-manifest.json"
@@ -52,8 +64,78 @@ def _identity(st: os.stat_result) -> dict[str, int]:
     }
 
 
+#: Largest sidecar read; a real one holds about 150 bytes per tensor.
+MAX_SIDECAR = 256 * 1024 * 1024
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
 def _fallback_dir() -> str:
     return os.path.join(env.cache_home(), "weightlift", "manifests")
+
+
+def _trusted_owner(uid: int) -> bool:
+    return uid in (os.geteuid(), 0)
+
+
+def trusted_fd(st: os.stat_result) -> bool:
+    """Whether a file with this (f)stat may be believed: a regular file owned by the effective
+    user or root, not writable by its group or others. Always true off POSIX."""
+    if os.name != "posix":
+        return True
+    return stat.S_ISREG(st.st_mode) and _trusted_owner(st.st_uid) and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _private_dir(path: str, *, create: bool) -> bool:
+    """Whether ``path`` is a folder of the effective user's that no one else can use (made 0700 if
+    ``create`` and absent; narrowed to 0700 if it is ours and wider). False for a link, a folder
+    of someone else's, or one that cannot be made."""
+    if os.name != "posix":
+        if create:
+            os.makedirs(path, exist_ok=True)
+        return True
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        if not create:
+            return False
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            os.mkdir(path, 0o700)
+            st = os.lstat(path)
+        except OSError:
+            return False
+    except OSError:
+        return False
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        return False
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        try:
+            os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700, follow_symlinks=False)
+        except (OSError, NotImplementedError):
+            return False
+    return True
+
+
+def read_trusted(path: str) -> bytes | None:
+    """The bytes of the file at ``path`` if :func:`trusted_fd` holds for it (checked on the open
+    descriptor, never following a link and never blocking on a FIFO); None otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not trusted_fd(st) or st.st_size > MAX_SIDECAR:
+            return None
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 class Sidecar:
@@ -80,6 +162,14 @@ class Sidecar:
         key = blake3.blake3(os.path.realpath(self.path).encode("utf-8", "surrogateescape"))
         return os.path.join(_fallback_dir(), key.hexdigest() + ".json")
 
+    def candidates(self) -> list[str]:
+        """The places this file's sidecar may be read from: beside it, and in the fallback folder
+        when that folder is private to the user."""
+        out = [self.sidecar_path]
+        if _private_dir(_fallback_dir(), create=False):
+            out.append(self.fallback_path)
+        return out
+
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Sidecar:
         """The manifest of ``path`` as saved, or an empty one if none matches the file as it is now.
@@ -92,7 +182,7 @@ class Sidecar:
         except OSError as exc:
             raise NotFoundError(f"cannot stat checkpoint: {exc.strerror}", file=os.fspath(path)) from exc
         m = cls(path, _identity(st))
-        for candidate in (m.sidecar_path, m.fallback_path):
+        for candidate in m.candidates():
             entries = _read_manifest(candidate, m._identity)
             if entries is not None:
                 m._entries = entries
@@ -147,19 +237,24 @@ class Sidecar:
         errors: list[str] = []
         for target in (self.sidecar_path, self.fallback_path):
             try:
-                if target == self.fallback_path:
-                    os.makedirs(os.path.dirname(target), exist_ok=True)
-                write_atomic(target, data)
+                if target == self.fallback_path and not _private_dir(os.path.dirname(target), create=True):
+                    errors.append(f"{os.path.dirname(target)}: not a private folder of this user")
+                    continue
+                write_atomic(target, data, mode=0o600)
                 return
             except OSError as exc:
                 errors.append(f"{target}: {exc.strerror or exc}")
         warnings.warn("cannot save digest manifest (" + "; ".join(errors) + ")", stacklevel=2)
 
 
-def write_atomic(target: str, data: bytes) -> None:
-    """Write ``data`` to ``target`` through a temporary file and a rename: all or nothing."""
-    tmp = f"{target}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+def write_atomic(target: str, data: bytes, *, mode: int = 0o644) -> None:
+    """Write ``data`` to ``target`` through a temporary file and a rename: all or nothing.
+
+    The temporary file has an unpredictable name and is created exclusively, without following a
+    link, with ``mode`` (less the umask); the rename replaces whatever ``target`` was (a file or a
+    link), never writing through it."""
+    tmp = f"{target}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode)
     try:
         view = memoryview(data)
         while view:
@@ -179,9 +274,11 @@ def write_atomic(target: str, data: bytes) -> None:
 
 def _read_manifest(path: str, identity: dict[str, int]) -> dict[str, tuple[int, int, bytes]] | None:
     """The entries in ``path`` if it is a well-formed manifest for ``identity``; None otherwise."""
+    raw = read_trusted(path)
+    if raw is None:
+        return None
     try:
-        with open(path, "rb") as f:
-            doc = json.loads(f.read())
+        doc = json.loads(raw)
         if not isinstance(doc, dict) or doc.get("version") != SIDECAR_VERSION or doc.get("file") != identity:
             return None
         tensors = doc["tensors"]
@@ -196,7 +293,7 @@ def _read_manifest(path: str, identity: dict[str, int]) -> dict[str, tuple[int, 
                 return None
             out[name] = (off, ln, bytes.fromhex(hx))
         return out
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
 
 
