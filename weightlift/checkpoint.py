@@ -4,6 +4,26 @@ A path is a ``.safetensors`` file, a shard index (``*.safetensors.index.json`` a
 writes it, with a ``weight_map``), a ``.gguf`` file, or a folder holding one of those. Headers
 are read and validated here (through the pure parsers in :mod:`weightlift.formats`); tensor
 bytes are not touched until a load asks for them.
+
+A folder is resolved as transformers' ``from_pretrained`` resolves it, so both load the same
+weights: ``model.safetensors`` if present (even beside an index), else
+``model.safetensors.index.json``, else the one ``*.safetensors.index.json``, else the one
+``.safetensors`` file, else the one ``.gguf`` file. Several candidates of the kind that decides
+(two indexes, two ``.safetensors`` files without an index, two ``.gguf`` files) are refused with
+their names: picking one would be a guess.
+
+A shard index follows transformers where transformers loads weights, and is refused (a
+FormatError naming the index and the key) where transformers fails or where the weights would
+depend on the order of files:
+
+- it must be UTF-8 JSON without a byte-order mark (transformers reads it as strict UTF-8, and
+  ``json`` refuses a mark), an object with a non-empty ``weight_map`` object whose values are
+  file names beside the index, and a ``metadata`` object (transformers requires both);
+- the shards are the distinct files the ``weight_map`` names, in sorted order, and the
+  checkpoint holds every tensor of their headers, also one the ``weight_map`` omits
+  (transformers loads every key of every listed shard);
+- a tensor in two listed shards is refused (transformers silently takes the last shard's copy);
+- a ``weight_map`` entry whose shard lacks the tensor is refused (the index is wrong about it).
 """
 
 from __future__ import annotations
@@ -24,7 +44,7 @@ from weightlift.formats import safetensors as st
 if TYPE_CHECKING:
     from weightlift.disk.source import MappedFile
 
-__all__ = ["Checkpoint", "open_checkpoint", "Select", "MAX_INDEX_SIZE"]
+__all__ = ["Checkpoint", "open_checkpoint", "Select", "MAX_INDEX_SIZE", "PREFERRED"]
 
 MAX_INDEX_SIZE = 64 * 1024 * 1024
 Select = None | str | Pattern[str] | Iterable[str] | frozenset
@@ -150,22 +170,33 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     return Checkpoint(p, "safetensors", [p], tensors, dict(meta), {p: ident})
 
 
+#: What transformers prefers in a folder, in its order.
+PREFERRED = ("model.safetensors", "model.safetensors.index.json")
+_BOMS = (b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff")
+
+
+def _one(d: str, names: list[str], what: str) -> str | None:
+    if len(names) > 1:
+        raise FormatError(f"several {what} ({', '.join(names)}); name one", file=d)
+    return os.path.join(d, names[0]) if names else None
+
+
 def _pick_in_folder(d: str) -> str:
     names = sorted(os.listdir(d))
+    for n in PREFERRED:
+        if n in names and os.path.isfile(os.path.join(d, n)):
+            return os.path.join(d, n)
     indexes = [n for n in names if n.endswith(".safetensors.index.json")]
-    if len(indexes) == 1:
-        return os.path.join(d, indexes[0])
-    if len(indexes) > 1:
-        raise FormatError(f"several shard indexes ({', '.join(indexes)}); name one", file=d)
     st_files = [n for n in names if n.endswith(".safetensors")]
-    if len(st_files) == 1:
-        return os.path.join(d, st_files[0])
-    gguf = [n for n in names if n.endswith(".gguf")]
-    if len(gguf) == 1 and not st_files:
-        return os.path.join(d, gguf[0])
-    if len(st_files) > 1:
-        raise FormatError("several .safetensors files and no index; name one", file=d)
-    raise NotFoundError("holds no .safetensors, shard index or .gguf file", file=d)
+    gguf = [n for n in names if n.lower().endswith(".gguf")]
+    found = (
+        _one(d, indexes, "shard indexes")
+        or _one(d, st_files, ".safetensors files and no index")
+        or _one(d, gguf, ".gguf files")
+    )
+    if found is None:
+        raise NotFoundError("holds no .safetensors, shard index or .gguf file", file=d)
+    return found
 
 
 def _read_safetensors(path: str) -> tuple[list[TensorInfo], dict[str, str], tuple[int, int, int, int]]:
@@ -195,41 +226,66 @@ def _open_gguf(path: str) -> Checkpoint:
     return Checkpoint(path, "gguf", [path], list(head.tensors), meta, {path: (i.dev, i.ino, i.size, i.mtime_ns)})
 
 
-def _open_index(path: str) -> Checkpoint:
+def _read_index(path: str) -> dict[str, Any]:
+    """The index's JSON object, with its ``weight_map`` and ``metadata`` checked as the module
+    docstring says."""
     try:
         size = os.path.getsize(path)
         if size > MAX_INDEX_SIZE:
             raise FormatError(f"index is {size} bytes, over the limit of {MAX_INDEX_SIZE}", file=path)
         with open(path, "rb") as f:
-            obj = json.loads(f.read())
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise FormatError(f"index is not valid JSON: {type(e).__name__}: {e}", file=path) from None
+            raw = f.read(MAX_INDEX_SIZE + 1)
     except OSError as e:
         raise os_error(e, path, "cannot read") from None
+    if raw.startswith(_BOMS):
+        raise FormatError("index starts with a byte-order mark; it must be UTF-8 without one", file=path)
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise FormatError(f"index is not UTF-8: {e}", file=path) from None
+    except (ValueError, RecursionError) as e:
+        raise FormatError(f"index is not valid JSON: {type(e).__name__}: {e}", file=path) from None
     if not isinstance(obj, dict) or not isinstance(obj.get("weight_map"), dict):
         raise FormatError("index has no weight_map object", file=path)
-    weight_map: dict[str, Any] = obj["weight_map"]
-    base = os.path.dirname(os.path.abspath(path))
-    shards: dict[str, list[str]] = {}
-    for name, shard in weight_map.items():
+    if not obj["weight_map"]:
+        raise FormatError("index's weight_map is empty", file=path)
+    for name, shard in obj["weight_map"].items():
         if not isinstance(shard, str) or not shard or os.path.isabs(shard) or ".." in shard.split("/"):
             raise FormatError(f"weight_map names shard {shard!r}, not a file beside the index", file=path, tensor=name)
-        shards.setdefault(shard, []).append(name)
+    if not isinstance(obj.get("metadata"), dict):
+        what = "no metadata" if "metadata" not in obj else f"metadata that is {type(obj['metadata']).__name__}"
+        raise FormatError(f"index has {what}, not an object", file=path)
+    return obj
+
+
+def _open_index(path: str) -> Checkpoint:
+    obj = _read_index(path)
+    weight_map: dict[str, str] = obj["weight_map"]
+    base = os.path.dirname(os.path.abspath(path))
     files: list[str] = []
     tensors: list[TensorInfo] = []
-    identity: dict[str, Any] = {}
-    for shard in sorted(shards):
+    identity: dict[str, tuple[int, int, int, int]] = {}
+    found: dict[str, str] = {}  # tensor -> the shard holding it
+    for shard in sorted(set(weight_map.values())):
         sp = os.path.join(base, shard)
         if not os.path.exists(sp):
             raise NotFoundError(f"shard {shard!r} named by the index does not exist", file=path)
         infos, _, identity[sp] = _read_safetensors(sp)
-        by_name = {t.name: t for t in infos}
-        for name in shards[shard]:
-            if name not in by_name:
-                raise FormatError(f"index places this tensor in {shard!r}, which lacks it", file=path, tensor=name)
-        wanted = set(shards[shard])
+        for t in infos:
+            if t.name in found:
+                raise FormatError(
+                    f"tensor is in two shards, {found[t.name]!r} and {shard!r}; which copy is meant is ambiguous",
+                    file=path,
+                    tensor=t.name,
+                )
+            found[t.name] = shard
         files.append(sp)
-        tensors.extend(t for t in infos if t.name in wanted)
-    meta = obj.get("metadata")
-    meta = meta if isinstance(meta, dict) else {}
-    return Checkpoint(path, "safetensors", files, tensors, dict(meta), identity)
+        tensors.extend(infos)
+    for name, shard in weight_map.items():
+        if name in found and found[name] != shard:
+            raise FormatError(
+                f"index places this tensor in {shard!r}; it is in {found[name]!r}", file=path, tensor=name
+            )
+        if name not in found:
+            raise FormatError(f"index places this tensor in {shard!r}, which lacks it", file=path, tensor=name)
+    return Checkpoint(path, "safetensors", files, tensors, dict(obj["metadata"]), identity)
