@@ -543,3 +543,81 @@ def test_what_a_load_returns(tmp_path: Path) -> None:
     load_cmd = next(a for a in build_parser()._actions if a.dest == "command").choices["load"]
     (help_text,) = [a.help for a in load_cmd._actions if a.dest == "dequantize"]
     assert "quantized tensors to float32" in help_text and "F16 and BF16 keep their type" in help_text
+
+
+# ---- where gguf.GGUFReader is followed, and where it is not ----
+
+
+def test_empty_tensor_past_the_end_of_the_file_is_taken_as_gguf_takes_it(tmp_path: Path) -> None:
+    import weightlift as wl
+
+    far = 1 << 40
+    data = header_with(tensors=(tensor_info("w", (4,), F32, 0), tensor_info("e", (0, 5), F32, far)), data=bytes(16))
+    path = tmp_path / "e.gguf"
+    path.write_bytes(data)
+    reader = GGUFReader(path)
+    assert [(t.name, t.data.shape) for t in reader.tensors] == [("w", (4,)), ("e", (5, 0))]
+    header = parse(data, file=str(path))
+    assert header.data_start == reader.data_offset
+    assert [(t.offset, t.shape) for t in header.tensors] == [(t.data_offset, t.data.shape) for t in reader.tensors]
+    assert header.tensors[1].offset == reader.tensors[1].data_offset and header.tensors[1].length == 0
+    for kw in ({}, {"copy": False}, {"verify": True}, {"dequantize": True}):
+        out = wl.load(path, **kw)
+        assert {n: v.shape for n, v in out.items()} == {"w": (4,), "e": (5, 0)}, kw
+    # a tensor that holds bytes still has to lie in the file
+    refused(header_with(tensors=(tensor_info("w", (4,), F32, far),), data=bytes(16)), "outside", tensor="w")
+
+
+def test_folder_with_two_gguf_files_names_both(tmp_path: Path) -> None:
+    import weightlift as wl
+
+    write_sample(tmp_path / "a.gguf")
+    assert wl.open(tmp_path).files == [str(tmp_path / "a.gguf")]
+    write_sample(tmp_path / "b.gguf")
+    with pytest.raises(FormatError, match="several .gguf files \\(a.gguf, b.gguf\\); name one"):
+        wl.open(tmp_path)
+
+
+def test_dequantize_error_names_file_and_tensor(tmp_path: Path) -> None:
+    import weightlift as wl
+
+    block, size = GGML_QUANT_SIZES[Q.Q8_1]
+    path = tmp_path / "q.gguf"
+    path.write_bytes(header_with(tensors=(tensor_info("blk.0.q", (block,), int(Q.Q8_1), 0),), data=bytes(size)))
+    assert wl.load(path)["blk.0.q"].shape == (size,)  # raw blocks load
+    with pytest.raises(OptionError, match="cannot dequantize Q8_1") as e:
+        wl.load(path, dequantize=True)
+    assert str(path) in str(e.value) and "'blk.0.q'" in str(e.value)
+    with pytest.raises(OptionError, match="^f.gguf: tensor 't': the gguf package cannot dequantize Q8_1"):
+        dequantize(np.zeros(size, np.uint8), int(Q.Q8_1), file="f.gguf", tensor="t")
+
+
+def _reader_accepts(tmp_path: Path, data: bytes) -> None:
+    path = tmp_path / "x.gguf"
+    path.write_bytes(data)
+    GGUFReader(path)
+
+
+def test_each_deliberate_refusal_is_one_the_reader_accepts(tmp_path: Path) -> None:
+    """The numbered list in the module's docstring, case by case (limits stand for item 4)."""
+    be = tmp_path / "be.gguf"
+    write_sample(be, endianess=GGUFEndian.BIG)
+    whole = pack([kv_str("general.architecture", "xyz")], [], alignment=1)
+    cases = {
+        "big-endian": be.read_bytes(),
+        "runs past the end": whole[:-2],
+        "5 dimensions exceed": header_with(tensors=(tensor_info("w", (1, 1, 1, 1, 2), F32, 0),), data=bytes(32)),
+        "not a multiple of the alignment": header_with(tensors=(tensor_info("w", (4,), F32, 16),), data=bytes(64)),
+        "overlap": header_with(
+            tensors=(tensor_info("a", (16,), F32, 0), tensor_info("b", (8,), F32, 32)), data=bytes(128)
+        ),
+    }
+    for match, data in cases.items():
+        _reader_accepts(tmp_path, data)
+        with pytest.raises(FormatError, match=match):
+            parse(data)
+    with pytest.raises(FormatError, match="nests arrays deeper"):
+        nested = s("k") + struct.pack("<I", V.ARRAY)
+        for _ in range(MAX_NESTING + 1):
+            nested += struct.pack("<IQ", V.ARRAY, 1)
+        parse(pack([nested + struct.pack("<IQ", V.UINT8, 0)], []))

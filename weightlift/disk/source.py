@@ -101,7 +101,10 @@ class MappedFile:
         return self._fd
 
     def view(self, offset: int, length: int) -> memoryview:
-        """A borrowed slice of the mapping: no copy."""
+        """A borrowed slice of the mapping: no copy. An empty range may start anywhere (a GGUF
+        tensor of no elements may name an offset past the end of its file)."""
+        if length == 0 and offset >= 0:
+            return self.buffer[0:0]
         if offset < 0 or length < 0 or offset + length > self.size:
             raise FileError(f"range [{offset}, {offset + length}) is outside the file", file=self.path)
         return self.buffer[offset : offset + length]

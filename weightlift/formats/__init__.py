@@ -75,11 +75,18 @@ def check_extent(shape: tuple[int, ...], *, file: str, tensor: str) -> None:
                 )
 
 
-def check_layout(tensors: list[TensorInfo], *, file: str, data_start: int, file_size: int) -> None:
-    """Every tensor lies inside [data_start, file_size) and no two overlap; FormatError otherwise."""
+def check_layout(
+    tensors: list[TensorInfo], *, file: str, data_start: int, file_size: int, empty_anywhere: bool = False
+) -> None:
+    """Every tensor lies inside [data_start, file_size) and no two overlap; FormatError otherwise.
+
+    ``empty_anywhere`` lets a tensor of no bytes name any offset from data_start on, even past
+    the end of the file (GGUF: gguf's reader takes it, there being nothing to read)."""
     from weightlift.errors import FormatError
 
     for t in tensors:
+        if empty_anywhere and t.length == 0 and t.offset >= data_start:
+            continue
         if t.offset < data_start or t.length < 0 or t.end > file_size:
             raise FormatError(
                 f"bytes [{t.offset}, {t.end}) lie outside the data region [{data_start}, {file_size})",

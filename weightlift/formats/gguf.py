@@ -25,10 +25,34 @@ float32 with ``load(..., dequantize=True)``. F16 and BF16 are not quantized (ggm
 ``ggml_is_quantized`` says the same), so that leaves them as they are; ``dtype="F32"`` casts
 them too. (The :func:`dequantize` function here decodes BF16 and F16 all the same.)
 
-Beyond what gguf-py's reader checks, shapes whose non-zero dimensions multiply past
-:data:`~weightlift.formats.MAX_EXTENT` are refused even when they hold no element, since a load
-may view or cast them as 8-byte items; the reader itself fails on most of them with numpy's
-ValueError, and a load would fail the same way.
+What differs from ``gguf.GGUFReader`` (gguf-py), on purpose. It accepts, and this parser
+refuses with a FormatError:
+
+1. big-endian files (the reader byte-swaps them; nothing here or in ggml's loaders reads them);
+2. a header that runs past the end of the buffer or file: the reader's reads are numpy slices
+   that come back short, so a truncated last value is read as a shorter one;
+3. counts that cannot fit in the bytes left (checked before anything is allocated);
+4. more than :data:`MAX_TENSORS` tensors or :data:`MAX_KV` key/values, a string over
+   :data:`MAX_STRING` bytes, an array over :data:`MAX_ARRAY` elements, arrays nested deeper than
+   :data:`MAX_NESTING` (the reader has no limits);
+5. more than :data:`MAX_DIMS` dimensions (``GGML_MAX_DIMS``; ggml refuses them too);
+6. a tensor offset that is not a multiple of the alignment (ggml's loader refuses it, and a
+   load views each tensor in place as its type);
+7. tensors whose bytes overlap (a load or a verified hash assumes each byte is one tensor's);
+8. an element count past 2**63 (the reader's ``np.prod`` wraps around in uint64, and it then
+   fails with numpy's ValueError);
+9. a shape whose non-zero dimensions multiply past :data:`~weightlift.formats.MAX_EXTENT`,
+   even one that holds no element, since a load may view or cast it as 8-byte items (the reader
+   fails on most of them with numpy's ValueError, and a load would fail the same way).
+
+Where the reader fails with an error of Python's or numpy's (bad magic, v1 or unknown
+versions, unknown value or ggml types, a general.alignment that is not a uint32 power of two,
+duplicate keys or tensor names, keys or names that are not UTF-8, rows that are not whole
+blocks, tensor bytes past the end of the file), this parser raises a FormatError naming the
+file and the tensor. Two things are represented differently, not refused: a string value that
+is not UTF-8 is kept with ``surrogateescape`` (the reader keeps the bytes and fails when asked
+for the text), and a load returns BF16 as bfloat16 (see above). Like the reader, a tensor of no
+elements may name any offset, even one past the end of the file.
 """
 
 from __future__ import annotations
@@ -275,7 +299,7 @@ def parse_gguf(buf: Any, *, file: str, file_size: int) -> GGUFHeader:
             raise FormatError("tensor name appears twice", file=file, tensor=name)
         seen.add(name)
         tensors.append(_tensor_info(name, ne, ggml_type, rel, file=file, data_start=data_start, alignment=alignment))
-    check_layout(tensors, file=file, data_start=data_start, file_size=file_size)
+    check_layout(tensors, file=file, data_start=data_start, file_size=file_size, empty_anywhere=True)
     return GGUFHeader(version, alignment, data_start, metadata, tensors)
 
 
@@ -340,16 +364,18 @@ def numpy_dtype_and_shape(t: TensorInfo) -> tuple[np.dtype, tuple[int, ...]]:
     return np.dtype(np.uint8), tuple(t.extra["raw_shape"])
 
 
-def dequantize(raw: np.ndarray, ggml_type: int) -> np.ndarray:
+def dequantize(raw: np.ndarray, ggml_type: int, *, file: str | None = None, tensor: str | None = None) -> np.ndarray:
     """Decode a tensor's raw bytes (as ``numpy_dtype_and_shape`` views them) to float32.
 
     Quantized types and BF16 go through ``gguf.quants.dequantize``; plain types are cast. An
-    F32 tensor comes back as a view of ``raw`` when it already is float32.
+    F32 tensor comes back as a view of ``raw`` when it already is float32. ``file`` and
+    ``tensor`` name the tensor in the OptionError for a type the gguf package cannot decode.
     """
+    where = "".join(f"{part}: " for part in (file, None if tensor is None else f"tensor {tensor!r}") if part)
     try:
         qtype = GGMLQuantizationType(ggml_type)
     except ValueError:
-        raise OptionError(f"unknown ggml type {ggml_type}") from None
+        raise OptionError(f"{where}unknown ggml type {ggml_type}") from None
     raw = np.ascontiguousarray(raw)
     if qtype in _NUMPY:
         return raw.view(_NUMPY[qtype]).astype(np.float32, copy=False)
@@ -358,6 +384,8 @@ def dequantize(raw: np.ndarray, ggml_type: int) -> np.ndarray:
     try:
         return np.asarray(_dequantize(raw.view(np.uint8), qtype), dtype=np.float32)
     except NotImplementedError:
-        raise OptionError(f"the gguf package cannot dequantize {qtype.name}") from None
+        raise OptionError(
+            f"{where}the gguf package cannot dequantize {qtype.name}; load it without dequantize to get its raw blocks"
+        ) from None
     except ValueError as e:
-        raise OptionError(f"raw bytes of shape {raw.shape} are not whole {qtype.name} rows: {e}") from None
+        raise OptionError(f"{where}raw bytes of shape {raw.shape} are not whole {qtype.name} rows: {e}") from None

@@ -259,7 +259,7 @@ def _dequantized(t: TensorInfo, raw: Any, framework: str) -> Any:
     from weightlift.formats.gguf import dequantize
 
     arr = raw if isinstance(raw, np.ndarray) else raw.cpu().numpy()
-    out = dequantize(arr, t.ggml_type)  # type: ignore[arg-type]
+    out = dequantize(arr, t.ggml_type, file=t.file, tensor=t.name)  # type: ignore[arg-type]
     if framework == "numpy":
         return out
     import torch
