@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["Checkpoint", "open_checkpoint", "Select", "MAX_INDEX_SIZE", "PREFERRED"]
 
 MAX_INDEX_SIZE = 64 * 1024 * 1024
-Select = None | str | Pattern[str] | Iterable[str] | frozenset
+Select = None | str | Pattern[str] | Iterable[str] | frozenset[str]
 
 
 @dataclass

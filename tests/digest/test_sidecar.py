@@ -16,6 +16,7 @@ import pytest
 from weightlift.digest.blake import HASH_THRESHOLD, NAIVE_HASH_THRESHOLD, DigestPool, byte_view, hash_buffer
 from weightlift.digest.sidecar import SIDECAR_SUFFIX, Sidecar, hash_tensors
 from weightlift.errors import NotFoundError, OptionError
+from weightlift.profile import Profiler
 
 
 def _data(n: int, seed: int = 0) -> bytes:
@@ -248,18 +249,6 @@ def test_manifest_not_saved_if_file_changed_since_load(tmp_path):
 # -- DigestPool and hash_tensors ----------------------------------------------------------------
 
 
-class _Recorder:
-    enabled = True
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-        self._lock = threading.Lock()
-
-    def record(self, phase, t0_ns, t1_ns, nbytes=0, *, name=None, background=False):
-        with self._lock:
-            self.calls.append((phase, t1_ns >= t0_ns, nbytes, name, background))
-
-
 def test_digest_pool_many_buffers():
     bufs = {f"t{i}": _data(1000 * i + i, seed=i) for i in range(40)}
     with DigestPool(threads=3) as pool:
@@ -269,12 +258,18 @@ def test_digest_pool_many_buffers():
 
 
 def test_digest_pool_records_hash_phase():
-    prof = _Recorder()
+    prof = Profiler(enabled=True, trace=True)
     pool = DigestPool(threads=2, profiler=prof)
     a = np.arange(1000, dtype=np.int64)
     assert pool.submit("w", a).result(timeout=60) == blake3.blake3(a.tobytes()).digest()
     pool.close()
-    assert prof.calls == [("hash", True, 8000, "w", True)]
+    rep = prof.report()
+    assert rep["background_s"]["hash"] > 0 and rep["phases_s"]["hash"] == 0  # in the background
+    events = [e for e in prof.trace_events()["traceEvents"] if e.get("ph") == "X"]
+    assert [(e["name"], e["cat"], e["args"]["bytes"]) for e in events] == [("hash w", "hash,background", 8000)], events
+    off = DigestPool(threads=1, profiler=Profiler(enabled=False))
+    assert off.submit("w", a).result(timeout=60) == blake3.blake3(a.tobytes()).digest()
+    off.close()
     with pytest.raises(OptionError):
         DigestPool(threads=0)
 

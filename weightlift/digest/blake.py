@@ -9,13 +9,13 @@ asks for a digest only when it reaches that tensor. The digests remembered acros
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 import blake3
 
 from weightlift.errors import OptionError
+from weightlift.profile import Profiler
 
 __all__ = [
     "DIGEST_SIZE",
@@ -97,15 +97,10 @@ def hash_buffer(buf: Any, *, max_threads: int | None = None) -> bytes:
 
 
 # ---------------------------------------------------------------------------------------------
-# Manifest
+# Background hashing
 
 
-class _Profiler(Protocol):
-    enabled: bool
-
-    def record(
-        self, phase: str, t0_ns: int, t1_ns: int, nbytes: int = 0, *, name: str | None = None, background: bool = False
-    ) -> None: ...
+_OFF = Profiler(enabled=False)
 
 
 class DigestPool:
@@ -115,11 +110,11 @@ class DigestPool:
     decides how many cores hashing may take from sending.
     """
 
-    def __init__(self, threads: int = 2, *, profiler: _Profiler | None = None):
+    def __init__(self, threads: int = 2, *, profiler: Profiler | None = None):
         if threads < 1:
             raise OptionError(f"threads must be at least 1, got {threads}")
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weightlift-hash")
-        self._profiler = profiler
+        self._profiler = profiler if profiler is not None else _OFF
 
     def submit(self, name: str, buffer: Any) -> Future[bytes]:
         """A future for the digest of ``buffer``; the buffer must stay alive and unchanged until it is done."""
@@ -127,13 +122,8 @@ class DigestPool:
         return self._executor.submit(self._hash, name, view)
 
     def _hash(self, name: str, view: memoryview) -> bytes:
-        prof = self._profiler
-        if prof is not None and prof.enabled:
-            t0 = time.perf_counter_ns()
-            d = hash_buffer(view, max_threads=1)
-            prof.record("hash", t0, time.perf_counter_ns(), view.nbytes, name=name, background=True)
-            return d
-        return hash_buffer(view, max_threads=1)
+        with self._profiler.phase("hash", view.nbytes, name=name, background=True):
+            return hash_buffer(view, max_threads=1)
 
     def close(self, *, wait: bool = True) -> None:
         self._executor.shutdown(wait=wait, cancel_futures=not wait)

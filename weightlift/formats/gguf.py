@@ -169,7 +169,7 @@ class _Cursor:
 
         Checking before the items are read keeps a hostile count from allocating anything.
         """
-        n = self.unpack(_U64, what)
+        n: int = self.unpack(_U64, what)
         if n > limit:
             raise FormatError(f"{what} {n} exceeds the limit of {limit}", file=self.file)
         self.check(n * min_size, f"{n} items of {what}")
@@ -190,7 +190,7 @@ class _Cursor:
             raise FormatError(f"{what} at byte {self.pos - n} is not valid UTF-8", file=self.file) from None
 
     def value_type(self, what: str) -> int:
-        t = self.unpack(_U32, what)
+        t: int = self.unpack(_U32, what)
         if t not in _SCALARS and t not in (GGUFValueType.STRING, GGUFValueType.ARRAY):
             raise FormatError(f"unknown value type {t} for {what} at byte {self.pos - 4}", file=self.file)
         return t

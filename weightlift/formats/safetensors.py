@@ -54,7 +54,7 @@ def header_length(prefix: bytes, *, file: str, file_size: int) -> int:
     """The JSON header's length from the file's first 8 bytes, checked against the file size."""
     if len(prefix) < PREFIX_SIZE or file_size < PREFIX_SIZE:
         raise FormatError(f"file is {file_size} bytes, too short for a safetensors header", file=file)
-    (n,) = struct.unpack("<Q", prefix[:PREFIX_SIZE])
+    n: int = struct.unpack("<Q", prefix[:PREFIX_SIZE])[0]
     if n > MAX_HEADER_SIZE:
         raise FormatError(f"header length {n} exceeds the limit of {MAX_HEADER_SIZE} bytes", file=file)
     if PREFIX_SIZE + n > file_size:

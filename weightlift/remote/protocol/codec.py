@@ -314,11 +314,11 @@ class _Reader:
         self.pos += n
         return out
 
-    def unpack(self, layout: struct.Struct, what: str) -> tuple:
+    def unpack(self, layout: struct.Struct, what: str) -> tuple[Any, ...]:
         return layout.unpack(self.take(layout.size, what))
 
     def count(self, layout: struct.Struct, item_size: int, limit: int, what: str) -> int:
-        (n,) = self.unpack(layout, f"{what} count")
+        n: int = self.unpack(layout, f"{what} count")[0]
         if n > limit:
             raise self.fail(f"{n} {what} exceed the limit of {limit}")
         if n * item_size > self.remaining:
@@ -559,6 +559,8 @@ class Decoder:
         return cmd if len(self._buf) >= PREFIX.size + n else None
 
     def _peek_length(self) -> int:
+        code: int
+        n: int
         code, n = PREFIX.unpack_from(self._buf)
         self._check_prefix(code, n)
         return n

@@ -100,7 +100,7 @@ class FrameMac:
             if self._head is None:
                 raise AssertionError("FrameMac.tag before begin")
             self._hasher = blake3.blake3(self._head, key=self._key)
-        out = self._hasher.digest(length=MAC_SIZE)
+        out: bytes = self._hasher.digest(length=MAC_SIZE)
         self._head = self._hasher = None
         return out
 
