@@ -423,6 +423,12 @@ class Barrier(Message):
     flags: int = 0  # since minor 2
 
 
+# The variable parts of a body (see the framing above), shared by the encoder and the decoder.
+NAME_LAYOUT = struct.Struct("<H")  # a name's length; the UTF-8 bytes follow
+DIM_LAYOUT = struct.Struct("<Q")  # one dimension; also each u64 field appended by a later minor
+FLAGS_LAYOUT = struct.Struct("<B")  # a u8 flags field appended by a later minor
+ID_LAYOUT = struct.Struct("<I")  # one tensor id of BARRIER_REPLY's need list
+
 # BARRIER_REPLY's head; minor 1 appended need_count:u32 and need ids:u32*need_count after the errors,
 # minor 2 digest_count:u32 and (id:u32, digest:32 bytes)*digest_count after those.
 BARRIER_NEED_LAYOUT = struct.Struct("<I")

@@ -1,18 +1,15 @@
-"""Encoding and incremental decoding of frames.
+"""Incremental decoding of frames, with no I/O (encoding is in ``encode``).
 
-Theory of operation: there is no I/O here. ``send(msg)`` turns a message into the bytes of its
-prefix and body; a payload (WRITE, READ_REPLY) is never copied in - the caller sends it after the
-header from wherever it lies. A :class:`Decoder` is fed whatever bytes arrived, in any
-fragmentation, and ``next_event()`` returns a message once its whole frame is buffered, or
-``NEED_DATA``. After a payload-bearing header it switches to payload mode: ``bytes_wanted()`` says
-how many payload bytes are still due, and the caller either receives them straight into its own
-buffer and reports them with ``payload_received(n)`` (the fast path: the decoder never sees
-them), or feeds them and gets :class:`Payload` events. ``bytes_wanted()`` never asks past the end
-of the current frame, so a caller that reads exactly that many bytes never over-reads a socket.
+Theory of operation: a :class:`Decoder` is fed whatever bytes arrived, in any fragmentation,
+and ``next_event()`` returns a message once its whole frame is buffered, or ``NEED_DATA``.
+After a payload-bearing header it switches to payload mode: ``bytes_wanted()`` says how many
+payload bytes are still due, and the caller either receives them straight into its own buffer
+and reports them with ``payload_received(n)`` (the fast path: the decoder never sees them), or
+feeds them and gets :class:`Payload` events. ``bytes_wanted()`` never asks past the end of the
+current frame, so a caller that reads exactly that many bytes never over-reads a socket.
 
 Every count and length is checked against a named limit before anything is sized from it; any
-violation raises RemoteProtocolError (the peer's fault) and the decoder stays failed. Building a
-message that cannot be encoded raises LocalProtocolError.
+violation raises RemoteProtocolError (the peer's fault) and the decoder stays failed.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from weightlift.dtypes import CODES, DTYPES, byte_length
+from weightlift.dtypes import DTYPES, byte_length
 from weightlift.errors import LocalProtocolError, RemoteProtocolError, WeightliftError
 from weightlift.remote.protocol.messages import (
     BARRIER_DIGEST_LAYOUT,
@@ -30,8 +27,10 @@ from weightlift.remote.protocol.messages import (
     CLIENT_COMMANDS,
     COMMAND_SINCE,
     DIGEST_SIZE,
-    HELLO_LAYOUT,
+    DIM_LAYOUT,
+    FLAGS_LAYOUT,
     HELLO_LAYOUT_PREVIOUS,
+    ID_LAYOUT,
     MAX_DIGESTS,
     MAX_DIMS,
     MAX_ERRORS,
@@ -40,7 +39,7 @@ from weightlift.remote.protocol.messages import (
     MAX_NAME,
     MAX_TENSOR_BYTES,
     MAX_TENSORS,
-    NONCE_SIZE,
+    NAME_LAYOUT,
     PREFIX,
     PROTOCOL_MINOR,
     SERVER_COMMANDS,
@@ -66,19 +65,9 @@ from weightlift.remote.protocol.messages import (
     WriteHeader,
 )
 
-__all__ = [
-    "send",
-    "Decoder",
-    "Payload",
-    "NEED_DATA",
-    "Event",
-]
+__all__ = ["Decoder", "Payload", "NEED_DATA", "Event"]
 
 _DTYPE_NAMES = [d.name for d in DTYPES]
-_NAME = struct.Struct("<H")
-_DIM = struct.Struct("<Q")
-_U32 = struct.Struct("<I")
-_U8 = struct.Struct("<B")
 
 
 class _NeedData:
@@ -98,196 +87,6 @@ class Payload:
 
 
 Event = Message | Payload | _NeedData
-
-
-# ---------------------------------------------------------------------------------------------
-# encoding
-
-
-def _name(s: str, what: str) -> bytes:
-    raw = s.encode("utf-8")
-    if len(raw) > MAX_NAME:
-        raise LocalProtocolError(f"{what} is {len(raw)} bytes; the limit is {MAX_NAME}")
-    return _NAME.pack(len(raw)) + raw
-
-
-def _dims(shape: tuple[int, ...]) -> bytes:
-    if len(shape) > MAX_DIMS:
-        raise LocalProtocolError(f"shape {shape} has more than {MAX_DIMS} dimensions")
-    return b"".join(_DIM.pack(d) for d in shape)
-
-
-def _code(dtype: str) -> int:
-    try:
-        return CODES[dtype]
-    except KeyError:
-        raise LocalProtocolError(f"dtype {dtype!r} has no wire code") from None
-
-
-def _digest(d: bytes, what: str) -> bytes:
-    if len(d) != DIGEST_SIZE:
-        raise LocalProtocolError(f"{what} is {len(d)} bytes, not {DIGEST_SIZE}")
-    return bytes(d)
-
-
-def _enc_hello(m: Hello, minor: int) -> bytes:
-    if len(m.nonce) != NONCE_SIZE:
-        raise LocalProtocolError(f"HELLO nonce is {len(m.nonce)} bytes, not {NONCE_SIZE}")
-    head = (m.major, m.minor, m.flags, m.max_frame, m.max_tensor_bytes, m.nonce)
-    # A HELLO is laid out for the minor it announces: that is the only minor its reader can assume.
-    if m.minor < 1:
-        return HELLO_LAYOUT_PREVIOUS.pack(*head)
-    return HELLO_LAYOUT.pack(*head, m.max_memory)
-
-
-def _since(minor: int, needed: int, what: str) -> None:
-    if minor < needed:
-        raise LocalProtocolError(f"{what} requires minor {needed}; peer speaks {minor}")
-
-
-def _enc_alloc(m: Alloc, minor: int) -> bytes:
-    flags = Alloc.FLAG_DIGEST if m.digest is not None else 0
-    if m.verify:
-        _since(minor, 2, "ALLOC's VERIFY flag")
-        flags |= Alloc.FLAG_VERIFY
-    if any(d < 0 for d in m.shape) or m.nbytes < 0:
-        raise LocalProtocolError(f"ALLOC {m.name!r}: negative shape {m.shape} or size {m.nbytes}")
-    name = _name(m.name, "tensor name")
-    out = Alloc.LAYOUT.pack(m.tensor_id, _code(m.dtype), len(m.shape), flags, m.nbytes, len(name) - 2)
-    out += name[2:] + _dims(m.shape)
-    if m.digest is not None:
-        out += _digest(m.digest, "ALLOC digest")
-    return out
-
-
-def _enc_have(m: Have, minor: int) -> bytes:
-    if len(m.digests) > MAX_TENSORS:
-        raise LocalProtocolError(f"HAVE asks about {len(m.digests)} digests; the limit is {MAX_TENSORS}")
-    return Have.LAYOUT.pack(len(m.digests)) + b"".join(_digest(d, "HAVE digest") for d in m.digests)
-
-
-def _enc_have_reply(m: HaveReply, minor: int) -> bytes:
-    bits = bytearray((len(m.have) + 7) // 8)
-    for i, h in enumerate(m.have):
-        if h:
-            bits[i >> 3] |= 1 << (i & 7)
-    return HaveReply.LAYOUT.pack(len(m.have)) + bytes(bits)
-
-
-def _enc_read(m: Read, minor: int) -> bytes:
-    name = _name(m.name, "tensor name")
-    out = Read.LAYOUT.pack(m.offset, m.length, len(name) - 2) + name[2:]
-    if minor >= 2:
-        return out + _U8.pack(m.flags) + _DIM.pack(m.version)
-    if m.flags:
-        _since(minor, 2, "READ flags")
-    if m.version:
-        _since(minor, 2, "READ version")
-    return out
-
-
-def _enc_read_reply(m: ReadReply, minor: int) -> bytes:
-    out = ReadReply.LAYOUT.pack(m.length)
-    if minor >= 2:
-        if m.digest is None:
-            return out + _U8.pack(0)
-        return out + _U8.pack(1) + _digest(m.digest, "READ_REPLY digest")
-    if m.digest is not None:
-        _since(minor, 2, "READ_REPLY digest")
-    return out
-
-
-def _enc_barrier(m: Barrier, minor: int) -> bytes:
-    if minor >= 2:
-        return _U8.pack(m.flags)
-    if m.flags:
-        _since(minor, 2, "BARRIER flags")
-    return b""
-
-
-def _enc_list_reply(m: ListReply, minor: int) -> bytes:
-    parts = [ListReply.LAYOUT.pack(1 if m.more else 0, len(m.entries))]
-    for e in m.entries:
-        name = _name(e.name, "tensor name")
-        parts.append(ListEntry.LAYOUT.pack(len(name) - 2, _code(e.dtype), len(e.shape), e.nbytes))
-        parts.append(name[2:] + _dims(e.shape))
-    if minor >= 2:  # an older peer cannot ask for a version: it is not told them
-        parts.extend(_DIM.pack(e.version) for e in m.entries)
-    return b"".join(parts)
-
-
-def _text(s: str) -> bytes:
-    # Error strings are advisory: cut at MAX_MESSAGE on a character boundary rather than refuse.
-    raw = s.encode("utf-8")[:MAX_MESSAGE].decode("utf-8", "ignore").encode("utf-8")
-    return _NAME.pack(len(raw)) + raw
-
-
-def _enc_barrier_reply(m: BarrierReply, minor: int) -> bytes:
-    if len(m.errors) > MAX_ERRORS:
-        raise LocalProtocolError(f"BARRIER_REPLY carries {len(m.errors)} errors; the limit is {MAX_ERRORS}")
-    out = BarrierReply.LAYOUT.pack(m.tensors, m.nbytes, len(m.errors))
-    out += b"".join(_text(e) for e in m.errors)
-    if minor >= 1:
-        out += BARRIER_NEED_LAYOUT.pack(len(m.need)) + b"".join(_U32.pack(i) for i in m.need)
-    elif m.need:
-        raise LocalProtocolError("BARRIER_REPLY need list requires minor 1")
-    if len(m.need) > MAX_TENSORS:
-        raise LocalProtocolError(f"BARRIER_REPLY needs {len(m.need)} tensors; the limit is {MAX_TENSORS}")
-    if len(m.digests) > MAX_DIGESTS:
-        raise LocalProtocolError(f"BARRIER_REPLY carries {len(m.digests)} digests; the limit is {MAX_DIGESTS}")
-    if minor >= 2:
-        out += BARRIER_NEED_LAYOUT.pack(len(m.digests))
-        out += b"".join(BARRIER_DIGEST_LAYOUT.pack(i, _digest(d, "BARRIER_REPLY digest")) for i, d in m.digests)
-    elif m.digests:
-        _since(minor, 2, "BARRIER_REPLY digests")
-    return out
-
-
-def _enc_error(m: Error, minor: int) -> bytes:
-    raw = _text(m.message)[_NAME.size :]
-    return Error.LAYOUT.pack(m.code, len(raw)) + raw
-
-
-_ENCODERS: dict[type, Callable[[Any, int], bytes]] = {
-    Hello: _enc_hello,
-    Auth: lambda m, minor: Auth.LAYOUT.pack(_digest(m.mac, "AUTH mac")),
-    Alloc: _enc_alloc,
-    WriteHeader: lambda m, minor: WriteHeader.LAYOUT.pack(m.tensor_id, m.offset, m.length),
-    Have: _enc_have,
-    HaveReply: _enc_have_reply,
-    FillFromCache: lambda m, minor: FillFromCache.LAYOUT.pack(m.tensor_id, _digest(m.digest, "digest")),
-    Read: _enc_read,
-    ReadReply: _enc_read_reply,
-    ListRequest: lambda m, minor: _name(m.after, "LIST cursor"),
-    ListReply: _enc_list_reply,
-    Free: lambda m, minor: Free.LAYOUT.pack(len(m.names)) + b"".join(_name(n, "tensor name") for n in m.names),
-    FreeReply: lambda m, minor: FreeReply.LAYOUT.pack(m.freed),
-    Barrier: _enc_barrier,
-    BarrierReply: _enc_barrier_reply,
-    Error: _enc_error,
-    Bye: lambda m, minor: b"",
-}
-
-
-def send(msg: Message, *, minor: int = PROTOCOL_MINOR, max_frame: int = MAX_FRAME) -> bytes:
-    """The prefix and body of ``msg`` laid out for ``minor`` (a payload is sent separately).
-
-    LocalProtocolError if the message is invalid, too large for ``max_frame``, or uses a command
-    the negotiated minor does not have.
-    """
-    if COMMAND_SINCE[msg.COMMAND] > minor:
-        raise LocalProtocolError(f"{msg.COMMAND.name} needs minor {COMMAND_SINCE[msg.COMMAND]}; peer speaks {minor}")
-    try:
-        body = _ENCODERS[type(msg)](msg, minor)
-    except struct.error as e:
-        raise LocalProtocolError(f"{msg.COMMAND.name}: a field is out of range: {e}") from None
-    if len(body) > max_frame:
-        raise LocalProtocolError(f"{msg.COMMAND.name} body is {len(body)} bytes; the peer's limit is {max_frame}")
-    return PREFIX.pack(msg.COMMAND, len(body)) + body
-
-
-# ---------------------------------------------------------------------------------------------
-# decoding
 
 
 class _Reader:
@@ -336,7 +135,7 @@ class _Reader:
             raise self.fail(f"{what} is not valid UTF-8") from None
 
     def name(self, what: str = "name", *, empty_ok: bool = False, limit: int = MAX_NAME) -> str:
-        (n,) = self.unpack(_NAME, f"{what} length")
+        (n,) = self.unpack(NAME_LAYOUT, f"{what} length")
         return self.text(n, limit, what, empty_ok=empty_ok)
 
     def dtype(self, code: int) -> str:
@@ -347,7 +146,7 @@ class _Reader:
     def shape(self, ndims: int) -> tuple[int, ...]:
         if ndims > MAX_DIMS:
             raise self.fail(f"{ndims} dimensions exceed the limit of {MAX_DIMS}")
-        raw = self.take(ndims * _DIM.size, "dims")
+        raw = self.take(ndims * DIM_LAYOUT.size, "dims")
         return struct.unpack(f"<{ndims}Q", raw)
 
     def sized(self, dtype: str, shape: tuple[int, ...], nbytes: int, limit: int, what: str) -> None:
@@ -364,8 +163,8 @@ class _Reader:
 def _dec_hello(r: _Reader, lim: _Limits) -> Hello:
     major, minor, flags, max_frame, max_tensor, nonce = r.unpack(HELLO_LAYOUT_PREVIOUS, "HELLO")
     max_memory = 0
-    if r.remaining >= _DIM.size:  # appended in minor 1; an older peer leaves the default
-        (max_memory,) = r.unpack(_DIM, "max_memory")
+    if r.remaining >= DIM_LAYOUT.size:  # appended in minor 1; an older peer leaves the default
+        (max_memory,) = r.unpack(DIM_LAYOUT, "max_memory")
     return Hello(major, minor, flags, max_frame, max_tensor, bytes(nonce), max_memory)
 
 
@@ -405,8 +204,8 @@ def _dec_read(r: _Reader, lim: _Limits) -> Read:
     name = r.text(name_len, MAX_NAME, "tensor name")
     if offset + length > lim.max_tensor_bytes:
         raise r.fail(f"bytes [{offset}, {offset + length}) exceed the tensor limit of {lim.max_tensor_bytes}")
-    flags = r.unpack(_U8, "READ flags")[0] if r.remaining else 0  # appended in minor 2
-    version = r.unpack(_DIM, "READ version")[0] if r.remaining else 0  # appended in minor 2
+    flags = r.unpack(FLAGS_LAYOUT, "READ flags")[0] if r.remaining else 0  # appended in minor 2
+    version = r.unpack(DIM_LAYOUT, "READ version")[0] if r.remaining else 0  # appended in minor 2
     return Read(name, offset, length, flags, version)
 
 
@@ -416,7 +215,7 @@ def _dec_read_reply(r: _Reader, lim: _Limits) -> ReadReply:
         raise r.fail(f"{length} payload bytes exceed the tensor limit of {lim.max_tensor_bytes}")
     digest = None
     if r.remaining:  # appended in minor 2
-        (flags,) = r.unpack(_U8, "READ_REPLY flags")
+        (flags,) = r.unpack(FLAGS_LAYOUT, "READ_REPLY flags")
         if flags & 1:
             digest = bytes(r.take(DIGEST_SIZE, "READ_REPLY digest"))
     return ReadReply(length, digest)
@@ -435,12 +234,14 @@ def _dec_list_reply(r: _Reader, lim: _Limits) -> ListReply:
         r.sized(dtype, shape, nbytes, MAX_TENSOR_BYTES, f"tensor {name!r}")
         entries.append(ListEntry(name, dtype, shape, nbytes))
     if r.remaining:  # appended in minor 2: one version per entry
-        entries = [ListEntry(e.name, e.dtype, e.shape, e.nbytes, r.unpack(_DIM, "entry version")[0]) for e in entries]
+        entries = [
+            ListEntry(e.name, e.dtype, e.shape, e.nbytes, r.unpack(DIM_LAYOUT, "entry version")[0]) for e in entries
+        ]
     return ListReply(tuple(entries), bool(more))
 
 
 def _dec_free(r: _Reader, lim: _Limits) -> Free:
-    n = r.count(Free.LAYOUT, _NAME.size + 1, MAX_TENSORS, "names")
+    n = r.count(Free.LAYOUT, NAME_LAYOUT.size + 1, MAX_TENSORS, "names")
     return Free(tuple(r.name("tensor name") for _ in range(n)))
 
 
@@ -451,8 +252,8 @@ def _dec_barrier_reply(r: _Reader, lim: _Limits) -> BarrierReply:
     errors = tuple(r.name("error message", limit=MAX_MESSAGE) for _ in range(n_err))
     need: tuple[int, ...] = ()
     if r.remaining:  # appended in minor 1
-        n = r.count(BARRIER_NEED_LAYOUT, _U32.size, MAX_TENSORS, "needed tensors")
-        need = struct.unpack(f"<{n}I", r.take(n * _U32.size, "need list"))
+        n = r.count(BARRIER_NEED_LAYOUT, ID_LAYOUT.size, MAX_TENSORS, "needed tensors")
+        need = struct.unpack(f"<{n}I", r.take(n * ID_LAYOUT.size, "need list"))
     digests: tuple[tuple[int, bytes], ...] = ()
     if r.remaining:  # appended in minor 2
         n = r.count(BARRIER_NEED_LAYOUT, BARRIER_DIGEST_LAYOUT.size, MAX_DIGESTS, "digests")
@@ -486,7 +287,7 @@ _DECODERS: dict[Command, Callable[[_Reader, _Limits], Message]] = {
     Command.LIST_REPLY: _dec_list_reply,
     Command.FREE: _dec_free,
     Command.FREE_REPLY: lambda r, lim: FreeReply(*r.unpack(FreeReply.LAYOUT, "FREE_REPLY")),
-    Command.BARRIER: lambda r, lim: Barrier(r.unpack(_U8, "BARRIER flags")[0] if r.remaining else 0),
+    Command.BARRIER: lambda r, lim: Barrier(r.unpack(FLAGS_LAYOUT, "BARRIER flags")[0] if r.remaining else 0),
     Command.BARRIER_REPLY: _dec_barrier_reply,
     Command.ERROR: _dec_error,
     Command.BYE: lambda r, lim: Bye(),

@@ -1,0 +1,243 @@
+"""Encoding frames: a message becomes the bytes of its prefix and body, with no I/O.
+
+``send(msg)`` lays a message out for the negotiated minor (the fields that minor knows, in the
+order the wire spec in :mod:`~weightlift.remote.protocol.messages` gives); a payload (WRITE,
+READ_REPLY) is never copied in - the caller sends it after the header from wherever it lies.
+A message that cannot be encoded (a field out of range, a name over its limit, a command the
+peer's minor lacks, a body over the peer's frame limit) raises LocalProtocolError: the fault is
+ours, and nothing was sent. Decoding is in ``decode``.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from typing import Any
+
+from weightlift.dtypes import CODES
+from weightlift.errors import LocalProtocolError
+from weightlift.remote.protocol.messages import (
+    BARRIER_DIGEST_LAYOUT,
+    BARRIER_NEED_LAYOUT,
+    COMMAND_SINCE,
+    DIGEST_SIZE,
+    DIM_LAYOUT,
+    FLAGS_LAYOUT,
+    HELLO_LAYOUT,
+    HELLO_LAYOUT_PREVIOUS,
+    ID_LAYOUT,
+    MAX_DIGESTS,
+    MAX_DIMS,
+    MAX_ERRORS,
+    MAX_FRAME,
+    MAX_MESSAGE,
+    MAX_NAME,
+    MAX_TENSORS,
+    NAME_LAYOUT,
+    NONCE_SIZE,
+    PREFIX,
+    PROTOCOL_MINOR,
+    Alloc,
+    Auth,
+    Barrier,
+    BarrierReply,
+    Bye,
+    Error,
+    FillFromCache,
+    Free,
+    FreeReply,
+    Have,
+    HaveReply,
+    Hello,
+    ListEntry,
+    ListReply,
+    ListRequest,
+    Message,
+    Read,
+    ReadReply,
+    WriteHeader,
+)
+
+__all__ = ["send"]
+
+
+def _name(s: str, what: str) -> bytes:
+    raw = s.encode("utf-8")
+    if len(raw) > MAX_NAME:
+        raise LocalProtocolError(f"{what} is {len(raw)} bytes; the limit is {MAX_NAME}")
+    return NAME_LAYOUT.pack(len(raw)) + raw
+
+
+def _dims(shape: tuple[int, ...]) -> bytes:
+    if len(shape) > MAX_DIMS:
+        raise LocalProtocolError(f"shape {shape} has more than {MAX_DIMS} dimensions")
+    return b"".join(DIM_LAYOUT.pack(d) for d in shape)
+
+
+def _code(dtype: str) -> int:
+    try:
+        return CODES[dtype]
+    except KeyError:
+        raise LocalProtocolError(f"dtype {dtype!r} has no wire code") from None
+
+
+def _digest(d: bytes, what: str) -> bytes:
+    if len(d) != DIGEST_SIZE:
+        raise LocalProtocolError(f"{what} is {len(d)} bytes, not {DIGEST_SIZE}")
+    return bytes(d)
+
+
+def _enc_hello(m: Hello, minor: int) -> bytes:
+    if len(m.nonce) != NONCE_SIZE:
+        raise LocalProtocolError(f"HELLO nonce is {len(m.nonce)} bytes, not {NONCE_SIZE}")
+    head = (m.major, m.minor, m.flags, m.max_frame, m.max_tensor_bytes, m.nonce)
+    # A HELLO is laid out for the minor it announces: that is the only minor its reader can assume.
+    if m.minor < 1:
+        return HELLO_LAYOUT_PREVIOUS.pack(*head)
+    return HELLO_LAYOUT.pack(*head, m.max_memory)
+
+
+def _since(minor: int, needed: int, what: str) -> None:
+    if minor < needed:
+        raise LocalProtocolError(f"{what} requires minor {needed}; peer speaks {minor}")
+
+
+def _enc_alloc(m: Alloc, minor: int) -> bytes:
+    flags = Alloc.FLAG_DIGEST if m.digest is not None else 0
+    if m.verify:
+        _since(minor, 2, "ALLOC's VERIFY flag")
+        flags |= Alloc.FLAG_VERIFY
+    if any(d < 0 for d in m.shape) or m.nbytes < 0:
+        raise LocalProtocolError(f"ALLOC {m.name!r}: negative shape {m.shape} or size {m.nbytes}")
+    name = _name(m.name, "tensor name")
+    out = Alloc.LAYOUT.pack(m.tensor_id, _code(m.dtype), len(m.shape), flags, m.nbytes, len(name) - 2)
+    out += name[2:] + _dims(m.shape)
+    if m.digest is not None:
+        out += _digest(m.digest, "ALLOC digest")
+    return out
+
+
+def _enc_have(m: Have, minor: int) -> bytes:
+    if len(m.digests) > MAX_TENSORS:
+        raise LocalProtocolError(f"HAVE asks about {len(m.digests)} digests; the limit is {MAX_TENSORS}")
+    return Have.LAYOUT.pack(len(m.digests)) + b"".join(_digest(d, "HAVE digest") for d in m.digests)
+
+
+def _enc_have_reply(m: HaveReply, minor: int) -> bytes:
+    bits = bytearray((len(m.have) + 7) // 8)
+    for i, h in enumerate(m.have):
+        if h:
+            bits[i >> 3] |= 1 << (i & 7)
+    return HaveReply.LAYOUT.pack(len(m.have)) + bytes(bits)
+
+
+def _enc_read(m: Read, minor: int) -> bytes:
+    name = _name(m.name, "tensor name")
+    out = Read.LAYOUT.pack(m.offset, m.length, len(name) - 2) + name[2:]
+    if minor >= 2:
+        return out + FLAGS_LAYOUT.pack(m.flags) + DIM_LAYOUT.pack(m.version)
+    if m.flags:
+        _since(minor, 2, "READ flags")
+    if m.version:
+        _since(minor, 2, "READ version")
+    return out
+
+
+def _enc_read_reply(m: ReadReply, minor: int) -> bytes:
+    out = ReadReply.LAYOUT.pack(m.length)
+    if minor >= 2:
+        if m.digest is None:
+            return out + FLAGS_LAYOUT.pack(0)
+        return out + FLAGS_LAYOUT.pack(1) + _digest(m.digest, "READ_REPLY digest")
+    if m.digest is not None:
+        _since(minor, 2, "READ_REPLY digest")
+    return out
+
+
+def _enc_barrier(m: Barrier, minor: int) -> bytes:
+    if minor >= 2:
+        return FLAGS_LAYOUT.pack(m.flags)
+    if m.flags:
+        _since(minor, 2, "BARRIER flags")
+    return b""
+
+
+def _enc_list_reply(m: ListReply, minor: int) -> bytes:
+    parts = [ListReply.LAYOUT.pack(1 if m.more else 0, len(m.entries))]
+    for e in m.entries:
+        name = _name(e.name, "tensor name")
+        parts.append(ListEntry.LAYOUT.pack(len(name) - 2, _code(e.dtype), len(e.shape), e.nbytes))
+        parts.append(name[2:] + _dims(e.shape))
+    if minor >= 2:  # an older peer cannot ask for a version: it is not told them
+        parts.extend(DIM_LAYOUT.pack(e.version) for e in m.entries)
+    return b"".join(parts)
+
+
+def _text(s: str) -> bytes:
+    # Error strings are advisory: cut at MAX_MESSAGE on a character boundary rather than refuse.
+    raw = s.encode("utf-8")[:MAX_MESSAGE].decode("utf-8", "ignore").encode("utf-8")
+    return NAME_LAYOUT.pack(len(raw)) + raw
+
+
+def _enc_barrier_reply(m: BarrierReply, minor: int) -> bytes:
+    if len(m.errors) > MAX_ERRORS:
+        raise LocalProtocolError(f"BARRIER_REPLY carries {len(m.errors)} errors; the limit is {MAX_ERRORS}")
+    out = BarrierReply.LAYOUT.pack(m.tensors, m.nbytes, len(m.errors))
+    out += b"".join(_text(e) for e in m.errors)
+    if minor >= 1:
+        out += BARRIER_NEED_LAYOUT.pack(len(m.need)) + b"".join(ID_LAYOUT.pack(i) for i in m.need)
+    elif m.need:
+        raise LocalProtocolError("BARRIER_REPLY need list requires minor 1")
+    if len(m.need) > MAX_TENSORS:
+        raise LocalProtocolError(f"BARRIER_REPLY needs {len(m.need)} tensors; the limit is {MAX_TENSORS}")
+    if len(m.digests) > MAX_DIGESTS:
+        raise LocalProtocolError(f"BARRIER_REPLY carries {len(m.digests)} digests; the limit is {MAX_DIGESTS}")
+    if minor >= 2:
+        out += BARRIER_NEED_LAYOUT.pack(len(m.digests))
+        out += b"".join(BARRIER_DIGEST_LAYOUT.pack(i, _digest(d, "BARRIER_REPLY digest")) for i, d in m.digests)
+    elif m.digests:
+        _since(minor, 2, "BARRIER_REPLY digests")
+    return out
+
+
+def _enc_error(m: Error, minor: int) -> bytes:
+    raw = _text(m.message)[NAME_LAYOUT.size :]
+    return Error.LAYOUT.pack(m.code, len(raw)) + raw
+
+
+_ENCODERS: dict[type, Callable[[Any, int], bytes]] = {
+    Hello: _enc_hello,
+    Auth: lambda m, minor: Auth.LAYOUT.pack(_digest(m.mac, "AUTH mac")),
+    Alloc: _enc_alloc,
+    WriteHeader: lambda m, minor: WriteHeader.LAYOUT.pack(m.tensor_id, m.offset, m.length),
+    Have: _enc_have,
+    HaveReply: _enc_have_reply,
+    FillFromCache: lambda m, minor: FillFromCache.LAYOUT.pack(m.tensor_id, _digest(m.digest, "digest")),
+    Read: _enc_read,
+    ReadReply: _enc_read_reply,
+    ListRequest: lambda m, minor: _name(m.after, "LIST cursor"),
+    ListReply: _enc_list_reply,
+    Free: lambda m, minor: Free.LAYOUT.pack(len(m.names)) + b"".join(_name(n, "tensor name") for n in m.names),
+    FreeReply: lambda m, minor: FreeReply.LAYOUT.pack(m.freed),
+    Barrier: _enc_barrier,
+    BarrierReply: _enc_barrier_reply,
+    Error: _enc_error,
+    Bye: lambda m, minor: b"",
+}
+
+
+def send(msg: Message, *, minor: int = PROTOCOL_MINOR, max_frame: int = MAX_FRAME) -> bytes:
+    """The prefix and body of ``msg`` laid out for ``minor`` (a payload is sent separately).
+
+    LocalProtocolError if the message is invalid, too large for ``max_frame``, or uses a command
+    the negotiated minor does not have.
+    """
+    if COMMAND_SINCE[msg.COMMAND] > minor:
+        raise LocalProtocolError(f"{msg.COMMAND.name} needs minor {COMMAND_SINCE[msg.COMMAND]}; peer speaks {minor}")
+    try:
+        body = _ENCODERS[type(msg)](msg, minor)
+    except struct.error as e:
+        raise LocalProtocolError(f"{msg.COMMAND.name}: a field is out of range: {e}") from None
+    if len(body) > max_frame:
+        raise LocalProtocolError(f"{msg.COMMAND.name} body is {len(body)} bytes; the peer's limit is {max_frame}")
+    return PREFIX.pack(msg.COMMAND, len(body)) + body
