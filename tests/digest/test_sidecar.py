@@ -380,6 +380,16 @@ def test_sidecar_of_another_user_is_ignored(tmp_path):
     assert _expected(path) == real
 
 
+@_root_only
+def test_verified_load_ignores_a_planted_sidecar(tmp_path):
+    import weightlift as wl
+
+    path, real = _planted(tmp_path)
+    os.chown(path + SIDECAR_SUFFIX, OTHER_UID, OTHER_UID)
+    out = wl.load(path, verify=True)  # checked against the file's own digests, not the planted ones
+    assert {n: blake3.blake3(v.tobytes()).digest() for n, v in out.items()} == real
+
+
 def test_sidecar_writable_by_others_is_ignored(tmp_path):
     path, real = _planted(tmp_path)
     side = path + SIDECAR_SUFFIX
@@ -456,3 +466,34 @@ def test_fallback_folder_of_another_user_is_ignored(tmp_path, monkeypatch):
         m.save()  # nor written to it
     os.chown(folder, 0, 0)
     assert Sidecar.load(path).get("a", 0, 10) == D1
+
+
+def test_push_verify_against_a_caching_server_ignores_a_planted_sidecar(tmp_path):
+    # Another user who can write the checkpoint's folder plants a sidecar naming the digests of
+    # other bytes that a caching server holds: believed, the server would fill every tensor from
+    # its cache with those bytes and the verified push would report them all verified.
+    from weightlift.checkpoint import open_checkpoint
+    from weightlift.remote.client.client import Client
+    from weightlift.remote.server.server import Server
+
+    from ..checkpoints import write
+
+    def model(folder: str, seed: int) -> tuple[str, dict[str, bytes]]:
+        (tmp_path / folder).mkdir()
+        ts = {f"w{i}": _data(150_000, seed=seed + i) for i in range(3)}
+        return str(write(tmp_path / folder / "m.safetensors", [(n, "U8", (len(b),), b) for n, b in ts.items()])), ts
+
+    path, real = model("real", 40)
+    decoy_path, decoy = model("decoy", 50)
+    planted = Sidecar.load(path)
+    for t in open_checkpoint(path).select():
+        planted.put(t.name, t.offset, t.length, blake3.blake3(decoy[t.name]).digest())
+    planted.save()
+    os.chmod(path + SIDECAR_SUFFIX, 0o666)
+    with Server(cache_dir=tmp_path / "cache") as s:
+        with Client(s.address) as c:
+            c.push(decoy_path, hash_threshold=100_000)  # the server's cache now holds the decoy's bytes
+            r = c.push(path, verify=True, hash_threshold=100_000)
+            assert r.verified == 3 and r.cached == 0
+        got = s.tensors()
+        assert {n: got[n].tobytes() for n in real} == real

@@ -162,7 +162,7 @@ class Sidecar:
         key = blake3.blake3(os.path.realpath(self.path).encode("utf-8", "surrogateescape"))
         return os.path.join(_fallback_dir(), key.hexdigest() + ".json")
 
-    def candidates(self) -> list[str]:
+    def _candidates(self) -> list[str]:
         """The places this file's sidecar may be read from: beside it, and in the fallback folder
         when that folder is private to the user."""
         out = [self.sidecar_path]
@@ -182,7 +182,7 @@ class Sidecar:
         except OSError as exc:
             raise NotFoundError(f"cannot stat checkpoint: {exc.strerror}", file=os.fspath(path)) from exc
         m = cls(path, _identity(st))
-        for candidate in m.candidates():
+        for candidate in m._candidates():
             entries = _read_manifest(candidate, m._identity)
             if entries is not None:
                 m._entries = entries
