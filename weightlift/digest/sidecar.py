@@ -89,32 +89,34 @@ def trusted_fd(st: os.stat_result) -> bool:
 def _private_dir(path: str, *, create: bool) -> bool:
     """Whether ``path`` is a folder of the effective user's that no one else can use (made 0700 if
     ``create`` and absent; narrowed to 0700 if it is ours and wider). False for a link, a folder
-    of someone else's, or one that cannot be made."""
+    of someone else's, or one that cannot be made. Checked on the open folder, not its name."""
     if os.name != "posix":
         if create:
             os.makedirs(path, exist_ok=True)
         return True
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        if not create:
-            return False
+    if create:
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             os.mkdir(path, 0o700)
-            st = os.lstat(path)
+        except FileExistsError:
+            pass
         except OSError:
             return False
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | _CLOEXEC)
     except OSError:
         return False
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        return False
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        try:
-            os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700, follow_symlinks=False)
-        except (OSError, NotImplementedError):
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
             return False
-    return True
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o700)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def read_trusted(path: str) -> bytes | None:
@@ -142,7 +144,8 @@ class Sidecar:
     """Digests of the tensors of one checkpoint file, valid while the file is unchanged.
 
     Stored as ``<file>.wl-manifest.json`` beside the file, or, where that folder cannot be written,
-    as ``~/.cache/weightlift/manifests/<blake3 of the real path>.json``. Safe to call from several
+    as ``~/.cache/weightlift/manifests/<blake3 of the real path>.json``; read only from a file
+    another user could not have written (see the module docstring). Safe to call from several
     threads (digests arrive from pool workers).
     """
 
