@@ -11,7 +11,6 @@ import pytest
 import weightlift
 from weightlift.checkpoint import open_checkpoint
 from weightlift.cli.main import main
-from weightlift.digest.landed import LandedHasher
 from weightlift.digest.published import (
     default_manifest_path,
     make_manifest,
@@ -20,7 +19,6 @@ from weightlift.digest.published import (
 )
 from weightlift.digest.sidecar import SIDECAR_SUFFIX
 from weightlift.errors import IntegrityError, OptionError
-from weightlift.formats import TensorInfo
 from weightlift.local import loader
 
 from ..checkpoints import every_dtype, write
@@ -120,19 +118,6 @@ def test_flipped_byte_in_destination_is_named(tmp_path, monkeypatch):
     with pytest.raises(IntegrityError, match=r"1 tensor\(s\).*: layer\.4$"):
         weightlift.load(path, verify=True, threads=4)
     assert main(["load", str(path), "--verify"]) == 2
-
-
-def test_landed_pieces_in_any_order_and_reused_buffers():
-    data = np.random.default_rng(1).integers(0, 256, 10_000, dtype=np.uint8)
-    ts = [TensorInfo("a", "U8", (3000,), "f", 100, 3000), TensorInfo("b", "U8", (6900,), "f", 3100, 6900)]
-    expected = {t.name: blake3.blake3(data[t.offset : t.end].tobytes()).digest() for t in ts}
-    h = LandedHasher(ts, expected)
-    pieces = [(o, min(o + 700, 10_000)) for o in range(0, 10_000, 700)]
-    for a, b in reversed(pieces):  # every piece early but the last: all parked, then drained
-        buf = data[a:b].copy()
-        h.landed("f", a, buf, stable=False)
-        buf[:] = 0  # a staging slot reused at once
-    h.check()
 
 
 def test_verify_options(tmp_path):
