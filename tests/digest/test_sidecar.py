@@ -497,3 +497,48 @@ def test_push_verify_against_a_caching_server_ignores_a_planted_sidecar(tmp_path
             assert r.verified == 3 and r.cached == 0
         got = s.tensors()
         assert {n: got[n].tobytes() for n in real} == real
+
+
+@_root_only
+def test_a_sidecar_of_root_is_trusted_by_another_user(tmp_path):
+    # Root can change the checkpoint itself, so its sidecar adds nothing another user must fear;
+    # the user's own sidecar is trusted the same way, and a third user's is not.
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="wl-sidecar-")
+    try:
+        os.chmod(folder, 0o755)
+        path, _ = _planted(tmp_path)
+        for p in (path, path + SIDECAR_SUFFIX):
+            shutil.copy2(p, folder)
+        path = os.path.join(folder, os.path.basename(path))
+        m = Sidecar.load(path)  # the copy has another identity: record it afresh
+        m.put("w0", 0, 10, D1)
+        m.save()
+        os.chmod(path + SIDECAR_SUFFIX, 0o644)
+
+        def seen_by(uid: int) -> int:
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the child reports through the pipe
+                try:
+                    os.setgid(uid)
+                    os.setuid(uid)
+                    os.environ["XDG_CACHE_HOME"] = folder
+                    os.write(w, bytes([len(Sidecar.load(path))]))
+                finally:
+                    os._exit(0)
+            os.close(w)
+            got = os.read(r, 1)
+            os.close(r)
+            os.waitpid(pid, 0)
+            return got[0]
+
+        assert seen_by(OTHER_UID) == 1  # root's, read by nobody
+        os.chown(path + SIDECAR_SUFFIX, OTHER_UID - 1, OTHER_UID - 1)
+        assert seen_by(OTHER_UID) == 0  # a third user's
+        os.chown(path + SIDECAR_SUFFIX, OTHER_UID, OTHER_UID)
+        assert seen_by(OTHER_UID) == 1  # its own
+    finally:
+        shutil.rmtree(folder)
