@@ -30,6 +30,7 @@ from weightlift.remote.client.client import Client
 DISK = 8 << 20
 TENSORS = 8
 TENSOR_BYTES = 2 << 20  # twice the disk in all: about three entries fit, the fourth fails part-written
+CAP = "1G"  # a cap past the disk's size, so that the disk fills before eviction would start
 
 
 @pytest.fixture
@@ -37,9 +38,9 @@ def small_disk(tmp_path):
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a tmpfs needs root and mount(8)")
     where = tmp_path / "cache"
-    where.mkdir()
+    where.mkdir()  # mounted 0700: a cache folder others could write in is refused
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={DISK}", "tmpfs", str(where)], capture_output=True, text=True
+        ["mount", "-t", "tmpfs", "-o", f"size={DISK},mode=0700", "tmpfs", str(where)], capture_output=True, text=True
     )
     if done.returncode != 0:
         pytest.skip(f"mount -t tmpfs refused: {done.stderr.strip()}")
@@ -60,7 +61,7 @@ def test_push_larger_than_the_cache_disk_completes_and_the_server_keeps_serving(
     write_checkpoint(ckpt, [(f"t{i}", "U8", (TENSOR_BYTES,)) for i in range(TENSORS)])
     want = source_bytes(ckpt)
     log = tmp_path / "serve.log"
-    with ServeProcess("--cache-dir", str(small_disk), log=log) as server:
+    with ServeProcess("--cache-dir", str(small_disk), "--cache-max", CAP, log=log) as server:
         fds = fd_count(server.pid)
         with Client(server.address) as client:
             result = client.push(ckpt)
@@ -93,11 +94,11 @@ def test_a_server_started_on_a_full_cache_serves_from_it(tmp_path, small_disk):
     ckpt = tmp_path / "model.safetensors"
     write_checkpoint(ckpt, [(f"t{i}", "U8", (TENSOR_BYTES,)) for i in range(TENSORS)])
     want = source_bytes(ckpt)
-    with ServeProcess("--cache-dir", str(small_disk), log=tmp_path / "first.log") as first:
+    with ServeProcess("--cache-dir", str(small_disk), "--cache-max", CAP, log=tmp_path / "first.log") as first:
         with Client(first.address) as client:
             client.push(ckpt)
     held = len(assert_entries_sound(small_disk))
-    with ServeProcess("--cache-dir", str(small_disk), log=tmp_path / "second.log") as second:
+    with ServeProcess("--cache-dir", str(small_disk), "--cache-max", CAP, log=tmp_path / "second.log") as second:
         with Client(second.address) as client:
             result = client.push(ckpt)
             assert result.cached == held and result.bytes_sent == (TENSORS - held) * TENSOR_BYTES

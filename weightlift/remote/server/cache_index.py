@@ -1,0 +1,90 @@
+"""What the cache holds, in memory: each entry's charge in disk bytes, least recently used first.
+
+The index is built once, when the cache opens (one walk of the folder), and kept up to date by
+the cache's own commits, verified reads and drops, so eviction past the cap takes entries off
+the front of the index and never walks or stats the folder again.
+
+An entry is charged :func:`charge` bytes: its size rounded up to whole :data:`BLOCK` blocks, at
+least one, which is what a file system with 4 KiB blocks (ext4, XFS, btrfs and tmpfs by default)
+allocates for it. File sizes alone would let many tiny entries fill a disk far past the cap (an
+8-byte entry takes a 4 KiB block), and ``st_blocks`` of a file just written is no steadier a
+measure (delayed allocation, speculative preallocation).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+
+__all__ = ["BLOCK", "charge", "LruIndex"]
+
+#: The block an entry's size is rounded up to when it is charged against the cap.
+BLOCK = 4096
+
+
+def charge(size: int) -> int:
+    """The disk bytes an entry of ``size`` bytes is counted as: whole BLOCKs, at least one."""
+    return max(1, -(-size // BLOCK)) * BLOCK
+
+
+class LruIndex:
+    """Entries by digest with their charge, oldest use first. Thread-safe.
+
+    ``entries`` seeds it, oldest first.
+    """
+
+    def __init__(self, entries: Iterable[tuple[bytes, int]] = ()):
+        self._lock = threading.Lock()
+        self._items: OrderedDict[bytes, int] = OrderedDict(entries)
+        self._total = sum(self._items.values())
+
+    @property
+    def total(self) -> int:
+        """The charge of every entry indexed."""
+        return self._total
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, digest: object) -> bool:
+        return digest in self._items
+
+    def put(self, digest: bytes, cost: int) -> None:
+        """Index an entry (or replace its charge) as the most recently used."""
+        with self._lock:
+            self._total += cost - self._items.pop(digest, 0)
+            self._items[digest] = cost
+
+    def touch(self, digest: bytes, cost: int) -> None:
+        """Mark an entry most recently used; one found on disk but not yet indexed is added."""
+        with self._lock:
+            if digest in self._items:
+                self._items.move_to_end(digest)
+                return
+            self._items[digest] = cost
+            self._total += cost
+
+    def remove(self, digest: bytes) -> int:
+        """Forget an entry; returns its charge (0 if it was not indexed)."""
+        with self._lock:
+            cost = self._items.pop(digest, 0)
+            self._total -= cost
+            return cost
+
+    def over(self, cap: int) -> list[tuple[bytes, int]]:
+        """Take the least recently used entries off until at most ``cap`` remain; returns them."""
+        taken: list[tuple[bytes, int]] = []
+        with self._lock:
+            while self._total > cap and self._items:
+                digest, cost = self._items.popitem(last=False)
+                self._total -= cost
+                taken.append((digest, cost))
+        return taken
+
+    def replace_all(self, entries: Iterable[tuple[bytes, int]]) -> None:
+        """Start afresh from ``entries``, oldest first (after a rescan of the folder)."""
+        items = OrderedDict(entries)
+        with self._lock:
+            self._items = items
+            self._total = sum(items.values())
