@@ -74,14 +74,13 @@ from weightlift.errors import CacheError, OptionError
 from weightlift.remote.server.cache_check import PARALLEL_PIECE_MIN, DigestCheck, entry_hasher
 from weightlift.remote.server.cache_folder import (
     ENTRY_MODE,
-    names_in,
     open_folder,
     open_root,
     reason,
     remove_tree,
     reopen_root,
 )
-from weightlift.remote.server.cache_index import LruIndex, charge
+from weightlift.remote.server.cache_index import STALE_TEMP_SECONDS, TEMP_PREFIX, LruIndex, charge, scan_entries
 
 __all__ = [
     "DIGEST_SIZE",
@@ -101,8 +100,6 @@ __all__ = [
 #: Bytes read per ``readinto`` by :meth:`TensorCache.read_into`: large enough for the parallel
 #: hasher, small enough that the bytes are still in cache when they are hashed.
 READ_CHUNK = 4 * 1024 * 1024
-#: A temporary file untouched this long belongs to a writer that died.
-STALE_TEMP_SECONDS = 15 * 60
 #: The default cap (``max_bytes="auto"``): this fraction of what the entries take plus the free
 #: space of the cache's file system, measured when the cache opens.
 DEFAULT_MAX_FRACTION = 0.5
@@ -110,10 +107,8 @@ DEFAULT_MAX_FRACTION = 0.5
 #: rather than one entry bad; see :func:`disk_unusable`.
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
 
-_TEMP_PREFIX = ".tmp-"
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_HEX = frozenset("0123456789abcdef")
 
 
 class _Readable(Protocol):
@@ -137,10 +132,6 @@ def default_max_bytes(root_fd: int, held: int) -> int:
     entries take) plus the free space of the file system of the open folder ``root_fd``."""
     st = os.fstatvfs(root_fd)
     return int((held + st.f_bavail * st.f_frsize) * DEFAULT_MAX_FRACTION)
-
-
-def _is_entry_name(name: str) -> bool:
-    return len(name) == 2 * DIGEST_SIZE and set(name) <= _HEX
 
 
 class TensorCache:
@@ -168,12 +159,12 @@ class TensorCache:
         self.durable = durable
         self.hash_threads = hash_threads
         self._lock = threading.Lock()  # eviction's unlinks against commits' renames
-        self._counts = {"folder_scans": 0, "evicted": 0, "bytes_evicted": 0}
+        self._counts = {"folder_scans": 1, "evicted": 0, "bytes_evicted": 0}  # the scan at open
         fd = open_root(self.root)
         try:
             st = os.fstat(fd)
             self._ident = (st.st_dev, st.st_ino)
-            self._index = LruIndex(self._scan(fd, sweep=True))
+            self._index = LruIndex(scan_entries(fd, sweep=True))
             self.max_bytes: int | None = default_max_bytes(fd, self._index.total) if max_bytes == "auto" else max_bytes
         finally:
             os.close(fd)
@@ -193,53 +184,6 @@ class TensorCache:
         """The path of the entry for ``digest`` (which may not exist)."""
         hx = digest_hex(digest)
         return os.path.join(self.root, hx[:2], hx)
-
-    @staticmethod
-    def _folders(root: int) -> Iterator[tuple[str, int]]:
-        """Each fan-out folder's name and descriptor (closed when the next is asked for). Whatever
-        stands in a fan-out folder's place (a link, a file, another user's folder) is removed."""
-        for name in sorted(names_in(root)):
-            if len(name) != 2 or not set(name) <= _HEX:
-                continue
-            fd = open_folder(root, name, create=False)
-            if fd is None:
-                remove_tree(root, name)
-                continue
-            try:
-                yield name, fd
-            finally:
-                os.close(fd)
-
-    def _scan(self, root: int, *, sweep: bool) -> list[tuple[bytes, int]]:
-        """Every entry with its charge, least recently used first: the one walk of the folder.
-
-        Narrows entries to mode 0600 and removes what no writer of this user's made: links,
-        other users' files, anything not a file under an entry's name; with ``sweep``, also
-        temporary files older than STALE_TEMP_SECONDS.
-        """
-        self._counts["folder_scans"] += 1
-        euid = os.geteuid()
-        cutoff = time.time() - STALE_TEMP_SECONDS
-        found: list[tuple[int, bytes, int]] = []
-        for _, fd in self._folders(root):
-            for name in names_in(fd):
-                try:
-                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                except OSError:
-                    continue
-                mine = stat.S_ISREG(st.st_mode) and st.st_uid == euid
-                if name.startswith(_TEMP_PREFIX):
-                    if not mine or (sweep and st.st_mtime < cutoff):
-                        remove_tree(fd, name)
-                elif _is_entry_name(name):
-                    if not mine:
-                        remove_tree(fd, name)
-                        continue
-                    if stat.S_IMODE(st.st_mode) != ENTRY_MODE:
-                        _chmod_quiet(name, fd)
-                    found.append((st.st_mtime_ns, bytes.fromhex(name), charge(st.st_size)))
-        found.sort()
-        return [(digest, cost) for _, digest, cost in found]
 
     @property
     def total_bytes(self) -> int:
@@ -289,8 +233,10 @@ class TensorCache:
             self._index.put(digest, cost)
 
     def _committed(self) -> None:
+        """Evict past the cap after a commit. Never raises: the entry is in place and its digest
+        proven, which is what a commit reports (a folder gone bad shows at the next writer)."""
         if self.max_bytes is not None and self._index.total > self.max_bytes:
-            with self._lock:
+            with self._lock, contextlib.suppress(CacheError, OSError):
                 self._evict_locked(self.max_bytes)
 
     def _evict_locked(self, target: int) -> int:
@@ -325,7 +271,8 @@ class TensorCache:
             target = self.max_bytes
         with self._lock:
             with self._root() as root:
-                self._index.replace_all(self._scan(root, sweep=False))
+                self._index.replace_all(scan_entries(root, sweep=False))
+                self._counts["folder_scans"] += 1
             return self._evict_locked(target)
 
     # -- reading -----------------------------------------------------------------------------
@@ -473,13 +420,6 @@ def _read_exact(f: _Readable, chunk: memoryview) -> None:
         got += r
 
 
-def _chmod_quiet(name: str, folder: int) -> None:
-    try:
-        os.chmod(name, ENTRY_MODE, dir_fd=folder)
-    except OSError:
-        pass
-
-
 class CacheWriter:
     """Writes one entry: ``write`` pieces as they arrive, then ``commit`` or ``abort``.
 
@@ -495,7 +435,7 @@ class CacheWriter:
         self.length = length
         self.path = cache.path_for(digest)
         hx = os.path.basename(self.path)
-        self._tmp = f"{_TEMP_PREFIX}{hx[:16]}-{os.getpid()}-{secrets.token_hex(6)}"
+        self._tmp = f"{TEMP_PREFIX}{hx[:16]}-{os.getpid()}-{secrets.token_hex(6)}"
         self._folder = self._fd = -1
         self._open = False
         try:
