@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
+import tempfile
 import threading
 import time
 
@@ -631,3 +633,39 @@ def test_the_default_cap_is_half_the_space_the_cache_could_use(tmp_path):
     assert TensorCache(tmp_path / "e", max_bytes=None).max_bytes is None
     with pytest.raises(OptionError):
         TensorCache(tmp_path / "f", max_bytes=-1)
+
+
+def _as_other_user(attempt) -> int:
+    """Run ``attempt()`` in a child process as uid/gid 65534; its exit code: 0 if it raised
+    PermissionError (what the test wants), 1 if it succeeded, 2 on anything else."""
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest machinery from here on, only _exit
+        code = 2
+        try:
+            os.setgid(OTHER_UID)
+            os.setuid(OTHER_UID)
+            attempt()
+            code = 1
+        except PermissionError:
+            code = 0
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+@needs_root
+def test_another_user_can_neither_read_nor_list_the_cache():
+    # The folders above the cache must let the other user through, or the test proves nothing:
+    # pytest's own temporary folders are 0700.
+    base = tempfile.mkdtemp(prefix="wl-cache-others-", dir="/tmp")
+    try:
+        os.chmod(base, 0o755)
+        root = os.path.join(base, "c")
+        cache = TensorCache(root)
+        secret = _data(6000, seed=48)
+        d = _put(cache, secret)
+        assert _as_other_user(lambda: open(cache.path_for(d), "rb").read()) == 0
+        assert _as_other_user(lambda: os.listdir(root)) == 0
+        assert _as_other_user(lambda: os.listdir(os.path.dirname(cache.path_for(d)))) == 0
+    finally:
+        shutil.rmtree(base)

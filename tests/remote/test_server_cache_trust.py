@@ -4,6 +4,8 @@ client's mistakes never cost a valid entry; one connection holds a bounded numbe
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -114,3 +116,18 @@ def test_a_server_refuses_a_cache_folder_another_user_owns(tmp_path):
     with pytest.raises(CacheError, match="is owned by uid 65534"):
         Server(cache_dir=theirs)
     assert list(theirs.iterdir()) == []
+
+
+def test_serve_refuses_a_cache_folder_others_can_write(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    done = subprocess.run(
+        [sys.executable, "-m", "weightlift", "serve", "--port", "0", "--cache-dir", str(shared)],
+        capture_output=True,
+        text=True,
+        timeout=30,  # a server that accepted the folder would serve until killed
+    )
+    assert done.returncode == 2, done
+    assert f"weightlift: error: cache folder {shared} is writable by its group and others (mode 1777)" in done.stderr
+    assert "chmod 700" in done.stderr and list(shared.iterdir()) == []
