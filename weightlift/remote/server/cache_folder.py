@@ -156,14 +156,20 @@ def open_folder(root_fd: int, name: str, *, create: bool) -> int | None:
             if not create:
                 return None
         except OSError as exc:
-            if exc.errno not in _NOT_A_FOLDER or not create:
-                if create:
-                    raise
+            if not create:
                 return None
+            if exc.errno not in _NOT_A_FOLDER:
+                raise
             os.unlink(name, dir_fd=root_fd)  # a link or a file where the folder goes
         else:
-            if _owned(fd, euid):
-                return fd
+            try:
+                if _owned(fd, euid):
+                    return fd
+            except OSError:
+                os.close(fd)
+                if not create:
+                    return None
+                raise
             os.close(fd)
             if not create:
                 return None
