@@ -2,7 +2,9 @@
 
 The push completes with every byte right (the tensors are in memory; only the cache write fails),
 the failure is logged once, it leaves no temporary file and no broken entry, and the server goes
-on serving. Needs root to mount the tmpfs; skips with the reason elsewhere.
+on serving. Those tests set a cap past the disk's size; under the default cap (half the space the
+cache could use) the same disk never fills, eviction comes first. Needs root to mount the tmpfs;
+skips with the reason elsewhere.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import blake3
 import numpy as np
 import pytest
 
@@ -26,10 +29,12 @@ from tests.faults.support import (
 from tests.waiting import wait_for
 from weightlift.benchmark.synthetic import write_checkpoint
 from weightlift.remote.client.client import Client
+from weightlift.remote.server.cache import TensorCache
 
 DISK = 8 << 20
 TENSORS = 8
 TENSOR_BYTES = 2 << 20  # twice the disk in all: about three entries fit, the fourth fails part-written
+CAP = "1G"  # a cap past the disk's size, so that the disk fills before eviction would start
 
 
 @pytest.fixture
@@ -37,9 +42,9 @@ def small_disk(tmp_path):
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a tmpfs needs root and mount(8)")
     where = tmp_path / "cache"
-    where.mkdir()
+    where.mkdir()  # mounted 0700: a cache folder others could write in is refused
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={DISK}", "tmpfs", str(where)], capture_output=True, text=True
+        ["mount", "-t", "tmpfs", "-o", f"size={DISK},mode=0700", "tmpfs", str(where)], capture_output=True, text=True
     )
     if done.returncode != 0:
         pytest.skip(f"mount -t tmpfs refused: {done.stderr.strip()}")
@@ -60,7 +65,7 @@ def test_push_larger_than_the_cache_disk_completes_and_the_server_keeps_serving(
     write_checkpoint(ckpt, [(f"t{i}", "U8", (TENSOR_BYTES,)) for i in range(TENSORS)])
     want = source_bytes(ckpt)
     log = tmp_path / "serve.log"
-    with ServeProcess("--cache-dir", str(small_disk), log=log) as server:
+    with ServeProcess("--cache-dir", str(small_disk), "--cache-max", CAP, log=log) as server:
         fds = fd_count(server.pid)
         with Client(server.address) as client:
             result = client.push(ckpt)
@@ -93,13 +98,28 @@ def test_a_server_started_on_a_full_cache_serves_from_it(tmp_path, small_disk):
     ckpt = tmp_path / "model.safetensors"
     write_checkpoint(ckpt, [(f"t{i}", "U8", (TENSOR_BYTES,)) for i in range(TENSORS)])
     want = source_bytes(ckpt)
-    with ServeProcess("--cache-dir", str(small_disk), log=tmp_path / "first.log") as first:
+    with ServeProcess("--cache-dir", str(small_disk), "--cache-max", CAP, log=tmp_path / "first.log") as first:
         with Client(first.address) as client:
             client.push(ckpt)
     held = len(assert_entries_sound(small_disk))
-    with ServeProcess("--cache-dir", str(small_disk), log=tmp_path / "second.log") as second:
+    with ServeProcess("--cache-dir", str(small_disk), "--cache-max", CAP, log=tmp_path / "second.log") as second:
         with Client(second.address) as client:
             result = client.push(ckpt)
             assert result.cached == held and result.bytes_sent == (TENSORS - held) * TENSOR_BYTES
             assert_same_tensors(_pulled(client, tmp_path / "pulled.safetensors"), want)
     assert not cache_files(small_disk)[1]
+
+
+def test_the_default_cap_keeps_a_small_disk_from_filling(small_disk):
+    cache = TensorCache(small_disk)  # the default cap: half of what the 8 MiB disk leaves free
+    assert cache.max_bytes is not None and DISK // 2 - (1 << 20) <= cache.max_bytes <= DISK // 2
+    for i in range(2 * DISK // TENSOR_BYTES):  # twice the disk: it would fill without the cap
+        data = np.random.default_rng(i).integers(0, 256, TENSOR_BYTES, dtype=np.uint8).tobytes()
+        digest = blake3.blake3(data).digest()
+        with cache.writer(digest, len(data)) as w:
+            w.write(data)
+            w.commit()
+        assert cache.has(digest, len(data))
+    held = sum(p.stat().st_blocks * 512 for p in small_disk.rglob("*") if p.is_file())
+    assert cache.total_bytes <= cache.max_bytes and held <= cache.max_bytes
+    assert cache.stats()["evicted"] > 0

@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
+import stat
+import tempfile
 import threading
 import time
 
@@ -11,6 +14,7 @@ import pytest
 
 from weightlift.errors import CacheError, OptionError
 from weightlift.remote.server.cache import (
+    DEFAULT_MAX_FRACTION,
     DIGEST_SIZE,
     STALE_TEMP_SECONDS,
     CacheWriter,
@@ -18,6 +22,7 @@ from weightlift.remote.server.cache import (
     digest_hex,
     disk_unusable,
 )
+from weightlift.remote.server.cache_index import BLOCK, charge
 
 
 def _data(n: int, seed: int = 0) -> bytes:
@@ -66,7 +71,7 @@ def test_round_trip_layout_and_exact_bytes(tmp_path):
     out = bytearray(len(data))
     cache.read_into(d, out)
     assert bytes(out) == data
-    assert cache.total_bytes == len(data)
+    assert cache.total_bytes == charge(len(data)) == 25 * BLOCK  # whole blocks on disk
 
 
 def test_read_into_numpy_destination(tmp_path):
@@ -305,33 +310,43 @@ def test_not_every_cache_error_is_a_disk_error(tmp_path):
 
 
 def test_lru_eviction_under_max_bytes(tmp_path):
-    cache = TensorCache(tmp_path, max_bytes=3000)
-    a, b, c = (_data(1000, seed=s) for s in (10, 11, 12))
+    cache = TensorCache(tmp_path, max_bytes=3 * BLOCK)
+    a, b, c = (_data(1000, seed=s) for s in (10, 11, 12))  # one block each
     da, db, dc = (_put(cache, x) for x in (a, b, c))
-    # Give the entries distinct, known ages, oldest first: a, b, c.
-    base = time.time_ns() - 3600 * 10**9
-    for i, d in enumerate((da, db, dc)):
-        os.utime(cache.path_for(d), ns=(base + i * 10**9, base + i * 10**9))
     cache.read_into(da, bytearray(1000))  # a is now the most recent
     dd = _put(cache, _data(1000, seed=13))
     assert [cache.has(x) for x in (da, db, dc, dd)] == [True, False, True, True]
-    assert cache.total_bytes == 3000
-    de = _put(cache, _data(2000, seed=14))
+    assert cache.total_bytes == 3 * BLOCK
+    de = _put(cache, _data(BLOCK + 1, seed=14))  # two blocks: two entries go
     assert [cache.has(x) for x in (da, dc, dd, de)] == [False, False, True, True]
-    assert cache.total_bytes == 3000
-    with pytest.raises(CacheError):
-        cache.writer(_digest(b"big"), 3001)
+    assert cache.total_bytes == 3 * BLOCK
+    assert cache.stats()["evicted"] == 3
+    with pytest.raises(CacheError, match="does not fit"):
+        cache.writer(_digest(b"big"), 3 * BLOCK + 1)
+
+
+def test_eviction_order_survives_a_restart(tmp_path):
+    cache = TensorCache(tmp_path, max_bytes=3 * BLOCK)
+    da, db, dc = (_put(cache, _data(1000, seed=s)) for s in (10, 11, 12))
+    # Give the entries distinct, known ages, oldest first: a, b, c (a reopened cache goes by mtime).
+    base = time.time_ns() - 3600 * 10**9
+    for i, d in enumerate((da, db, dc)):
+        os.utime(cache.path_for(d), ns=(base + i * 10**9, base + i * 10**9))
+    cache = TensorCache(tmp_path, max_bytes=3 * BLOCK)
+    cache.read_into(da, bytearray(1000))  # a is now the most recent
+    dd = _put(cache, _data(1000, seed=13))
+    assert [cache.has(x) for x in (da, db, dc, dd)] == [True, False, True, True]
 
 
 def test_eviction_ignores_temp_files_and_reopen_counts_entries(tmp_path):
-    cache = TensorCache(tmp_path, max_bytes=2500)
+    cache = TensorCache(tmp_path, max_bytes=2 * BLOCK)
     d1 = _put(cache, _data(1000, seed=1))
     pending = cache.writer(_digest(_data(2000, seed=3)), 2000)
     pending.write(_data(2000, seed=3))
     d2 = _put(cache, _data(1000, seed=2))
     assert cache.has(d1) and cache.has(d2)  # the 2000 temporary bytes do not count
     pending.commit()
-    assert TensorCache(tmp_path).total_bytes == cache.total_bytes <= 2500
+    assert TensorCache(tmp_path).total_bytes == cache.total_bytes <= 2 * BLOCK
 
 
 def test_stale_temp_files_cleaned_on_open(tmp_path):
@@ -346,7 +361,7 @@ def test_stale_temp_files_cleaned_on_open(tmp_path):
     os.utime(stale, (old, old))
     cache2 = TensorCache(tmp_path)
     assert not os.path.exists(stale) and os.path.exists(fresh)
-    assert cache2.total_bytes == len(data)
+    assert cache2.total_bytes == charge(len(data))
     out = bytearray(len(data))
     cache2.read_into(d, out)
     assert bytes(out) == data
@@ -434,3 +449,223 @@ def test_error_from_write_callback_keeps_entry(tmp_path):
     with pytest.raises(OSError, match="device copy failed"):
         cache.read_into_target(d, len(data), write, bytearray(4096))
     assert cache.has(d, len(data))
+
+
+# -- the folder is the server's own -------------------------------------------------------------
+
+OTHER_UID = 65534  # nobody
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user (chown to uid 65534) needs root")
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+@needs_root
+def test_a_root_owned_by_another_user_is_refused(tmp_path):
+    root = tmp_path / "theirs"
+    root.mkdir(mode=0o700)
+    os.chown(root, OTHER_UID, OTHER_UID)
+    with pytest.raises(
+        CacheError, match=rf"cache folder {root} is owned by uid {OTHER_UID}, not by this server's user"
+    ):
+        TensorCache(root)
+    assert list(root.iterdir()) == []
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777])
+def test_a_root_others_can_write_is_refused(tmp_path, mode):
+    root = tmp_path / "shared"
+    root.mkdir()
+    os.chmod(root, mode)
+    with pytest.raises(CacheError, match=rf"cache folder {root} is writable by .*chmod 700"):
+        TensorCache(root)
+    assert list(root.iterdir()) == [] and _mode(root) == mode
+
+
+def test_a_root_reached_through_a_link_is_checked_where_it_leads(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    os.chmod(real, 0o777)
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(CacheError, match="writable by"):
+        TensorCache(tmp_path / "link")
+    os.chmod(real, 0o755)
+    d = _put(TensorCache(tmp_path / "link"), b"through a link of my own")
+    assert (real / d.hex()[:2] / d.hex()).is_file() and _mode(real) == 0o700
+
+
+@needs_root
+def test_a_fan_out_folder_linked_elsewhere_is_never_written_through(tmp_path):
+    data = _data(5000, seed=40)
+    d = _digest(data)
+    hx = d.hex()
+    elsewhere = tmp_path / "elsewhere"  # another user's folder, open to anyone
+    elsewhere.mkdir()
+    os.chown(elsewhere, OTHER_UID, OTHER_UID)
+    os.chmod(elsewhere, 0o777)
+    root = tmp_path / "c"
+    cache = TensorCache(root)
+    (root / hx[:2]).symlink_to(elsewhere)  # planted while the cache is open
+    os.lchown(root / hx[:2], OTHER_UID, OTHER_UID)
+    assert not cache.has(d)
+    _put(cache, data)
+    assert list(elsewhere.iterdir()) == []
+    assert not (root / hx[:2]).is_symlink() and _mode(root / hx[:2]) == 0o700
+    out = bytearray(len(data))
+    cache.read_into(d, out)
+    assert bytes(out) == data
+
+
+@needs_root
+def test_links_and_other_users_folders_found_at_open_are_removed(tmp_path):
+    root = tmp_path / "c"
+    root.mkdir(mode=0o755)  # as an older cache left it
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.chown(elsewhere, OTHER_UID, OTHER_UID)
+    data = [_data(3000, seed=s) for s in range(41, 43)]
+    hx = [_digest(x).hex() for x in data]
+    (root / hx[0][:2]).symlink_to(elsewhere)
+    theirs = root / hx[1][:2]
+    theirs.mkdir(mode=0o777)
+    (theirs / "planted").write_bytes(b"x")
+    os.chown(theirs, OTHER_UID, OTHER_UID)
+    cache = TensorCache(root)
+    assert not (root / hx[0][:2]).exists() and not theirs.exists()
+    for x in data:
+        _put(cache, x)
+    assert list(elsewhere.iterdir()) == []
+    assert all(os.lstat(root / h[:2]).st_uid == os.geteuid() and _mode(root / h[:2]) == 0o700 for h in hx)
+
+
+def test_an_entry_that_is_a_link_is_not_followed(tmp_path):
+    data = _data(4000, seed=44)
+    d = _digest(data)
+    cache = TensorCache(tmp_path / "c")
+    target = tmp_path / "target"
+    target.write_bytes(data)  # the right bytes, even: a link is refused for what it is
+    os.makedirs(os.path.dirname(cache.path_for(d)), exist_ok=True)
+    os.symlink(target, cache.path_for(d))
+    before = os.stat(target)
+    with pytest.raises(CacheError, match="unreadable"):
+        cache.read_into(d, bytearray(len(data)))
+    assert not os.path.lexists(cache.path_for(d)) and target.read_bytes() == data
+    assert os.stat(target).st_mtime_ns == before.st_mtime_ns
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o000, 0o277])
+def test_folders_are_0700_and_entries_0600_whatever_the_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        root = tmp_path / "c"
+        cache = TensorCache(root)
+        d = _put(cache, _data(3000, seed=45))
+        pending = cache.writer(_digest(b"pending"), 7)
+        pending.write(b"pendin")
+        temps = [p for p in (root / d.hex()[:2]).iterdir()] + list((root / _digest(b"pending").hex()[:2]).iterdir())
+        modes = {_mode(root), _mode(root / d.hex()[:2]), _mode(cache.path_for(d)), *(_mode(p) for p in temps)}
+        pending.abort()
+    finally:
+        os.umask(old)
+    assert modes == {0o700, 0o600}
+    assert _mode(root) == _mode(root / d.hex()[:2]) == 0o700 and _mode(cache.path_for(d)) == 0o600
+
+
+def test_an_older_wider_cache_is_narrowed_at_open(tmp_path):
+    root = tmp_path / "c"
+    data = _data(3000, seed=46)
+    hx = _digest(data).hex()
+    (root / hx[:2]).mkdir(parents=True)
+    (root / hx[:2] / hx).write_bytes(data)
+    for p, m in ((root, 0o755), (root / hx[:2], 0o755), (root / hx[:2] / hx, 0o644)):
+        os.chmod(p, m)
+    cache = TensorCache(root)
+    assert (_mode(root), _mode(root / hx[:2]), _mode(root / hx[:2] / hx)) == (0o700, 0o700, 0o600)
+    assert cache.has(_digest(data), len(data)) and cache.total_bytes == BLOCK
+
+
+# -- the size cap -------------------------------------------------------------------------------
+
+
+def test_tiny_entries_are_counted_by_the_blocks_they_take(tmp_path):
+    cache = TensorCache(tmp_path / "c", max_bytes=None)
+    for i in range(300):
+        _put(cache, i.to_bytes(8, "little"))  # 8 bytes, one block on disk
+    assert cache.total_bytes == 300 * BLOCK
+    assert TensorCache(tmp_path / "c").total_bytes == 300 * BLOCK  # and so counted again at open
+    capped = TensorCache(tmp_path / "d", max_bytes=100 * BLOCK)
+    for i in range(300):
+        _put(capped, i.to_bytes(8, "little"))
+    assert len(_files(tmp_path / "d")) == 100 and capped.total_bytes == 100 * BLOCK
+
+
+def test_eviction_past_the_cap_does_not_walk_the_folder(tmp_path, monkeypatch):
+    cache = TensorCache(tmp_path / "c", max_bytes=20 * BLOCK)
+    first = [_put(cache, _data(BLOCK, seed=s)) for s in range(20)]  # a block each, by any count
+    walks: list[str] = []
+    for name in ("scandir", "listdir", "walk"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda *a, _real=real, _name=name, **k: walks.append(_name) or _real(*a, **k))
+    later = [_put(cache, _data(BLOCK, seed=s)) for s in range(100, 160)]  # each commit evicts one
+    monkeypatch.undo()
+    assert walks == []
+    assert cache.stats() == {
+        "entries": 20,
+        "bytes": 20 * BLOCK,
+        "folder_scans": 1,  # the one walk when it opened
+        "evicted": 60,
+        "bytes_evicted": 60 * BLOCK,
+    }
+    assert not any(cache.has(d) for d in first) and all(cache.has(d) for d in later[-20:])
+    assert len(_files(tmp_path / "c")) == 20
+
+
+def test_the_default_cap_is_half_the_space_the_cache_could_use(tmp_path):
+    cache = TensorCache(tmp_path / "c")
+    _put(cache, _data(5000, seed=47))
+    st = os.statvfs(tmp_path / "c")
+    free = st.f_bavail * st.f_frsize
+    reopened = TensorCache(tmp_path / "c")
+    want = (2 * BLOCK + free) * DEFAULT_MAX_FRACTION
+    assert reopened.max_bytes is not None and abs(reopened.max_bytes - want) <= 64 * BLOCK
+    assert TensorCache(tmp_path / "e", max_bytes=None).max_bytes is None
+    with pytest.raises(OptionError):
+        TensorCache(tmp_path / "f", max_bytes=-1)
+
+
+def _as_other_user(attempt) -> int:
+    """Run ``attempt()`` in a child process as uid/gid 65534; its exit code: 0 if it raised
+    PermissionError (what the test wants), 1 if it succeeded, 2 on anything else."""
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest machinery from here on, only _exit
+        code = 2
+        try:
+            os.setgid(OTHER_UID)
+            os.setuid(OTHER_UID)
+            attempt()
+            code = 1
+        except PermissionError:
+            code = 0
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+@needs_root
+def test_another_user_can_neither_read_nor_list_the_cache():
+    # The folders above the cache must let the other user through, or the test proves nothing:
+    # pytest's own temporary folders are 0700.
+    base = tempfile.mkdtemp(prefix="wl-cache-others-", dir="/tmp")
+    try:
+        os.chmod(base, 0o755)
+        root = os.path.join(base, "c")
+        cache = TensorCache(root)
+        secret = _data(6000, seed=48)
+        d = _put(cache, secret)
+        assert _as_other_user(lambda: open(cache.path_for(d), "rb").read()) == 0
+        assert _as_other_user(lambda: os.listdir(root)) == 0
+        assert _as_other_user(lambda: os.listdir(os.path.dirname(cache.path_for(d)))) == 0
+    finally:
+        shutil.rmtree(base)

@@ -3,12 +3,20 @@ client's mistakes never cost a valid entry; one connection holds a bounded numbe
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
+import pytest
 
 import weightlift.remote.protocol as P
 from tests.remote.test_server import Raw, _barrier, _cache_push, _f32
 from weightlift.digest.blake import hash_buffer
+from weightlift.errors import CacheError
 from weightlift.remote.protocol import Alloc, BarrierReply, WriteHeader
+from weightlift.remote.server.cache import TensorCache
+from weightlift.remote.server.cache_index import charge
 from weightlift.remote.server.receive import MAX_OPEN_FILES
 from weightlift.remote.server.server import Server
 
@@ -85,15 +93,41 @@ def test_one_connection_holds_a_bounded_number_of_cache_files(tmp_path):
 
 
 def test_the_disk_cache_is_capped_least_recently_used_first(tmp_path):
-    arrs = [_f32(25_000, 20 + i) for i in range(4)]  # 100 kB each
+    arrs = [_f32(25_000, 20 + i) for i in range(4)]  # 100 kB each: 25 blocks on disk
     with Server(cache_dir=tmp_path / "c", cache_max_bytes=250_000) as s:
         raw = Raw(s.address)
         raw.hello()
         for i, a in enumerate(arrs):
             _cache_push(raw, a, i, f"t{i}", hash_buffer(a))
             assert _barrier(raw).tensors == 1
-        held = sum(f.stat().st_size for f in (tmp_path / "c").rglob("*") if f.is_file())
+        held = sum(f.stat().st_blocks * 512 for f in (tmp_path / "c").rglob("*") if f.is_file())
         assert held <= 250_000
-        assert s._ctx.cache is not None and s._ctx.cache.has(hash_buffer(arrs[-1]))
-        assert not s._ctx.cache.has(hash_buffer(arrs[0]))
         raw.close()
+    cache = TensorCache(tmp_path / "c", max_bytes=None)  # what the server left on disk
+    assert cache.has(hash_buffer(arrs[-1])) and not cache.has(hash_buffer(arrs[0]))
+    assert cache.total_bytes == 2 * charge(arrs[0].nbytes)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a folder of another user's (uid 65534) needs root to make")
+def test_a_server_refuses_a_cache_folder_another_user_owns(tmp_path):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(CacheError, match="is owned by uid 65534"):
+        Server(cache_dir=theirs)
+    assert list(theirs.iterdir()) == []
+
+
+def test_serve_refuses_a_cache_folder_others_can_write(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    done = subprocess.run(
+        [sys.executable, "-m", "weightlift", "serve", "--port", "0", "--cache-dir", str(shared)],
+        capture_output=True,
+        text=True,
+        timeout=30,  # a server that accepted the folder would serve until killed
+    )
+    assert done.returncode == 2, done
+    assert f"weightlift: error: cache folder {shared} is writable by its group and others (mode 1777)" in done.stderr
+    assert "chmod 700" in done.stderr and list(shared.iterdir()) == []

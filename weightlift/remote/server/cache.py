@@ -26,10 +26,27 @@ wrong weights in memory with nothing to show for it. Hence:
 * Write failures (ENOSPC, EDQUOT, EIO, anything) remove the temporary file and raise CacheError
   from the OSError; the caller may stop caching with a warning and go on without the cache.
 
-Least-recently-used eviction under ``max_bytes`` orders entries by mtime, which commit sets and a
-verified read refreshes. Temporary files do not count; ones left by a crashed writer are removed
-when the cache is opened once they are :data:`STALE_TEMP_SECONDS` old (a live writer touches its
-file with every write), and are otherwise ignored: they never have an entry's name.
+The folder is the server's own (:mod:`.cache_folder`): a root owned by another user or writable
+by group or others is refused, folders are 0700 and entries 0600 whatever the umask, and
+everything below the root is opened by descriptor without following links.
+
+The size cap
+------------
+``max_bytes`` caps the disk bytes the entries take, each counted as whole 4 KiB blocks
+(:func:`.cache_index.charge`), so that many tiny entries cannot fill a disk far past the cap.
+The default, ``"auto"``, is :data:`DEFAULT_MAX_FRACTION` (half) of the space the cache could
+use when it opens: what its entries already take plus the free space of its file system
+(``f_bavail``), so a cache never takes more than half of what was left to it. ``None`` means no
+cap. Past the cap, each commit evicts the least recently used entries (commit and a verified read
+count as a use) from an in-memory index built by one walk of the folder when the cache opens;
+eviction never walks the folder again. The index knows what this process committed, read or
+found at open: processes sharing one root each hold their own cap, and :meth:`TensorCache.evict`
+rescans the folder to count the others' entries too. Entry mtimes carry the order across
+restarts.
+
+Temporary files do not count; ones left by a crashed writer are removed when the cache is opened
+once they are :data:`STALE_TEMP_SECONDS` old (a live writer touches its file with every write),
+and are otherwise ignored: they never have an entry's name.
 
 Hashing runs with the GIL released (blake3 does so for large inputs) and uses blake3's
 multithreaded mode for entries of at least 1 MiB fed in pieces of at least
@@ -39,50 +56,66 @@ single-threaded, where the thread pool costs more than it gives.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hmac
 import os
 import secrets
-import shutil
 import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Literal, Protocol
 
 import blake3
 
-from weightlift.digest.blake import DIGEST_SIZE, PARALLEL_HASH_MIN, byte_view, digest_hex
+from weightlift.digest.blake import DIGEST_SIZE, byte_view, digest_hex
 from weightlift.errors import CacheError, OptionError
+from weightlift.remote.server.cache_check import PARALLEL_PIECE_MIN, DigestCheck, entry_hasher
+from weightlift.remote.server.cache_folder import (
+    ENTRY_MODE,
+    open_folder,
+    open_root,
+    reason,
+    remove_tree,
+    reopen_root,
+)
+from weightlift.remote.server.cache_index import STALE_TEMP_SECONDS, TEMP_PREFIX, LruIndex, charge, scan_entries
 
 __all__ = [
     "DIGEST_SIZE",
     "READ_CHUNK",
     "STALE_TEMP_SECONDS",
+    "DEFAULT_MAX_FRACTION",
     "DISK_ERRNOS",
     "disk_unusable",
     "PARALLEL_PIECE_MIN",
     "digest_hex",
+    "default_max_bytes",
     "TensorCache",
     "CacheWriter",
+    "DigestCheck",
 ]
 
 #: Bytes read per ``readinto`` by :meth:`TensorCache.read_into`: large enough for the parallel
 #: hasher, small enough that the bytes are still in cache when they are hashed.
 READ_CHUNK = 4 * 1024 * 1024
-#: A temporary file untouched this long belongs to a writer that died.
-STALE_TEMP_SECONDS = 15 * 60
+#: The default cap (``max_bytes="auto"``): this fraction of what the entries take plus the free
+#: space of the cache's file system, measured when the cache opens.
+DEFAULT_MAX_FRACTION = 0.5
 #: Write errors that mean the cache's disk is unusable (full, over quota, failing, read-only)
 #: rather than one entry bad; see :func:`disk_unusable`.
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
 
-#: The smallest piece for which blake3's thread pool pays: in smaller pieces its start-up costs
-#: more than the parallel hashing saves (measured figures: bench/RESULTS.md).
-PARALLEL_PIECE_MIN = 256 * 1024
-
-_TEMP_PREFIX = ".tmp-"
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_HEX = frozenset("0123456789abcdef")
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+class _Readable(Protocol):
+    def readinto(self, buf: memoryview, /) -> int | None: ...
+
+
+_Fill = Callable[[_Readable, "blake3.blake3"], None]
 
 
 def disk_unusable(exc: BaseException) -> bool:
@@ -94,50 +127,56 @@ def disk_unusable(exc: BaseException) -> bool:
     return isinstance(cause, OSError) and cause.errno in DISK_ERRNOS
 
 
-def _is_entry_name(name: str) -> bool:
-    return len(name) == 2 * DIGEST_SIZE and set(name) <= _HEX
-
-
-def _hasher(length: int, piece: int, threads: int | None) -> Any:
-    if threads is None:
-        parallel = length >= PARALLEL_HASH_MIN and piece >= PARALLEL_PIECE_MIN
-        threads = blake3.blake3.AUTO if parallel else 1
-    return blake3.blake3(max_threads=threads)
-
-
-def _reason(exc: OSError) -> str:
-    return exc.strerror or str(exc)
+def default_max_bytes(root_fd: int, held: int) -> int:
+    """The cap ``max_bytes="auto"`` stands for: DEFAULT_MAX_FRACTION of ``held`` (the disk bytes the
+    entries take) plus the free space of the file system of the open folder ``root_fd``."""
+    st = os.fstatvfs(root_fd)
+    return int((held + st.f_bavail * st.f_frsize) * DEFAULT_MAX_FRACTION)
 
 
 class TensorCache:
-    """Tensors by BLAKE3 digest under ``root`` (created if missing).
+    """Tensors by BLAKE3 digest under ``root`` (created, mode 0700, if missing).
 
-    ``max_bytes`` caps the bytes held in entries, evicting the least recently used after each
-    commit. ``durable`` fsyncs each entry and its folder at commit. ``hash_threads`` forces blake3's
-    thread count (1: single-threaded); None chooses by the size of each piece hashed. Safe to use
-    from several threads and by several processes sharing one root.
+    ``max_bytes`` caps the disk bytes held in entries, evicting the least recently used after
+    each commit: ``"auto"`` (the default) is :func:`default_max_bytes` at open, None no cap.
+    ``durable`` fsyncs each entry and its folder at commit. ``hash_threads`` forces blake3's
+    thread count (1: single-threaded); None chooses by the size of each piece hashed. CacheError
+    if ``root`` cannot be made, or is another user's or writable by group or others. Safe to use
+    from several threads and by several processes of one user sharing one root.
     """
 
     def __init__(
         self,
         root: str | os.PathLike[str],
         *,
-        max_bytes: int | None = None,
+        max_bytes: int | Literal["auto"] | None = "auto",
         durable: bool = False,
         hash_threads: int | None = None,
     ):
-        if max_bytes is not None and max_bytes < 0:
-            raise OptionError(f"max_bytes must be >= 0, got {max_bytes}")
+        if max_bytes != "auto" and max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
+            raise OptionError(f"max_bytes must be >= 0, 'auto' or None, got {max_bytes!r}")
         self.root = os.path.abspath(os.fspath(root))
-        self.max_bytes = max_bytes
         self.durable = durable
         self.hash_threads = hash_threads
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # eviction's unlinks against commits' renames
+        self._counts = {"folder_scans": 1, "evicted": 0, "bytes_evicted": 0}  # the scan at open
+        fd = open_root(self.root)
         try:
-            os.makedirs(self.root, exist_ok=True)
-        except OSError as exc:
-            raise CacheError(f"cannot create cache folder {self.root}: {_reason(exc)}") from exc
-        self._total = self._sweep()
+            st = os.fstat(fd)
+            self._ident = (st.st_dev, st.st_ino)
+            self._index = LruIndex(scan_entries(fd, sweep=True))
+            self.max_bytes: int | None = default_max_bytes(fd, self._index.total) if max_bytes == "auto" else max_bytes
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def _root(self) -> Iterator[int]:
+        """The root's descriptor for one operation (checked again; CacheError if it fails)."""
+        fd = reopen_root(self.root, self._ident)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -146,32 +185,16 @@ class TensorCache:
         hx = digest_hex(digest)
         return os.path.join(self.root, hx[:2], hx)
 
-    def _walk(self) -> Iterator[tuple[os.DirEntry[str], os.stat_result]]:
-        """Every file in the fan-out folders, with its lstat; vanished files are skipped."""
-        for sub in _scandir(self.root):
-            if len(sub.name) == 2 and sub.is_dir(follow_symlinks=False):
-                for e in _scandir(sub.path):
-                    try:
-                        yield e, e.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-
-    def _sweep(self) -> int:
-        """Remove stale temporary files; return the bytes held in entries."""
-        total = 0
-        cutoff = time.time() - STALE_TEMP_SECONDS
-        for e, st in self._walk():
-            if e.name.startswith(_TEMP_PREFIX):
-                if st.st_mtime < cutoff:
-                    _unlink_quiet(e.path)
-            elif _is_entry_name(e.name) and stat.S_ISREG(st.st_mode):
-                total += st.st_size
-        return total
-
     @property
     def total_bytes(self) -> int:
-        """Bytes held in entries as this process knows it (rescanned at open and on eviction)."""
-        return self._total
+        """Disk bytes held in entries as this process knows it (whole 4 KiB blocks per entry)."""
+        return self._index.total
+
+    def stats(self) -> dict[str, int]:
+        """``entries`` and ``bytes`` (disk bytes) indexed now; since open: ``folder_scans`` (full
+        walks of the folder: one at open, one per :meth:`evict`), ``evicted`` entries and
+        ``bytes_evicted``."""
+        return {"entries": len(self._index), "bytes": self._index.total, **self._counts}
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -181,7 +204,7 @@ class TensorCache:
         A True here is a promise worth making, not a guarantee: the read verifies again.
         """
         try:
-            st = os.stat(self.path_for(digest))
+            st = os.stat(self.path_for(digest), follow_symlinks=False)
         except OSError:
             return False
         return stat.S_ISREG(st.st_mode) and (length is None or st.st_size == length)
@@ -192,52 +215,69 @@ class TensorCache:
         """A writer that fills the entry for ``digest``, which must come to ``length`` bytes."""
         if length < 0:
             raise OptionError(f"length must be >= 0, got {length}")
-        if self.max_bytes is not None and length > self.max_bytes:
+        if self.max_bytes is not None and charge(length) > self.max_bytes:
             raise CacheError(f"a {length}-byte entry does not fit a {self.max_bytes}-byte cache")
         return CacheWriter(self, digest, length)
 
-    def _committed(self, added: int, replaced: int) -> None:
+    def _folder_for_write(self, hx: str) -> int:
+        """The descriptor of the fan-out folder ``hx`` names, made (or remade) as needed."""
+        with self._root() as root:
+            fd = open_folder(root, hx[:2], create=True)
+        assert fd is not None
+        return fd
+
+    def _commit(self, digest: bytes, tmp: str, folder: int, cost: int) -> None:
+        hx = digest.hex()
         with self._lock:
-            self._total += added - replaced
-            over = self.max_bytes is not None and self._total > self.max_bytes
-        if over:
-            self.evict()
+            os.replace(tmp, hx, src_dir_fd=folder, dst_dir_fd=folder)
+            self._index.put(digest, cost)
+
+    def _committed(self) -> None:
+        """Evict past the cap after a commit. Never raises: the entry is in place and its digest
+        proven, which is what a commit reports (a folder gone bad shows at the next writer)."""
+        if self.max_bytes is not None and self._index.total > self.max_bytes:
+            with self._lock, contextlib.suppress(CacheError, OSError):
+                self._evict_locked(self.max_bytes)
+
+    def _evict_locked(self, target: int) -> int:
+        """Unlink the least recently used entries past ``target``, by the index alone."""
+        victims = self._index.over(target)
+        with self._root() as root:
+            for digest, _ in victims:
+                hx = digest.hex()
+                fd = open_folder(root, hx[:2], create=False)
+                if fd is None:
+                    continue
+                try:
+                    os.unlink(hx, dir_fd=fd)
+                except OSError:
+                    pass  # gone already, or not removable: either way no longer counted
+                finally:
+                    os.close(fd)
+        removed = sum(cost for _, cost in victims)
+        self._counts["evicted"] += len(victims)
+        self._counts["bytes_evicted"] += removed
+        return removed
 
     def evict(self, target: int | None = None) -> int:
-        """Remove least recently used entries until at most ``target`` bytes (default ``max_bytes``) remain.
+        """Remove least recently used entries until at most ``target`` disk bytes (default
+        ``max_bytes``) remain; returns the disk bytes removed.
 
-        Returns the bytes removed. Rescans the folder, so entries other processes wrote count too.
+        Rescans the folder first, so entries other processes wrote count too.
         """
         if target is None:
             if self.max_bytes is None:
                 return 0
             target = self.max_bytes
         with self._lock:
-            entries = [
-                (st.st_mtime_ns, e.path, st.st_size)
-                for e, st in self._walk()
-                if _is_entry_name(e.name) and stat.S_ISREG(st.st_mode)
-            ]
-            total = sum(size for _, _, size in entries)
-            removed = 0
-            entries.sort()
-            for _, path, size in entries:
-                if total <= target:
-                    break
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-                except OSError:
-                    continue
-                total -= size
-                removed += size
-            self._total = total
-            return removed
+            with self._root() as root:
+                self._index.replace_all(scan_entries(root, sweep=False))
+                self._counts["folder_scans"] += 1
+            return self._evict_locked(target)
 
     # -- reading -----------------------------------------------------------------------------
 
-    def read_into(self, digest: bytes, dest: Any, *, before: Callable[[int, int], None] | None = None) -> None:
+    def read_into(self, digest: bytes, dest: object, *, before: Callable[[int, int], None] | None = None) -> None:
         """Fill the writable buffer ``dest`` with the entry for ``digest`` and verify it.
 
         ``dest`` must be exactly the entry's length. The bytes go straight from the file into
@@ -252,7 +292,7 @@ class TensorCache:
         n = out.nbytes
         piece = min(READ_CHUNK, n) or 1
 
-        def fill(f: Any, hasher: Any) -> None:
+        def fill(f: _Readable, hasher: blake3.blake3) -> None:
             off = 0
             while off < n:
                 chunk = out[off : off + piece]
@@ -283,7 +323,7 @@ class TensorCache:
             raise OptionError("staging must be a writable, non-empty buffer")
         piece = stage.nbytes
 
-        def fill(f: Any, hasher: Any) -> None:
+        def fill(f: _Readable, hasher: blake3.blake3) -> None:
             off = 0
             while off < length:
                 chunk = stage[: min(piece, length - off)]
@@ -294,132 +334,99 @@ class TensorCache:
 
         self._verified_read(digest, length, piece, fill)
 
-    def _verified_read(self, digest: bytes, length: int, piece: int, fill: Callable[[Any, Any], None]) -> None:
-        path = self.path_for(digest)
-        hx = os.path.basename(path)
+    def _verified_read(self, digest: bytes, length: int, piece: int, fill: _Fill) -> None:
+        hx = digest_hex(digest)
+        with self._root() as root:
+            folder = open_folder(root, hx[:2], create=False)
+        if folder is None:
+            self._index.remove(bytes(digest))
+            raise CacheError(f"cache entry {hx} is missing")
         try:
-            f = open(path, "rb", buffering=0)
+            self._read_entry(folder, bytes(digest), length, piece, fill)
+        finally:
+            os.close(folder)
+
+    def _read_entry(self, folder: int, digest: bytes, length: int, piece: int, fill: _Fill) -> None:
+        hx = digest.hex()
+        try:
+            # no link is followed; O_NONBLOCK so that a FIFO in an entry's place cannot hang the read
+            fd = os.open(hx, os.O_RDONLY | os.O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=folder)
         except FileNotFoundError as exc:
+            self._index.remove(digest)
             raise CacheError(f"cache entry {hx} is missing") from exc
         except OSError as exc:
-            self._drop(path, None)
-            raise CacheError(f"cache entry {hx} is unreadable ({_reason(exc)}); dropped") from exc
+            self._drop(folder, digest, None)
+            raise CacheError(f"cache entry {hx} is unreadable ({reason(exc)}); dropped") from exc
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            self._drop(folder, digest, st)
+            raise CacheError(f"cache entry {hx} is not a regular file; dropped")
+        try:
+            f = open(fd, "rb", buffering=0)
+        except BaseException:
+            os.close(fd)
+            raise
         with f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                self._drop(path, st)
-                raise CacheError(f"cache entry {hx} is not a regular file; dropped")
             if st.st_size != length:
-                self._drop(path, st)
+                self._drop(folder, digest, st)
                 raise CacheError(f"cache entry {hx} holds {st.st_size} bytes, expected {length}; dropped")
-            hasher = _hasher(length, piece, self.hash_threads)
+            hasher = entry_hasher(length, piece, self.hash_threads)
             try:
                 fill(f, hasher)
             except _BadRead as exc:
                 # Only the entry's own read errors land here; whatever ``write`` raises is the
                 # caller's and passes through with the entry kept.
-                self._drop(path, st)
+                self._drop(folder, digest, st)
                 raise CacheError(f"cache entry {hx} {exc}; dropped") from exc.__cause__
-            if not hmac.compare_digest(hasher.digest(), bytes(digest)):
-                self._drop(path, st)
+            if not hmac.compare_digest(hasher.digest(), digest):
+                self._drop(folder, digest, st)
                 raise CacheError(f"cache entry {hx} does not match its digest; dropped")
             try:
                 now = time.time_ns()
-                os.utime(f.fileno(), ns=(now, now))  # recently used, for eviction
+                os.utime(f.fileno(), ns=(now, now))  # recently used, also for the order after a restart
             except OSError:
                 pass
+            self._index.touch(digest, charge(length))
 
-    def _drop(self, path: str, st: os.stat_result | None) -> None:
+    def _drop(self, folder: int, digest: bytes, st: os.stat_result | None) -> None:
         """Delete a bad entry, unless a writer has meanwhile renamed a fresh one into its place."""
+        hx = digest.hex()
         try:
-            cur = os.lstat(path)
+            cur = os.stat(hx, dir_fd=folder, follow_symlinks=False)
         except OSError:
+            self._index.remove(digest)
             return
         if st is not None and (cur.st_ino, cur.st_dev) != (st.st_ino, st.st_dev):
             return
-        if stat.S_ISDIR(cur.st_mode):
-            shutil.rmtree(path, ignore_errors=True)
-            return
-        try:
-            os.unlink(path)
-        except OSError:
-            return
-        if stat.S_ISREG(cur.st_mode):
-            with self._lock:
-                self._total = max(0, self._total - cur.st_size)
+        remove_tree(folder, hx)
+        self._index.remove(digest)
 
 
 class _BadRead(Exception):
     """A read of an entry failed or came up short."""
 
 
-def _read_exact(f: Any, chunk: memoryview) -> None:
+def _read_exact(f: _Readable, chunk: memoryview) -> None:
     got = 0
     n = len(chunk)
     while got < n:
         try:
             r = f.readinto(chunk[got:])
         except OSError as exc:
-            raise _BadRead(f"is unreadable ({_reason(exc)})") from exc
+            raise _BadRead(f"is unreadable ({reason(exc)})") from exc
         if not r:
             raise _BadRead(f"ended early ({got} of {n} bytes)")
         got += r
 
 
-def _scandir(path: str) -> list[os.DirEntry[str]]:
-    try:
-        with os.scandir(path) as it:
-            return list(it)
-    except OSError:
-        return []
-
-
-def _unlink_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-class DigestCheck:
-    """Proves that bytes hash to a digest without storing them: the same ``write``, ``commit``
-    and ``abort`` as a :class:`CacheWriter`, and no file (an entry already cached, or a connection
-    holding its share of open files)."""
-
-    def __init__(self, digest: bytes, length: int, threads: int | None = None):
-        self.digest = bytes(digest)
-        self.length = length
-        self._threads = threads
-        self._hasher: Any = None
-        self.written = 0
-        self.is_open = True
-
-    def write(self, buf: Any) -> None:
-        view = byte_view(buf)
-        if self.written + view.nbytes > self.length:
-            self.is_open = False
-            raise CacheError(f"more than the declared {self.length} bytes hashed")
-        if self._hasher is None:
-            self._hasher = _hasher(self.length, view.nbytes, self._threads)
-        self._hasher.update(view)
-        self.written += view.nbytes
-
-    def commit(self) -> None:
-        """CacheError unless exactly ``length`` bytes were written and they hash to the digest."""
-        self.is_open = False
-        actual = (self._hasher or blake3.blake3()).digest()
-        if self.written != self.length or not hmac.compare_digest(actual, self.digest):
-            raise CacheError(f"the bytes do not match the digest {self.digest.hex()[:16]}")
-
-    def abort(self) -> None:
-        self.is_open = False
-
-
 class CacheWriter:
     """Writes one entry: ``write`` pieces as they arrive, then ``commit`` or ``abort``.
 
-    As a context manager it aborts on leaving unless :meth:`commit` was called, so an exception
-    never leaves a temporary file behind.
+    The temporary file is made (mode 0600, ``O_EXCL``, no link followed) in the entry's fan-out
+    folder, opened by descriptor; the writer holds that folder's descriptor too, so the rename
+    lands in the folder the bytes were written in. As a context manager it aborts on leaving
+    unless :meth:`commit` was called, so an exception never leaves a temporary file behind.
     """
 
     def __init__(self, cache: TensorCache, digest: bytes, length: int):
@@ -427,22 +434,29 @@ class CacheWriter:
         self.digest = bytes(digest)
         self.length = length
         self.path = cache.path_for(digest)
-        folder = os.path.dirname(self.path)
-        self._tmp = os.path.join(
-            folder, f"{_TEMP_PREFIX}{os.path.basename(self.path)[:16]}-{os.getpid()}-{secrets.token_hex(6)}"
-        )
+        hx = os.path.basename(self.path)
+        self._tmp = f"{TEMP_PREFIX}{hx[:16]}-{os.getpid()}-{secrets.token_hex(6)}"
+        self._folder = self._fd = -1
+        self._open = False
         try:
-            os.makedirs(folder, exist_ok=True)
-            self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
+            self._folder = cache._folder_for_write(hx)
+            self._fd = os.open(
+                self._tmp,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC,
+                ENTRY_MODE,
+                dir_fd=self._folder,
+            )
+            self._open = True
+            os.fchmod(self._fd, ENTRY_MODE)  # exactly 0600, whatever the umask
         except OSError as exc:
-            raise CacheError(f"cannot create a cache file in {folder}: {_reason(exc)}") from exc
+            self.abort()
+            raise CacheError(f"cannot create a cache file in {os.path.dirname(self.path)}: {reason(exc)}") from exc
         # blake3 fixes its thread count when the hasher is made, and whether threads pay depends on
         # the size of the pieces, which only the first write tells.
-        self._hasher: Any = None
+        self._hasher: blake3.blake3 | None = None
         self.written = 0
-        self._open = True
 
-    def write(self, buf: Any) -> None:
+    def write(self, buf: object) -> None:
         """Hash and append ``buf`` (any contiguous buffer). CacheError, with the file removed, on failure."""
         if not self._open:
             raise CacheError("write on a cache writer that is already closed")
@@ -452,14 +466,14 @@ class CacheWriter:
             self.abort()
             raise CacheError(f"more than the declared {self.length} bytes written to cache entry")
         if self._hasher is None:
-            self._hasher = _hasher(self.length, n, self._cache.hash_threads)
+            self._hasher = entry_hasher(self.length, n, self._cache.hash_threads)
         self._hasher.update(view)
         try:
             while view:
                 view = view[os.write(self._fd, view) :]
         except OSError as exc:
             self.abort()
-            raise CacheError(f"cache write failed in {self._cache.root}: {_reason(exc)}") from exc
+            raise CacheError(f"cache write failed in {self._cache.root}: {reason(exc)}") from exc
         self.written += n
 
     def commit(self) -> None:
@@ -481,18 +495,15 @@ class CacheWriter:
                 os.fsync(self._fd)
             fd, self._fd = self._fd, -1
             os.close(fd)
-            try:
-                replaced = os.lstat(self.path).st_size
-            except FileNotFoundError:
-                replaced = 0
-            os.replace(self._tmp, self.path)
+            self._cache._commit(self.digest, self._tmp, self._folder, charge(self.length))
             if self._cache.durable:
-                _fsync_dir(os.path.dirname(self.path))
+                os.fsync(self._folder)
         except OSError as exc:
             self.abort()
-            raise CacheError(f"cache entry {hx}: commit failed: {_reason(exc)}") from exc
+            raise CacheError(f"cache entry {hx}: commit failed: {reason(exc)}") from exc
         self._open = False
-        self._cache._committed(self.length, replaced)
+        self._close_folder()
+        self._cache._committed()
 
     @property
     def is_open(self) -> bool:
@@ -501,16 +512,24 @@ class CacheWriter:
 
     def abort(self) -> None:
         """Discard what was written. Safe to call more than once."""
-        if not self._open:
-            return
-        self._open = False
+        was, self._open = self._open, False
         if self._fd >= 0:
             try:
                 os.close(self._fd)
             except OSError:
                 pass
             self._fd = -1
-        _unlink_quiet(self._tmp)
+        if was and self._folder >= 0:
+            try:
+                os.unlink(self._tmp, dir_fd=self._folder)
+            except OSError:
+                pass
+        self._close_folder()
+
+    def _close_folder(self) -> None:
+        fd, self._folder = self._folder, -1
+        if fd >= 0:
+            os.close(fd)
 
     def __enter__(self) -> CacheWriter:
         return self
@@ -519,13 +538,5 @@ class CacheWriter:
         self.abort()
 
     def __del__(self) -> None:
-        if getattr(self, "_open", False):
+        if getattr(self, "_folder", -1) >= 0 or getattr(self, "_open", False):
             self.abort()
-
-
-def _fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY | _O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
