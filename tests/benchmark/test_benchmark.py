@@ -310,14 +310,14 @@ def test_baseline_children(tiny) -> None:
 def test_missing_module_and_device_are_skips_not_errors(tiny, monkeypatch) -> None:
     b = bench_suite
     ck = describe_checkpoint(tiny)
-    monkeypatch.setattr(b, "_cuda_memo", ["no CUDA device (test)"])
+    monkeypatch.setattr(b, "cuda_reason", lambda: "no CUDA device (test)")
     arms = {a.name: a for a in build_arms(ck, ["wl.cuda", "safetensors.cuda", "wl.numpy"])}
     # without torch the missing module is the first reason given
     expected = "no CUDA device (test)" if HAS_TORCH else "module torch is not installed"
     assert arms["wl.cuda"].skip == expected
     assert arms["safetensors.cuda"].skip == expected
     assert arms["wl.numpy"].skip is None
-    assert b._missing("no_such_module_xyz") == "module no_such_module_xyz is not installed"
+    assert b.missing_module("no_such_module_xyz") == "module no_such_module_xyz is not installed"
 
 
 def test_every_run_waits_the_settle_pause_first(monkeypatch) -> None:

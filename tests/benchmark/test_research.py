@@ -95,9 +95,9 @@ def test_peer_arms_are_registered_as_local_arms() -> None:
 def test_peer_arms_without_their_package_are_skips_naming_it(tiny, monkeypatch) -> None:
     b = package_suite
     gone = {"fastsafetensors", "tensorizer", "instanttensor"}
-    real = b._missing
-    monkeypatch.setattr(b, "_missing", lambda m: f"module {m} is not installed" if m in gone else real(m))
-    monkeypatch.setattr(b, "_cuda_memo", ["no CUDA device (test)"])
+    real = b.missing_module
+    monkeypatch.setattr(b, "missing_module", lambda m: f"module {m} is not installed" if m in gone else real(m))
+    monkeypatch.setattr(b, "cuda_reason", lambda: "no CUDA device (test)")
     ck = describe_checkpoint(tiny)
     arms = {a.name: a for a in research.build_arms(ck, list(PEERS))}
     for name in PEERS:
@@ -108,8 +108,8 @@ def test_peer_arms_without_their_package_are_skips_naming_it(tiny, monkeypatch) 
 
 def test_instanttensor_without_a_cuda_device_says_so(tiny, monkeypatch) -> None:
     b = package_suite
-    monkeypatch.setattr(b, "_missing", lambda m: None)
-    monkeypatch.setattr(b, "_cuda_memo", ["no CUDA device (test)"])
+    monkeypatch.setattr(b, "missing_module", lambda m: None)
+    monkeypatch.setattr(b, "cuda_reason", lambda: "no CUDA device (test)")
     arm = research.build_arms(describe_checkpoint(tiny), ["instanttensor"])[0]
     assert arm.skip == "no CUDA device (test)"
 

@@ -60,6 +60,7 @@ __all__ = [
     "REMOTE_ARMS",
     "QUICK_ARMS",
     "cuda_reason",
+    "missing_module",
     "arm_reason",
     "expand_arm_names",
     "build_arms",
@@ -132,7 +133,7 @@ def cuda_reason() -> str | None:
         or shutil.which("nvidia-smi")
     ):
         reason = "no CUDA device (no NVIDIA driver on this machine)"
-    elif _missing("torch"):
+    elif missing_module("torch"):
         reason = "torch is not installed"
     else:
         probe = "import torch,sys;sys.exit(0 if torch.cuda.is_available() else 3)"
@@ -142,7 +143,8 @@ def cuda_reason() -> str | None:
     return reason
 
 
-def _missing(module: str) -> str | None:
+def missing_module(module: str) -> str | None:
+    """None when ``module`` can be imported here; otherwise why it cannot."""
     import importlib.util
 
     try:
@@ -182,7 +184,7 @@ def arm_reason(name: str, ck: dict[str, Any], *, table: ArmTable = PACKAGE) -> s
     if spec.safetensors_only and ck["format"] != "safetensors":
         return f"reads safetensors files only; this checkpoint is {ck['format']}"
     for mod in spec.requires:
-        r = _missing(mod)
+        r = missing_module(mod)
         if r:
             return r
     if spec.cuda:
@@ -267,7 +269,7 @@ def run_baselines(
     out: dict[str, Any] = {"file": target}
     for name in names:
         spec = table.specs[name]
-        reason = next((r for r in (_missing(m) for m in spec.requires) if r), None)
+        reason = next((r for r in (missing_module(m) for m in spec.requires) if r), None)
         if reason is None and spec.cuda:
             reason = cuda_reason()
         if reason:
