@@ -87,9 +87,9 @@ def main() -> int:
             torch.cuda.empty_cache()
             if r:
                 res[k].append(dt)
-    from weightlift.benchmark.arms import _baseline_h2d
+    from weightlift.benchmark.floors import BODIES
 
-    pinned = _baseline_h2d({"files": [path], "repeats": 5})["gbps"]  # the harness's own baseline
+    pinned = BODIES["base.h2d"]({"files": [path], "repeats": 5})["gbps"]  # the harness's own baseline
     pageable = pageable_h2d(1 << 30)
     out = {"bytes": size, "pinned_h2d_gbps": pinned, "pageable_h2d_gbps": pageable, "cpus": os.cpu_count(), "arms": {}}
     print(f"checkpoint {path}: {size / 2**30:.2f} GiB; pinned H2D {pinned:.1f} GB/s, pageable H2D {pageable:.1f} GB/s")

@@ -25,7 +25,9 @@ import os
 import statistics
 import sys
 
-from weightlift.benchmark.harness import bench_dir, run_benchmark
+from suite import run_benchmark
+
+from weightlift.benchmark.harness import bench_dir
 from weightlift.benchmark.synthetic import moe_tensors, write_checkpoint
 
 

@@ -16,7 +16,9 @@ import argparse
 import json
 import sys
 
-from weightlift.benchmark.harness import default_checkpoint, run_benchmark
+from suite import run_benchmark
+
+from weightlift.benchmark.harness import default_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,8 @@ import json
 import sys
 import timeit
 
-from weightlift.benchmark.harness import run_benchmark
+from suite import run_benchmark
+
 from weightlift.benchmark.report import format_table
 from weightlift.benchmark.stats import paired_ratio
 from weightlift.benchmark.synthetic import GIB

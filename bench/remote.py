@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from weightlift.benchmark.harness import add_arguments, command
+from suite import add_arguments, command
 
 
 def main(argv: list[str] | None = None) -> int:

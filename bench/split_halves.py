@@ -33,6 +33,7 @@ import time
 
 from weightlift.benchmark.harness import round_order
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = r"""
 import resource, sys, time
 import weightlift as wl
@@ -41,8 +42,9 @@ mode, path = sys.argv[1], sys.argv[2]
 ck = open_checkpoint(path)
 names = [t.name for t in ck.tensors]
 local, remote = frozenset(names[: len(names) // 2]), frozenset(names[len(names) // 2 :])
-if mode == "fault":  # the harness's limit.fault arm, on this checkpoint's data
-    from weightlift.benchmark.arms import BODIES
+if mode == "fault":  # the research bench's limit.fault arm, on this checkpoint's data
+    sys.path.insert(0, sys.argv[3])  # bench/, where peer_arms lives
+    from peer_arms import BODIES
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     info = BODIES["limit.fault"]({"files": [path]})
     r1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -90,7 +92,9 @@ def main() -> int:
     for r in range(a.runs + 1):  # the first round warms the page cache and is not counted
         for mode in round_order(modes, r):  # shuffled per round: no arm always follows the same one
             time.sleep(a.settle)
-            out = subprocess.run([sys.executable, "-c", CHILD, mode, path], capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, "-c", CHILD, mode, path, HERE], capture_output=True, text=True, check=True
+            )
             if r:
                 wall, cpu = map(float, out.stdout.strip().splitlines()[-1].split())
                 times[mode].append(wall)

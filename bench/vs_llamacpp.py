@@ -383,7 +383,7 @@ def wl_commit() -> str:
         return "unknown"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--llama-bin",
@@ -405,16 +405,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-verify", action="store_true", help="skip the byte-for-byte read-back check of one rpc upload")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a client may run (default 600)")
     p.add_argument("--json", metavar="FILE", help="also write every sample and the summary as JSON")
-    a = p.parse_args(argv)
-    arms = [x.strip() for x in a.arms.split(",") if x.strip()]
-    if not arms or any(x not in ARMS for x in arms) or a.runs < 1 or a.warmup < 0:
-        p.error(f"--arms must name some of {','.join(ARMS)}; --runs >= 1; --warmup >= 0")
-    a.llama_bin = a.llama_bin.expanduser()
-    if "llama.rpc" in arms and not all((a.llama_bin / x).exists() for x in ("rpc_server", "rpc_upload")):
-        p.error(
-            f"no rpc_server/rpc_upload in {a.llama_bin}: build them with bench/llamacpp/build.sh SRC_DIR {a.llama_bin}"
-        )
+    return p
 
+
+def _model(a: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
+    """The GGUF to push and its tensor count and bytes (the synthetic one made once without --model)."""
     if a.model:
         model = a.model.expanduser()
         from gguf import GGUFReader
@@ -429,37 +424,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model = CACHE / "bench" / f"llama-{BLOCKS}blk-f16.gguf"
         meta = make_model(model)
-    say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    return model, meta
 
-    env = {
-        "ggml_commit": ggml_commit(a.llama_bin),
-        "weightlift_commit": wl_commit(),
-        "python": platform.python_version(),
-        "kernel": platform.release(),
-        "cpus": os.cpu_count(),
-        "loadavg_before": loadavg(),
-    }
-    say(f"model {model}: {meta['tensors']} tensors, {meta['bytes']:,} tensor bytes ({meta['bytes'] / 1e9:.2f} GB)")
-    say(
-        f"ggml {env['ggml_commit']}, weightlift {env['weightlift_commit']}, {env['cpus']} CPUs, "
-        f"load average {env['loadavg_before']}"
-    )
 
-    # warm the page cache, and check one rpc upload byte for byte (not timed)
-    with open(model, "rb") as f:
-        while f.read(64 << 20):
-            pass
-    verified = None
-    if "llama.rpc" in arms and not a.no_verify:
-        v = run_llama(a, model, meta, verify=True)
-        verified = v["ok"]
-        say(
-            f"rpc read-back check: {v['tensors']} tensors, {v['bytes']:,} bytes, "
-            f"{v['detail']['mismatched']} differ from the file -> {'ok' if v['ok'] else 'FAILED'}"
-        )
-
+def _rounds(
+    a: argparse.Namespace, arms: list[str], model: Path, meta: dict[str, Any], say: Any
+) -> tuple[dict[str, list[dict[str, Any]]], list[list[str]]]:
+    """Every round, each in its own arm order, a pause before every run; the samples and the orders."""
     samples: dict[str, list[dict[str, Any]]] = {x: [] for x in arms}
-    order_log = []
+    order_log: list[list[str]] = []
     orders = round_orders(arms, a.warmup + a.runs, a.seed)
     for rnd in range(a.warmup + a.runs):
         counted = rnd >= a.warmup
@@ -479,9 +452,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{s['client_cpu_s']:.2f} s, server CPU {scpu} s; {s['tensors']} tensors, {s['bytes']:,} bytes "
                 f"{'ok' if s['ok'] else 'WRONG'})"
             )
-    env["loadavg_after"] = loadavg()
-    env["rpc_protocol"] = RPC_VERSION[0]
+    return samples, order_log
 
+
+def _summaries(arms: list[str], samples: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Per arm the medians of the counted runs; llama.rpc over each other arm, round by round."""
     res: dict[str, Any] = {}
     for name in arms:
         c = [s for s in samples[name] if s["counted"]]
@@ -506,6 +481,19 @@ def main(argv: list[str] | None = None) -> int:
             ]
             ratios[f"llama.rpc/{name}"] = {"per_round": rs, **(summary(rs) or {})}
 
+    return res, ratios
+
+
+def _report(
+    a: argparse.Namespace,
+    arms: list[str],
+    env: dict[str, Any],
+    meta: dict[str, Any],
+    res: dict[str, Any],
+    ratios: dict[str, Any],
+    verified: bool | None,
+) -> list[str]:
+    """The table and its notes, as lines."""
     lines = [
         f"weightlift push vs llama.cpp RPC server (ggml {env['ggml_commit'][:12]}, RPC protocol "
         f"v{RPC_VERSION[0] or '?'}), loopback, CPU",
@@ -550,6 +538,57 @@ def main(argv: list[str] | None = None) -> int:
         "in-process: rpc_upload's own load time (connect to fence); wl.push: the CLI's reported push "
         "time; wl.push.api: Client.push's seconds. server CPU: user+sys from ready to after the client exited"
     )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    a = p.parse_args(argv)
+    arms = [x.strip() for x in a.arms.split(",") if x.strip()]
+    if not arms or any(x not in ARMS for x in arms) or a.runs < 1 or a.warmup < 0:
+        p.error(f"--arms must name some of {','.join(ARMS)}; --runs >= 1; --warmup >= 0")
+    a.llama_bin = a.llama_bin.expanduser()
+    if "llama.rpc" in arms and not all((a.llama_bin / x).exists() for x in ("rpc_server", "rpc_upload")):
+        p.error(
+            f"no rpc_server/rpc_upload in {a.llama_bin}: build them with bench/llamacpp/build.sh SRC_DIR {a.llama_bin}"
+        )
+
+    model, meta = _model(a)
+    say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+
+    env = {
+        "ggml_commit": ggml_commit(a.llama_bin),
+        "weightlift_commit": wl_commit(),
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "cpus": os.cpu_count(),
+        "loadavg_before": loadavg(),
+    }
+    say(f"model {model}: {meta['tensors']} tensors, {meta['bytes']:,} tensor bytes ({meta['bytes'] / 1e9:.2f} GB)")
+    say(
+        f"ggml {env['ggml_commit']}, weightlift {env['weightlift_commit']}, {env['cpus']} CPUs, "
+        f"load average {env['loadavg_before']}"
+    )
+
+    # warm the page cache, and check one rpc upload byte for byte (not timed)
+    with open(model, "rb") as f:
+        while f.read(64 << 20):
+            pass
+    verified = None
+    if "llama.rpc" in arms and not a.no_verify:
+        v = run_llama(a, model, meta, verify=True)
+        verified = v["ok"]
+        say(
+            f"rpc read-back check: {v['tensors']} tensors, {v['bytes']:,} bytes, "
+            f"{v['detail']['mismatched']} differ from the file -> {'ok' if v['ok'] else 'FAILED'}"
+        )
+
+    samples, order_log = _rounds(a, arms, model, meta, say)
+    env["loadavg_after"] = loadavg()
+    env["rpc_protocol"] = RPC_VERSION[0]
+
+    res, ratios = _summaries(arms, samples)
+    lines = _report(a, arms, env, meta, res, ratios, verified)
     print("\n".join(lines), flush=True)
 
     if a.json:

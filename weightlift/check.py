@@ -86,7 +86,7 @@ def generate(model: Any, prompt: list[int], n: int, *, temperature: float = 0.0,
             if i + 1 == n:
                 break
             past = out.get(kv) if kv is not None else None
-            if past is not None:
+            if kv is not None and past is not None:
                 out = model(input_ids=nxt.view(1, 1), use_cache=True, **{kv: past})
             else:
                 ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
@@ -277,7 +277,7 @@ def run_check(
     ckpt = open_checkpoint(path)
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(ckpt.path))
     config = hf.load_config(folder)
-    cls = hf.model_class_for(config)
+    cls: Any = hf.model_class_for(config)
     dt = hf.resolve_dtype(dtype, config, ckpt)
     ids, tok = _prompt_ids(folder, config, prompt)
     bars = hf_logging.is_progress_bar_enabled()
@@ -294,34 +294,12 @@ def run_check(
     try:
         with tempfile.TemporaryDirectory(prefix="weightlift-check-") as tmp:
             t0 = time.perf_counter()
-            if source is None:
-                subject, info = hf.from_pretrained(
-                    path, device=device, dtype=dt, model_class=cls, output_loading_info=True
-                )
-                delivered, what = ckpt, "read from the checkpoint"
-            else:
-                from .remote.client import Client
-
-                pulled = os.path.join(tmp, "model.safetensors")
-                with Client(source, token=token) as c:
-                    if not c.pull(pulled):
-                        raise OptionError(f"the server at {source} holds no tensors")
-                subject, info = hf.from_pretrained(
-                    pulled, config=folder, device=device, dtype=dt, model_class=cls, output_loading_info=True
-                )
-                delivered, what = open_checkpoint(pulled), f"held by {source}"
+            subject, info, delivered, what = _load_subject(path, folder, tmp, source, token, device, dt, cls, ckpt)
             result["subject_seconds"] = time.perf_counter() - t0
             result["loading_info"] = _jsonable_info(info)
             t0 = time.perf_counter()
-            try:
-                reference = cls.from_pretrained(folder, dtype=dt)
-            except (OSError, ValueError) as e:
-                raise OptionError(
-                    f"{folder}: transformers cannot load its reference model: {str(e).splitlines()[0]}"
-                ) from None
+            reference = _load_reference(cls, folder, dt, device)
             result["reference_seconds"] = time.perf_counter() - t0
-            if device != "cpu":
-                reference = reference.to(device)
             items.append(_compare_tensors(subject, reference))
             items.append(_check_digests(ckpt.files, delivered, what))
             items.extend(
@@ -337,6 +315,46 @@ def run_check(
             if "tokens" in item["data"]:
                 item["data"]["text"] = tok.decode(item["data"]["tokens"])
     return result
+
+
+def _load_subject(
+    path: str,
+    folder: str,
+    tmp: str,
+    source: str | None,
+    token: bytes | str | None,
+    device: str,
+    dt: Any,
+    cls: Any,
+    ckpt: Any,
+) -> tuple[Any, dict[str, Any], Any, str]:
+    """The model through weightlift: from the checkpoint, or pulled from ``source`` into ``tmp``;
+    returns it, transformers' loading info, the checkpoint its bytes came from and where that is."""
+    from . import hf
+
+    if source is None:
+        subject, info = hf.from_pretrained(path, device=device, dtype=dt, model_class=cls, output_loading_info=True)
+        return subject, info, ckpt, "read from the checkpoint"
+    from .checkpoint import open_checkpoint
+    from .remote.client import Client
+
+    pulled = os.path.join(tmp, "model.safetensors")
+    with Client(source, token=token) as c:
+        if not c.pull(pulled):
+            raise OptionError(f"the server at {source} holds no tensors")
+    subject, info = hf.from_pretrained(
+        pulled, config=folder, device=device, dtype=dt, model_class=cls, output_loading_info=True
+    )
+    return subject, info, open_checkpoint(pulled), f"held by {source}"
+
+
+def _load_reference(cls: Any, folder: str, dt: Any, device: str) -> Any:
+    """transformers' own load of the folder, on ``device``."""
+    try:
+        reference = cls.from_pretrained(folder, dtype=dt)
+    except (OSError, ValueError) as e:
+        raise OptionError(f"{folder}: transformers cannot load its reference model: {str(e).splitlines()[0]}") from None
+    return reference if device == "cpu" else reference.to(device)
 
 
 def _run_model_checks(

@@ -10,26 +10,23 @@ import pytest
 
 from tests.devices import HAS_TORCH
 from weightlift.benchmark import arms as bench_arms
+from weightlift.benchmark import floors as bench_floors
+from weightlift.benchmark import suite as bench_suite
 from weightlift.benchmark.harness import (
-    SCHEMA,
     Arm,
     ArmFailed,
     ArmSkipped,
-    build_arms,
     child_argv,
-    cuda_reason,
     describe_checkpoint,
     evict_files,
-    expand_arm_names,
-    make_checkpoint,
     max_resident,
     round_order,
     run_arms,
-    run_benchmark,
     run_once,
 )
 from weightlift.benchmark.report import format_table
 from weightlift.benchmark.stats import paired_ratio, summarize
+from weightlift.benchmark.suite import SCHEMA, build_arms, cuda_reason, expand_arm_names, run_benchmark
 from weightlift.errors import OptionError
 
 
@@ -40,17 +37,6 @@ def _marker_arm(name: str, payload: dict | None = None, *, sleep: float = 0.0, *
         f"print('WL_READY', time.time_ns(), json.dumps({payload or {'inner_s': 0.0}!r}), flush=True)\n"
     )
     return Arm(name, [sys.executable, "-c", code], **kw)
-
-
-@pytest.fixture(autouse=True)
-def _bench_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("WEIGHTLIFT_BENCH_DIR", str(tmp_path / "bench"))
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("ck") / "tiny.safetensors")
-    return make_checkpoint(path, 2 * 1024 * 1024, seed=3)
 
 
 # -- statistics --
@@ -90,6 +76,16 @@ def test_expand_arm_names() -> None:
         expand_arm_names("no.such.arm")
     with pytest.raises(OptionError):
         expand_arm_names("base.copy")  # a baseline is not an arm
+
+
+def test_the_installed_bench_holds_weightlift_safetensors_and_the_floors_only() -> None:
+    kinds = {s.kind for s in bench_suite.PACKAGE.specs.values()}
+    assert kinds == {"local", "remote", "limit", "baseline"}
+    for name in bench_suite.PACKAGE.specs:
+        assert name.split(".")[0] in ("wl", "safetensors", "limit", "base"), name
+    for peer in ("runai", "fastsafetensors", "tensorizer", "torch.load", "wl.push.legacy"):
+        with pytest.raises(OptionError, match="unknown arm"):
+            expand_arm_names(peer)
 
 
 # -- running arms in fresh processes --
@@ -276,7 +272,7 @@ def test_synthetic_checkpoint_is_valid_safetensors(tiny) -> None:
 
 def test_real_arm_bodies_report_every_byte(tiny) -> None:
     ck = describe_checkpoint(tiny)
-    for name in ("safetensors.numpy", "wl.numpy", "wl.numpy.nocopy", "wl.push", "wl.push.legacy", "wl.split"):
+    for name in ("safetensors.numpy", "wl.numpy", "wl.numpy.nocopy", "wl.push"):
         arm = build_arms(ck, [name])[0]
         assert arm.skip is None, arm.skip
         s = run_once(arm.argv, env=arm.env)
@@ -312,17 +308,16 @@ def test_baseline_children(tiny) -> None:
 
 
 def test_missing_module_and_device_are_skips_not_errors(tiny, monkeypatch) -> None:
-    import weightlift.benchmark.harness as b
-
+    b = bench_suite
     ck = describe_checkpoint(tiny)
-    monkeypatch.setattr(b, "_cuda_memo", ["no CUDA device (test)"])
+    monkeypatch.setattr(b, "cuda_reason", lambda: "no CUDA device (test)")
     arms = {a.name: a for a in build_arms(ck, ["wl.cuda", "safetensors.cuda", "wl.numpy"])}
     # without torch the missing module is the first reason given
     expected = "no CUDA device (test)" if HAS_TORCH else "module torch is not installed"
     assert arms["wl.cuda"].skip == expected
     assert arms["safetensors.cuda"].skip == expected
     assert arms["wl.numpy"].skip is None
-    assert b._missing("no_such_module_xyz") == "module no_such_module_xyz is not installed"
+    assert b.missing_module("no_such_module_xyz") == "module no_such_module_xyz is not installed"
 
 
 def test_every_run_waits_the_settle_pause_first(monkeypatch) -> None:
@@ -359,7 +354,7 @@ def test_run_benchmark_json_table_and_png(tiny, tmp_path) -> None:
     assert obj["arms"]["wl.numpy"]["bytes_match"] is True
     assert obj["arms"]["wl.numpy"]["profile"]["bytes"] == obj["checkpoint"]["bytes"]
     assert obj["baselines"]["base.read"]["status"] == "ok"
-    assert "runai" in obj["not_selected"]
+    assert "safetensors.torch" in obj["not_selected"] and "runai" not in obj["not_selected"]
     assert obj["not_selected"]["wl.torch"] == (None if HAS_TORCH else "module torch is not installed")
     table = format_table(res)
     assert "wl.numpy" in table and "safetensors.numpy" in table and "(baseline)" in table
@@ -367,14 +362,6 @@ def test_run_benchmark_json_table_and_png(tiny, tmp_path) -> None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:  # the plot is optional (the plot and bench extras)
         assert not png.exists() and not res.get("png")
-
-
-def test_remote_arms_are_set_against_the_fault_in_floor(tiny) -> None:
-    res = run_benchmark(tiny, arms="wl.push,limit.fault,limit.fault.huge", runs=1, warmup=0, baselines=(), settle=0)
-    assert res["arms"]["limit.fault"]["status"] == "ok" and res["arms"]["wl.push"]["status"] == "ok"
-    assert res["arms"]["limit.fault.huge"]["status"] == "ok"
-    line = next(x for x in format_table(res).splitlines() if x.startswith("fault-in floor"))
-    assert "wl.push" in line and line.endswith("x")
 
 
 def test_cli_has_the_bench_command() -> None:
@@ -415,7 +402,7 @@ def test_gpu_arms_and_the_h2d_baseline(tiny) -> None:
 
 
 def test_local_share_is_taken_against_the_copy_limit_arm_when_it_ran() -> None:
-    from weightlift.benchmark.harness import _derive
+    from weightlift.benchmark.suite import _derive
 
     def arm(kind: str, load: float) -> dict:
         return {"status": "ok", "kind": kind, "bytes": 100, "summary": {"median": load + 0.5}, "load": {"median": load}}
@@ -448,97 +435,23 @@ def test_local_share_is_taken_against_the_copy_limit_arm_when_it_ran() -> None:
     assert result["arms"]["wl.numpy"]["limit_share"] == pytest.approx(0.2)  # 2.0 of the in-process 10
 
 
-@pytest.mark.parametrize("k", bench_arms.READ_LIMIT_THREADS)
+@pytest.mark.parametrize("k", bench_floors.READ_LIMIT_THREADS)
 def test_limit_read_arms_read_the_file(tmp_path, k) -> None:
     p = tmp_path / "f.bin"
     p.write_bytes(os.urandom(5 * 2**20 + 11))
-    info = bench_arms.BODIES[f"limit.read.{k}"]({"files": [str(p)]})
+    info = bench_floors.BODIES[f"limit.read.{k}"]({"files": [str(p)]})
     assert info["bytes"] == p.stat().st_size and info["threads"] == k and info["load_s"] > 0
 
 
 def test_limit_tcp_arm_sends_the_file(tmp_path) -> None:
     p = tmp_path / "f.bin"
     p.write_bytes(os.urandom(2 * 2**20 + 3))
-    info = bench_arms._limit_tcp({"files": [str(p)]})
+    info = bench_floors.limit_tcp({"files": [str(p)]})
     assert info["bytes"] == p.stat().st_size and info["load_s"] > 0
-
-
-def test_limit_tcp_fresh_arm_lands_the_file_in_fresh_memory(tmp_path) -> None:
-    p = tmp_path / "f.bin"
-    p.write_bytes(os.urandom(9 * 2**20 + 3))  # more than one 8 MiB receive
-    info = bench_arms.BODIES["limit.tcp.fresh"]({"files": [str(p)]})
-    assert info["bytes"] == p.stat().st_size and info["load_s"] > 0
-
-
-def test_limit_fault_arm_faults_in_the_checkpoints_size(tmp_path) -> None:
-    p = tmp_path / "f.bin"
-    p.write_bytes(os.urandom(3 * 2**20 + 7))
-    info = bench_arms.BODIES["limit.fault"]({"files": [str(p)]})
-    assert info["bytes"] == p.stat().st_size and info["load_s"] > 0 and info["threads"] >= 1
 
 
 def test_limit_copy_arm_copies_the_file(tmp_path) -> None:
     p = tmp_path / "f.bin"
     p.write_bytes(os.urandom(3 * 2**20 + 7))
-    info = bench_arms._limit_copy({"files": [str(p)]})
+    info = bench_floors.BODIES["limit.copy"]({"files": [str(p)]})
     assert info["bytes"] == p.stat().st_size and info["load_s"] > 0
-
-
-# -- the peer arms: fastsafetensors, tensorizer, InstantTensor --
-
-PEERS = {
-    "fastsafetensors": ("fastsafetensors", "torch"),
-    "tensorizer": ("tensorizer", "torch"),
-    "instanttensor": ("instanttensor", "torch"),
-}
-
-
-def test_peer_arms_are_registered_as_local_arms() -> None:
-    for name, modules in PEERS.items():
-        spec = bench_arms.SPECS[name]
-        assert spec.kind == "local" and spec.safetensors_only, name
-        assert set(modules) <= set(spec.requires), name
-        assert name in bench_arms.BODIES and name in expand_arm_names("local"), name
-    assert bench_arms.SPECS["tensorizer"].uses_tensorizer and "make-tensorizer" in bench_arms.BODIES
-    assert bench_arms.SPECS["instanttensor"].cuda  # it loads into CUDA devices only
-
-
-def test_peer_arms_without_their_package_are_skips_naming_it(tiny, monkeypatch) -> None:
-    import weightlift.benchmark.harness as b
-
-    gone = {"fastsafetensors", "tensorizer", "instanttensor"}
-    real = b._missing
-    monkeypatch.setattr(b, "_missing", lambda m: f"module {m} is not installed" if m in gone else real(m))
-    monkeypatch.setattr(b, "_cuda_memo", ["no CUDA device (test)"])
-    ck = describe_checkpoint(tiny)
-    arms = {a.name: a for a in build_arms(ck, list(PEERS))}
-    for name in PEERS:
-        assert arms[name].skip == f"module {name} is not installed", name
-    bench = os.environ["WEIGHTLIFT_BENCH_DIR"]  # no tensorizer copy is written for an arm that is skipped
-    assert not os.path.isdir(bench) or not [f for f in os.listdir(bench) if f.endswith(".tensors")]
-
-
-def test_instanttensor_without_a_cuda_device_says_so(tiny, monkeypatch) -> None:
-    import weightlift.benchmark.harness as b
-
-    monkeypatch.setattr(b, "_missing", lambda m: None)
-    monkeypatch.setattr(b, "_cuda_memo", ["no CUDA device (test)"])
-    arm = build_arms(describe_checkpoint(tiny), ["instanttensor"])[0]
-    assert arm.skip == "no CUDA device (test)"
-
-
-@pytest.mark.parametrize("name", ["fastsafetensors", "tensorizer"])
-def test_cpu_peer_arm_bodies_report_every_byte(tiny, name) -> None:
-    for module in PEERS[name]:
-        if importlib.util.find_spec(module) is None:
-            pytest.skip(f"the {name} arm needs {module} (pip install 'weightlift[bench]')")
-    ck = describe_checkpoint(tiny)
-    arm = build_arms(ck, [name])[0]
-    assert arm.skip is None, arm.skip
-    s = run_once(arm.argv, env=arm.env, timeout=300)
-    assert (s.info["tensors"], s.info["bytes"]) == (ck["tensors"], ck["bytes"])
-    assert s.info["inner_s"] >= s.info["load_s"] >= 0
-    if name == "tensorizer":  # read from its own copy, written once beside the others, outside the window
-        (tz,) = arm.files
-        assert tz.endswith(".tensors") and os.path.dirname(tz) == os.environ["WEIGHTLIFT_BENCH_DIR"]
-        assert build_arms(ck, [name])[0].files == (tz,)

@@ -1,4 +1,4 @@
-"""Benchmark harness: time to ready per arm, in fresh processes, interleaved, with baselines.
+"""Running arms: each a command in a fresh process, interleaved, timed from spawn to its ready line.
 
 Theory of operation
 -------------------
@@ -10,36 +10,25 @@ also keeps the child's own ``inner_s`` (its first line to ready) and ``load_s`` 
 ready, imports excluded).
 
 Arms run interleaved, A B C A B C ..., so a slow minute on a shared machine lands on every arm
-alike; the first round is a warm-up and is not counted. Per arm the harness reports the median
-window and its spread (min, max, IQR), the GB/s that median means, and the ratio to a
-baseline arm taken pair by pair: run *i* of an arm over run *i* of the baseline in the same
-round, then the median of those ratios.
+alike; the first round is a warm-up and is not counted. Per arm :func:`run_arms` reports the
+median window and its spread (min, max, IQR) and the ratio to a baseline arm taken pair by
+pair: run *i* of an arm over run *i* of the baseline in the same round, then the median of
+those ratios. An arm that crashes is listed as failed with the tail of its stderr, and the
+others go on.
 
 Cold mode evicts every file an arm reads (``posix_fadvise(DONTNEED)`` after writing back
 dirty pages) before each of its runs and checks with ``mincore`` that nothing stayed
-resident; the output says how much did. Baselines measured in the same run bound what an arm
-could reach: the copy limit (mapped file to memory on every core), the best raw read
-(preadv, 1/2/4 threads), raw loopback TCP (sendfile to recv_into) and pinned host-to-device
-bandwidth where a CUDA device is present. An arm whose module is missing or that needs a
-device that is not here is listed as skipped with the reason; one that crashes is listed as
-failed with the tail of its stderr, and the others go on.
-
-The result is one JSON-able dict (``SCHEMA``): ``checkpoint``, ``mode``, ``cold_check``,
-``runs``, ``order``, ``baseline``, ``arms`` ({name: status, reason, times_s, inner_s,
-load_s, summary, gbps, load_gbps, ratio, bytes, tensors, profile}), ``baselines``, ``notes``
-and ``machine``; :mod:`.report` renders it (table, plot), :mod:`.stats` holds the medians and
-paired ratios, :mod:`.synthetic` writes the checkpoints, and :func:`add_arguments` /
-:func:`command` are the argparse front end that ``weightlift bench`` and ``bench/*.py`` share.
+resident; the result says how much did. The checkpoints the runs read are made here too
+(:func:`synthetic_checkpoint`, :func:`describe_checkpoint`); which arms run and against which
+floors is :mod:`.suite`'s, the command line :mod:`.command`'s.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import random
 import selectors
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -50,72 +39,41 @@ from typing import Any
 
 from weightlift import env
 from weightlift.benchmark import arms as bench_arms
-from weightlift.benchmark.arms import BASELINES, READY, SKIP, SPECS
-from weightlift.benchmark.report import format_table, plot
+from weightlift.benchmark import floors as bench_floors
+from weightlift.benchmark.arms import READY, SKIP
 from weightlift.benchmark.stats import paired_ratio, summarize
 from weightlift.benchmark.synthetic import GIB, MIB, ensure_demo_checkpoint, llama_for_size, write_checkpoint
 from weightlift.disk import residency, source
 from weightlift.errors import OptionError, WeightliftError
 
 __all__ = [
-    "SCHEMA",
     "Arm",
     "ArmFailed",
     "ArmSkipped",
     "Sample",
+    "ARM_FILES",
+    "SETTLE_S",
+    "QUICK_SETTLE_S",
     "run_once",
     "run_arms",
+    "round_order",
     "child_argv",
     "evict_files",
     "max_resident",
+    "ensure_bytecode",
     "bench_dir",
     "make_checkpoint",
     "synthetic_checkpoint",
+    "default_checkpoint",
     "describe_checkpoint",
-    "build_arms",
-    "run_benchmark",
-    "LOCAL_ARMS",
-    "REMOTE_ARMS",
-    "QUICK_ARMS",
 ]
 
-SCHEMA = "weightlift-bench/1"
-
-LOCAL_ARMS = (
-    "safetensors.numpy",
-    "safetensors.torch",
-    "safetensors.cuda",
-    "torch.load",
-    "runai",
-    "fastsafetensors",
-    "tensorizer",
-    "instanttensor",
-    "wl.numpy",
-    "wl.numpy.nocopy",
-    "wl.torch",
-    "wl.cuda",
-    "limit.copy",
-    "limit.copy.huge",
-)
-REMOTE_ARMS = (
-    "wl.push",
-    "wl.push.legacy",
-    "wl.push.cached",
-    "wl.push.update",
-    "wl.push.reserved",
-    "wl.push.second",
-    "wl.split",
-    "limit.tcp",
-    "limit.tcp.fresh",
-    "limit.fault",
-)
-QUICK_ARMS = ("safetensors.numpy", "wl.numpy", "wl.numpy.nocopy", "wl.push", "limit.copy")
-ARM_KINDS = ("local", "remote", "probe", "limit")  # what runs as an interleaved arm
 SETTLE_S = 20.0  # pause before each run of a full benchmark: long enough that arm order does not change the medians
 QUICK_SETTLE_S = 3.0  # --quick: short, and said to be short in its output
 
-_ARMS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "arms.py")
-# Loads bench_arms.py by path, so peer arms never import the weightlift package.
+# the arm bodies a child may run, loaded by path: the package's arms, then its floors
+ARM_FILES = (os.path.abspath(bench_arms.__file__), os.path.abspath(bench_floors.__file__))
+# Loads the first arm file by path, so peer arms never import the weightlift package.
 BOOT = (
     "import time;_t0=time.perf_counter_ns();import sys,importlib.util as u;"
     "s=u.spec_from_file_location('wl_bench_arms',sys.argv[1]);m=u.module_from_spec(s);"
@@ -123,9 +81,10 @@ BOOT = (
 )
 
 
-def child_argv(arm: str, opts: dict[str, Any]) -> list[str]:
-    """The command line that runs arm body ``arm`` of :mod:`weightlift.benchmark.arms` in a child."""
-    return [sys.executable, "-c", BOOT, _ARMS_FILE, arm, json.dumps(opts)]
+def child_argv(arm: str, opts: dict[str, Any], files: Sequence[str] = ARM_FILES) -> list[str]:
+    """The command line that runs arm body ``arm`` in a child; ``files``: the arm files holding
+    the bodies, :mod:`weightlift.benchmark.arms` first."""
+    return [sys.executable, "-c", BOOT, files[0], arm, json.dumps(opts), *files[1:]]
 
 
 # -- running one arm ---------------------------------------------------------------------------
@@ -266,6 +225,100 @@ def round_order(items: Sequence[Any], rnd: int, order: str = "shuffle") -> list[
     return out
 
 
+@dataclass
+class _Runner:
+    """What every run of one :func:`run_arms` call shares, and the order the runs took."""
+
+    cold: bool
+    timeout: float
+    settle: float
+    say: Callable[[str], None]
+    order_log: list[dict[str, Any]] = field(default_factory=list)
+
+    def run(self, a: Arm, r: dict[str, Any], rnd: int, warmup: int) -> None:
+        """Run arm ``a`` once in round ``rnd`` and record it in ``r``, its entry of the result."""
+        counted = rnd >= warmup
+        if r["status"] != "ok":  # failed in an earlier round: not started again
+            if counted:
+                for k in ("times_s", "inner_s", "load_s"):
+                    r[k].append(None)
+            return
+        self.order_log.append({"round": rnd, "arm": a.name, "counted": counted})
+        s = self.one(a, a.argv, r)
+        if s is not None:
+            self.say(f"  {'run ' + str(rnd - warmup + 1) if counted else 'warm-up'} {a.name}: {s.window_s:.3f} s")
+            r["bytes"], r["tensors"] = s.info.get("bytes"), s.info.get("tensors")
+        if counted:
+            _record(r, s)
+
+    def one(self, a: Arm, argv: list[str], r: dict[str, Any] | None) -> Sample | None:
+        """One run after the pause (and, cold, the eviction); a skip or failure is noted in ``r``."""
+        if self.settle > 0:
+            time.sleep(self.settle)
+        resident = None
+        if self.cold and a.files:
+            evict_files(a.files)
+            resident = max_resident(a.files)
+        try:
+            s = run_once(argv, env=a.env, timeout=self.timeout)
+        except (ArmSkipped, ArmFailed) as e:
+            if r is not None:
+                r["status"], r["reason"] = "skipped" if isinstance(e, ArmSkipped) else "failed", str(e)
+            return None
+        s.resident_before = resident
+        return s
+
+
+def _entry(a: Arm) -> dict[str, Any]:
+    return {
+        "status": "skipped" if a.skip else "ok",
+        "reason": a.skip,
+        "kind": a.kind,
+        "description": a.description,
+        "times_s": [],
+        "inner_s": [],
+        "load_s": [],
+        "resident_before": [],
+        "bytes": None,
+        "tensors": None,
+        "profile": None,
+        "server_profile": None,
+    }
+
+
+def _record(r: dict[str, Any], s: Sample | None) -> None:
+    """A counted run's figures, None where it did not finish."""
+    r["times_s"].append(s.window_s if s else None)
+    r["inner_s"].append(s.info.get("inner_s") if s else None)
+    r["load_s"].append(s.info.get("load_s") if s else None)
+    if s is None:
+        return
+    if "first_s" in s.info:  # arms that time a first and a second push
+        r.setdefault("first_s", []).append(s.info["first_s"])
+    if "push" in s.info:  # what each push sent and found cached
+        r.setdefault("push", []).append(s.info["push"])
+    if s.resident_before is not None:
+        r["resident_before"].append(s.resident_before)
+
+
+def _summarize(res: dict[str, dict[str, Any]], baseline: str | None) -> str | None:
+    """Medians and paired ratios per arm, against ``baseline`` (else the first arm that ran); returns it."""
+    base = baseline if baseline in res and res[baseline]["status"] == "ok" else None
+    if base is None:
+        base = next((n for n, r in res.items() if r["status"] == "ok"), None)
+    for r in res.values():
+        r["summary"] = summarize(r["times_s"])
+        r["inner"] = summarize(r["inner_s"])
+        r["load"] = summarize(r["load_s"])
+        ref = res[base] if base is not None and r["status"] == "ok" else None
+        r["ratio"] = paired_ratio(r["times_s"], ref["times_s"]) if ref is not None else None
+        r["load_ratio"] = paired_ratio(r["load_s"], ref["load_s"]) if ref is not None else None
+        if r.get("first_s") and len(r["first_s"]) == len(r["load_s"]):
+            r["first"] = summarize(r["first_s"])
+            r["second_speedup"] = paired_ratio(r["first_s"], r["load_s"])  # first over second, per run
+    return base
+
+
 def run_arms(
     arms: Sequence[Arm],
     *,
@@ -293,77 +346,23 @@ def run_arms(
     """
     if runs < 1 or warmup < 0:
         raise OptionError("runs must be at least 1 and warmup at least 0")
-    say = log or (lambda s: None)
-    res: dict[str, dict[str, Any]] = {}
-    for a in arms:
-        res[a.name] = {
-            "status": "skipped" if a.skip else "ok",
-            "reason": a.skip,
-            "kind": a.kind,
-            "description": a.description,
-            "times_s": [],
-            "inner_s": [],
-            "load_s": [],
-            "resident_before": [],
-            "bytes": None,
-            "tensors": None,
-            "profile": None,
-            "server_profile": None,
-        }
-    order_log: list[dict[str, Any]] = []
+    runner = _Runner(cold=cold, timeout=timeout, settle=settle, say=log or (lambda s: None))
+    res = {a.name: _entry(a) for a in arms}
     live = [a for a in arms if not a.skip]
     for rnd in range(warmup + runs):
-        counted = rnd >= warmup
         for a in round_order(live, rnd, order):
-            r = res[a.name]
-            if r["status"] != "ok":
-                if counted:
-                    for k in ("times_s", "inner_s", "load_s"):
-                        r[k].append(None)
-                continue
-            order_log.append({"round": rnd, "arm": a.name, "counted": counted})
-            if settle > 0:
-                time.sleep(settle)
-            s = _one(a, a.argv, cold=cold, timeout=timeout, r=r)
+            runner.run(a, res[a.name], rnd, warmup)
+    for a in live if profile_round else ():
+        if a.profile_argv and res[a.name]["status"] == "ok":
+            s = runner.one(a, a.profile_argv, None)
             if s is not None:
-                say(f"  {'run ' + str(rnd - warmup + 1) if counted else 'warm-up'} {a.name}: {s.window_s:.3f} s")
-                r["bytes"], r["tensors"] = s.info.get("bytes"), s.info.get("tensors")
-            if counted:
-                r["times_s"].append(s.window_s if s else None)
-                r["inner_s"].append(s.info.get("inner_s") if s else None)
-                r["load_s"].append(s.info.get("load_s") if s else None)
-                if s is not None and "first_s" in s.info:  # arms that time a first and a second push
-                    r.setdefault("first_s", []).append(s.info["first_s"])
-                if s is not None and "push" in s.info:  # what each push sent and found cached
-                    r.setdefault("push", []).append(s.info["push"])
-                if s is not None and s.resident_before is not None:
-                    r["resident_before"].append(s.resident_before)
-    if profile_round:
-        for a in live:
-            if a.profile_argv and res[a.name]["status"] == "ok":
-                if settle > 0:
-                    time.sleep(settle)
-                s = _one(a, a.profile_argv, cold=cold, timeout=timeout, r=None)
-                if s is not None:
-                    res[a.name]["profile"] = s.info.get("profile")
-                    res[a.name]["server_profile"] = s.info.get("server_profile")
-    base = baseline if baseline in res and res[baseline]["status"] == "ok" else None
-    if base is None:
-        base = next((n for n, r in res.items() if r["status"] == "ok"), None)
-    for r in res.values():
-        r["summary"] = summarize(r["times_s"])
-        r["inner"] = summarize(r["inner_s"])
-        r["load"] = summarize(r["load_s"])
-        ref = res[base] if base is not None and r["status"] == "ok" else None
-        r["ratio"] = paired_ratio(r["times_s"], ref["times_s"]) if ref is not None else None
-        r["load_ratio"] = paired_ratio(r["load_s"], ref["load_s"]) if ref is not None else None
-        if r.get("first_s") and len(r["first_s"]) == len(r["load_s"]):
-            r["first"] = summarize(r["first_s"])
-            r["second_speedup"] = paired_ratio(r["first_s"], r["load_s"])  # first over second, per run
+                res[a.name]["profile"] = s.info.get("profile")
+                res[a.name]["server_profile"] = s.info.get("server_profile")
+    base = _summarize(res, baseline)
     residents = [x for r in res.values() for x in r["resident_before"]]
     return {
         "arms": res,
-        "order": order_log,
+        "order": runner.order_log,
         "order_mode": order,
         "baseline": base,
         "runs": runs,
@@ -374,25 +373,6 @@ def run_arms(
         if cold
         else None,
     }
-
-
-def _one(a: Arm, argv: list[str], *, cold: bool, timeout: float, r: dict[str, Any] | None) -> Sample | None:
-    resident = None
-    if cold and a.files:
-        evict_files(a.files)
-        resident = max_resident(a.files)
-    try:
-        s = run_once(argv, env=a.env, timeout=timeout)
-    except ArmSkipped as e:
-        if r is not None:
-            r["status"], r["reason"] = "skipped", str(e)
-        return None
-    except ArmFailed as e:
-        if r is not None:
-            r["status"], r["reason"] = "failed", str(e)
-        return None
-    s.resident_before = resident
-    return s
 
 
 # -- checkpoints -----------------------------------------------------------------------------
@@ -468,487 +448,3 @@ def describe_checkpoint(path: str) -> dict[str, Any]:
         "names": [t.name for t in tensors],
         "file_bytes": sum(os.path.getsize(f) for f in files),
     }
-
-
-def ensure_pt(ck: dict[str, Any], *, timeout: float = 1800.0) -> str:
-    """A torch zip-file copy of the checkpoint for the torch.load arm, made once in a child."""
-    stem = os.path.splitext(os.path.basename(ck["files"][0]))[0]
-    st = os.stat(ck["files"][0])
-    pt = os.path.join(bench_dir(), f"{stem}-{ck['file_bytes']}-{st.st_mtime_ns}.pt")
-    if not os.path.exists(pt):
-        run_once(child_argv("make-pt", {"files": ck["files"], "pt": pt}), timeout=timeout)
-    return pt
-
-
-def ensure_tensorizer(ck: dict[str, Any], *, timeout: float = 1800.0) -> str:
-    """A tensorizer copy of the checkpoint for the tensorizer arm, made once in a child."""
-    stem = os.path.splitext(os.path.basename(ck["files"][0]))[0]
-    st = os.stat(ck["files"][0])
-    tz = os.path.join(bench_dir(), f"{stem}-{ck['file_bytes']}-{st.st_mtime_ns}.tensors")
-    if not os.path.exists(tz):
-        run_once(child_argv("make-tensorizer", {"files": ck["files"], "tz": tz}), timeout=timeout)
-    return tz
-
-
-# -- which arms can run here -------------------------------------------------------------------
-
-_cuda_memo: list[str | None] = []
-
-
-def cuda_reason() -> str | None:
-    """None when a CUDA device is usable from torch; otherwise why not."""
-    if _cuda_memo:
-        return _cuda_memo[0]
-    reason: str | None
-    import glob
-
-    # a cheap negative first: no driver node, no driver proc entry, no nvidia-smi (ROCm: /dev/kfd)
-    if not (
-        glob.glob("/dev/nvidia*")
-        or os.path.exists("/proc/driver/nvidia")
-        or os.path.exists("/dev/kfd")
-        or shutil.which("nvidia-smi")
-    ):
-        reason = "no CUDA device (no NVIDIA driver on this machine)"
-    elif _missing("torch"):
-        reason = "torch is not installed"
-    else:
-        probe = "import torch,sys;sys.exit(0 if torch.cuda.is_available() else 3)"
-        rc = subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=300).returncode
-        reason = None if rc == 0 else "torch sees no CUDA device (CPU build of torch, or no GPU)"
-    _cuda_memo.append(reason)
-    return reason
-
-
-def _missing(module: str) -> str | None:
-    import importlib.util
-
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        found = False
-    if found:
-        return None
-    if module.startswith("weightlift."):
-        return f"{module} is not in this build of weightlift"
-    return f"module {module} is not installed"
-
-
-def _weightlift_reason(name: str) -> str | None:
-    """Why one of weightlift's own arms cannot run with the installed weightlift, if it cannot."""
-    import inspect
-
-    try:
-        from weightlift.api import load
-    except ImportError as e:
-        return f"weightlift.api does not import: {e}"
-    params = inspect.signature(load).parameters
-    if name == "wl.split" and "remote" not in params:
-        return "weightlift.load has no remote= option in this build"
-    if name.startswith("wl.push") or name == "wl.split":
-        try:
-            from weightlift.remote.client import Client  # noqa: F401
-            from weightlift.remote.server import Server  # noqa: F401
-        except ImportError as e:
-            return f"weightlift's server/client do not import: {e}"
-    return None
-
-
-def arm_reason(name: str, ck: dict[str, Any]) -> str | None:
-    """None if arm ``name`` can run on checkpoint ``ck`` here; otherwise the reason it cannot."""
-    spec = SPECS[name]
-    if spec.safetensors_only and ck["format"] != "safetensors":
-        return f"reads safetensors files only; this checkpoint is {ck['format']}"
-    for mod in spec.requires:
-        r = _missing(mod)
-        if r:
-            return r
-    if spec.cuda:
-        r = cuda_reason()
-        if r:
-            return r
-    if spec.weightlift:
-        return _weightlift_reason(name)
-    return None
-
-
-def expand_arm_names(text: str | Sequence[str] | None, *, quick: bool = False) -> list[str]:
-    """Arm names from a comma list; "local", "remote" and "all" name groups."""
-    if text is None:
-        return list(QUICK_ARMS if quick else LOCAL_ARMS + REMOTE_ARMS)
-    items = text.split(",") if isinstance(text, str) else list(text)
-    out: list[str] = []
-    groups = {"local": LOCAL_ARMS, "remote": REMOTE_ARMS, "all": LOCAL_ARMS + REMOTE_ARMS}
-    for item in (i.strip() for i in items):
-        if not item:
-            continue
-        names = groups.get(item, (item,))
-        for n in names:
-            if n not in SPECS or SPECS[n].kind not in ARM_KINDS:
-                known = ", ".join(n for n, s in SPECS.items() if s.kind in ARM_KINDS)
-                raise OptionError(f"unknown arm {n!r}; known arms: {known} (groups: local, remote, all)")
-            if n not in out:
-                out.append(n)
-    return out
-
-
-def build_arms(ck: dict[str, Any], names: Sequence[str], *, cache_dir: str | None = None) -> list[Arm]:
-    """Arms for ``names`` on checkpoint ``ck`` (from :func:`describe_checkpoint`), skips decided."""
-    arms = []
-    for name in names:
-        spec = SPECS[name]
-        reason = arm_reason(name, ck)
-        opts: dict[str, Any] = {"path": ck["path"], "files": ck["files"]}
-        files: tuple[str, ...] = tuple(ck["files"])
-        if spec.uses_pt and reason is None:
-            try:
-                opts["pt"] = ensure_pt(ck)
-                files = (opts["pt"],)
-            except WeightliftError as e:
-                reason = f"could not write the .pt copy: {e}"
-        if spec.uses_tensorizer and reason is None:
-            try:
-                opts["tz"] = ensure_tensorizer(ck)
-                files = (opts["tz"],)
-            except WeightliftError as e:
-                reason = f"could not write the tensorizer copy: {e}"
-        if name == "wl.push.cached":
-            opts["cache_dir"] = cache_dir or os.path.join(bench_dir(), "server-cache")
-            files += (opts["cache_dir"],)
-        if name == "wl.push.second":
-            opts["cache_root"] = bench_dir()  # a fresh cache folder per run is made under it
-        if name == "wl.split":
-            # through a file: a long name list would not fit in one command-line argument
-            split = os.path.join(bench_dir(), "split-names.json")
-            with open(split, "w", encoding="utf-8") as f:
-                json.dump(ck["names"][len(ck["names"]) // 2 :], f)
-            opts["split_file"] = split
-        arms.append(
-            Arm(
-                name,
-                child_argv(name, opts),
-                env=dict(spec.env),
-                files=files,
-                skip=reason,
-                description=spec.description,
-                kind=spec.kind,
-                profile_argv=child_argv(name, {**opts, "profile": True}) if spec.weightlift else None,
-            )
-        )
-    return arms
-
-
-# -- baselines ---------------------------------------------------------------------------------
-
-
-def _warm(path: str) -> None:
-    buf = bytearray(bench_arms.BLOCK)
-    with open(path, "rb", buffering=0) as f:
-        while f.readinto(buf):
-            pass
-
-
-def run_baselines(
-    ck: dict[str, Any],
-    names: Sequence[str],
-    *,
-    cold: bool = False,
-    repeats: int = 3,
-    timeout: float = 600.0,
-    log: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
-    """Measure each baseline in its own child, on the checkpoint's largest file."""
-    say = log or (lambda s: None)
-    target = max(ck["files"], key=os.path.getsize)
-    out: dict[str, Any] = {"file": target}
-    for name in names:
-        spec = SPECS[name]
-        reason = next((r for r in (_missing(m) for m in spec.requires) if r), None)
-        if reason is None and spec.cuda:
-            reason = cuda_reason()
-        if reason:
-            out[name] = {"status": "skipped", "reason": reason}
-            continue
-        if name != "base.read" or not cold:
-            _warm(target)  # memory and socket limits, measured without the disk
-        try:
-            s = run_once(child_argv(name, {"files": [target], "repeats": repeats, "cold": cold}), timeout=timeout)
-            out[name] = {"status": "ok", "description": spec.description, **s.info}
-            say(f"  baseline {name}: {s.info.get('gbps', 0):.2f} GB/s")
-        except ArmSkipped as e:
-            out[name] = {"status": "skipped", "reason": str(e)}
-        except ArmFailed as e:
-            out[name] = {"status": "failed", "reason": str(e)}
-    return out
-
-
-# -- the whole benchmark -----------------------------------------------------------------------
-
-
-def run_benchmark(
-    path: str | None = None,
-    *,
-    arms: str | Sequence[str] | None = None,
-    quick: bool = False,
-    cold: bool = False,
-    runs: int | None = None,
-    warmup: int = 1,
-    baseline: str | None = None,
-    size: int | None = None,
-    baselines: Sequence[str] | None = None,
-    timeout: float = 600.0,
-    profile_round: bool = True,
-    settle: float | None = None,
-    json_path: str | None = None,
-    png_path: str | None = None,
-    order: str = "shuffle",
-    log: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
-    """Baselines, then the arms interleaved; returns the result dict and writes JSON / PNG if asked."""
-    say = log or (lambda s: None)
-    started = time.time()
-    ensure_bytecode()
-    names = expand_arm_names(arms, quick=quick)
-    if cold and arms is None:
-        # a copy limit of a cold file measures the disk; the read limits are the cold ceiling
-        names = [n for n in names if not n.startswith("limit.copy")] + [
-            f"limit.read.{k}" for k in bench_arms.READ_LIMIT_THREADS
-        ]
-    if path is None:
-        path = default_checkpoint(quick=quick, size=size)
-    ck = describe_checkpoint(path)
-    runs = runs or (3 if quick else 5)
-    cache_dir = os.path.join(bench_dir(), "server-cache")
-    shutil.rmtree(cache_dir, ignore_errors=True)  # the warm-up push fills it; counted pushes hit it
-    say(f"checkpoint {ck['path']}: {ck['tensors']} tensors, {ck['bytes'] / GIB:.2f} GiB ({ck['format']})")
-    arm_list = build_arms(ck, names, cache_dir=cache_dir)
-    base_names = list(BASELINES if baselines is None else baselines)
-    bl = run_baselines(ck, base_names, cold=cold, repeats=2 if quick else 3, timeout=timeout, log=say)
-    if baseline is None:
-        baseline = "safetensors.numpy" if "safetensors.numpy" in names else None
-    say(f"arms ({'cold' if cold else 'warm'}, 1 warm-up + {runs} runs, interleaved): {', '.join(names)}")
-    if settle is None:
-        settle = QUICK_SETTLE_S if quick else SETTLE_S
-    result = run_arms(
-        arm_list,
-        runs=runs,
-        warmup=warmup,
-        cold=cold,
-        baseline=baseline,
-        timeout=timeout,
-        profile_round=profile_round,
-        settle=settle,
-        order=order,
-        log=say,
-    )
-    _derive(result, ck, bl)
-    result.update(
-        {
-            "schema": SCHEMA,
-            "checkpoint": {k: v for k, v in ck.items() if k != "names"},
-            "baselines": bl,
-            "quick": quick,
-            # every other arm, with the reason it could not run here (None: it could)
-            "not_selected": {
-                n: arm_reason(n, ck) for n, s in SPECS.items() if s.kind in ("local", "remote") and n not in names
-            },
-            "machine": {
-                "cpus": os.cpu_count(),
-                "python": platform.python_version(),
-                "platform": platform.platform(),
-                "cuda": cuda_reason() or "available",
-            },
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-            "elapsed_s": time.time() - started,
-        }
-    )
-    result["notes"] = _notes(result)
-    if json_path:
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
-    if png_path:
-        result["png"] = plot(result, png_path)
-    return result
-
-
-def _derive(result: dict[str, Any], ck: dict[str, Any], bl: dict[str, Any]) -> None:
-    """GB/s per arm from the checkpoint bytes, and the share of the matching limit."""
-    limits = {
-        "local": bl.get("base.copy", {}).get("fresh", {}).get("gbps"),
-        "remote": bl.get("base.tcp", {}).get("gbps"),
-    }
-    # a limit measured as an arm (fresh process, same pauses, median of the same rounds) is the
-    # one the arms are held to; the in-process baselines (best of three repeats) otherwise
-    # the raw read into reused buffers; limit.read.fresh.* (into fresh memory) is reported beside it
-    reads = [n for n in result["arms"] if n.startswith("limit.read.") and not n.startswith("limit.read.fresh.")]
-    copies = ["limit.copy", "limit.copy.huge"]  # the copy floor: the faster page size
-    for kind, cands, fallback in (("local", reads or copies, "base.copy"), ("remote", ["limit.tcp"], "base.tcp")):
-        ok = [
-            (result["arms"][n]["load"]["median"], n)
-            for n in cands
-            if n in result["arms"] and result["arms"][n]["status"] == "ok" and result["arms"][n]["load"]["median"]
-        ]
-        if ok:
-            best, name = min(ok)  # the fastest reader count or page size
-            limits[kind] = ck["bytes"] / best / 1e9
-            result[f"{kind}_limit"] = name
-        else:
-            result[f"{kind}_limit"] = fallback
-    for r in result["arms"].values():
-        med, load = r["summary"]["median"], r["load"]["median"]
-        r["gbps"] = ck["bytes"] / med / 1e9 if med else None
-        r["load_gbps"] = ck["bytes"] / load / 1e9 if load else None
-        lim = limits.get(r["kind"])
-        r["limit_share"] = r["load_gbps"] / lim if r["load_gbps"] and lim else None
-        r["bytes_match"] = None if r["bytes"] is None else r["bytes"] == ck["bytes"]
-
-
-def _notes(result: dict[str, Any]) -> list[str]:
-    notes = []
-    cc = result.get("cold_check")
-    if cc is not None:
-        worst = cc["max_resident_before"]
-        if worst is None:
-            notes.append("cold: no run was checked")
-        elif worst <= 0.001:
-            notes.append(
-                f"cold: evicted, {100 * worst:.1f} % resident before each run "
-                f"({cc['runs_checked']} counted runs checked with mincore)"
-            )
-        else:
-            notes.append(
-                f"cold: eviction incomplete, up to {100 * worst:.1f} % resident before a run "
-                "(this filesystem may keep pages, e.g. tmpfs)"
-            )
-    else:
-        notes.append("warm: the page cache is left as it is (the warm-up round fills it)")
-    for name, r in result["arms"].items():
-        if r["status"] == "ok" and r["bytes_match"] is False and r["kind"] != "limit":  # a limit copies the file
-            notes.append(f"{name} reported {r['bytes']} bytes; the checkpoint holds {result['checkpoint']['bytes']}")
-    return notes
-
-
-# -- command line ------------------------------------------------------------------------------
-
-
-def add_arguments(
-    p: Any,
-    *,
-    default_arms: str | None = None,
-    quick_arms: str | None = None,
-    default_baseline: str | None = None,
-    default_size_gib: float | None = None,
-) -> None:
-    """The options shared by ``weightlift bench`` and the bench/ scripts.
-
-    ``quick_arms`` replaces ``default_arms`` under ``--quick`` unless ``--arms`` was given.
-    """
-    p.set_defaults(arms_default=default_arms, quick_arms=quick_arms)
-    p.add_argument("path", nargs="?", help="checkpoint (default: the demo checkpoint, or a synthetic one)")
-    p.add_argument("--quick", action="store_true", help="256 MiB synthetic checkpoint, 3 runs, fewer arms")
-    p.add_argument("--cold", action="store_true", help="evict the files before every run and check with mincore")
-    p.add_argument("--runs", type=int, help="counted runs per arm (default 5; 3 with --quick)")
-    p.add_argument("--warmup", type=int, default=1, help="uncounted rounds first (default 1)")
-    p.add_argument(
-        "--arms", default=default_arms, help="comma list of arms, or the groups local, remote, all (see --list)"
-    )
-    p.add_argument("--baseline", default=default_baseline, help="arm the ratios are taken against")
-    p.add_argument(
-        "--size-gib",
-        type=float,
-        help="size of the synthetic checkpoint when no PATH is given"
-        + (f" (default {default_size_gib:g}; 0.25 with --quick)" if default_size_gib else ""),
-    )
-    p.set_defaults(size_gib_default=default_size_gib)
-    p.add_argument("--no-baselines", action="store_true", help="skip the copy/read/TCP/H2D baselines")
-    p.add_argument("--no-profile", action="store_true", help="skip the extra profiled round of weightlift arms")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
-    p.add_argument(
-        "--settle",
-        type=float,
-        metavar="SECONDS",
-        help=f"pause before every run, so no arm inherits memory the one before it freed "
-        f"(default {SETTLE_S:g}; {QUICK_SETTLE_S:g} with --quick)",
-    )
-    p.add_argument(
-        "--order",
-        choices=("shuffle", "forward", "reverse"),
-        default="shuffle",
-        help="arm order per round: a seeded shuffle (default), or as given / reversed in every "
-        "round (run both to check that the pause is long enough: same medians either way)",
-    )
-    p.add_argument(
-        "--calibrate-memory",
-        action="store_true",
-        help="time the ways of filling fresh memory on this machine, in fresh processes, and "
-        "remember the fastest for weightlift's loads and servers (weightlift.memory.fresh)",
-    )
-    p.add_argument("--json", metavar="FILE", help="write the full result as JSON")
-    p.add_argument("--png", metavar="FILE", help="draw time to ready and weightlift's phases (matplotlib)")
-    p.add_argument("--list", action="store_true", help="list the arms and baselines, then exit")
-
-
-def command(args: Any) -> int:
-    """Run the benchmark for parsed arguments; prints the table. 0 if any arm ran."""
-    if args.list:
-        for name, spec in SPECS.items():
-            print(f"{name:<18} {spec.kind:<9} {spec.description}")
-        return 0
-    if getattr(args, "calibrate_memory", False):
-        return _calibrate_command(args)
-    gib = args.size_gib or (None if args.quick else getattr(args, "size_gib_default", None))
-    size = int(gib * GIB) if gib else None
-    arms = args.arms
-    if args.quick and arms == getattr(args, "arms_default", None) and getattr(args, "quick_arms", None):
-        arms = args.quick_arms
-    result = run_benchmark(
-        args.path,
-        arms=arms,
-        quick=args.quick,
-        cold=args.cold,
-        runs=args.runs,
-        warmup=args.warmup,
-        baseline=args.baseline,
-        size=size,
-        baselines=() if args.no_baselines else None,
-        timeout=args.timeout,
-        profile_round=not args.no_profile,
-        settle=args.settle,
-        json_path=args.json,
-        png_path=args.png,
-        order=args.order,
-        log=lambda s: print(s, file=sys.stderr, flush=True),
-    )
-    print(format_table(result))
-    if args.json:
-        print(f"wrote {args.json}")
-    if args.png:
-        print(f"wrote {args.png}" if result.get("png") else "no PNG: matplotlib is not installed")
-    return 0 if any(r["status"] == "ok" for r in result["arms"].values()) else 1
-
-
-def _calibrate_command(args: Any) -> int:
-    from weightlift.memory import fresh
-
-    size = int(args.size_gib * GIB) if args.size_gib else 512 * MIB
-    pause = QUICK_SETTLE_S if args.quick and args.settle is None else (SETTLE_S if args.settle is None else args.settle)
-    rounds = args.runs or (1 if args.quick else 3)
-    print(
-        f"filling {size / MIB:.0f} MiB of fresh memory {len(fresh.TRIALS)} ways, {rounds} round(s), "
-        f"{pause:g} s pause before each, fresh process each",
-        file=sys.stderr,
-        flush=True,
-    )
-    res = fresh.calibrate(size, rounds=rounds, pause=pause, log=lambda s: print(s, file=sys.stderr, flush=True))
-    for name, v in sorted(res["medians_s"].items(), key=lambda kv: kv[1]):
-        print(f"{name:<20} {v:.3f} s  {size / v / 1e9:.2f} GB/s")
-    pol = res["policy"]
-    print(
-        f"chosen: {'huge' if pol['huge'] else '4 KiB'} pages, kernel copies "
-        f"{'faulted ahead (' + pol['method'] + ')' if pol['ahead'] else 'fault their own pages'}, "
-        f"fault method {pol['method']}; remembered in {fresh.memory_file()}"
-    )
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=1)
-    return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from weightlift.benchmark.arms import BASELINES
+from weightlift.benchmark.floors import BASELINES
 from weightlift.benchmark.synthetic import GIB
 
 __all__ = ["format_table", "plot"]
@@ -39,6 +39,24 @@ def format_table(result: dict[str, Any]) -> str:
             f"{(format(100 * r['limit_share'], '.0f') + '%') if r['limit_share'] else '-':>8} "
             f"{_f(ratio, '.2f'):>6}{'  (baseline)' if name == base else ''}"
         )
+    lines += _floor_lines(result)
+    lines.append(
+        f"ratio: run i over run i of {base} in the same round, median; "
+        f"of limit: load GB/s over the copy or read limit (local: {result.get('local_limit', 'base.copy')}) "
+        f"or raw loopback TCP (remote: {result.get('remote_limit', 'base.tcp')})"
+    )
+    lines += _baseline_lines(result["baselines"])
+    if skipped:
+        lines.append("not run:")
+        lines += skipped
+    lines += _selection_lines(result)
+    lines += result.get("notes", [])
+    return "\n".join(lines)
+
+
+def _floor_lines(result: dict[str, Any]) -> list[str]:
+    """The second-push speed-ups, and each arm against the fault-in and copy floors."""
+    lines: list[str] = []
     for name, r in result["arms"].items():
         if r["status"] == "ok" and r.get("second_speedup") and r["second_speedup"]["median"]:
             lines.append(
@@ -72,12 +90,12 @@ def format_table(result: dict[str, Any]) -> str:
             if r["status"] == "ok" and r["load"]["median"] and r["kind"] == "local"
         ]
         lines.append(f"copy floor ({cname}, load {cf:.3f} s): load s over it: " + ", ".join(over))
-    lines.append(
-        f"ratio: run i over run i of {base} in the same round, median; "
-        f"of limit: load GB/s over the copy or read limit (local: {result.get('local_limit', 'base.copy')}) "
-        f"or raw loopback TCP (remote: {result.get('remote_limit', 'base.tcp')})"
-    )
-    bl = result["baselines"]
+    return lines
+
+
+def _baseline_lines(bl: dict[str, Any]) -> list[str]:
+    """The in-process baselines, one line each."""
+    lines: list[str] = []
     if any(n in bl for n in BASELINES):
         lines.append(f"baselines on {bl.get('file')}:")
     for name in BASELINES:
@@ -101,9 +119,12 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(f"  raw loopback TCP (sendfile -> recv_into): {b['gbps']:.2f} GB/s")
         elif name == "base.h2d":
             lines.append(f"  pinned host -> device: {b['gbps']:.2f} GB/s ({b.get('device', '')})")
-    if skipped:
-        lines.append("not run:")
-        lines += skipped
+    return lines
+
+
+def _selection_lines(result: dict[str, Any]) -> list[str]:
+    """The arms left out, those that could have run and those that could not."""
+    lines: list[str] = []
     others = result.get("not_selected") or {}
     could = [n for n, why in others.items() if why is None]
     if could:
@@ -114,8 +135,7 @@ def format_table(result: dict[str, Any]) -> str:
     if cannot:
         lines.append("not selected, and could not run here:")
         lines += [f"  {n}: {why}" for n, why in cannot]
-    lines += result.get("notes", [])
-    return "\n".join(lines)
+    return lines
 
 
 def plot(result: dict[str, Any], path: str) -> str | None:

@@ -258,15 +258,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _register_bench(sub: Any) -> None:
-    from weightlift.benchmark import harness
+    from weightlift.benchmark import command
 
     p = sub.add_parser(
         "bench",
         help="time to ready of weightlift and its peers, fresh process per run",
-        description=(harness.__doc__ or "").split("\n\n")[0] or None,
+        description=(command.__doc__ or "").split("\n\n")[0] or None,
     )
-    harness.add_arguments(p)
-    p.set_defaults(func=harness.command)
+    command.add_arguments(p)
+    p.set_defaults(func=command.command)
 
 
 def _version() -> str:

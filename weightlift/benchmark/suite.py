@@ -1,0 +1,440 @@
+"""Which arms a benchmark runs and against which floors: the arm table, the skips, the whole run.
+
+An :class:`ArmTable` names the arms a benchmark knows (their :class:`~.arms.ArmSpec`), the arm
+files a child loads their bodies from, and the groups ``local``, ``remote`` and the ``--quick``
+set. :data:`PACKAGE` is what ``weightlift bench`` runs on a user's machine: weightlift's loads
+and loopback push against safetensors and the copy, raw-read and raw-TCP floors. A research
+bench passes a larger table (peer loaders, weightlift's variants) to the same functions.
+
+An arm whose module is missing or that needs a device that is not here is listed as skipped
+with the reason. Baselines measured in the same run bound what an arm could reach: the copy
+limit (mapped file to memory on every core), the best raw read (preadv, 1/2/4 threads), raw
+loopback TCP (sendfile to recv_into) and pinned host-to-device bandwidth where a CUDA device is
+present.
+
+The result of :func:`run_benchmark` is one JSON-able dict (``SCHEMA``): ``checkpoint``,
+``mode``, ``cold_check``, ``runs``, ``order``, ``baseline``, ``arms`` ({name: status, reason,
+times_s, inner_s, load_s, summary, gbps, load_gbps, ratio, bytes, tensors, profile}),
+``baselines``, ``notes`` and ``machine``; :mod:`.report` renders it (table, plot).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from weightlift.benchmark import arms as bench_arms
+from weightlift.benchmark import floors as bench_floors
+from weightlift.benchmark.arms import ArmSpec
+from weightlift.benchmark.harness import (
+    ARM_FILES,
+    QUICK_SETTLE_S,
+    SETTLE_S,
+    Arm,
+    ArmFailed,
+    ArmSkipped,
+    child_argv,
+    default_checkpoint,
+    describe_checkpoint,
+    ensure_bytecode,
+    run_arms,
+    run_once,
+)
+from weightlift.benchmark.report import plot
+from weightlift.benchmark.synthetic import GIB
+from weightlift.errors import OptionError
+
+__all__ = [
+    "SCHEMA",
+    "ArmTable",
+    "PACKAGE",
+    "LOCAL_ARMS",
+    "REMOTE_ARMS",
+    "QUICK_ARMS",
+    "cuda_reason",
+    "missing_module",
+    "arm_reason",
+    "expand_arm_names",
+    "build_arms",
+    "run_baselines",
+    "run_benchmark",
+]
+
+SCHEMA = "weightlift-bench/1"
+ARM_KINDS = ("local", "remote", "probe", "limit")  # what runs as an interleaved arm
+
+LOCAL_ARMS = (
+    "safetensors.numpy",
+    "safetensors.torch",
+    "safetensors.cuda",
+    "wl.numpy",
+    "wl.numpy.nocopy",
+    "wl.torch",
+    "wl.cuda",
+    "limit.copy",
+    "limit.copy.huge",
+)
+REMOTE_ARMS = ("wl.push", "limit.tcp")
+QUICK_ARMS = ("safetensors.numpy", "wl.numpy", "wl.numpy.nocopy", "wl.push", "limit.copy")
+
+# prepare(name, checkpoint, options): adds what arm ``name`` needs to its options (a converted
+# copy of the checkpoint, a cache folder) and returns the files to evict before its runs (None:
+# the checkpoint's) and why it cannot run, if it cannot
+Prepare = Callable[[str, dict[str, Any], dict[str, Any]], tuple[tuple[str, ...] | None, str | None]]
+
+
+@dataclass(frozen=True)
+class ArmTable:
+    """The arms a benchmark knows, the files their bodies live in, and its groups of arms."""
+
+    specs: Mapping[str, ArmSpec]
+    files: tuple[str, ...]  # arm files a child loads, weightlift.benchmark.arms first
+    local: tuple[str, ...]
+    remote: tuple[str, ...]
+    quick: tuple[str, ...]
+    prepare: Prepare | None = None
+    before: Callable[[], None] | None = None  # called once before a benchmark builds its arms
+
+
+PACKAGE = ArmTable(
+    specs={**bench_arms.SPECS, **bench_floors.SPECS},
+    files=ARM_FILES,
+    local=LOCAL_ARMS,
+    remote=REMOTE_ARMS,
+    quick=QUICK_ARMS,
+)
+
+
+# -- which arms can run here -------------------------------------------------------------------
+
+_cuda_memo: list[str | None] = []
+
+
+def cuda_reason() -> str | None:
+    """None when a CUDA device is usable from torch; otherwise why not."""
+    if _cuda_memo:
+        return _cuda_memo[0]
+    reason: str | None
+    import glob
+
+    # a cheap negative first: no driver node, no driver proc entry, no nvidia-smi (ROCm: /dev/kfd)
+    if not (
+        glob.glob("/dev/nvidia*")
+        or os.path.exists("/proc/driver/nvidia")
+        or os.path.exists("/dev/kfd")
+        or shutil.which("nvidia-smi")
+    ):
+        reason = "no CUDA device (no NVIDIA driver on this machine)"
+    elif missing_module("torch"):
+        reason = "torch is not installed"
+    else:
+        probe = "import torch,sys;sys.exit(0 if torch.cuda.is_available() else 3)"
+        rc = subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=300).returncode
+        reason = None if rc == 0 else "torch sees no CUDA device (CPU build of torch, or no GPU)"
+    _cuda_memo.append(reason)
+    return reason
+
+
+def missing_module(module: str) -> str | None:
+    """None when ``module`` can be imported here; otherwise why it cannot."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        return None
+    if module.startswith("weightlift."):
+        return f"{module} is not in this build of weightlift"
+    return f"module {module} is not installed"
+
+
+def _weightlift_reason(name: str) -> str | None:
+    """Why one of weightlift's own arms cannot run with the installed weightlift, if it cannot."""
+    import inspect
+
+    try:
+        from weightlift.api import load
+    except ImportError as e:
+        return f"weightlift.api does not import: {e}"
+    params = inspect.signature(load).parameters
+    if name == "wl.split" and "remote" not in params:
+        return "weightlift.load has no remote= option in this build"
+    if name.startswith("wl.push") or name == "wl.split":
+        try:
+            from weightlift.remote.client import Client  # noqa: F401
+            from weightlift.remote.server import Server  # noqa: F401
+        except ImportError as e:
+            return f"weightlift's server/client do not import: {e}"
+    return None
+
+
+def arm_reason(name: str, ck: dict[str, Any], *, table: ArmTable = PACKAGE) -> str | None:
+    """None if arm ``name`` can run on checkpoint ``ck`` here; otherwise the reason it cannot."""
+    spec = table.specs[name]
+    if spec.safetensors_only and ck["format"] != "safetensors":
+        return f"reads safetensors files only; this checkpoint is {ck['format']}"
+    for mod in spec.requires:
+        r = missing_module(mod)
+        if r:
+            return r
+    if spec.cuda:
+        r = cuda_reason()
+        if r:
+            return r
+    if spec.weightlift:
+        return _weightlift_reason(name)
+    return None
+
+
+def expand_arm_names(text: str | Sequence[str] | None, *, quick: bool = False, table: ArmTable = PACKAGE) -> list[str]:
+    """Arm names from a comma list; "local", "remote" and "all" name groups."""
+    if text is None:
+        return list(table.quick if quick else table.local + table.remote)
+    items = text.split(",") if isinstance(text, str) else list(text)
+    out: list[str] = []
+    groups = {"local": table.local, "remote": table.remote, "all": table.local + table.remote}
+    specs = table.specs
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        names = groups.get(item, (item,))
+        for n in names:
+            if n not in specs or specs[n].kind not in ARM_KINDS:
+                known = ", ".join(n for n, s in specs.items() if s.kind in ARM_KINDS)
+                raise OptionError(f"unknown arm {n!r}; known arms: {known} (groups: local, remote, all)")
+            if n not in out:
+                out.append(n)
+    return out
+
+
+def build_arms(ck: dict[str, Any], names: Sequence[str], *, table: ArmTable = PACKAGE) -> list[Arm]:
+    """Arms for ``names`` on checkpoint ``ck`` (from :func:`describe_checkpoint`), skips decided."""
+    arms = []
+    for name in names:
+        spec = table.specs[name]
+        reason = arm_reason(name, ck, table=table)
+        opts: dict[str, Any] = {"path": ck["path"], "files": ck["files"]}
+        files: tuple[str, ...] = tuple(ck["files"])
+        if table.prepare is not None and reason is None:
+            own, reason = table.prepare(name, ck, opts)
+            files = files if own is None else own
+        arms.append(
+            Arm(
+                name,
+                child_argv(name, opts, table.files),
+                env=dict(spec.env),
+                files=files,
+                skip=reason,
+                description=spec.description,
+                kind=spec.kind,
+                profile_argv=child_argv(name, {**opts, "profile": True}, table.files) if spec.weightlift else None,
+            )
+        )
+    return arms
+
+
+# -- baselines ---------------------------------------------------------------------------------
+
+
+def _warm(path: str) -> None:
+    buf = bytearray(bench_arms.BLOCK)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+
+
+def run_baselines(
+    ck: dict[str, Any],
+    names: Sequence[str],
+    *,
+    cold: bool = False,
+    repeats: int = 3,
+    timeout: float = 600.0,
+    log: Callable[[str], None] | None = None,
+    table: ArmTable = PACKAGE,
+) -> dict[str, Any]:
+    """Measure each baseline in its own child, on the checkpoint's largest file."""
+    say = log or (lambda s: None)
+    target = max(ck["files"], key=os.path.getsize)
+    out: dict[str, Any] = {"file": target}
+    for name in names:
+        spec = table.specs[name]
+        reason = next((r for r in (missing_module(m) for m in spec.requires) if r), None)
+        if reason is None and spec.cuda:
+            reason = cuda_reason()
+        if reason:
+            out[name] = {"status": "skipped", "reason": reason}
+            continue
+        if name != "base.read" or not cold:
+            _warm(target)  # memory and socket limits, measured without the disk
+        try:
+            s = run_once(
+                child_argv(name, {"files": [target], "repeats": repeats, "cold": cold}, table.files), timeout=timeout
+            )
+            out[name] = {"status": "ok", "description": spec.description, **s.info}
+            say(f"  baseline {name}: {s.info.get('gbps', 0):.2f} GB/s")
+        except ArmSkipped as e:
+            out[name] = {"status": "skipped", "reason": str(e)}
+        except ArmFailed as e:
+            out[name] = {"status": "failed", "reason": str(e)}
+    return out
+
+
+# -- the whole benchmark -----------------------------------------------------------------------
+def run_benchmark(
+    path: str | None = None,
+    *,
+    arms: str | Sequence[str] | None = None,
+    quick: bool = False,
+    cold: bool = False,
+    runs: int | None = None,
+    warmup: int = 1,
+    baseline: str | None = None,
+    size: int | None = None,
+    baselines: Sequence[str] | None = None,
+    timeout: float = 600.0,
+    profile_round: bool = True,
+    settle: float | None = None,
+    json_path: str | None = None,
+    png_path: str | None = None,
+    order: str = "shuffle",
+    log: Callable[[str], None] | None = None,
+    table: ArmTable = PACKAGE,
+) -> dict[str, Any]:
+    """Baselines, then the arms interleaved; returns the result dict and writes JSON / PNG if asked."""
+    say = log or (lambda s: None)
+    started = time.time()
+    ensure_bytecode()
+    names = expand_arm_names(arms, quick=quick, table=table)
+    if cold and arms is None:
+        # a copy limit of a cold file measures the disk; the read limits are the cold ceiling
+        names = [n for n in names if not n.startswith("limit.copy")] + [
+            f"limit.read.{k}" for k in bench_floors.READ_LIMIT_THREADS
+        ]
+    ck = describe_checkpoint(path or default_checkpoint(quick=quick, size=size))
+    runs = runs or (3 if quick else 5)
+    if table.before is not None:
+        table.before()
+    say(f"checkpoint {ck['path']}: {ck['tensors']} tensors, {ck['bytes'] / GIB:.2f} GiB ({ck['format']})")
+    arm_list = build_arms(ck, names, table=table)
+    base_names = list(bench_floors.BASELINES if baselines is None else baselines)
+    bl = run_baselines(ck, base_names, cold=cold, repeats=2 if quick else 3, timeout=timeout, log=say, table=table)
+    if baseline is None:
+        baseline = "safetensors.numpy" if "safetensors.numpy" in names else None
+    say(f"arms ({'cold' if cold else 'warm'}, 1 warm-up + {runs} runs, interleaved): {', '.join(names)}")
+    if settle is None:
+        settle = QUICK_SETTLE_S if quick else SETTLE_S
+    result = run_arms(
+        arm_list,
+        runs=runs,
+        warmup=warmup,
+        cold=cold,
+        baseline=baseline,
+        timeout=timeout,
+        profile_round=profile_round,
+        settle=settle,
+        order=order,
+        log=say,
+    )
+    _derive(result, ck, bl)
+    result.update(_context(ck, bl, names, quick=quick, started=started, table=table))
+    result["notes"] = _notes(result)
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+    if png_path:
+        result["png"] = plot(result, png_path)
+    return result
+
+
+def _context(
+    ck: dict[str, Any], bl: dict[str, Any], names: Sequence[str], *, quick: bool, started: float, table: ArmTable
+) -> dict[str, Any]:
+    """What a result records beside its arms: the checkpoint, the baselines, the machine."""
+    return {
+        "schema": SCHEMA,
+        "checkpoint": {k: v for k, v in ck.items() if k != "names"},
+        "baselines": bl,
+        "quick": quick,
+        # every other arm, with the reason it could not run here (None: it could)
+        "not_selected": {
+            n: arm_reason(n, ck, table=table)
+            for n, s in table.specs.items()
+            if s.kind in ("local", "remote") and n not in names
+        },
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cuda": cuda_reason() or "available",
+        },
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "elapsed_s": time.time() - started,
+    }
+
+
+def _derive(result: dict[str, Any], ck: dict[str, Any], bl: dict[str, Any]) -> None:
+    """GB/s per arm from the checkpoint bytes, and the share of the matching limit."""
+    limits = {
+        "local": bl.get("base.copy", {}).get("fresh", {}).get("gbps"),
+        "remote": bl.get("base.tcp", {}).get("gbps"),
+    }
+    # a limit measured as an arm (fresh process, same pauses, median of the same rounds) is the
+    # one the arms are held to; the in-process baselines (best of three repeats) otherwise
+    # the raw read into reused buffers; limit.read.fresh.* (into fresh memory) is reported beside it
+    reads = [n for n in result["arms"] if n.startswith("limit.read.") and not n.startswith("limit.read.fresh.")]
+    copies = ["limit.copy", "limit.copy.huge"]  # the copy floor: the faster page size
+    for kind, cands, fallback in (("local", reads or copies, "base.copy"), ("remote", ["limit.tcp"], "base.tcp")):
+        ok = [
+            (result["arms"][n]["load"]["median"], n)
+            for n in cands
+            if n in result["arms"] and result["arms"][n]["status"] == "ok" and result["arms"][n]["load"]["median"]
+        ]
+        if ok:
+            best, name = min(ok)  # the fastest reader count or page size
+            limits[kind] = ck["bytes"] / best / 1e9
+            result[f"{kind}_limit"] = name
+        else:
+            result[f"{kind}_limit"] = fallback
+    for r in result["arms"].values():
+        med, load = r["summary"]["median"], r["load"]["median"]
+        r["gbps"] = ck["bytes"] / med / 1e9 if med else None
+        r["load_gbps"] = ck["bytes"] / load / 1e9 if load else None
+        lim = limits.get(r["kind"])
+        r["limit_share"] = r["load_gbps"] / lim if r["load_gbps"] and lim else None
+        r["bytes_match"] = None if r["bytes"] is None else r["bytes"] == ck["bytes"]
+
+
+def _notes(result: dict[str, Any]) -> list[str]:
+    notes = []
+    cc = result.get("cold_check")
+    if cc is not None:
+        worst = cc["max_resident_before"]
+        if worst is None:
+            notes.append("cold: no run was checked")
+        elif worst <= 0.001:
+            notes.append(
+                f"cold: evicted, {100 * worst:.1f} % resident before each run "
+                f"({cc['runs_checked']} counted runs checked with mincore)"
+            )
+        else:
+            notes.append(
+                f"cold: eviction incomplete, up to {100 * worst:.1f} % resident before a run "
+                "(this filesystem may keep pages, e.g. tmpfs)"
+            )
+    else:
+        notes.append("warm: the page cache is left as it is (the warm-up round fills it)")
+    for name, r in result["arms"].items():
+        if r["status"] == "ok" and r["bytes_match"] is False and r["kind"] != "limit":  # a limit copies the file
+            notes.append(f"{name} reported {r['bytes']} bytes; the checkpoint holds {result['checkpoint']['bytes']}")
+    return notes
