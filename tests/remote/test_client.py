@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 
@@ -331,6 +332,74 @@ def test_pull_of_an_empty_server_writes_a_valid_file(tmp_path):
     from safetensors.numpy import load_file
 
     assert load_file(str(out)) == {}
+
+
+# -- the pulled file: written where nobody else chose, readable by nobody the user did not allow ----
+
+
+def _pull(tmp_path, out, *, token: str | None = None, umask: int = 0o022) -> dict:
+    path, tensors = model(tmp_path, large=1, small=1)
+    old = os.umask(umask)
+    try:
+        with Server(token=token) as s, Client(s.address, token=token) as c:
+            c.push(path)
+            c.pull(out)
+    finally:
+        os.umask(old)
+    return tensors
+
+
+def _predictable_names(out) -> list[str]:
+    """The temporary names a pull once used: the output's name, a process id, a suffix."""
+    me = os.getpid()
+    return [f"{out}.{pid}.wl-tmp" for pid in range(max(1, me - 100), me + 100)]
+
+
+def _assert_pulled(out, tensors: dict) -> None:
+    import weightlift
+
+    st = os.lstat(out)
+    assert stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
+    assert sorted(t.name for t in weightlift.open(out).tensors) == sorted(tensors)
+
+
+def test_pull_follows_no_link_sprayed_over_predictable_names(tmp_path):
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"the puller's own file")
+    out = folder / "pulled.safetensors"
+    links = _predictable_names(out)
+    for name in links:
+        os.symlink(victim, name)
+    tensors = _pull(tmp_path, out)
+    assert victim.read_bytes() == b"the puller's own file"
+    _assert_pulled(out, tensors)
+    assert all(os.path.islink(n) for n in links)  # untouched, and nothing of ours left beside them
+    assert sorted(os.listdir(folder)) == sorted([out.name] + [os.path.basename(n) for n in links])
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="needs root to make files another user owns")
+def test_pull_output_is_ours_where_another_user_created_the_names(tmp_path):
+    out = tmp_path / "pulled.safetensors"
+    for name in _predictable_names(out):
+        with open(name, "wb"):
+            pass
+        os.chown(name, 65534, 65534)
+    _assert_pulled(out, _pull(tmp_path, out))
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640), (0o077, 0o600)])
+def test_a_pulled_file_is_no_wider_than_the_umask(tmp_path, umask, mode):
+    out = tmp_path / "pulled.safetensors"
+    _pull(tmp_path, out, umask=umask)
+    assert stat.S_IMODE(os.stat(out).st_mode) == mode
+
+
+def test_a_file_pulled_from_a_token_server_is_the_users_alone(tmp_path):
+    out = tmp_path / "pulled.safetensors"
+    _pull(tmp_path, out, token="sesame-sesame-sesame", umask=0o022)
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o600
 
 
 def test_token(tmp_path):

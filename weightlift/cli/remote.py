@@ -210,21 +210,9 @@ def _cmd_pull(a: argparse.Namespace) -> int:
     return 0
 
 
-def printable(name: str) -> str:
-    """``name`` safe for a terminal: control characters (escape sequences), lone surrogates and
-    backslashes are shown escaped, as Python writes them in a string literal."""
-    if name.isprintable() and "\\" not in name:
-        return name
-    return "".join(_printable_char(c) for c in name)
-
-
-def _printable_char(c: str) -> str:
-    if c == "\\":
-        return "\\\\"
-    return c if c.isprintable() else repr(c)[1:-1]  # repr escapes what is not printable
-
-
 def _cmd_ls(a: argparse.Namespace) -> int:
+    from weightlift.remote.client.connection import printable  # names are the server's text
+
     with _client(a, a.source) as c:
         entries = c.list()
     if a.json:

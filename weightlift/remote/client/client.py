@@ -26,8 +26,10 @@ import builtins
 import mmap
 import os
 import ssl
+import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple, overload
@@ -39,6 +41,7 @@ from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
 from weightlift.digest.blake import HASH_THRESHOLD, NAIVE_HASH_THRESHOLD
 from weightlift.errors import (
     FileError,
+    FormatError,
     IntegrityError,
     LocalProtocolError,
     OptionError,
@@ -46,7 +49,7 @@ from weightlift.errors import (
     RemoteProtocolError,
     StateError,
 )
-from weightlift.formats.safetensors import build_header
+from weightlift.formats.safetensors import MAX_HEADER_SIZE, PREFIX_SIZE, build_header
 from weightlift.profile import Profiler
 from weightlift.remote.client.connection import Connection, Replaced
 from weightlift.remote.client.push import Hashing, Plan, Pusher, Tally, balance, wire_form
@@ -72,6 +75,9 @@ PULL_PIECE = 4 << 20  # a verifying pull hashes what it received this much at a 
 #: The most tensors :meth:`Client.list` takes from a server (a server states none of its own):
 #: a server that answers every LIST with "more" cannot make the client loop or grow unbounded.
 MAX_LIST_ENTRIES = 1 << 20
+#: The most bytes of entries (names, shapes, the fixed fields, as on the wire) that
+#: :meth:`Client.list` takes from a server: long names cannot make a listing of few entries huge.
+MAX_LIST_BYTES = 128 << 20
 
 
 @dataclass(frozen=True)
@@ -373,6 +379,7 @@ class Client:
         conn = self._conn()
         out: builtins.list[ListEntry] = []
         after = ""
+        size = 0
         while True:
             conn.send(conn.frame(ListRequest(after)))
             page = conn.expect(ListReply)
@@ -383,6 +390,9 @@ class Client:
                 prev = e.name
             if len(out) + len(page.entries) > MAX_LIST_ENTRIES:
                 raise RemoteProtocolError(f"server lists more than {MAX_LIST_ENTRIES} tensors; stopped reading")
+            size += sum(_entry_bytes(e) for e in page.entries)
+            if size > MAX_LIST_BYTES:
+                raise RemoteProtocolError(f"server lists more than {MAX_LIST_BYTES} bytes of tensors; stopped reading")
             out.extend(page.entries)
             if not page.more or not page.entries:
                 return out
@@ -441,10 +451,22 @@ class Client:
         listed = self._listing()
         entries = [RemoteTensor(e.name, e.dtype, e.shape, e.nbytes) for e in listed]
         header, offsets = build_header([(e.name, e.dtype, e.shape, e.nbytes) for e in entries])
+        if len(header) - PREFIX_SIZE > MAX_HEADER_SIZE:  # neither weightlift nor safetensors would open it
+            raise FormatError(
+                f"pull from {_address_key(self.address)}: the header of {len(entries)} tensors would be "
+                f"{len(header) - PREFIX_SIZE} bytes, which exceeds the limit of {MAX_HEADER_SIZE} bytes that "
+                "safetensors readers accept; nothing written",
+                file=path,
+            )
         total = len(header) + sum(e.nbytes for e in entries)
-        tmp = f"{path}.{os.getpid()}.wl-tmp"
+        tmp: str | None = None
         try:
-            with open(tmp, "w+b") as f:
+            # a fresh name nobody could have made or linked ahead (O_EXCL, O_NOFOLLOW, mode 0600),
+            # in the target's folder so the rename is atomic
+            fd, tmp = tempfile.mkstemp(
+                dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.", suffix=".wl-tmp"
+            )
+            with os.fdopen(fd, "w+b") as f:
                 f.truncate(total)
                 f.write(header)
                 f.flush()
@@ -481,6 +503,7 @@ class Client:
                 finally:
                     if mm is not None:
                         mm.close()
+                os.fchmod(f.fileno(), pulled_mode(protected=self._token is not None))
             os.replace(tmp, path)
         except OSError as e:
             _unlink(tmp)
@@ -542,6 +565,9 @@ class Client:
                     hasher.update(piece)
                 if hasher.digest() != reply.digest:
                     differ.append(repr(e.name))
+        except BaseException as e:
+            _drop_locals(e)  # the frames it passed through hold slices of the mapping
+            raise
         finally:
             # released here, not when the frames of a traceback go: the mapping closes next
             for v in (piece, dest, view):
@@ -553,7 +579,45 @@ def _layout(e: ListEntry) -> tuple[str, tuple[int, ...], int]:
     return e.dtype, e.shape, e.nbytes
 
 
-def _unlink(path: str) -> None:
+def _drop_locals(e: BaseException | None) -> None:
+    """Clear the finished frames of ``e``'s traceback and of the errors it arose from, so that no
+    view they held keeps a mapping from closing."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e = e.__context__
+
+
+def _entry_bytes(e: ListEntry) -> int:
+    """What one listing entry takes on the wire: its fixed fields, name, dims and version."""
+    return ListEntry.LAYOUT.size + len(e.name.encode("utf-8", "surrogatepass")) + 8 * len(e.shape) + 8
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where the system tells (Linux's
+    /proc/self/status); else set and restored, briefly the strictest mask rather than none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def pulled_mode(*, protected: bool) -> int:
+    """The mode of a pulled file: what the umask allows a new file, and the user's alone when the
+    server wanted a token (its tensors are as private as the server's memory)."""
+    return 0o600 if protected else 0o666 & ~umask()
+
+
+def _unlink(path: str | None) -> None:
+    if path is None:
+        return
     try:
         os.unlink(path)
     except OSError:

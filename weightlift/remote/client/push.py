@@ -12,7 +12,7 @@ import itertools
 import os
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future
 from typing import NamedTuple
 
@@ -26,7 +26,7 @@ from weightlift.errors import (
 )
 from weightlift.formats import TensorInfo
 from weightlift.profile import Profiler
-from weightlift.remote.client.connection import Connection
+from weightlift.remote.client.connection import Connection, printable
 from weightlift.remote.protocol import (
     MAX_DIGESTS,
     Alloc,
@@ -160,6 +160,9 @@ class Pusher:
         self.unverified: dict[int, Plan] = {}  # completed on the wire, no digest reported yet
         self.since_barrier = 0  # tensors whose last frame went out since the last BARRIER
         self.sent: dict[int, Plan] = {}
+        # tensors FILLed from the server's cache since the last BARRIER: the only ones its reply
+        # may ask for again (each once), so a server cannot make this push send more than it holds
+        self.filled: dict[int, Plan] = {}
         self.ahead: dict[int, int] = {}  # tensors ALLOCated ahead of their WRITE: id(plan) -> tensor id
         self.ahead_bytes = 0
         self.settled = True  # False while frames are out that no BARRIER reply has answered
@@ -202,6 +205,7 @@ class Pusher:
         """ALLOC and FILL_FROM_CACHE: the server takes the bytes from its own cache."""
         tid = self._alloc(p, digest)
         self._command(FillFromCache(tid, digest))
+        self.filled[tid] = p
         self._completed(tid, p)
         if self.prof.enabled:
             self.prof.count(tensors=1)
@@ -224,6 +228,7 @@ class Pusher:
         return reply.have
 
     def _new_id(self, p: Plan) -> int:
+        self.settled = False
         tid = self.conn.next_id
         self.conn.next_id = (tid + 1) & 0xFFFFFFFF
         self.sent[tid] = p
@@ -262,6 +267,7 @@ class Pusher:
         where possible; with ``upcoming``, the ALLOCs of the next tensors go out ahead, first."""
         t = p.info
         head = b""
+        self.settled = False
         if tid is None and id(p) in self.ahead:
             tid = self.ahead.pop(id(p))
             self.ahead_bytes -= t.length
@@ -320,23 +326,37 @@ class Pusher:
             if reply.digests and not self.verify:
                 raise RemoteProtocolError("server reports digests this client did not ask for")
             self._check(reply.digests)
+            again = self._again(reply.need)
             if reply.errors:
-                self.settled = not reply.need  # in step with the server, nothing left allocated
-                raise RemoteProtocolError("server: " + "; ".join(reply.errors))
-            if not reply.need:
+                self.settled = not again  # in step with the server, nothing left allocated
+                raise RemoteProtocolError("server: " + "; ".join(printable(e) for e in reply.errors))
+            if not again:
                 self.settled = True
                 if last and self.unverified:  # completed, yet the server stated no digest
                     for q in self.unverified.values():
                         self.tally.mismatch(f"{q.info.name!r} (the server reported no digest)")
                     self.unverified.clear()
                 return
-            for tid in reply.need:  # a cache entry failed its check on the server: send the bytes
-                p = self.sent.get(tid)
-                if p is None:
-                    raise RemoteProtocolError(f"server asks again for tensor id {tid}, which this client never sent")
+            for tid, p in again:  # a cache entry failed its check on the server: send the bytes
                 self.tally.add(tensors=-1, bytes=-p.info.length, cached=-1)
                 self._send(p, None, tid)
         raise RemoteProtocolError("server keeps asking for tensors again")
+
+    def _again(self, need: tuple[int, ...]) -> list[tuple[int, Plan]]:
+        """The tensors a BARRIER reply asks for again: each must be one this push filled from
+        the server's cache since the last BARRIER, and named once; the rest filled are settled."""
+        filled, self.filled = self.filled, {}
+        if len(set(need)) != len(need):
+            tid, times = Counter(need).most_common(1)[0]
+            raise RemoteProtocolError(f"server asks for tensor id {tid} {times} times in one reply")
+        again = []
+        for tid in need:
+            p = filled.get(tid)
+            if p is None:
+                why = "this client never sent" if tid not in self.sent else "it was not asked to fill from its cache"
+                raise RemoteProtocolError(f"server asks again for tensor id {tid}, which {why}")
+            again.append((tid, p))
+        return again
 
     def _naive(self, p: Plan) -> None:
         """The unoptimised path (WEIGHTLIFT_LOAD_OPT=0), kept for A/B runs."""
