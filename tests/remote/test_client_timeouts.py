@@ -20,7 +20,7 @@ from weightlift import cli
 from weightlift.errors import FormatError, RemoteProtocolError, TransportError
 from weightlift.formats.safetensors import MAX_HEADER_SIZE
 from weightlift.remote.client import MAX_LIST_BYTES
-from weightlift.remote.client import client as client_module
+from weightlift.remote.client import pull as pull_module
 from weightlift.remote.client.client import Client
 from weightlift.remote.protocol import (
     MAX_FRAME,
@@ -152,7 +152,7 @@ def _list_forever(distinct: bool) -> Callable[[socket.socket, Decoder], None]:
 
 
 def test_list_with_more_forever_is_capped(fake, monkeypatch):
-    monkeypatch.setattr(client_module, "MAX_LIST_ENTRIES", 1000)
+    monkeypatch.setattr(pull_module, "MAX_LIST_ENTRIES", 1000)
     s = fake(_list_forever(distinct=True))
     with Client(s.address, timeout=5) as c:
         with pytest.raises(RemoteProtocolError, match="more than 1000 tensors"):
