@@ -11,10 +11,13 @@ import argparse
 import json
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightlift.errors import IntegrityError, OptionError
 from weightlift.remote.token import read_token
+
+if TYPE_CHECKING:  # the client imports sockets and threads: loaded by the commands that use it
+    from weightlift.remote.client.client import Client
 
 __all__ = ["register", "DEFAULT_PORT", "parse_size", "read_token"]
 
@@ -160,7 +163,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
-def _client(a: argparse.Namespace, address: str, **kw: Any) -> Any:
+def _client(a: argparse.Namespace, address: str, **kw: Any) -> Client:
     from weightlift.remote.client.client import Client
     from weightlift.remote.transport import client_tls_context
 

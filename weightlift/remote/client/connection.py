@@ -19,7 +19,7 @@ move a terminal's cursor or fake a line of output.
 from __future__ import annotations
 
 import time
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from weightlift.errors import (
     AuthError,
@@ -43,13 +43,16 @@ from weightlift.remote.protocol import (
     Message,
     send,
 )
-from weightlift.remote.transport import Stream, receive_message, receive_payload, receive_tag
+from weightlift.remote.transport import Buffer, Stream, receive_message, receive_payload, receive_tag
 
 __all__ = ["Connection", "Late", "Replaced", "remote_error", "printable", "MIN_PAYLOAD_RATE"]
 
 #: Bytes per second below which a payload (a READ reply's bytes) runs out of time: a payload of
 #: n bytes must arrive within the client's timeout plus n / MIN_PAYLOAD_RATE seconds.
 MIN_PAYLOAD_RATE = 64 << 10
+
+
+M = TypeVar("M", bound=Message)
 
 
 class Replaced(StateError):
@@ -180,7 +183,7 @@ class Connection:
                 return raw  # the tag follows the payload
         return raw + mac.tag()
 
-    def payload_tag(self, payload: Any) -> bytes:
+    def payload_tag(self, payload: Buffer) -> bytes:
         """The tag of the WRITE just made, over its ``payload`` (b"" on an unprotected connection)."""
         mac = self.mac_out
         if mac is None:
@@ -188,7 +191,7 @@ class Connection:
         mac.update(payload)
         return mac.tag()
 
-    def send(self, *parts: Any) -> None:
+    def send(self, *parts: Buffer) -> None:
         try:
             self.stream.send_parts(parts)
         except TransportError as e:
@@ -241,7 +244,8 @@ class Connection:
             self._payload_until = time.monotonic() + self.timeout + length / MIN_PAYLOAD_RATE
         return msg
 
-    def expect(self, cls: type) -> Any:
+    def expect(self, cls: type[M]) -> M:
+        """The next message, which must be a ``cls`` (RemoteProtocolError otherwise)."""
         msg = self.recv()
         if not isinstance(msg, cls):
             raise RemoteProtocolError(f"expected {cls.__name__}, server sent {msg.COMMAND.name}")
