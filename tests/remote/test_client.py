@@ -162,7 +162,7 @@ def test_streams_spread_tensors_and_give_the_same_bytes(tmp_path):
     with Server(cache_dir=tmp_path / "cache") as s, Client(s.address, streams=3) as c:
         r = c.push(path, hash_threshold=THRESHOLD)
         assert r.tensors == len(tensors) and r.bytes == sum(len(b) for _, _, b in tensors.values())
-        assert s.stats()["connections"] == 3
+        assert s.stats()["connections"] == 3 and len(c.connections) == 3
         assert_holds(s, tensors)
         c.free(list(tensors))
         r = c.push(path, hash_threshold=THRESHOLD)
