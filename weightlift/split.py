@@ -9,7 +9,6 @@ the page cache serves whichever comes second.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -53,6 +52,7 @@ def split_load(
 ) -> SplitResult:
     """Load what no remote selection takes, and push each remote selection, at the same time."""
     from weightlift.remote.client import Client
+    from weightlift.remote.client.servers import Pushes
 
     ck: Checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     chosen = ck.select(select)
@@ -65,28 +65,17 @@ def split_load(
         remote_sets[addr] = names
         taken.update(names)
     local_names = [t.name for t in chosen if t.name not in taken]
-    errors: list[BaseException] = []
-    reports: dict[str, dict[str, Any]] = {}
     t0 = time.perf_counter()
-
-    def push(addr: str, names: list[str]) -> None:
-        try:
-            with Client(addr, token=token, streams=streams) as c:
-                res = c.push(ck, select=frozenset(names))  # exact names: a name may hold glob characters
-            reports[addr] = res.as_dict()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            errors.append(e)
-
-    threads = [
-        threading.Thread(target=push, args=item, name=f"wl-push-{item[0]}", daemon=True) for item in remote_sets.items()
-    ]
-    for t in threads:
-        t.start()
+    pushes = Pushes(  # exact names: a name may hold glob characters
+        ck,
+        {addr: frozenset(names) for addr, names in remote_sets.items()},
+        connect=lambda addr: Client(addr, token=token, streams=streams),
+    )
     try:
         local = load_local(ck, select=frozenset(local_names), **load_kwargs) if local_names else {}
     finally:
-        for t in threads:
-            t.join()
-    if errors:
-        raise errors[0]
+        pushes.join()
+    if pushes.errors:
+        raise next(iter(pushes.errors.values()))
+    reports = {addr: res.as_dict() for addr, res in pushes.results.items()}
     return SplitResult(local, reports, time.perf_counter() - t0)

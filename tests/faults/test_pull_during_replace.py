@@ -18,6 +18,7 @@ import pytest
 from tests.checkpoints import write
 from tests.faults.support import hex_digest, source_bytes
 from weightlift.errors import WeightliftError
+from weightlift.remote.client import pull
 from weightlift.remote.client.client import Client
 from weightlift.remote.server.server import Server
 
@@ -41,7 +42,7 @@ def _header(path: Path) -> tuple[str, list[int]]:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_tensor_replaced_between_list_and_read_is_pulled_whole_or_refused(tmp_path, case):
+def test_a_tensor_replaced_between_list_and_read_is_pulled_whole_or_refused(tmp_path, case, monkeypatch):
     old_shape, new_shape = CASES[case]
     old = _ckpt(tmp_path / "old.safetensors", old_shape, 1)
     new = _ckpt(tmp_path / "new.safetensors", new_shape, 2)
@@ -50,20 +51,24 @@ def test_a_tensor_replaced_between_list_and_read_is_pulled_whole_or_refused(tmp_
         (tuple(new_shape), hex_digest(source_bytes(new)["w"])),
     }
     out = tmp_path / "pulled.safetensors"
+    replaced = []
     with Server() as server, Client(server.address) as writer, Client(server.address) as reader:
         writer.push(old)
-        listing = reader.list
+        real = pull.listing
 
-        def list_then_replace():
-            entries = listing()
-            writer.push(new)  # lands between the pull's LIST and its READs
+        def list_then_replace(conn):
+            entries = real(conn)
+            if not replaced:  # the pull's first LIST: the new version lands before its READs
+                writer.push(new)
+                replaced.append(entries)
             return entries
 
-        reader.list = list_then_replace  # type: ignore[method-assign]
+        monkeypatch.setattr(pull, "listing", list_then_replace)
         try:
             reader.pull(out)
         except WeightliftError:
             return  # refused, clearly: a correct outcome
+    assert replaced and replaced[0][0].shape == tuple(old_shape)  # the race did happen
     dtype, shape = _header(out)
     assert dtype == "F32"
     assert (tuple(shape), hex_digest(source_bytes(out)["w"])) in versions, (

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -19,7 +21,9 @@ from weightlift.dtypes import DTYPES, byte_length
 from weightlift.errors import AuthError, NotFoundError, OptionError, RemoteProtocolError, StateError, TransportError
 from weightlift.profile import Profiler
 from weightlift.remote.client.client import Client, PushResult, RemoteTensor
+from weightlift.remote.protocol import NEED_DATA, Alloc, Decoder, WriteHeader
 from weightlift.remote.server.server import Server
+from weightlift.remote.transport import TCP, Stream
 
 
 def write_safetensors(path, tensors: dict[str, tuple[str, tuple[int, ...], bytes]]) -> str:
@@ -158,7 +162,7 @@ def test_streams_spread_tensors_and_give_the_same_bytes(tmp_path):
     with Server(cache_dir=tmp_path / "cache") as s, Client(s.address, streams=3) as c:
         r = c.push(path, hash_threshold=THRESHOLD)
         assert r.tensors == len(tensors) and r.bytes == sum(len(b) for _, _, b in tensors.values())
-        assert s.stats()["connections"] == 3
+        assert s.stats()["connections"] == 3 and len(c.connections) == 3
         assert_holds(s, tensors)
         c.free(list(tensors))
         r = c.push(path, hash_threshold=THRESHOLD)
@@ -166,20 +170,63 @@ def test_streams_spread_tensors_and_give_the_same_bytes(tmp_path):
         assert_holds(s, tensors)
 
 
-def _record_allocs_and_writes(monkeypatch) -> list[tuple[str, int]]:
-    """The server's ALLOCs and WRITEs, as (message type name, tensor id), in arrival order."""
-    import weightlift.remote.server.connection as connection_mod
+class _Watched:
+    """A client stream that shows ``watch`` every byte it is about to send."""
 
-    seen: list[tuple[str, int]] = []
-    real = connection_mod.Connection.dispatch
+    def __init__(self, inner: Stream, watch: Callable[[list[bytes]], None]):
+        self._inner, self._watch = inner, watch
+        self.peer = inner.peer
 
-    def recording(self, msg):
-        if type(msg).__name__ in ("Alloc", "WriteHeader"):
-            seen.append((type(msg).__name__, msg.tensor_id))
-        return real(self, msg)
+    def send_parts(self, parts) -> None:
+        self._watch([bytes(memoryview(p).cast("B")) for p in parts])
+        self._inner.send_parts(parts)
 
-    monkeypatch.setattr(connection_mod.Connection, "dispatch", recording)
-    return seen
+    def sendfile(self, fd: int, offset: int, count: int) -> None:
+        self._watch([os.pread(fd, count, offset)])
+        self._inner.sendfile(fd, offset, count)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+class Watching:
+    """A backend (``Client(backend=...)``): TCP, with every client send shown to ``watch`` first."""
+
+    def __init__(self, watch: Callable[[list[bytes]], None]):
+        self.watch = watch
+
+    def connect(self, address, *, timeout: float | None = 30.0) -> Stream:
+        return _Watched(TCP.connect(address, timeout=timeout), self.watch)  # type: ignore[return-value]
+
+    def listen(self, host: str, port: int, *, backlog: int = 64):
+        return TCP.listen(host, port, backlog=backlog)
+
+
+class FrameLog:
+    """The ALLOCs and WRITEs a client sends, as (message type name, tensor id), in order."""
+
+    def __init__(self) -> None:
+        self.dec = Decoder(our_role="server")
+        self.seen: list[tuple[str, int]] = []
+
+    def __call__(self, parts: list[bytes]) -> None:
+        for p in parts:
+            self.dec.feed(p)
+        while (ev := self.dec.next_event()) is not NEED_DATA:
+            if isinstance(ev, (Alloc, WriteHeader)):
+                self.seen.append((type(ev).__name__, ev.tensor_id))
+
+
+def failing_after(limit: int) -> Watching:
+    """A backend whose sends fail with OSError (a disk gone under the file) past ``limit`` bytes."""
+    sent = [0]
+
+    def watch(parts: list[bytes]) -> None:
+        sent[0] += sum(len(p) for p in parts)
+        if sent[0] > limit:
+            raise OSError("disk went away")
+
+    return Watching(watch)
 
 
 def test_allocs_run_ahead_of_writes_within_the_window(tmp_path, monkeypatch):
@@ -188,11 +235,12 @@ def test_allocs_run_ahead_of_writes_within_the_window(tmp_path, monkeypatch):
     t = {f"w.{i}": ("U8", (3 << 20,), _rand(3 << 20, i)) for i in range(6)}  # pooled: the server faults them ahead
     t["w.empty"] = ("F32", (0,), b"")
     path = write_safetensors(tmp_path / "m.safetensors", t)
-    seen = _record_allocs_and_writes(monkeypatch)
+    log = FrameLog()
     monkeypatch.setattr(push_mod, "ALLOC_AHEAD_BYTES", 7 << 20)  # two 3 MiB tensors ahead, not three
-    with Server() as s, Client(s.address) as c:
+    with Server() as s, Client(s.address, backend=Watching(log)) as c:
         c.push(path)
         assert_holds(s, t)
+    seen = log.seen
     allocs = [tid for kind, tid in seen if kind == "Alloc"]
     assert sorted(allocs) == sorted(set(allocs)) and len(allocs) == len(t)  # each tensor allocated once
     for i, (kind, tid) in enumerate(seen):
@@ -205,34 +253,22 @@ def test_allocs_run_ahead_of_writes_within_the_window(tmp_path, monkeypatch):
             if written < 4:
                 assert len(ahead) - written - 1 == 2
     monkeypatch.setattr(push_mod, "ALLOC_AHEAD_BYTES", 0)
-    seen.clear()
-    with Server() as s, Client(s.address) as c:
+    log = FrameLog()
+    with Server() as s, Client(s.address, backend=Watching(log)) as c:
         c.push(path)
         assert_holds(s, t)
-    assert [k for k, _ in seen][:4] == ["Alloc", "WriteHeader", "Alloc", "WriteHeader"]  # off: none ahead
+    assert [k for k, _ in log.seen][:4] == ["Alloc", "WriteHeader", "Alloc", "WriteHeader"]  # off: none ahead
 
 
-def test_a_push_that_fails_mid_stream_closes_the_client_one_refused_at_the_barrier_does_not(tmp_path, monkeypatch):
-    import weightlift.remote.client.push as push_mod
-
+def test_a_push_that_fails_mid_stream_closes_the_client_one_refused_at_the_barrier_does_not(tmp_path):
     path, tensors = model(tmp_path, large=2, small=2)
     with Server() as s:
-        c = Client(s.address)
-        real = push_mod.Pusher._send
-        calls = []
-
-        def failing(self, p, digest, tid=None, upcoming=None):
-            calls.append(p)
-            if len(calls) == 2:
-                raise OSError("disk went away")
-            return real(self, p, digest, tid, upcoming)
-
-        monkeypatch.setattr(push_mod.Pusher, "_send", failing)
-        with pytest.raises(OSError):
+        c = Client(s.address, backend=failing_after(2000))  # the handshake and the small tensors go
+        with pytest.raises(OSError, match="disk went away"):
             c.push(path)  # tensors were ALLOCated ahead and never written: the connection goes
+        assert c.connections == ()
         with pytest.raises(StateError, match="closed"):
             c.list()
-        monkeypatch.undo()
     path, tensors = model(tmp_path, large=2, small=0)
     with Server(max_memory=400_000) as s, Client(s.address) as c:
         with pytest.raises(RemoteProtocolError, match="memory limit"):
@@ -241,23 +277,11 @@ def test_a_push_that_fails_mid_stream_closes_the_client_one_refused_at_the_barri
 
 
 def test_a_naive_push_that_fails_mid_stream_closes_the_client_too(tmp_path, monkeypatch):
-    import weightlift.remote.client.push as push_mod
-
     path, _ = model(tmp_path, large=3, small=0)
     monkeypatch.setenv("WEIGHTLIFT_LOAD_OPT", "0")
-    real = push_mod.hash_buffer
-    calls = []
-
-    def failing(*a, **k):
-        calls.append(1)
-        if len(calls) == 2:  # the second tensor: after the first one's BARRIER reply
-            raise OSError("disk went away")
-        return real(*a, **k)
-
-    monkeypatch.setattr(push_mod, "hash_buffer", failing)
     with Server() as s:
-        c = Client(s.address)
-        with pytest.raises(OSError):
+        c = Client(s.address, backend=failing_after(400_000))  # the second tensor: after the first one's BARRIER
+        with pytest.raises(OSError, match="disk went away"):
             c.push(path, hash_threshold=THRESHOLD)
         with pytest.raises(StateError, match="closed"):
             c.list()
@@ -269,11 +293,12 @@ def test_allocs_ahead_go_on_past_a_large_tensor_already_allocated(tmp_path, monk
     sizes = [1 << 20, 1 << 20, 5 << 20, 1 << 20, 1 << 20, 1 << 20]
     t = {f"w.{i}": ("U8", (n,), _rand(n, i)) for i, n in enumerate(sizes)}
     path = write_safetensors(tmp_path / "m.safetensors", t)
-    seen = _record_allocs_and_writes(monkeypatch)
+    log = FrameLog()
     monkeypatch.setattr(push_mod, "ALLOC_AHEAD_BYTES", 7 << 20)
-    with Server() as s, Client(s.address) as c:
+    with Server() as s, Client(s.address, backend=Watching(log)) as c:
         c.push(path)
         assert_holds(s, t)
+    seen = log.seen
     # ALLOC 0, and 1, 2 (5 MiB), 3 ahead (7 MiB); when 1 is sent, 4 joins: 2 is counted once
     first_writes = [i for i, (k, _) in enumerate(seen) if k == "WriteHeader"]
     allocs_before = [sum(1 for k, _ in seen[:w] if k == "Alloc") for w in first_writes[:2]]
@@ -331,6 +356,74 @@ def test_pull_of_an_empty_server_writes_a_valid_file(tmp_path):
     from safetensors.numpy import load_file
 
     assert load_file(str(out)) == {}
+
+
+# -- the pulled file: written where nobody else chose, readable by nobody the user did not allow ----
+
+
+def _pull(tmp_path, out, *, token: str | None = None, umask: int = 0o022) -> dict:
+    path, tensors = model(tmp_path, large=1, small=1)
+    old = os.umask(umask)
+    try:
+        with Server(token=token) as s, Client(s.address, token=token) as c:
+            c.push(path)
+            c.pull(out)
+    finally:
+        os.umask(old)
+    return tensors
+
+
+def _predictable_names(out) -> list[str]:
+    """The temporary names a pull once used: the output's name, a process id, a suffix."""
+    me = os.getpid()
+    return [f"{out}.{pid}.wl-tmp" for pid in range(max(1, me - 100), me + 100)]
+
+
+def _assert_pulled(out, tensors: dict) -> None:
+    import weightlift
+
+    st = os.lstat(out)
+    assert stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
+    assert sorted(t.name for t in weightlift.open(out).tensors) == sorted(tensors)
+
+
+def test_pull_follows_no_link_sprayed_over_predictable_names(tmp_path):
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"the puller's own file")
+    out = folder / "pulled.safetensors"
+    links = _predictable_names(out)
+    for name in links:
+        os.symlink(victim, name)
+    tensors = _pull(tmp_path, out)
+    assert victim.read_bytes() == b"the puller's own file"
+    _assert_pulled(out, tensors)
+    assert all(os.path.islink(n) for n in links)  # untouched, and nothing of ours left beside them
+    assert sorted(os.listdir(folder)) == sorted([out.name] + [os.path.basename(n) for n in links])
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="needs root to make files another user owns")
+def test_pull_output_is_ours_where_another_user_created_the_names(tmp_path):
+    out = tmp_path / "pulled.safetensors"
+    for name in _predictable_names(out):
+        with open(name, "wb"):
+            pass
+        os.chown(name, 65534, 65534)
+    _assert_pulled(out, _pull(tmp_path, out))
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640), (0o077, 0o600)])
+def test_a_pulled_file_is_no_wider_than_the_umask(tmp_path, umask, mode):
+    out = tmp_path / "pulled.safetensors"
+    _pull(tmp_path, out, umask=umask)
+    assert stat.S_IMODE(os.stat(out).st_mode) == mode
+
+
+def test_a_file_pulled_from_a_token_server_is_the_users_alone(tmp_path):
+    out = tmp_path / "pulled.safetensors"
+    _pull(tmp_path, out, token="sesame-sesame-sesame", umask=0o022)
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o600
 
 
 def test_token(tmp_path):

@@ -13,6 +13,7 @@ from tests.checkpoints import write
 from tests.remote.relay import Relay
 from weightlift.errors import AuthError, WeightliftError
 from weightlift.remote.client.client import Client
+from weightlift.remote.client.pull import read_tensors
 from weightlift.remote.protocol import FrameMac, Hello, frame_keys
 from weightlift.remote.server.server import Server
 
@@ -161,7 +162,7 @@ def test_no_downgrade_below_the_protected_minor_with_a_token(tmp_path):
 def test_a_server_error_after_auth_is_protected_too(tmp_path):
     with Server(token=TOKEN) as s, Client(s.address, token=TOKEN) as c:
         with pytest.raises(WeightliftError, match="no tensor"):
-            c._read_all(c._conns[0], [P_entry("missing")], [0], None)  # type: ignore[arg-type]
+            read_tensors(c.connections[0], [P_entry("missing")], [0], None)
         assert c.list() == []  # the ERROR's tag checked, the connection still in step
 
 

@@ -11,10 +11,13 @@ import argparse
 import json
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightlift.errors import IntegrityError, OptionError
 from weightlift.remote.token import read_token
+
+if TYPE_CHECKING:  # the client imports sockets and threads: loaded by the commands that use it
+    from weightlift.remote.client.client import Client
 
 __all__ = ["register", "DEFAULT_PORT", "parse_size", "read_token"]
 
@@ -160,7 +163,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
-def _client(a: argparse.Namespace, address: str, **kw: Any) -> Any:
+def _client(a: argparse.Namespace, address: str, **kw: Any) -> Client:
     from weightlift.remote.client.client import Client
     from weightlift.remote.transport import client_tls_context
 
@@ -210,21 +213,9 @@ def _cmd_pull(a: argparse.Namespace) -> int:
     return 0
 
 
-def printable(name: str) -> str:
-    """``name`` safe for a terminal: control characters (escape sequences), lone surrogates and
-    backslashes are shown escaped, as Python writes them in a string literal."""
-    if name.isprintable() and "\\" not in name:
-        return name
-    return "".join(_printable_char(c) for c in name)
-
-
-def _printable_char(c: str) -> str:
-    if c == "\\":
-        return "\\\\"
-    return c if c.isprintable() else repr(c)[1:-1]  # repr escapes what is not printable
-
-
 def _cmd_ls(a: argparse.Namespace) -> int:
+    from weightlift.remote.client.connection import printable  # names are the server's text
+
     with _client(a, a.source) as c:
         entries = c.list()
     if a.json:

@@ -8,11 +8,18 @@ On a protected connection (a token, minor 2: :mod:`weightlift.remote.protocol.ma
 made by :meth:`Connection.frame` carries its tag; a WRITE's tag covers its payload, so it is
 taken by :meth:`Connection.payload_tag` once the payload is known, before the next frame is made.
 Every frame received is checked before it is acted on.
+
+``timeout`` is a deadline per reply, not per receive: a reply's frame must arrive whole within
+``timeout`` seconds of asking for it, however the server spaces its bytes, and a payload within
+``timeout`` plus its length at :data:`MIN_PAYLOAD_RATE`. Text a server sends (its ERROR, a
+BARRIER reply's errors) reaches the user's errors escaped by :func:`printable`, so it cannot
+move a terminal's cursor or fake a line of output.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, TypeVar, cast
 
 from weightlift.errors import (
     AuthError,
@@ -36,9 +43,16 @@ from weightlift.remote.protocol import (
     Message,
     send,
 )
-from weightlift.remote.transport import Stream, receive_message, receive_payload, receive_tag
+from weightlift.remote.transport import Buffer, Stream, receive_message, receive_payload, receive_tag
 
-__all__ = ["Connection", "Replaced", "remote_error"]
+__all__ = ["Connection", "Late", "Replaced", "remote_error", "printable", "MIN_PAYLOAD_RATE"]
+
+#: Bytes per second below which a payload (a READ reply's bytes) runs out of time: a payload of
+#: n bytes must arrive within the client's timeout plus n / MIN_PAYLOAD_RATE seconds.
+MIN_PAYLOAD_RATE = 64 << 10
+
+
+M = TypeVar("M", bound=Message)
 
 
 class Replaced(StateError):
@@ -48,9 +62,65 @@ class Replaced(StateError):
 ERRORS = {ErrorCode.AUTH: AuthError, ErrorCode.NOT_FOUND: NotFoundError, ErrorCode.STALE: Replaced}
 
 
+def printable(text: str) -> str:
+    """``text`` safe for a terminal: control characters (escape sequences, line breaks), lone
+    surrogates and backslashes are shown escaped, as Python writes them in a string literal."""
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(_printable_char(c) for c in text)
+
+
+def _printable_char(c: str) -> str:
+    if c == "\\":
+        return "\\\\"
+    return c if c.isprintable() else repr(c)[1:-1]  # repr escapes what is not printable
+
+
 def remote_error(msg: Error) -> WeightliftError:
     cls = ERRORS.get(msg.code, RemoteProtocolError)  # type: ignore[call-overload]
-    return cls(f"server: {msg.message}")
+    return cls(f"server: {printable(msg.message)}")
+
+
+class Late(TransportError):
+    """A reply (or its payload) did not arrive whole within its deadline."""
+
+
+class _Deadline:
+    """``stream`` with every receive ending by ``until`` (a ``time.monotonic()`` instant): each
+    waits only for the time left. The socket's own timeout (the client's ``timeout``, set once)
+    already ends a receive in time while more than that is left, so only then is it narrowed."""
+
+    def __init__(self, stream: Stream, until: float, io_timeout: float):
+        self.stream, self.until, self.io_timeout = stream, until, io_timeout
+        self.narrowed = False
+
+    def recv_into(self, buf: memoryview) -> int:
+        left = self.until - time.monotonic()
+        if left < self.io_timeout:
+            if left <= 0:
+                raise self._late()
+            self.stream.set_timeout(left)
+            self.narrowed = True
+        try:
+            return self.stream.recv_into(buf)
+        except TransportError:
+            if self.narrowed and time.monotonic() >= self.until:
+                raise self._late() from None
+            raise
+
+    def _late(self) -> Late:
+        return Late(
+            f"receiving from {self.stream.peer or 'the server'} timed out: the reply did not arrive whole in time"
+        )
+
+    def restore(self) -> None:
+        """Back to blocking receives under the socket's own timeout (sendfile needs them)."""
+        if self.narrowed:
+            self.narrowed = False
+            self.stream.set_timeout(None)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
 
 
 class Connection:
@@ -67,6 +137,7 @@ class Connection:
         self.max_frame = MAX_FRAME
         self.mac_out: FrameMac | None = None  # set once READY on a protected connection
         self.mac_in: FrameMac | None = None
+        self._payload_until = 0.0  # when the payload of the last reply is due (with a timeout)
         try:
             # every send, sendfile and receive from here on waits at most ``timeout`` seconds
             stream.set_io_timeout(timeout)
@@ -112,7 +183,7 @@ class Connection:
                 return raw  # the tag follows the payload
         return raw + mac.tag()
 
-    def payload_tag(self, payload: Any) -> bytes:
+    def payload_tag(self, payload: Buffer) -> bytes:
         """The tag of the WRITE just made, over its ``payload`` (b"" on an unprotected connection)."""
         mac = self.mac_out
         if mac is None:
@@ -120,7 +191,7 @@ class Connection:
         mac.update(payload)
         return mac.tag()
 
-    def send(self, *parts: Any) -> None:
+    def send(self, *parts: Buffer) -> None:
         try:
             self.stream.send_parts(parts)
         except TransportError as e:
@@ -134,10 +205,11 @@ class Connection:
 
     def _why_closed(self, e: TransportError) -> WeightliftError:
         """The server's ERROR, if it sent one before closing on us; else the transport error."""
+        if isinstance(e, Late):
+            return e  # the server is slow, not gone: waiting longer for an ERROR tells nothing
         try:
-            self.stream.set_timeout(min(2.0, self.timeout or 2.0))
             while True:
-                msg = self._next()
+                msg = self._next(min(2.0, self.timeout or 2.0))
                 if isinstance(msg, Error):
                     return remote_error(msg)
                 if msg is None:
@@ -145,24 +217,35 @@ class Connection:
         except WeightliftError:
             return e
 
-    def _next(self) -> Message | None:
+    def _next(self, seconds: float | None) -> Message | None:
+        """The next message, whole within ``seconds`` (None: no bound)."""
         # on a protected connection every frame's tag is checked before it is decoded (a payload
         # frame's once its payload is in: recv_payload)
-        return receive_message(self.stream, self.dec, self.scratch, mac=self.mac_in)
+        if seconds is None:
+            return receive_message(self.stream, self.dec, self.scratch, mac=self.mac_in)
+        held = _Deadline(self.stream, time.monotonic() + seconds, self.timeout or seconds)
+        try:
+            return receive_message(cast(Stream, held), self.dec, self.scratch, mac=self.mac_in)
+        finally:
+            held.restore()
 
     def recv(self) -> Message:
         """The next message; a server ERROR is raised as the matching weightlift error."""
         try:
-            msg = self._next()
+            msg = self._next(self.timeout)
         except TransportError as e:
             raise self._why_closed(e) from None
         if msg is None:
             raise TransportError(f"{self.stream.peer} closed the connection")
         if isinstance(msg, Error):
             raise remote_error(msg)
+        if msg.HAS_PAYLOAD and self.timeout is not None:
+            length: int = msg.length  # type: ignore[attr-defined]
+            self._payload_until = time.monotonic() + self.timeout + length / MIN_PAYLOAD_RATE
         return msg
 
-    def expect(self, cls: type) -> Any:
+    def expect(self, cls: type[M]) -> M:
+        """The next message, which must be a ``cls`` (RemoteProtocolError otherwise)."""
         msg = self.recv()
         if not isinstance(msg, cls):
             raise RemoteProtocolError(f"expected {cls.__name__}, server sent {msg.COMMAND.name}")
@@ -170,12 +253,19 @@ class Connection:
 
     def recv_payload(self, view: memoryview) -> None:
         """The next payload bytes into ``view``; once the payload is complete its tag is checked."""
+        held = None
+        if self.timeout is not None:
+            held = _Deadline(self.stream, self._payload_until, self.timeout)
+        stream = self.stream if held is None else cast(Stream, held)
         try:
-            receive_payload(self.stream, self.dec, view, mac=self.mac_in)
+            receive_payload(stream, self.dec, view, mac=self.mac_in)
             if self.mac_in is not None and self.mac_in.open and self.dec.payload_remaining == 0:
-                receive_tag(self.stream, self.mac_in)
+                receive_tag(stream, self.mac_in)
         except TransportError as e:
             raise self._why_closed(e) from None
+        finally:
+            if held is not None:
+                held.restore()
 
     def close(self) -> None:
         try:

@@ -1,9 +1,9 @@
 """One push job on one connection: ALLOCs ahead of WRITEs, payloads straight from the mapping,
 HAVE for tensors the server may already hold, and one BARRIER at the end.
 
-See :mod:`weightlift.remote.client.client` for the theory of operation; :class:`Pusher` is the
-sender of one connection, :class:`Hashing` the digests computed beside it, :func:`balance` the
-split of a push over several connections.
+See :mod:`weightlift.remote.client.job` for the theory of operation; :class:`Pusher` is the
+sender of one connection, :class:`Hashing` the digests computed beside it, :class:`Tally` what
+the senders of one push did, :func:`balance` the split of a push over several connections.
 """
 
 from __future__ import annotations
@@ -11,12 +11,11 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future
 from typing import NamedTuple
 
-from weightlift.digest.blake import DigestPool, hash_buffer
+from weightlift.digest.blake import DigestPool
 from weightlift.digest.sidecar import hash_tensors
 from weightlift.disk.source import mapped
 from weightlift.dtypes import CODES, byte_length
@@ -26,7 +25,7 @@ from weightlift.errors import (
 )
 from weightlift.formats import TensorInfo
 from weightlift.profile import Profiler
-from weightlift.remote.client.connection import Connection
+from weightlift.remote.client.connection import Connection, printable
 from weightlift.remote.protocol import (
     MAX_DIGESTS,
     Alloc,
@@ -147,29 +146,28 @@ class Pusher:
     def __init__(
         self,
         conn: Connection,
-        opt: bool,
+        *,
         prof: Profiler,
         tally: Tally,
         hashing: Hashing,
         threshold: int,
         verify: bool = False,
     ):
-        self.conn, self.opt, self.prof, self.tally, self.hashing = conn, opt, prof, tally, hashing
+        self.conn, self.prof, self.tally, self.hashing = conn, prof, tally, hashing
         self.threshold = threshold
         self.verify = verify
         self.unverified: dict[int, Plan] = {}  # completed on the wire, no digest reported yet
         self.since_barrier = 0  # tensors whose last frame went out since the last BARRIER
         self.sent: dict[int, Plan] = {}
+        # tensors FILLed from the server's cache since the last BARRIER: the only ones its reply
+        # may ask for again (each once), so a server cannot make this push send more than it holds
+        self.filled: dict[int, Plan] = {}
         self.ahead: dict[int, int] = {}  # tensors ALLOCated ahead of their WRITE: id(plan) -> tensor id
         self.ahead_bytes = 0
         self.settled = True  # False while frames are out that no BARRIER reply has answered
 
     def run(self, plans: list[Plan]) -> None:
         self.settled = not plans
-        if not self.opt:
-            for p in plans:
-                self._naive(p)
-            return
         futures = self.hashing.futures
         small = deque(p for p in plans if p.info.name not in futures)
         large = deque(p for p in plans if p.info.name in futures)
@@ -202,9 +200,9 @@ class Pusher:
         """ALLOC and FILL_FROM_CACHE: the server takes the bytes from its own cache."""
         tid = self._alloc(p, digest)
         self._command(FillFromCache(tid, digest))
+        self.filled[tid] = p
         self._completed(tid, p)
-        if self.prof.enabled:
-            self.prof.count(tensors=1)
+        self.prof.count(tensors=1)
         self.tally.add(tensors=1, bytes=p.info.length, cached=1)
 
     def _completed(self, tid: int, p: Plan) -> None:
@@ -214,16 +212,15 @@ class Pusher:
             self.unverified[tid] = p
 
     def _have(self, digests: list[bytes]) -> tuple[bool, ...]:
-        t0 = time.perf_counter_ns() if self.prof.enabled else 0
-        self.conn.send(self.conn.frame(Have(tuple(digests))))
-        reply = self.conn.expect(HaveReply)
-        if self.prof.enabled:
-            self.prof.command("HAVE", t0, time.perf_counter_ns())
+        with self.prof.timed("HAVE"):
+            self.conn.send(self.conn.frame(Have(tuple(digests))))
+            reply: HaveReply = self.conn.expect(HaveReply)
         if len(reply.have) != len(digests):
             raise RemoteProtocolError(f"HAVE asked about {len(digests)} digests; the reply has {len(reply.have)}")
         return reply.have
 
     def _new_id(self, p: Plan) -> int:
+        self.settled = False
         tid = self.conn.next_id
         self.conn.next_id = (tid + 1) & 0xFFFFFFFF
         self.sent[tid] = p
@@ -254,14 +251,14 @@ class Pusher:
 
     def _command(self, msg: Message) -> None:
         self.conn.send(self.conn.frame(msg))
-        if self.prof.enabled:
-            self.prof.count(calls=1)
+        self.prof.count(calls=1)
 
     def _send(self, p: Plan, digest: bytes | None, tid: int | None = None, upcoming: deque[Plan] | None = None) -> None:
         """ALLOC (unless resending or ALLOCated ahead) and WRITE with the payload, in one send
         where possible; with ``upcoming``, the ALLOCs of the next tensors go out ahead, first."""
         t = p.info
         head = b""
+        self.settled = False
         if tid is None and id(p) in self.ahead:
             tid = self.ahead.pop(id(p))
             self.ahead_bytes -= t.length
@@ -273,27 +270,24 @@ class Pusher:
         if t.length == 0:  # complete at ALLOC: a WRITE would name a tensor no longer in flight
             self.conn.send(head)
             self._completed(tid, p)
-            if self.prof.enabled:
-                self.prof.count(tensors=1, calls=1)
+            self.prof.count(tensors=1, calls=1)
             self.tally.add(tensors=1)
             return
         head += self.conn.frame(WriteHeader(tid, 0, t.length))
-        t0 = time.perf_counter_ns() if self.prof.enabled else 0
-        m = mapped(t.file)
-        # on a protected connection the WRITE's tag covers the payload: hashed from the mapping
-        # (which also brings its pages in for sendfile), sent right after it
-        tag = self.conn.payload_tag(m.view(t.offset, t.length)) if self.conn.protected else b""
-        if t.length >= SENDFILE_MIN:
-            self.conn.send(head)
-            self.conn.sendfile(m.fileno(), t.offset, t.length)
-            if tag:
-                self.conn.send(tag)
-        else:
-            self.conn.send(head, m.view(t.offset, t.length), tag)
+        with self.prof.phase("wire", t.length, name=t.name):
+            m = mapped(t.file)
+            # on a protected connection the WRITE's tag covers the payload: hashed from the mapping
+            # (which also brings its pages in for sendfile), sent right after it
+            tag = self.conn.payload_tag(m.view(t.offset, t.length)) if self.conn.protected else b""
+            if t.length >= SENDFILE_MIN:
+                self.conn.send(head)
+                self.conn.sendfile(m.fileno(), t.offset, t.length)
+                if tag:
+                    self.conn.send(tag)
+            else:
+                self.conn.send(head, m.view(t.offset, t.length), tag)
         self._completed(tid, p)
-        if self.prof.enabled:
-            self.prof.record("wire", t0, time.perf_counter_ns(), t.length, name=t.name)
-            self.prof.count(tensors=1, calls=2, nbytes=t.length)
+        self.prof.count(tensors=1, calls=2, nbytes=t.length)
         self.tally.add(tensors=1, bytes=t.length, sent=t.length)
 
     def _check(self, digests: tuple[tuple[int, bytes], ...]) -> None:
@@ -311,62 +305,41 @@ class Pusher:
     def _barrier(self, *, last: bool = True) -> None:
         flags = Barrier.FLAG_DIGESTS if self.verify else 0
         for _ in range(3):
-            t0 = time.perf_counter_ns() if self.prof.enabled else 0
-            self.conn.send(self.conn.frame(Barrier(flags)))
-            self.since_barrier = 0
-            reply: BarrierReply = self.conn.expect(BarrierReply)
-            if self.prof.enabled:
-                self.prof.command("BARRIER", t0, time.perf_counter_ns())
+            with self.prof.timed("BARRIER"):
+                self.conn.send(self.conn.frame(Barrier(flags)))
+                self.since_barrier = 0
+                reply: BarrierReply = self.conn.expect(BarrierReply)
             if reply.digests and not self.verify:
                 raise RemoteProtocolError("server reports digests this client did not ask for")
             self._check(reply.digests)
+            again = self._again(reply.need)
             if reply.errors:
-                self.settled = not reply.need  # in step with the server, nothing left allocated
-                raise RemoteProtocolError("server: " + "; ".join(reply.errors))
-            if not reply.need:
+                self.settled = not again  # in step with the server, nothing left allocated
+                raise RemoteProtocolError("server: " + "; ".join(printable(e) for e in reply.errors))
+            if not again:
                 self.settled = True
                 if last and self.unverified:  # completed, yet the server stated no digest
                     for q in self.unverified.values():
                         self.tally.mismatch(f"{q.info.name!r} (the server reported no digest)")
                     self.unverified.clear()
                 return
-            for tid in reply.need:  # a cache entry failed its check on the server: send the bytes
-                p = self.sent.get(tid)
-                if p is None:
-                    raise RemoteProtocolError(f"server asks again for tensor id {tid}, which this client never sent")
+            for tid, p in again:  # a cache entry failed its check on the server: send the bytes
                 self.tally.add(tensors=-1, bytes=-p.info.length, cached=-1)
                 self._send(p, None, tid)
         raise RemoteProtocolError("server keeps asking for tensors again")
 
-    def _naive(self, p: Plan) -> None:
-        """The unoptimised path (WEIGHTLIFT_LOAD_OPT=0), kept for A/B runs."""
-        self.settled = False
-        t = p.info
-        view = mapped(t.file).view(t.offset, t.length)
-        digest = None
-        if t.length >= max(self.threshold, 1):
-            t0 = time.perf_counter_ns() if self.prof.enabled else 0
-            digest = hash_buffer(view, max_threads=1)
-            if self.prof.enabled:
-                self.prof.record("hash", t0, time.perf_counter_ns(), t.length, name=t.name)
-            self.tally.add(hashed=t.length)
-        if digest is not None and self.conn.cache and self._have([digest])[0]:
-            self._fill(p, digest)
-        else:
-            tid = self._new_id(p)
-            head = self._alloc_frame(tid, p, digest if self.conn.cache else None)
-            if t.length:
-                head += self.conn.frame(WriteHeader(tid, 0, t.length))
-            t0 = time.perf_counter_ns() if self.prof.enabled else 0
-            buf = bytearray(len(head) + t.length)  # zero-filled, then copied into: the staging cost
-            buf[: len(head)] = head
-            buf[len(head) :] = view
-            t1 = time.perf_counter_ns() if self.prof.enabled else 0
-            self.conn.send(buf, self.conn.payload_tag(view) if t.length else b"")
-            self._completed(tid, p)
-            if self.prof.enabled:
-                self.prof.record("stage", t0, t1, t.length, name=t.name)
-                self.prof.record("wire", t1, time.perf_counter_ns(), t.length, name=t.name)
-                self.prof.count(tensors=1, calls=2, nbytes=t.length)
-            self.tally.add(tensors=1, bytes=t.length, sent=t.length)
-        self._barrier()  # one round trip per tensor
+    def _again(self, need: tuple[int, ...]) -> list[tuple[int, Plan]]:
+        """The tensors a BARRIER reply asks for again: each must be one this push filled from
+        the server's cache since the last BARRIER, and named once; the rest filled are settled."""
+        filled, self.filled = self.filled, {}
+        if len(set(need)) != len(need):
+            tid, times = Counter(need).most_common(1)[0]
+            raise RemoteProtocolError(f"server asks for tensor id {tid} {times} times in one reply")
+        again = []
+        for tid in need:
+            p = filled.get(tid)
+            if p is None:
+                why = "this client never sent" if tid not in self.sent else "it was not asked to fill from its cache"
+                raise RemoteProtocolError(f"server asks again for tensor id {tid}, which {why}")
+            again.append((tid, p))
+        return again

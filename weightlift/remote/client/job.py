@@ -1,0 +1,187 @@
+"""One push: a checkpoint's selected tensors sent to one server over one or more connections.
+
+Theory of operation: a push is a pipeline, not a conversation. For each tensor the client sends
+ALLOC and WRITE headers and the payload in one scatter-gather send, straight from the file's
+mapping (or with sendfile for large payloads): no staging copy, no zero-fill, and no reply to
+wait for. One BARRIER at the end collects what the server completed and any errors.
+
+Hashing happens only where it can pay: when the server's HELLO says it keeps a cache, and only
+for tensors of at least ``hash_threshold`` bytes (1 MiB by default, so the experts of a
+mixture-of-experts checkpoint are covered). Their digests come from the file's sidecar when it
+has them (so a second push of the same file hashes nothing) and are otherwise computed on
+worker threads while the sender moves the small tensors. Each batch of large tensors whose
+digests are ready is asked about in one HAVE; the server fills the ones it has from its cache,
+and the rest are sent with their digest so the server can cache them. If a cache entry turns
+out to be bad, the BARRIER reply lists the tensor and the client sends it.
+
+``streams=N`` spreads the tensors over N connections, balanced by bytes, one sender each.
+
+How the tensors move is a :class:`Strategy`, chosen once per client (:func:`strategy`): the
+pipeline above, or with ``WEIGHTLIFT_LOAD_OPT=0`` the naive arm kept for A/B runs
+(:mod:`~weightlift.remote.client.naive`). A :class:`Push` holds everything of one push: its
+plans, the hashing beside it, the senders and their tally.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from weightlift import env
+from weightlift.digest.blake import HASH_THRESHOLD, NAIVE_HASH_THRESHOLD
+from weightlift.errors import IntegrityError, LocalProtocolError
+from weightlift.formats import TensorInfo
+from weightlift.profile import Profiler
+from weightlift.remote.client.connection import Connection
+from weightlift.remote.client.naive import NaivePusher
+from weightlift.remote.client.push import Hashing, Plan, Pusher, Tally, balance, wire_form
+
+__all__ = ["PushResult", "Strategy", "PIPELINE", "NAIVE", "strategy", "Push"]
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What a push did. ``bytes``: tensor bytes now on the server; ``bytes_sent``: payload that
+    crossed the wire; ``bytes_hashed``: bytes hashed by this push; ``cached``: tensors the server
+    filled from its cache; ``profile``: the profiler report when profiling was on; ``verified``:
+    tensors proven to be on the server as they are in the file (``verify=True``)."""
+
+    tensors: int
+    bytes: int
+    bytes_sent: int
+    bytes_hashed: int
+    cached: int
+    seconds: float
+    profile: dict[str, Any] | None = None
+    verified: int = 0  # tensors whose digest the server reported and the client matched (verify=True)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How a push moves its tensors. ``sender``: the class that pushes one connection's share;
+    ``hash_threshold``: the default size from which tensors are hashed; ``hash_ahead``: digests
+    of the tensors worth asking a caching server about are computed on a pool beside the sends
+    (else the sender hashes what it needs itself)."""
+
+    name: str
+    sender: type[Pusher]
+    hash_threshold: int
+    hash_ahead: bool
+
+
+PIPELINE = Strategy("pipeline", Pusher, HASH_THRESHOLD, hash_ahead=True)
+NAIVE = Strategy("naive", NaivePusher, NAIVE_HASH_THRESHOLD, hash_ahead=False)
+
+
+def strategy() -> Strategy:
+    """The strategy the environment asks for: :data:`NAIVE` under ``WEIGHTLIFT_LOAD_OPT=0``."""
+    return PIPELINE if env.load_opt() else NAIVE
+
+
+class Push:
+    """One push of ``tensors`` over ``conns`` (all to one server, ``where``), run by :meth:`run`.
+
+    ``settled`` says afterwards whether every connection ended in step with the server (at a
+    BARRIER reply, nothing left allocated): if not, the connections are unusable.
+    """
+
+    def __init__(
+        self,
+        tensors: Iterable[TensorInfo],
+        conns: list[Connection],
+        *,
+        where: str,
+        how: Strategy,
+        profiler: Profiler,
+        hash_threshold: int | None = None,
+        verify: bool = False,
+    ):
+        if verify and not all(c.verify for c in conns):
+            raise LocalProtocolError(
+                f"push(verify=True): the server speaks protocol 1.{conns[0].minor}, which cannot report "
+                "digests (it needs minor 2)"
+            )
+        self.plans = [wire_form(t) for t in tensors]
+        self.conns = conns
+        self.where = where
+        self.how = how
+        self.prof = profiler
+        self.threshold = how.hash_threshold if hash_threshold is None else hash_threshold
+        self.verify = verify
+        self.tally = Tally()
+        self.senders: list[Pusher] = []
+
+    @property
+    def settled(self) -> bool:
+        return all(p.settled for p in self.senders)
+
+    def run(self) -> PushResult:
+        """Send every tensor and wait for the server to have them; IntegrityError (with
+        ``verify``) naming every tensor the server holds other than the file."""
+        t0 = time.perf_counter()
+        hashing = Hashing(
+            self.plans,
+            threshold=self.threshold,
+            prof=self.prof,
+            enabled=self.how.hash_ahead and self.conns[0].cache,
+            verify=self.verify,
+        )
+        self.senders = [
+            self.how.sender(
+                c, prof=self.prof, tally=self.tally, hashing=hashing, threshold=self.threshold, verify=self.verify
+            )
+            for c in self.conns
+        ]
+        ok = False
+        try:
+            self._send(balance(self.plans, len(self.conns)))
+            ok = True
+        finally:
+            hashing.close(ok=ok)
+        seconds = time.perf_counter() - t0
+        tally = self.tally
+        if tally.differ:
+            raise IntegrityError(
+                f"push to {self.where}: {len(tally.differ)} of {len(self.plans)} tensors are not on "
+                "the server as they are in the file: " + ", ".join(tally.differ)
+            )
+        return PushResult(
+            tally.tensors,
+            tally.bytes,
+            tally.sent,
+            tally.hashed + hashing.hashed_bytes,
+            tally.cached,
+            seconds,
+            self.prof.report() if self.prof.enabled else None,
+            tally.verified,
+        )
+
+    def _send(self, groups: list[list[Plan]]) -> None:
+        """Each sender its group, on threads of their own when there are several."""
+        if len(self.senders) == 1:
+            self.senders[0].run(groups[0])
+            return
+        errors: list[BaseException] = []
+
+        def run(sender: Pusher, group: list[Plan]) -> None:
+            try:
+                sender.run(group)
+            except BaseException as e:  # re-raised in the caller's thread
+                errors.append(e)
+
+        threads = [
+            threading.Thread(target=run, args=(p, g), name=f"weightlift-push {i}", daemon=True)
+            for i, (p, g) in enumerate(zip(self.senders, groups, strict=True))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]

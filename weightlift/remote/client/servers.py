@@ -1,0 +1,122 @@
+"""Different selections of one checkpoint pushed to several tensor servers at once.
+
+The one way to push to several servers: ``Client.push(to=...)``,
+:func:`weightlift.distributed.push_many` and the split load all come here. Each server gets its
+own push on its own thread; the checkpoint is opened once and shared, and the page cache serves
+every reader after the first, so time to ready is the slowest push, not the sum. Every push runs
+to its end even when another fails; then :class:`~weightlift.errors.PushError` holds each error
+and each result.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
+from weightlift.errors import OptionError, PushError
+from weightlift.remote.client.job import PushResult
+
+__all__ = ["Address", "Target", "address_key", "Pushes", "push_each"]
+
+Address = str | tuple[str, int]
+
+
+def address_key(addr: Address) -> str:
+    """``"host:port"``: how results and errors are keyed, whichever form the address came in."""
+    return addr if isinstance(addr, str) else f"{addr[0]}:{addr[1]}"
+
+
+class Target(Protocol):
+    """What a push goes through: a :class:`~weightlift.remote.client.Client`, structurally."""
+
+    def push(
+        self, source: Checkpoint, *, select: Select = None, hash_threshold: int | None = None, verify: bool = False
+    ) -> PushResult: ...
+
+    def close(self) -> None: ...
+
+
+class Pushes:
+    """``targets`` (``{address: select}``) pushed at once, one thread each, started here.
+
+    ``connect`` makes the client of an address (closed after its push); ``own`` names clients
+    the caller keeps open, used for their addresses instead. Every selection is checked against
+    the checkpoint before any connection is made. :meth:`join` waits; :meth:`wait` also raises
+    PushError if any push failed, else returns ``{"host:port": PushResult}``.
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str] | Checkpoint,
+        targets: Mapping[Address, Select],
+        *,
+        connect: Callable[[Address], Target],
+        own: Mapping[str, Target] | None = None,
+        hash_threshold: int | None = None,
+        verify: bool = False,
+    ):
+        if len({address_key(a) for a in targets}) != len(targets):
+            raise OptionError("a push to several servers names every server once")
+        ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
+        for sel in targets.values():
+            ck.select(sel)  # a selection that matches nothing fails here, before any byte is sent
+        self._ck, self._connect, self._own = ck, connect, dict(own or {})
+        self._hash_threshold, self._verify = hash_threshold, verify
+        self.results: dict[str, PushResult] = {}
+        self.errors: dict[str, BaseException] = {}
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._run, args=(addr, sel), name=f"weightlift-push {i}", daemon=True)
+            for i, (addr, sel) in enumerate(targets.items())
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, addr: Address, select: Select) -> None:
+        key = address_key(addr)
+        try:
+            target = self._own.get(key)
+            if target is not None:
+                result = self._push(target, select)
+            else:
+                target = self._connect(addr)
+                try:
+                    result = self._push(target, select)
+                finally:
+                    target.close()
+            with self._lock:
+                self.results[key] = result
+        except Exception as e:  # noqa: BLE001 - gathered and raised in the caller's thread
+            with self._lock:
+                self.errors[key] = e
+
+    def _push(self, target: Target, select: Select) -> PushResult:
+        return target.push(self._ck, select=select, hash_threshold=self._hash_threshold, verify=self._verify)
+
+    def join(self) -> None:
+        """Wait for every push to end, however it ended."""
+        for t in self._threads:
+            t.join()
+
+    def wait(self) -> dict[str, PushResult]:
+        """Wait for every push; PushError if any failed, else every result."""
+        self.join()
+        if self.errors:
+            raise PushError(self.errors, self.results)
+        return self.results
+
+
+def push_each(
+    source: str | os.PathLike[str] | Checkpoint,
+    targets: Mapping[Address, Select],
+    *,
+    connect: Callable[[Address], Target],
+    own: Mapping[str, Target] | None = None,
+    hash_threshold: int | None = None,
+    verify: bool = False,
+) -> dict[str, PushResult]:
+    """:class:`Pushes` started and waited for: ``{"host:port": PushResult}``, or PushError."""
+    return Pushes(source, targets, connect=connect, own=own, hash_threshold=hash_threshold, verify=verify).wait()
