@@ -14,6 +14,7 @@ import weightlift as wl
 from tests.checkpoints import every_dtype, raw_bytes, write, write_sharded
 from tests.devices import HAS_TORCH, needs_torch
 from weightlift.errors import FileError, FormatError, NotFoundError, OptionError
+from weightlift.options import LoadOptions
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 FRAMEWORKS = ["numpy", pytest.param("torch", marks=needs_torch)]
@@ -422,7 +423,7 @@ def test_file_truncated_under_the_load_is_a_file_error_not_sigbus(tmp_path, fram
             cut.append(offset)
 
     with pytest.raises(FileError) as e:
-        loader.load_local(path, framework=framework, threads=1, on_landed=landed)
+        loader.load_local(path, LoadOptions(framework=framework, threads=1), on_landed=landed)
     assert cut and e.value.file == str(path)
     assert "ended" in str(e.value)
 

@@ -456,6 +456,7 @@ def _server_report(server: Any) -> dict[str, Any] | None:
 def _wl_split(o: dict[str, Any]) -> dict[str, Any]:
     """The second half of the tensors pushed to a server in this process while the first half
     loads locally (weightlift.split.split_load); ready when both halves are in memory."""
+    from weightlift.options import LoadOptions
     from weightlift.remote.server import Server
     from weightlift.split import split_load
 
@@ -466,7 +467,7 @@ def _wl_split(o: dict[str, Any]) -> dict[str, Any]:
     server = Server("127.0.0.1", 0, profile=prof.enabled)
     host, port = server.start()
     try:
-        res = split_load(o["path"], {f"{host}:{port}": remote_names}, profile=_prof_arg(prof))
+        res = split_load(o["path"], LoadOptions(remote={f"{host}:{port}": remote_names}, profile=_prof_arg(prof)))
         n, b = _touch_any(res.local.values())
         rn, rb = _touch_any(server.tensors().values())
         info: dict[str, Any] = {

@@ -30,6 +30,7 @@ from weightlift.dtypes import byte_length, dtype_info
 from weightlift.errors import GroupError, OptionError, RemoteProtocolError
 from weightlift.formats import TensorInfo
 from weightlift.memory.faulter import REGION, Faulter
+from weightlift.options import Placement
 
 __all__ = ["broadcast_load", "BROADCAST_CHUNK", "MAX_DESCRIPTION"]
 
@@ -62,10 +63,10 @@ def broadcast_load(
     t0 = time.perf_counter()
     if not isinstance(chunk, int) or chunk < 1:
         raise OptionError(f"chunk must be a positive number of bytes, got {chunk!r}")
-    if framework not in ("numpy", "torch"):
-        raise OptionError(f"framework must be 'numpy' or 'torch', not {framework!r}")
+    place = Placement(device=device, framework=framework)
+    device = place.device
     comm = Comm(group, timeout=timeout)
-    comm.check_device(str(device))
+    comm.check_device(device)
     if not 0 <= src < comm.world:
         raise OptionError(f"src must be a rank of the group, in [0, {comm.world}), got {src}")
     source = comm.rank == src
@@ -89,7 +90,7 @@ def broadcast_load(
         raise failure
     if not source:
         infos, offs, total = _parse(desc)
-    arena = Arena(total, str(device))
+    arena = Arena(total, device)
     at = arena.tensor()
     pending: deque[Any] = deque()
     done = 0

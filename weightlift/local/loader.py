@@ -51,14 +51,15 @@ from weightlift.disk.source import (
 from weightlift.disk.source import (
     prefetch as read_in,
 )
-from weightlift.dtypes import DTYPES, dtype_info, from_numpy, from_torch
-from weightlift.errors import FileError, OptionError, WeightliftError
+from weightlift.dtypes import DTYPES, dtype_info
+from weightlift.errors import FileError, WeightliftError
 from weightlift.formats import TensorInfo
 from weightlift.local.plan import CHUNK, Run, layout, make_chunks, make_runs
 from weightlift.memory.faulter import REGION, Faulter
 from weightlift.memory.fresh import map_in
 from weightlift.memory.fresh import policy as _fill_policy
 from weightlift.memory.targets import CastTarget, CudaTarget, Target, fresh_host, make_target, populate, view_as
+from weightlift.options import LoadOptions
 
 __all__ = ["load_local", "prefetch", "Prefetch", "Landed", "DEFAULT_THREADS"]
 
@@ -74,26 +75,15 @@ class Landed(Protocol):
 
 def load_local(
     path: str | os.PathLike[str] | Checkpoint,
+    opts: LoadOptions | None = None,
     *,
-    device: str = "cpu",
-    framework: str = "numpy",
-    select: Select = None,
-    dtype: Any = None,
-    copy: bool = True,
-    page_cache: str | None = None,
-    warm: bool | None = None,
-    threads: int | None = None,
-    engine: str = "auto",
-    dequantize: bool = False,
-    profile: Any = None,
-    progress: bool | None = None,
-    report: dict[str, Any] | None = None,
     on_landed: Landed | None = None,
 ) -> dict[str, Any]:
     """Load tensors from a checkpoint into this process's memory; returns ``{name: array}`` in file order.
 
-    The options are :func:`weightlift.load`'s local ones (see there); the split and distributed
-    loads are dispatched by :mod:`weightlift.api` before they reach this function.
+    ``opts`` holds :func:`weightlift.load`'s options (see there); only the local ones are read
+    here: the split and distributed loads are dispatched by :mod:`weightlift.api` before they
+    reach this function.
 
     ``on_landed(file, offset, data, stable=...)`` is called by the worker that landed them with
     the bytes of ``file`` at ``offset`` as they now are in the destination, right after the copy
@@ -101,18 +91,15 @@ def load_local(
     ``data`` is the host-side pinned staging buffer, reused after the call (``stable=False``);
     for a dtype cast it is the source bytes the conversion read; for ``copy=False`` the views.
     """
+    opts = opts if opts is not None else LoadOptions()
     t_start = time.perf_counter()
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
-    infos = ckpt.select(select)
-    cast = _dtype_name(dtype)
-    if engine not in ("auto", "pread", "mmap"):
-        raise OptionError(f"engine must be 'auto', 'pread' or 'mmap', not {engine!r}")
-    if page_cache not in (None, "keep", "evict"):
-        raise OptionError(f"page_cache must be 'keep' or 'evict', not {page_cache!r}")
-    nthreads = DEFAULT_THREADS if threads is None else int(threads)
-    if nthreads < 1:
-        raise OptionError("threads must be at least 1")
-    prof = _profiler(profile)
+    infos = ckpt.select(opts.select)
+    cast = opts.cast
+    device, framework, copy, warm, progress = opts.device, opts.framework, opts.copy, opts.warm, opts.progress
+    dequantize, report = opts.dequantize, opts.report
+    nthreads = DEFAULT_THREADS if opts.threads is None else opts.threads
+    prof = _profiler(opts.profile)
     nbytes = sum(t.length for t in infos)
     if prof is not None:
         # tensor bytes, not the padding a coalesced run copies along with them
@@ -122,8 +109,6 @@ def load_local(
     await_prefetches(files)
     resident = {f: resident_fraction(f) for f in files}
     if not copy:
-        if str(device) != "cpu" or cast is not None:
-            raise OptionError("copy=False returns views of the file's mapping: only for device='cpu' without dtype")
         want = files if warm else [] if warm is False else [f for f in files if resident[f] < RESIDENT_THRESHOLD]
         if want:
             _prefetch(infos, maps, want, prof, _progress(progress, nbytes))
@@ -133,7 +118,7 @@ def load_local(
                 on_landed(t.file, t.offset, maps[t.file].view(t.offset, t.length))
     else:
         target = make_target(device, framework, None)
-        evict = _evict_policy(page_cache, target)
+        evict = _evict_policy(opts.page_cache, target)
         mover = _Mover(
             infos,
             target,
@@ -141,7 +126,7 @@ def load_local(
             framework=framework,
             cast=cast,
             threads=nthreads,
-            engine=engine,
+            engine=opts.engine,
             evict=evict,
             cold={f: resident[f] < RESIDENT_THRESHOLD for f in files},
             warm=warm,
@@ -171,31 +156,6 @@ def load_local(
 
 
 # -- options -------------------------------------------------------------------------------
-
-
-def _dtype_name(dtype: Any) -> str | None:
-    if dtype is None:
-        return None
-    if isinstance(dtype, str):
-        up = dtype.upper()
-        if up in _PLAIN:
-            return up
-        try:
-            return from_numpy(np.dtype(dtype))
-        except (TypeError, OptionError):
-            pass
-        try:
-            import ml_dtypes
-
-            return from_numpy(np.dtype(getattr(ml_dtypes, dtype)))
-        except (AttributeError, TypeError, ImportError, OptionError):
-            raise OptionError(f"unknown dtype {dtype!r}") from None
-    if type(dtype).__module__.startswith("torch"):
-        return from_torch(dtype)
-    try:
-        return from_numpy(np.dtype(dtype))
-    except TypeError:
-        raise OptionError(f"unknown dtype {dtype!r}") from None
 
 
 def _profiler(profile: Any) -> Any:

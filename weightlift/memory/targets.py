@@ -21,6 +21,7 @@ from weightlift.dtypes import byte_length, dtype_info, numpy_dtype, torch_dtype
 from weightlift.errors import DeviceError, OptionError
 from weightlift.memory.fresh import before_kernel_copy as populate
 from weightlift.memory.fresh import fresh_host
+from weightlift.options import Placement
 
 __all__ = ["Target", "HostTarget", "CastTarget", "CudaTarget", "make_target", "fresh_host", "populate", "STAGING_SLOT"]
 
@@ -277,16 +278,11 @@ class CudaTarget(Target):
 
 
 def make_target(device: str = "cpu", framework: str = "numpy", dtype: str | None = None) -> Target:
-    """The target for ``device``/``framework``; ``dtype`` (a dtype name) casts on load."""
-    if framework not in ("numpy", "torch"):
-        raise OptionError(f"framework must be 'numpy' or 'torch', not {framework!r}")
+    """The target for ``device``/``framework`` (checked as a :class:`~weightlift.options.Placement`);
+    ``dtype`` (a dtype name) casts on load."""
+    place = Placement(device=device, framework=framework)
     if dtype is not None:
         dtype_info(dtype)
-    dev = str(device)
-    if dev == "cpu":
-        return CastTarget(framework, dtype) if dtype else HostTarget(framework)
-    if dev.startswith("cuda"):
-        if framework != "torch":
-            raise OptionError(f"device {dev!r} needs framework='torch'")
-        return CudaTarget(dev, dtype)
-    raise OptionError(f"unknown device {dev!r}: expected 'cpu' or 'cuda[:N]'")
+    if place.cuda:
+        return CudaTarget(place.device, dtype)
+    return CastTarget(place.framework, dtype) if dtype else HostTarget(place.framework)
