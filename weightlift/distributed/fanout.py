@@ -70,26 +70,7 @@ def broadcast_load(
     if not 0 <= src < comm.world:
         raise OptionError(f"src must be a rank of the group, in [0, {comm.world}), got {src}")
     source = comm.rank == src
-    reader = None
-    infos: list[TensorInfo] = []
-    failure: BaseException | None = None
-    desc = b""
-    if source:
-        try:
-            if path is None:
-                raise OptionError("the source rank needs a path")
-            ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
-            infos = ckpt.select(select)
-            reader = SliceReader({f: ckpt.mapped(f) for f in dict.fromkeys(t.file for t in infos)}, engine=engine)
-            offs, total = pack([t.length for t in infos])
-            desc = _describe(infos, offs, total)
-        except Exception as e:  # noqa: BLE001 - the receivers are told, then it is raised here
-            failure = e
-    desc = _broadcast_description(comm, desc, src, failed=failure is not None)
-    if failure is not None:
-        raise failure
-    if not source:
-        infos, offs, total = _parse(desc)
+    infos, offs, total, reader = _plan(comm, path, select, engine, src, source)
     arena = Arena(total, device)
     at = arena.tensor()
     pending: deque[Any] = deque()
@@ -126,6 +107,37 @@ def broadcast_load(
             src=src,
         )
     return out
+
+
+def _plan(
+    comm: Comm, path: Any, select: Select, engine: str, src: int, source: bool
+) -> tuple[list[TensorInfo], list[int], int, SliceReader | None]:
+    """Every rank's tensors and their arena offsets, and the source's reader: the source opens
+    the checkpoint and broadcasts its description; a source that fails tells the receivers
+    first, then raises its own error."""
+    reader = None
+    infos: list[TensorInfo] = []
+    offs: list[int] = []
+    total = 0
+    failure: BaseException | None = None
+    desc = b""
+    if source:
+        try:
+            if path is None:
+                raise OptionError("the source rank needs a path")
+            ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
+            infos = ckpt.select(select)
+            reader = SliceReader({f: ckpt.mapped(f) for f in dict.fromkeys(t.file for t in infos)}, engine=engine)
+            offs, total = pack([t.length for t in infos])
+            desc = _describe(infos, offs, total)
+        except Exception as e:  # noqa: BLE001 - the receivers are told, then it is raised here
+            failure = e
+    desc = _broadcast_description(comm, desc, src, failed=failure is not None)
+    if failure is not None:
+        raise failure
+    if not source:
+        infos, offs, total = _parse(desc)
+    return infos, offs, total, reader
 
 
 FAULT_WINDOW = 256 * 1024 * 1024  # how far the helpers may fault ahead of the chunk in flight
