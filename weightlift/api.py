@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from weightlift.digest.published import Manifest
     from weightlift.distributed.shard import Shard
 
-__all__ = ["load", "prefetch", "Prefetch", "LoadKind", "KINDS", "kind_for"]
+__all__ = ["load", "prefetch", "Prefetch", "LoadKind", "KINDS", "kind_for", "run_load"]
 
 Path = str | os.PathLike[str] | Checkpoint
 
@@ -194,4 +194,9 @@ def load(
         report=report, remote=remote, token=token, streams=streams, shard=shard, group=group, verify=verify,
         manifest=manifest,
     )  # fmt: skip
+    return run_load(path, opts)
+
+
+def run_load(path: str | os.PathLike[str] | Checkpoint, opts: LoadOptions) -> dict[str, Any]:
+    """:func:`load` for options already built: the kind ``opts`` asks for, run."""
     return kind_for(opts).run(path, opts)
