@@ -140,7 +140,7 @@ class Target:
         """A target in the same place that casts floating-point tensors to ``dtype`` on the way in."""
         return CastTarget(self.framework, dtype)
 
-    def stager(self, spare: np.ndarray | None = None, *, private: bool = False) -> Stager:
+    def stager(self, spare: np.ndarray | memoryview | None = None, *, private: bool = False) -> Stager:
         """The host staging bytes pass through on their way into this target (see :class:`Stager`).
 
         ``spare`` is a host buffer of the caller's, used where the target has no staging of its
@@ -165,9 +165,9 @@ class Stager:
     reused by the next :meth:`take`.
     """
 
-    def __init__(self, target: Target, spare: np.ndarray | None = None):
+    def __init__(self, target: Target, spare: np.ndarray | memoryview | None = None):
         self.target = target
-        self._spare = spare
+        self._spare = None if spare is None else np.frombuffer(spare, dtype=np.uint8)
         self._buf: np.ndarray | None = None
 
     def take(self, n: int) -> np.ndarray:
@@ -476,7 +476,7 @@ class CudaTarget(Target):
     def casting(self, dtype: str) -> Target:
         return CudaTarget(self.device, dtype, torch=self._torch, pinned=self._pinned)
 
-    def stager(self, spare: np.ndarray | None = None, *, private: bool = False) -> Stager:
+    def stager(self, spare: np.ndarray | memoryview | None = None, *, private: bool = False) -> Stager:
         if self.dtype is not None:  # a cast: through write(), which converts on the device
             return Stager(self, spare)
         if not private:
