@@ -148,3 +148,19 @@ def test_placement():
         Placement(framework="jax")
     with pytest.raises(OptionError, match="unknown device"):
         Placement(device="cuda:x", framework="torch")
+
+
+@pytest.mark.skipif(not hasattr(__import__("typing"), "get_overloads"), reason="typing.get_overloads is 3.11+")
+def test_loads_typed_overloads_keep_its_keywords():
+    """The overloads that type load's result by framework take exactly load's keywords."""
+    import typing
+
+    import weightlift.api as api
+
+    overloads = typing.get_overloads(api.load)
+    assert len(overloads) == 3
+    impl = inspect.signature(api.load).parameters
+    for ov in overloads:
+        params = inspect.signature(ov).parameters
+        assert list(params) == list(impl)
+        assert [p.kind for p in params.values()] == [p.kind for p in impl.values()]

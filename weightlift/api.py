@@ -15,15 +15,19 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 from weightlift.checkpoint import Checkpoint, open_checkpoint
 from weightlift.errors import OptionError
 from weightlift.local.loader import Prefetch, load_local, prefetch
-from weightlift.options import DTypeLike, Group, LoadOptions, ProfileLike, Select
+from weightlift.options import Array, DTypeLike, Group, LoadOptions, ProfileLike, Select
 from weightlift.split import split_load
 
 if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    from numpy.typing import NDArray
+
     from weightlift.digest.published import Manifest
     from weightlift.distributed.shard import Shard
 
@@ -128,6 +132,87 @@ def kind_for(opts: LoadOptions) -> LoadKind:
     return kind
 
 
+@overload
+def load(
+    path: str | os.PathLike[str] | Checkpoint,
+    *,
+    device: str = ...,
+    framework: Literal["numpy"] = ...,
+    select: Select = ...,
+    dtype: DTypeLike | None = ...,
+    copy: bool = ...,
+    page_cache: str | None = ...,
+    warm: bool | None = ...,
+    threads: int | None = ...,
+    engine: str = ...,
+    dequantize: bool = ...,
+    profile: ProfileLike = ...,
+    progress: bool | None = ...,
+    report: dict[str, object] | None = ...,
+    remote: Mapping[str, Select] | None = ...,
+    token: str | bytes | None = ...,
+    streams: int = ...,
+    shard: Shard | None = ...,
+    group: Group | None = ...,
+    verify: bool = ...,
+    manifest: str | os.PathLike[str] | Manifest | None = ...,
+) -> dict[str, NDArray[np.generic]]: ...
+
+
+@overload
+def load(
+    path: str | os.PathLike[str] | Checkpoint,
+    *,
+    device: str = ...,
+    framework: Literal["torch"],
+    select: Select = ...,
+    dtype: DTypeLike | None = ...,
+    copy: bool = ...,
+    page_cache: str | None = ...,
+    warm: bool | None = ...,
+    threads: int | None = ...,
+    engine: str = ...,
+    dequantize: bool = ...,
+    profile: ProfileLike = ...,
+    progress: bool | None = ...,
+    report: dict[str, object] | None = ...,
+    remote: Mapping[str, Select] | None = ...,
+    token: str | bytes | None = ...,
+    streams: int = ...,
+    shard: Shard | None = ...,
+    group: Group | None = ...,
+    verify: bool = ...,
+    manifest: str | os.PathLike[str] | Manifest | None = ...,
+) -> dict[str, torch.Tensor]: ...
+
+
+@overload
+def load(
+    path: str | os.PathLike[str] | Checkpoint,
+    *,
+    device: str = ...,
+    framework: str = ...,
+    select: Select = ...,
+    dtype: DTypeLike | None = ...,
+    copy: bool = ...,
+    page_cache: str | None = ...,
+    warm: bool | None = ...,
+    threads: int | None = ...,
+    engine: str = ...,
+    dequantize: bool = ...,
+    profile: ProfileLike = ...,
+    progress: bool | None = ...,
+    report: dict[str, object] | None = ...,
+    remote: Mapping[str, Select] | None = ...,
+    token: str | bytes | None = ...,
+    streams: int = ...,
+    shard: Shard | None = ...,
+    group: Group | None = ...,
+    verify: bool = ...,
+    manifest: str | os.PathLike[str] | Manifest | None = ...,
+) -> dict[str, Array]: ...
+
+
 def load(
     path: str | os.PathLike[str] | Checkpoint,
     *,
@@ -151,7 +236,7 @@ def load(
     group: Group | None = None,
     verify: bool = False,
     manifest: str | os.PathLike[str] | Manifest | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Array]:
     """Load tensors from a checkpoint into memory; returns ``{name: array}`` in file order.
 
     ``path`` is a .safetensors file, a shard index, a .gguf file, or a folder holding one.

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
     import torch
     import torch.distributed
+    from numpy.typing import NDArray
 
     from weightlift.profile import Profiler
 
@@ -37,6 +38,7 @@ __all__ = [
     "Placement",
     "LoadOptions",
     "Select",
+    "Array",
     "DTypeLike",
     "Group",
     "ProfileLike",
@@ -50,6 +52,8 @@ __all__ = [
 Select: TypeAlias = None | str | Pattern[str] | Iterable[str] | frozenset[str]
 #: A dtype to cast floating-point tensors to: a name ("F16", "bfloat16"), a numpy or a torch dtype.
 DTypeLike: TypeAlias = Union[str, "np.dtype[np.generic]", "type[np.generic]", "torch.dtype"]
+#: A loaded tensor: a numpy array (``framework="numpy"``) or a torch tensor (``framework="torch"``).
+Array: TypeAlias = Union["NDArray[np.generic]", "torch.Tensor"]
 #: A torch.distributed process group.
 Group: TypeAlias = "torch.distributed.ProcessGroup"
 #: The profiler switch: on, off, from the environment (None), or a profiler of the caller's.

@@ -167,8 +167,10 @@ class Mover:
         gate = _Gate(workers, cold=self.cold_read, device=dev)
 
         def worker(k: int) -> None:
-            stager = None if self.target.memcpy_ok else self.target.stager(private=True)
+            stager: Stager | None = None
             try:
+                if not self.target.memcpy_ok:
+                    stager = self.target.stager(private=True)  # this worker's own staging
                 while self._error is None and gate.admit(k):
                     with self._lock:
                         i = nxt[0]
