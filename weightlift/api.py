@@ -47,8 +47,8 @@ class LoadKind:
     wants: Callable[[LoadOptions], bool]
     #: the options that take effect in this kind
     supports: frozenset[str]
-    #: options accepted and not used: tuning this kind does without (a refusal would break callers
-    #: that pass the same tuning to every kind)
+    #: options accepted and not used: tuning this kind does without, or a split load's link
+    #: settings; accepted as they always were, so that callers passing them everywhere keep working
     ignores: frozenset[str]
     run: Callable[[Path, LoadOptions], dict[str, Any]]
 
