@@ -9,20 +9,21 @@ Theory of operation.
 3. **Plan.** Tensors become runs of back-to-back bytes going to the same kind of target, runs
    become one arena whose layout mirrors the file (so each run is one copy and each tensor a
    view), and the arena is cut into chunks for the worker threads.
-4. **Move.** Worker threads take chunks in file order. Host targets in the checkpoint's dtype
+4. **Move** (:mod:`.mover`). Worker threads take chunks in file order. Host targets in the checkpoint's dtype
    are read with ``preadv`` straight into the arena (no staging copy): warm, that matched a
    copy out of the file's mapping (bench/RESULTS.md, wl.numpy.pread), and a file truncated
    under the load then ends in a short read, a FileError naming the file, where a copy out of
    the mapping would kill the process with SIGBUS. ``engine="mmap"`` keeps the mapping copy
-   (its page-table entries dropped behind it so the file does not count twice in RSS). A CUDA
-   target gets the same reads into pinned slots, each
-   worker double-buffering its own two slots so the disk or page-cache read of one chunk
-   overlaps the device copy of the previous one. A cast target converts straight out of the
+   (its page-table entries dropped behind it so the file does not count twice in RSS). A target
+   a memcpy cannot fill (CUDA) gets the same reads into the staging it hands each worker (for
+   CUDA two pinned slots), so the disk or page-cache read of one chunk overlaps the device copy
+   of the previous one. A cast target converts straight out of the
    mapping in its own fill step. While the workers copy, warmers read ahead of them on cold files.
 5. **Page cache.** Kept, unless it competes with the destination for RAM (a unified-memory
    device, or ``page_cache="evict"``): then each chunk is dropped from the cache once copied.
 
-``copy=False`` skips 3-5 for host targets: tensors are read-only views of the mapping.
+``copy=False`` skips 3-5 for host targets: tensors are read-only views of the mapping, the
+cold bytes read in first (:mod:`.prefetch`, which also reads ahead of a load in the background).
 """
 
 from __future__ import annotations
