@@ -211,6 +211,7 @@ def _wl_push_again(o: dict[str, Any], *, cache: bool) -> dict[str, Any]:
 def _wl_split(o: dict[str, Any]) -> dict[str, Any]:
     """The second half of the tensors pushed to a server in this process while the first half
     loads locally (weightlift.split.split_load); ready when both halves are in memory."""
+    from weightlift.options import LoadOptions
     from weightlift.remote.server import Server
     from weightlift.split import split_load
 
@@ -221,7 +222,7 @@ def _wl_split(o: dict[str, Any]) -> dict[str, Any]:
     server = Server("127.0.0.1", 0, profile=prof.enabled)
     host, port = server.start()
     try:
-        res = split_load(o["path"], {f"{host}:{port}": remote_names}, profile=core.prof_arg(prof))
+        res = split_load(o["path"], LoadOptions(remote={f"{host}:{port}": remote_names}, profile=core.prof_arg(prof)))
         n, b = core.touch_any(res.local.values())
         rn, rb = core.touch_any(server.tensors().values())
         info: dict[str, Any] = {

@@ -21,6 +21,7 @@ import weightlift as wl  # noqa: E402
 from weightlift import hf  # noqa: E402
 from weightlift.check import generate, run_check  # noqa: E402
 from weightlift.cli import main  # noqa: E402
+from weightlift.hf import conversions  # noqa: E402
 
 SMALL = dict(vocab_size=256, max_position_embeddings=128, initializer_range=0.3)
 PROMPT = torch.tensor([[1, 8, 15, 22, 29, 36, 43, 50]])
@@ -229,7 +230,7 @@ def test_lazy_conversion_table_is_transformers_table(monkeypatch):
     from transformers import conversion_mapping as cm
 
     monkeypatch.setattr(cm, "_checkpoint_conversion_mapping_cache", None)
-    hf._lazy_conversion_table()
+    conversions.lazy_conversion_table()
     lazy = cm._checkpoint_conversion_mapping_cache
     eager = cm._build_checkpoint_conversion_mapping()
     assert list(lazy) == list(eager)
@@ -239,7 +240,7 @@ def test_lazy_conversion_table_is_transformers_table(monkeypatch):
         for a, b in zip(lazy[key], eager[key], strict=False):
             assert a.source_patterns == b.source_patterns and a.target_patterns == b.target_patterns
             if hasattr(b, "compiled_sources"):
-                assert isinstance(a.compiled_sources, hf._LazyPattern)
+                assert isinstance(a.compiled_sources, conversions.LazyPattern)
                 assert (a.compiled_sources.pattern, a.compiled_sources.flags) == (
                     b.compiled_sources.pattern,
                     b.compiled_sources.flags,
@@ -249,7 +250,7 @@ def test_lazy_conversion_table_is_transformers_table(monkeypatch):
     p = next(t.compiled_sources for ts in lazy.values() for t in ts if hasattr(t, "compiled_sources"))
     assert copy.deepcopy(p) is p and isinstance(pickle.loads(pickle.dumps(p)), re.Pattern)
     # built once per process: a second call leaves the table alone
-    hf._lazy_conversion_table()
+    conversions.lazy_conversion_table()
     assert cm._checkpoint_conversion_mapping_cache is lazy
 
 

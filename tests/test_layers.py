@@ -7,8 +7,8 @@ importing module's component (its top-level module or folder) to the imported on
   rank, so neither imports the other; nothing imports the CLI or the benchmark (the CLI may run
   the benchmark);
 * no module imports another module's private name (``from x import _y``);
-* the imports made when a module loads (not those inside functions or under TYPE_CHECKING)
-  form no cycle.
+* the imports made when a module loads (not those inside functions) form no cycle, and neither
+  do they together with those under TYPE_CHECKING (a type checker follows those too).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "weightlift"
 
@@ -26,21 +28,22 @@ RANK = {
     "progress": 1,
     "profile": 2,
     "formats": 2,
-    "disk": 3,
-    "memory": 3,
-    "checkpoint": 4,
-    "digest": 5,
-    "local": 6,
-    "remote": 6,
-    "split": 7,
-    "distributed": 7,
-    "api": 8,
-    "hf": 9,
-    "check": 10,
-    "benchmark": 11,
-    "cli": 12,
-    "__init__": 13,
-    "__main__": 13,
+    "options": 3,
+    "disk": 4,
+    "memory": 4,
+    "checkpoint": 5,
+    "digest": 6,
+    "local": 7,
+    "remote": 7,
+    "split": 8,
+    "distributed": 8,
+    "api": 9,
+    "hf": 10,
+    "check": 11,
+    "benchmark": 12,
+    "cli": 13,
+    "__init__": 14,
+    "__main__": 14,
 }
 
 
@@ -48,7 +51,7 @@ def _modules() -> dict[str, Path]:
     out = {}
     for path in sorted(PKG.rglob("*.py")):
         parts = ["weightlift", *path.relative_to(PKG).with_suffix("").parts]
-        if parts[-1] == "__init__" and len(parts) > 2:
+        if parts[-1] == "__init__":
             parts = parts[:-1]
         out[".".join(parts)] = path
     return out
@@ -68,17 +71,20 @@ def _resolve(module: str, name: str) -> str:
     return sub if sub in MODULES else module
 
 
-def _imports(module: str, path: Path) -> Iterator[tuple[str, list[str], bool]]:
-    """(imported module, names taken from it, whether it runs at load time) per import."""
+LOAD, TYPING, CALL = "load", "typing", "call"  # when an import runs: module load, type checking, a call
+
+
+def _imports(module: str, path: Path) -> Iterator[tuple[str, list[str], str]]:
+    """(imported module, names taken from it, when it runs: LOAD, TYPING or CALL) per import."""
     tree = ast.parse(path.read_text(), str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
 
-    def walk(node: ast.AST, at_load: bool) -> Iterator[tuple[str, list[str], bool]]:
+    def walk(node: ast.AST, at_load: str) -> Iterator[tuple[str, list[str], str]]:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                yield from walk(child, False)
+                yield from walk(child, CALL)
             elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                yield from walk(child, False)
+                yield from walk(child, TYPING if at_load == LOAD else at_load)
             elif isinstance(child, ast.Import):
                 for a in child.names:
                     if a.name.split(".")[0] == "weightlift":
@@ -98,7 +104,7 @@ def _imports(module: str, path: Path) -> Iterator[tuple[str, list[str], bool]]:
             else:
                 yield from walk(child, at_load)
 
-    yield from walk(tree, True)
+    yield from walk(tree, LOAD)
 
 
 def test_layers_import_downward() -> None:
@@ -128,26 +134,47 @@ def test_no_private_names_cross_modules() -> None:
     assert not bad, "\n".join(bad)
 
 
-def test_no_import_cycles_at_load() -> None:
-    graph = {
-        m: {t for t, _, at_load in _imports(m, p) if at_load and t in MODULES and t != m} for m, p in MODULES.items()
-    }
+def _cycle(when: set[str]) -> list[str] | None:
+    """An import cycle among the imports that run ``when``, or None."""
+    graph = {m: {t for t, _, w in _imports(m, p) if w in when and t in MODULES and t != m} for m, p in MODULES.items()}
     # a package's __init__ runs before its submodules load: an edge to a package is an edge to it
     seen: dict[str, int] = {}
     stack: list[str] = []
 
-    def visit(m: str) -> None:
+    def visit(m: str) -> list[str] | None:
         seen[m] = 1
         stack.append(m)
         for t in sorted(graph[m]):
             if seen.get(t) == 1:
-                cycle = stack[stack.index(t) :] + [t]
-                raise AssertionError("import cycle: " + " -> ".join(cycle))
-            if t not in seen:
-                visit(t)
+                return stack[stack.index(t) :] + [t]
+            if t not in seen and (found := visit(t)) is not None:
+                return found
         stack.pop()
         seen[m] = 2
+        return None
 
     for m in sorted(graph):
-        if m not in seen:
-            visit(m)
+        if m not in seen and (found := visit(m)) is not None:
+            return found
+    return None
+
+
+def test_no_import_cycles_at_load() -> None:
+    cycle = _cycle({LOAD})
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+@pytest.mark.xfail(
+    "weightlift.remote.server.legacy" in MODULES,
+    reason="the server's legacy write path and its receiver import each other under TYPE_CHECKING",
+    strict=True,
+)
+def test_no_import_cycles_for_type_checkers() -> None:
+    cycle = _cycle({LOAD, TYPING})
+    assert cycle is None, "import cycle under TYPE_CHECKING: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_check_sees_type_checking_imports() -> None:
+    """The check itself: an import under TYPE_CHECKING is an edge for type checkers, not at load."""
+    whens = {w for t, _, w in _imports("weightlift", MODULES["weightlift"]) if t == "weightlift.remote.server"}
+    assert whens == {TYPING, CALL}  # the lazy Server: visible to type checkers, loaded on first use

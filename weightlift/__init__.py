@@ -10,7 +10,7 @@ The public API is a handful of verbs; everything else lives in submodules::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightlift.api import Prefetch, load, prefetch
 from weightlift.checkpoint import Checkpoint
@@ -32,6 +32,11 @@ from weightlift.errors import (
     WeightliftError,
 )
 from weightlift.formats import TensorInfo
+
+if TYPE_CHECKING:  # loaded on first use at run time (module __getattr__ below); typed for checkers
+    from weightlift.distributed.shard import Shard
+    from weightlift.remote.client import Client
+    from weightlift.remote.server import Server
 
 __version__ = "0.1.0"
 

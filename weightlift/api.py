@@ -1,22 +1,216 @@
-"""The public verb: ``weightlift.load`` picks the local loader, a split load or a distributed load.
+"""The public verb: ``weightlift.load`` picks the kind of load from a table and runs it.
 
-Each kind of load lives in its own layer (:mod:`weightlift.local`, :mod:`weightlift.split`,
-:mod:`weightlift.distributed`); this module only reads the options that say which one a call is
-and hands the rest over, so the local loader never learns about the remote options.
+``load`` turns its keywords into one :class:`~weightlift.options.LoadOptions` (every value
+checked once) and asks :data:`KINDS`, in order, which kind of load the call is: a distributed
+load (``shard=`` or ``group=``), a split load (``remote=``), a verified load (``verify=True``) or
+a plain local one. Each kind declares the options it supports and those it accepts without using
+(tuning it does without); any other option that is set is refused, naming the option and what it
+is for, by one check (:func:`kind_for`). Each kind lives in its own layer
+(:mod:`weightlift.local`, :mod:`weightlift.split`, :mod:`weightlift.distributed`), so the local
+loader never learns about the remote options.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
-from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
+from weightlift.checkpoint import Checkpoint, open_checkpoint
 from weightlift.errors import OptionError
 from weightlift.local.loader import Prefetch, load_local, prefetch
+from weightlift.options import Array, DTypeLike, Group, LoadOptions, ProfileLike, Select
 from weightlift.split import split_load
 
-__all__ = ["load", "prefetch", "Prefetch"]
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    from numpy.typing import NDArray
+
+    from weightlift.digest.published import Manifest
+    from weightlift.distributed.shard import Shard
+
+__all__ = ["load", "prefetch", "Prefetch", "LoadKind", "KINDS", "kind_for", "run_load"]
+
+Path = str | os.PathLike[str] | Checkpoint
+
+
+@dataclass(frozen=True)
+class LoadKind:
+    """One kind of load: how a call asks for it, what it supports, and the function that runs it."""
+
+    name: str
+    #: the options that ask for this kind, as an error message names them ("" for the plain load)
+    chosen_by: str
+    #: whether a call is of this kind (the first kind in :data:`KINDS` that says so runs it)
+    wants: Callable[[LoadOptions], bool]
+    #: the options that take effect in this kind
+    supports: frozenset[str]
+    #: options accepted and not used: tuning this kind does without, or a split load's link
+    #: settings; accepted as they always were, so that callers passing them everywhere keep working
+    ignores: frozenset[str]
+    run: Callable[[Path, LoadOptions], dict[str, Any]]
+
+    def refused(self, opts: LoadOptions) -> list[str]:
+        """The options set in ``opts`` that this kind neither supports nor ignores."""
+        return [n for n in opts.given() if n not in self.supports and n not in self.ignores]
+
+
+def _local(path: Path, opts: LoadOptions) -> dict[str, Any]:
+    return load_local(path, opts)
+
+
+def _verified(path: Path, opts: LoadOptions) -> dict[str, Any]:
+    from weightlift.digest.landed import LandedHasher
+    from weightlift.digest.published import expected_digests
+
+    ck = path if isinstance(path, Checkpoint) else open_checkpoint(path)
+    infos = ck.select(opts.select)
+    # LoadOptions cannot name the manifest's type (it sits in a lower layer); load's signature does
+    manifest = cast("str | os.PathLike[str] | Manifest | None", opts.manifest)
+    hasher = LandedHasher(infos, expected_digests(infos, manifest))
+    out = load_local(ck, opts, on_landed=hasher.landed)
+    try:
+        hasher.check()
+    except BaseException:
+        out.clear()
+        raise
+    if opts.report is not None:
+        opts.report["verified"] = len(infos)
+    return out
+
+
+def _split(path: Path, opts: LoadOptions) -> dict[str, Any]:
+    res = split_load(path, opts)
+    if opts.report is not None:
+        opts.report["remote"] = res.remote
+        opts.report["seconds"] = res.seconds
+    return res.local
+
+
+def _distributed(path: Path, opts: LoadOptions) -> dict[str, Any]:
+    from weightlift.distributed import distributed_load  # process groups: torch.distributed, on demand
+
+    return distributed_load(path, opts)
+
+
+_LOCAL = frozenset(
+    {"device", "framework", "select", "dtype", "copy", "page_cache", "warm", "threads", "engine"}
+    | {"dequantize", "profile", "progress", "report"}
+)
+_LINK = frozenset({"token", "streams"})  # how a split load reaches its servers
+
+#: The kinds of load, in the order they are asked whether a call is theirs.
+KINDS: tuple[LoadKind, ...] = (
+    LoadKind(
+        "distributed",
+        "shard= or group=",
+        lambda o: o.shard is not None or o.group is not None,
+        frozenset({"device", "framework", "select", "copy", "engine", "report", "shard", "group"}),
+        frozenset({"page_cache", "warm", "threads", "progress"}) | _LINK,
+        _distributed,
+    ),
+    LoadKind("split", "remote=", lambda o: bool(o.remote), _LOCAL | {"remote"} | _LINK, frozenset(), _split),
+    LoadKind("verified", "verify=True", lambda o: o.verify, _LOCAL | {"verify", "manifest"}, _LINK, _verified),
+    LoadKind("local", "", lambda o: True, _LOCAL, _LINK, _local),
+)
+
+
+def kind_for(opts: LoadOptions) -> LoadKind:
+    """The kind of load ``opts`` asks for; OptionError naming an option set that it does not support."""
+    kind = next(k for k in KINDS if k.wants(opts))
+    refused = kind.refused(opts)
+    if refused:
+        name = refused[0]
+        value = getattr(opts, name)
+        shown = f"{name}={value!r}" if isinstance(value, bool) else f"{name}="
+        if kind.chosen_by:
+            raise OptionError(f"{shown} is not supported together with {kind.chosen_by} (a {kind.name} load)")
+        users = [k.chosen_by for k in KINDS if name in k.supports and k.chosen_by]
+        raise OptionError(f"{shown} is only used with {' or '.join(users)}")
+    return kind
+
+
+@overload
+def load(
+    path: str | os.PathLike[str] | Checkpoint,
+    *,
+    device: str = ...,
+    framework: Literal["numpy"] = ...,
+    select: Select = ...,
+    dtype: DTypeLike | None = ...,
+    copy: bool = ...,
+    page_cache: str | None = ...,
+    warm: bool | None = ...,
+    threads: int | None = ...,
+    engine: str = ...,
+    dequantize: bool = ...,
+    profile: ProfileLike = ...,
+    progress: bool | None = ...,
+    report: dict[str, object] | None = ...,
+    remote: Mapping[str, Select] | None = ...,
+    token: str | bytes | None = ...,
+    streams: int = ...,
+    shard: Shard | None = ...,
+    group: Group | None = ...,
+    verify: bool = ...,
+    manifest: str | os.PathLike[str] | Manifest | None = ...,
+) -> dict[str, NDArray[np.generic]]: ...
+
+
+@overload
+def load(
+    path: str | os.PathLike[str] | Checkpoint,
+    *,
+    device: str = ...,
+    framework: Literal["torch"],
+    select: Select = ...,
+    dtype: DTypeLike | None = ...,
+    copy: bool = ...,
+    page_cache: str | None = ...,
+    warm: bool | None = ...,
+    threads: int | None = ...,
+    engine: str = ...,
+    dequantize: bool = ...,
+    profile: ProfileLike = ...,
+    progress: bool | None = ...,
+    report: dict[str, object] | None = ...,
+    remote: Mapping[str, Select] | None = ...,
+    token: str | bytes | None = ...,
+    streams: int = ...,
+    shard: Shard | None = ...,
+    group: Group | None = ...,
+    verify: bool = ...,
+    manifest: str | os.PathLike[str] | Manifest | None = ...,
+) -> dict[str, torch.Tensor]: ...
+
+
+@overload
+def load(
+    path: str | os.PathLike[str] | Checkpoint,
+    *,
+    device: str = ...,
+    framework: str = ...,
+    select: Select = ...,
+    dtype: DTypeLike | None = ...,
+    copy: bool = ...,
+    page_cache: str | None = ...,
+    warm: bool | None = ...,
+    threads: int | None = ...,
+    engine: str = ...,
+    dequantize: bool = ...,
+    profile: ProfileLike = ...,
+    progress: bool | None = ...,
+    report: dict[str, object] | None = ...,
+    remote: Mapping[str, Select] | None = ...,
+    token: str | bytes | None = ...,
+    streams: int = ...,
+    shard: Shard | None = ...,
+    group: Group | None = ...,
+    verify: bool = ...,
+    manifest: str | os.PathLike[str] | Manifest | None = ...,
+) -> dict[str, Array]: ...
 
 
 def load(
@@ -25,24 +219,24 @@ def load(
     device: str = "cpu",
     framework: str = "numpy",
     select: Select = None,
-    dtype: Any = None,
+    dtype: DTypeLike | None = None,
     copy: bool = True,
     page_cache: str | None = None,
     warm: bool | None = None,
     threads: int | None = None,
     engine: str = "auto",
     dequantize: bool = False,
-    profile: Any = None,
+    profile: ProfileLike = None,
     progress: bool | None = None,
-    report: dict[str, Any] | None = None,
+    report: dict[str, object] | None = None,
     remote: Mapping[str, Select] | None = None,
     token: str | bytes | None = None,
     streams: int = 1,
-    shard: Any = None,
-    group: Any = None,
+    shard: Shard | None = None,
+    group: Group | None = None,
     verify: bool = False,
-    manifest: Any = None,
-) -> dict[str, Any]:
+    manifest: str | os.PathLike[str] | Manifest | None = None,
+) -> dict[str, Array]:
     """Load tensors from a checkpoint into memory; returns ``{name: array}`` in file order.
 
     ``path`` is a .safetensors file, a shard index, a .gguf file, or a folder holding one.
@@ -65,60 +259,29 @@ def load(
     tensor server (with ``token`` and ``streams``) while the rest load here, at the same time;
     the result holds the local tensors and ``report["remote"]`` what each push did.
 
+    ``shard`` (a :class:`weightlift.Shard`) loads this rank's slices; ``group`` (a
+    torch.distributed process group) shares one read of the checkpoint among its ranks (see
+    :mod:`weightlift.distributed`).
+
     ``verify=True`` hashes (BLAKE3) the bytes that landed in the destination, as they land, on
     the threads that copied them, and compares each tensor with ``manifest`` (a published
     manifest's path, see :mod:`weightlift.digest.published`) or, without one, with the digests of the
     file's own bytes (from the sidecar beside it, hashed once when it has none). A CUDA load
     hashes the host-side staging bytes it copies to the device; a dtype cast, the bytes it read.
     A mismatch raises IntegrityError naming the tensors, and nothing is returned.
+
+    An option the kind of load does not support (``dtype`` with ``shard``, ``verify`` with
+    ``remote``, ``manifest`` without ``verify``...) is an OptionError naming it (see :data:`KINDS`).
     """
-    local: dict[str, Any] = dict(
-        device=device, framework=framework, dtype=dtype, copy=copy, page_cache=page_cache, warm=warm,
-        threads=threads, engine=engine, dequantize=dequantize, profile=profile, progress=progress, report=report,
+    opts = LoadOptions(
+        device=device, framework=framework, select=select, dtype=dtype, copy=copy, page_cache=page_cache,
+        warm=warm, threads=threads, engine=engine, dequantize=dequantize, profile=profile, progress=progress,
+        report=report, remote=remote, token=token, streams=streams, shard=shard, group=group, verify=verify,
+        manifest=manifest,
     )  # fmt: skip
-    if manifest is not None and not verify:
-        raise OptionError("manifest= is only used with verify=True")
-    if verify and (shard is not None or group is not None or remote):
-        raise OptionError("verify=True is for local loads (not with remote, shard or group)")
-    if verify:
-        return _verified_load(path, select, manifest, local)
-    if shard is not None or group is not None:  # a rank's slices, or one read shared by a process group
-        from weightlift.distributed import distributed_load
-
-        return distributed_load(
-            path,
-            shard=shard,
-            group=group,
-            device=device,
-            framework=framework,
-            select=select,
-            copy=copy,
-            engine=engine,
-            report=report,
-            unsupported={"dtype": dtype, "dequantize": dequantize, "remote": remote, "profile": profile},
-        )
-    if remote:
-        res = split_load(path, remote, select=select, token=token, streams=streams, **local)
-        if report is not None:
-            report["remote"] = res.remote
-            report["seconds"] = res.seconds
-        return res.local
-    return load_local(path, select=select, **local)
+    return run_load(path, opts)
 
 
-def _verified_load(path: Any, select: Select, manifest: Any, local: dict[str, Any]) -> dict[str, Any]:
-    from weightlift.digest.landed import LandedHasher
-    from weightlift.digest.published import expected_digests
-
-    ck = path if isinstance(path, Checkpoint) else open_checkpoint(path)
-    infos = ck.select(select)
-    hasher = LandedHasher(infos, expected_digests(infos, manifest))
-    out = load_local(ck, select=select, on_landed=hasher.landed, **local)
-    try:
-        hasher.check()
-    except BaseException:
-        out.clear()
-        raise
-    if local.get("report") is not None:
-        local["report"]["verified"] = len(infos)
-    return out
+def run_load(path: str | os.PathLike[str] | Checkpoint, opts: LoadOptions) -> dict[str, Any]:
+    """:func:`load` for options already built: the kind ``opts`` asks for, run."""
+    return kind_for(opts).run(path, opts)

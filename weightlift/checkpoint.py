@@ -32,14 +32,14 @@ import fnmatch
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from re import Pattern
 from typing import TYPE_CHECKING, Any
 
 from weightlift.errors import FormatError, NotFoundError, OptionError, os_error
 from weightlift.formats import TensorInfo
 from weightlift.formats import safetensors as st
+from weightlift.options import Select
 
 if TYPE_CHECKING:
     from weightlift.disk.source import MappedFile
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 __all__ = ["Checkpoint", "open_checkpoint", "Select", "MAX_INDEX_SIZE", "PREFERRED"]
 
 MAX_INDEX_SIZE = 64 * 1024 * 1024
-Select = None | str | Pattern[str] | Iterable[str] | frozenset[str]
 
 
 @dataclass

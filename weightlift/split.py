@@ -9,14 +9,16 @@ the page cache serves whichever comes second.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from weightlift.checkpoint import Checkpoint, Select, matcher, open_checkpoint
 from weightlift.errors import NotFoundError, OptionError
 from weightlift.local.loader import load_local
+from weightlift.options import LoadOptions
 
 __all__ = ["SplitResult", "parse_remote", "split_load"]
 
@@ -41,21 +43,16 @@ def parse_remote(specs: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def split_load(
-    path: Any,
-    remote: Mapping[str, Select],
-    *,
-    select: Select = None,
-    token: str | bytes | None = None,
-    streams: int = 1,
-    **load_kwargs: Any,
-) -> SplitResult:
-    """Load what no remote selection takes, and push each remote selection, at the same time."""
+def split_load(path: str | os.PathLike[str] | Checkpoint, opts: LoadOptions) -> SplitResult:
+    """Load what no remote selection (``opts.remote``) takes, and push each remote selection, at
+    the same time; the pushes use ``opts.token`` and ``opts.streams``, the local load the rest."""
     from weightlift.remote.client import Client
     from weightlift.remote.client.servers import Pushes
 
+    remote: Mapping[str, Select] = opts.remote or {}
+    token, streams = opts.token, opts.streams
     ck: Checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path)
-    chosen = ck.select(select)
+    chosen = ck.select(opts.select)
     remote_sets: dict[str, list[str]] = {}
     taken: set[str] = set()
     for addr, sel in remote.items():
@@ -72,7 +69,8 @@ def split_load(
         connect=lambda addr: Client(addr, token=token, streams=streams),
     )
     try:
-        local = load_local(ck, select=frozenset(local_names), **load_kwargs) if local_names else {}
+        here = replace(opts, select=frozenset(local_names), remote=None, token=None, streams=1)
+        local = load_local(ck, here) if local_names else {}
     finally:
         pushes.join()
     if pushes.errors:

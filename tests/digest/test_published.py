@@ -19,7 +19,7 @@ from weightlift.digest.published import (
 )
 from weightlift.digest.sidecar import SIDECAR_SUFFIX
 from weightlift.errors import IntegrityError, OptionError
-from weightlift.local import loader
+from weightlift.local import mover
 
 from ..checkpoints import every_dtype, write
 
@@ -90,7 +90,7 @@ def test_flipped_byte_in_file_is_named(tmp_path, capsys):
 
 @pytest.mark.parametrize("threads", [1, 4])
 def test_verified_load_matches(tmp_path, monkeypatch, threads):
-    monkeypatch.setattr(loader, "CHUNK", 4096)  # many chunks per tensor, landing out of order
+    monkeypatch.setattr(mover, "CHUNK", 4096)  # many chunks per tensor, landing out of order
     ts = _tensors()
     path = write(tmp_path / "m.safetensors", ts)
     (tmp_path / "pub.json").write_text(make_manifest(path).to_json())
@@ -100,11 +100,11 @@ def test_verified_load_matches(tmp_path, monkeypatch, threads):
 
 
 def test_flipped_byte_in_destination_is_named(tmp_path, monkeypatch):
-    monkeypatch.setattr(loader, "CHUNK", 4096)
+    monkeypatch.setattr(mover, "CHUNK", 4096)
     ts = _tensors()
     path = write(tmp_path / "m.safetensors", ts)
     target = open_checkpoint(path).select("layer.4")[0]
-    real = loader._Mover._read_into
+    real = mover.Mover._read_into
 
     def corrupting(self, file, off, dst, landed=None):
         def changed_then_hashed(f, o, data, stable=True):
@@ -114,7 +114,7 @@ def test_flipped_byte_in_destination_is_named(tmp_path, monkeypatch):
 
         real(self, file, off, dst, changed_then_hashed if landed is not None else None)
 
-    monkeypatch.setattr(loader._Mover, "_read_into", corrupting)
+    monkeypatch.setattr(mover.Mover, "_read_into", corrupting)
     with pytest.raises(IntegrityError, match=r"1 tensor\(s\).*: layer\.4$"):
         weightlift.load(path, verify=True, threads=4)
     assert main(["load", str(path), "--verify"]) == 2

@@ -102,6 +102,10 @@ CURRENT = [DEFAULT]
 
 class _Cuda:
     @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
     @contextlib.contextmanager
     def stream(s: FakeStream):
         CURRENT.append(s)
@@ -120,20 +124,23 @@ class _Cuda:
 
 class FakeTorch:
     cuda = _Cuda
+    uint8 = np.uint8
+
+    @staticmethod
+    def device(name: str) -> str:
+        return name
 
 
-def _target(slot_bytes: int) -> CudaTarget:
-    t = object.__new__(CudaTarget)  # no device needed: the copy steps are what is tested
-    t._torch = FakeTorch
-    t._stream = FakeStream("copies")
-    t._slot_bytes = slot_bytes
-    t._nslots = 2
-    t._slots = [np.zeros(slot_bytes, dtype=np.uint8) for _ in range(2)]
-    t._slot_np = list(t._slots)
-    t._events = [None, None]
-    t._next = 0
-    t._dev = "cuda"
-    return t
+def _target(slot_bytes: int, dtype: str | None = None, pinned: Any = None) -> CudaTarget:
+    """A CudaTarget over fakes: no device needed, the copy steps are what is tested."""
+    return CudaTarget(
+        "cuda",
+        dtype,
+        slot_bytes=slot_bytes,
+        torch=FakeTorch,
+        stream=FakeStream("copies"),
+        pinned=pinned or (lambda n: np.zeros(n, dtype=np.uint8)),
+    )
 
 
 def test_a_tensor_dropped_mid_copy_is_not_reused_until_its_copies_finish():
@@ -154,11 +161,9 @@ def test_a_tensor_dropped_mid_copy_is_not_reused_until_its_copies_finish():
 
 
 @needs_torch  # the cast step names torch dtypes
-def test_a_cast_tensor_dropped_mid_copy_is_not_reused_until_its_copies_finish(monkeypatch):
+def test_a_cast_tensor_dropped_mid_copy_is_not_reused_until_its_copies_finish():
     n = 1 << 12
     alloc = Allocator()
-    target = _target(n)
-    target._src = {}
 
     class Staged(np.ndarray):
         def view(self, *_a: Any) -> Any:  # a torch dtype view of a host slot
@@ -170,19 +175,43 @@ def test_a_cast_tensor_dropped_mid_copy_is_not_reused_until_its_copies_finish(mo
         def numel(self) -> int:
             return self.size
 
-    target._slots = [np.zeros(n, dtype=np.uint8).view(Staged) for _ in range(2)]
-    target._slot_np = [np.asarray(s) for s in target._slots]
-    dest = DeviceTensor(alloc, alloc.alloc(n))
-    dest.reshape = lambda *_a: dest  # type: ignore[attr-defined]
-    slot, buf = target.slot()
-    buf[:] = 9
-    target._cast_upload(dest, "U8", 0, slot, n)
+    target = _target(n, "U8", pinned=lambda k: np.zeros(k, dtype=np.uint8).view(Staged))
+
+    def empty(shape: tuple[int, ...], **_k: Any) -> DeviceTensor:  # the cast destination, on the device
+        t = DeviceTensor(alloc, alloc.alloc(n))
+        t.reshape = lambda *_a: t  # type: ignore[attr-defined]
+        return t
+
+    FakeTorch.empty = staticmethod(empty)  # type: ignore[attr-defined]
+    try:
+        dest = target.empty("U8", (n,))
+        target.write(dest, 0, bytes([9]) * n)  # converted on the copy stream, not run yet
+    finally:
+        del FakeTorch.empty  # type: ignore[attr-defined]
     dest.drop()
     other = DeviceTensor(alloc, alloc.alloc(n))
     other.block[:] = 0
     target.synchronize()
     assert other.block is not dest.block, "the abandoned tensor's memory was reused under its copy"
     assert not other.block.any()
+
+
+def test_a_stager_lands_through_the_pinned_slots():
+    """The seam the loader and the receiver use: fill the slot handed out, land it; no host copy."""
+    n = 1 << 10
+    alloc = Allocator()
+    target = _target(n)
+    dest = DeviceTensor(alloc, alloc.alloc(3 * n))
+    dest.reshape = lambda *_a: dest  # type: ignore[attr-defined]
+    dest.view = lambda *_a: dest  # type: ignore[attr-defined]
+    with target.stager() as st:
+        for k in range(3):
+            buf = st.take(3 * n - k * n)
+            assert len(buf) == n and buf.base is not None  # a slot of the target's, not a copy
+            buf[:] = k + 1
+            st.land(dest, k * n)
+    target.synchronize()
+    assert [int(dest.block[k * n]) for k in range(3)] == [1, 2, 3]
 
 
 @needs_cuda

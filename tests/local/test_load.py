@@ -14,6 +14,7 @@ import weightlift as wl
 from tests.checkpoints import every_dtype, raw_bytes, write, write_sharded
 from tests.devices import HAS_TORCH, needs_torch
 from weightlift.errors import FileError, FormatError, NotFoundError, OptionError
+from weightlift.options import LoadOptions
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 FRAMEWORKS = ["numpy", pytest.param("torch", marks=needs_torch)]
@@ -249,6 +250,7 @@ def test_cold_path_readers_same_bytes(tmp_path, monkeypatch):
 
     load_mod = importlib.import_module("weightlift.local.loader")  # the package's `load` is the function
     from weightlift.disk import storage
+    from weightlift.local import mover
 
     rng = np.random.default_rng(9)
     tensors = [
@@ -257,7 +259,7 @@ def test_cold_path_readers_same_bytes(tmp_path, monkeypatch):
     ]
     path = write(tmp_path / "cold.safetensors", tensors)
     monkeypatch.setattr(load_mod, "resident_fraction", lambda f: 0.0)
-    monkeypatch.setattr(load_mod, "CHUNK", 2**20)
+    monkeypatch.setattr(mover, "CHUNK", 2**20)
     monkeypatch.setenv("WEIGHTLIFT_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("WEIGHTLIFT_COLD_READERS", raising=False)
     monkeypatch.setattr(storage, "_memo", {})
@@ -408,9 +410,9 @@ def test_file_truncated_under_the_load_is_a_file_error_not_sigbus(tmp_path, fram
     read, a FileError naming the file; a copy out of the mapping would have taken the process
     down with SIGBUS at the first missing page. The file is cut as soon as the first chunk has
     landed (one worker, 1 MiB chunks), so the next read runs past its end."""
-    from weightlift.local import loader
+    from weightlift.local import loader, mover
 
-    monkeypatch.setattr(loader, "CHUNK", 1 << 20)
+    monkeypatch.setattr(mover, "CHUNK", 1 << 20)
     rng = np.random.default_rng(5)
     tensors = [(f"t{i}", "F32", (256, 1024), rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()) for i in range(4)]
     path = write(tmp_path / "m.safetensors", tensors)
@@ -422,7 +424,7 @@ def test_file_truncated_under_the_load_is_a_file_error_not_sigbus(tmp_path, fram
             cut.append(offset)
 
     with pytest.raises(FileError) as e:
-        loader.load_local(path, framework=framework, threads=1, on_landed=landed)
+        loader.load_local(path, LoadOptions(framework=framework, threads=1), on_landed=landed)
     assert cut and e.value.file == str(path)
     assert "ended" in str(e.value)
 
@@ -432,21 +434,21 @@ def test_cold_load_with_and_without_fault_helpers_same_bytes(tmp_path, monkeypat
     """Cold readers get helper threads faulting the arena in ahead of them (the fill policy's
     helper count; 0 turns them off): every chunk asks for its range first, and the bytes are the
     file's either way."""
-    from weightlift.local import loader
+    from weightlift.local import loader, mover
     from weightlift.memory import fresh
 
     asked: list[tuple[int, int]] = []
 
-    class Counting(loader.Faulter):
+    class Counting(mover.Faulter):
         def ready(self, key, begin, end):
             asked.append((begin, end))
             return super().ready(key, begin, end)
 
     monkeypatch.setenv("WEIGHTLIFT_FAULT_HELPERS", helpers)
     fresh.reset_policy()
-    monkeypatch.setattr(loader, "Faulter", Counting)
+    monkeypatch.setattr(mover, "Faulter", Counting)
     monkeypatch.setattr(loader, "resident_fraction", lambda f: 0.0)
-    monkeypatch.setattr(loader, "CHUNK", 1 << 20)
+    monkeypatch.setattr(mover, "CHUNK", 1 << 20)
     rng = np.random.default_rng(4)
     tensors = [
         (f"w{i}", "U8", (5 * 2**19 + i,), rng.integers(0, 256, 5 * 2**19 + i, dtype=np.uint8).tobytes())
@@ -469,7 +471,7 @@ def test_cold_load_with_and_without_fault_helpers_same_bytes(tmp_path, monkeypat
 def test_prefetch_reads_cold_files_in_the_background_and_the_load_waits_for_it(tmp_path, monkeypatch):
     """prefetch() returns at once with a thread reading the cold files in; a load of them waits
     for it and reads nothing twice; a resident file is left alone; a bad path raises at once."""
-    from weightlift.local import loader
+    from weightlift.local import loader, prefetch
 
     rng = np.random.default_rng(6)
     tensors = [(f"t{i}", "U8", (1 << 20,), rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()) for i in range(4)]
@@ -477,7 +479,7 @@ def test_prefetch_reads_cold_files_in_the_background_and_the_load_waits_for_it(t
     assert wl.prefetch(path).files == [] and wl.prefetch(path).done  # just written: resident
     read: list[list[str]] = []
     gate = __import__("threading").Event()
-    real = loader.map_in
+    real = prefetch.map_in
 
     def slow(regions, *, threads):
         gate.wait(10)  # held until the load has started, so it must wait
@@ -485,7 +487,8 @@ def test_prefetch_reads_cold_files_in_the_background_and_the_load_waits_for_it(t
         assert sum(n for _, n, _ in regions) == 4 << 20  # the tensors' bytes, once
         return real(regions, threads=threads)
 
-    monkeypatch.setattr(loader, "map_in", slow)
+    monkeypatch.setattr(prefetch, "map_in", slow)
+    monkeypatch.setattr(prefetch, "resident_fraction", lambda f, refresh=False: 0.0)
     monkeypatch.setattr(loader, "resident_fraction", lambda f, refresh=False: 0.0)
     job = wl.prefetch(path)
     assert job.files == [str(path)] and not job.done
@@ -501,3 +504,62 @@ def test_prefetch_reads_cold_files_in_the_background_and_the_load_waits_for_it(t
     job.wait()
     with pytest.raises(NotFoundError):
         wl.prefetch(tmp_path / "missing.safetensors")
+
+
+def test_the_mover_stages_through_the_target_seam(tmp_path):
+    """A target a memcpy cannot fill (a device, here a host stand-in) is filled only through its
+    stager: each worker takes a private one, lands every chunk through it, and closes it."""
+    from weightlift.local.mover import Mover
+    from weightlift.memory.targets import WORKER_SLOT, HostTarget, Stager
+    from weightlift.profile import Profiler
+
+    stagers: list[Counting] = []
+
+    class Counting(Stager):
+        def __init__(self, target):
+            super().__init__(target)
+            self.landed = 0
+            self.closed = False
+
+        def land(self, dest, offset):
+            self.landed += 1
+            super().land(dest, offset)
+
+        def close(self):
+            self.closed = True
+
+    class Staged(HostTarget):
+        memcpy_ok = False
+
+        def stager(self, spare=None, *, private=False):
+            assert private  # one per worker
+            stagers.append(Counting(self))
+            return stagers[-1]
+
+    rng = np.random.default_rng(8)
+    tensors = [
+        (f"w{i}", "U8", (WORKER_SLOT + 7 * i,), rng.integers(0, 256, WORKER_SLOT + 7 * i, dtype=np.uint8).tobytes())
+        for i in range(3)
+    ]
+    path = write(tmp_path / "m.safetensors", tensors)
+    ck = wl.open(path)
+    seen = []
+    mover = Mover(
+        ck.tensors,
+        Staged("numpy"),
+        maps={f: ck.mapped(f) for f in ck.files},
+        cast=None,
+        threads=2,
+        engine="auto",
+        evict=False,
+        cold={f: False for f in ck.files},
+        warm=None,
+        prof=Profiler(enabled=False),
+        progress=None,
+        on_landed=lambda f, o, d, stable=True: seen.append(stable),
+    )
+    out = mover.run()
+    for name, _, _, raw in tensors:
+        assert raw_bytes(out[name]) == raw
+    assert stagers and all(s.closed for s in stagers)
+    assert sum(s.landed for s in stagers) == len(seen) >= 3 and not any(seen)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.checkpoints import raw_bytes
 from tests.devices import has_cuda, needs_cuda, needs_torch
 from weightlift.errors import DeviceError, OptionError
 from weightlift.memory.targets import CastTarget, HostTarget, fresh_host, make_target
@@ -84,3 +85,33 @@ def test_populate_faults_in_without_changing_size():
     populate(np.empty(0, np.uint8))
     a[:] = 9
     assert int(a[-1]) == 9 and a.size == 5 * 2**20 + 3
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_the_seam_on_host_targets(framework):
+    """What the loader and the receiver ask a target for: a whole-load arena and views of it, a
+    cast variant, and staging that lands through the target's own fill step."""
+    from weightlift.formats import TensorInfo
+
+    host = make_target("cpu", framework)
+    assert not host.unified_memory
+    arena = host.arena(64)
+    arena[:] = np.arange(64, dtype=np.uint8)
+    t = TensorInfo("w", "U8", (2, 8), "f", 0, 16)
+    got = host.view(arena, 8, t)
+    assert raw_bytes(got) == bytes(range(8, 24)) and tuple(got.shape) == (2, 8)
+    cast = host.casting("F16")
+    assert isinstance(cast, CastTarget) and cast.framework == framework and cast.dtype == "F16"
+    src = np.linspace(-1, 1, 6, dtype=np.float32)
+    dest = cast.empty("F32", (6,))
+    spare = memoryview(bytearray(8))  # a receiver's staging buffer: 8 bytes, two floats a time
+    with cast.stager(spare) as st:
+        pos = 0
+        while pos < src.nbytes:
+            buf = st.take(src.nbytes - pos)
+            assert len(buf) == min(8, src.nbytes - pos)
+            buf[:] = np.frombuffer(src.tobytes()[pos : pos + len(buf)], np.uint8)
+            st.land(dest, pos)
+            pos += len(buf)
+    out = cast.finish(dest)
+    np.testing.assert_array_equal(out if framework == "numpy" else out.numpy(), src.astype(np.float16))

@@ -221,63 +221,21 @@ def prefetch(
     chunks = [(o + i, min(chunk, n - i)) for o, n in ranges for i in range(0, n, chunk)]
     if not chunks:
         return 0
-    # each reader takes one contiguous share, in file order, as the raw-read baseline does: a
-    # reader's stream stays sequential for the kernel and the disk
-    k = max(1, min(readers, len(chunks)))
-    total = sum(n for _, n in chunks)
-    shares: list[list[tuple[int, int]]] = [[] for _ in range(k)]
-    acc = 0
-    for c in chunks:
-        shares[min(k - 1, acc * k // total)].append(c)
-        acc += c[1]
+    shares = _shares(chunks, readers)
     errors: list[BaseException] = []
     try:
         sink: int | None = os.open(os.devnull, os.O_WRONLY)
     except OSError:
         sink = None
-
-    def run(mine: list[tuple[int, int]]) -> None:
-        if not mine:
-            return
-        out = sink
-        mv = None
-        for off, n in mine:
-            if errors:
-                return
-            t0 = time.perf_counter_ns()
-            done = 0
-            try:
-                while done < n:
-                    if out is not None:
-                        try:
-                            got = os.sendfile(out, m.fileno(), off + done, n - done)
-                        except OSError as e:
-                            if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                                raise
-                            out = None  # this file or kernel cannot splice: read into a buffer
-                            continue
-                    else:
-                        if mv is None:
-                            mv = memoryview(bytearray(max(k for _, k in mine)))
-                        got = os.preadv(m.fileno(), [mv[: n - done]], off + done)
-                    if got <= 0:
-                        raise FileError(f"file ended at byte {off + done} while reading tensors", file=m.path)
-                    done += got
-            except OSError as e:
-                errors.append(FileError(f"read error at byte {off + done}: {e.strerror}", file=m.path, errno=e.errno))
-                return
-            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
-                errors.append(e)
-                return
-            if on_chunk is not None:
-                on_chunk(off, n, t0, time.perf_counter_ns())
-
     try:
-        if k == 1:
-            run(shares[0])
+        if len(shares) == 1:
+            _read_share(m, shares[0], sink, errors, on_chunk)
         else:
             ts = [
-                threading.Thread(target=run, args=(shares[i],), name=f"wl-prefetch-{i}", daemon=True) for i in range(k)
+                threading.Thread(
+                    target=_read_share, args=(m, mine, sink, errors, on_chunk), name=f"wl-prefetch-{i}", daemon=True
+                )
+                for i, mine in enumerate(shares)
             ]
             for t in ts:
                 t.start()
@@ -288,7 +246,72 @@ def prefetch(
             os.close(sink)
     if errors:
         raise errors[0]
-    return total
+    return sum(n for _, n in chunks)
+
+
+def _shares(chunks: list[tuple[int, int]], readers: int) -> list[list[tuple[int, int]]]:
+    """Each reader's one contiguous share of the chunks, in file order, as the raw-read baseline
+    does: a reader's stream stays sequential for the kernel and the disk."""
+    k = max(1, min(readers, len(chunks)))
+    total = sum(n for _, n in chunks)
+    shares: list[list[tuple[int, int]]] = [[] for _ in range(k)]
+    acc = 0
+    for c in chunks:
+        shares[min(k - 1, acc * k // total)].append(c)
+        acc += c[1]
+    return shares
+
+
+def _read_share(
+    m: MappedFile,
+    mine: list[tuple[int, int]],
+    sink: int | None,
+    errors: list[BaseException],
+    on_chunk: Callable[[int, int, int, int], None] | None,
+) -> None:
+    """One reader's share into the page cache; the first error is kept in ``errors`` (all stop)."""
+    out, buf = sink, None
+    size = max((k for _, k in mine), default=0)
+    for off, n in mine:
+        if errors:
+            return
+        t0 = time.perf_counter_ns()
+        try:
+            out, buf = _read_chunk(m, off, n, out, buf, size)
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+            errors.append(e)
+            return
+        if on_chunk is not None:
+            on_chunk(off, n, t0, time.perf_counter_ns())
+
+
+def _read_chunk(
+    m: MappedFile, off: int, n: int, out: int | None, buf: memoryview | None, size: int
+) -> tuple[int | None, memoryview | None]:
+    """Bytes [off, off+n) of ``m`` into the page cache: ``sendfile`` to ``out`` (the null sink),
+    or ``preadv`` into ``buf`` (made of ``size`` bytes at need) where splicing is refused.
+    Returns the sink and buffer to go on with."""
+    done = 0
+    try:
+        while done < n:
+            if out is not None:
+                try:
+                    got = os.sendfile(out, m.fileno(), off + done, n - done)
+                except OSError as e:
+                    if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                        raise
+                    out = None  # this file or kernel cannot splice: read into a buffer
+                    continue
+            else:
+                if buf is None:
+                    buf = memoryview(bytearray(size))
+                got = os.preadv(m.fileno(), [buf[: n - done]], off + done)
+            if got <= 0:
+                raise FileError(f"file ended at byte {off + done} while reading tensors", file=m.path)
+            done += got
+    except OSError as e:
+        raise FileError(f"read error at byte {off + done}: {e.strerror}", file=m.path, errno=e.errno) from None
+    return out, buf
 
 
 # -- warmer --------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from weightlift.dtypes import byte_length, dtype_info
 from weightlift.errors import GroupError, OptionError, RemoteProtocolError
 from weightlift.formats import TensorInfo
 from weightlift.memory.faulter import REGION, Faulter
+from weightlift.options import Placement
 
 __all__ = ["broadcast_load", "BROADCAST_CHUNK", "MAX_DESCRIPTION"]
 
@@ -62,34 +63,15 @@ def broadcast_load(
     t0 = time.perf_counter()
     if not isinstance(chunk, int) or chunk < 1:
         raise OptionError(f"chunk must be a positive number of bytes, got {chunk!r}")
-    if framework not in ("numpy", "torch"):
-        raise OptionError(f"framework must be 'numpy' or 'torch', not {framework!r}")
+    place = Placement(device=device, framework=framework)
+    device = place.device
     comm = Comm(group, timeout=timeout)
-    comm.check_device(str(device))
+    comm.check_device(device)
     if not 0 <= src < comm.world:
         raise OptionError(f"src must be a rank of the group, in [0, {comm.world}), got {src}")
     source = comm.rank == src
-    reader = None
-    infos: list[TensorInfo] = []
-    failure: BaseException | None = None
-    desc = b""
-    if source:
-        try:
-            if path is None:
-                raise OptionError("the source rank needs a path")
-            ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
-            infos = ckpt.select(select)
-            reader = SliceReader({f: ckpt.mapped(f) for f in dict.fromkeys(t.file for t in infos)}, engine=engine)
-            offs, total = pack([t.length for t in infos])
-            desc = _describe(infos, offs, total)
-        except Exception as e:  # noqa: BLE001 - the receivers are told, then it is raised here
-            failure = e
-    desc = _broadcast_description(comm, desc, src, failed=failure is not None)
-    if failure is not None:
-        raise failure
-    if not source:
-        infos, offs, total = _parse(desc)
-    arena = Arena(total, str(device))
+    infos, offs, total, reader = _plan(comm, path, select, engine, src, source)
+    arena = Arena(total, device)
     at = arena.tensor()
     pending: deque[Any] = deque()
     done = 0
@@ -125,6 +107,37 @@ def broadcast_load(
             src=src,
         )
     return out
+
+
+def _plan(
+    comm: Comm, path: Any, select: Select, engine: str, src: int, source: bool
+) -> tuple[list[TensorInfo], list[int], int, SliceReader | None]:
+    """Every rank's tensors and their arena offsets, and the source's reader: the source opens
+    the checkpoint and broadcasts its description; a source that fails tells the receivers
+    first, then raises its own error."""
+    reader = None
+    infos: list[TensorInfo] = []
+    offs: list[int] = []
+    total = 0
+    failure: BaseException | None = None
+    desc = b""
+    if source:
+        try:
+            if path is None:
+                raise OptionError("the source rank needs a path")
+            ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
+            infos = ckpt.select(select)
+            reader = SliceReader({f: ckpt.mapped(f) for f in dict.fromkeys(t.file for t in infos)}, engine=engine)
+            offs, total = pack([t.length for t in infos])
+            desc = _describe(infos, offs, total)
+        except Exception as e:  # noqa: BLE001 - the receivers are told, then it is raised here
+            failure = e
+    desc = _broadcast_description(comm, desc, src, failed=failure is not None)
+    if failure is not None:
+        raise failure
+    if not source:
+        infos, offs, total = _parse(desc)
+    return infos, offs, total, reader
 
 
 FAULT_WINDOW = 256 * 1024 * 1024  # how far the helpers may fault ahead of the chunk in flight

@@ -25,22 +25,23 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import os
 import time
 import warnings
 from collections import deque
-from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
+from weightlift.checkpoint import Checkpoint, open_checkpoint
 from weightlift.disk.source import MappedFile
 from weightlift.distributed.comm import ALIGN, Arena, Comm, pack
 from weightlift.distributed.reader import SliceReader, strided
 from weightlift.distributed.shard import Piece, Rows, Shard, slice_piece, whole
 from weightlift.errors import GroupError, OptionError
 from weightlift.formats import TensorInfo
+from weightlift.options import LoadOptions
 
 __all__ = ["distributed_load", "STRIPE", "ROUND"]
 
@@ -51,39 +52,79 @@ READERS = 4  # as the local loader's cold readers (source.MAX_WARMERS)
 
 
 def distributed_load(
-    path: Any,
-    *,
-    shard: Shard | None = None,
-    group: Any = None,
-    device: str = "cpu",
-    framework: str = "numpy",
-    select: Select = None,
-    copy: bool = True,
-    engine: str = "auto",
-    timeout: float | None = None,
-    report: dict[str, Any] | None = None,
-    unsupported: Mapping[str, Any] | None = None,
+    path: str | os.PathLike[str] | Checkpoint, opts: LoadOptions, *, timeout: float | None = None
 ) -> dict[str, Any]:
-    """A rank's slices (``shard``), and/or one read of the checkpoint shared over ``group``.
+    """A rank's slices (``opts.shard``), and/or one read of the checkpoint shared over ``opts.group``.
 
     Returns ``{name: array}`` in file order, each the rank's slice of the tensor (or the whole
-    tensor where replicated). ``report`` gets ``bytes_read`` (bytes this rank read from the
-    files), ``requests``, and ``paths`` (how many tensors took each path).
+    tensor where replicated). ``opts.report`` gets ``bytes_read`` (bytes this rank read from the
+    files), ``requests``, and ``paths`` (how many tensors took each path). The options a
+    distributed load does not support are refused before it gets here (:mod:`weightlift.api`).
+    ``timeout`` (seconds) bounds each wait on a collective.
     """
     t0 = time.perf_counter()
-    for k, v in (unsupported or {}).items():
-        if v not in (None, False):
-            raise OptionError(f"{k}= is not supported together with shard= or group=")
-    if shard is not None and not isinstance(shard, Shard):
-        raise OptionError(f"shard must be a weightlift.Shard, got {type(shard).__name__}")
-    if framework not in ("numpy", "torch"):
-        raise OptionError(f"framework must be 'numpy' or 'torch', not {framework!r}")
-    if str(device) != "cpu" and (framework != "torch" or not str(device).startswith("cuda")):
-        raise OptionError(f"device {device!r}: expected 'cpu', or 'cuda[:N]' with framework='torch'")
+    group, device, framework = opts.group, opts.placement.device, opts.placement.framework
+    if opts.shard is not None and not isinstance(opts.shard, Shard):
+        raise OptionError(f"shard must be a weightlift.Shard, got {type(opts.shard).__name__}")
+    comm, shard = _comm_and_shard(opts.shard, group, device, timeout)
+    if comm is not None and not opts.copy:
+        raise OptionError("copy=False gives views of this machine's files: not with group=")
+    failure: Exception | None = None
+    try:
+        ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
+        infos = ckpt.select(opts.select)
+        maps = {f: ckpt.mapped(f) for f in dict.fromkeys(t.file for t in infos)}
+        reader = SliceReader(maps, engine=opts.engine)
+        # every rank's slices are checked on every rank, so a bad split fails everywhere alike
+        pieces = _all_pieces(infos, shard)
+    except Exception as e:  # noqa: BLE001 - in a group, the others are told before it is raised
+        if comm is None:
+            raise
+        failure = e
+    if comm is not None:
+        # one tiny collective before the big ones: a rank that failed to plan, or planned
+        # something else, stops everyone now instead of leaving them in a collective
+        _agree(comm, None if failure is not None else _plan_digest(infos, pieces, reader.row_min))
+        if failure is not None:
+            raise failure
+    me = shard.rank if shard is not None and shard.rank is not None else (comm.rank if comm is not None else 0)
+    if comm is None:
+        mine = [p[me] if p is not None else whole(t) for t, p in zip(infos, pieces, strict=False)]
+        if not opts.copy:
+            out = {p.name: _borrowed(maps[p.tensor.file], p, framework) for p in mine}
+        else:
+            out = _local(mine, reader, device, framework)
+        paths = {"local": len(mine)}
+    else:
+        out, paths = _GroupLoad(infos, pieces, comm, reader, device, framework).run()
+    if opts.report is not None:
+        seconds = time.perf_counter() - t0
+        nbytes = sum(_nbytes(v) for v in out.values())
+        opts.report.update(
+            tensors=len(out),
+            bytes=nbytes,
+            bytes_read=reader.bytes_read,
+            requests=reader.requests,
+            seconds=seconds,
+            gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+            paths=paths,
+            rank=me,
+            world=shard.world if shard is not None else (comm.world if comm else 1),
+            device=device,
+            framework=framework,
+        )
+    return out
+
+
+def _comm_and_shard(
+    shard: Shard | None, group: Any, device: str, timeout: float | None
+) -> tuple[Comm | None, Shard | None]:
+    """The group's collectives (None without a group) and the shard with its rank and world
+    (taken from the default group where the Shard names none)."""
     comm = None
     if group is not None:
         comm = Comm(group, timeout=timeout)
-        comm.check_device(str(device))
+        comm.check_device(device)
     elif shard is not None and shard.world is None:
         try:
             comm = Comm(None)
@@ -103,55 +144,7 @@ def distributed_load(
             )
     if group is None:
         comm = None  # rank and world came from the default group; the load itself is local
-    if comm is not None and not copy:
-        raise OptionError("copy=False gives views of this machine's files: not with group=")
-    if not copy and str(device) != "cpu":
-        raise OptionError("copy=False returns views of the file's mapping: only for device='cpu'")
-    failure: Exception | None = None
-    try:
-        ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
-        infos = ckpt.select(select)
-        maps = {f: ckpt.mapped(f) for f in dict.fromkeys(t.file for t in infos)}
-        reader = SliceReader(maps, engine=engine)
-        # every rank's slices are checked on every rank, so a bad split fails everywhere alike
-        pieces = _all_pieces(infos, shard)
-    except Exception as e:  # noqa: BLE001 - in a group, the others are told before it is raised
-        if comm is None:
-            raise
-        failure = e
-    if comm is not None:
-        # one tiny collective before the big ones: a rank that failed to plan, or planned
-        # something else, stops everyone now instead of leaving them in a collective
-        _agree(comm, None if failure is not None else _plan_digest(infos, pieces, reader.row_min))
-        if failure is not None:
-            raise failure
-    me = shard.rank if shard is not None and shard.rank is not None else (comm.rank if comm is not None else 0)
-    if comm is None:
-        mine = [p[me] if p is not None else whole(t) for t, p in zip(infos, pieces, strict=False)]
-        if not copy:
-            out = {p.name: _borrowed(maps[p.tensor.file], p, framework) for p in mine}
-        else:
-            out = _local(mine, reader, str(device), framework)
-        paths = {"local": len(mine)}
-    else:
-        out, paths = _GroupLoad(infos, pieces, comm, reader, str(device), framework).run()
-    if report is not None:
-        seconds = time.perf_counter() - t0
-        nbytes = sum(_nbytes(v) for v in out.values())
-        report.update(
-            tensors=len(out),
-            bytes=nbytes,
-            bytes_read=reader.bytes_read,
-            requests=reader.requests,
-            seconds=seconds,
-            gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
-            paths=paths,
-            rank=me,
-            world=shard.world if shard is not None else (comm.world if comm else 1),
-            device=str(device),
-            framework=framework,
-        )
-    return out
+    return comm, shard
 
 
 def _plan_digest(infos: list[TensorInfo], pieces: list[list[Piece] | None], row_min: int) -> bytes:

@@ -34,6 +34,7 @@ from weightlift.disk.source import RESIDENT_THRESHOLD, MappedFile, resident_frac
 from weightlift.distributed.shard import Rows
 from weightlift.errors import FileError, OptionError
 from weightlift.memory.targets import populate
+from weightlift.options import ENGINES
 
 __all__ = ["SliceReader", "ROW_READ_MIN", "row_read_min", "IOV_MAX"]
 
@@ -58,7 +59,7 @@ class SliceReader:
     """
 
     def __init__(self, maps: dict[str, MappedFile], *, engine: str = "auto"):
-        if engine not in ("auto", "mmap", "pread"):
+        if engine not in ENGINES:
             raise OptionError(f"engine must be 'auto', 'pread' or 'mmap', not {engine!r}")
         self.maps = maps
         self._mmap: dict[str, bool] = {}

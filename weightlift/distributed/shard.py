@@ -40,16 +40,27 @@ all 1) is one contiguous byte range; any other slice is ``count`` rows of ``seg`
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Union
 
 from weightlift.checkpoint import matcher
 from weightlift.dtypes import dtype_info
 from weightlift.errors import OptionError
 from weightlift.formats import TensorInfo
 
-__all__ = ["Shard", "Piece", "Rows", "chunk_bounds", "parse_placement"]
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from torch.distributed.tensor import Placement as DTensorPlacement
+
+__all__ = ["Shard", "Piece", "Rows", "chunk_bounds", "parse_placement", "Where", "Rules"]
+
+#: Where a rule puts a tensor: a dimension, "colwise", "rowwise", "replicate", None (replicated),
+#: or a DTensor placement (``Shard(d)``, ``Replicate()``).
+Where: TypeAlias = Union[int, str, None, "DTensorPlacement"]
+#: Shard rules: ``{pattern: placement}``, or (pattern, placement) pairs, tried in order.
+Rules: TypeAlias = Mapping[str, Where] | Iterable[tuple[str, Where]]
 
 _UNEVEN = ("chunk", "error")
 
@@ -123,7 +134,7 @@ class Piece:
         return self.rows.nbytes
 
 
-def parse_placement(value: Any) -> int | None:
+def parse_placement(value: Where) -> int | None:
     """A rule's placement as a dimension (may be negative), or None for replicated."""
     if value is None:
         return None
@@ -167,16 +178,18 @@ class Shard:
     placements and the uneven-split convention.
     """
 
-    rules: Any = ()
+    rules: Rules = ()
     rank: int | None = None
     world: int | None = None
-    default: Any = None
+    default: Where = None
     uneven: str = "chunk"
-    _compiled: tuple[tuple[Any, int | None], ...] = field(default=(), init=False, repr=False, compare=False)
+    _compiled: tuple[tuple[Callable[[str], bool], int | None], ...] = field(
+        default=(), init=False, repr=False, compare=False
+    )
     _default: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        items: Sequence[tuple[str, Any]]
+        items: Sequence[tuple[str, Where]]
         if isinstance(self.rules, Mapping):
             items = list(self.rules.items())
         else:

@@ -1,2 +1,3 @@
 """The local loader: a plan of copy runs (:mod:`.plan`) carried out by worker threads
-(:mod:`.loader`). Never imports the remote half."""
+(:mod:`.mover`) for the verb (:mod:`.loader`), with reads ahead of a load (:mod:`.prefetch`).
+Never imports the remote half."""

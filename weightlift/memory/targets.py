@@ -17,14 +17,32 @@ from typing import Any
 
 import numpy as np
 
-from weightlift.dtypes import byte_length, dtype_info, numpy_dtype, torch_dtype
+from weightlift.dtypes import DTYPES, byte_length, dtype_info, numpy_dtype, torch_dtype
 from weightlift.errors import DeviceError, OptionError
+from weightlift.formats import TensorInfo
 from weightlift.memory.fresh import before_kernel_copy as populate
 from weightlift.memory.fresh import fresh_host
+from weightlift.options import Placement
 
-__all__ = ["Target", "HostTarget", "CastTarget", "CudaTarget", "make_target", "fresh_host", "populate", "STAGING_SLOT"]
+__all__ = [
+    "Target",
+    "Stager",
+    "HostTarget",
+    "CastTarget",
+    "CudaTarget",
+    "PinnedSlots",
+    "make_target",
+    "fresh_host",
+    "populate",
+    "view_as",
+    "tensor_view",
+    "quantized",
+    "STAGING_SLOT",
+    "WORKER_SLOT",
+]
 
 STAGING_SLOT = 64 * 1024 * 1024
+_PLAIN = {d.name for d in DTYPES}
 
 
 def as_bytes(arr: Any) -> np.ndarray:
@@ -53,6 +71,22 @@ def view_as(raw: np.ndarray, dtype: str, shape: tuple[int, ...], framework: str)
     return t.view(torch_dtype(dtype)).reshape(shape)
 
 
+def quantized(t: TensorInfo) -> bool:
+    """A tensor whose bytes are quantized blocks (GGUF), not an array of a plain dtype."""
+    return t.dtype not in _PLAIN
+
+
+def tensor_view(raw: np.ndarray, t: TensorInfo, framework: str) -> Any:
+    """``raw`` (host uint8, exactly ``t``'s bytes) as the array a load returns for ``t``: its dtype
+    and shape, or for quantized blocks uint8 rows of its ``raw_shape``."""
+    if not quantized(t):
+        return view_as(raw, t.dtype, t.shape, framework)
+    shaped = raw.reshape(t.extra.get("raw_shape", (raw.size,)))
+    if framework == "numpy":
+        return shaped
+    return view_as(shaped, "U8", shaped.shape, "torch")
+
+
 def _readonly_torch(raw: np.ndarray) -> Any:
     import warnings
 
@@ -66,7 +100,13 @@ def _readonly_torch(raw: np.ndarray) -> Any:
 
 
 class Target:
-    """Where tensors land. Subclasses define the fill step; host targets accept a plain memcpy."""
+    """Where tensors land. Subclasses define the fill step; host targets accept a plain memcpy.
+
+    The loader and the server's receiver see a target only through this interface: whole-load
+    destinations (:meth:`arena`, :meth:`view`), a cast variant (:meth:`casting`), and for the
+    targets a memcpy cannot fill (``memcpy_ok`` False), the host staging that bytes pass through
+    on their way in (:meth:`stager`). Neither ever tests a target's class.
+    """
 
     device: str = "cpu"
     framework: str = "numpy"
@@ -87,6 +127,69 @@ class Target:
 
     def synchronize(self) -> None:
         pass
+
+    def arena(self, nbytes: int) -> Any:
+        """One flat uint8 destination of ``nbytes`` for a whole load; its tensors are :meth:`view` s of it."""
+        return fresh_host(nbytes)
+
+    def view(self, arena: Any, offset: int, t: TensorInfo) -> Any:
+        """Tensor ``t`` as a view of its bytes at ``offset`` in ``arena`` (from :meth:`arena`)."""
+        return tensor_view(arena[offset : offset + t.length], t, self.framework)
+
+    def casting(self, dtype: str) -> Target:
+        """A target in the same place that casts floating-point tensors to ``dtype`` on the way in."""
+        return CastTarget(self.framework, dtype)
+
+    def stager(self, spare: np.ndarray | memoryview | None = None, *, private: bool = False) -> Stager:
+        """The host staging bytes pass through on their way into this target (see :class:`Stager`).
+
+        ``spare`` is a host buffer of the caller's, used where the target has no staging of its
+        own. ``private=True`` asks for staging of the caller's own (one worker thread each),
+        returned by :meth:`Stager.close`; else the target's own staging, for one thread at a time.
+        """
+        return Stager(self, spare)
+
+    @property
+    def unified_memory(self) -> bool:
+        """Whether this memory is the same RAM as the page cache (an integrated GPU): keeping the
+        page cache would then hold a checkpoint twice."""
+        return False
+
+
+class Stager:
+    """Host bytes on their way into a target: :meth:`take` a host buffer, fill it, :meth:`land` it.
+
+    This one lands the bytes through :meth:`Target.write` out of a buffer of the caller's (or one
+    of its own); a CUDA target's stager hands out its pinned slots instead, so the bytes are
+    filled once, in place, and land by an asynchronous device copy. Either way the buffer is
+    reused by the next :meth:`take`.
+    """
+
+    def __init__(self, target: Target, spare: np.ndarray | memoryview | None = None):
+        self.target = target
+        self._spare = None if spare is None else np.frombuffer(spare, dtype=np.uint8)
+        self._buf: np.ndarray | None = None
+
+    def take(self, n: int) -> np.ndarray:
+        """A host buffer for up to ``n`` bytes (its length says how many), free to fill now."""
+        if self._spare is None:
+            self._spare = np.empty(min(max(n, 1), STAGING_SLOT), dtype=np.uint8)
+        self._buf = self._spare[:n]
+        return self._buf
+
+    def land(self, dest: Any, offset: int) -> None:
+        """The buffer last taken, filled, becomes the bytes of ``dest`` from byte ``offset``."""
+        assert self._buf is not None, "land() before take()"
+        self.target.write(dest, offset, self._buf)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> Stager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class HostTarget(Target):
@@ -162,6 +265,100 @@ class CastTarget(Target):
         return dest
 
 
+class PinnedSlots:
+    """Pinned host slots and a copy stream on one device, double buffered.
+
+    A slot is handed out again only after the event recorded behind its last copy has completed,
+    so whoever filled it may fill the next one while the device copies this one. Each copy marks
+    its destination as in use by the copy stream (``record_stream``; see :class:`CudaTarget`).
+    """
+
+    def __init__(self, torch: Any, stream: Any, buffers: list[Any]):
+        self.torch = torch
+        self.stream = stream
+        self.buffers = buffers
+        self.host = [b if isinstance(b, np.ndarray) else b.numpy() for b in buffers]
+        self.events: list[Any] = [None] * len(buffers)
+        self._next = 0
+
+    def slot(self) -> tuple[int, np.ndarray]:
+        """A free slot (index, uint8 numpy view), waiting for its last copy if needed."""
+        i = self._next
+        self._next = (i + 1) % len(self.buffers)
+        ev = self.events[i]
+        if ev is not None:
+            ev.synchronize()
+        return i, self.host[i]
+
+    def upload(self, i: int, dest_bytes: Any, n: int) -> None:
+        """Copy the first ``n`` bytes of slot ``i`` into ``dest_bytes`` (a uint8 device view)."""
+        torch = self.torch
+        with torch.cuda.stream(self.stream):
+            dest_bytes.copy_(self.buffers[i][:n], non_blocking=True)
+            dest_bytes.record_stream(self.stream)  # freed only after the copy
+            self._recorded(i)
+
+    def cast_upload(self, i: int, dest: Any, src_dtype: str, offset: int, n: int, device: Any) -> None:
+        """Convert the first ``n`` bytes of slot ``i`` (``src_dtype`` elements) into the elements of
+        ``dest`` from source byte ``offset`` on."""
+        size = dtype_info(src_dtype).bits // 8
+        if offset % size or n % size:
+            raise OptionError(f"a cast write must cover whole {src_dtype} elements")
+        with self.torch.cuda.stream(self.stream):
+            src = self.buffers[i][:n].view(torch_dtype(src_dtype)).to(device, non_blocking=True)
+            dest.reshape(-1)[offset // size : offset // size + src.numel()].copy_(src)
+            dest.record_stream(self.stream)  # src was allocated on this stream; dest was not
+            self._recorded(i)
+
+    def _recorded(self, i: int) -> None:
+        ev = self.torch.cuda.Event()
+        ev.record(self.stream)
+        self.events[i] = ev
+
+    def wait(self) -> None:
+        """Wait for every copy out of the slots."""
+        for ev in self.events:
+            if ev is not None:
+                ev.synchronize()
+
+
+class _PinnedStager(Stager):
+    """A CUDA target's staging: its pinned slots, filled in place, landed by asynchronous copies."""
+
+    def __init__(self, target: CudaTarget, slots: PinnedSlots, release: Any = None):
+        super().__init__(target)
+        self.slots = slots
+        self._release = release
+        self._slot = 0
+        self._n = 0
+
+    def take(self, n: int) -> np.ndarray:
+        self._slot, buf = self.slots.slot()
+        self._n = min(n, len(buf))
+        return buf[: self._n]
+
+    def land(self, dest: Any, offset: int) -> None:
+        flat = dest.reshape(-1).view(self.slots.torch.uint8)
+        self.slots.upload(self._slot, flat[offset : offset + self._n], self._n)
+
+    def close(self) -> None:
+        if self._release is not None:
+            release, self._release = self._release, None
+            release(self.slots)
+
+
+#: the pinned slot of a loader worker's private staging (two per worker)
+WORKER_SLOT = 16 * 1024 * 1024
+_worker_slots: dict[str, list[PinnedSlots]] = {}
+_worker_lock = threading.Lock()
+
+
+def _import_torch() -> Any:
+    import torch
+
+    return torch
+
+
 class CudaTarget(Target):
     """torch CUDA tensors, filled through pinned staging slots and asynchronous copies.
 
@@ -175,33 +372,52 @@ class CudaTarget(Target):
     match) goes back to torch's caching allocator, which hands its memory to no other tensor
     until the copies queued on that stream have finished. Without the mark the memory could be
     reused at once, and the late copy would land in someone else's tensor.
+
+    Its dependencies can be handed in: ``torch`` (the module), ``stream`` (the copy stream) and
+    ``pinned`` (makes a pinned host buffer of n bytes); by default the real ones.
     """
 
     memcpy_ok = False
     framework = "torch"
 
     def __init__(
-        self, device: str = "cuda", dtype: str | None = None, *, slot_bytes: int = STAGING_SLOT, slots: int = 2
+        self,
+        device: str = "cuda",
+        dtype: str | None = None,
+        *,
+        slot_bytes: int = STAGING_SLOT,
+        slots: int = 2,
+        torch: Any = None,
+        stream: Any = None,
+        pinned: Any = None,
     ):
-        import torch
-
+        if torch is None:
+            torch = _import_torch()
         if not torch.cuda.is_available():
             raise DeviceError(f"device {device!r} asked for, but torch sees no CUDA device")
         self._torch = torch
         self.device = str(torch.device(device))
         self.dtype = dtype
         self._dev = torch.device(device)
-        self._stream = torch.cuda.Stream(device=self._dev)
+        self._stream = stream if stream is not None else torch.cuda.Stream(device=self._dev)
+        self._pinned = pinned if pinned is not None else self._pin
         self._slot_bytes = slot_bytes
         # pinned slots are made at the first write: pinning costs far more than using memory, and
-        # a load that brings its own staging (the loader's per-worker slots) never needs these
+        # a load that brings its own staging (the loader's private stagers) never needs these
         self._nslots = slots
-        self._slots: list[Any] = []
-        self._slot_np: list[np.ndarray] = []
-        self._events: list[Any] = [None] * slots
-        self._next = 0
+        self._own: PinnedSlots | None = None
         self._lock = threading.Lock()
         self._src: dict[int, str] = {}
+
+    def _pin(self, n: int) -> Any:
+        return self._torch.empty(n, dtype=self._torch.uint8, pin_memory=True)
+
+    def _slots(self) -> PinnedSlots:
+        if self._own is None:
+            self._own = PinnedSlots(
+                self._torch, self._stream, [self._pinned(self._slot_bytes) for _ in range(self._nslots)]
+            )
+        return self._own
 
     def empty(self, dtype: str, shape: tuple[int, ...]) -> Any:
         torch = self._torch
@@ -215,28 +431,11 @@ class CudaTarget(Target):
 
     def slot(self) -> tuple[int, np.ndarray]:
         """A free pinned slot (index, uint8 numpy view), waiting for its last copy if needed."""
-        if not self._slots:
-            torch = self._torch
-            self._slots = [
-                torch.empty(self._slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(self._nslots)
-            ]
-            self._slot_np = [s.numpy() for s in self._slots]
-        i = self._next
-        self._next = (i + 1) % self._nslots
-        ev = self._events[i]
-        if ev is not None:
-            ev.synchronize()
-        return i, self._slot_np[i]
+        return self._slots().slot()
 
     def upload(self, slot: int, dest_bytes: Any, n: int) -> None:
         """Copy the first ``n`` bytes of pinned ``slot`` into ``dest_bytes`` (a uint8 device view)."""
-        torch = self._torch
-        with torch.cuda.stream(self._stream):
-            dest_bytes.copy_(self._slots[slot][:n], non_blocking=True)
-            dest_bytes.record_stream(self._stream)  # see the class docstring: freed only after the copy
-            ev = torch.cuda.Event()
-            ev.record(self._stream)
-        self._events[slot] = ev
+        self._slots().upload(slot, dest_bytes, n)
 
     def write(self, dest: Any, offset: int, data: Any) -> None:
         src = np.frombuffer(data, dtype=np.uint8)
@@ -244,28 +443,16 @@ class CudaTarget(Target):
         flat = dest.reshape(-1).view(self._torch.uint8) if src_dtype is None else None
         pos = 0
         with self._lock:
+            slots = self._slots()
             while pos < src.size:
                 n = min(self._slot_bytes, src.size - pos)
-                i, buf = self.slot()
+                i, buf = slots.slot()
                 buf[:n] = src[pos : pos + n]
                 if flat is not None:
-                    self.upload(i, flat[offset + pos : offset + pos + n], n)
+                    slots.upload(i, flat[offset + pos : offset + pos + n], n)
                 else:
-                    self._cast_upload(dest, src_dtype, offset + pos, i, n)  # type: ignore[arg-type]
+                    slots.cast_upload(i, dest, src_dtype, offset + pos, n, self._dev)  # type: ignore[arg-type]
                 pos += n
-
-    def _cast_upload(self, dest: Any, src_dtype: str, offset: int, slot: int, n: int) -> None:
-        torch = self._torch
-        size = dtype_info(src_dtype).bits // 8
-        if offset % size or n % size:
-            raise OptionError(f"a cast write must cover whole {src_dtype} elements")
-        with torch.cuda.stream(self._stream):
-            src = self._slots[slot][:n].view(torch_dtype(src_dtype)).to(self._dev, non_blocking=True)
-            dest.reshape(-1)[offset // size : offset // size + src.numel()].copy_(src)
-            dest.record_stream(self._stream)  # src was allocated on this stream; dest was not
-            ev = torch.cuda.Event()
-            ev.record(self._stream)
-        self._events[slot] = ev
 
     def synchronize(self) -> None:
         self._stream.synchronize()
@@ -275,18 +462,56 @@ class CudaTarget(Target):
         self.synchronize()
         return dest
 
+    def arena(self, nbytes: int) -> Any:
+        return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self._dev)
+
+    def view(self, arena: Any, offset: int, t: TensorInfo) -> Any:
+        raw = arena[offset : offset + t.length]
+        if quantized(t):
+            return raw.reshape(t.extra.get("raw_shape", (t.length,)))
+        if dtype_info(t.dtype).bits % 8:
+            return raw
+        return raw.view(torch_dtype(t.dtype)).reshape(t.shape)
+
+    def casting(self, dtype: str) -> Target:
+        return CudaTarget(self.device, dtype, torch=self._torch, pinned=self._pinned)
+
+    def stager(self, spare: np.ndarray | memoryview | None = None, *, private: bool = False) -> Stager:
+        if self.dtype is not None:  # a cast: through write(), which converts on the device
+            return Stager(self, spare)
+        if not private:
+            return _PinnedStager(self, self._slots())
+        with _worker_lock:
+            pool = _worker_slots.setdefault(self.device, [])
+            slots = pool.pop() if pool else None
+        if slots is None:
+            stream = self._torch.cuda.Stream(device=self._dev)
+            slots = PinnedSlots(self._torch, stream, [self._pinned(WORKER_SLOT) for _ in range(2)])
+        return _PinnedStager(self, slots, release=self._return_slots)
+
+    def _return_slots(self, slots: PinnedSlots) -> None:
+        """Pinning memory costs far more than using it, so a worker's slots outlive a load; its
+        stream belongs to this device (its copies and the events behind them must be on one),
+        so they are kept per device."""
+        slots.wait()
+        with _worker_lock:
+            _worker_slots.setdefault(self.device, []).append(slots)
+
+    @property
+    def unified_memory(self) -> bool:
+        try:
+            props = self._torch.cuda.get_device_properties(self._dev)
+            return bool(getattr(props, "is_integrated", False))
+        except Exception:  # noqa: BLE001 - a property query that fails means a discrete device
+            return False
+
 
 def make_target(device: str = "cpu", framework: str = "numpy", dtype: str | None = None) -> Target:
-    """The target for ``device``/``framework``; ``dtype`` (a dtype name) casts on load."""
-    if framework not in ("numpy", "torch"):
-        raise OptionError(f"framework must be 'numpy' or 'torch', not {framework!r}")
+    """The target for ``device``/``framework`` (checked as a :class:`~weightlift.options.Placement`);
+    ``dtype`` (a dtype name) casts on load."""
+    place = Placement(device=device, framework=framework)
     if dtype is not None:
         dtype_info(dtype)
-    dev = str(device)
-    if dev == "cpu":
-        return CastTarget(framework, dtype) if dtype else HostTarget(framework)
-    if dev.startswith("cuda"):
-        if framework != "torch":
-            raise OptionError(f"device {dev!r} needs framework='torch'")
-        return CudaTarget(dev, dtype)
-    raise OptionError(f"unknown device {dev!r}: expected 'cpu' or 'cuda[:N]'")
+    if place.cuda:
+        return CudaTarget(place.device, dtype)
+    return CastTarget(place.framework, dtype) if dtype else HostTarget(place.framework)

@@ -38,15 +38,19 @@ from __future__ import annotations
 
 import copy as _copy
 import os
-import re as _re
 import tempfile
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
-from .checkpoint import Checkpoint, open_checkpoint
-from .errors import NotFoundError, OptionError, WeightliftError
+from weightlift.api import run_load
+from weightlift.checkpoint import Checkpoint, open_checkpoint
+from weightlift.errors import NotFoundError, OptionError, WeightliftError
+from weightlift.hf.conversions import lazy_conversion_table
+from weightlift.hf.mapped import read_and_map
+from weightlift.options import LoadOptions
 
 __all__ = [
     "from_pretrained",
@@ -135,7 +139,7 @@ def _torch_dtype(dtype: Any) -> Any:
         named = getattr(torch, dtype, None)
         found = named if isinstance(named, torch.dtype) else None
         if found is None:
-            from .dtypes import torch_dtype
+            from weightlift.dtypes import torch_dtype
 
             try:
                 found = torch_dtype(dtype.upper())
@@ -198,7 +202,7 @@ def _device(device: str) -> Any:
         raise OptionError(f"device {device!r} is not a torch device (cpu, cuda, cuda:N)") from None
     if d.type == "cuda":
         if not torch.cuda.is_available():
-            from .errors import DeviceError
+            from weightlift.errors import DeviceError
 
             raise DeviceError(f"device {device!r}: torch sees no CUDA device")
         if d.index is None:
@@ -208,7 +212,7 @@ def _device(device: str) -> Any:
 
 def _file_dtype(name: str) -> Any:
     """The torch dtype of a floating-point checkpoint dtype name; None for other types."""
-    from .dtypes import dtype_info, torch_dtype
+    from weightlift.dtypes import dtype_info, torch_dtype
 
     return torch_dtype(name) if name.startswith(("F", "BF")) and dtype_info(name).torch else None
 
@@ -291,7 +295,8 @@ def from_pretrained(
     dt = resolve_dtype(dtype, config, ckpt)
     dev = _device(device)
     report: dict[str, Any] = {}
-    from .api import load
+    # checked once, here, in the caller's thread; the read below may run on a thread of its own
+    opts = LoadOptions(framework="torch", device=str(dev), report=report, **load_options)
 
     # Where the files already hold the model's dtype nothing is cast, whatever the model turns
     # out to be, so the read starts now, on threads of its own, and the model is built on the
@@ -301,9 +306,9 @@ def from_pretrained(
     mapped = copy is None and dev.type == "cpu" and uncast
     early = None
     if mapped:
-        early = _Background(lambda: _read_and_map(ckpt, report, load_options))
+        early = _Background(read_and_map, ckpt, opts)
     elif copy is not False and uncast:
-        early = _Background(lambda: load(ckpt, framework="torch", device=str(dev), report=report, **load_options))
+        early = _Background(run_load, ckpt, opts)
     try:
         model = _empty_model(cls, config, dt)
         plan = _load_plan(model, device=dev, dtype=dt, key_mapping=key_mapping, name_or_path=os.fspath(path))
@@ -318,76 +323,17 @@ def from_pretrained(
         cast = _uniform_dtype(model)
         if cast is not None and all(_file_dtype(t.dtype) in (None, cast) for t in ckpt.tensors):
             cast = None  # nothing to cast: plain copies (or, with copy=False, views of the mapping)
-        opts = dict(load_options, copy=copy is not False)
-        sd = load(ckpt, framework="torch", device=str(dev), dtype=cast, report=report, **opts)
+        sd = run_load(ckpt, replace(opts, copy=copy is not False, dtype=cast))
     model, info = _assemble(model, sd, plan, folder=folder)
     info["weightlift"]["load"] = {k: report[k] for k in ("tensors", "bytes", "seconds") if k in report}
     info["weightlift"]["storage"] = "private mapping" if mapped else "read-only mapping" if copy is False else "copies"
     return (model, info) if output_loading_info else model
 
 
-#: ``from_pretrained`` options that the mapped path honours itself; any other (``verify``,
-#: ``engine``, ``page_cache``, ``warm``, a progress bar...) sends the files through
-#: :func:`weightlift.load` first.
-_MAPPED_OPTIONS = frozenset({"threads", "progress"})
-
-
-def _read_and_map(ckpt: Checkpoint, report: dict[str, Any], load_options: Mapping[str, Any]) -> dict[str, Any]:
-    """Every tensor as a view of a private mapping of its file, with the mapped bytes made
-    ready to read: in the page cache, mapped, touched once (:func:`weightlift.memory.fresh.map_in`),
-    so that the first forward pass neither waits on storage nor faults page by page."""
-    from .api import load
-    from .disk.source import MAX_WARMERS
-    from .local.loader import await_prefetches
-    from .memory.fresh import map_in
-
-    t0 = time.perf_counter()
-    if set(load_options) - _MAPPED_OPTIONS or load_options.get("progress"):
-        load(ckpt, copy=False, report=report, **load_options)  # weightlift's reader, for its options
-    else:
-        await_prefetches(ckpt.files)  # a prefetch still reading these files: its reads are ours
-    sizes = {f: ckpt.mapped(f).size for f in ckpt.files}  # FormatError if a file changed since its header
-    storages, out = _private_mapping(ckpt, sizes)
-    if load_options.get("warm") is not False:  # warm=False: views left lazy, as weightlift.load's are
-        threads = load_options.get("threads") or min(os.cpu_count() or 1, MAX_WARMERS)
-        map_in([(st.data_ptr(), st.nbytes(), f) for f, st in storages.items()], threads=threads)
-    report.setdefault("tensors", len(ckpt.tensors))
-    report.setdefault("bytes", sum(t.length for t in ckpt.tensors))
-    report["seconds"] = time.perf_counter() - t0
-    return out
-
-
-def _private_mapping(ckpt: Checkpoint, sizes: Mapping[str, int]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Every tensor of ``ckpt`` as a view of a private copy-on-write mapping of its file, and
-    the mappings (torch storages) by file.
-
-    This is the mapping transformers' own loader (through safetensors) hands out: lazy, shared
-    with the page cache until a page is written. A tensor whose offset does not suit its element
-    size (safetensors does not promise alignment) is copied out instead.
-    """
-    import torch
-
-    from .dtypes import torch_dtype
-
-    storages = {f: torch.UntypedStorage.from_file(f, shared=False, nbytes=n) for f, n in sizes.items() if n}
-    out = {}
-    for t in ckpt.tensors:
-        dt = torch_dtype(t.dtype)
-        if not t.length:
-            out[t.name] = torch.empty(t.shape, dtype=dt)
-            continue
-        raw = torch.empty(0, dtype=torch.uint8).set_(storages[t.file], t.offset, (t.length,))
-        if t.offset % dt.itemsize:
-            raw = raw.clone()
-        out[t.name] = raw.view(dt).reshape(t.shape)
-    return storages, out
-
-
 class _Background:
     """``fn(*args)`` on a thread of its own; ``result()`` waits for it and returns or raises what it did."""
 
     def __init__(self, fn: Any, *args: Any) -> None:
-        import threading
 
         self._out: Any = None
         self._err: BaseException | None = None
@@ -443,7 +389,7 @@ def from_server(
             key_mapping=key_mapping,
             output_loading_info=output_loading_info,
         )
-    from .remote.client import Client
+    from weightlift.remote.client import Client
 
     with tempfile.TemporaryDirectory(prefix="weightlift-pull-") as tmp:
         pulled = os.path.join(tmp, "model.safetensors")
@@ -474,8 +420,8 @@ def _as_torch(x: Any) -> Any:
 
     if isinstance(x, torch.Tensor):
         return x
-    from .dtypes import from_numpy
-    from .memory.targets import as_bytes, view_as
+    from weightlift.dtypes import from_numpy
+    from weightlift.memory.targets import as_bytes, view_as
 
     return view_as(as_bytes(x), from_numpy(x.dtype), tuple(x.shape), "torch")
 
@@ -489,7 +435,7 @@ def _load_plan(model: Any, *, device: Any, dtype: Any, key_mapping: Any, name_or
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.modeling_utils import LoadStateDictConfig
 
-    _lazy_conversion_table()
+    lazy_conversion_table()
     return LoadStateDictConfig(
         pretrained_model_name_or_path=name_or_path,
         device_map={"": device},
@@ -497,88 +443,6 @@ def _load_plan(model: Any, *, device: Any, dtype: Any, key_mapping: Any, name_or
         dtype_plan=model._get_dtype_plan(dtype),
         weight_mapping=get_model_conversion_mapping(model, key_mapping, None),
     )
-
-
-class _LazyPattern:
-    """A regular expression compiled at its first use; otherwise it acts as the compiled one."""
-
-    __slots__ = ("_args", "_compiled")
-
-    def __init__(self, *args: Any) -> None:
-        self._args = args
-        self._compiled: Any = None
-
-    def _get(self) -> Any:
-        if self._compiled is None:
-            self._compiled = _re.compile(*self._args)
-        return self._compiled
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._get(), name)
-
-    def __copy__(self) -> _LazyPattern:
-        return self  # immutable, as a compiled pattern is (copy and deepcopy return it too)
-
-    def __deepcopy__(self, memo: Any) -> _LazyPattern:
-        return self
-
-    def __reduce__(self) -> Any:
-        return (_re.compile, self._args)
-
-    def __repr__(self) -> str:
-        return repr(self._get())
-
-
-class _LazyRe:
-    """transformers' ``core_model_loading.re`` while it builds its table: ``compile`` is lazy for
-    the building thread only; any other thread running that module meanwhile gets ``re`` itself."""
-
-    def __init__(self) -> None:
-        self._builder = threading.get_ident()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(_re, name)
-
-    def compile(self, *args: Any) -> Any:
-        return _LazyPattern(*args) if threading.get_ident() == self._builder else _re.compile(*args)
-
-
-_lazy_lock = threading.Lock()
-
-
-def _lazy_conversion_table() -> None:
-    """Build transformers' table of name conversions with each regular expression compiled at
-    its first use.
-
-    The table holds every model's renamings (about 1,200 of them, in transformers 5.x) and
-    transformers builds it, once per process, on the first load, compiling each one: 0.09-0.13 s
-    on this project's machine, most of a warm load's own time, for the one model's handful
-    that will ever match a name. Built here first, with ``re.compile`` deferred, it is the same
-    table (the same conversions, in the same order, each pattern compiled from the same text
-    when it is first matched), and transformers' own loads in this process use it too. A
-    transformers whose module does not look as expected is left to build its table itself.
-    """
-    try:
-        from transformers import conversion_mapping as cm
-        from transformers import core_model_loading as cml
-    except ImportError:
-        return
-    if (
-        getattr(cm, "_checkpoint_conversion_mapping_cache", False) is not None
-        or not callable(getattr(cm, "_build_checkpoint_conversion_mapping", None))
-        or getattr(cml, "re", None) is not _re
-    ):
-        return
-    with _lazy_lock:
-        if cm._checkpoint_conversion_mapping_cache is not None:
-            return
-        cml.re = _LazyRe()
-        try:
-            table = cm._build_checkpoint_conversion_mapping()
-        finally:
-            cml.re = _re
-        if cm._checkpoint_conversion_mapping_cache is None:
-            cm._checkpoint_conversion_mapping_cache = table
 
 
 def _assemble(
