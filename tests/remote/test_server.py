@@ -48,8 +48,8 @@ def _cost(name: str, nbytes: int, ndim: int = 1) -> int:
 class Raw:
     """A hand-driven client: sends exactly the frames a test writes, reads replies."""
 
-    def __init__(self, address, *, minor: int = P.PROTOCOL_MINOR):
-        self.sock = socket.create_connection(address, timeout=10)
+    def __init__(self, address, *, minor: int = P.PROTOCOL_MINOR, source: str | None = None):
+        self.sock = socket.create_connection(address, timeout=10, source_address=(source, 0) if source else None)
         self.dec = Decoder(our_role="client")
         self.minor = minor
         self.mac_out: P.FrameMac | None = None  # a protected connection (token, minor 2)

@@ -25,23 +25,19 @@ import blake3
 import numpy as np
 
 from weightlift.digest.blake import hash_buffer
-from weightlift.errors import AuthError, LocalProtocolError, RemoteProtocolError, TransportError, WeightliftError
+from weightlift.errors import AuthError, RemoteProtocolError, TransportError, WeightliftError
 from weightlift.memory.targets import Target, as_bytes, make_target
 from weightlift.profile import Profiler
 from weightlift.remote.protocol import (
     MAX_FRAME,
-    MAX_HANDSHAKE_FRAME,
     MAX_TENSOR_BYTES,
     MAX_TENSORS,
-    NEED_DATA,
-    PAYLOAD_COMMANDS,
     PROTOCOL_MAJOR,
     Alloc,
     Auth,
     Barrier,
     Bye,
     Capability,
-    Decoder,
     Error,
     ErrorCode,
     FillFromCache,
@@ -70,27 +66,15 @@ from weightlift.remote.protocol import (
     verify_usable,
 )
 from weightlift.remote.server.context import Context
+from weightlift.remote.server.frames import FrameReader, FrameTooLarge
 from weightlift.remote.server.receive import STAGING_BYTES, Receiver
 from weightlift.remote.server.slots import Slot
-from weightlift.remote.server.store import Charge, MemoryFull
-from weightlift.remote.transport import Stream, receive_tag
+from weightlift.remote.transport import Stream
 
-__all__ = [
-    "Connection",
-    "SCRATCH_BYTES",
-    "LINGER_BYTES",
-    "LINGER_SECONDS",
-    "FRAME_SLACK",
-    "TRICKLE_BYTES",
-    "TRICKLE_PAUSE",
-]
+__all__ = ["Connection", "LINGER_BYTES", "LINGER_SECONDS"]
 
-SCRATCH_BYTES = 64 * 1024  # frame headers and drained payloads
 LINGER_BYTES = 64 * 1024 * 1024  # after an ERROR, how much of the peer's input to drain before closing
 LINGER_SECONDS = 2.0  # ... and for how long at most, however the peer spaces its bytes
-TRICKLE_BYTES = 512  # two receives in a row inside one frame or payload bringing less than this ...
-TRICKLE_PAUSE = 0.002  # ... and the next waits this long first, so that bytes gather in the socket
-FRAME_SLACK = 1 / 8  # a frame buffer is charged its length and this much more (a bytearray over-allocates)
 
 _log = logging.getLogger("weightlift.remote.server")
 
@@ -107,31 +91,34 @@ class Connection:
         self.minor = ctx.minor
         self.session = ServerSession(minor=ctx.minor, auth_required=ctx.token is not None)
         # Until READY: the server's own minor (the client's is not known yet) and tiny frames.
-        self.dec = Decoder(
-            our_role="server", minor=ctx.minor, max_frame=MAX_HANDSHAKE_FRAME, max_tensor_bytes=self._max_tensor_bytes()
+        self.frames = FrameReader(
+            stream,
+            self.store,
+            minor=ctx.minor,
+            max_tensor_bytes=self._max_tensor_bytes(),
+            handshake_timeout=ctx.handshake_timeout,
+            idle_timeout=ctx.idle_timeout,
+            io_timeout=ctx.io_timeout,
+            min_frame_rate=ctx.min_frame_rate,
         )
-        self.deadline: float | None = time.monotonic() + ctx.handshake_timeout
         self.nonce = new_nonce()
         self.client_nonce = b""
         self.client_hello: Hello | None = None
         self.server_hello: Hello | None = None
-        self.mac_in: FrameMac | None = None  # set once the client's AUTH checks (protected connections)
         self.mac_out: FrameMac | None = None  # set once our AUTH went out
         self.client_max_frame = MAX_FRAME
         self.prof = Profiler(ctx.profile)
-        self.scratch = memoryview(bytearray(SCRATCH_BYTES))
-        self._frame_charge: Charge | None = None  # a frame larger than scratch, while it is buffered
-        self._timeout: float | None = -1.0  # the stream's timeout as last set (-1: not set yet)
+        self.scratch = self.frames.scratch
         self._staging: np.ndarray | None = None
         self.rx = Receiver(
             ctx,
-            payload=self._payload,
+            payload=self.frames.payload,
             scratch=self.scratch,
             target=lambda: self.target,
             pooled=lambda: self.pooled,
             staging=self.staging,
             prof=self.prof,
-            frame_end=self._frame_end,
+            frame_end=self.frames.frame_end,
         )
 
     def _max_tensor_bytes(self) -> int:
@@ -154,37 +141,12 @@ class Connection:
             self._staging = np.empty(STAGING_BYTES, dtype=np.uint8)  # reused, never zero-filled
         return self._staging.data
 
-    def _payload(self, view: memoryview) -> None:
-        """Fill ``view`` with the next payload bytes, straight from the socket. A peer that
-        trickles its bytes is read after a short pause per receive (:data:`TRICKLE_PAUSE`), so
-        that they gather: the server's cost per byte does not depend on how the peer fragments
-        them."""
-        got = start = self.dec.payload_into(view)  # bytes the decoder held were MACed as they came
-        small = 0
-        while got < len(view):
-            if small >= 2:
-                time.sleep(TRICKLE_PAUSE)
-            n = self.stream.recv_into(view[got:])
-            if n == 0:
-                raise TransportError("the peer closed the connection inside a payload")
-            self.dec.payload_received(n)
-            got += n
-            small = small + 1 if n < TRICKLE_BYTES or small >= 2 else 0  # once trickling, for the rest of it
-        if self.mac_in is not None and got > start:
-            self.mac_in.update(view[start:got])  # as they land, while they are hot
-
-    def _frame_end(self) -> None:
-        """A WRITE's payload is in: on a protected connection its tag is checked before any of
-        its bytes count (AuthError ends the connection)."""
-        if self.mac_in is not None and self.mac_in.open:
-            receive_tag(self.stream, self.mac_in)
-
     # -- the loop ----------------------------------------------------------------------------
 
     def run(self) -> None:
         try:
             while True:
-                msg = self._next()
+                msg = self.frames.next()
                 if msg is None:
                     return
                 t0 = time.perf_counter_ns() if self.prof.enabled else 0
@@ -197,10 +159,10 @@ class Connection:
             self._fatal(ErrorCode.PROTOCOL, str(e))
         except AuthError as e:
             self._fatal(ErrorCode.AUTH, str(e))
-        except (_FrameTooLarge, _Refused) as e:
+        except (FrameTooLarge, _Refused) as e:
             self._fatal(ErrorCode.LIMIT, str(e))
         except TransportError:
-            if self.deadline is not None and time.monotonic() >= self.deadline:
+            if self.frames.handshake_expired:
                 what = "HELLO and AUTH" if self.ctx.token is not None else "HELLO"
                 self._fatal(ErrorCode.PROTOCOL, f"no {what} within {self.ctx.handshake_timeout:g} s")
             # otherwise the client went away; what it had in flight is dropped below
@@ -212,86 +174,10 @@ class Connection:
             self._fatal(ErrorCode.INTERNAL, f"internal server error: {type(e).__name__}")
         finally:
             self.rx.close()
-            if self._frame_charge is not None:
-                self._frame_charge.release()
+            self.frames.close()
             if self.prof.enabled:
                 self.ctx.reports.append(self.prof.report())
                 sys.stderr.write(f"weightlift server: connection {self.stream.peer} closed\n{self.prof.format()}\n")
-
-    def _set_timeout(self, seconds: float | None) -> None:
-        if seconds != self._timeout:
-            self.stream.set_timeout(seconds)
-            self._timeout = seconds
-
-    def _next(self) -> Message | None:
-        """The next message; None if the peer closed cleanly between frames.
-
-        Reads exactly what the decoder still wants (a payload that follows a header stays in the
-        socket for the receiver), at most a scratch buffer at a time: the cost per byte does not
-        depend on how the peer fragments them. A frame larger than the scratch buffer is
-        charged to max_memory while the decoder buffers it. Before READY every receive waits
-        only for what is left of the handshake deadline; after it, the wait for the next request
-        is bounded by the idle timeout and every receive inside a frame by the I/O timeout.
-        A peer that trickles (two receives in a row bringing fewer than TRICKLE_BYTES) is read
-        after a short pause per receive, so that its bytes gather in the socket.
-        """
-        dec, scratch, mac = self.dec, self.scratch, self.mac_in
-        if mac is not None:
-            mac.begin()
-        small = 0  # receives in a row inside this frame that brought fewer than TRICKLE_BYTES
-        checked = mac is None
-        while True:
-            if not checked:
-                cmd = dec.complete_frame()
-                if cmd is not None and cmd not in PAYLOAD_COMMANDS:
-                    receive_tag(self.stream, mac)  # type: ignore[arg-type]  # before the body is decoded
-                    checked = True
-            ev = dec.next_event()
-            if ev is not NEED_DATA:
-                if not checked and not ev.length:  # type: ignore[union-attr]  # an empty WRITE
-                    receive_tag(self.stream, mac)  # type: ignore[arg-type]
-                if self._frame_charge is not None:
-                    self._frame_charge.release()
-                    self._frame_charge = None
-                    if dec.at_boundary:
-                        self._renew_decoder()  # its buffer's memory goes with it
-                if self.deadline is None:
-                    self._set_timeout(self.ctx.io_timeout)  # the payload and the reply
-                return ev  # type: ignore[return-value]
-            want = dec.bytes_wanted()
-            if want > len(scratch) and self._frame_charge is None:
-                size = want + dec.buffered
-                try:
-                    self._frame_charge = self.store.charge(size + int(size * FRAME_SLACK))
-                except MemoryFull as e:
-                    raise _FrameTooLarge(f"a frame of {size} bytes: {e}") from None
-            if self.deadline is not None:
-                left = self.deadline - time.monotonic()
-                if left <= 0:
-                    raise TransportError("the peer did not send a whole message in time")
-                self.stream.set_timeout(left)
-                self._timeout = -1.0
-            elif dec.at_boundary:
-                self._set_timeout(self.ctx.idle_timeout)
-            else:
-                self._set_timeout(self.ctx.io_timeout)
-            if small >= 2 and not dec.at_boundary:
-                time.sleep(TRICKLE_PAUSE)  # a trickling peer: let its bytes gather
-            try:
-                n = self.stream.recv_into(scratch[: min(want, len(scratch))])
-            except TransportError as e:
-                if self.deadline is None:
-                    what = "idle" if dec.at_boundary else "stalled inside a frame"
-                    _log.info("weightlift server: closing %s: %s (%s)", self.stream.peer, what, e)
-                raise
-            if n == 0:
-                if dec.at_boundary:
-                    return None
-                raise TransportError("the peer closed the connection inside a frame")
-            dec.feed(scratch[:n])
-            if mac is not None:
-                mac.update(scratch[:n])
-            small = small + 1 if n < min(want, TRICKLE_BYTES) or small >= 2 else 0  # once trickling, for the rest
 
     def _fatal(self, code: ErrorCode, message: str) -> None:
         """Reply ERROR, then close without a reset, so the client can read why."""
@@ -329,21 +215,9 @@ class Connection:
         """A decoder for the negotiated minor, and, once READY, the full frame limit.
 
         A client that negotiated an older minor must not get past the decoder with a command its
-        minor lacks (the server could not encode the reply). receive_message never reads past a
-        frame, so nothing is buffered in the old decoder when this runs.
+        minor lacks (the server could not encode the reply).
         """
-        if not self.dec.at_boundary:
-            raise LocalProtocolError("decoder replaced inside a frame")
-        ready = self.session.state is SessionState.READY
-        self.dec = Decoder(
-            our_role="server",
-            minor=self.minor,
-            max_frame=MAX_FRAME if ready else MAX_HANDSHAKE_FRAME,
-            max_tensor_bytes=self._max_tensor_bytes(),
-        )
-        if ready:
-            self.deadline = None
-            self._set_timeout(self.ctx.io_timeout)
+        self.frames.renew(self.minor, ready=self.session.state is SessionState.READY)
 
     def dispatch(self, msg: Message) -> bool:
         """Handle one message; True when the connection should end."""
@@ -438,7 +312,7 @@ class Connection:
         if mac_usable(self.minor, token):
             assert self.client_hello is not None and self.server_hello is not None  # set at HELLO
             c2s, s2c = frame_keys(token, self.client_hello, self.server_hello)
-            self.mac_in = FrameMac(c2s)  # every frame after the client's AUTH
+            self.frames.mac = FrameMac(c2s)  # every frame after the client's AUTH
         self._reply(Auth(server_mac(token, self.client_nonce, self.nonce)))
         if s2c:
             self.mac_out = FrameMac(s2c)  # every frame after ours
@@ -513,10 +387,6 @@ class Connection:
             budget -= size
             entries.append(ListEntry(name, e.dtype, e.shape, e.nbytes, e.version))
         self._reply(ListReply(tuple(entries), more=len(entries) < len(items)))
-
-
-class _FrameTooLarge(Exception):
-    """A frame whose buffer would take the server past max_memory."""
 
 
 class _Refused(Exception):

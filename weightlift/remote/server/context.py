@@ -35,6 +35,7 @@ class Context:
     handshake_timeout: float
     idle_timeout: float | None  # seconds a READY connection may wait between requests; None: no limit
     io_timeout: float | None  # seconds one receive inside a frame, or one send, may wait; None: no limit
+    min_frame_rate: int | None  # bytes per second a frame must arrive at, beyond io_timeout; None: no floor
     opt: bool  # False: WEIGHTLIFT_LOAD_OPT=0, the naive receive paths
     profile: bool | None
     store: Store

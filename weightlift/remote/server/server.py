@@ -54,6 +54,7 @@ from weightlift.remote.protocol import PROTOCOL_MINOR, Error, ErrorCode, send
 from weightlift.remote.server.cache import TensorCache
 from weightlift.remote.server.connection import Connection
 from weightlift.remote.server.context import Context
+from weightlift.remote.server.frames import MIN_FRAME_RATE
 from weightlift.remote.server.slots import Slot, Slots
 from weightlift.remote.server.store import ENTRY_OVERHEAD, Store
 from weightlift.remote.token import check_token
@@ -68,6 +69,9 @@ __all__ = [
     "HANDSHAKE_TIMEOUT",
     "IDLE_TIMEOUT",
     "IO_TIMEOUT",
+    "MIN_FRAME_RATE",
+    "MAX_HANDSHAKES",
+    "MAX_PER_ADDRESS",
 ]
 
 MAX_CONNECTIONS = 64  # READY (authenticated) connections served at once; more are closed at accept
@@ -186,6 +190,7 @@ class Server:
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         idle_timeout: float | None = IDLE_TIMEOUT,
         io_timeout: float | None = IO_TIMEOUT,
+        min_frame_rate: int | None = MIN_FRAME_RATE,
         profile: bool | None = None,
         protocol_minor: int = PROTOCOL_MINOR,
         backend: Backend = TCP,
@@ -211,6 +216,8 @@ class Server:
         for what, t in (("idle_timeout", idle_timeout), ("io_timeout", io_timeout)):
             if t is not None and not t > 0:
                 raise OptionError(f"{what} must be > 0 or None, got {t}")
+        if min_frame_rate is not None and not min_frame_rate > 0:
+            raise OptionError(f"min_frame_rate must be > 0 or None, got {min_frame_rate}")
         if not 0 <= protocol_minor <= PROTOCOL_MINOR:
             raise OptionError(f"protocol_minor must be between 0 and {PROTOCOL_MINOR}")
         self._backend = backend
@@ -251,6 +258,7 @@ class Server:
             handshake_timeout=float(handshake_timeout),
             idle_timeout=None if idle_timeout is None else float(idle_timeout),
             io_timeout=None if io_timeout is None else float(io_timeout),
+            min_frame_rate=min_frame_rate,
             opt=env.load_opt(),
             profile=profile,
             store=store,
