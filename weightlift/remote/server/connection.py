@@ -377,16 +377,16 @@ class Connection:
             self.stream.send_parts([mac.tag()])
 
     def _list(self, req: ListRequest) -> None:
-        items = self.store.listing(req.after)
+        items, more = self.store.listing(req.after, MAX_TENSORS)
         budget = self.client_max_frame - 64
         entries: list[ListEntry] = []
         for name, e in items:
             size = 23 + len(name.encode()) + 8 * len(e.shape)
-            if len(entries) >= MAX_TENSORS or size > budget:
+            if size > budget:
                 break
             budget -= size
             entries.append(ListEntry(name, e.dtype, e.shape, e.nbytes, e.version))
-        self._reply(ListReply(tuple(entries), more=len(entries) < len(items)))
+        self._reply(ListReply(tuple(entries), more=more or len(entries) < len(items)))
 
 
 class _Refused(Exception):
