@@ -56,6 +56,16 @@ class Raw:
         self.mac_in: P.FrameMac | None = None
         self._payload = b""
 
+    @classmethod
+    def over(cls, sock: socket.socket, *, minor: int = P.PROTOCOL_MINOR) -> Raw:
+        """A Raw client on a socket already connected (one end of a socketpair)."""
+        raw = cls.__new__(cls)
+        sock.settimeout(10)
+        raw.sock, raw.dec, raw.minor = sock, Decoder(our_role="client"), minor
+        raw.mac_out = raw.mac_in = None
+        raw._payload = b""
+        return raw
+
     def hello(self, *, token: bytes | None = None) -> Hello:
         nonce = P.new_nonce()
         ours = Hello(1, self.minor, nonce=nonce)
@@ -495,12 +505,12 @@ def test_held_tensors_are_handed_out_read_only_and_then_need_no_second_hash(tmp_
     """numpy tensors come as read-only views (the same object each time): nobody can write into
     them, so a digest-named push of the same bytes finds them in memory without hashing them
     again. One handed out writable is hashed again before it is trusted."""
-    from weightlift.remote.server import receive
+    from weightlift.remote.server import fills
 
     hashed: list[int] = []
-    real = receive.hash_buffer
+    real = fills.hash_buffer
     monkeypatch.setattr(
-        receive, "hash_buffer", lambda buf, **kw: hashed.append(len(memoryview(buf).cast("B"))) or real(buf, **kw)
+        fills, "hash_buffer", lambda buf, **kw: hashed.append(len(memoryview(buf).cast("B"))) or real(buf, **kw)
     )
     a = _f32(700_000, 7)
     d = hash_buffer(a)
@@ -581,13 +591,13 @@ def test_idle_pooled_memory_gives_way_to_new_tensors():
         assert s.memory_used == _cost("w", 4 * 2**20)
         raw.send(Free(("w",)))
         assert raw.recv() == FreeReply(1)
-        assert s._store.pool.idle_bytes == 4 * 2**20 and s.memory_used == 0
+        assert s.stats().pool_idle_bytes == 4 * 2**20 and s.memory_used == 0
         raw.send(Alloc(1, "v", "F32", big.shape, big.nbytes))
         raw.send(WriteHeader(1, 0, big.nbytes), big.tobytes())
         assert _barrier(raw) == BarrierReply(1, big.nbytes)
         assert s.stats()["pooled"] == 0
-        assert s._store.pool.idle_bytes == 0  # given back to make room
-        assert s._store.pool.idle_bytes + s.memory_used <= s.max_memory
+        assert s.stats().pool_idle_bytes == 0  # given back to make room
+        assert s.stats().pool_idle_bytes + s.memory_used <= s.max_memory
 
 
 def test_a_lazy_allocation_that_fails_leaves_nothing_in_flight(tmp_path, monkeypatch):
@@ -604,7 +614,7 @@ def test_a_lazy_allocation_that_fails_leaves_nothing_in_flight(tmp_path, monkeyp
         assert _barrier(raw).tensors == 1
         raw.send(Free(("v",)))  # ... and nowhere in memory
         assert raw.recv() == FreeReply(1)
-        s._store.pool.trim(0)  # not even pooled
+        s.trim(0)  # not even pooled
         monkeypatch.setattr(pool_mod, "new_mapping", no_memory)
         raw.send(Alloc(0, "w", "F32", a.shape, a.nbytes, d))  # named by digest: memory comes at the first byte
         raw.send(P.FillFromCache(0, d))  # a fill from the disk needs memory now, and there is none
@@ -631,7 +641,7 @@ def test_a_reserve_is_faulted_at_start_and_carved_for_the_first_push():
         for i, a in enumerate(v):
             assert np.array_equal(s.tensors()[f"w{i}"], a)
         assert s.memory_used == 4 * _cost("w0", 4 * 2**20)  # each charged its whole 4 MiB slice
-        assert s._store.pool.idle_bytes == 32 * 2**20 - 4 * 4 * 2**20  # the rest of the reserve, still counted
+        assert s.stats().pool_idle_bytes == 32 * 2**20 - 4 * 4 * 2**20  # the rest of the reserve, still counted
 
 
 def test_a_reserve_as_large_as_max_memory_is_carved_not_cut_away():
@@ -645,7 +655,7 @@ def test_a_reserve_as_large_as_max_memory_is_carved_not_cut_away():
         assert _barrier(raw) == BarrierReply(8, 8 * v[0].nbytes)
         assert s.stats()["pooled"] == 8  # each tensor took its slice: nothing trimmed, nothing fresh
         assert s.reserved == (32 * 2**20, 32 * 2**20)
-        assert s.memory_used == s.max_memory and s._store.pool.idle_bytes == 0
+        assert s.memory_used == s.max_memory and s.stats().pool_idle_bytes == 0
         assert all(np.array_equal(s.tensors()[f"w{i}"], a) for i, a in enumerate(v))
 
 
@@ -755,9 +765,12 @@ def test_cuda_server_round_trip(tmp_path):
 import weightlift.memory.faulter as faulter_mod  # noqa: E402
 import weightlift.memory.fresh as fresh_mod  # noqa: E402
 import weightlift.memory.pool as pool_mod  # noqa: E402
+import weightlift.remote.server.config as config_mod  # noqa: E402
 import weightlift.remote.server.connection as connection_mod  # noqa: E402
-import weightlift.remote.server.receive as receive_mod  # noqa: E402
-import weightlift.remote.server.server as server_mod  # noqa: E402
+import weightlift.remote.server.destinations as destinations_mod  # noqa: E402
+import weightlift.remote.server.paths as paths_mod  # noqa: E402
+import weightlift.remote.server.pending as pending_mod  # noqa: E402
+import weightlift.remote.server.reads as reads_mod  # noqa: E402
 from weightlift.errors import DeviceError  # noqa: E402
 
 
@@ -820,8 +833,8 @@ def test_handshake_timeout_closes_connections_that_never_become_ready():
         time.sleep(0.6)  # twice the handshake timeout: a READY connection is not held to it
         _put(ready, 0, "w", _f32(4))
         assert _barrier(ready).tensors == 1
-        wait_for(lambda: len(s._conns) == 1)
-        assert len(s._conns) == 1
+        wait_for(lambda: s.stats().open_connections == 1)
+        assert s.stats().open_connections == 1
 
 
 def test_connections_over_the_limit_are_closed_at_accept():
@@ -833,18 +846,18 @@ def test_connections_over_the_limit_are_closed_at_accept():
         reply = extra.recv()
         assert isinstance(reply, Error) and reply.code == ErrorCode.LIMIT and "2 connections" in reply.message
         assert extra.closed()
-        assert len(s._conns) == 2 and len(s._threads) == 2  # no thread kept for it
+        assert s.stats().open_connections == 2  # no thread kept for it
         _put(a, 0, "w", _f32(4))
         assert _barrier(a).tensors == 1
         a.send(Bye())
         assert a.closed()
-        wait_for(lambda: len(s._conns) < 2)
+        wait_for(lambda: s.stats().open_connections < 2)
         _serves(s)  # a slot freed: the next client is served
 
 
 def test_default_memory_cap_is_most_of_physical_memory():
     total = __import__("os").sysconf("SC_PAGE_SIZE") * __import__("os").sysconf("SC_PHYS_PAGES")
-    assert server_mod.default_max_memory("cpu") == int(total * 0.9)
+    assert config_mod.default_max_memory("cpu") == int(total * 0.9)
     with Server() as s:
         assert s.max_memory == int(total * 0.9)
         raw = Raw(s.address)
@@ -855,8 +868,8 @@ def test_default_memory_cap_is_most_of_physical_memory():
 @needs_torch
 def test_a_cuda_server_is_checked_without_allocating(monkeypatch):
     made = []
-    real = server_mod.make_target
-    monkeypatch.setattr(server_mod, "make_target", lambda *a, **k: made.append(a) or real(*a, **k))
+    real = config_mod.make_target
+    monkeypatch.setattr(config_mod, "make_target", lambda *a, **k: made.append(a) or real(*a, **k))
     with pytest.raises(OptionError, match="framework='torch'"):
         Server(device="cuda", framework="numpy")
     with pytest.raises(OptionError, match="unknown device"):
@@ -872,10 +885,12 @@ def test_a_cuda_server_is_checked_without_allocating(monkeypatch):
 def test_cuda_target_is_made_at_the_first_alloc_not_at_connect(monkeypatch):
     import torch
 
+    import weightlift.remote.server.context as context_mod
+
     made = []
-    real = server_mod.make_target
-    monkeypatch.setattr(server_mod, "make_target", lambda *a, **k: made.append(a) or real(*a, **k))
-    monkeypatch.setattr(connection_mod, "make_target", lambda *a, **k: made.append(a) or real(*a, **k))
+    real = config_mod.make_target
+    monkeypatch.setattr(config_mod, "make_target", lambda *a, **k: made.append(a) or real(*a, **k))
+    monkeypatch.setattr(context_mod, "make_target", lambda *a, **k: made.append(a) or real(*a, **k))
     with pytest.raises(DeviceError, match="CUDA devices"):
         Server(device=f"cuda:{torch.cuda.device_count()}", framework="torch")
     with Server(device="cuda", framework="torch") as s:
@@ -898,8 +913,8 @@ def test_fresh_destination_is_faulted_in_at_most_a_window_ahead_of_the_payload(m
     fresh_mod.reset_policy()
     monkeypatch.setattr(fresh_mod, "_policy", None)  # forgotten again after the test
     piece = 64 * 1024
-    monkeypatch.setattr(receive_mod, "FAULT_PIECE", piece)
-    monkeypatch.setattr(receive_mod, "FAULT_WINDOW", 4 * piece)
+    monkeypatch.setattr(destinations_mod, "FAULT_PIECE", piece)
+    monkeypatch.setattr(destinations_mod, "FAULT_WINDOW", 4 * piece)
     touched: list[int] = []
     real = faulter_mod.fault_in
 
@@ -908,7 +923,7 @@ def test_fresh_destination_is_faulted_in_at_most_a_window_ahead_of_the_payload(m
         real(buf)
 
     monkeypatch.setattr(faulter_mod, "fault_in", counting)
-    monkeypatch.setattr(receive_mod, "populate", counting)
+    monkeypatch.setattr(paths_mod, "populate", counting)
     with Server() as s:
         raw = Raw(s.address)
         raw.hello()
@@ -1064,7 +1079,7 @@ def test_an_unexpected_failure_answers_internal_and_ends_only_that_connection(
     def broken(self, req):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr(connection_mod.Connection, "_list", broken)
+    monkeypatch.setattr(reads_mod.Reads, "list", broken)
     raw = Raw(server.address)
     raw.hello()
     raw.send(Alloc(0, "w", "U8", (4,), 4))
@@ -1084,7 +1099,7 @@ def test_ranges_merge_in_any_order():
     rng = np.random.default_rng(7)
     n = 200
     for _ in range(10):
-        p = receive_mod.Pending(Alloc(0, "t", "U8", (n,), n), 0, None)
+        p = pending_mod.Pending(Alloc(0, "t", "U8", (n,), n), 0, None)
         have = np.zeros(n, dtype=bool)
         while not have.all():
             b = int(rng.integers(0, n))
@@ -1103,7 +1118,7 @@ def test_ranges_merge_in_any_order():
 
 
 def test_too_many_separate_ranges_is_a_request_error(server):
-    k = receive_mod.MAX_RANGES
+    k = pending_mod.MAX_RANGES
     n = 2 * k + 4
     raw = Raw(server.address)
     raw.hello()
@@ -1134,7 +1149,8 @@ def test_errors_kept_per_connection_are_capped_and_the_rest_counted(server, monk
     raw.send(ListRequest())  # a reply after the WRITEs: they have all been handled
     assert isinstance(raw.recv(), ListReply)
     (conn,) = conns
-    assert len(conn.rx.errors) == P.MAX_ERRORS and conn.rx.dropped_errors == extra  # kept: bounded; the rest: counted
+    kept = conn.rx.outcomes
+    assert len(kept.errors) == P.MAX_ERRORS and kept.dropped_errors == extra  # kept: bounded; the rest: counted
     reply = _barrier(raw)
     assert len(reply.errors) == P.MAX_ERRORS
     assert all("not allocated" in e for e in reply.errors[:-1])

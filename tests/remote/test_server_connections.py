@@ -45,7 +45,7 @@ def test_unauthenticated_peers_never_lock_out_an_authenticated_client():
         for raw in (working, late):
             _put(raw, 0, "w", np.ones(4, dtype=np.float32))
             assert _barrier(raw).tensors == 1
-        assert s._slots.evicted >= 30 - 4 + 1
+        assert s.stats().evicted >= 30 - 4 + 1
         for q in squatters:
             q.close()
         working.close()
@@ -62,7 +62,7 @@ def test_connections_from_one_address_are_capped():
         assert isinstance(reply, Error) and reply.code == ErrorCode.LIMIT and "127.0.0.1" in reply.message
         held[0].send(Bye())
         assert held[0].closed()
-        wait_for(lambda: s._slots.n_ready == 2)
+        wait_for(lambda: s.stats().ready == 2)
         again = Raw(s.address)
         again.hello()
         for r in held[1:] + [again, extra]:
@@ -74,7 +74,7 @@ def test_an_idle_connection_is_closed():
         raw = Raw(s.address)
         raw.hello()
         assert raw.closed()  # the server closed it (the socket's own timeout is 10 s)
-        wait_for(lambda: s._slots.n_ready == 0)
+        wait_for(lambda: s.stats().ready == 0)
 
 
 def test_a_connection_stalled_inside_a_frame_is_closed():

@@ -332,6 +332,11 @@ class Store:
             if self._held.get(digest) == name:
                 del self._held[digest]
 
+    def held(self) -> tuple[int, int]:
+        """(complete tensors held, their data bytes)."""
+        with self._lock:
+            return len(self._entries), sum(e.nbytes for e in self._entries.values())
+
     # -- counters ----------------------------------------------------------------------------------
 
     def count(self, key: str, n: int = 1) -> None:
