@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.remote.test_server import Raw, _barrier, _put
+from tests.remote.rawclient import Raw, _barrier, _put
 from tests.waiting import wait_for
 from weightlift.remote.protocol import (
     Alloc,

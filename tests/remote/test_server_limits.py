@@ -12,7 +12,7 @@ import tracemalloc
 
 import numpy as np
 
-from tests.remote.test_server import Raw, _barrier, _put
+from tests.remote.rawclient import Raw, _barrier, _put
 from tests.waiting import wait_for
 from weightlift.memory.targets import STAGING_SLOT, CudaTarget
 from weightlift.remote.protocol import (

@@ -6,7 +6,73 @@ import threading
 
 import numpy as np
 
+import weightlift.remote.protocol as P
+from tests.remote.rawclient import Raw, _barrier, _cost, _f32, _put
+from weightlift.remote.protocol import (
+    Alloc,
+    Error,
+    ErrorCode,
+    Free,
+    FreeReply,
+    Hello,
+    ListReply,
+    ListRequest,
+    Read,
+    ReadReply,
+)
 from weightlift.remote.server.store import Store
+
+
+def test_read_list_free(server):
+    raw = Raw(server.address)
+    raw.hello()
+    arrays = {f"t{i:02d}": _f32(10 + i, i) for i in range(5)}
+    for i, (n, a) in enumerate(arrays.items()):
+        _put(raw, i, n, a)
+    _barrier(raw)
+    raw.send(ListRequest())
+    page = raw.recv()
+    assert isinstance(page, ListReply) and not page.more
+    assert [(e.name, e.dtype, e.shape, e.nbytes) for e in page.entries] == [
+        (n, "F32", a.shape, a.nbytes) for n, a in arrays.items()
+    ]
+    raw.send(ListRequest("t02"))
+    assert [e.name for e in raw.recv().entries] == ["t03", "t04"]
+    raw.send(Read("t03", 4, 20))
+    assert raw.recv() == ReadReply(20)
+    assert raw.read_payload(20) == arrays["t03"].tobytes()[4:24]
+    raw.send(Read("nope", 0, 1))
+    reply = raw.recv()
+    assert isinstance(reply, Error) and reply.code == ErrorCode.NOT_FOUND
+    raw.send(Read("t00", 0, 1000))
+    assert raw.recv().code == ErrorCode.LIMIT  # past the end: refused, not clamped
+    raw.send(Free(("t00", "t01", "nope")))
+    assert raw.recv() == FreeReply(2)
+    assert sorted(server.tensors()) == ["t02", "t03", "t04"]
+    assert server.memory_used == sum(_cost(n, arrays[n].nbytes) for n in ("t02", "t03", "t04"))
+
+
+def test_list_is_paged_to_the_clients_frame_limit(server):
+    raw = Raw(server.address)
+    nonce = P.new_nonce()
+    raw.send(Hello(1, 1, 0, P.MIN_FRAME, 0, nonce))  # this client takes the smallest frames allowed
+    assert isinstance(raw.recv(), Hello)
+    n, pad = 300, "x" * 4000  # 300 entries of about 4 KB: more than one 1 MiB page
+    for i in range(n):
+        raw.send(Alloc(i, f"tensor.{i:03d}.{pad}", "U8", (0,), 0))
+    assert _barrier(raw).tensors == n
+    names, after, pages = [], "", 0
+    while True:
+        raw.send(ListRequest(after))
+        page = raw.recv()
+        pages += 1
+        names += [e.name for e in page.entries]
+        if not page.more:
+            break
+        assert 0 < len(page.entries) < n
+        after = page.entries[-1].name
+    assert pages == 2
+    assert names == [f"tensor.{i:03d}.{pad}" for i in range(n)]
 
 
 class _SlowName(str):
