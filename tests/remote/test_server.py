@@ -28,6 +28,8 @@ from weightlift.remote.protocol import (
     Capability,
     Error,
     ErrorCode,
+    Free,
+    FreeReply,
     Have,
     Hello,
     ListRequest,
@@ -36,6 +38,7 @@ from weightlift.remote.protocol import (
     WriteHeader,
     send,
 )
+from weightlift.remote.server.device import PINNED_STAGING
 from weightlift.remote.server.server import Server, is_loopback
 
 __all__ = ["Raw", "_barrier", "_cache_push", "_f32", "_put"]  # what other tests take from here
@@ -330,6 +333,7 @@ def test_cuda_target_is_made_at_the_first_alloc_not_at_connect(monkeypatch):
         _put(idle[0], 0, "w", _f32(1000))
         assert _barrier(idle[0]).tensors == 1
         assert len(made) == 1
+        assert s.memory_used == _cost("w", 4000) + PINNED_STAGING  # its pinned slots are charged
         assert torch.equal(s.tensors()["w"].cpu(), torch.from_numpy(_f32(1000)))
 
 
@@ -377,3 +381,37 @@ def test_an_unexpected_failure_answers_internal_and_ends_only_that_connection(
     _serves(server)
     assert thread_errors == []
     assert "ZeroDivisionError: a bug" in caplog.text
+
+
+def test_stats_tell_what_the_server_holds_without_reading_its_insides():
+    import dataclasses
+    import json
+
+    with Server(max_memory=64 << 20, max_connections=5, max_handshakes=3, max_per_address=4, reserve=4 << 20) as s:
+        wait_for(lambda: s.stats().reserve_faulted == 4 << 20)
+        raw = Raw(s.address)
+        raw.hello()
+        _put(raw, 0, "w", _f32(1000))
+        _put(raw, 1, "v", _f32(10))
+        assert _barrier(raw).tensors == 2
+        st = s.stats()
+        assert (st.tensors_held, st.bytes_held) == (2, 4040)
+        assert st.memory_used == s.memory_used == _cost("w", 4000) + _cost("v", 40)
+        assert st.max_memory == 64 << 20 and st.reserve_bytes == 4 << 20
+        assert (st.open_connections, st.ready, st.handshakes) == (1, 1, 0)
+        assert (st.max_connections, st.max_handshakes, st.max_per_address) == (5, 3, 4)
+        assert st.connections == 1 and st.tensors == 2 and st.bytes_received == 4040 and st.errors == 0
+        # the counters as they always were, by name, and the whole as a plain dict for a report
+        assert st["bytes_received"] == 4040 and dict(st)["tensors_held"] == 2 and "pooled" in st
+        assert json.loads(json.dumps(dict(st)))["memory_used"] == st.memory_used
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            st.tensors_held = 0  # type: ignore[misc]
+        raw.send(Free(("w", "v")))
+        assert raw.recv() == FreeReply(2)
+        assert s.stats().tensors_held == 0 and s.stats().memory_used == 0
+        assert s.stats().pool_idle_bytes > 0  # the reserve, idle, still counted
+        assert s.trim(0) > 0 and s.stats().pool_idle_bytes == 0
+        raw.close()
+        wait_for(lambda: s.stats().open_connections == 0)
+        assert s.stats().ready == 0
+    assert s.config.max_memory == 64 << 20 and s.cache is None

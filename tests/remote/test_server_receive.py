@@ -12,7 +12,6 @@ import pytest
 import weightlift.memory.faulter as faulter_mod
 import weightlift.memory.fresh as fresh_mod
 import weightlift.remote.protocol as P
-import weightlift.remote.server.connection as connection_mod
 import weightlift.remote.server.destinations as destinations_mod
 import weightlift.remote.server.paths as paths_mod
 import weightlift.remote.server.pending as pending_mod
@@ -228,12 +227,12 @@ def test_naive_arm_receives_the_same_bytes(monkeypatch):
         assert s.tensors()["w"].tobytes() == a.tobytes()
 
 
-def test_fresh_destination_is_faulted_in_at_most_a_window_ahead_of_the_payload(monkeypatch):
+def test_fresh_destination_is_faulted_in_at_most_a_window_ahead_of_the_payload(monkeypatch, request):
     # with the receiver faulting what the helpers have not reached (one fill policy), every
     # page is faulted exactly once, by a helper or by the receiver
     monkeypatch.setenv("WEIGHTLIFT_FAULT_AHEAD", "1")
     fresh_mod.reset_policy()
-    monkeypatch.setattr(fresh_mod, "_policy", None)  # forgotten again after the test
+    request.addfinalizer(fresh_mod.reset_policy)  # the policy read under this environment is forgotten again
     piece = 64 * 1024
     monkeypatch.setattr(destinations_mod, "FAULT_PIECE", piece)
     monkeypatch.setattr(destinations_mod, "FAULT_WINDOW", 4 * piece)
@@ -340,30 +339,40 @@ def test_too_many_separate_ranges_is_a_request_error(server):
     assert _barrier(raw).tensors == 1
 
 
-def test_errors_kept_per_connection_are_capped_and_the_rest_counted(server, monkeypatch):
-    conns = []
-    real_init = connection_mod.Connection.__init__
-
-    def init(self, *a, **kw):
-        real_init(self, *a, **kw)
-        conns.append(self)
-
-    monkeypatch.setattr(connection_mod.Connection, "__init__", init)
+def test_errors_kept_per_connection_are_capped_and_the_rest_counted(server):
     extra = 10
     raw = Raw(server.address)
     raw.hello()
     raw.sock.sendall(send(WriteHeader(7, 0, 0)) * (P.MAX_ERRORS + extra))
     raw.send(ListRequest())  # a reply after the WRITEs: they have all been handled
     assert isinstance(raw.recv(), ListReply)
-    (conn,) = conns
-    kept = conn.rx.outcomes
-    assert len(kept.errors) == P.MAX_ERRORS and kept.dropped_errors == extra  # kept: bounded; the rest: counted
     reply = _barrier(raw)
     assert len(reply.errors) == P.MAX_ERRORS
     assert all("not allocated" in e for e in reply.errors[:-1])
     assert reply.errors[-1] == f"... and {extra + 1} more errors"
     assert server.stats()["errors"] == P.MAX_ERRORS + extra
     assert _barrier(raw) == BarrierReply(0, 0)
+
+
+def test_what_a_connection_keeps_for_its_barrier_is_bounded():
+    from weightlift.remote.server.outcomes import Outcomes
+    from weightlift.remote.server.store import Store
+
+    store = Store(max_memory=1 << 20, pool=None, remember_digests=False)
+    kept = Outcomes(store, max_digests=3)
+    for i in range(P.MAX_ERRORS + 10):
+        kept.error(f"error {i} " + "x" * (2 * P.MAX_MESSAGE))
+    assert len(kept.errors) == P.MAX_ERRORS and kept.dropped_errors == 10  # kept: bounded; the rest: counted
+    assert all(len(e) <= P.MAX_MESSAGE for e in kept.errors)
+    for i in range(P.MAX_TENSORS + 5):
+        kept.mark_failed(i)
+    assert len(kept.failed) == P.MAX_TENSORS and 0 not in kept.failed  # the oldest forgotten
+    for i in range(5):
+        kept.add_verified(i, bytes(32))
+    reply = kept.barrier(P.Barrier.FLAG_DIGESTS)
+    assert [i for i, _ in reply.digests] == [0, 1, 2] and reply.errors[-1] == "... and 12 more errors"
+    assert store.stats()["errors"] == P.MAX_ERRORS + 11  # the lost digests are one more error
+    assert kept.barrier() == BarrierReply(0, 0)
 
 
 def test_need_list_names_each_pending_tensor_once(server):
