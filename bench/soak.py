@@ -339,7 +339,7 @@ def soak(
     pushed first for the lister (0: no lister); ``trickle`` runs the trickler against a server
     whose I/O timeout is ``io_timeout``."""
     own = folder is None
-    root = Path(tempfile.mkdtemp(prefix="wl-soak-") if own else folder)
+    root = Path(tempfile.mkdtemp(prefix="wl-soak-")) if folder is None else Path(folder)
     cache_dir = root / "cache"
     many_path, many_digests, many_sizes, many_cost = _many(root, many, seed) if many else (None, {}, {}, 0)
     limit = max_memory + many_cost

@@ -119,9 +119,9 @@ class FrameReader:
             return io
         left = start + io + self._frame_bytes / rate - time.monotonic()
         if left <= 0:
-            raise TransportError(
-                f"a frame of {self._frame_bytes} bytes did not arrive within {io:g} s plus 1 s per {rate} bytes"
-            )
+            why = f"a frame of {self._frame_bytes} bytes did not arrive within {io:g} s plus 1 s per {rate} bytes"
+            _log.info("weightlift server: closing %s: %s", self.stream.peer, why)
+            raise TransportError(why)
         return left if left < io else io
 
     def _before_receive(self) -> None:

@@ -270,8 +270,7 @@ class Receiver:
         self.store.publish(p.name, p.dtype, p.shape, p.nbytes, dest, p.charge, p.digest if p.proven else None)
         p.charge = None
         self.outcomes.done_tensors += 1
-        if self.prof.enabled:
-            self.prof.count(tensors=1, nbytes=p.nbytes)
+        self.prof.count(tensors=1, nbytes=p.nbytes)
 
     def _close_writer(self, p: Pending) -> tuple[bool, bytes | None]:
         """Finish ``p``'s hash: (False where the bytes that arrived do not match the client's
