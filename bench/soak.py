@@ -249,7 +249,7 @@ class Trickler:
         self.io_timeout = io_timeout
         self.frame = send(Have(tuple(i.to_bytes(32, "little") for i in range(64))))
         # the deadline, and some room for a loaded machine to notice and close
-        self.bound = io_timeout + len(self.frame) / MIN_FRAME_RATE + 1.0
+        self.bound = io_timeout + len(self.frame) / MIN_FRAME_RATE + 2.0
         self.cuts = 0
         self.held_max = 0.0
         self.errors: list[str] = []
