@@ -346,3 +346,14 @@ def test_frame_rate_option_is_checked():
 
     with pytest.raises(OptionError, match="min_frame_rate"):
         Server(min_frame_rate=0)
+
+
+def test_without_a_minimum_rate_only_the_io_timeout_bounds_a_frame():
+    frame = send(Have(tuple(i.to_bytes(32, "little") for i in range(10))))
+    with Server(io_timeout=0.5, idle_timeout=None, min_frame_rate=None) as s:
+        raw = Raw(s.address)
+        raw.hello()
+        assert _trickle_until_closed(raw, frame[:12], 0.2) == 12  # 2.4 s, each byte inside the timeout
+        raw.sock.sendall(frame[12:])
+        assert isinstance(raw.recv(), HaveReply)
+        raw.close()
