@@ -12,6 +12,15 @@ What it checks, and prints (``--json``: as JSON):
 * once the clients have gone and freed their tensors, the server's descriptors and threads are
   back to their count before the first client (``fds``, ``threads``: start and end).
 
+Two more clients run alongside (unless turned off): a *trickler* that sends a frame one byte at
+a time, each byte inside the server's I/O timeout, and must be cut by the frame deadline
+(``io_timeout + N / min_frame_rate``) every time (``trickle``: how often it was cut, and the
+longest a trickled frame was held, against the bound); and a *lister* that lists a server which
+also holds ``--many`` small tensors (100,000 by default from the command line), each listing
+checked to name every one of them with its size, while the other clients push (``many``); the
+small tensors are pulled and checked byte for byte with everything else. Their memory counts:
+the server's ``max_memory`` is raised by what they are charged.
+
 A push the server refuses because its memory is full is the limit doing its job, counted in
 ``refused``. A pull lists, then reads each tensor as the version listed (protocol 1.2): one
 replaced in between by the same layout is read again as its new version; one freed, or
@@ -22,7 +31,7 @@ old shape (the defect the versions removed; tests/faults/test_pull_during_replac
 ``errors``, and any other pulled bytes that no client pushed count in ``bytes_lost``.
 
     python bench/soak.py --seconds 600 --clients 8 --json soak.json
-    python bench/soak.py --seconds 5          # a short functional run
+    python bench/soak.py --seconds 5 --many 2000   # a short functional run
 
 Linux only (reads /proc). tests/faults/test_soak.py runs it for ten seconds.
 """
@@ -33,7 +42,9 @@ import argparse
 import json
 import os
 import random
+import select
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +58,9 @@ import blake3
 from weightlift.benchmark.synthetic import write_checkpoint
 from weightlift.errors import NotFoundError, RemoteProtocolError, StateError, WeightliftError
 from weightlift.remote.client.client import Client
+from weightlift.remote.protocol import NEED_DATA, Decoder, Have, Hello, new_nonce, send
+from weightlift.remote.server.config import MIN_FRAME_RATE
+from weightlift.remote.server.store import entry_cost
 
 MIB = 1 << 20
 SLACK = 48 * MIB  # SECURITY.md: what a server holds beyond max_memory (threads, interpreter, allocator)
@@ -56,7 +70,7 @@ _SERVE = """
 import sys
 from weightlift.remote.server.server import Server
 cache = sys.argv[2] or None
-s = Server(max_memory=int(sys.argv[1]), cache_dir=cache, idle_timeout=None)
+s = Server(max_memory=int(sys.argv[1]), cache_dir=cache, idle_timeout=None, io_timeout=float(sys.argv[3]))
 print(s.bind()[1], flush=True)
 s.serve_forever()
 """
@@ -226,6 +240,86 @@ class Worker:
             self.expect[n] = {None}
 
 
+class Trickler:
+    """A peer that trickles a HAVE one byte at a time, every byte inside the I/O timeout: the
+    server must cut each such frame at its deadline. It reconnects after each cut."""
+
+    def __init__(self, address: tuple[str, int], io_timeout: float):
+        self.address = address
+        self.io_timeout = io_timeout
+        self.frame = send(Have(tuple(i.to_bytes(32, "little") for i in range(64))))
+        # the deadline, and some room for a loaded machine to notice and close
+        self.bound = io_timeout + len(self.frame) / MIN_FRAME_RATE + 2.0
+        self.cuts = 0
+        self.held_max = 0.0
+        self.errors: list[str] = []
+
+    def _hello(self, sock: socket.socket) -> None:
+        sock.sendall(send(Hello(1, 0, nonce=new_nonce())))
+        dec = Decoder(our_role="client")
+        while dec.next_event() is NEED_DATA:
+            data = sock.recv(65536)
+            if not data:
+                raise ConnectionError("closed during HELLO")
+            dec.feed(data)
+
+    def run(self, deadline: float) -> None:
+        every = self.io_timeout / 2
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(self.address, timeout=10) as sock:
+                    self._hello(sock)
+                    t0 = time.monotonic()  # the frame's first byte goes now
+                    for i in range(len(self.frame)):
+                        sock.sendall(self.frame[i : i + 1])
+                        if select.select([sock], [], [], every)[0] or time.monotonic() > deadline + self.bound:
+                            break  # the server's end closed (or it gave up the frame)
+                    held = time.monotonic() - t0
+                    if held < self.bound:
+                        self.cuts += 1
+                    self.held_max = max(self.held_max, held)
+            except OSError as e:
+                if time.monotonic() < deadline:
+                    self.errors.append(f"trickler: {type(e).__name__}: {e}")
+                return
+
+
+class Lister:
+    """Lists the server again and again; each listing must name every small tensor with its size."""
+
+    def __init__(self, address: tuple[str, int], many: dict[str, int]):
+        self.address = address
+        self.many = many
+        self.listings = 0
+        self.slowest = 0.0
+        self.errors: list[str] = []
+
+    def run(self, deadline: float) -> None:
+        try:
+            with Client(self.address, timeout=60) as c:
+                while time.monotonic() < deadline:
+                    t0 = time.monotonic()
+                    got = {t.name: t.nbytes for t in c.list() if t.name in self.many}
+                    self.slowest = max(self.slowest, time.monotonic() - t0)
+                    if got != self.many:
+                        missing = sorted(set(self.many) - set(got))[:3]
+                        self.errors.append(f"lister: a listing lacked or misstated {missing or 'sizes'}")
+                        return
+                    self.listings += 1
+        except WeightliftError as e:
+            self.errors.append(f"lister: {type(e).__name__}: {e}")
+
+
+def _many(root: Path, n: int, seed: int) -> tuple[Path, dict[str, str], dict[str, int], int]:
+    """A checkpoint of ``n`` small tensors: its path, their digests and sizes, and their charge."""
+    path = root / "many.safetensors"
+    spec = [(f"many.{i:06d}", "U8", (1 + i % 16,)) for i in range(n)]
+    written = write_checkpoint(path, spec, seed=seed, digests=True)
+    digests = {name: written[name] for name, _, _ in spec}
+    sizes = {name: shape[0] for name, _, shape in spec}
+    return path, digests, sizes, sum(entry_cost(name, size) for name, size in sizes.items())
+
+
 def soak(
     seconds: float = 10.0,
     *,
@@ -237,13 +331,20 @@ def soak(
     streams: int = 2,
     seed: int = 0,
     folder: str | os.PathLike[str] | None = None,
+    many: int = 0,
+    trickle: bool = True,
+    io_timeout: float = 2.0,
 ) -> dict[str, Any]:
-    """Run the soak; returns its figures (see the module docstring)."""
+    """Run the soak; returns its figures (see the module docstring). ``many`` small tensors are
+    pushed first for the lister (0: no lister); ``trickle`` runs the trickler against a server
+    whose I/O timeout is ``io_timeout``."""
     own = folder is None
-    root = Path(tempfile.mkdtemp(prefix="wl-soak-") if own else folder)
+    root = Path(tempfile.mkdtemp(prefix="wl-soak-")) if folder is None else Path(folder)
     cache_dir = root / "cache"
+    many_path, many_digests, many_sizes, many_cost = _many(root, many, seed) if many else (None, {}, {}, 0)
+    limit = max_memory + many_cost
     proc = subprocess.Popen(
-        [sys.executable, "-c", _SERVE, str(max_memory), str(cache_dir) if cache else ""],
+        [sys.executable, "-c", _SERVE, str(limit), str(cache_dir) if cache else "", str(io_timeout)],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -251,7 +352,7 @@ def soak(
         assert proc.stdout is not None
         address = ("127.0.0.1", int(proc.stdout.readline()))
         workers = [Worker(k, address, root, tensor_bytes, tensors, seed) for k in range(clients)]
-        others: dict[str, set[str]] = {}
+        others: dict[str, set[str]] = {n: {d} for n, d in many_digests.items()}
         torn: dict[str, set[str]] = {}
         for w in workers:
             others.update(w.known)
@@ -279,14 +380,25 @@ def soak(
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
+        if many_path is not None:
+            with Client(address, timeout=600) as c:
+                c.push(many_path)
         t0 = time.monotonic()
         deadline = t0 + seconds
         ts = [threading.Thread(target=w.run, args=(deadline, others)) for w in workers]
+        trickler = Trickler(address, io_timeout) if trickle else None
+        lister = Lister(address, many_sizes) if many else None
+        for extra in (trickler, lister):
+            if extra is not None:
+                ts.append(threading.Thread(target=extra.run, args=(deadline,)))
         for t in ts:
             t.start()
         for t in ts:
             t.join()
         elapsed = time.monotonic() - t0
+        if many_path is not None:
+            with Client(address, timeout=600) as c:
+                c.free(list(many_sizes))
         # the server closes each connection on its own threads: wait for it, a bounded while
         end_by = time.monotonic() + 30
         while time.monotonic() < end_by and (fds(proc.pid), threads(proc.pid)) != (start["fds"], start["threads"]):
@@ -303,6 +415,7 @@ def soak(
             shutil.rmtree(root, ignore_errors=True)
 
     ops = {k: sum(w.ops[k] for w in workers) for k in workers[0].ops}
+    extra_errors = (trickler.errors if trickler else []) + (lister.errors if lister else [])
     return {
         "seconds": round(elapsed, 2),
         "clients": clients,
@@ -317,9 +430,19 @@ def soak(
         "bytes_pulled": sum(w.bytes_pulled for w in workers),
         "bytes_lost": sum(len(w.lost) for w in workers),
         "lost": [x for w in workers for x in w.lost][:20],
-        "errors": [x for w in workers for x in w.errors][:20],
+        "errors": ([x for w in workers for x in w.errors] + extra_errors)[:20],
+        "trickle": {
+            "cuts": trickler.cuts,
+            "held_max_s": round(trickler.held_max, 2),
+            "bound_s": round(trickler.bound, 2),
+        }
+        if trickler
+        else None,
+        "many": {"tensors": many, "listings": lister.listings, "slowest_list_s": round(lister.slowest, 2)}
+        if lister
+        else None,
         "rss_growth": peak[0] - start["rss"],
-        "rss_allowed": max_memory + SLACK,
+        "rss_allowed": limit + SLACK,
         "fds": [start["fds"], end["fds"]],
         "threads": [start["threads"], end["threads"]],
     }
@@ -334,6 +457,10 @@ def ok(r: dict[str, Any]) -> bool:
         and r["rss_growth"] <= r["rss_allowed"]
         and r["fds"][0] == r["fds"][1]
         and r["threads"][0] == r["threads"][1]
+        and (
+            r["trickle"] is None or (r["trickle"]["cuts"] > 0 and r["trickle"]["held_max_s"] <= r["trickle"]["bound_s"])
+        )
+        and (r["many"] is None or r["many"]["listings"] > 0)
     )
 
 
@@ -348,6 +475,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=2, help="client k pushes over 1 + k %% STREAMS connections")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--many", type=int, default=100_000, help="small tensors the lister's server also holds (0: no lister)"
+    )
+    p.add_argument("--no-trickle", action="store_true", help="without the client that trickles at the frame deadline")
+    p.add_argument("--io-timeout", type=float, default=2.0, help="the server's I/O timeout, seconds")
+    p.add_argument(
         "--json", metavar="FILE", nargs="?", const="-", help="write the figures as JSON (- or no name: stdout)"
     )
     a = p.parse_args(argv)
@@ -360,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
         cache=not a.no_cache,
         streams=a.streams,
         seed=a.seed,
+        many=a.many,
+        trickle=not a.no_trickle,
+        io_timeout=a.io_timeout,
     )
     r["ok"] = ok(r)
     text = json.dumps(r, indent=2)

@@ -9,11 +9,12 @@ import select
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
-from tests.remote.test_server import Raw, _barrier, _put
+from tests.remote.rawclient import Raw, _barrier, _put
 from tests.waiting import wait_for
 from weightlift.remote.protocol import (
     Alloc,
@@ -44,7 +45,7 @@ def test_unauthenticated_peers_never_lock_out_an_authenticated_client():
         for raw in (working, late):
             _put(raw, 0, "w", np.ones(4, dtype=np.float32))
             assert _barrier(raw).tensors == 1
-        assert s._slots.evicted >= 30 - 4 + 1
+        assert s.stats().evicted >= 30 - 4 + 1
         for q in squatters:
             q.close()
         working.close()
@@ -61,7 +62,7 @@ def test_connections_from_one_address_are_capped():
         assert isinstance(reply, Error) and reply.code == ErrorCode.LIMIT and "127.0.0.1" in reply.message
         held[0].send(Bye())
         assert held[0].closed()
-        wait_for(lambda: s._slots.n_ready == 2)
+        wait_for(lambda: s.stats().ready == 2)
         again = Raw(s.address)
         again.hello()
         for r in held[1:] + [again, extra]:
@@ -73,7 +74,7 @@ def test_an_idle_connection_is_closed():
         raw = Raw(s.address)
         raw.hello()
         assert raw.closed()  # the server closed it (the socket's own timeout is 10 s)
-        wait_for(lambda: s._slots.n_ready == 0)
+        wait_for(lambda: s.stats().ready == 0)
 
 
 def test_a_connection_stalled_inside_a_frame_is_closed():
@@ -251,3 +252,108 @@ def test_out_of_descriptors_a_client_is_told_and_the_log_says_why():
         proc.terminate()
         _, err = proc.communicate(timeout=10)
     assert "out of file descriptors" in err
+
+
+def test_every_loopback_address_counts_as_one_address():
+    # 127.0.0.0/8 is all this machine: a second loopback address is no second host
+    with Server(max_per_address=2) as s:
+        held = [Raw(s.address, source="127.0.0.1"), Raw(s.address, source="127.0.0.2")]
+        for r in held:
+            r.hello()
+        extra = Raw(s.address, source="127.0.0.3")
+        reply = extra.recv()
+        assert isinstance(reply, Error) and reply.code == ErrorCode.LIMIT, reply
+        assert "127.0.0.3" in reply.message and "loopback" in reply.message
+        for r in held + [extra]:
+            r.close()
+
+
+def test_ipv6_peers_in_one_64_count_as_one_address():
+    from weightlift.remote.server.slots import Slot, Slots, address_group
+
+    assert address_group("2001:db8:1:2::1") == address_group("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
+    assert address_group("2001:db8:1:3::1") != address_group("2001:db8:1:2::1")
+    assert address_group("::1") == address_group("127.0.0.1") == address_group("::ffff:127.9.9.9") == "loopback"
+    assert address_group("192.0.2.7") == "192.0.2.7" and address_group("localhost") == "localhost"
+    slots = Slots(ready=8, handshakes=8, per_address=2)
+    first = slots.admit("2001:db8:1:2::1", lambda: None)
+    second = slots.admit("2001:db8:1:2::2", lambda: None)
+    assert isinstance(first, Slot) and isinstance(second, Slot)
+    refused = slots.admit("2001:db8:1:2:abcd::3", lambda: None)
+    assert isinstance(refused, str) and "2001:db8:1:2::/64" in refused
+    assert isinstance(slots.admit("2001:db8:1:3::1", lambda: None), Slot)  # another /64
+    first.release()
+    assert isinstance(slots.admit("2001:db8:1:2::4", lambda: None), Slot)
+
+
+def _trickle_until_closed(raw: Raw, data: bytes, every: float) -> int:
+    """Send ``data`` a byte at a time, ``every`` seconds apart; how many bytes went before the
+    server closed the connection (len(data) if it never did)."""
+    raw.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for i in range(len(data)):
+        if select.select([raw.sock], [], [], every)[0]:  # the server's end is closed (or it replied)
+            return i
+        try:
+            raw.sock.sendall(data[i : i + 1])
+        except OSError:
+            return i
+    return len(data)
+
+
+def test_a_frame_trickled_inside_the_io_timeout_is_cut_by_its_deadline():
+    # One byte every 0.2 s never waits out a 0.5 s I/O timeout, but the whole HAVE (about 350
+    # bytes) gets 0.5 s plus its size over the minimum rate: it is cut after a few bytes.
+    frame = send(Have(tuple(i.to_bytes(32, "little") for i in range(10))))
+    with Server(io_timeout=0.5, idle_timeout=None) as s:
+        raw = Raw(s.address)
+        raw.hello()
+        sent = _trickle_until_closed(raw, frame[:40], 0.2)
+        assert sent < 10, f"the server still read a frame trickled for {sent * 0.2:.1f} s"
+        raw.close()
+        wait_for(lambda: s.memory_used == 0)
+
+
+def test_a_payload_trickled_inside_the_io_timeout_is_cut_by_its_deadline():
+    with Server(io_timeout=0.5, idle_timeout=None) as s:
+        raw = Raw(s.address)
+        raw.hello()
+        raw.send(Alloc(0, "w", "U8", (4096,), 4096))
+        raw.sock.sendall(send(WriteHeader(0, 0, 4096)))
+        sent = _trickle_until_closed(raw, bytes(40), 0.2)
+        assert sent < 10, f"the server still read a payload trickled for {sent * 0.2:.1f} s"
+        raw.close()
+        wait_for(lambda: s.memory_used == 0)  # the tensor in flight was dropped
+
+
+def test_a_slow_but_steady_frame_within_the_rate_arrives():
+    # 64 KiB at 1 KiB per 10 ms: every receive inside the I/O timeout, the whole within
+    # io_timeout + size / min_frame_rate
+    with Server(io_timeout=1.0, min_frame_rate=16 * 1024) as s:
+        raw = Raw(s.address)
+        raw.hello()
+        payload = np.arange(1 << 16, dtype=np.uint8)
+        raw.send(Alloc(0, "w", "U8", payload.shape, payload.nbytes))
+        data = send(WriteHeader(0, 0, payload.nbytes)) + payload.tobytes()
+        for pos in range(0, len(data), 1024):
+            raw.sock.sendall(data[pos : pos + 1024])
+            time.sleep(0.01)
+        assert _barrier(raw) == BarrierReply(1, payload.nbytes)
+        raw.close()
+
+
+def test_frame_rate_option_is_checked():
+    from weightlift.errors import OptionError
+
+    with pytest.raises(OptionError, match="min_frame_rate"):
+        Server(min_frame_rate=0)
+
+
+def test_without_a_minimum_rate_only_the_io_timeout_bounds_a_frame():
+    frame = send(Have(tuple(i.to_bytes(32, "little") for i in range(10))))
+    with Server(io_timeout=0.5, idle_timeout=None, min_frame_rate=None) as s:
+        raw = Raw(s.address)
+        raw.hello()
+        assert _trickle_until_closed(raw, frame[:12], 0.2) == 12  # 2.4 s, each byte inside the timeout
+        raw.sock.sendall(frame[12:])
+        assert isinstance(raw.recv(), HaveReply)
+        raw.close()

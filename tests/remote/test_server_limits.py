@@ -7,15 +7,33 @@ from __future__ import annotations
 
 import gc
 import socket
+import threading
 import tracemalloc
 
 import numpy as np
 
-from tests.remote.test_server import Raw, _barrier, _put
+from tests.remote.rawclient import Raw, _barrier, _put
 from tests.waiting import wait_for
-from weightlift.remote.protocol import Alloc, ErrorCode, Free, FreeReply, Have, HaveReply, Read, WriteHeader
+from weightlift.memory.targets import STAGING_SLOT, CudaTarget
+from weightlift.remote.protocol import (
+    Alloc,
+    BarrierReply,
+    ErrorCode,
+    Free,
+    FreeReply,
+    Have,
+    HaveReply,
+    Read,
+    WriteHeader,
+    send,
+)
+from weightlift.remote.server.config import ServerConfig
+from weightlift.remote.server.connection import Connection
+from weightlift.remote.server.context import Context
+from weightlift.remote.server.device import PINNED_STAGING, pinned_bytes
 from weightlift.remote.server.server import Server
-from weightlift.remote.server.store import entry_cost
+from weightlift.remote.server.store import Store, entry_cost
+from weightlift.remote.transport import SocketStream
 
 
 def _stalled_reader(address, name: str, nbytes: int) -> socket.socket:
@@ -131,3 +149,85 @@ def test_write_into_a_pending_tensor_still_works_at_the_limit():
         raw.send(WriteHeader(0, 0, data.nbytes), data.tobytes())
         assert _barrier(raw).tensors == 1 and s.memory_used == s.max_memory
         raw.close()
+
+
+def test_the_naive_path_charges_its_whole_write_buffer(monkeypatch):
+    # WEIGHTLIFT_LOAD_OPT=0 receives each WRITE into a fresh buffer of its whole length: that
+    # buffer counts against max_memory while it lives, like everything else a peer makes the
+    # server hold
+    monkeypatch.setenv("WEIGHTLIFT_LOAD_OPT", "0")
+    n = 8 << 20
+    data = np.ones(n, dtype=np.uint8)
+    with Server(max_memory=entry_cost("w", n) + (1 << 20)) as s:
+        raw = Raw(s.address)
+        raw.hello()
+        _put(raw, 0, "w", data, dtype="U8")
+        reply = _barrier(raw)
+        assert reply.tensors == 0 and "memory limit" in reply.errors[0]
+        assert s.tensors() == {} and s.memory_used == 0
+        _put(raw, 1, "small", np.ones(1000, dtype=np.uint8), dtype="U8")  # the connection goes on
+        assert _barrier(raw).tensors == 1
+        raw.close()
+    with Server(max_memory=2 * n + (1 << 20)) as s:
+        raw = Raw(s.address)
+        raw.hello()
+        raw.send(Alloc(0, "w", "U8", (n,), n))
+        raw.sock.sendall(send(WriteHeader(0, 0, n)) + data.tobytes()[: n // 2])
+        wait_for(lambda: s.memory_used == entry_cost("w", n) + n)  # the tensor and the buffer
+        raw.sock.sendall(data.tobytes()[n // 2 :])
+        assert _barrier(raw).tensors == 1
+        assert s.memory_used == entry_cost("w", n)  # the buffer went
+        raw.close()
+
+
+class _FakeCuda(CudaTarget):
+    """A CUDA target's face without a device: host arrays, no pinned slots."""
+
+    def __init__(self):  # no torch, no device
+        self.dtype = None
+        self.device = "cuda:0"
+
+    def empty(self, dtype, shape):
+        return np.zeros(shape, dtype=np.uint8)
+
+    def finish(self, dest):
+        return dest
+
+
+def test_a_cuda_connection_is_charged_its_pinned_staging():
+    # A CUDA server's connection makes its target, with 2 x 64 MiB of pinned host slots, at its
+    # first ALLOC: that host memory is charged to max_memory, and given back when it closes.
+    store = Store(max_memory=1 << 30, pool=None, remember_digests=False)
+    ctx = Context(ServerConfig(max_memory=1 << 30), store, None, host_target=None, new_target=_FakeCuda)
+    ours, theirs = socket.socketpair()
+    conn = Connection(ctx, SocketStream(ours, peer="test"))
+    t = threading.Thread(target=conn.run, daemon=True)
+    t.start()
+    raw = Raw.over(theirs)
+    raw.hello()
+    assert _barrier(raw) == BarrierReply(0, 0)
+    assert store.used == 0  # a connection that allocates nothing pins nothing
+    raw.send(Alloc(0, "w", "U8", (0,), 0))
+    assert _barrier(raw).tensors == 1
+    assert pinned_bytes(_FakeCuda()) == PINNED_STAGING == 2 * STAGING_SLOT
+    assert store.used == entry_cost("w", 0) + PINNED_STAGING
+    raw.close()
+    t.join(10)
+    assert store.used == entry_cost("w", 0)  # the tensor stays; the staging went with the connection
+
+
+def test_a_cuda_connection_over_the_limit_with_its_staging_fails_its_alloc():
+    limit = PINNED_STAGING // 2
+    store = Store(max_memory=limit, pool=None, remember_digests=False)
+    ctx = Context(ServerConfig(max_memory=limit), store, None, host_target=None, new_target=_FakeCuda)
+    ours, theirs = socket.socketpair()
+    t = threading.Thread(target=Connection(ctx, SocketStream(ours, peer="test")).run, daemon=True)
+    t.start()
+    raw = Raw.over(theirs)
+    raw.hello()
+    raw.send(Alloc(0, "w", "U8", (0,), 0))
+    reply = _barrier(raw)
+    assert reply.tensors == 0 and "memory limit" in reply.errors[0]
+    assert store.used == 0
+    raw.close()
+    t.join(10)

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.remote.test_server import Raw, _barrier, _put
+from tests.remote.rawclient import Raw, _barrier, _put
 from weightlift.remote.protocol import Alloc, Free, FreeReply, Have, Read, send
 from weightlift.remote.server.store import entry_cost
 

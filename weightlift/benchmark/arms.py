@@ -245,7 +245,7 @@ def timed_push(
         "push": {k: v for k, v in pushed.as_dict().items() if k != "profile"},
     }
     if stats:
-        info["server_stats"] = server.stats()
+        info["server_stats"] = dict(server.stats())
     if prof.enabled:
         info["profile"] = prof.report()
         info["server_profile"] = server_report(server)

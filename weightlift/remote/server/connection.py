@@ -1,11 +1,16 @@
-"""One client connection: the frame loop, the handshake, BARRIER, and READ, LIST and FREE.
+"""One client connection: the message loop, the handshake, and one handler per message type.
 
-The connection reads one frame at a time (never past it, so a WRITE's payload stays in the
-socket for the receiver to put where it belongs), checks each message against its
-:class:`~weightlift.remote.protocol.ServerSession`, and dispatches it. Tensors in flight belong
-to its :class:`~weightlift.remote.server.receive.Receiver`; complete tensors and the memory
-account belong to the store, which the connection only asks. A protocol or authentication
-failure is answered with ERROR before the connection closes, so the client can say why.
+The connection takes one message at a time from its :class:`~.frames.FrameReader` (which never
+reads past a frame, so a WRITE's payload stays in the socket for the receive path to put where
+it belongs), checks it against its :class:`~weightlift.remote.protocol.ServerSession`, and hands
+it to the handler its type names in the connection's table. Tensors in flight belong to its
+:class:`~.receive.Receiver`; READ, LIST, FREE and HAVE to its :class:`~.reads.Reads`; complete
+tensors and the memory account to the store, which the connection only asks. A protocol or
+authentication failure is answered with ERROR before the connection closes, so the client can
+say why.
+
+The receive path (direct, or the naive one of ``WEIGHTLIFT_LOAD_OPT=0``) is chosen here, once,
+from the server's config.
 
 On a protected connection (a token, minor 2: :mod:`weightlift.remote.protocol.mac`) every frame
 read is fed to the incoming MAC as its bytes arrive, payload bytes as they land in their
@@ -19,44 +24,30 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
-import blake3
-import numpy as np
-
-from weightlift.digest.blake import hash_buffer
-from weightlift.errors import AuthError, LocalProtocolError, RemoteProtocolError, TransportError, WeightliftError
-from weightlift.memory.targets import Target, as_bytes, make_target
+from weightlift.errors import AuthError, RemoteProtocolError, TransportError, WeightliftError
 from weightlift.profile import Profiler
 from weightlift.remote.protocol import (
     MAX_FRAME,
-    MAX_HANDSHAKE_FRAME,
     MAX_TENSOR_BYTES,
-    MAX_TENSORS,
-    NEED_DATA,
-    PAYLOAD_COMMANDS,
     PROTOCOL_MAJOR,
     Alloc,
     Auth,
     Barrier,
     Bye,
     Capability,
-    Decoder,
     Error,
     ErrorCode,
     FillFromCache,
     FrameMac,
     Free,
-    FreeReply,
     Have,
-    HaveReply,
     Hello,
-    ListEntry,
-    ListReply,
     ListRequest,
     Message,
     Read,
-    ReadReply,
     ServerSession,
     SessionState,
     WriteHeader,
@@ -70,139 +61,111 @@ from weightlift.remote.protocol import (
     verify_usable,
 )
 from weightlift.remote.server.context import Context
-from weightlift.remote.server.receive import STAGING_BYTES, Receiver
+from weightlift.remote.server.destinations import Destinations
+from weightlift.remote.server.device import Device
+from weightlift.remote.server.frames import FrameReader, FrameTooLarge
+from weightlift.remote.server.legacy import NaivePath
+from weightlift.remote.server.paths import DirectPath, PayloadPath, Wire
+from weightlift.remote.server.reads import Outbox, Reads
+from weightlift.remote.server.receive import Receiver
 from weightlift.remote.server.slots import Slot
-from weightlift.remote.server.store import Charge, MemoryFull
-from weightlift.remote.transport import Stream, receive_tag
+from weightlift.remote.transport import Stream
 
-__all__ = [
-    "Connection",
-    "SCRATCH_BYTES",
-    "LINGER_BYTES",
-    "LINGER_SECONDS",
-    "FRAME_SLACK",
-    "TRICKLE_BYTES",
-    "TRICKLE_PAUSE",
-]
+__all__ = ["Connection", "LINGER_BYTES", "LINGER_SECONDS"]
 
-SCRATCH_BYTES = 64 * 1024  # frame headers and drained payloads
 LINGER_BYTES = 64 * 1024 * 1024  # after an ERROR, how much of the peer's input to drain before closing
 LINGER_SECONDS = 2.0  # ... and for how long at most, however the peer spaces its bytes
-TRICKLE_BYTES = 512  # two receives in a row inside one frame or payload bringing less than this ...
-TRICKLE_PAUSE = 0.002  # ... and the next waits this long first, so that bytes gather in the socket
-FRAME_SLACK = 1 / 8  # a frame buffer is charged its length and this much more (a bytearray over-allocates)
 
 _log = logging.getLogger("weightlift.remote.server")
 
 
 class Connection:
-    """One client: reads frames, dispatches them; its receiver owns everything in flight."""
+    """One client: reads messages and hands each to its handler."""
 
     def __init__(self, ctx: Context, stream: Stream, *, slot: Slot | None = None):
+        config = ctx.config
         self.ctx = ctx
         self.slot = slot  # its place among the server's connections: moved to a READY one once READY
         self.store = ctx.store
         self.stream = stream
-        self._target: Target | None = ctx.host_target  # a CUDA target is made at the first ALLOC
-        self.minor = ctx.minor
-        self.session = ServerSession(minor=ctx.minor, auth_required=ctx.token is not None)
+        self.minor = config.protocol_minor
+        self.session = ServerSession(minor=self.minor, auth_required=config.token is not None)
         # Until READY: the server's own minor (the client's is not known yet) and tiny frames.
-        self.dec = Decoder(
-            our_role="server", minor=ctx.minor, max_frame=MAX_HANDSHAKE_FRAME, max_tensor_bytes=self._max_tensor_bytes()
+        self.frames = FrameReader(
+            stream,
+            self.store,
+            minor=self.minor,
+            max_tensor_bytes=self._max_tensor_bytes(),
+            handshake_timeout=config.handshake_timeout,
+            idle_timeout=config.idle_timeout,
+            io_timeout=config.io_timeout,
+            min_frame_rate=config.min_frame_rate,
         )
-        self.deadline: float | None = time.monotonic() + ctx.handshake_timeout
+        self.out = Outbox(stream, self.minor)
         self.nonce = new_nonce()
         self.client_nonce = b""
         self.client_hello: Hello | None = None
         self.server_hello: Hello | None = None
-        self.mac_in: FrameMac | None = None  # set once the client's AUTH checks (protected connections)
-        self.mac_out: FrameMac | None = None  # set once our AUTH went out
-        self.client_max_frame = MAX_FRAME
-        self.prof = Profiler(ctx.profile)
-        self.scratch = memoryview(bytearray(SCRATCH_BYTES))
-        self._frame_charge: Charge | None = None  # a frame larger than scratch, while it is buffered
-        self._timeout: float | None = -1.0  # the stream's timeout as last set (-1: not set yet)
-        self._staging: np.ndarray | None = None
-        self.rx = Receiver(
-            ctx,
-            payload=self._payload,
-            scratch=self.scratch,
-            target=lambda: self.target,
-            pooled=lambda: self.pooled,
-            staging=self.staging,
+        self.prof = Profiler(config.profile)
+        self.device = Device(ctx)
+        self.rx = self._receiver()
+        self.reads = Reads(ctx, self.out, self.device)
+        self._done = False  # set by a handler when the connection is to end
+        rx = self.rx
+        self._handlers: dict[type[Message], Callable[[Any], None]] = {
+            Auth: self._auth,
+            WriteHeader: rx.write,
+            Alloc: lambda m: rx.guard(m.tensor_id, rx.alloc, m),
+            FillFromCache: lambda m: rx.guard(m.tensor_id, rx.fill, m),
+            Have: self.reads.have,
+            Barrier: lambda m: self.out.reply(rx.barrier(m.flags)),
+            Read: self.reads.read,
+            ListRequest: self.reads.list,
+            Free: self.reads.free,
+            Bye: self._bye,
+        }
+
+    def _receiver(self) -> Receiver:
+        """The receiver, with the receive path the server's config asks for (chosen once)."""
+        wire = Wire(self.frames.payload, self.device, self.store, self.prof, lambda e: self.rx.cache_failed(e))
+        path: PayloadPath = NaivePath(wire) if self.ctx.config.naive else DirectPath(wire)
+        dests = Destinations(self.ctx, self.device, fault_ahead=path.fault_ahead)
+        return Receiver(
+            self.ctx,
+            self.device,
+            path=path,
+            dests=dests,
+            drain=self.frames.drain,
             prof=self.prof,
-            frame_end=self._frame_end,
+            frame_end=self.frames.frame_end,
         )
 
     def _max_tensor_bytes(self) -> int:
-        return min(MAX_TENSOR_BYTES, self.ctx.max_memory)
-
-    @property
-    def target(self) -> Target:
-        if self._target is None:
-            self._target = make_target(self.ctx.device, self.ctx.framework)
-        return self._target
-
-    @property
-    def pooled(self) -> bool:
-        """Whether this connection's tensors land in the server's pooled host memory (checked
-        without making a CUDA target)."""
-        return self.ctx.pooled and self._target is self.ctx.host_target
-
-    def staging(self) -> memoryview:
-        if self._staging is None:
-            self._staging = np.empty(STAGING_BYTES, dtype=np.uint8)  # reused, never zero-filled
-        return self._staging.data
-
-    def _payload(self, view: memoryview) -> None:
-        """Fill ``view`` with the next payload bytes, straight from the socket. A peer that
-        trickles its bytes is read after a short pause per receive (:data:`TRICKLE_PAUSE`), so
-        that they gather: the server's cost per byte does not depend on how the peer fragments
-        them."""
-        got = start = self.dec.payload_into(view)  # bytes the decoder held were MACed as they came
-        small = 0
-        while got < len(view):
-            if small >= 2:
-                time.sleep(TRICKLE_PAUSE)
-            n = self.stream.recv_into(view[got:])
-            if n == 0:
-                raise TransportError("the peer closed the connection inside a payload")
-            self.dec.payload_received(n)
-            got += n
-            small = small + 1 if n < TRICKLE_BYTES or small >= 2 else 0  # once trickling, for the rest of it
-        if self.mac_in is not None and got > start:
-            self.mac_in.update(view[start:got])  # as they land, while they are hot
-
-    def _frame_end(self) -> None:
-        """A WRITE's payload is in: on a protected connection its tag is checked before any of
-        its bytes count (AuthError ends the connection)."""
-        if self.mac_in is not None and self.mac_in.open:
-            receive_tag(self.stream, self.mac_in)
+        return min(MAX_TENSOR_BYTES, self.ctx.config.max_memory)
 
     # -- the loop ----------------------------------------------------------------------------
 
     def run(self) -> None:
         try:
-            while True:
-                msg = self._next()
+            while not self._done:
+                msg = self.frames.next()
                 if msg is None:
                     return
-                t0 = time.perf_counter_ns() if self.prof.enabled else 0
-                if self.dispatch(msg):
-                    return
-                if self.prof.enabled:
-                    self.prof.command(msg.COMMAND.name, t0, time.perf_counter_ns())
+                t0 = self.prof.clock()
+                self.dispatch(msg)
+                if not self._done:
+                    self.prof.command(msg.COMMAND.name, t0, self.prof.clock())
                     self.prof.count(calls=1)
         except RemoteProtocolError as e:
             self._fatal(ErrorCode.PROTOCOL, str(e))
         except AuthError as e:
             self._fatal(ErrorCode.AUTH, str(e))
-        except (_FrameTooLarge, _Refused) as e:
+        except (FrameTooLarge, _Refused) as e:
             self._fatal(ErrorCode.LIMIT, str(e))
         except TransportError:
-            if self.deadline is not None and time.monotonic() >= self.deadline:
-                what = "HELLO and AUTH" if self.ctx.token is not None else "HELLO"
-                self._fatal(ErrorCode.PROTOCOL, f"no {what} within {self.ctx.handshake_timeout:g} s")
+            if self.frames.handshake_expired:
+                what = "HELLO and AUTH" if self.ctx.config.token is not None else "HELLO"
+                self._fatal(ErrorCode.PROTOCOL, f"no {what} within {self.ctx.config.handshake_timeout:g} s")
             # otherwise the client went away; what it had in flight is dropped below
         except WeightliftError as e:  # the server's own failure (a reply it could not encode, a device)
             _log.warning("weightlift server: connection %s: %s: %s", self.stream.peer, type(e).__name__, e)
@@ -211,94 +174,38 @@ class Connection:
             _log.exception("weightlift server: connection %s failed", self.stream.peer)
             self._fatal(ErrorCode.INTERNAL, f"internal server error: {type(e).__name__}")
         finally:
-            self.rx.close()
-            if self._frame_charge is not None:
-                self._frame_charge.release()
-            if self.prof.enabled:
-                self.ctx.reports.append(self.prof.report())
-                sys.stderr.write(f"weightlift server: connection {self.stream.peer} closed\n{self.prof.format()}\n")
+            self._close()
 
-    def _set_timeout(self, seconds: float | None) -> None:
-        if seconds != self._timeout:
-            self.stream.set_timeout(seconds)
-            self._timeout = seconds
+    def _close(self) -> None:
+        self.rx.close()
+        self.frames.close()
+        self.device.close()
+        if self.prof.enabled:
+            self.ctx.reports.append(self.prof.report())
+            sys.stderr.write(f"weightlift server: connection {self.stream.peer} closed\n{self.prof.format()}\n")
 
-    def _next(self) -> Message | None:
-        """The next message; None if the peer closed cleanly between frames.
+    def dispatch(self, msg: Message) -> None:
+        """Handle one message (a HELLO before the session's check, which it starts)."""
+        if isinstance(msg, Hello):
+            self._hello(msg)
+            return
+        try:
+            self.session.check(msg)
+        except RemoteProtocolError:
+            if self.session.state is SessionState.AWAIT_AUTH:
+                raise AuthError(f"{msg.COMMAND.name} before AUTH: this server wants a token") from None
+            raise
+        self._handlers[type(msg)](msg)
 
-        Reads exactly what the decoder still wants (a payload that follows a header stays in the
-        socket for the receiver), at most a scratch buffer at a time: the cost per byte does not
-        depend on how the peer fragments them. A frame larger than the scratch buffer is
-        charged to max_memory while the decoder buffers it. Before READY every receive waits
-        only for what is left of the handshake deadline; after it, the wait for the next request
-        is bounded by the idle timeout and every receive inside a frame by the I/O timeout.
-        A peer that trickles (two receives in a row bringing fewer than TRICKLE_BYTES) is read
-        after a short pause per receive, so that its bytes gather in the socket.
-        """
-        dec, scratch, mac = self.dec, self.scratch, self.mac_in
-        if mac is not None:
-            mac.begin()
-        small = 0  # receives in a row inside this frame that brought fewer than TRICKLE_BYTES
-        checked = mac is None
-        while True:
-            if not checked:
-                cmd = dec.complete_frame()
-                if cmd is not None and cmd not in PAYLOAD_COMMANDS:
-                    receive_tag(self.stream, mac)  # type: ignore[arg-type]  # before the body is decoded
-                    checked = True
-            ev = dec.next_event()
-            if ev is not NEED_DATA:
-                if not checked and not ev.length:  # type: ignore[union-attr]  # an empty WRITE
-                    receive_tag(self.stream, mac)  # type: ignore[arg-type]
-                if self._frame_charge is not None:
-                    self._frame_charge.release()
-                    self._frame_charge = None
-                    if dec.at_boundary:
-                        self._renew_decoder()  # its buffer's memory goes with it
-                if self.deadline is None:
-                    self._set_timeout(self.ctx.io_timeout)  # the payload and the reply
-                return ev  # type: ignore[return-value]
-            want = dec.bytes_wanted()
-            if want > len(scratch) and self._frame_charge is None:
-                size = want + dec.buffered
-                try:
-                    self._frame_charge = self.store.charge(size + int(size * FRAME_SLACK))
-                except MemoryFull as e:
-                    raise _FrameTooLarge(f"a frame of {size} bytes: {e}") from None
-            if self.deadline is not None:
-                left = self.deadline - time.monotonic()
-                if left <= 0:
-                    raise TransportError("the peer did not send a whole message in time")
-                self.stream.set_timeout(left)
-                self._timeout = -1.0
-            elif dec.at_boundary:
-                self._set_timeout(self.ctx.idle_timeout)
-            else:
-                self._set_timeout(self.ctx.io_timeout)
-            if small >= 2 and not dec.at_boundary:
-                time.sleep(TRICKLE_PAUSE)  # a trickling peer: let its bytes gather
-            try:
-                n = self.stream.recv_into(scratch[: min(want, len(scratch))])
-            except TransportError as e:
-                if self.deadline is None:
-                    what = "idle" if dec.at_boundary else "stalled inside a frame"
-                    _log.info("weightlift server: closing %s: %s (%s)", self.stream.peer, what, e)
-                raise
-            if n == 0:
-                if dec.at_boundary:
-                    return None
-                raise TransportError("the peer closed the connection inside a frame")
-            dec.feed(scratch[:n])
-            if mac is not None:
-                mac.update(scratch[:n])
-            small = small + 1 if n < min(want, TRICKLE_BYTES) or small >= 2 else 0  # once trickling, for the rest
+    def _bye(self, msg: Bye) -> None:
+        self._done = True
 
     def _fatal(self, code: ErrorCode, message: str) -> None:
         """Reply ERROR, then close without a reset, so the client can read why."""
         self.store.count("errors")
         try:
             self.stream.set_timeout(LINGER_SECONDS)  # a peer that reads nothing must not hold the send
-            self.stream.send_parts(self._sealed(send(Error(code, message), minor=self.minor)))
+            self.stream.send_parts(self.out.sealed(send(Error(code, message), minor=self.minor)))
             self.stream.shutdown_write()
             # Keep reading a while: closing with unread input would reset the connection and
             # could destroy the reply before the client reads it.
@@ -309,116 +216,63 @@ class Connection:
                 if left <= 0:
                     break
                 self.stream.set_timeout(left)
-                n = self.stream.recv_into(self.scratch)
+                n = self.stream.recv_into(self.frames.scratch)
                 if n == 0:
                     break
                 drained += n
         except TransportError:
             pass
 
-    def _sealed(self, *parts: Any) -> list[Any]:
-        """``parts`` (one frame and its payload), with the tag after them on a protected connection."""
-        if self.mac_out is None:
-            return list(parts)
-        return [*parts, self.mac_out.seal(parts)]
-
-    def _reply(self, msg: Message) -> None:
-        self.stream.send_parts(self._sealed(send(msg, minor=self.minor, max_frame=self.client_max_frame)))
-
     def _renew_decoder(self) -> None:
-        """A decoder for the negotiated minor, and, once READY, the full frame limit.
-
-        A client that negotiated an older minor must not get past the decoder with a command its
-        minor lacks (the server could not encode the reply). receive_message never reads past a
-        frame, so nothing is buffered in the old decoder when this runs.
-        """
-        if not self.dec.at_boundary:
-            raise LocalProtocolError("decoder replaced inside a frame")
-        ready = self.session.state is SessionState.READY
-        self.dec = Decoder(
-            our_role="server",
-            minor=self.minor,
-            max_frame=MAX_FRAME if ready else MAX_HANDSHAKE_FRAME,
-            max_tensor_bytes=self._max_tensor_bytes(),
-        )
-        if ready:
-            self.deadline = None
-            self._set_timeout(self.ctx.io_timeout)
-
-    def dispatch(self, msg: Message) -> bool:
-        """Handle one message; True when the connection should end."""
-        if isinstance(msg, Hello):
-            if msg.major != PROTOCOL_MAJOR:
-                self._fatal(
-                    ErrorCode.VERSION,
-                    f"client speaks protocol {msg.major}.{msg.minor}; this server speaks {PROTOCOL_MAJOR}.{self.ctx.minor}",
-                )
-                return True
-            self._hello(msg)
-            return False
-        try:
-            self.session.check(msg)
-        except RemoteProtocolError:
-            if self.session.state is SessionState.AWAIT_AUTH:
-                raise AuthError(f"{msg.COMMAND.name} before AUTH: this server wants a token") from None
-            raise
-        if isinstance(msg, Auth):
-            self._auth(msg)
-        elif isinstance(msg, WriteHeader):
-            self.rx.write(msg)
-        elif isinstance(msg, Alloc):
-            self.rx.guard(msg.tensor_id, self.rx.alloc, msg)
-        elif isinstance(msg, FillFromCache):
-            self.rx.guard(msg.tensor_id, self.rx.fill, msg)
-        elif isinstance(msg, Have):
-            cache = self.ctx.cache
-            self._reply(
-                HaveReply(tuple(self.store.holds(d) or (cache is not None and cache.has(d)) for d in msg.digests))
-            )
-        elif isinstance(msg, Barrier):
-            self._reply(self.rx.barrier(msg.flags))
-        elif isinstance(msg, Read):
-            self._read(msg)
-        elif isinstance(msg, ListRequest):
-            self._list(msg)
-        elif isinstance(msg, Free):
-            self._reply(FreeReply(self.store.free(msg.names)))
-        elif isinstance(msg, Bye):
-            return True
-        return False
+        """A decoder for the negotiated minor, and, once READY, the full frame limit: a client
+        that negotiated an older minor must not get past the decoder with a command its minor
+        lacks (the server could not encode the reply)."""
+        self.frames.renew(self.minor, ready=self.session.state is SessionState.READY)
 
     # -- handshake -----------------------------------------------------------------------------
 
     def _hello(self, msg: Hello) -> None:
-        self.minor = self.session.hello(msg)
+        config = self.ctx.config
+        if msg.major != PROTOCOL_MAJOR:
+            self._fatal(
+                ErrorCode.VERSION,
+                f"client speaks protocol {msg.major}.{msg.minor}; this server speaks {PROTOCOL_MAJOR}.{config.protocol_minor}",
+            )
+            self._done = True
+            return
+        self.minor = self.out.minor = self.session.hello(msg)
         self.client_nonce = msg.nonce
         self.client_hello = msg
         if msg.max_frame:
-            self.client_max_frame = min(msg.max_frame, MAX_FRAME)
-        flags = 0
-        if self.ctx.cache is not None and self.session.cache_usable():
-            flags |= Capability.CACHE
-        if self.ctx.token is not None:
-            flags |= Capability.AUTH
-        if verify_usable(self.minor):
-            flags |= Capability.VERIFY
-        if mac_usable(self.minor, self.ctx.token):
-            flags |= Capability.MAC  # informational: the minor and the token decide, not this bit
+            self.out.max_frame = min(msg.max_frame, MAX_FRAME)
         self._take_ready_slot()
         reply = Hello(
             PROTOCOL_MAJOR,
-            self.ctx.minor,
-            flags,
+            config.protocol_minor,
+            self._capabilities(),
             MAX_FRAME,
             self._max_tensor_bytes(),
             self.nonce,
             # the memory limit is nothing a peer that has not authenticated needs to know: 0 is
             # "not stated" (a client learns it from a BARRIER's errors when it matters)
-            self.ctx.max_memory if self.ctx.token is None else 0,
+            config.max_memory if config.token is None else 0,
         )
         self.server_hello = reply
         self.stream.send_parts([send(reply)])
         self._renew_decoder()
+
+    def _capabilities(self) -> int:
+        token = self.ctx.config.token
+        flags = 0
+        if self.ctx.cache is not None and self.session.cache_usable():
+            flags |= Capability.CACHE
+        if token is not None:
+            flags |= Capability.AUTH
+        if verify_usable(self.minor):
+            flags |= Capability.VERIFY
+        if mac_usable(self.minor, token):
+            flags |= Capability.MAC  # informational: the minor and the token decide, not this bit
+        return flags
 
     def _take_ready_slot(self) -> None:
         """Once READY (before the reply that tells the client so), move to a READY slot."""
@@ -428,7 +282,7 @@ class Connection:
                 raise _Refused(refused)
 
     def _auth(self, msg: Auth) -> None:
-        token = self.ctx.token
+        token = self.ctx.config.token
         if token is None:
             raise RemoteProtocolError("AUTH sent to a server that wants none")
         verify_mac(client_mac(token, self.client_nonce, self.nonce), msg.mac, who="client")
@@ -438,92 +292,12 @@ class Connection:
         if mac_usable(self.minor, token):
             assert self.client_hello is not None and self.server_hello is not None  # set at HELLO
             c2s, s2c = frame_keys(token, self.client_hello, self.server_hello)
-            self.mac_in = FrameMac(c2s)  # every frame after the client's AUTH
-        self._reply(Auth(server_mac(token, self.client_nonce, self.nonce)))
+            self.frames.mac = FrameMac(c2s)  # every frame after the client's AUTH
+        self.out.reply(Auth(server_mac(token, self.client_nonce, self.nonce)))
         if s2c:
-            self.mac_out = FrameMac(s2c)  # every frame after ours
+            self.out.mac = FrameMac(s2c)  # every frame after ours
         self._renew_decoder()
-
-    # -- serving tensors back ----------------------------------------------------------------------
-
-    def _read(self, r: Read) -> None:
-        entry = self.store.get(r.name)
-        if entry is None:
-            self._reply(Error(ErrorCode.NOT_FOUND, f"no tensor {r.name!r}"))
-            return
-        if r.version and r.version != entry.version:
-            # the listing the reader works from is out of date: another version's bytes under
-            # the listed dtype and shape would be a silent wrong tensor
-            self._reply(Error(ErrorCode.STALE, f"{r.name!r} was replaced since it was listed"))
-            return
-        nbytes, dest = entry.nbytes, entry.tensor
-        if r.offset + r.length > nbytes:
-            self._reply(
-                Error(
-                    ErrorCode.LIMIT,
-                    f"READ [{r.offset}, {r.offset + r.length}) runs past the {nbytes} bytes of {r.name!r}",
-                )
-            )
-            return
-        # The digest is stated before the bytes, so it is taken first: of the tensor as it is now,
-        # which is what the reply carries (a stored digest could predate a writer in process).
-        want_digest = bool(r.flags & Read.FLAG_DIGEST) and verify_usable(self.minor)
-        if _is_host(dest):
-            view = as_bytes(dest).data[r.offset : r.offset + r.length]
-            digest = hash_buffer(view) if want_digest else None
-            self.stream.send_parts(self._sealed(send(ReadReply(r.length, digest), minor=self.minor), view))
-            return
-        import torch
-
-        flat = dest.reshape(-1).view(torch.uint8)
-        stage = self.staging()
-        staging = self._staging
-        assert staging is not None
-        digest = None
-        if want_digest:
-            hasher = blake3.blake3()
-            for pos in range(r.offset, r.offset + r.length, len(stage)):
-                n = min(len(stage), r.offset + r.length - pos)
-                torch.from_numpy(staging[:n]).copy_(flat[pos : pos + n])
-                hasher.update(stage[:n])
-            digest = hasher.digest()
-        head = send(ReadReply(r.length, digest), minor=self.minor)
-        mac = self.mac_out
-        if mac is not None:
-            mac.begin()
-            mac.update(head)
-        self.stream.send_parts([head])
-        for pos in range(r.offset, r.offset + r.length, len(stage)):
-            n = min(len(stage), r.offset + r.length - pos)
-            torch.from_numpy(staging[:n]).copy_(flat[pos : pos + n])
-            if mac is not None:
-                mac.update(stage[:n])
-            self.stream.send_parts([stage[:n]])
-        if mac is not None:
-            self.stream.send_parts([mac.tag()])
-
-    def _list(self, req: ListRequest) -> None:
-        items = self.store.listing(req.after)
-        budget = self.client_max_frame - 64
-        entries: list[ListEntry] = []
-        for name, e in items:
-            size = 23 + len(name.encode()) + 8 * len(e.shape)
-            if len(entries) >= MAX_TENSORS or size > budget:
-                break
-            budget -= size
-            entries.append(ListEntry(name, e.dtype, e.shape, e.nbytes, e.version))
-        self._reply(ListReply(tuple(entries), more=len(entries) < len(items)))
-
-
-class _FrameTooLarge(Exception):
-    """A frame whose buffer would take the server past max_memory."""
 
 
 class _Refused(Exception):
     """Every READY slot is taken: the connection cannot go on past its handshake."""
-
-
-def _is_host(dest: Any) -> bool:
-    if isinstance(dest, np.ndarray):
-        return True
-    return getattr(getattr(dest, "device", None), "type", "cpu") == "cpu"

@@ -1,8 +1,9 @@
-"""What a connection may know of its server: settings, the store, the disk cache, the reports.
+"""What a connection may know of its server: the settings, the store, the disk cache, the reports.
 
 A connection is given this object instead of the :class:`~weightlift.remote.server.Server`
-itself, so the seam between them is these fields and nothing private: settings are read-only,
-tensors and memory change only through the store, and the disk cache can only be switched off.
+itself, so the seam between them is these fields and nothing private: the settings are one
+frozen :class:`~weightlift.remote.server.config.ServerConfig`, tensors and memory change only
+through the store, and the disk cache can only be switched off.
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from __future__ import annotations
 import threading
 import warnings
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from weightlift.errors import CacheError
-from weightlift.memory.targets import Target
+from weightlift.memory.targets import Target, make_target
 from weightlift.remote.server.cache import TensorCache
+from weightlift.remote.server.config import ServerConfig
 from weightlift.remote.server.store import Store
 
 __all__ = ["Context", "RequestError"]
@@ -25,26 +27,27 @@ class RequestError(Exception):
     """A request failed; its message is reported at the next barrier."""
 
 
-@dataclass
 class Context:
-    device: str
-    framework: str
-    host_target: Target | None  # shared by connections to host memory; None: each makes its own (CUDA)
-    token: bytes | None
-    minor: int  # the newest minor version this server speaks
-    handshake_timeout: float
-    idle_timeout: float | None  # seconds a READY connection may wait between requests; None: no limit
-    io_timeout: float | None  # seconds one receive inside a frame, or one send, may wait; None: no limit
-    opt: bool  # False: WEIGHTLIFT_LOAD_OPT=0, the naive receive paths
-    profile: bool | None
-    store: Store
-    cache: TensorCache | None
-    reports: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=64))
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    """``host_target`` is the target connections to host memory share; None: each connection
+    makes its own with ``new_target`` (a CUDA target, at its first ALLOC). ``new_target``
+    defaults to the config's device and framework."""
 
-    @property
-    def max_memory(self) -> int:
-        return self.store.max_memory
+    def __init__(
+        self,
+        config: ServerConfig,
+        store: Store,
+        cache: TensorCache | None,
+        *,
+        host_target: Target | None,
+        new_target: Callable[[], Target] | None = None,
+    ):
+        self.config = config
+        self.store = store
+        self.cache = cache
+        self.host_target = host_target
+        self.new_target = new_target or (lambda: make_target(config.device, config.framework))
+        self.reports: deque[dict[str, Any]] = deque(maxlen=64)  # profiles of recently closed connections
+        self._lock = threading.Lock()
 
     @property
     def pooled(self) -> bool:

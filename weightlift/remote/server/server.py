@@ -30,114 +30,62 @@ name and ENTRY_OVERHEAD against max_memory; errors kept per connection, the rang
 WRITEs cover, and remembered failed ids are all capped. A failure inside a connection, however
 unexpected, is answered with an ERROR and ends that connection only.
 
-``WEIGHTLIFT_LOAD_OPT=0`` (read when the Server is made) receives each WRITE into a fresh buffer
-and copies it out, the naive way, for A/B measurements (:mod:`.legacy`).
+A frame, payload included, must arrive within ``io_timeout`` plus its size over
+``min_frame_rate``; every loopback address counts as one peer address, and so does an IPv6 /64,
+for ``max_per_address``. A CUDA connection's pinned staging and any connection's staging buffer
+are charged to max_memory too.
+
+``WEIGHTLIFT_LOAD_OPT=0`` (read when the Server is made, into its config) receives each WRITE into
+a fresh buffer, charged while it lives, and copies it out, the naive way, for A/B measurements
+(:mod:`.legacy`); each connection picks its receive path once, from the config.
 """
 
 from __future__ import annotations
 
-import errno
-import ipaddress
-import logging
 import os
 import ssl
 import threading
-import time
-import warnings
 from typing import Any
 
-from weightlift import env
-from weightlift.errors import DeviceError, OptionError, StateError, TransportError
+from weightlift.errors import StateError
 from weightlift.memory.pool import HostPool
-from weightlift.memory.targets import Target, make_target
-from weightlift.remote.protocol import PROTOCOL_MINOR, Error, ErrorCode, send
+from weightlift.remote.protocol import PROTOCOL_MINOR
+from weightlift.remote.server.accept import Acceptor
 from weightlift.remote.server.cache import TensorCache
-from weightlift.remote.server.connection import Connection
+from weightlift.remote.server.config import (
+    HANDSHAKE_TIMEOUT,
+    IDLE_TIMEOUT,
+    IO_TIMEOUT,
+    MAX_CONNECTIONS,
+    MAX_HANDSHAKES,
+    MAX_PER_ADDRESS,
+    MIN_FRAME_RATE,
+    ServerConfig,
+    configure,
+    default_max_memory,
+    is_loopback,
+)
 from weightlift.remote.server.context import Context
-from weightlift.remote.server.slots import Slot, Slots
+from weightlift.remote.server.slots import Slots
+from weightlift.remote.server.stats import ServerStats
 from weightlift.remote.server.store import ENTRY_OVERHEAD, Store
-from weightlift.remote.token import check_token
-from weightlift.remote.transport import TCP, Backend, Listener, Stream, TlsBackend
+from weightlift.remote.transport import TCP, Backend, Listener
 
 __all__ = [
     "Server",
+    "ServerConfig",
+    "ServerStats",
     "is_loopback",
     "default_max_memory",
     "ENTRY_OVERHEAD",
     "MAX_CONNECTIONS",
+    "MAX_HANDSHAKES",
+    "MAX_PER_ADDRESS",
     "HANDSHAKE_TIMEOUT",
     "IDLE_TIMEOUT",
     "IO_TIMEOUT",
+    "MIN_FRAME_RATE",
 ]
-
-MAX_CONNECTIONS = 64  # READY (authenticated) connections served at once; more are closed at accept
-MAX_HANDSHAKES = 16  # connections still in HELLO/AUTH at once, apart from the READY ones
-MAX_PER_ADDRESS = 32  # connections from one peer address at once, of both kinds
-HANDSHAKE_TIMEOUT = 10.0  # seconds from accept for a connection to become READY (HELLO, AUTH)
-IDLE_TIMEOUT = 300.0  # seconds a READY connection may wait between requests before it is closed
-IO_TIMEOUT = 60.0  # seconds one receive inside a frame or payload, or one send, may wait
-MEMORY_FRACTION = 0.9  # of physical RAM: a cpu server's max_memory when none is given
-
-_log = logging.getLogger(__name__)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names only this machine (so no token is needed to bind it)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def default_max_memory(device: str = "cpu") -> int:
-    """The memory cap a server uses when given none: 90 % of physical RAM for ``cpu``, the
-    device's total memory for ``cuda[:N]``. OptionError where the amount cannot be found."""
-    dev = str(device)
-    if dev.startswith("cuda"):
-        import torch
-
-        try:
-            return int(torch.cuda.get_device_properties(torch.device(dev)).total_memory)
-        except (RuntimeError, AssertionError, ValueError) as e:
-            raise DeviceError(f"cannot read the memory of device {dev!r}: {e}") from None
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        raise OptionError("cannot tell how much memory this machine has: pass max_memory") from None
-    return int(total * MEMORY_FRACTION)
-
-
-def _spare_descriptor() -> int:
-    try:
-        return os.open(os.devnull, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        return -1
-
-
-def _check_device(device: str, framework: str) -> Target | None:
-    """Fail now on a device the server cannot use, without allocating anything on it.
-
-    Returns the host target all connections share (it holds no state), or None for a CUDA
-    device: each connection makes its own CUDA target, with its pinned slots, at its first ALLOC.
-    """
-    dev = str(device)
-    if not dev.startswith("cuda"):
-        return make_target(dev, framework)  # cpu; anything else is an OptionError
-    if framework != "torch":
-        raise OptionError(f"device {dev!r} needs framework='torch'")
-    import torch
-
-    try:
-        index = torch.device(dev).index
-    except RuntimeError:
-        raise OptionError(f"unknown device {dev!r}: expected 'cpu' or 'cuda[:N]'") from None
-    if not torch.cuda.is_available():
-        raise DeviceError(f"device {dev!r} asked for, but torch sees no CUDA device")
-    if index is not None and index >= torch.cuda.device_count():
-        raise DeviceError(f"device {dev!r} asked for, but torch sees {torch.cuda.device_count()} CUDA devices")
-    return None
 
 
 class Server:
@@ -154,7 +102,11 @@ class Server:
     finish HELLO (and AUTH) within ``handshake_timeout`` seconds or is closed. After
     that a connection that sends no request for ``idle_timeout`` seconds is closed, and so is one
     that stalls for ``io_timeout`` seconds inside a frame or payload, or while a reply is sent
-    (None: no limit).
+    (None: no limit), and one whose frame of N bytes (payload included) has not arrived within
+    ``io_timeout + N / min_frame_rate`` seconds of its first byte (``min_frame_rate`` in bytes
+    per second, default :data:`MIN_FRAME_RATE`; None: no such deadline). For
+    ``max_per_address`` the whole loopback range (127.0.0.0/8, ::1) is one address, and so is an
+    IPv6 /64.
     ``cache_max_bytes`` caps the disk cache's entries, the least recently used evicted first.
     ``tls``: a server ``ssl.SSLContext`` (:func:`~weightlift.remote.transport.server_tls_context`):
     every connection speaks TLS, its handshake bounded by ``handshake_timeout``. TLS gives
@@ -186,85 +138,52 @@ class Server:
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         idle_timeout: float | None = IDLE_TIMEOUT,
         io_timeout: float | None = IO_TIMEOUT,
+        min_frame_rate: int | None = MIN_FRAME_RATE,
         profile: bool | None = None,
         protocol_minor: int = PROTOCOL_MINOR,
         backend: Backend = TCP,
         tls: ssl.SSLContext | None = None,
-    ):
-        if tls is not None:
-            if backend is not TCP:
-                raise OptionError("pass tls= or backend=, not both")
-            backend = TlsBackend(tls)
-        if not isinstance(port, int) or not 0 <= port <= 65535:
-            raise OptionError(f"port {port!r} is out of range")
-        if max_memory is not None and max_memory < 0:
-            raise OptionError(f"max_memory must be >= 0, got {max_memory}")
-        for what, n in (
-            ("max_connections", max_connections),
-            ("max_handshakes", max_handshakes),
-            ("max_per_address", max_per_address),
-        ):
-            if n < 1:
-                raise OptionError(f"{what} must be >= 1, got {n}")
-        if not handshake_timeout > 0:
-            raise OptionError(f"handshake_timeout must be > 0, got {handshake_timeout}")
-        for what, t in (("idle_timeout", idle_timeout), ("io_timeout", io_timeout)):
-            if t is not None and not t > 0:
-                raise OptionError(f"{what} must be > 0 or None, got {t}")
-        if not 0 <= protocol_minor <= PROTOCOL_MINOR:
-            raise OptionError(f"protocol_minor must be between 0 and {PROTOCOL_MINOR}")
-        self._backend = backend
-        self._token = token.encode() if isinstance(token, str) else token
-        if self._token is not None:
-            check_token(self._token)
-        if not is_loopback(host):
-            if self._token is None and not insecure:
-                raise OptionError(
-                    f"binding {host} exposes the server beyond this machine: pass a token, or insecure=True"
-                )
-            if self._token is None:
-                warnings.warn(
-                    f"serving on {host} without a token: anyone who can reach it may write memory",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-        self.host, self.port = host, port
-        self.device, self.framework = device, framework
-        host_target = _check_device(device, framework)  # fails now on a missing device, not per client
-        max_memory = default_max_memory(device) if max_memory is None else max_memory
-        if not 0 <= reserve <= max_memory:
-            raise OptionError(f"reserve must be between 0 and max_memory ({max_memory}), got {reserve}")
-        self._max_connections = max_connections
-        self._slots = Slots(ready=max_connections, handshakes=max_handshakes, per_address=max_per_address)
-        # touched host memory of released tensors, reused for new ones (a weight update)
-        pool = HostPool() if host_target is not None and host_target.memcpy_ok else None
-        if reserve and pool is None:
-            raise OptionError("reserve is for host memory: a cpu server without a dtype cast")
-        self._reserve_bytes = reserve
-        store = Store(max_memory=max_memory, pool=pool, remember_digests=cache_dir is not None)
-        self._ctx = Context(
+    ) -> None:
+        config, host_target = configure(
+            host=host,
+            port=port,
             device=device,
             framework=framework,
-            host_target=host_target,
-            token=self._token,
-            minor=protocol_minor,
-            handshake_timeout=float(handshake_timeout),
-            idle_timeout=None if idle_timeout is None else float(idle_timeout),
-            io_timeout=None if io_timeout is None else float(io_timeout),
-            opt=env.load_opt(),
+            cache_dir=cache_dir,
+            cache_max_bytes=cache_max_bytes,
+            token=token,
+            insecure=insecure,
+            max_memory=max_memory,
+            reserve=reserve,
+            max_connections=max_connections,
+            max_handshakes=max_handshakes,
+            max_per_address=max_per_address,
+            handshake_timeout=handshake_timeout,
+            idle_timeout=idle_timeout,
+            io_timeout=io_timeout,
+            min_frame_rate=min_frame_rate,
             profile=profile,
-            store=store,
-            cache=TensorCache(cache_dir, max_bytes=cache_max_bytes) if cache_dir is not None else None,
+            protocol_minor=protocol_minor,
+            backend=backend,
+            tls=tls,
         )
+        self.config = config
+        self.host, self.port = config.host, config.port
+        self.device, self.framework = config.device, config.framework
+        self._slots = Slots(
+            ready=config.max_connections, handshakes=config.max_handshakes, per_address=config.max_per_address
+        )
+        # touched host memory of released tensors, reused for new ones (a weight update)
+        pool = HostPool() if host_target is not None and host_target.memcpy_ok else None
+        store = Store(max_memory=config.max_memory, pool=pool, remember_digests=config.cache_dir is not None)
+        cache = (
+            TensorCache(config.cache_dir, max_bytes=config.cache_max_bytes) if config.cache_dir is not None else None
+        )
+        self._ctx = Context(config, store, cache, host_target=host_target)
         self._store = store
-        self._lock = threading.Lock()  # guards the connections and their threads
+        self._acceptor = Acceptor(self._ctx, self._slots)
         self._listener: Listener | None = None
         self._accept_thread: threading.Thread | None = None
-        self._conns: set[Stream] = set()
-        self._threads: set[threading.Thread] = set()
-        self._closing = threading.Event()
-        self._spare_fd = _spare_descriptor()  # given up to refuse a client when descriptors run out
-        self._emfile_logged = -1e9
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -276,10 +195,10 @@ class Server:
         return self._listener.address
 
     def _bind(self) -> None:
-        if self._closing.is_set():
+        if self._acceptor.closing.is_set():
             raise StateError("the server is closed")
         if self._listener is None:
-            self._listener = self._backend.listen(self.host, self.port)
+            self._listener = self.config.backend.listen(self.host, self.port)
 
     def bind(self) -> tuple[str, int]:
         """Bind without serving yet (to print the address first); returns the bound (host, port)."""
@@ -291,14 +210,14 @@ class Server:
         self._bind()
         self._start_reserve()
         if self._accept_thread is None:
-            self._accept_thread = threading.Thread(target=self._accept_loop, name="weightlift-accept", daemon=True)
+            self._accept_thread = threading.Thread(target=self._accept, name="weightlift-accept", daemon=True)
             self._accept_thread.start()
         return self.address
 
     def _start_reserve(self) -> None:
         pool = self._store.pool
-        if self._reserve_bytes and pool is not None:
-            pool.reserve(self._reserve_bytes)  # once: later calls are no-ops
+        if self.config.reserve and pool is not None:
+            pool.reserve(self.config.reserve)  # once: later calls are no-ops
 
     @property
     def reserved(self) -> tuple[int, int]:
@@ -306,116 +225,31 @@ class Server:
         pool = self._store.pool
         return pool.reserved if pool is not None else (0, 0)
 
+    def _accept(self) -> None:
+        assert self._listener is not None
+        self._acceptor.loop(self._listener)
+
     def serve_forever(self) -> None:
         """Serve in the calling thread until close() (from another thread) or Ctrl-C, then close."""
         self._bind()
         self._start_reserve()
         try:
             if self._accept_thread is not None:  # already serving in the background: just wait
-                while not self._closing.wait(0.5):
+                while not self._acceptor.closing.wait(0.5):
                     pass
             else:
-                self._accept_loop()
+                self._accept()
         finally:
             self.close()
 
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
-        while not self._closing.is_set():
-            try:
-                stream = self._listener.accept(timeout=0.2)
-            except TransportError as e:
-                if self._closing.is_set():
-                    return
-                if getattr(e.__context__, "errno", None) in (errno.EMFILE, errno.ENFILE):
-                    self._out_of_descriptors(e)
-                time.sleep(0.05)  # back off rather than spin
-                continue
-            if stream is None:
-                continue
-            slot = self._slots.admit(stream.peer.rpartition(":")[0], stream.shutdown)
-            if isinstance(slot, str):
-                self._refuse(stream, slot)
-                continue
-            with self._lock:
-                if self._closing.is_set():
-                    slot.release()
-                    stream.close()
-                    return
-                self._conns.add(stream)
-                self._store.count("connections")
-                t = threading.Thread(
-                    target=self._serve_one, args=(stream, slot), name=f"weightlift-conn {stream.peer}", daemon=True
-                )
-                self._threads.add(t)
-            t.start()
-
-    def _out_of_descriptors(self, e: TransportError) -> None:
-        """The process has no descriptor left for a new connection: say so in the log, and use
-        the one kept spare to accept the waiting client and tell it why, instead of leaving it
-        hanging in the backlog."""
-        now = time.monotonic()
-        if now - self._emfile_logged > 10.0:
-            self._emfile_logged = now
-            _log.warning(
-                "weightlift server: out of file descriptors (%s); refusing new connections "
-                "until some close (raise the limit with `ulimit -n`)",
-                e,
-            )
-        if self._spare_fd < 0 or self._listener is None:
-            return
-        os.close(self._spare_fd)
-        self._spare_fd = -1
-        try:
-            stream = self._listener.accept(timeout=0)
-            if stream is not None:
-                self._refuse(stream, "the server is out of file descriptors; try again later")
-        except TransportError:
-            pass
-        finally:
-            self._spare_fd = _spare_descriptor()
-
-    def _refuse(self, stream: Stream, why: str) -> None:
-        """Close a connection over a limit at once, with a best-effort ERROR that cannot block."""
-        _log.info("weightlift server: refused %s: %s", stream.peer, why)
-        try:
-            stream.set_timeout(0.0)
-            stream.send_parts([send(Error(ErrorCode.LIMIT, why), minor=0)])
-            stream.shutdown_write()
-            stream.recv_into(memoryview(bytearray(256)))  # a HELLO already here: unread input would reset the reply
-        except (TransportError, OSError):
-            pass
-        stream.close()
-
-    def _serve_one(self, stream: Stream, slot: Slot) -> None:
-        try:
-            Connection(self._ctx, stream, slot=slot).run()
-        except Exception:  # a last resort: run() answers what it can; nothing may kill the server
-            _log.exception("weightlift server: connection %s failed", stream.peer)
-        finally:
-            stream.close()
-            slot.release()
-            with self._lock:
-                self._conns.discard(stream)
-                self._threads.discard(threading.current_thread())
-
     def close(self) -> None:
         """Stop accepting, end every connection (their partial tensors are dropped), and wait."""
-        self._closing.set()
+        self._acceptor.closing.set()
         if self._listener is not None:
             self._listener.close()
-        with self._lock:
-            conns, threads = list(self._conns), list(self._threads)
-        for s in conns:
-            s.shutdown()
-        for t in threads:
-            if t is not threading.current_thread():
-                t.join(timeout=10)
+        self._acceptor.close()
         if self._accept_thread is not None and self._accept_thread is not threading.current_thread():
             self._accept_thread.join(timeout=10)
-        if self._spare_fd >= 0:
-            os.close(self._spare_fd)
-            self._spare_fd = -1
         if self._store.pool is not None:
             self._store.pool.close()  # idle memory goes back; tensors still held keep theirs
 
@@ -451,12 +285,43 @@ class Server:
         """The cap on memory_used (given, or :func:`default_max_memory`)."""
         return self._store.max_memory
 
-    def stats(self) -> dict[str, int]:
-        """Counters since start: connections, tensors completed, payload bytes received over the
-        wire, cache hits and bytes filled from the disk cache, memory hits and bytes filled from
-        tensors the server already held (``memory_hits``, ``bytes_from_memory``), errors reported,
-        and ``pooled``: tensors placed in reused memory instead of fresh."""
-        return self._store.stats()
+    def stats(self) -> ServerStats:
+        """What the server holds and has done (:class:`~.stats.ServerStats`): the counters since
+        start, the tensors and memory held now, the pool, and the connections and their slots."""
+        counters = self._store.stats()
+        held, held_bytes = self._store.held()
+        pool = self._store.pool
+        faulted, reserved = pool.reserved if pool is not None else (0, 0)
+        slots = self._slots
+        open_connections = self._acceptor.open_connections
+        return ServerStats(
+            **counters,
+            evicted=slots.evicted,
+            tensors_held=held,
+            bytes_held=held_bytes,
+            memory_used=self._store.used,
+            max_memory=self._store.max_memory,
+            pool_idle_bytes=pool.idle_bytes if pool is not None else 0,
+            reserve_faulted=faulted,
+            reserve_bytes=reserved,
+            open_connections=open_connections,
+            handshakes=slots.n_handshakes,
+            max_handshakes=slots.max_handshakes,
+            ready=slots.n_ready,
+            max_connections=slots.max_ready,
+            max_per_address=slots.max_per_address,
+        )
+
+    def trim(self, keep: int = 0) -> int:
+        """Give idle pooled host memory back to the system until at most ``keep`` bytes stay
+        idle; returns the bytes given back (0 without a pool)."""
+        pool = self._store.pool
+        return pool.trim(keep) if pool is not None else 0
+
+    @property
+    def cache(self) -> TensorCache | None:
+        """The disk cache, or None (none configured, or switched off after a disk failure)."""
+        return self._ctx.cache
 
     def profile_reports(self) -> list[dict[str, Any]]:
         """The profiler reports of the most recent closed connections, oldest first (profiling on)."""

@@ -6,15 +6,38 @@ READY slots, so it never takes the slot a client works in. When every handshake 
 new connection evicts the oldest one still in its handshake (as sshd's MaxStartups drops
 early): a legitimate client finishes its handshake in a round trip or two, a peer holding slots
 open holds them for the whole handshake timeout, so it is that peer whose slots go. The cap per
-address keeps one host from holding every slot of either kind.
+address keeps one host from holding every slot of either kind; it counts a host, not an address
+string: every loopback address (127.0.0.0/8, ::1) is this machine, and one IPv6 /64 is one site
+(a host picks any address in its /64), so each of those counts as one address
+(:func:`address_group`).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import threading
 from collections.abc import Callable
 
-__all__ = ["Slots", "Slot"]
+__all__ = ["Slots", "Slot", "address_group", "IPV6_GROUP_PREFIX"]
+
+IPV6_GROUP_PREFIX = 64  # IPv6 peers in one network of this prefix length count as one address
+
+
+def address_group(address: str) -> str:
+    """What the cap per address counts ``address`` as: "loopback" for any loopback address
+    (127.0.0.0/8, ::1, and their IPv4-mapped forms), the /64 network of an IPv6 address, else
+    the address itself (IPv4, or a name that is no IP address)."""
+    try:
+        ip = ipaddress.ip_address(address.strip("[]").partition("%")[0])
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_loopback:
+        return "loopback"
+    if isinstance(ip, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((ip, IPV6_GROUP_PREFIX), strict=False))
+    return str(ip)
 
 
 class Slot:
@@ -24,7 +47,7 @@ class Slot:
 
     def __init__(self, slots: Slots, address: str, evict: Callable[[], None]):
         self._slots = slots
-        self.address = address
+        self.address = address  # the group it counts in (address_group)
         self.evict = evict  # ends the connection (its thread then releases the slot)
         self.is_ready = False
         self._live = True
@@ -52,20 +75,22 @@ class Slots:
         """A handshake slot for a connection from ``address``, or why there is none; the oldest
         connection still in its handshake is evicted (``evict`` ends it) if that makes room."""
         victim: Slot | None = None
+        group = address_group(address)
         with self._lock:
             if self.n_ready >= self.max_ready:
                 return f"the server is serving its limit of {self.max_ready} connections"
-            if self._per_address.get(address, 0) >= self.max_per_address:
-                return f"the server is serving its limit of {self.max_per_address} connections from {address}"
+            if self._per_address.get(group, 0) >= self.max_per_address:
+                where = address if group == address else f"{address} (counted as {group})"
+                return f"the server is serving its limit of {self.max_per_address} connections from {where}"
             if self.n_handshakes >= self.max_handshakes:
                 victim = next(iter(self._handshaking), None)
                 if victim is None:
                     return f"the server has {self.max_handshakes} connections in their handshake; try again"
                 self._forget(victim)
                 self.evicted += 1
-            slot = Slot(self, address, evict)
+            slot = Slot(self, group, evict)
             self.n_handshakes += 1
-            self._per_address[address] = self._per_address.get(address, 0) + 1
+            self._per_address[group] = self._per_address.get(group, 0) + 1
             self._handshaking[slot] = None
         if victim is not None:
             victim.evict()

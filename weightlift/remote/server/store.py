@@ -22,13 +22,16 @@ Invariants, and why this module is the only code that changes them:
   fill a later ALLOC of that digest; :meth:`Store.distrust` forgets a digest whose bytes have
   changed since (a reader wrote into its tensor).
 
-One lock guards all of it; connections never touch the dictionaries themselves.
+One lock guards all of it, held only for bookkeeping (never a sort or a hash); connections never
+touch the dictionaries themselves.
 """
 
 from __future__ import annotations
 
+import heapq
 import threading
 import weakref
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -290,10 +293,20 @@ class Store:
                     out[name] = ro
         return out
 
-    def listing(self, after: str) -> list[tuple[str, Entry]]:
-        """Entries whose names sort after ``after``, in name order."""
+    def listing(self, after: str, limit: int) -> tuple[list[tuple[str, Entry]], bool]:
+        """Up to ``limit`` entries whose names sort after ``after``, in name order, and whether
+        more follow them.
+
+        Only a snapshot of the entries is taken under the lock (one copy of the dictionary's
+        items, no comparison of names); filtering and ordering run outside it, so listing a
+        large store never holds up another client's push or read."""
         with self._lock:
-            return sorted(((n, e) for n, e in self._entries.items() if n > after), key=lambda kv: kv[0])
+            items = list(self._entries.items())
+        later = [kv for kv in items if kv[0] > after]
+        if len(later) > limit:
+            return heapq.nsmallest(limit, later, key=itemgetter(0)), True
+        later.sort(key=itemgetter(0))
+        return later, False
 
     # -- proven digests --------------------------------------------------------------------------
 
@@ -318,6 +331,11 @@ class Store:
             entry.digest = None
             if self._held.get(digest) == name:
                 del self._held[digest]
+
+    def held(self) -> tuple[int, int]:
+        """(complete tensors held, their data bytes)."""
+        with self._lock:
+            return len(self._entries), sum(e.nbytes for e in self._entries.values())
 
     # -- counters ----------------------------------------------------------------------------------
 

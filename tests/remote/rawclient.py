@@ -1,0 +1,158 @@
+"""A hand-driven client for the server tests, and the helpers they share: it sends exactly the
+frames a test writes and reads the replies."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+
+import weightlift.remote.protocol as P
+from weightlift.remote.protocol import (
+    NEED_DATA,
+    Alloc,
+    Auth,
+    Barrier,
+    BarrierReply,
+    Decoder,
+    Hello,
+    WriteHeader,
+    send,
+)
+from weightlift.remote.server.server import Server
+from weightlift.remote.server.store import entry_cost
+
+
+def _cost(name: str, nbytes: int, ndim: int = 1) -> int:
+    """What one tensor counts against max_memory."""
+    return entry_cost(name, nbytes, ndim)
+
+
+class Raw:
+    """A hand-driven client: sends exactly the frames a test writes, reads replies."""
+
+    def __init__(self, address, *, minor: int = P.PROTOCOL_MINOR, source: str | None = None):
+        self.sock = socket.create_connection(address, timeout=10, source_address=(source, 0) if source else None)
+        self.dec = Decoder(our_role="client")
+        self.minor = minor
+        self.mac_out: P.FrameMac | None = None  # a protected connection (token, minor 2)
+        self.mac_in: P.FrameMac | None = None
+        self._payload = b""
+
+    @classmethod
+    def over(cls, sock: socket.socket, *, minor: int = P.PROTOCOL_MINOR) -> Raw:
+        """A Raw client on a socket already connected (one end of a socketpair)."""
+        raw = cls.__new__(cls)
+        sock.settimeout(10)
+        raw.sock, raw.dec, raw.minor = sock, Decoder(our_role="client"), minor
+        raw.mac_out = raw.mac_in = None
+        raw._payload = b""
+        return raw
+
+    def hello(self, *, token: bytes | None = None) -> Hello:
+        nonce = P.new_nonce()
+        ours = Hello(1, self.minor, nonce=nonce)
+        self.send(ours)
+        reply = self.recv()
+        if token is not None:
+            self.send(Auth(P.client_mac(token, nonce, reply.nonce)))
+            assert isinstance(self.recv(), Auth)
+            if P.mac_usable(min(self.minor, reply.minor), token):
+                c2s, s2c = P.frame_keys(token, ours, reply)
+                self.mac_out, self.mac_in = P.FrameMac(c2s), P.FrameMac(s2c)
+        return reply
+
+    def send(self, msg, payload: bytes = b"") -> None:
+        raw = send(msg, minor=self.minor) + payload
+        self.sock.sendall(raw + (self.mac_out.seal([raw]) if self.mac_out is not None else b""))
+
+    def _exactly(self, n: int) -> bytes | None:
+        out = b""
+        while len(out) < n:
+            data = self.sock.recv(n - len(out))
+            if not data:
+                return None
+            out += data
+        return out
+
+    def recv(self):
+        if self.mac_in is not None:  # frame by frame, each checked against the tag after it
+            self.mac_in.begin()
+            while (ev := self.dec.next_event()) is NEED_DATA:
+                data = self._exactly(self.dec.bytes_wanted())
+                if data is None:
+                    return None
+                self.dec.feed(data)
+                self.mac_in.update(data)
+            if ev.HAS_PAYLOAD:
+                self._payload = self._exactly(ev.length)
+                self.dec.payload_received(ev.length)
+                self.mac_in.update(self._payload)
+            self.mac_in.check(self._exactly(P.MAC_SIZE))
+            return ev
+        while True:
+            ev = self.dec.next_event()
+            if ev is not NEED_DATA:
+                return ev
+            data = self.sock.recv(65536)
+            if not data:
+                return None
+            self.dec.feed(data)
+
+    def read_payload(self, n: int) -> bytes:
+        if self.mac_in is not None:
+            out, self._payload = self._payload, b""
+            assert len(out) == n
+            return out
+        out = b""
+        while len(out) < n:
+            ev = self.dec.next_event()
+            if ev is NEED_DATA:
+                self.dec.feed(self.sock.recv(65536))
+            else:
+                out += ev.data
+        return out
+
+    def closed(self) -> bool:
+        """True once the server has closed its end (reads EOF)."""
+        try:
+            return self.sock.recv(1) == b""
+        except OSError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _f32(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+
+
+def _put(raw: Raw, tid: int, name: str, arr: np.ndarray, *, digest: bytes | None = None, dtype: str = "F32") -> None:
+    raw.send(Alloc(tid, name, dtype, arr.shape, arr.nbytes, digest))
+    raw.send(WriteHeader(tid, 0, arr.nbytes), arr.tobytes())
+
+
+def _barrier(raw: Raw) -> BarrierReply:
+    raw.send(Barrier())
+    reply = raw.recv()
+    assert isinstance(reply, BarrierReply), reply
+    return reply
+
+
+def _cache_push(raw: Raw, a: np.ndarray, tid: int, name: str, digest: bytes) -> None:
+    _put(raw, tid, name, a, digest=digest)
+
+
+def _fill(raw: Raw, a: np.ndarray, tid: int, name: str, digest: bytes) -> None:
+    """Allocate ``name`` named by ``digest`` and ask the server to fill it from what it holds."""
+    raw.send(Alloc(tid, name, "F32", a.shape, a.nbytes, digest))
+    raw.send(P.FillFromCache(tid, digest))
+
+
+def _serves(s: Server) -> None:
+    ok = Raw(s.address)
+    ok.hello()
+    _put(ok, 0, "ok", _f32(4))
+    assert _barrier(ok).tensors == 1
+    ok.close()

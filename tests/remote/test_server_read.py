@@ -1,0 +1,128 @@
+"""READ, LIST and FREE: serving what the store holds back to clients."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+import weightlift.remote.protocol as P
+from tests.remote.rawclient import Raw, _barrier, _cost, _f32, _put
+from weightlift.remote.protocol import (
+    Alloc,
+    Error,
+    ErrorCode,
+    Free,
+    FreeReply,
+    Hello,
+    ListReply,
+    ListRequest,
+    Read,
+    ReadReply,
+)
+from weightlift.remote.server.store import Store
+
+
+def test_read_list_free(server):
+    raw = Raw(server.address)
+    raw.hello()
+    arrays = {f"t{i:02d}": _f32(10 + i, i) for i in range(5)}
+    for i, (n, a) in enumerate(arrays.items()):
+        _put(raw, i, n, a)
+    _barrier(raw)
+    raw.send(ListRequest())
+    page = raw.recv()
+    assert isinstance(page, ListReply) and not page.more
+    assert [(e.name, e.dtype, e.shape, e.nbytes) for e in page.entries] == [
+        (n, "F32", a.shape, a.nbytes) for n, a in arrays.items()
+    ]
+    raw.send(ListRequest("t02"))
+    assert [e.name for e in raw.recv().entries] == ["t03", "t04"]
+    raw.send(Read("t03", 4, 20))
+    assert raw.recv() == ReadReply(20)
+    assert raw.read_payload(20) == arrays["t03"].tobytes()[4:24]
+    raw.send(Read("nope", 0, 1))
+    reply = raw.recv()
+    assert isinstance(reply, Error) and reply.code == ErrorCode.NOT_FOUND
+    raw.send(Read("t00", 0, 1000))
+    assert raw.recv().code == ErrorCode.LIMIT  # past the end: refused, not clamped
+    raw.send(Free(("t00", "t01", "nope")))
+    assert raw.recv() == FreeReply(2)
+    assert sorted(server.tensors()) == ["t02", "t03", "t04"]
+    assert server.memory_used == sum(_cost(n, arrays[n].nbytes) for n in ("t02", "t03", "t04"))
+
+
+def test_list_is_paged_to_the_clients_frame_limit(server):
+    raw = Raw(server.address)
+    nonce = P.new_nonce()
+    raw.send(Hello(1, 1, 0, P.MIN_FRAME, 0, nonce))  # this client takes the smallest frames allowed
+    assert isinstance(raw.recv(), Hello)
+    n, pad = 300, "x" * 4000  # 300 entries of about 4 KB: more than one 1 MiB page
+    for i in range(n):
+        raw.send(Alloc(i, f"tensor.{i:03d}.{pad}", "U8", (0,), 0))
+    assert _barrier(raw).tensors == n
+    names, after, pages = [], "", 0
+    while True:
+        raw.send(ListRequest(after))
+        page = raw.recv()
+        pages += 1
+        names += [e.name for e in page.entries]
+        if not page.more:
+            break
+        assert 0 < len(page.entries) < n
+        after = page.entries[-1].name
+    assert pages == 2
+    assert names == [f"tensor.{i:03d}.{pad}" for i in range(n)]
+
+
+class _SlowName(str):
+    """A tensor name whose comparisons wait for a signal: shows where a listing compares names."""
+
+    started = threading.Event()
+    go = threading.Event()
+
+    def _wait(self) -> None:
+        type(self).started.set()
+        type(self).go.wait(10)
+
+    def __gt__(self, other):  # type: ignore[override]
+        self._wait()
+        return str.__gt__(self, other)
+
+    def __lt__(self, other):  # type: ignore[override]
+        self._wait()
+        return str.__lt__(self, other)
+
+
+def test_a_listing_compares_names_outside_the_store_lock():
+    # Filtering and sorting every entry is the costly part of a LIST of a large store: while it
+    # runs, another client's push (a charge, a publish) must not wait for it.
+    store = Store(max_memory=1 << 30, pool=None, remember_digests=False)
+    for name in ("a", _SlowName("b"), "c"):
+        arr = np.zeros(4, dtype=np.uint8)
+        store.publish(name, "U8", (4,), 4, arr, store.charge(100), None)
+    got: list = []
+    lister = threading.Thread(target=lambda: got.append(store.listing("", 10)))
+    try:
+        lister.start()
+        assert _SlowName.started.wait(10)  # the listing is comparing names now
+        pusher = threading.Thread(target=lambda: store.charge(10).release())
+        pusher.start()
+        pusher.join(3)
+        assert not pusher.is_alive(), "a charge waited for a listing to sort its names"
+    finally:
+        _SlowName.go.set()
+        lister.join(10)
+    (page, more) = got[0]
+    assert [n for n, _ in page] == ["a", "b", "c"] and not more
+
+
+def test_a_listing_pages_in_name_order():
+    store = Store(max_memory=1 << 30, pool=None, remember_digests=False)
+    names = [f"t{i:05d}" for i in range(1000)]
+    for name in reversed(names):
+        store.publish(name, "U8", (1,), 1, np.zeros(1, dtype=np.uint8), store.charge(10), None)
+    page, more = store.listing("", 300)
+    assert [n for n, _ in page] == names[:300] and more
+    page, more = store.listing(names[899], 300)
+    assert [n for n, _ in page] == names[900:] and not more

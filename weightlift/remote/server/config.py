@@ -1,0 +1,228 @@
+"""A server's settings as one frozen value, checked once when the server is made.
+
+:class:`ServerConfig` holds every option of :class:`~weightlift.remote.server.Server` in its
+resolved form (a token as bytes, TLS folded into the backend, the memory cap worked out for the
+device); :func:`configure` builds it from the server's keywords, in the order a user should
+hear about mistakes: the transport, then the device (without allocating anything on it), then
+the memory cap. The limits' defaults are named here; SECURITY.md explains each.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import ssl
+import warnings
+from dataclasses import dataclass
+
+from weightlift import env
+from weightlift.errors import DeviceError, OptionError
+from weightlift.memory.targets import Target, make_target
+from weightlift.remote.protocol import PROTOCOL_MINOR
+from weightlift.remote.token import check_token
+from weightlift.remote.transport import TCP, Backend, TlsBackend
+
+__all__ = [
+    "ServerConfig",
+    "configure",
+    "is_loopback",
+    "default_max_memory",
+    "MAX_CONNECTIONS",
+    "MAX_HANDSHAKES",
+    "MAX_PER_ADDRESS",
+    "HANDSHAKE_TIMEOUT",
+    "IDLE_TIMEOUT",
+    "IO_TIMEOUT",
+    "MIN_FRAME_RATE",
+    "MEMORY_FRACTION",
+]
+
+MAX_CONNECTIONS = 64  # READY (authenticated) connections served at once; more are closed at accept
+MAX_HANDSHAKES = 16  # connections still in HELLO/AUTH at once, apart from the READY ones
+MAX_PER_ADDRESS = 32  # connections from one peer address (loopback: all of it; IPv6: a /64) at once, of both kinds
+HANDSHAKE_TIMEOUT = 10.0  # seconds from accept for a connection to become READY (HELLO, AUTH)
+IDLE_TIMEOUT = 300.0  # seconds a READY connection may wait between requests before it is closed
+IO_TIMEOUT = 60.0  # seconds one receive inside a frame or payload, or one send, may wait
+MIN_FRAME_RATE = 64 * 1024  # bytes per second: a frame of N bytes must arrive within IO_TIMEOUT + N / this
+MEMORY_FRACTION = 0.9  # of physical RAM: a cpu server's max_memory when none is given
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names only this machine (so no token is needed to bind it)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def default_max_memory(device: str = "cpu") -> int:
+    """The memory cap a server uses when given none: 90 % of physical RAM for ``cpu``, the
+    device's total memory for ``cuda[:N]``. OptionError where the amount cannot be found."""
+    dev = str(device)
+    if dev.startswith("cuda"):
+        import torch
+
+        try:
+            return int(torch.cuda.get_device_properties(torch.device(dev)).total_memory)
+        except (RuntimeError, AssertionError, ValueError) as e:
+            raise DeviceError(f"cannot read the memory of device {dev!r}: {e}") from None
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        raise OptionError("cannot tell how much memory this machine has: pass max_memory") from None
+    return int(total * MEMORY_FRACTION)
+
+
+def check_device(device: str, framework: str) -> Target | None:
+    """Fail now on a device the server cannot use, without allocating anything on it.
+
+    Returns the host target all connections share (it holds no state), or None for a CUDA
+    device: each connection makes its own CUDA target, with its pinned slots, at its first ALLOC.
+    """
+    dev = str(device)
+    if not dev.startswith("cuda"):
+        return make_target(dev, framework)  # cpu; anything else is an OptionError
+    if framework != "torch":
+        raise OptionError(f"device {dev!r} needs framework='torch'")
+    import torch
+
+    try:
+        index = torch.device(dev).index
+    except RuntimeError:
+        raise OptionError(f"unknown device {dev!r}: expected 'cpu' or 'cuda[:N]'") from None
+    if not torch.cuda.is_available():
+        raise DeviceError(f"device {dev!r} asked for, but torch sees no CUDA device")
+    if index is not None and index >= torch.cuda.device_count():
+        raise DeviceError(f"device {dev!r} asked for, but torch sees {torch.cuda.device_count()} CUDA devices")
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """Every setting of a server, resolved and checked (see :class:`~weightlift.remote.server.Server`
+    for what each means). ``naive`` is ``WEIGHTLIFT_LOAD_OPT=0``: the naive receive path, for A/B
+    runs."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    device: str = "cpu"
+    framework: str = "numpy"
+    cache_dir: str | os.PathLike[str] | None = None
+    cache_max_bytes: int | None = None
+    token: bytes | None = None
+    max_memory: int
+    reserve: int = 0
+    max_connections: int = MAX_CONNECTIONS
+    max_handshakes: int = MAX_HANDSHAKES
+    max_per_address: int = MAX_PER_ADDRESS
+    handshake_timeout: float = HANDSHAKE_TIMEOUT
+    idle_timeout: float | None = IDLE_TIMEOUT
+    io_timeout: float | None = IO_TIMEOUT
+    min_frame_rate: int | None = MIN_FRAME_RATE
+    profile: bool | None = None
+    protocol_minor: int = PROTOCOL_MINOR
+    backend: Backend = TCP
+    naive: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise OptionError(f"port {self.port!r} is out of range")
+        if self.max_memory < 0:
+            raise OptionError(f"max_memory must be >= 0, got {self.max_memory}")
+        for what, n in (
+            ("max_connections", self.max_connections),
+            ("max_handshakes", self.max_handshakes),
+            ("max_per_address", self.max_per_address),
+        ):
+            if n < 1:
+                raise OptionError(f"{what} must be >= 1, got {n}")
+        if not self.handshake_timeout > 0:
+            raise OptionError(f"handshake_timeout must be > 0, got {self.handshake_timeout}")
+        for what, t in (
+            ("idle_timeout", self.idle_timeout),
+            ("io_timeout", self.io_timeout),
+            ("min_frame_rate", self.min_frame_rate),
+        ):
+            if t is not None and not t > 0:
+                raise OptionError(f"{what} must be > 0 or None, got {t}")
+        if not 0 <= self.protocol_minor <= PROTOCOL_MINOR:
+            raise OptionError(f"protocol_minor must be between 0 and {PROTOCOL_MINOR}")
+        if self.token is not None:
+            check_token(self.token)
+        if not 0 <= self.reserve <= self.max_memory:
+            raise OptionError(f"reserve must be between 0 and max_memory ({self.max_memory}), got {self.reserve}")
+
+
+def configure(
+    *,
+    host: str,
+    port: int,
+    device: str,
+    framework: str,
+    cache_dir: str | os.PathLike[str] | None,
+    cache_max_bytes: int | None,
+    token: str | bytes | None,
+    insecure: bool,
+    max_memory: int | None,
+    reserve: int,
+    max_connections: int,
+    max_handshakes: int,
+    max_per_address: int,
+    handshake_timeout: float,
+    idle_timeout: float | None,
+    io_timeout: float | None,
+    min_frame_rate: int | None,
+    profile: bool | None,
+    protocol_minor: int,
+    backend: Backend,
+    tls: ssl.SSLContext | None,
+) -> tuple[ServerConfig, Target | None]:
+    """The checked config for a server's keywords, and the host target its connections share
+    (None for a CUDA device). Warns (as the caller's caller) when binding beyond this machine
+    without a token."""
+    if tls is not None:
+        if backend is not TCP:
+            raise OptionError("pass tls= or backend=, not both")
+        backend = TlsBackend(tls)
+    if max_memory is not None and max_memory < 0:
+        raise OptionError(f"max_memory must be >= 0, got {max_memory}")
+    raw_token = token.encode() if isinstance(token, str) else token
+    if raw_token is not None:
+        check_token(raw_token)
+    if not is_loopback(host):
+        if raw_token is None and not insecure:
+            raise OptionError(f"binding {host} exposes the server beyond this machine: pass a token, or insecure=True")
+        if raw_token is None:
+            warnings.warn(
+                f"serving on {host} without a token: anyone who can reach it may write memory",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    host_target = check_device(device, framework)  # fails now on a missing device, not per client
+    config = ServerConfig(
+        host=host,
+        port=port,
+        device=device,
+        framework=framework,
+        cache_dir=cache_dir,
+        cache_max_bytes=cache_max_bytes,
+        token=raw_token,
+        max_memory=default_max_memory(device) if max_memory is None else max_memory,
+        reserve=reserve,
+        max_connections=max_connections,
+        max_handshakes=max_handshakes,
+        max_per_address=max_per_address,
+        handshake_timeout=float(handshake_timeout),
+        idle_timeout=None if idle_timeout is None else float(idle_timeout),
+        io_timeout=None if io_timeout is None else float(io_timeout),
+        min_frame_rate=min_frame_rate,
+        profile=profile,
+        protocol_minor=protocol_minor,
+        backend=backend,
+        naive=not env.load_opt(),
+    )
+    if reserve and (host_target is None or not host_target.memcpy_ok):
+        raise OptionError("reserve is for host memory: a cpu server without a dtype cast")
+    return config, host_target

@@ -1,0 +1,73 @@
+"""One connection's destination maker and its staging buffers, charged to the memory account.
+
+A host server's connections share one stateless host target. A CUDA server's connection makes
+its own target at its first ALLOC; that target pins ``PINNED_STAGING`` bytes of host memory for
+its uploads, and a connection that reads device tensors back or fills a target that is not host
+memory keeps one ``STAGING_BYTES`` buffer. Both are charged to max_memory when made and given
+back when the connection ends, so a connection cannot hold memory the account does not see.
+
+:func:`cuda_of` is the one place the server tells a CUDA target from the others.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from weightlift.memory.targets import STAGING_SLOT, CudaTarget, Target
+from weightlift.remote.server.context import Context
+from weightlift.remote.server.store import Charge
+
+__all__ = ["Device", "cuda_of", "pinned_bytes", "STAGING_BYTES", "PINNED_STAGING"]
+
+STAGING_BYTES = 8 * 1024 * 1024  # one per connection, for targets that are not host memory
+PINNED_STAGING = 2 * STAGING_SLOT  # the pinned upload slots a CUDA target makes (two of STAGING_SLOT)
+
+
+def cuda_of(target: Target) -> CudaTarget | None:
+    """``target`` as a CUDA target, or None."""
+    return target if isinstance(target, CudaTarget) else None
+
+
+def pinned_bytes(target: Target) -> int:
+    """Host memory ``target`` pins for its uploads: what a connection is charged for making it."""
+    return PINNED_STAGING if cuda_of(target) is not None else 0
+
+
+class Device:
+    """Where one connection's tensors go: ``target`` (made, and charged, on first use) and the
+    connection's reused staging buffer (:meth:`staging`). MemoryFull when a charge does not fit."""
+
+    def __init__(self, ctx: Context):
+        self._ctx = ctx
+        self._target: Target | None = ctx.host_target
+        self._staging: np.ndarray | None = None
+        self._charges: list[Charge] = []
+
+    @property
+    def target(self) -> Target:
+        if self._target is None:
+            target = self._ctx.new_target()
+            pinned = pinned_bytes(target)
+            if pinned:
+                self._charges.append(self._ctx.store.charge(pinned))
+            self._target = target
+        return self._target
+
+    @property
+    def pooled(self) -> bool:
+        """Whether this connection's tensors land in the server's pooled host memory (checked
+        without making a CUDA target)."""
+        return self._ctx.pooled and self._target is self._ctx.host_target
+
+    def staging(self) -> np.ndarray:
+        """The connection's staging buffer (reused, never zero-filled)."""
+        if self._staging is None:
+            self._charges.append(self._ctx.store.charge(STAGING_BYTES))
+            self._staging = np.empty(STAGING_BYTES, dtype=np.uint8)
+        return self._staging
+
+    def close(self) -> None:
+        """The connection ended: its staging memory goes back to the account."""
+        for c in self._charges:
+            c.release()
+        self._charges.clear()

@@ -1,0 +1,71 @@
+"""What a server holds and has done, as one read-only value (:meth:`Server.stats`).
+
+Operators and tests read this instead of the server's internals. It is also a read-only mapping
+of its field names to their values, so ``stats["bytes_received"]`` and ``dict(stats)`` (for a
+JSON report) work as they did when the counters were a plain dictionary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
+
+__all__ = ["ServerStats"]
+
+
+@dataclass(frozen=True)
+class ServerStats(Mapping[str, int]):
+    """A snapshot of a server (each figure read under its own lock, not all at one instant).
+
+    Counters since start: ``connections`` accepted, ``tensors`` completed, ``bytes_received``
+    (payload bytes over the wire), ``cache_hits`` and ``bytes_from_cache`` (filled from the
+    disk cache), ``memory_hits`` and ``bytes_from_memory`` (filled from tensors the server
+    already held), ``errors`` reported, ``pooled`` (tensors placed in reused memory instead of
+    fresh), ``evicted`` (connections evicted from their handshake slot).
+
+    State now: ``tensors_held`` and ``bytes_held`` (complete tensors and their data bytes),
+    ``memory_used`` of ``max_memory`` (every charge: tensors, in flight or held, frame buffers,
+    staging), ``pool_idle_bytes`` (touched host memory kept for reuse, counted against the
+    limit too), ``reserve_faulted`` of ``reserve_bytes``, ``open_connections`` (connections
+    being served), ``handshakes`` of ``max_handshakes`` and ``ready`` of ``max_connections``
+    (slots in use), ``max_per_address``.
+    """
+
+    connections: int
+    tensors: int
+    bytes_received: int
+    bytes_from_cache: int
+    cache_hits: int
+    memory_hits: int
+    bytes_from_memory: int
+    errors: int
+    pooled: int
+    evicted: int
+    tensors_held: int
+    bytes_held: int
+    memory_used: int
+    max_memory: int
+    pool_idle_bytes: int
+    reserve_faulted: int
+    reserve_bytes: int
+    open_connections: int
+    handshakes: int
+    max_handshakes: int
+    ready: int
+    max_connections: int
+    max_per_address: int
+
+    def __getitem__(self, key: str) -> int:
+        if key not in _NAMES:
+            raise KeyError(key)
+        value: int = getattr(self, key)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_NAMES)
+
+    def __len__(self) -> int:
+        return len(_NAMES)
+
+
+_NAMES: tuple[str, ...] = tuple(f.name for f in fields(ServerStats))
