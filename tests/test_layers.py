@@ -17,8 +17,6 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 PKG = Path(__file__).resolve().parents[1] / "weightlift"
 
 RANK = {
@@ -164,11 +162,6 @@ def test_no_import_cycles_at_load() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
-@pytest.mark.xfail(
-    "weightlift.remote.server.legacy" in MODULES,
-    reason="the server's legacy write path and its receiver import each other under TYPE_CHECKING",
-    strict=True,
-)
 def test_no_import_cycles_for_type_checkers() -> None:
     cycle = _cycle({LOAD, TYPING})
     assert cycle is None, "import cycle under TYPE_CHECKING: " + " -> ".join(cycle or [])

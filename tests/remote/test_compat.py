@@ -119,8 +119,8 @@ def test_new_client_against_pinned_old_server_hello():
     with Client(fake.address) as c:
         hello = c.server_hello
         assert hello == Hello(1, 0, 1, 1 << 20, 1 << 30, bytes(range(32)), max_memory=0)  # absent -> default
-        assert not c._conns[0].cache  # the flag alone does not make an old server able to serve HAVE
-        assert c._conns[0].max_frame == 1 << 20
+        assert not c.connections[0].cache  # the flag alone does not make an old server able to serve HAVE
+        assert c.connections[0].max_frame == 1 << 20
     fake.thread.join(10)
     raw = fake.client_hello
     assert raw[:8] == P.PREFIX.pack(P.Command.HELLO, P.HELLO_LAYOUT.size)

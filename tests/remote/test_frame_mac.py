@@ -90,7 +90,7 @@ def test_a_token_connection_is_protected_and_moves_every_byte(tmp_path):
     out = tmp_path / "out.safetensors"
     with Server(token=TOKEN, cache_dir=tmp_path / "c") as s, Client(s.address, token=TOKEN, streams=2) as c:
         assert c.server_hello.has(P.Capability.MAC)
-        assert all(conn.protected for conn in c._conns)
+        assert all(conn.protected for conn in c.connections)
         r = c.push(path, verify=True, hash_threshold=100_000)
         assert r.verified == len(tensors)
         assert c.push(path, hash_threshold=100_000).cached == 1  # HAVE and FILL_FROM_CACHE, protected too
@@ -105,7 +105,7 @@ def test_a_token_connection_is_protected_and_moves_every_byte(tmp_path):
 
 def test_without_a_token_frames_are_not_protected(tmp_path):
     with Server() as s, Client(s.address) as c:
-        assert not c._conns[0].protected and not c.server_hello.has(P.Capability.MAC)
+        assert not c.connections[0].protected and not c.server_hello.has(P.Capability.MAC)
 
 
 @pytest.mark.parametrize("where", ["w.1", "big"])
@@ -155,7 +155,7 @@ def test_no_downgrade_below_the_protected_minor_with_a_token(tmp_path):
             Client(s.address, token=TOKEN)
         # both ends told to speak the older minor: unprotected, as that minor always was
         with Client(s.address, token=TOKEN, protocol_minor=1) as c:
-            assert not c._conns[0].protected
+            assert not c.connections[0].protected
             assert c.list() == []
 
 

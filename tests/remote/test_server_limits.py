@@ -30,7 +30,7 @@ from weightlift.remote.protocol import (
 from weightlift.remote.server.config import ServerConfig
 from weightlift.remote.server.connection import Connection
 from weightlift.remote.server.context import Context
-from weightlift.remote.server.device import PINNED_STAGING, pinned_bytes
+from weightlift.remote.server.device import PINNED_STAGING
 from weightlift.remote.server.server import Server
 from weightlift.remote.server.store import Store, entry_cost
 from weightlift.remote.transport import SocketStream
@@ -180,12 +180,24 @@ def test_the_naive_path_charges_its_whole_write_buffer(monkeypatch):
         raw.close()
 
 
-class _FakeCuda(CudaTarget):
-    """A CUDA target's face without a device: host arrays, no pinned slots."""
+class _NoDeviceTorch:
+    """Just enough of torch for a CudaTarget to be made: it never copies here."""
 
-    def __init__(self):  # no torch, no device
-        self.dtype = None
-        self.device = "cuda:0"
+    class cuda:
+        @staticmethod
+        def is_available() -> bool:
+            return True
+
+    @staticmethod
+    def device(name: str) -> str:
+        return name
+
+
+class _FakeCuda(CudaTarget):
+    """A CUDA target made through its constructor over a torch without a device: host arrays."""
+
+    def __init__(self):
+        super().__init__("cuda:0", torch=_NoDeviceTorch, stream=object(), pinned=lambda n: np.zeros(n, dtype=np.uint8))
 
     def empty(self, dtype, shape):
         return np.zeros(shape, dtype=np.uint8)
@@ -209,7 +221,7 @@ def test_a_cuda_connection_is_charged_its_pinned_staging():
     assert store.used == 0  # a connection that allocates nothing pins nothing
     raw.send(Alloc(0, "w", "U8", (0,), 0))
     assert _barrier(raw).tensors == 1
-    assert pinned_bytes(_FakeCuda()) == PINNED_STAGING == 2 * STAGING_SLOT
+    assert _FakeCuda().pinned_bytes() == PINNED_STAGING == 2 * STAGING_SLOT
     assert store.used == entry_cost("w", 0) + PINNED_STAGING
     raw.close()
     t.join(10)

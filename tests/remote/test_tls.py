@@ -93,8 +93,8 @@ def test_push_and_pull_over_tls(tmp_path, pki, token):
     path, tensors = _model(tmp_path)
     with Server(tls=server_tls_context(cert, key), token=token, cache_dir=tmp_path / "c") as s:
         with Client(s.address, tls=client_tls_context(cert), token=token, streams=2) as c:
-            assert all(isinstance(conn.stream, TlsStream) for conn in c._conns)
-            assert all(conn.protected == (token is not None) for conn in c._conns)  # MACs inside TLS too
+            assert all(isinstance(conn.stream, TlsStream) for conn in c.connections)
+            assert all(conn.protected == (token is not None) for conn in c.connections)  # MACs inside TLS too
             assert c.push(path, verify=True, hash_threshold=100_000).verified == len(tensors)
             _holds(s, tensors)
             c.pull(tmp_path / "out.safetensors", verify=True)

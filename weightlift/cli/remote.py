@@ -14,6 +14,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from weightlift.errors import IntegrityError, OptionError
+from weightlift.remote.server.config import MIN_FRAME_RATE
 from weightlift.remote.token import read_token
 
 if TYPE_CHECKING:  # the client imports sockets and threads: loaded by the commands that use it
@@ -37,6 +38,12 @@ def parse_size(text: str) -> int:
 
 def register(sub: Any) -> None:
     """Add ``serve``, ``push``, ``pull`` and ``ls`` to an argparse subparsers object."""
+    _register_serve(sub)
+    _register_push(sub)
+    _register_pull_ls(sub)
+
+
+def _register_serve(sub: Any) -> None:
     s = sub.add_parser("serve", help="run a tensor server that receives pushed weights")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need a token)")
     s.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to bind (default {DEFAULT_PORT}; 0 picks one)")
@@ -46,7 +53,8 @@ def register(sub: Any) -> None:
     s.add_argument(
         "--cache-max",
         metavar="BYTES",
-        help="cap on the disk cache (e.g. 100G); the least recently used entries go first (default: no cap)",
+        help="cap on the disk cache (e.g. 100G); the least recently used entries go first (default: half the "
+        "space free for the cache when the server starts)",
     )
     s.add_argument("--token-file", metavar="F", help="clients must prove they hold the token in this file")
     s.add_argument("--insecure", action="store_true", help="allow a non-loopback address without a token")
@@ -83,10 +91,21 @@ def register(sub: Any) -> None:
         type=int,
         default=32,
         metavar="N",
-        help="connections one peer address may hold at once (default 32)",
+        help="connections one peer address may hold at once; the loopback range and an IPv6 /64 "
+        "count as one address (default 32)",
+    )
+    s.add_argument(
+        "--min-frame-rate",
+        type=int,
+        default=MIN_FRAME_RATE,
+        metavar="BYTES_PER_S",
+        help="a frame of N bytes must arrive within --io-timeout plus N over this rate, so a peer "
+        f"trickling bytes cannot hold a connection (default {MIN_FRAME_RATE}; 0: no such deadline)",
     )
     s.set_defaults(func=_cmd_serve)
 
+
+def _register_push(sub: Any) -> None:
     p = sub.add_parser("push", help="send a checkpoint's tensors to a tensor server")
     p.add_argument("path")
     p.add_argument("--to", required=True, metavar="HOST:PORT")
@@ -105,6 +124,8 @@ def register(sub: Any) -> None:
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the push")
     p.set_defaults(func=_cmd_push)
 
+
+def _register_pull_ls(sub: Any) -> None:
     g = sub.add_parser("pull", help="save everything a tensor server holds as a .safetensors file")
     g.add_argument("--from", dest="source", required=True, metavar="HOST:PORT")
     g.add_argument("-o", "--output", required=True, metavar="FILE.safetensors")
@@ -149,6 +170,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         idle_timeout=a.idle_timeout or None,
         io_timeout=a.io_timeout or None,
         max_per_address=a.max_per_address,
+        min_frame_rate=a.min_frame_rate or None,
         tls=tls,
     )
     host, port = server.bind()

@@ -13,7 +13,8 @@ fills fresh memory fastest (:mod:`weightlift.memory.fresh`).
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -42,6 +43,8 @@ __all__ = [
 ]
 
 STAGING_SLOT = 64 * 1024 * 1024
+#: A caller's host buffer for a :class:`Stager`, or a function that makes one when first needed.
+Spare: TypeAlias = "np.ndarray | memoryview | Callable[[], np.ndarray | memoryview] | None"
 _PLAIN = {d.name for d in DTYPES}
 
 
@@ -140,14 +143,19 @@ class Target:
         """A target in the same place that casts floating-point tensors to ``dtype`` on the way in."""
         return CastTarget(self.framework, dtype)
 
-    def stager(self, spare: np.ndarray | memoryview | None = None, *, private: bool = False) -> Stager:
+    def stager(self, spare: Spare = None, *, private: bool = False) -> Stager:
         """The host staging bytes pass through on their way into this target (see :class:`Stager`).
 
-        ``spare`` is a host buffer of the caller's, used where the target has no staging of its
-        own. ``private=True`` asks for staging of the caller's own (one worker thread each),
+        ``spare`` is a host buffer of the caller's (or a function that makes one, called only
+        if it is needed), used where the target has no staging of its own. ``private=True`` asks for staging of the caller's own (one worker thread each),
         returned by :meth:`Stager.close`; else the target's own staging, for one thread at a time.
         """
         return Stager(self, spare)
+
+    def pinned_bytes(self) -> int:
+        """Host memory this target pins for its own staging once it is used (a server charges it
+        to its memory account when it makes the target)."""
+        return 0
 
     @property
     def unified_memory(self) -> bool:
@@ -165,13 +173,16 @@ class Stager:
     reused by the next :meth:`take`.
     """
 
-    def __init__(self, target: Target, spare: np.ndarray | memoryview | None = None):
+    def __init__(self, target: Target, spare: Spare = None):
         self.target = target
-        self._spare = None if spare is None else np.frombuffer(spare, dtype=np.uint8)
+        self._make = spare if callable(spare) else None
+        self._spare = None if spare is None or callable(spare) else np.frombuffer(spare, dtype=np.uint8)
         self._buf: np.ndarray | None = None
 
     def take(self, n: int) -> np.ndarray:
         """A host buffer for up to ``n`` bytes (its length says how many), free to fill now."""
+        if self._spare is None and self._make is not None:
+            self._spare = np.frombuffer(self._make(), dtype=np.uint8)
         if self._spare is None:
             self._spare = np.empty(min(max(n, 1), STAGING_SLOT), dtype=np.uint8)
         self._buf = self._spare[:n]
@@ -476,7 +487,10 @@ class CudaTarget(Target):
     def casting(self, dtype: str) -> Target:
         return CudaTarget(self.device, dtype, torch=self._torch, pinned=self._pinned)
 
-    def stager(self, spare: np.ndarray | memoryview | None = None, *, private: bool = False) -> Stager:
+    def pinned_bytes(self) -> int:
+        return self._nslots * self._slot_bytes
+
+    def stager(self, spare: Spare = None, *, private: bool = False) -> Stager:
         if self.dtype is not None:  # a cast: through write(), which converts on the device
             return Stager(self, spare)
         if not private:

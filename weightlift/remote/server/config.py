@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from weightlift import env
 from weightlift.errors import DeviceError, OptionError
 from weightlift.memory.targets import Target, make_target
+from weightlift.options import Placement
 from weightlift.remote.protocol import PROTOCOL_MINOR
 from weightlift.remote.token import check_token
 from weightlift.remote.transport import TCP, Backend, TlsBackend
@@ -81,21 +82,15 @@ def check_device(device: str, framework: str) -> Target | None:
     Returns the host target all connections share (it holds no state), or None for a CUDA
     device: each connection makes its own CUDA target, with its pinned slots, at its first ALLOC.
     """
-    dev = str(device)
-    if not dev.startswith("cuda"):
-        return make_target(dev, framework)  # cpu; anything else is an OptionError
-    if framework != "torch":
-        raise OptionError(f"device {dev!r} needs framework='torch'")
+    place = Placement(device=device, framework=framework)  # the pair, checked as every load checks it
+    if not place.cuda:
+        return make_target(place.device, place.framework)
     import torch
 
-    try:
-        index = torch.device(dev).index
-    except RuntimeError:
-        raise OptionError(f"unknown device {dev!r}: expected 'cpu' or 'cuda[:N]'") from None
     if not torch.cuda.is_available():
-        raise DeviceError(f"device {dev!r} asked for, but torch sees no CUDA device")
-    if index is not None and index >= torch.cuda.device_count():
-        raise DeviceError(f"device {dev!r} asked for, but torch sees {torch.cuda.device_count()} CUDA devices")
+        raise DeviceError(f"device {place.device!r} asked for, but torch sees no CUDA device")
+    if place.index is not None and place.index >= torch.cuda.device_count():
+        raise DeviceError(f"device {place.device!r} asked for, but torch sees {torch.cuda.device_count()} CUDA devices")
     return None
 
 

@@ -6,31 +6,22 @@ its uploads, and a connection that reads device tensors back or fills a target t
 memory keeps one ``STAGING_BYTES`` buffer. Both are charged to max_memory when made and given
 back when the connection ends, so a connection cannot hold memory the account does not see.
 
-:func:`cuda_of` is the one place the server tells a CUDA target from the others.
+The server never tests a target's class: what a target pins it says itself
+(:meth:`~weightlift.memory.targets.Target.pinned_bytes`), and its bytes land through its stager.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from weightlift.memory.targets import STAGING_SLOT, CudaTarget, Target
+from weightlift.memory.targets import STAGING_SLOT, Target
 from weightlift.remote.server.context import Context
 from weightlift.remote.server.store import Charge
 
-__all__ = ["Device", "cuda_of", "pinned_bytes", "STAGING_BYTES", "PINNED_STAGING"]
+__all__ = ["Device", "STAGING_BYTES", "PINNED_STAGING"]
 
 STAGING_BYTES = 8 * 1024 * 1024  # one per connection, for targets that are not host memory
-PINNED_STAGING = 2 * STAGING_SLOT  # the pinned upload slots a CUDA target makes (two of STAGING_SLOT)
-
-
-def cuda_of(target: Target) -> CudaTarget | None:
-    """``target`` as a CUDA target, or None."""
-    return target if isinstance(target, CudaTarget) else None
-
-
-def pinned_bytes(target: Target) -> int:
-    """Host memory ``target`` pins for its uploads: what a connection is charged for making it."""
-    return PINNED_STAGING if cuda_of(target) is not None else 0
+PINNED_STAGING = 2 * STAGING_SLOT  # what a default CUDA target pins: two upload slots of STAGING_SLOT
 
 
 class Device:
@@ -47,7 +38,7 @@ class Device:
     def target(self) -> Target:
         if self._target is None:
             target = self._ctx.new_target()
-            pinned = pinned_bytes(target)
+            pinned = target.pinned_bytes()
             if pinned:
                 self._charges.append(self._ctx.store.charge(pinned))
             self._target = target

@@ -18,7 +18,7 @@ from weightlift.memory.targets import populate
 from weightlift.profile import Profiler
 from weightlift.remote.protocol import WriteHeader
 from weightlift.remote.server.destinations import Destinations
-from weightlift.remote.server.device import Device, cuda_of
+from weightlift.remote.server.device import Device
 from weightlift.remote.server.pending import Pending, feed
 from weightlift.remote.server.store import Store
 
@@ -96,32 +96,16 @@ class DirectPath:
             pos = stop
 
     def _staged(self, p: Pending, h: WriteHeader) -> None:
+        # through the target's stager: a CUDA target's pinned slots, filled by the receive and
+        # uploaded asynchronously; else the connection's one staging buffer, made when first used
         wire = self._wire
-        target = wire.device.target
-        cuda = cuda_of(target)
-        if cuda is not None and cuda.dtype is None:  # receive into the target's pinned slots, upload async
-            import torch
-
-            flat = p.dest.reshape(-1).view(torch.uint8)
-            pos = 0
-            while pos < h.length:
-                off = h.offset + pos
-                slot, buf = cuda.slot()
-                n = min(len(buf), h.length - pos)
-                chunk = buf.data[:n]
-                wire.receive(chunk, p.name)
-                wire.feed(p, chunk)
-                with wire.prof.phase("device", n, name=p.name):
-                    cuda.upload(slot, flat[off : off + n], n)
-                pos += n
-            return
-        stage = wire.device.staging().data
+        stager = wire.device.target.stager(wire.device.staging)
         pos = 0
         while pos < h.length:
-            n = min(len(stage), h.length - pos)
-            chunk = stage[:n]
+            buf = stager.take(h.length - pos)
+            chunk = buf.data
             wire.receive(chunk, p.name)
             wire.feed(p, chunk)
-            with wire.prof.phase("device", n, name=p.name):
-                target.write(p.dest, h.offset + pos, chunk)
-            pos += n
+            with wire.prof.phase("device", len(buf), name=p.name):
+                stager.land(p.dest, h.offset + pos)
+            pos += len(buf)

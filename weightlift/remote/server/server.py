@@ -107,7 +107,9 @@ class Server:
     per second, default :data:`MIN_FRAME_RATE`; None: no such deadline). For
     ``max_per_address`` the whole loopback range (127.0.0.0/8, ::1) is one address, and so is an
     IPv6 /64.
-    ``cache_max_bytes`` caps the disk cache's entries, the least recently used evicted first.
+    ``cache_max_bytes`` caps the disk cache, counted in whole 4 KiB blocks per entry, the least
+    recently used evicted first; None: half the space the cache's file system had free for it
+    when the server started.
     ``tls``: a server ``ssl.SSLContext`` (:func:`~weightlift.remote.transport.server_tls_context`):
     every connection speaks TLS, its handshake bounded by ``handshake_timeout``. TLS gives
     confidentiality; clients are still authenticated by the token.
@@ -177,7 +179,11 @@ class Server:
         pool = HostPool() if host_target is not None and host_target.memcpy_ok else None
         store = Store(max_memory=config.max_memory, pool=pool, remember_digests=config.cache_dir is not None)
         cache = (
-            TensorCache(config.cache_dir, max_bytes=config.cache_max_bytes) if config.cache_dir is not None else None
+            TensorCache(
+                config.cache_dir, max_bytes="auto" if config.cache_max_bytes is None else config.cache_max_bytes
+            )
+            if config.cache_dir is not None
+            else None
         )
         self._ctx = Context(config, store, cache, host_target=host_target)
         self._store = store
