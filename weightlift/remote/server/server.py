@@ -45,10 +45,10 @@ from __future__ import annotations
 import os
 import ssl
 import threading
-from typing import Any
 
 from weightlift.errors import StateError
 from weightlift.memory.pool import HostPool
+from weightlift.options import Array
 from weightlift.remote.protocol import PROTOCOL_MINOR
 from weightlift.remote.server.accept import Acceptor
 from weightlift.remote.server.cache import TensorCache
@@ -270,7 +270,7 @@ class Server:
 
     # -- what the server holds -------------------------------------------------------------
 
-    def tensors(self, *, writable: bool = False) -> dict[str, Any]:
+    def tensors(self, *, writable: bool = False) -> dict[str, Array]:
         """The complete tensors by name (numpy arrays or torch tensors); never a partial one.
 
         numpy arrays come as read-only views: what the server holds is its proof of what was
@@ -329,6 +329,6 @@ class Server:
         """The disk cache, or None (none configured, or switched off after a disk failure)."""
         return self._ctx.cache
 
-    def profile_reports(self) -> list[dict[str, Any]]:
+    def profile_reports(self) -> list[dict[str, object]]:
         """The profiler reports of the most recent closed connections, oldest first (profiling on)."""
         return list(self._ctx.reports)
