@@ -493,7 +493,55 @@ def test_a_root_reached_through_a_link_is_checked_where_it_leads(tmp_path):
         TensorCache(tmp_path / "link")
     os.chmod(real, 0o755)
     d = _put(TensorCache(tmp_path / "link"), b"through a link of my own")
-    assert (real / d.hex()[:2] / d.hex()).is_file() and _mode(real) == 0o700
+    # an existing root keeps its mode (it may be any folder of the user's); what lies in it is private
+    assert (real / d.hex()[:2] / d.hex()).is_file() and _mode(real) == 0o755
+    assert _mode(real / d.hex()[:2]) == 0o700 and _mode(real / d.hex()[:2] / d.hex()) == 0o600
+
+
+@needs_root
+def test_a_root_reached_through_another_users_link_or_folder_is_refused(tmp_path):
+    # /tmp-like: a sticky folder everyone may write; another user plants a link where the server's
+    # cache folder will be, pointing at a folder of root's: the server must not follow it
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o700)
+    (victim / "ab").write_bytes(b"precious")
+    link = shared / "wlcache"
+    link.symlink_to(victim)
+    os.lchown(link, OTHER_UID, OTHER_UID)
+    with pytest.raises(CacheError, match=f"goes through {link}, a symbolic link owned by uid {OTHER_UID}"):
+        TensorCache(link)
+    theirs = shared / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, OTHER_UID, OTHER_UID)
+    with pytest.raises(CacheError, match=f"goes through {theirs}, a folder owned by uid {OTHER_UID}"):
+        TensorCache(theirs / "cache")
+    open_for_all = tmp_path / "open"
+    open_for_all.mkdir()
+    os.chmod(open_for_all, 0o777)  # writable by all and not sticky: anyone could swap what is below
+    with pytest.raises(CacheError, match="writable by its group and others and not sticky"):
+        TensorCache(open_for_all / "cache")
+    assert (victim / "ab").read_bytes() == b"precious" and _mode(victim) == 0o700
+
+
+def test_a_root_holding_other_data_loses_none_of_it(tmp_path):
+    # --cache-dir pointed at a folder that holds more than a cache: names that look like fan-out
+    # folders but are files, or folders of the user's, are neither removed nor narrowed away
+    root = tmp_path / "models"
+    root.mkdir(mode=0o755)
+    (root / "ab").write_bytes(b"precious")
+    (root / "cd").mkdir()
+    (root / "cd" / "notes.txt").write_bytes(b"mine")
+    data = _data(3000, seed=48)
+    while _digest(data).hex()[:2] != "ab":  # an entry that would go where the file "ab" is
+        data = data + b"x"
+    cache = TensorCache(root)
+    with pytest.raises(CacheError, match="ab under the cache folder is not a folder"):
+        _put(cache, data)
+    assert (root / "ab").read_bytes() == b"precious" and (root / "cd" / "notes.txt").read_bytes() == b"mine"
+    assert _mode(root) == 0o755 and not cache.has(_digest(data), len(data))
 
 
 @needs_root
@@ -519,7 +567,7 @@ def test_a_fan_out_folder_linked_elsewhere_is_never_written_through(tmp_path):
 
 
 @needs_root
-def test_links_and_other_users_folders_found_at_open_are_removed(tmp_path):
+def test_links_found_at_open_are_removed_and_other_users_folders_left_unread(tmp_path):
     root = tmp_path / "c"
     root.mkdir(mode=0o755)  # as an older cache left it
     elsewhere = tmp_path / "elsewhere"
@@ -532,12 +580,16 @@ def test_links_and_other_users_folders_found_at_open_are_removed(tmp_path):
     theirs.mkdir(mode=0o777)
     (theirs / "planted").write_bytes(b"x")
     os.chown(theirs, OTHER_UID, OTHER_UID)
+    (root / hx[1][:2] / hx[1]).write_bytes(data[1])  # a planted entry of theirs, with the right bytes
+    os.chown(root / hx[1][:2] / hx[1], OTHER_UID, OTHER_UID)
     cache = TensorCache(root)
-    assert not (root / hx[0][:2]).exists() and not theirs.exists()
-    for x in data:
-        _put(cache, x)
+    assert not os.path.lexists(root / hx[0][:2])  # the link went, not what it pointed to
+    assert (theirs / "planted").exists() and not cache.has(_digest(data[1]), len(data[1]))
+    _put(cache, data[0])
+    with pytest.raises(CacheError, match="another user's folder"):
+        _put(cache, data[1])  # nothing is written into their folder
     assert list(elsewhere.iterdir()) == []
-    assert all(os.lstat(root / h[:2]).st_uid == os.geteuid() and _mode(root / h[:2]) == 0o700 for h in hx)
+    assert os.lstat(root / hx[0][:2]).st_uid == os.geteuid() and _mode(root / hx[0][:2]) == 0o700
 
 
 def test_an_entry_that_is_a_link_is_not_followed(tmp_path):
@@ -573,7 +625,7 @@ def test_folders_are_0700_and_entries_0600_whatever_the_umask(tmp_path, umask):
     assert _mode(root) == _mode(root / d.hex()[:2]) == 0o700 and _mode(cache.path_for(d)) == 0o600
 
 
-def test_an_older_wider_cache_is_narrowed_at_open(tmp_path):
+def test_an_older_wider_cache_has_its_folders_and_entries_narrowed_at_open(tmp_path):
     root = tmp_path / "c"
     data = _data(3000, seed=46)
     hx = _digest(data).hex()
@@ -582,7 +634,8 @@ def test_an_older_wider_cache_is_narrowed_at_open(tmp_path):
     for p, m in ((root, 0o755), (root / hx[:2], 0o755), (root / hx[:2] / hx, 0o644)):
         os.chmod(p, m)
     cache = TensorCache(root)
-    assert (_mode(root), _mode(root / hx[:2]), _mode(root / hx[:2] / hx)) == (0o700, 0o700, 0o600)
+    # the root keeps its mode (it may be any folder of the user's); what is in it is narrowed
+    assert (_mode(root), _mode(root / hx[:2]), _mode(root / hx[:2] / hx)) == (0o755, 0o700, 0o600)
     assert cache.has(_digest(data), len(data)) and cache.total_bytes == BLOCK
 
 

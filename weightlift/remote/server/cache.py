@@ -207,7 +207,8 @@ class TensorCache:
             st = os.stat(self.path_for(digest), follow_symlinks=False)
         except OSError:
             return False
-        return stat.S_ISREG(st.st_mode) and (length is None or st.st_size == length)
+        mine = st.st_uid == os.geteuid()  # what another user planted is never offered
+        return stat.S_ISREG(st.st_mode) and mine and (length is None or st.st_size == length)
 
     # -- writing -----------------------------------------------------------------------------
 

@@ -8,14 +8,20 @@ read it would read the tensors without the server's token.
 
 * The root must be a folder owned by the server's user and writable by no one else (neither
   group nor others); otherwise :func:`open_root` refuses it with a CacheError saying what to
-  fix. A root that is merely readable by others is narrowed to :data:`FOLDER_MODE`. The root
-  itself may be reached through a symlink (the check is made on the folder it opened).
+  fix. The way to it must be the user's or root's too (:func:`check_path`): every folder above
+  it owned by the user or root and writable by no one else unless sticky (as /tmp), and every
+  symlink on the way owned by the user or root, so another user cannot steer the root itself
+  elsewhere. A root made here is made :data:`FOLDER_MODE`; one that exists is left as it is
+  (its fan-out folders and entries are narrowed, which is what keeps their bytes private).
 * Everything below the root is reached by descriptor, ``openat``-style: each operation opens the
   root (checked again, and refused if another folder took its place), then the fan-out folder
   and the entry relative to it with ``O_NOFOLLOW``, so a name swapped for a link after a check
-  cannot redirect anything. No descriptor is held between operations. A fan-out folder that is a link, is
-  not a folder, or belongs to another user is removed (the link itself, never what it points to)
-  and made afresh before anything is written there; a read treats it as missing.
+  cannot redirect anything. No descriptor is held between operations. A fan-out folder that is a
+  link is removed (the link itself, never what it points to) and made afresh before anything
+  is written there; one that is a file or another user's folder is left alone and nothing is
+  cached under its name (the writer fails); a read treats either as missing. Nothing but a
+  link and the cache's own temporary files is ever removed, so a root that holds other data
+  loses none of it.
 * Folders are made :data:`FOLDER_MODE` (0700) and entries :data:`ENTRY_MODE` (0600), set with
   ``fchmod`` after creation so that the umask can neither widen nor narrow them.
 """
@@ -32,6 +38,7 @@ __all__ = [
     "FOLDER_MODE",
     "ENTRY_MODE",
     "check_root",
+    "check_path",
     "open_root",
     "reopen_root",
     "open_folder",
@@ -78,27 +85,69 @@ def check_root(root: str, st: os.stat_result, euid: int) -> None:
         )
 
 
+def check_path(root: str, euid: int) -> None:
+    """CacheError unless the way to ``root`` is the user's or root's: each symlink on it owned by
+    ``euid`` or root, and each folder above the root owned by ``euid`` or root and writable by no
+    one else unless sticky. Components that do not exist yet are made by this user."""
+    todo = [p for p in os.path.abspath(root).split(os.sep) if p]
+    cur, hops = os.sep, 0
+    while todo:
+        nxt = os.path.join(cur, todo.pop(0))
+        try:
+            st = os.lstat(nxt)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise CacheError(f"cannot check the way to cache folder {root} at {nxt}: {reason(exc)}") from exc
+        if not todo and not stat.S_ISLNK(st.st_mode):
+            return  # the root itself: check_root's to judge
+        if st.st_uid not in (euid, 0):
+            what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a folder"
+            raise CacheError(
+                f"the way to cache folder {root} goes through {nxt}, {what} owned by uid {st.st_uid}: "
+                f"that user could move the cache elsewhere; use a folder whose every parent is yours or root's"
+            )
+        if stat.S_ISLNK(st.st_mode):
+            hops += 1
+            if hops > 40:
+                raise CacheError(f"the way to cache folder {root} has too many symbolic links")
+            target = os.readlink(nxt)
+            todo = [p for p in target.split(os.sep) if p] + todo
+            cur = os.sep if target.startswith(os.sep) else cur
+            continue
+        if todo and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            raise CacheError(
+                f"the way to cache folder {root} goes through {nxt}, writable by {_who(st.st_mode)} and not "
+                f"sticky: another user could replace what lies below it; use a folder whose every parent only "
+                f"you or root can write"
+            )
+        cur = nxt
+
+
 def open_root(root: str) -> int:
     """Open the cache folder ``root`` (made, mode 0700, if missing) and return its descriptor.
 
-    CacheError if it cannot be made or opened, or if :func:`check_root` refuses it; a root that
-    passes but is readable by others is narrowed to :data:`FOLDER_MODE`.
+    CacheError if it cannot be made or opened, or if :func:`check_path` or :func:`check_root`
+    refuses it.
     """
+    euid = os.geteuid()
+    check_path(root, euid)
     parent = os.path.dirname(root)
     try:
         if parent:
             os.makedirs(parent, exist_ok=True)
         try:
             os.mkdir(root, FOLDER_MODE)
+            made = True
         except FileExistsError:
-            pass
+            made = False
         fd = os.open(root, _O_DIR)
     except OSError as exc:
         raise CacheError(f"cannot create cache folder {root}: {reason(exc)}") from exc
     try:
         st = os.fstat(fd)
-        check_root(root, st, os.geteuid())
-        if stat.S_IMODE(st.st_mode) != FOLDER_MODE:
+        check_root(root, st, euid)
+        if made and stat.S_IMODE(st.st_mode) != FOLDER_MODE:
             os.fchmod(fd, FOLDER_MODE)
     except CacheError:
         os.close(fd)
@@ -145,8 +194,9 @@ def open_folder(root_fd: int, name: str, *, create: bool) -> int | None:
     """The descriptor of the fan-out folder ``name`` under the root, never through a link.
 
     Without ``create``: None where there is no usable folder (missing, a link, a file, another
-    user's). With ``create``: whatever is in the way is removed (a link itself, never what it
-    points to) and a folder of mode 0700 is made; OSError if that fails.
+    user's). With ``create``: a link in the way is removed (the link itself, never what it points
+    to) and a folder of mode 0700 is made; OSError if that fails or if a file or another user's
+    folder holds the name (left as it is).
     """
     euid = os.geteuid()
     for _ in range(3):
@@ -160,7 +210,11 @@ def open_folder(root_fd: int, name: str, *, create: bool) -> int | None:
                 return None
             if exc.errno not in _NOT_A_FOLDER:
                 raise
-            os.unlink(name, dir_fd=root_fd)  # a link or a file where the folder goes
+            if not stat.S_ISLNK(os.lstat(name, dir_fd=root_fd).st_mode):
+                raise OSError(
+                    errno.EEXIST, f"{name} under the cache folder is not a folder; nothing is cached there"
+                ) from None
+            os.unlink(name, dir_fd=root_fd)  # a link where the folder goes: the link goes, not its target
         else:
             try:
                 if _owned(fd, euid):
@@ -173,7 +227,9 @@ def open_folder(root_fd: int, name: str, *, create: bool) -> int | None:
             os.close(fd)
             if not create:
                 return None
-            remove_tree(root_fd, name)
+            raise OSError(
+                errno.EACCES, f"{name} under the cache folder is another user's folder; nothing is cached there"
+            )
         try:
             os.mkdir(name, FOLDER_MODE, dir_fd=root_fd)
         except FileExistsError:

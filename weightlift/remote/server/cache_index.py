@@ -46,14 +46,15 @@ def _is_entry_name(name: str) -> bool:
 
 
 def _folders(root: int) -> Iterator[int]:
-    """Each fan-out folder's descriptor (closed when the next is asked for). Whatever stands in a
-    fan-out folder's place (a link, a file, another user's folder) is removed."""
+    """Each fan-out folder's descriptor (closed when the next is asked for). A link in a fan-out
+    folder's place is removed (the link, not its target); a file or another user's folder is left
+    alone and not read."""
     for name in sorted(names_in(root)):
         if len(name) != 2 or not set(name) <= _HEX:
             continue
         fd = open_folder(root, name, create=False)
         if fd is None:
-            remove_tree(root, name)
+            _drop_link(root, name)
             continue
         try:
             yield fd
@@ -64,9 +65,9 @@ def _folders(root: int) -> Iterator[int]:
 def scan_entries(root: int, *, sweep: bool) -> list[tuple[bytes, int]]:
     """Every entry under the open root with its charge, least recently used (oldest mtime) first.
 
-    Narrows entries to mode 0600 and removes what no writer of this user's made: links, other
-    users' files, anything not a file under an entry's name; with ``sweep``, also temporary files
-    older than STALE_TEMP_SECONDS.
+    Narrows entries to mode 0600 and skips what no writer of this user's made (other users'
+    files, anything not a file under an entry's name), removing only links; with ``sweep``, also
+    removes this user's temporary files older than STALE_TEMP_SECONDS.
     """
     euid = os.geteuid()
     cutoff = time.time() - STALE_TEMP_SECONDS
@@ -78,18 +79,28 @@ def scan_entries(root: int, *, sweep: bool) -> list[tuple[bytes, int]]:
             except OSError:
                 continue
             mine = stat.S_ISREG(st.st_mode) and st.st_uid == euid
-            if name.startswith(TEMP_PREFIX):
-                if not mine or (sweep and st.st_mtime < cutoff):
+            if stat.S_ISLNK(st.st_mode):
+                _drop_link(fd, name)
+            elif name.startswith(TEMP_PREFIX):
+                if mine and sweep and st.st_mtime < cutoff:
                     remove_tree(fd, name)
             elif _is_entry_name(name):
                 if not mine:
-                    remove_tree(fd, name)
                     continue
                 if stat.S_IMODE(st.st_mode) != ENTRY_MODE:
                     _chmod_quiet(name, fd)
                 found.append((st.st_mtime_ns, bytes.fromhex(name), charge(st.st_size)))
     found.sort()
     return [(digest, cost) for _, digest, cost in found]
+
+
+def _drop_link(folder: int, name: str) -> None:
+    """Remove ``name`` under ``folder`` if it is a symlink (never what it points to)."""
+    try:
+        if stat.S_ISLNK(os.lstat(name, dir_fd=folder).st_mode):
+            os.unlink(name, dir_fd=folder)
+    except OSError:
+        pass
 
 
 def _chmod_quiet(name: str, folder: int) -> None:
