@@ -12,7 +12,7 @@ import tracemalloc
 
 import numpy as np
 
-from tests.remote.rawclient import Raw, _barrier, _put
+from tests.remote.rawclient import Raw, _barrier, _fill, _put
 from tests.waiting import wait_for
 from weightlift.memory.targets import STAGING_SLOT, CudaTarget
 from weightlift.remote.protocol import (
@@ -243,3 +243,33 @@ def test_a_cuda_connection_over_the_limit_with_its_staging_fails_its_alloc():
     assert store.used == 0
     raw.close()
     t.join(10)
+
+
+def test_a_fill_whose_staging_does_not_fit_leaves_nothing_charged(tmp_path):
+    # A CUDA connection fills from the cache through its 8 MiB staging buffer, charged when first
+    # made: when that charge does not fit, the tensor is abandoned, not left charged in flight.
+    from weightlift.digest.blake import hash_buffer
+    from weightlift.remote.server.cache import TensorCache
+    from weightlift.remote.server.device import STAGING_BYTES
+
+    a = np.arange(256, dtype=np.float32)
+    d = hash_buffer(a)
+    cache = TensorCache(tmp_path / "c", max_bytes=None)
+    with cache.writer(d, a.nbytes) as w:
+        w.write(a.tobytes())
+        w.commit()
+    limit = PINNED_STAGING + entry_cost("w", 1) + a.nbytes + STAGING_BYTES // 2
+    store = Store(max_memory=limit, pool=None, remember_digests=False)
+    ctx = Context(ServerConfig(max_memory=limit), store, cache, host_target=None, new_target=_FakeCuda)
+    ours, theirs = socket.socketpair()
+    t = threading.Thread(target=Connection(ctx, SocketStream(ours, peer="test")).run, daemon=True)
+    t.start()
+    raw = Raw.over(theirs)
+    raw.hello()
+    _fill(raw, a, 0, "w", d)
+    reply = _barrier(raw)
+    assert reply.tensors == 0 and "exceed" in reply.errors[0]
+    assert store.used == PINNED_STAGING  # the tensor's charge went back; only the target's pins remain
+    raw.close()
+    t.join(10)
+    assert store.used == 0

@@ -234,7 +234,12 @@ class Receiver:
         except (RequestError, MemoryFull) as e:  # no memory for it after all: nothing of it stays in flight
             self._abandon(f.tensor_id, p, str(e))
             return
-        if not self.fills.from_cache(p, f.digest, cache):
+        try:
+            filled = self.fills.from_cache(p, f.digest, cache)
+        except MemoryFull as e:  # the staging a fill into a device needs did not fit: nothing stays
+            self._abandon(f.tensor_id, p, str(e))
+            return
+        if not filled:
             p.clear()  # the entry was missing or corrupt and is gone now: ask the client for the bytes
             self.outcomes.need[f.tensor_id] = None
             return
