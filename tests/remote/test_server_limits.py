@@ -273,3 +273,39 @@ def test_a_fill_whose_staging_does_not_fit_leaves_nothing_charged(tmp_path):
     raw.close()
     t.join(10)
     assert store.used == 0
+
+
+def test_connections_that_pin_host_memory_are_capped_together():
+    # On a CUDA server max_memory counts the device; the pinned host staging of all connections
+    # together has a cap of its own, so many connections cannot pin the host's memory away.
+    from weightlift.remote.server.context import MAX_PINNED
+
+    store = Store(max_memory=1 << 50, pool=None, remember_digests=False)
+    ctx = Context(ServerConfig(max_memory=1 << 50), store, None, host_target=None, new_target=_FakeCuda)
+    fit = MAX_PINNED // PINNED_STAGING
+    conns = []
+
+    def connect():
+        ours, theirs = socket.socketpair()
+        t = threading.Thread(target=Connection(ctx, SocketStream(ours, peer="test")).run, daemon=True)
+        t.start()
+        raw = Raw.over(theirs)
+        raw.hello()
+        raw.send(Alloc(0, "w", "U8", (0,), 0))
+        conns.append((raw, t))
+        return _barrier(raw)
+
+    for _ in range(fit):
+        assert connect().tensors == 1
+    assert ctx.pins.used == MAX_PINNED
+    over = connect()
+    assert over.tensors == 0 and "pinned host" in over.errors[0]
+    raw, t = conns.pop(0)
+    raw.close()
+    t.join(10)
+    assert ctx.pins.used == MAX_PINNED - PINNED_STAGING  # a closed connection gives its pins back
+    assert connect().tensors == 1
+    for raw, t in conns:
+        raw.close()
+        t.join(10)
+    assert ctx.pins.used == 0

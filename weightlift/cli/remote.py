@@ -11,7 +11,7 @@ import argparse
 import json
 import re
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from weightlift.errors import IntegrityError, OptionError
 from weightlift.remote.server.config import MIN_FRAME_RATE
@@ -53,8 +53,8 @@ def _register_serve(sub: Any) -> None:
     s.add_argument(
         "--cache-max",
         metavar="BYTES",
-        help="cap on the disk cache (e.g. 100G); the least recently used entries go first (default: half the "
-        "space free for the cache when the server starts)",
+        help="cap on the disk cache (e.g. 100G, or none); the least recently used entries go first (default: "
+        "half the space free for the cache when the server starts)",
     )
     s.add_argument("--token-file", metavar="F", help="clients must prove they hold the token in this file")
     s.add_argument("--insecure", action="store_true", help="allow a non-loopback address without a token")
@@ -148,6 +148,12 @@ def _register_pull_ls(sub: Any) -> None:
     ls.set_defaults(func=_cmd_ls)
 
 
+def _cache_cap(text: str | None) -> int | Literal["auto"] | None:
+    if text is None:
+        return "auto"
+    return None if text.lower() == "none" else parse_size(text)
+
+
 def _cmd_serve(a: argparse.Namespace) -> int:
     from weightlift.remote.server.server import Server
     from weightlift.remote.transport import server_tls_context
@@ -162,7 +168,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         device=a.device,
         framework=framework,
         cache_dir=a.cache_dir,
-        cache_max_bytes=parse_size(a.cache_max) if a.cache_max is not None else None,
+        cache_max_bytes=_cache_cap(a.cache_max),
         token=read_token(a.token_file),
         insecure=a.insecure,
         max_memory=parse_size(a.max_memory) if a.max_memory is not None else None,

@@ -89,7 +89,7 @@ class Pushes:
                     target.close()
             with self._lock:
                 self.results[key] = result
-        except Exception as e:  # noqa: BLE001 - gathered and raised in the caller's thread
+        except BaseException as e:  # noqa: BLE001 - gathered and raised in the caller's thread
             with self._lock:
                 self.errors[key] = e
 

@@ -386,6 +386,8 @@ class TensorCache:
             try:
                 now = time.time_ns()
                 os.utime(f.fileno(), ns=(now, now))  # recently used, also for the order after a restart
+                if os.fstat(f.fileno()).st_nlink == 0:  # evicted while it was read: not to be indexed again
+                    return
             except OSError:
                 pass
             self._index.touch(digest, charge(length))

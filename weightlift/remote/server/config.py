@@ -14,6 +14,7 @@ import os
 import ssl
 import warnings
 from dataclasses import dataclass
+from typing import Literal
 
 from weightlift import env
 from weightlift.errors import DeviceError, OptionError
@@ -105,7 +106,7 @@ class ServerConfig:
     device: str = "cpu"
     framework: str = "numpy"
     cache_dir: str | os.PathLike[str] | None = None
-    cache_max_bytes: int | None = None
+    cache_max_bytes: int | Literal["auto"] | None = "auto"
     token: bytes | None = None
     max_memory: int
     reserve: int = 0
@@ -157,7 +158,7 @@ def configure(
     device: str,
     framework: str,
     cache_dir: str | os.PathLike[str] | None,
-    cache_max_bytes: int | None,
+    cache_max_bytes: int | Literal["auto"] | None,
     token: str | bytes | None,
     insecure: bool,
     max_memory: int | None,

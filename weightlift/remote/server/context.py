@@ -18,13 +18,41 @@ from weightlift.errors import CacheError
 from weightlift.memory.targets import Target, make_target
 from weightlift.remote.server.cache import TensorCache
 from weightlift.remote.server.config import ServerConfig
-from weightlift.remote.server.store import Store
+from weightlift.remote.server.store import MemoryFull, Store
 
-__all__ = ["Context", "RequestError"]
+__all__ = ["Context", "RequestError", "PinBudget", "MAX_PINNED"]
+
+#: Host memory all of a server's connections together may pin for their staging (a CUDA
+#: connection pins two 64 MiB upload slots): 16 such connections at once. Pinned memory cannot be
+#: paged out, and on a CUDA server max_memory counts the device, so this bounds the host's share.
+MAX_PINNED = 16 * 128 * 1024 * 1024
 
 
 class RequestError(Exception):
     """A request failed; its message is reported at the next barrier."""
+
+
+class PinBudget:
+    """The server-wide count of pinned host bytes, capped at ``limit``. Thread-safe."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        """Count ``n`` more pinned bytes; MemoryFull (from the store's tree) if they do not fit."""
+        with self._lock:
+            if self.used + n > self.limit:
+                raise MemoryFull(
+                    f"{n} bytes of pinned host staging would exceed the {self.limit}-byte cap on pinned "
+                    f"host memory ({self.used} pinned by other connections)"
+                )
+            self.used += n
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
 
 
 class Context:
@@ -47,6 +75,7 @@ class Context:
         self.host_target = host_target
         self.new_target = new_target or (lambda: make_target(config.device, config.framework))
         self.reports: deque[dict[str, Any]] = deque(maxlen=64)  # profiles of recently closed connections
+        self.pins = PinBudget(MAX_PINNED)
         self._lock = threading.Lock()
 
     @property

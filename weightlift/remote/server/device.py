@@ -4,7 +4,10 @@ A host server's connections share one stateless host target. A CUDA server's con
 its own target at its first ALLOC; that target pins ``PINNED_STAGING`` bytes of host memory for
 its uploads, and a connection that reads device tensors back or fills a target that is not host
 memory keeps one ``STAGING_BYTES`` buffer. Both are charged to max_memory when made and given
-back when the connection ends, so a connection cannot hold memory the account does not see.
+back when the connection ends, so a connection cannot hold memory the account does not see. The
+pinned bytes also count against the server-wide cap on pinned host memory (``Context.pins``,
+:data:`~weightlift.remote.server.context.MAX_PINNED`), since on a CUDA server max_memory counts
+the device's memory, not the host's.
 
 The server never tests a target's class: what a target pins it says itself
 (:meth:`~weightlift.memory.targets.Target.pinned_bytes`), and its bytes land through its stager.
@@ -33,6 +36,7 @@ class Device:
         self._target: Target | None = ctx.host_target
         self._staging: np.ndarray | None = None
         self._charges: list[Charge] = []
+        self._pinned = 0
 
     @property
     def target(self) -> Target:
@@ -40,7 +44,13 @@ class Device:
             target = self._ctx.new_target()
             pinned = target.pinned_bytes()
             if pinned:
-                self._charges.append(self._ctx.store.charge(pinned))
+                self._ctx.pins.take(pinned)  # the host's cap first: max_memory may count the device
+                try:
+                    self._charges.append(self._ctx.store.charge(pinned))
+                except BaseException:
+                    self._ctx.pins.give(pinned)
+                    raise
+                self._pinned = pinned
             self._target = target
         return self._target
 
@@ -62,3 +72,6 @@ class Device:
         for c in self._charges:
             c.release()
         self._charges.clear()
+        if self._pinned:
+            self._ctx.pins.give(self._pinned)
+            self._pinned = 0

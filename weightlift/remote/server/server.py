@@ -45,6 +45,7 @@ from __future__ import annotations
 import os
 import ssl
 import threading
+from typing import Literal
 
 from weightlift.errors import StateError
 from weightlift.memory.pool import HostPool
@@ -108,8 +109,8 @@ class Server:
     ``max_per_address`` the whole loopback range (127.0.0.0/8, ::1) is one address, and so is an
     IPv6 /64.
     ``cache_max_bytes`` caps the disk cache, counted in whole 4 KiB blocks per entry, the least
-    recently used evicted first; None: half the space the cache's file system had free for it
-    when the server started.
+    recently used evicted first; "auto" (the default): half the space the cache's file system
+    had free for it when the server started; None: no cap.
     ``tls``: a server ``ssl.SSLContext`` (:func:`~weightlift.remote.transport.server_tls_context`):
     every connection speaks TLS, its handshake bounded by ``handshake_timeout``. TLS gives
     confidentiality; clients are still authenticated by the token.
@@ -129,7 +130,7 @@ class Server:
         device: str = "cpu",
         framework: str = "numpy",
         cache_dir: str | os.PathLike[str] | None = None,
-        cache_max_bytes: int | None = None,
+        cache_max_bytes: int | Literal["auto"] | None = "auto",
         token: str | bytes | None = None,
         insecure: bool = False,
         max_memory: int | None = None,
@@ -179,11 +180,7 @@ class Server:
         pool = HostPool() if host_target is not None and host_target.memcpy_ok else None
         store = Store(max_memory=config.max_memory, pool=pool, remember_digests=config.cache_dir is not None)
         cache = (
-            TensorCache(
-                config.cache_dir, max_bytes="auto" if config.cache_max_bytes is None else config.cache_max_bytes
-            )
-            if config.cache_dir is not None
-            else None
+            TensorCache(config.cache_dir, max_bytes=config.cache_max_bytes) if config.cache_dir is not None else None
         )
         self._ctx = Context(config, store, cache, host_target=host_target)
         self._store = store
