@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.remote.rawclient import Raw, _barrier, _put
+from tests.remote.rawclient import Raw, _barrier, _put, _serves
 from tests.waiting import wait_for
 from weightlift.remote.protocol import (
     Alloc,
@@ -356,4 +356,35 @@ def test_without_a_minimum_rate_only_the_io_timeout_bounds_a_frame():
         assert _trickle_until_closed(raw, frame[:12], 0.2) == 12  # 2.4 s, each byte inside the timeout
         raw.sock.sendall(frame[12:])
         assert isinstance(raw.recv(), HaveReply)
+        raw.close()
+
+
+def test_a_reply_drained_inside_the_io_timeout_is_cut_by_its_deadline():
+    # the other direction: a peer that takes a large READ reply slowly, each send inside the I/O
+    # timeout, must not hold its connection longer than io_timeout + size / min_frame_rate
+    with Server(io_timeout=0.5, idle_timeout=None, min_frame_rate=64 << 20) as s:
+        raw = Raw(s.address)
+        raw.hello()
+        a = np.zeros(64 << 20, dtype=np.uint8)  # its reply's deadline: 0.5 s + 1 s
+        _put(raw, 0, "big", a, dtype="U8")
+        assert _barrier(raw).tensors == 1
+        slow = socket.create_connection(s.address)
+        reader = Raw.over(slow)
+        reader.hello()
+        reader.send(Read("big", 0, a.nbytes))
+        buf = bytearray(1 << 20)
+        got, t0 = 0, time.monotonic()
+        while got <= a.nbytes and time.monotonic() - t0 < 30:
+            try:
+                n = slow.recv_into(buf)
+            except OSError:
+                break
+            if n == 0:
+                break
+            got += n
+            time.sleep(0.05)  # at most 20 MiB/s, each send still within the I/O timeout: 3.2 s
+        assert got < a.nbytes, f"the whole reply went out over {time.monotonic() - t0:.1f} s"
+        wait_for(lambda: s.stats().ready == 1)
+        slow.close()
+        _serves(s)  # the server goes on serving others
         raw.close()

@@ -70,6 +70,7 @@ SOCKET_BUFFER = 8 * 1024 * 1024
 # Linux refuses more than IOV_MAX (1024) buffers in one sendmsg.
 _MAX_IOV = 512
 _SENDFILE_CHUNK = 1 << 30
+_TLS_PIECE = 1 << 20
 
 
 class Stream(Protocol):
@@ -86,6 +87,8 @@ class Stream(Protocol):
     def set_timeout(self, seconds: float | None) -> None: ...
 
     def set_io_timeout(self, seconds: float | None) -> None: ...
+
+    def send_within(self, seconds: float | None) -> None: ...
 
     def shutdown_write(self) -> None: ...
 
@@ -131,6 +134,7 @@ class SocketStream:
         self._sock = sock
         self.peer = peer
         self.closed = False
+        self._send_by: float | None = None
         sock.settimeout(None)  # sendfile and partial sendmsg need a blocking socket
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             _tune(sock)
@@ -147,6 +151,10 @@ class SocketStream:
         try:
             while i < len(views):
                 sent = self._sock.sendmsg(views[i : i + _MAX_IOV])
+                if self._send_by is not None and time.monotonic() > self._send_by:
+                    raise TransportError(
+                        f"sending to {self.peer or 'peer'} timed out: the peer took the bytes too slowly"
+                    )
                 # A partial send stops anywhere: drop what went, slice the buffer it stopped in.
                 while sent and i < len(views):
                     n = len(views[i])
@@ -221,6 +229,12 @@ class SocketStream:
     def set_timeout(self, seconds: float | None) -> None:
         """A receive timeout (for draining an error reply); None restores blocking mode."""
         self._sock.settimeout(seconds)
+
+    def send_within(self, seconds: float | None) -> None:
+        """Bound the sends that follow, all together, to ``seconds`` from now (None: no bound), so a
+        peer that takes a reply a byte at a time, each just inside the I/O timeout, cannot hold a
+        connection; a send past it fails as TransportError."""
+        self._send_by = None if seconds is None else time.monotonic() + seconds
 
     def set_io_timeout(self, seconds: float | None) -> None:
         """Bound every blocking send, sendfile and receive to ``seconds`` (None: no bound).
@@ -444,7 +458,12 @@ class TlsStream(SocketStream):
                 if pending:
                     self._tls.sendall(b"".join(pending))
                     pending, size = [], 0
-                self._tls.sendall(v)
+                for at in range(0, len(v), _TLS_PIECE):  # pieces, so a deadline is checked between them
+                    self._tls.sendall(v[at : at + _TLS_PIECE])
+                    if self._send_by is not None and time.monotonic() > self._send_by:
+                        raise TransportError(
+                            f"sending to {self.peer or 'peer'} timed out: the peer took the bytes too slowly"
+                        )
             if pending:
                 self._tls.sendall(b"".join(pending))
         except OSError as e:

@@ -94,6 +94,17 @@ class Reads:
         self._out.reply(ListReply(tuple(entries), more=more or len(entries) < len(items)))
 
     def read(self, r: Read) -> None:
+        # the whole reply within io_timeout plus its size at min_frame_rate, as a frame coming in
+        # has: a peer draining a large reply a byte per I/O timeout cannot hold its connection
+        cfg = self._ctx.config
+        if cfg.io_timeout is not None and cfg.min_frame_rate is not None:
+            self._out.stream.send_within(cfg.io_timeout + r.length / cfg.min_frame_rate)
+        try:
+            self._read(r)
+        finally:
+            self._out.stream.send_within(None)
+
+    def _read(self, r: Read) -> None:
         out = self._out
         entry = self._store.get(r.name)
         if entry is None:
