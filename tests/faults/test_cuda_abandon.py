@@ -29,6 +29,7 @@ class FakeStream:
     def __init__(self, name: str):
         self.name = name
         self.queued: list[Any] = []
+        self.waited: list[FakeStream] = []
 
     def finish(self) -> None:
         work, self.queued = self.queued, []
@@ -37,6 +38,9 @@ class FakeStream:
 
     def synchronize(self) -> None:
         self.finish()
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.waited.append(other)
 
 
 class Allocator:
@@ -106,6 +110,10 @@ class _Cuda:
         return True
 
     @staticmethod
+    def current_stream(device: Any = None) -> FakeStream:
+        return CURRENT[-1]
+
+    @staticmethod
     @contextlib.contextmanager
     def stream(s: FakeStream):
         CURRENT.append(s)
@@ -131,14 +139,14 @@ class FakeTorch:
         return name
 
 
-def _target(slot_bytes: int, dtype: str | None = None, pinned: Any = None) -> CudaTarget:
+def _target(slot_bytes: int, dtype: str | None = None, pinned: Any = None, stream: Any = None) -> CudaTarget:
     """A CudaTarget over fakes: no device needed, the copy steps are what is tested."""
     return CudaTarget(
         "cuda",
         dtype,
         slot_bytes=slot_bytes,
         torch=FakeTorch,
-        stream=FakeStream("copies"),
+        stream=stream or FakeStream("copies"),
         pinned=pinned or (lambda n: np.zeros(n, dtype=np.uint8)),
     )
 
@@ -175,7 +183,8 @@ def test_a_cast_tensor_dropped_mid_copy_is_not_reused_until_its_copies_finish():
         def numel(self) -> int:
             return self.size
 
-    target = _target(n, "U8", pinned=lambda k: np.zeros(k, dtype=np.uint8).view(Staged))
+    copies = FakeStream("copies")
+    target = _target(n, "U8", pinned=lambda k: np.zeros(k, dtype=np.uint8).view(Staged), stream=copies)
 
     def empty(shape: tuple[int, ...], **_k: Any) -> DeviceTensor:  # the cast destination, on the device
         t = DeviceTensor(alloc, alloc.alloc(n))
@@ -185,6 +194,8 @@ def test_a_cast_tensor_dropped_mid_copy_is_not_reused_until_its_copies_finish():
     FakeTorch.empty = staticmethod(empty)  # type: ignore[attr-defined]
     try:
         dest = target.empty("U8", (n,))
+        # the destination came from the current stream: the copy stream waits for what is queued there
+        assert copies.waited == [CURRENT[-1]]
         target.write(dest, 0, bytes([9]) * n)  # converted on the copy stream, not run yet
     finally:
         del FakeTorch.empty  # type: ignore[attr-defined]

@@ -435,10 +435,18 @@ class CudaTarget(Target):
         if self.dtype is not None:
             dest = torch.empty(shape, dtype=torch_dtype(self.dtype), device=self._dev)
             self._src[id(dest)] = dtype
-            return dest
-        if dtype_info(dtype).bits % 8:
-            return torch.empty(byte_length(dtype, shape), dtype=torch.uint8, device=self._dev)
-        return torch.empty(shape, dtype=torch_dtype(dtype), device=self._dev)
+        elif dtype_info(dtype).bits % 8:
+            dest = torch.empty(byte_length(dtype, shape), dtype=torch.uint8, device=self._dev)
+        else:
+            dest = torch.empty(shape, dtype=torch_dtype(dtype), device=self._dev)
+        self._after_alloc()
+        return dest
+
+    def _after_alloc(self) -> None:
+        # Memory is allocated on the current stream and may be a block freed with kernels still
+        # queued there; the copies into it run on this target's stream, which must not start
+        # before that work is done.
+        self._stream.wait_stream(self._torch.cuda.current_stream(self._dev))
 
     def slot(self) -> tuple[int, np.ndarray]:
         """A free pinned slot (index, uint8 numpy view), waiting for its last copy if needed."""
@@ -474,7 +482,9 @@ class CudaTarget(Target):
         return dest
 
     def arena(self, nbytes: int) -> Any:
-        return self._torch.empty(nbytes, dtype=self._torch.uint8, device=self._dev)
+        arena = self._torch.empty(nbytes, dtype=self._torch.uint8, device=self._dev)
+        self._after_alloc()
+        return arena
 
     def view(self, arena: Any, offset: int, t: TensorInfo) -> Any:
         raw = arena[offset : offset + t.length]

@@ -312,6 +312,7 @@ class Receiver:
             return hash_buffer(target.host_view(p.dest))
         import torch
 
+        target.synchronize()  # the uploads into it run on the target's stream: all of them landed first
         flat = p.dest.reshape(-1).view(torch.uint8)
         h = blake3.blake3()
         for pos in range(0, p.nbytes, STAGING_BYTES):
