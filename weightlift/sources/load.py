@@ -1,0 +1,143 @@
+"""Loading tensors out of a store into a target, through the ranged-read engine.
+
+The engine's theory of operation (:mod:`weightlift.sources.engine`) says how bytes move; this
+module picks the target, the connections and the part size (the endpoint's tuning, or
+``threads=`` as the connection count), runs the parts, and returns the tensors as views of the
+arena, as a local load does. ``copy=False`` has no mapping to borrow from here: tensors are
+loaded as with ``copy=True``. A cast on load (``dtype=``) is not offered for store URLs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from weightlift import env
+from weightlift.errors import OptionError
+from weightlift.formats import TensorInfo
+from weightlift.memory.targets import Stager, Target, make_target
+from weightlift.options import LoadOptions
+from weightlift.profile import Profiler
+from weightlift.sources.engine import Budget, Part, layout, make_parts, make_runs, run_parts
+from weightlift.sources.objects import Objects
+
+__all__ = ["load_objects", "plan_budget"]
+
+_OFF = Profiler(enabled=False)
+Landed = Callable[..., None]
+
+
+def plan_budget(objs: Objects, *, threads: int | None, staged: bool, budget: int | None = None) -> Budget:
+    """Connections, part size and memory budget for reading ``objs``: the endpoint's tuning, with
+    ``threads`` (else ``WEIGHTLIFT_SOURCE_CONNECTIONS``) as the connection count, and ``budget``
+    (else ``WEIGHTLIFT_SOURCE_BUDGET``) bytes of host memory."""
+    t = objs.tuning()
+    conns = threads or env.source_connections() or t.connections
+    part = env.source_part() or t.part
+    return Budget.fit(
+        budget if budget is not None else env.source_budget(), part=part, connections=conns, staged=staged
+    )
+
+
+def load_objects(
+    objs: Objects,
+    infos: list[TensorInfo],
+    opts: LoadOptions,
+    *,
+    prof: Profiler = _OFF,
+    progress: Callable[[int], None] | None = None,
+    on_landed: Landed | None = None,
+    target: Target | None = None,
+    budget: int | None = None,
+) -> dict[str, Any]:
+    """``infos`` (tensors of ``objs``) loaded into ``target`` (default: ``opts``' device and
+    framework); ``{name: tensor}`` in the order of ``infos``. ``on_landed`` is told the bytes as
+    they land (see :func:`weightlift.local.loader.load_local`)."""
+    if opts.cast is not None:
+        raise OptionError("dtype= is not supported when loading from a store URL; cast after the load")
+    t0 = time.perf_counter()
+    target = target if target is not None else make_target(opts.device, opts.framework, None)
+    staged = not target.memcpy_ok
+    b = plan_budget(objs, threads=opts.threads, staged=staged, budget=budget)
+    runs = make_runs(infos)
+    starts, total = layout(runs)
+    parts = make_parts(runs, starts, b.part)
+    nbytes = sum(t.length for t in infos)
+    prof.count(tensors=len(infos), nbytes=nbytes)
+    arena = target.arena(total)
+
+    def done(p: Part) -> None:
+        prof.count(calls=1)
+        if progress is not None:
+            progress(p.length)
+
+    if staged:
+
+        def work(stager: Stager, p: Part) -> None:
+            a = 0
+            while a < p.length:
+                with prof.phase("device"):
+                    buf = stager.take(p.length - a)  # waits for the copy out of this slot
+                n = len(buf)
+                objs.read_into(p.file, p.offset + a, memoryview(buf.data).cast("B"), prof=prof)
+                if on_landed is not None:
+                    on_landed(p.file, p.offset + a, buf, stable=False)
+                with prof.phase("device", n):
+                    stager.land(arena, p.dst + a)
+                a += n
+            done(p)
+
+        run_parts(
+            parts,
+            work,
+            connections=b.connections,
+            window=b.window,
+            worker_state=lambda: target.stager(private=True),
+            close_state=lambda s: s.close(),
+        )
+    else:
+        flat = np.frombuffer(arena, dtype=np.uint8) if not isinstance(arena, np.ndarray) else arena
+        mv = memoryview(flat.data).cast("B") if flat.size else memoryview(b"")
+
+        def work_host(_: Any, p: Part) -> None:
+            dst = mv[p.dst : p.dst + p.length]
+            piece = None
+            if on_landed is not None:
+
+                def piece(a: int, z: int, p: Part = p) -> None:
+                    on_landed(p.file, p.offset + a, flat[p.dst + a : p.dst + z])
+
+            objs.read_into(p.file, p.offset, dst, prof=prof, on_piece=piece)
+            done(p)
+
+        run_parts(parts, work_host, connections=b.connections, window=b.window)
+    target.synchronize()
+    out = {
+        t.name: target.view(arena, s + (t.offset - r.offset), t)
+        for r, s in zip(runs, starts, strict=True)
+        for t in r.tensors
+    }
+    if opts.report is not None:
+        seconds = time.perf_counter() - t0
+        opts.report.update(
+            tensors=len(infos),
+            bytes=nbytes,
+            seconds=seconds,
+            gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+            files=len({t.file for t in infos}),
+            copy=True,
+            device=opts.device,
+            framework=opts.framework,
+            source={
+                "connections": min(b.connections, max(1, len(parts))),
+                "part": b.part,
+                "budget": b.nbytes,
+                "requests": len(parts),
+            },
+        )
+        if prof.enabled:
+            opts.report["profile"] = prof.report()
+    return {t.name: out[t.name] for t in infos}

@@ -1,0 +1,140 @@
+"""How many connections and how large a part a store likes, learned once and remembered.
+
+A store's throughput comes from parallel requests: one S3 connection carries tens of MB/s, so a
+fast load needs many, and each request costs a round trip, so parts must be large enough to
+hide it. :func:`calibrate` times ranged reads of an object at a few connection counts and part
+sizes and records the best pair in ``sources.json`` in weightlift's cache folder, keyed by the
+endpoint (as :mod:`weightlift.disk.storage` records what a local disk likes); loads from that
+endpoint then use it. Without a record a load uses :data:`CONNECTIONS` and :data:`PART`.
+A missing or unwritable file is never an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from weightlift import env
+
+__all__ = ["Tuning", "CONNECTIONS", "PART", "BUDGET_PARTS", "tuning_for", "remember", "calibrate", "tuning_file"]
+
+CONNECTIONS = 16
+PART = 8 * 1024 * 1024
+#: the default host-memory budget, in parts per connection (one being received, one landing)
+BUDGET_PARTS = 2
+
+_lock = threading.Lock()
+_memo: dict[str, Tuning] = {}
+
+
+@dataclass(frozen=True)
+class Tuning:
+    connections: int = CONNECTIONS
+    part: int = PART
+
+    @property
+    def budget(self) -> int:
+        """The default host-memory budget: :data:`BUDGET_PARTS` parts per connection."""
+        return BUDGET_PARTS * self.part * self.connections
+
+
+def tuning_file() -> str:
+    return os.path.join(env.cache_dir(), "sources.json")
+
+
+def _read() -> dict[str, Any]:
+    try:
+        with open(tuning_file(), encoding="utf-8") as f:
+            obj = json.load(f)
+        return obj if isinstance(obj, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def tuning_for(endpoint: str) -> Tuning:
+    """The tuning recorded for ``endpoint``, else the defaults."""
+    with _lock:
+        if endpoint in _memo:
+            return _memo[endpoint]
+    e = _read().get(endpoint)
+    t = Tuning()
+    if isinstance(e, dict) and isinstance(e.get("connections"), int) and isinstance(e.get("part"), int):
+        if e["connections"] > 0 and e["part"] >= 64 * 1024:
+            t = Tuning(e["connections"], e["part"])
+    with _lock:
+        _memo[endpoint] = t
+    return t
+
+
+def remember(endpoint: str, tuning: Tuning, **measured: float) -> None:
+    """Record a measured tuning (best effort)."""
+    with _lock:
+        _memo[endpoint] = tuning
+    path = tuning_file()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        obj = _read()
+        obj[endpoint] = {
+            "connections": tuning.connections,
+            "part": tuning.part,
+            "measured": measured,
+            "at": int(time.time()),
+        }
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".sources.")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def calibrate(
+    url: str,
+    *,
+    connections: tuple[int, ...] = (4, 8, 16, 32, 64),
+    parts: tuple[int, ...] = (4 << 20, 8 << 20, 16 << 20),
+    nbytes: int = 512 << 20,
+    save: bool = True,
+) -> tuple[Tuning, dict[str, float]]:
+    """Time ranged reads of up to ``nbytes`` of the object at ``url`` for each connection count
+    and part size; remember and return the fastest (and every rate measured, in GB/s)."""
+    from weightlift.sources.objects import objects_for
+
+    objs = objects_for(url)
+    info = objs.info(url)
+    loc = objs.location(url)
+    store = objs.store(url)
+    span = min(nbytes, info.size)
+    rates: dict[str, float] = {}
+    best, best_rate = Tuning(), 0.0
+    for part in parts:
+        for c in connections:
+            rate = _rate(store, info, loc, span, c, part)
+            rates[f"{c}x{part >> 20}MiB"] = rate
+            if rate > best_rate:
+                best, best_rate = Tuning(c, part), rate
+    if save:
+        remember(store.config.endpoint_key, best, gbps=best_rate)
+    return best, rates
+
+
+def _rate(store: Any, info: Any, loc: Any, span: int, connections: int, part: int) -> float:
+    """GB/s of ranged reads of ``span`` bytes, ``part`` at a time on ``connections`` threads."""
+    mine = threading.local()
+
+    def one(off: int) -> None:
+        buf = getattr(mine, "buf", None)
+        if buf is None:
+            buf = mine.buf = memoryview(bytearray(part))
+        store.read_into(info, loc, off, buf[: min(part, span - off)])
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(connections) as ex:
+        list(ex.map(one, range(0, span, part)))
+    return span / (time.perf_counter() - t0) / 1e9
