@@ -35,6 +35,7 @@ class Objects:
     def __init__(self, url: str):
         self.root = parse(url)
         self._infos: dict[str, ObjectInfo] = {}
+        self._first: dict[str, bytes] = {}  # each object's first HEAD_GUESS bytes, read once
         self._lock = threading.Lock()
 
     # -- names -------------------------------------------------------------------------------
@@ -106,7 +107,7 @@ class Objects:
         """The tensors and metadata of a safetensors object: one ranged read, two if its header
         is longer than :data:`HEAD_GUESS`."""
         size = self.info(url).size
-        first = self.read(url, 0, HEAD_GUESS)
+        first = self.first(url)
         n = st.header_length(first[: st.PREFIX_SIZE], file=url, file_size=size)
         end = st.PREFIX_SIZE + n
         header = first[st.PREFIX_SIZE : end]
@@ -121,8 +122,9 @@ class Objects:
         from weightlift.formats import gguf
 
         size = self.info(url).size
-        want = min(size, GGUF_FIRST)
-        buf = self.read(url, 0, want)
+        buf = self.first(url)
+        if len(buf) < min(size, GGUF_FIRST):
+            buf += self.read(url, len(buf), min(size, GGUF_FIRST) - len(buf))
         while True:
             try:
                 head = gguf.parse_gguf(buf, file=url, file_size=size)
@@ -133,8 +135,15 @@ class Objects:
             want = min(size, len(buf) * 4, MAX_GGUF_HEADER)
             buf += self.read(url, len(buf), want - len(buf))
 
+    def first(self, url: str) -> bytes:
+        """The object's first :data:`HEAD_GUESS` bytes (its magic and, usually, its header)."""
+        got = self._first.get(url)
+        if got is None:
+            got = self._first[url] = self.read(url, 0, HEAD_GUESS)
+        return got
+
     def magic(self, url: str) -> bytes:
-        return self.read(url, 0, 4)
+        return self.first(url)[:4]
 
     def find_manifest(self, path: str) -> str:
         """The published manifest of the checkpoint at ``path``: beside it

@@ -26,7 +26,7 @@ from weightlift.profile import Profiler
 from weightlift.sources.credentials import Retry, describe, make_store, resolve
 from weightlift.sources.url import Location
 
-__all__ = ["ObjectInfo", "Store", "store_for", "PIECE"]
+__all__ = ["ObjectInfo", "Store", "store_for", "forget_stores", "PIECE"]
 
 #: the smallest piece of a body handed over at once (obstore gathers smaller network reads)
 PIECE = 1024 * 1024
@@ -232,6 +232,7 @@ def _changed_url(url: str) -> FormatError:
 
 _stores: dict[tuple[str, str], Store] = {}
 _stores_lock = threading.Lock()
+_retry = Retry()
 
 
 def store_for(loc: Location) -> Store:
@@ -240,11 +241,15 @@ def store_for(loc: Location) -> Store:
     with _stores_lock:
         s = _stores.get(key)
         if s is None:
-            s = _stores[key] = Store(loc)
+            s = _stores[key] = Store(loc, retry=_retry)
         return s
 
 
-def forget_stores() -> None:
-    """Drop every client (the next read resolves credentials and endpoints afresh)."""
+def forget_stores(*, retry: Retry | None = None) -> None:
+    """Drop every client (the next read resolves credentials and endpoints afresh); ``retry``
+    replaces the retry policy of the clients made from now on."""
+    global _retry
     with _stores_lock:
         _stores.clear()
+        if retry is not None:
+            _retry = retry
