@@ -113,7 +113,8 @@ class Nginx:
         (w / "logs").mkdir(parents=True, exist_ok=True)
         temps = " ".join(f"{k}_temp_path {w / k};" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
         (w / "nginx.conf").write_text(
-            f"daemon off; worker_processes 1; error_log {w / 'logs' / 'error.log'}; pid {w / 'nginx.pid'};\n"
+            ("user root;\n" if os.geteuid() == 0 else "")  # its workers must read the test's own folders
+            + f"daemon off; worker_processes 1; error_log {w / 'logs' / 'error.log'}; pid {w / 'nginx.pid'};\n"
             "events { worker_connections 128; }\n"
             f"http {{ access_log off; sendfile on; {temps}\n"
             f"  server {{ listen 127.0.0.1:{self.port}; root {self.root}; location / {{ }} }} }}\n"

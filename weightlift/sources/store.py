@@ -187,10 +187,12 @@ class Store:
         if isinstance(e, ox.PreconditionError):
             return _changed_url(url)
         if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError, PermissionError)):
-            return FileError(
-                f"access denied: cannot {what} (check the credentials, AWS_PROFILE, the bucket policy; {cfg})",
-                file=url,
+            check = (
+                "the credentials, AWS_PROFILE, the bucket policy"
+                if self._scheme == "s3"
+                else "the server's permissions"
             )
+            return FileError(f"access denied: cannot {what} (check {check}; {cfg})", file=url)
         if isinstance(e, ox.UnknownConfigurationKeyError):
             return OptionError(f"{url}: store configuration: {_first_line(e)}")
         return TransportError(f"{url}: cannot {what}: {_first_line(e)} ({cfg})")
