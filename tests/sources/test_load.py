@@ -133,3 +133,14 @@ def test_cli_inspect_load_manifest_verify(s3, tmp_path):
     r = cli("load", url, "--verify", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["verified"] == 3
+
+
+def test_prefetch_of_a_url_opens_it_and_reads_nothing_ahead(s3, tmp_path):
+    client, proxy = s3
+    url = _upload(client, write(tmp_path / "m.safetensors", _big(2)), "prefetch/model.safetensors")
+    f = proxy.reset()
+    job = wl.prefetch(url)
+    job.wait()
+    assert f.gets == 1  # the header only: a store has no page cache to fill
+    with pytest.raises(NotFoundError):
+        wl.prefetch(f"s3://{BUCKET}/prefetch/missing.safetensors")

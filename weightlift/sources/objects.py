@@ -11,6 +11,7 @@ pushing read tensor bytes through :mod:`weightlift.sources.engine`.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 from weightlift.errors import FormatError, NotFoundError
@@ -20,7 +21,7 @@ from weightlift.sources.store import ObjectInfo, Store, store_for
 from weightlift.sources.tuning import Tuning, tuning_for
 from weightlift.sources.url import Location, parse
 
-__all__ = ["Objects", "objects_for", "HEAD_GUESS", "GGUF_FIRST", "MAX_GGUF_HEADER"]
+__all__ = ["Objects", "objects_for", "opened", "HEAD_GUESS", "GGUF_FIRST", "MAX_GGUF_HEADER"]
 
 #: bytes read first from a safetensors object: its header in one request, most of the time
 HEAD_GUESS = 256 * 1024
@@ -65,6 +66,8 @@ class Objects:
             got = self.store(url).head(self.location(url))
             with self._lock:
                 got = self._infos.setdefault(url, got)
+            with _opened_lock:
+                _opened[url] = self
         return got
 
     def exists(self, url: str) -> bool:
@@ -161,6 +164,18 @@ class Objects:
     def put(self, url: str, data: bytes) -> None:
         """Write ``data`` as the object ``url`` (a published manifest)."""
         self.store(url).put(self.location(url), data)
+
+
+_opened: weakref.WeakValueDictionary[str, Objects] = weakref.WeakValueDictionary()
+_opened_lock = threading.Lock()
+
+
+def opened(url: str) -> Objects:
+    """The :class:`Objects` that last read ``url``'s identity in this process (a checkpoint
+    opened from it and still alive), else fresh ones: for code handed a tensor's URL only."""
+    with _opened_lock:
+        got = _opened.get(url)
+    return got if got is not None else Objects(url)
 
 
 def objects_for(url: str) -> Objects:
