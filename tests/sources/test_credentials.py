@@ -68,3 +68,11 @@ def test_denied_names_the_object_and_no_secret(moto_server, proxy, aws_env, tmp_
     assert url in text and "access denied" in text and "credentials" in text
     assert KEYS["AWS_SECRET_ACCESS_KEY"] not in text and KEYS["AWS_ACCESS_KEY_ID"] not in text
     assert KEYS["AWS_SECRET_ACCESS_KEY"] not in repr(e.value.__cause__) + repr(e.value.__context__)
+
+
+def test_service_endpoint_beats_the_global_one(moto_server, proxy, aws_env, tmp_path):
+    url, local = _ckpt(tmp_path, moto_server.client(), "endpoint/model.safetensors")
+    aws_env.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    aws_env.setenv("AWS_ENDPOINT_URL_S3", proxy.url)
+    proxy.reset()
+    assert raw_bytes(wl.load(url)["w"]) == raw_bytes(local["w"])

@@ -18,6 +18,7 @@ import numpy as np
 from weightlift import env
 from weightlift.errors import OptionError
 from weightlift.formats import TensorInfo
+from weightlift.memory.faulter import REGION, Faulter
 from weightlift.memory.targets import Stager, Target, make_target
 from weightlift.options import LoadOptions
 from weightlift.profile import Profiler
@@ -27,6 +28,8 @@ from weightlift.sources.objects import Objects
 __all__ = ["load_objects", "plan_budget"]
 
 _OFF = Profiler(enabled=False)
+#: how far the arena's fault-in helpers may run ahead of the parts landing in it
+FAULT_WINDOW = 256 * 1024 * 1024
 Landed = Callable[..., None]
 
 
@@ -102,7 +105,13 @@ def load_objects(
         flat = np.frombuffer(arena, dtype=np.uint8) if not isinstance(arena, np.ndarray) else arena
         mv = memoryview(flat.data).cast("B") if flat.size else memoryview(b"")
 
+        # the network is the wait here, as the disk is for a cold local load: helpers fault the
+        # arena's fresh pages in ahead of the parts on otherwise idle cores
+        faulter = Faulter.ahead(flat, window=FAULT_WINDOW, name="wl-source-fault") if flat.size else None
+
         def work_host(_: Any, p: Part) -> None:
+            if faulter is not None:
+                faulter.ready(REGION, p.dst, p.dst + p.length)
             dst = mv[p.dst : p.dst + p.length]
             piece = None
             if on_landed is not None:
@@ -113,7 +122,11 @@ def load_objects(
             objs.read_into(p.file, p.offset, dst, prof=prof, on_piece=piece)
             done(p)
 
-        run_parts(parts, work_host, connections=b.connections, window=b.window)
+        try:
+            run_parts(parts, work_host, connections=b.connections, window=b.window)
+        finally:
+            if faulter is not None:
+                faulter.close()
     target.synchronize()
     out = {
         t.name: target.view(arena, s + (t.offset - r.offset), t)

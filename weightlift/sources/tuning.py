@@ -97,13 +97,15 @@ def remember(endpoint: str, tuning: Tuning, **measured: float) -> None:
 def calibrate(
     url: str,
     *,
-    connections: tuple[int, ...] = (4, 8, 16, 32, 64),
-    parts: tuple[int, ...] = (4 << 20, 8 << 20, 16 << 20),
-    nbytes: int = 512 << 20,
+    connections: tuple[int, ...] = (2, 4, 8, 16, 32, 64),
+    parts: tuple[int, ...] = (4 << 20, 16 << 20),
+    nbytes: int = 256 << 20,
     save: bool = True,
 ) -> tuple[Tuning, dict[str, float]]:
-    """Time ranged reads of up to ``nbytes`` of the object at ``url`` for each connection count
-    and part size; remember and return the fastest (and every rate measured, in GB/s)."""
+    """Time ranged reads of up to ``nbytes`` of the object at ``url``: each connection count at
+    :data:`PART` (the fewest within a tenth of the fastest wins), then the other part sizes at
+    that count. Remember (``save``) and return the
+    fastest, and every rate measured (GB/s, keyed ``"<connections>x<MiB>"``)."""
     from weightlift.sources.objects import objects_for
 
     objs = objects_for(url)
@@ -112,16 +114,20 @@ def calibrate(
     store = objs.store(url)
     span = min(nbytes, info.size)
     rates: dict[str, float] = {}
-    best, best_rate = Tuning(), 0.0
-    for part in parts:
-        for c in connections:
-            rate = _rate(store, info, loc, span, c, part)
-            rates[f"{c}x{part >> 20}MiB"] = rate
-            if rate > best_rate:
-                best, best_rate = Tuning(c, part), rate
+
+    def trial(c: int, part: int) -> float:
+        rates[f"{c}x{part >> 20}MiB"] = r = _rate(store, info, loc, span, c, part)
+        return r
+
+    by_c = {c: trial(c, PART) for c in connections}
+    # the fewest connections within a tenth of the fastest: fewer hold less memory, and a short
+    # trial's noise should not buy connections that do not pay
+    best_c = min(c for c, r in by_c.items() if r >= 0.9 * max(by_c.values()))
+    best = max([PART, *parts], key=lambda p: rates.get(f"{best_c}x{p >> 20}MiB") or trial(best_c, p))
+    tuned = Tuning(best_c, best)
     if save:
-        remember(store.config.endpoint_key, best, gbps=best_rate)
-    return best, rates
+        remember(store.config.endpoint_key, tuned, gbps=rates[f"{best_c}x{best >> 20}MiB"])
+    return tuned, rates
 
 
 def _rate(store: Any, info: Any, loc: Any, span: int, connections: int, part: int) -> float:
