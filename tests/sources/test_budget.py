@@ -95,7 +95,7 @@ def test_rss_within_budget_for_a_checkpoint_eight_times_larger(s3, tmp_path, aws
         assert np.array_equal(out[t.name], mapped[t.offset : t.end]), t.name
 
 
-def test_budget_bounds_connections(s3):
+def test_budget_bounds_connections():
     from weightlift.sources.engine import Budget
     from weightlift.sources.store import PIECE
 

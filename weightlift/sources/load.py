@@ -58,7 +58,9 @@ def load_objects(
 ) -> dict[str, Any]:
     """``infos`` (tensors of ``objs``) loaded into ``target`` (default: ``opts``' device and
     framework); ``{name: tensor}`` in the order of ``infos``. ``on_landed`` is told the bytes as
-    they land (see :func:`weightlift.local.loader.load_local`)."""
+    they land (see :func:`weightlift.local.loader.load_local`); ``budget`` bounds the host
+    memory held besides the destination (default: ``WEIGHTLIFT_SOURCE_BUDGET``, else two parts
+    per connection for a staged target)."""
     if opts.cast is not None:
         raise OptionError("dtype= is not supported when loading from a store URL; cast after the load")
     t0 = time.perf_counter()
@@ -71,62 +73,18 @@ def load_objects(
     nbytes = sum(t.length for t in infos)
     prof.count(tensors=len(infos), nbytes=nbytes)
     arena = target.arena(total)
-
-    def done(p: Part) -> None:
-        prof.count(calls=1)
-        if progress is not None:
-            progress(p.length)
-
+    mover = _Mover(objs, arena, prof, progress, on_landed)
     if staged:
-
-        def work(stager: Stager, p: Part) -> None:
-            a = 0
-            while a < p.length:
-                with prof.phase("device"):
-                    buf = stager.take(p.length - a)  # waits for the copy out of this slot
-                n = len(buf)
-                objs.read_into(p.file, p.offset + a, memoryview(buf.data).cast("B"), prof=prof)
-                if on_landed is not None:
-                    on_landed(p.file, p.offset + a, buf, stable=False)
-                with prof.phase("device", n):
-                    stager.land(arena, p.dst + a)
-                a += n
-            done(p)
-
         run_parts(
             parts,
-            work,
+            mover.staged,
             connections=b.connections,
             window=b.window,
             worker_state=lambda: target.stager(private=True),
             close_state=lambda s: s.close(),
         )
     else:
-        flat = np.frombuffer(arena, dtype=np.uint8) if not isinstance(arena, np.ndarray) else arena
-        mv = memoryview(flat.data).cast("B") if flat.size else memoryview(b"")
-
-        # the network is the wait here, as the disk is for a cold local load: helpers fault the
-        # arena's fresh pages in ahead of the parts on otherwise idle cores
-        faulter = Faulter.ahead(flat, window=FAULT_WINDOW, name="wl-source-fault") if flat.size else None
-
-        def work_host(_: Any, p: Part) -> None:
-            if faulter is not None:
-                faulter.ready(REGION, p.dst, p.dst + p.length)
-            dst = mv[p.dst : p.dst + p.length]
-            piece = None
-            if on_landed is not None:
-
-                def piece(a: int, z: int, p: Part = p) -> None:
-                    on_landed(p.file, p.offset + a, flat[p.dst + a : p.dst + z])
-
-            objs.read_into(p.file, p.offset, dst, prof=prof, on_piece=piece)
-            done(p)
-
-        try:
-            run_parts(parts, work_host, connections=b.connections, window=b.window)
-        finally:
-            if faulter is not None:
-                faulter.close()
+        mover.host(parts, b)
     target.synchronize()
     out = {
         t.name: target.view(arena, s + (t.offset - r.offset), t)
@@ -154,3 +112,63 @@ def load_objects(
         if prof.enabled:
             opts.report["profile"] = prof.report()
     return {t.name: out[t.name] for t in infos}
+
+
+class _Mover:
+    """How one part lands: in place in a host arena, or through a worker's staging."""
+
+    def __init__(
+        self,
+        objs: Objects,
+        arena: Any,
+        prof: Profiler,
+        progress: Callable[[int], None] | None,
+        on_landed: Landed | None,
+    ):
+        self.objs, self.arena, self.prof, self.progress, self.on_landed = objs, arena, prof, progress, on_landed
+
+    def _done(self, p: Part) -> None:
+        self.prof.count(calls=1)
+        if self.progress is not None:
+            self.progress(p.length)
+
+    def staged(self, stager: Stager, p: Part) -> None:
+        prof, a = self.prof, 0
+        while a < p.length:
+            with prof.phase("device"):
+                buf = stager.take(p.length - a)  # waits for the copy out of this slot
+            n = len(buf)
+            self.objs.read_into(p.file, p.offset + a, memoryview(buf.data).cast("B"), prof=prof)
+            if self.on_landed is not None:
+                self.on_landed(p.file, p.offset + a, buf, stable=False)
+            with prof.phase("device", n):
+                stager.land(self.arena, p.dst + a)
+            a += n
+        self._done(p)
+
+    def host(self, parts: list[Part], b: Budget) -> None:
+        arena = self.arena
+        flat = np.frombuffer(arena, dtype=np.uint8) if not isinstance(arena, np.ndarray) else arena
+        mv = memoryview(flat.data).cast("B") if flat.size else memoryview(b"")
+        # the network is the wait here, as the disk is for a cold local load: helpers fault the
+        # arena's fresh pages in ahead of the parts on otherwise idle cores
+        faulter = Faulter.ahead(flat, window=FAULT_WINDOW, name="wl-source-fault") if flat.size else None
+        landed = self.on_landed
+
+        def work(_: Any, p: Part) -> None:
+            if faulter is not None:
+                faulter.ready(REGION, p.dst, p.dst + p.length)
+            piece = None
+            if landed is not None:
+
+                def piece(a: int, z: int, p: Part = p) -> None:
+                    landed(p.file, p.offset + a, flat[p.dst + a : p.dst + z])
+
+            self.objs.read_into(p.file, p.offset, mv[p.dst : p.dst + p.length], prof=self.prof, on_piece=piece)
+            self._done(p)
+
+        try:
+            run_parts(parts, work, connections=b.connections, window=b.window)
+        finally:
+            if faulter is not None:
+                faulter.close()
