@@ -34,7 +34,7 @@ _TRUE = ("1", "true", "yes", "on")
 class Retry:
     """How requests and interrupted bodies are retried: exponential backoff with jitter.
 
-    obstore retries a request that fails before its body (5xx such as S3's ``503 SlowDown``, 429,
+    obstore retries a request that fails before its body (5xx such as S3's ``503 SlowDown``,
     reset or refused connections, timeouts); a body cut short is resumed from the byte it stopped
     at by :mod:`weightlift.sources.store`, with the same backoff and the same limit.
     """
