@@ -5,10 +5,13 @@ One synthetic safetensors checkpoint is uploaded once to each server; every run 
 process, the arms of a round in a seeded shuffled order, medians over the rounds.
 
 * ``floor.N``: obstore's own parallel ranged reads (the client weightlift uses), N connections,
-  8 MiB parts, streamed into one preallocated, pre-touched buffer: the most this client moves.
-  The floor is the best N.
+  parts of the size weightlift's calibration chose for the endpoint, streamed into one
+  preallocated buffer (faulted in inside the clock, as weightlift's result is): the most this
+  client moves. The floor is the best N.
 * ``wl``: ``weightlift.load("s3://...")`` after ``weightlift.sources.tuning.calibrate`` ran once
   for the endpoint (as a deployment calibrates once per store), nothing else set.
+* ``wl.N``: the same load with ``threads=N`` (N connections) and the floor's part size: the
+  floor's search, so that best ``wl.N`` against best ``floor.N`` is weightlift's own cost.
 * ``runai``: runai-model-streamer's ``SafetensorsStreamer`` on the same object (its S3 path,
   defaults; tensors iterated, not copied, which favours it).
 
@@ -97,10 +100,10 @@ def _floor(endpoint: str, conns: int, part: int = 8 * MIB) -> int:
     return size
 
 
-def _wl(url: str) -> int:
+def _wl(url: str, conns: int | None) -> int:
     import weightlift as wl
 
-    out = wl.load(url)
+    out = wl.load(url, threads=conns)
     return sum(v.nbytes for v in out.values())
 
 
@@ -115,10 +118,10 @@ def _runai(url: str) -> int:
     return n
 
 
-def child(arm: str, endpoint: str, url: str) -> None:
+def child(arm: str, endpoint: str, url: str, part: int) -> None:
     if arm == "runai":
         import runai_model_streamer  # noqa: F401 - imported before the clock, as the others are
-    elif arm == "wl":
+    elif arm.startswith("wl"):
         import botocore.session  # noqa: F401 - weightlift imports these when a URL is first opened
         import obstore  # noqa: F401
 
@@ -131,9 +134,9 @@ def child(arm: str, endpoint: str, url: str) -> None:
     peak.start()
     t0 = time.perf_counter()
     if arm.startswith("floor."):
-        n = _floor(endpoint, int(arm.split(".")[1]))
-    elif arm == "wl":
-        n = _wl(url)
+        n = _floor(endpoint, int(arm.split(".")[1]), part)
+    elif arm == "wl" or arm.startswith("wl."):
+        n = _wl(url, int(arm.split(".")[1]) if "." in arm else None)
     else:
         n = _runai(url)
     dt = time.perf_counter() - t0
@@ -218,11 +221,13 @@ def _write_checkpoint(path: Path, size_mib: int) -> None:
     save_file(tensors, str(path))
 
 
-def _run(arm: str, endpoint: str, url: str, cache: str) -> dict[str, Any]:
+def _run(arm: str, endpoint: str, url: str, cache: str, part: int) -> dict[str, Any]:
     env = dict(os.environ, **KEYS, AWS_ENDPOINT_URL=endpoint, AWS_EC2_METADATA_DISABLED="true",
                RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING="0", WEIGHTLIFT_CACHE=cache)  # fmt: skip
+    if arm.startswith("wl."):
+        env["WEIGHTLIFT_SOURCE_PART"] = str(part)
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, __file__, "--child", arm, "--endpoint", endpoint, "--url", url],
+    r = subprocess.run([sys.executable, __file__, "--child", arm, "--endpoint", endpoint, "--url", url, "--part", str(part)],
                        capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     for line in r.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -277,13 +282,15 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--endpoint", help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
+    ap.add_argument("--part", type=int, default=8 * MIB, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        child(a.child, a.endpoint, a.url)
+        child(a.child, a.endpoint, a.url, a.part)
         return
     if a.quick:
         a.size_mib, a.runs = 64, 1
-    arms = [f"floor.{n}" for n in a.floor_conns.split(",")] + ["wl"]
+    conns = a.floor_conns.split(",")
+    arms = [f"floor.{n}" for n in conns] + [f"wl.{n}" for n in conns] + ["wl"]
     if not a.no_runai:
         try:
             import runai_model_streamer  # noqa: F401
@@ -311,7 +318,7 @@ def main() -> None:
                 rng.shuffle(order)
                 for arm in order:
                     time.sleep(0.5)
-                    res = _run(arm, endpoint, url, str(work / "cache"))
+                    res = _run(arm, endpoint, url, str(work / "cache"), cal["part_mib"] * MIB)
                     results.append(res)
                     if "error" in res:
                         print(f"{server} {arm}: FAILED {res['error']}", file=sys.stderr)
@@ -335,6 +342,9 @@ def _print(server: str, arms: dict[str, dict[str, float]], nbytes: int) -> None:
         print(
             f"{arm:10} {v['gbps']:7.3f} {v['min']:7.3f} {v['max']:7.3f} {v['seconds']:7.3f} {v['extra_mib']:10.1f} {v['gbps'] / best:8.2f}"
         )
+    wls = [v["gbps"] for k, v in arms.items() if k.startswith("wl.")]
+    if wls and floors:
+        print(f"best wl.N / best floor.N: {max(wls) / best:.2f}x")
     if "wl" in arms and "runai" in arms:
         print(f"wl / runai: {arms['wl']['gbps'] / arms['runai']['gbps']:.2f}x")
 

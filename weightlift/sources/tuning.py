@@ -22,7 +22,17 @@ from typing import Any
 
 from weightlift import env
 
-__all__ = ["Tuning", "CONNECTIONS", "PART", "BUDGET_PARTS", "tuning_for", "remember", "calibrate", "tuning_file"]
+__all__ = [
+    "forget",
+    "Tuning",
+    "CONNECTIONS",
+    "PART",
+    "BUDGET_PARTS",
+    "tuning_for",
+    "remember",
+    "calibrate",
+    "tuning_file",
+]
 
 CONNECTIONS = 16
 PART = 8 * 1024 * 1024
@@ -42,6 +52,12 @@ class Tuning:
     def budget(self) -> int:
         """The default host-memory budget: :data:`BUDGET_PARTS` parts per connection."""
         return BUDGET_PARTS * self.part * self.connections
+
+
+def forget() -> None:
+    """Drop what this process remembers (the file is read again at the next load)."""
+    with _lock:
+        _memo.clear()
 
 
 def tuning_file() -> str:
@@ -104,7 +120,7 @@ def calibrate(
 ) -> tuple[Tuning, dict[str, float]]:
     """Time ranged reads of up to ``nbytes`` of the object at ``url``: each connection count at
     :data:`PART` (the fewest within a tenth of the fastest wins), then the other part sizes at
-    that count. Remember (``save``) and return the
+    that count, then more connections at the chosen part size where they gain a tenth. Remember (``save``) and return the
     fastest, and every rate measured (GB/s, keyed ``"<connections>x<MiB>"``)."""
     from weightlift.sources.objects import objects_for
 
@@ -124,6 +140,10 @@ def calibrate(
     # trial's noise should not buy connections that do not pay
     best_c = min(c for c, r in by_c.items() if r >= 0.9 * max(by_c.values()))
     best = max([PART, *parts], key=lambda p: rates.get(f"{best_c}x{p >> 20}MiB") or trial(best_c, p))
+    # another part size moves the best count: more connections at it, kept only where they pay
+    for c in (x for x in connections if best_c < x <= 4 * best_c):
+        if trial(c, best) > 1.1 * rates[f"{best_c}x{best >> 20}MiB"]:
+            best_c = c
     tuned = Tuning(best_c, best)
     if save:
         remember(store.config.endpoint_key, tuned, gbps=rates[f"{best_c}x{best >> 20}MiB"])
