@@ -8,6 +8,8 @@ process, the arms of a round in a seeded shuffled order, medians over the rounds
   parts of the size weightlift's calibration chose for the endpoint, streamed into one
   preallocated buffer (faulted in inside the clock, as weightlift's result is): the most this
   client moves. The floor is the best N.
+* ``hot.N``: the same reads into a buffer faulted in before the clock starts: the client and
+  server alone, a ceiling no load reaches (a load's destination is fresh memory).
 * ``wl``: ``weightlift.load("s3://...")`` after ``weightlift.sources.tuning.calibrate`` ran once
   for the endpoint (as a deployment calibrates once per store), nothing else set.
 * ``wl.N``: the same load with ``threads=N`` (N connections) and the floor's part size: the
@@ -71,7 +73,7 @@ class _Peak(threading.Thread):
             time.sleep(0.005)
 
 
-def _floor(endpoint: str, conns: int, part: int = 8 * MIB) -> int:
+def _floor(endpoint: str, conns: int, part: int = 8 * MIB, buf: Any = None) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
@@ -84,8 +86,9 @@ def _floor(endpoint: str, conns: int, part: int = 8 * MIB) -> int:
         virtual_hosted_style_request=False,
     )  # fmt: skip
     size = obstore.head(st, KEY)["size"]
-    buf = np.empty(size, np.uint8)
-    buf[::4096] = 0  # faulted in before the clock, as weightlift's arena is not
+    if buf is None:
+        buf = np.empty(size, np.uint8)
+        buf[::4096] = 0  # fresh memory, faulted in on the clock as a load's destination is
     mv = memoryview(buf.data).cast("B")
 
     def get(o: int) -> None:
@@ -130,10 +133,22 @@ def child(arm: str, endpoint: str, url: str, part: int) -> None:
         import obstore  # noqa: F401
     import numpy  # noqa: F401
 
+    hot = None
+    if arm.startswith("hot."):
+        import obstore
+        from obstore.store import S3Store
+
+        store = S3Store(BUCKET, endpoint=endpoint, region="us-east-1", client_options={"allow_http": True},
+                        access_key_id=KEYS["AWS_ACCESS_KEY_ID"], secret_access_key=KEYS["AWS_SECRET_ACCESS_KEY"],
+                        virtual_hosted_style_request=False)  # fmt: skip
+        size = obstore.head(store, KEY)["size"]
+        hot = numpy.ones(size, numpy.uint8)
     peak = _Peak()
     peak.start()
     t0 = time.perf_counter()
-    if arm.startswith("floor."):
+    if arm.startswith("hot."):
+        n = _floor(endpoint, int(arm.split(".")[1]), part, hot)
+    elif arm.startswith("floor."):
         n = _floor(endpoint, int(arm.split(".")[1]), part)
     elif arm == "wl" or arm.startswith("wl."):
         n = _wl(url, int(arm.split(".")[1]) if "." in arm else None)
@@ -142,7 +157,7 @@ def child(arm: str, endpoint: str, url: str, part: int) -> None:
     dt = time.perf_counter() - t0
     peak.stop.set()
     peak.join()
-    dest = n if arm != "runai" else 0  # runai's tensors are views of its own buffer
+    dest = 0 if arm == "runai" or hot is not None else n  # runai's tensors are views of its own buffer
     print(
         "RESULT "
         + json.dumps({"arm": arm, "seconds": dt, "bytes": n, "extra_mib": (peak.peak - peak.base - dest) / MIB})
@@ -290,7 +305,7 @@ def main() -> None:
     if a.quick:
         a.size_mib, a.runs = 64, 1
     conns = a.floor_conns.split(",")
-    arms = [f"floor.{n}" for n in conns] + [f"wl.{n}" for n in conns] + ["wl"]
+    arms = [f"floor.{n}" for n in conns] + [f"wl.{n}" for n in conns] + ["wl", f"hot.{max(conns, key=int)}"]
     if not a.no_runai:
         try:
             import runai_model_streamer  # noqa: F401
