@@ -108,3 +108,24 @@ def test_budget_bounds_connections():
     assert host.connections == 16 and host.nbytes == 16 * PIECE
     with pytest.raises(wl.OptionError):
         Budget.fit(1000, part=MiB, connections=4, staged=True)
+
+
+def test_a_staged_load_is_verified_as_it_lands(s3, tmp_path):
+    from weightlift.digest.landed import LandedHasher
+    from weightlift.digest.published import make_manifest
+
+    client, _ = s3
+    rng = np.random.default_rng(6)
+    tensors = [(f"w{i}", "U8", (1 * MiB,), rng.integers(0, 256, MiB, dtype=np.uint8).tobytes()) for i in range(4)]
+    local = write(tmp_path / "m.safetensors", tensors)
+    client.upload_file(str(local), BUCKET, "budget/verified.safetensors")
+    ck = wl.open(f"s3://{BUCKET}/budget/verified.safetensors")
+    expected = {e.name: bytes.fromhex(e.blake3) for e in make_manifest(local).entries}
+    hasher = LandedHasher(ck.tensors, expected)
+    target = MappedFileTarget(tmp_path / "dest.bin")
+    load_objects(ck.source, ck.tensors, LoadOptions(threads=3), target=target, on_landed=hasher.landed)
+    hasher.check()
+    wrong = LandedHasher(ck.tensors, {**expected, "w2": bytes(32)})
+    load_objects(ck.source, ck.tensors, LoadOptions(threads=3), target=target, on_landed=wrong.landed)
+    with pytest.raises(wl.IntegrityError, match="w2"):
+        wrong.check()
