@@ -144,3 +144,16 @@ def test_prefetch_of_a_url_opens_it_and_reads_nothing_ahead(s3, tmp_path):
     assert f.gets == 1  # the header only: a store has no page cache to fill
     with pytest.raises(NotFoundError):
         wl.prefetch(f"s3://{BUCKET}/prefetch/missing.safetensors")
+
+
+def test_profile_shows_the_store_phases(s3, tmp_path):
+    client, _ = s3
+    url = _upload(client, write(tmp_path / "m.safetensors", _big(4)), "profile/model.safetensors")
+    rep: dict = {}
+    wl.load(url, profile=True, report=rep)
+    prof = rep["profile"]
+    requests = rep["source"]["requests"]
+    assert prof["commands"]["GET headers"]["count"] == requests
+    assert prof["commands"]["GET first byte"]["count"] == requests
+    assert prof["phase_bytes"]["read"] == sum(t.length for t in wl.open(url))
+    assert prof["work_s"]["wire"] > 0

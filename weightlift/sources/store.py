@@ -148,11 +148,17 @@ class Store:
         if obj.version:
             opts["version"] = obj.version
         try:
+            t0 = prof.clock()
             with prof.phase("wire", name="request"):  # until the response's headers: the store's latency
                 res = obstore.get(self._store, self._key(loc), options=opts)
+            prof.command("GET headers", t0, prof.clock())
             self._same(obj, res.meta)
+            first = prof.enabled
             with prof.phase("read", n - done, name="body"):
                 for piece in res.stream(min_chunk_size=PIECE):
+                    if first:  # request to first body byte (its first piece): the commands table's mean
+                        prof.command("GET first byte", t0, prof.clock())
+                        first = False
                     k = len(piece)
                     if done + k > n:
                         raise FileError(
