@@ -12,6 +12,11 @@ weights: ``model.safetensors`` if present (even beside an index), else
 (two indexes, two ``.safetensors`` files without an index, two ``.gguf`` files) are refused with
 their names: picking one would be a guess.
 
+A URL (``s3://bucket/prefix/...``, ``http(s)://...``) opens the same way from an object store
+or a web server (:mod:`weightlift.sources`): headers by small ranged reads, a prefix resolved as
+a folder is (an HTTP server, which cannot be listed, by the names in :data:`PREFERRED`), and the
+checkpoint's ``source`` keeps the objects' identities for the load.
+
 A shard index follows transformers where transformers loads weights, and is refused (a
 FormatError naming the index and the key) where transformers fails or where the weights would
 depend on the order of files:
