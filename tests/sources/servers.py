@@ -149,6 +149,8 @@ class Faults:
     cut: int = 0
     #: end this many ranged GET bodies halfway, cleanly (a short Content-Length)
     short: int = 0
+    #: close this many ranged GETs' connections before any response (a reset connection)
+    reset: int = 0
     #: answer every request with 403 AccessDenied
     deny: bool = False
     #: called once before the ranged GET number ``replace_at`` (1-based) is forwarded
@@ -207,7 +209,7 @@ class FaultProxy:
                 fn, f.replace = f.replace, None
                 fn()
                 f.injected.append("replace")
-            for kind in ("throttle", "cut", "short"):
+            for kind in ("throttle", "reset", "cut", "short"):
                 if getattr(f, kind) > 0:
                     setattr(f, kind, getattr(f, kind) - 1)
                     f.injected.append(kind)
@@ -218,6 +220,10 @@ class FaultProxy:
         n = int(h.headers.get("Content-Length") or 0)
         body = h.rfile.read(n) if n else None
         fault = self._decide(h, method)
+        if fault == "reset":
+            h.close_connection = True
+            h.connection.shutdown(socket.SHUT_RDWR)
+            return
         if fault in ("throttle", "deny"):
             code, s3code = (503, "SlowDown") if fault == "throttle" else (403, "AccessDenied")
             msg = (

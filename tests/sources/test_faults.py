@@ -1,6 +1,7 @@
 """Injected faults, each ending in its documented result (see weightlift.sources.store).
 
-* throttling (503 SlowDown) and a body cut mid-way or ended early: retried or resumed, and the
+* throttling (503 SlowDown), a connection reset before its response, and a body cut mid-way or
+  ended early: retried or resumed, and the
   load equals the local one byte for byte;
 * faults that persist past the retry limit: TransportError naming the object;
 * an object replaced while the load reads it: FormatError, nothing returned, never mixed bytes;
@@ -37,7 +38,7 @@ def _same(a: dict, b: dict) -> None:
     assert list(a) == list(b) and all(raw_bytes(a[k]) == raw_bytes(b[k]) for k in b)
 
 
-@pytest.mark.parametrize("fault", ["throttle", "cut", "short"])
+@pytest.mark.parametrize("fault", ["throttle", "reset", "cut", "short"])
 def test_transient_faults_are_retried_and_the_bytes_are_exact(ckpt, fault):
     url, local, _, _, proxy = ckpt
     ck = wl.open(url)
