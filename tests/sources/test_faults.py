@@ -1,8 +1,7 @@
 """Injected faults, each ending in its documented result (see weightlift.sources.store).
 
 * throttling (503 SlowDown), a connection reset before its response, and a body cut mid-way or
-  ended early: retried or resumed, and the
-  load equals the local one byte for byte;
+  ended early: retried or resumed, and the load equals the local one byte for byte;
 * faults that persist past the retry limit: TransportError naming the object;
 * an object replaced while the load reads it: FormatError, nothing returned, never mixed bytes;
 * an object shorter than its header says: FormatError when it is opened.
