@@ -16,9 +16,11 @@ Theory of operation.
 4. **Budget.** Host memory besides the destination is bounded by ``budget`` bytes: the staging
    of every worker (two parts each, as a CUDA stager's two slots) plus the pieces obstore holds
    while receiving (:data:`~weightlift.sources.store.PIECE` per connection). Where
-   the budget cannot hold the asked connections, fewer run. A worker may not start a part more
-   than ``window`` parts ahead of the oldest part still in flight, so whatever waits for that
-   part (a verified load's hasher, a digest in object order) holds at most a window of parts.
+   the budget cannot hold the asked connections, fewer run. Where something waits for parts in
+   object order and keeps copies of those that came early (a digest, the hasher of a verified
+   staged load), a worker may not start a part more than ``window`` parts ahead of the oldest
+   still in flight, so what waits holds at most a window of parts; elsewhere no worker waits
+   for another, and one slow request stalls nobody.
 """
 
 from __future__ import annotations

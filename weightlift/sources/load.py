@@ -74,17 +74,21 @@ def load_objects(
     prof.count(tensors=len(infos), nbytes=nbytes)
     arena = target.arena(total)
     mover = _Mover(objs, arena, prof, progress, on_landed)
+    # only a verified staged load holds bytes while it waits for a late part (its hasher keeps
+    # copies of the staging pieces that came early); elsewhere no worker waits for another's
+    # part, so one slow request must stall nobody
+    window = b.window if staged and on_landed is not None else len(parts)
     if staged:
         run_parts(
             parts,
             mover.staged,
             connections=b.connections,
-            window=b.window,
+            window=window,
             worker_state=lambda: target.stager(private=True),
             close_state=lambda s: s.close(),
         )
     else:
-        mover.host(parts, b)
+        mover.host(parts, b.connections, window)
     target.synchronize()
     out = {
         t.name: target.view(arena, s + (t.offset - r.offset), t)
@@ -146,7 +150,7 @@ class _Mover:
             a += n
         self._done(p)
 
-    def host(self, parts: list[Part], b: Budget) -> None:
+    def host(self, parts: list[Part], connections: int, window: int) -> None:
         arena = self.arena
         flat = np.frombuffer(arena, dtype=np.uint8) if not isinstance(arena, np.ndarray) else arena
         mv = memoryview(flat.data).cast("B") if flat.size else memoryview(b"")
@@ -168,7 +172,7 @@ class _Mover:
             self._done(p)
 
         try:
-            run_parts(parts, work, connections=b.connections, window=b.window)
+            run_parts(parts, work, connections=connections, window=window)
         finally:
             if faulter is not None:
                 faulter.close()
