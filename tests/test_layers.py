@@ -29,6 +29,7 @@ RANK = {
     "options": 3,
     "disk": 4,
     "memory": 4,
+    "sources": 4.5,  # beside disk, over memory (it lands bytes in targets), under checkpoint
     "checkpoint": 5,
     "digest": 6,
     "local": 7,

@@ -69,6 +69,8 @@ def _verified(path: Path, opts: LoadOptions) -> dict[str, Any]:
     infos = ck.select(opts.select)
     # LoadOptions cannot name the manifest's type (it sits in a lower layer); load's signature does
     manifest = cast("str | os.PathLike[str] | Manifest | None", opts.manifest)
+    if manifest is None and ck.source is not None:  # a store has no sidecars: the published manifest
+        manifest = ck.source.find_manifest(ck.path)
     hasher = LandedHasher(infos, expected_digests(infos, manifest))
     out = load_local(ck, opts, on_landed=hasher.landed)
     try:

@@ -12,6 +12,11 @@ weights: ``model.safetensors`` if present (even beside an index), else
 (two indexes, two ``.safetensors`` files without an index, two ``.gguf`` files) are refused with
 their names: picking one would be a guess.
 
+A URL (``s3://bucket/prefix/...``, ``http(s)://...``) opens the same way from an object store
+or a web server (:mod:`weightlift.sources`): headers by small ranged reads, a prefix resolved as
+a folder is (an HTTP server, which cannot be listed, by the names in :data:`PREFERRED`), and the
+checkpoint's ``source`` keeps the objects' identities for the load.
+
 A shard index follows transformers where transformers loads weights, and is refused (a
 FormatError naming the index and the key) where transformers fails or where the weights would
 depend on the order of files:
@@ -40,9 +45,11 @@ from weightlift.errors import FormatError, NotFoundError, OptionError, os_error
 from weightlift.formats import TensorInfo
 from weightlift.formats import safetensors as st
 from weightlift.options import Select
+from weightlift.sources.url import is_url
 
 if TYPE_CHECKING:
     from weightlift.disk.source import MappedFile
+    from weightlift.sources.objects import Objects
 
 __all__ = ["Checkpoint", "open_checkpoint", "Select", "MAX_INDEX_SIZE", "PREFERRED"]
 
@@ -62,6 +69,8 @@ class Checkpoint:
     # its mapping against this, so a file replaced since then cannot mix old offsets and new bytes
     identity: dict[str, tuple[int, int, int, int]] = field(default_factory=dict, repr=False)
     _by_name: dict[str, TensorInfo] = field(default_factory=dict, repr=False)
+    #: for a checkpoint opened from a URL, its objects in the store (their ETags, the clients)
+    source: Objects | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self._by_name:
@@ -86,6 +95,8 @@ class Checkpoint:
         """``file``'s one mapping, refused (FormatError) if the file is no longer the one whose header was parsed."""
         from weightlift.disk.source import mapped
 
+        if self.source is not None:
+            raise OptionError(f"{file} is in a store: it has no local mapping")
         m = mapped(file)
         seen = self.identity.get(file)
         i = m.identity
@@ -149,6 +160,8 @@ def _describe(select: Select) -> str:
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Open ``path`` and parse every header it involves; no tensor data is read."""
     p = os.fspath(path)
+    if is_url(p):
+        return _open_url(p)
     if not os.path.exists(p):
         raise NotFoundError("no such file or folder", file=p)
     if os.path.isdir(p):
@@ -177,7 +190,7 @@ _BOMS = (b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff")
 def _one(d: str, names: list[str], what: str) -> str | None:
     if len(names) > 1:
         raise FormatError(f"several {what} ({', '.join(names)}); name one", file=d)
-    return os.path.join(d, names[0]) if names else None
+    return names[0] if names else None
 
 
 def _pick_in_folder(d: str) -> str:
@@ -185,6 +198,11 @@ def _pick_in_folder(d: str) -> str:
     for n in PREFERRED:
         if n in names and os.path.isfile(os.path.join(d, n)):
             return os.path.join(d, n)
+    return _pick(d, names, os.path.join)
+
+
+def _pick(d: str, names: list[str], join: Any) -> str:
+    """The checkpoint among ``names`` in folder (or prefix) ``d``, after PREFERRED."""
     indexes = [n for n in names if n.endswith(".safetensors.index.json")]
     st_files = [n for n in names if n.endswith(".safetensors")]
     gguf = [n for n in names if n.lower().endswith(".gguf")]
@@ -195,7 +213,7 @@ def _pick_in_folder(d: str) -> str:
     )
     if found is None:
         raise NotFoundError("holds no .safetensors, shard index or .gguf file", file=d)
-    return found
+    return str(join(d, found))
 
 
 def _read_safetensors(path: str) -> tuple[list[TensorInfo], dict[str, str], tuple[int, int, int, int]]:
@@ -236,6 +254,11 @@ def _read_index(path: str) -> dict[str, Any]:
             raw = f.read(MAX_INDEX_SIZE + 1)
     except OSError as e:
         raise os_error(e, path, "cannot read") from None
+    return _parse_index(raw, path)
+
+
+def _parse_index(raw: bytes, path: str) -> dict[str, Any]:
+    """The index's bytes (from a file or a store) as its checked JSON object."""
     if raw.startswith(_BOMS):
         raise FormatError("index starts with a byte-order mark; it must be UTF-8 without one", file=path)
     try:
@@ -257,19 +280,22 @@ def _read_index(path: str) -> dict[str, Any]:
     return obj
 
 
-def _open_index(path: str) -> Checkpoint:
-    obj = _read_index(path)
+def _open_index(path: str, source: Objects | None = None) -> Checkpoint:
+    obj = _read_index(path) if source is None else _parse_index(source.read_all(path, MAX_INDEX_SIZE), path)
     weight_map: dict[str, str] = obj["weight_map"]
-    base = os.path.dirname(os.path.abspath(path))
+    base = os.path.dirname(os.path.abspath(path)) if source is None else ""
     files: list[str] = []
     tensors: list[TensorInfo] = []
     identity: dict[str, tuple[int, int, int, int]] = {}
     found: dict[str, str] = {}  # tensor -> the shard holding it
     for shard in sorted(set(weight_map.values())):
-        sp = os.path.join(base, shard)
-        if not os.path.exists(sp):
+        sp = os.path.join(base, shard) if source is None else source.sibling(path, shard)
+        if not (os.path.exists(sp) if source is None else source.exists(sp)):
             raise NotFoundError(f"shard {shard!r} named by the index does not exist", file=path)
-        infos, _, identity[sp] = _read_safetensors(sp)
+        if source is None:
+            infos, _, identity[sp] = _read_safetensors(sp)
+        else:
+            infos, _ = source.safetensors_header(sp)
         for t in infos:
             if t.name in found:
                 raise FormatError(
@@ -287,4 +313,37 @@ def _open_index(path: str) -> Checkpoint:
             )
         if name not in found:
             raise FormatError(f"index places this tensor in {shard!r}, which lacks it", file=path, tensor=name)
-    return Checkpoint(path, "safetensors", files, tensors, dict(obj["metadata"]), identity)
+    return Checkpoint(path, "safetensors", files, tensors, dict(obj["metadata"]), identity, source=source)
+
+
+def _open_url(url: str) -> Checkpoint:
+    """A checkpoint in an object store or behind HTTP: headers by ranged reads, resolved as a
+    folder is where the URL names a prefix (one that ends in ``/``, or no object)."""
+    from weightlift.sources.objects import Objects
+
+    src = Objects(url)
+    p = url
+    if url.endswith("/") or not src.exists(url):
+        p = _pick_url(src, url)
+    if p.endswith(".json"):
+        return _open_index(p, src)
+    if src.magic(p) == b"GGUF" or p.lower().endswith(".gguf"):
+        tensors, meta = src.gguf_header(p)
+        return Checkpoint(p, "gguf", [p], tensors, meta, source=src)
+    tensors, smeta = src.safetensors_header(p)
+    return Checkpoint(p, "safetensors", [p], tensors, dict(smeta), source=src)
+
+
+def _pick_url(src: Objects, url: str) -> str:
+    names = src.listing(url)
+    if names is None:  # HTTP cannot list: what transformers would look for, in its order
+        for n in PREFERRED:
+            if src.exists(src.child(url, n)):
+                return src.child(url, n)
+        raise NotFoundError(f"holds none of {', '.join(PREFERRED)} (an HTTP server cannot be listed)", file=url)
+    for n in PREFERRED:
+        if n in names:
+            return src.child(url, n)
+    if not names:
+        raise NotFoundError("no such object or prefix", file=url)
+    return _pick(url, names, src.child)

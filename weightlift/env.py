@@ -16,6 +16,9 @@ themselves (the fill policy does). Unset or empty means "the default".
 ``WEIGHTLIFT_FAULT_METHOD``    touch / populate: how fresh memory is faulted in
 ``WEIGHTLIFT_FAULT_HELPERS``   helper threads per server connection that fault memory in
 ``WEIGHTLIFT_LOAD_OPT``        0: the naive remote paths on both sides, for A/B runs
+``WEIGHTLIFT_SOURCE_CONNECTIONS``  connections per load from a store URL (default: calibrated)
+``WEIGHTLIFT_SOURCE_PART``     bytes per ranged read from a store URL (default: calibrated)
+``WEIGHTLIFT_SOURCE_BUDGET``   bytes of host memory a load from a store URL may hold
 =============================  ==============================================================
 """
 
@@ -41,6 +44,9 @@ __all__ = [
     "fault_method",
     "fault_helpers",
     "load_opt",
+    "source_connections",
+    "source_part",
+    "source_budget",
 ]
 
 ON = frozenset({"1", "true", "yes", "on"})
@@ -138,3 +144,32 @@ def fault_helpers() -> int | None:
 def load_opt() -> bool:
     """False when ``WEIGHTLIFT_LOAD_OPT=0`` asks for the naive remote behaviour (A/B runs)."""
     return os.environ.get("WEIGHTLIFT_LOAD_OPT", "1").strip() != "0"
+
+
+def _size(name: str) -> int | None:
+    v = _get(name)
+    if not v:
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        raise OptionError(f"{name}={v!r}: expected a positive integer") from None
+    if n < 1:
+        raise OptionError(f"{name}={v!r}: must be at least 1")
+    return n
+
+
+def source_connections() -> int | None:
+    """``WEIGHTLIFT_SOURCE_CONNECTIONS``: connections per load from a store URL; None: not set."""
+    return _size("WEIGHTLIFT_SOURCE_CONNECTIONS")
+
+
+def source_part() -> int | None:
+    """``WEIGHTLIFT_SOURCE_PART``: bytes per ranged read from a store URL; None: not set."""
+    return _size("WEIGHTLIFT_SOURCE_PART")
+
+
+def source_budget() -> int | None:
+    """``WEIGHTLIFT_SOURCE_BUDGET``: bytes of host memory a load from a store URL may hold
+    besides its destination; None: not set (connections x parts)."""
+    return _size("WEIGHTLIFT_SOURCE_BUDGET")

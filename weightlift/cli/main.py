@@ -128,10 +128,15 @@ def _cmd_load(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(report, indent=1))
         return 0
+    src = report.get("source")
+    where = (
+        f"{src['requests']} ranged reads on {src['connections']} connections"
+        if src
+        else f"{report['resident_before'] * 100:.0f} % of the file was resident before the load"
+    )
     print(
         f"loaded {report['tensors']} tensors, {report['bytes']:,} bytes in {report['seconds']:.3f} s "
-        f"({report['bytes'] / max(report['seconds'], 1e-9) / 1e9:.2f} GB/s) to {a.device}/{a.framework}; "
-        f"{report['resident_before'] * 100:.0f} % of the file was resident before the load"
+        f"({report['bytes'] / max(report['seconds'], 1e-9) / 1e9:.2f} GB/s) to {a.device}/{a.framework}; {where}"
     )
     if "verified" in report:
         print(f"verified {report['verified']} tensors: every landed byte matches its BLAKE3")
@@ -145,6 +150,7 @@ def _cmd_load(a: argparse.Namespace) -> int:
 def _cmd_manifest(a: argparse.Namespace) -> int:
     from weightlift.digest.published import default_manifest_path, make_manifest
     from weightlift.digest.sidecar import write_atomic
+    from weightlift.sources import is_url
 
     m = make_manifest(a.path, select=a.select)
     if a.output == "-":
@@ -152,7 +158,12 @@ def _cmd_manifest(a: argparse.Namespace) -> int:
         return 0
     out = a.output or default_manifest_path(a.path)
     try:
-        write_atomic(out, m.to_json().encode())
+        if is_url(out):  # published beside the checkpoint, in its store
+            from weightlift.sources.objects import Objects
+
+            Objects(out).put(out, m.to_json().encode())
+        else:
+            write_atomic(out, m.to_json().encode())
     except OSError as e:
         from weightlift.errors import FileError
 

@@ -25,6 +25,8 @@ from weightlift.digest.blake import DIGEST_SIZE, DigestPool
 from weightlift.digest.sidecar import hash_tensors
 from weightlift.errors import FileError, IntegrityError, NotFoundError
 from weightlift.formats import TensorInfo
+from weightlift.sources.digests import digests as store_digests
+from weightlift.sources.url import is_url
 
 __all__ = [
     "FORMAT",
@@ -43,6 +45,8 @@ VERSION = 1
 #: Suffix of a published manifest (distinct from the sidecar's ``.wl-manifest.json``).
 PUBLISHED_SUFFIX = ".manifest.json"
 FOLDER_MANIFEST = "weightlift.manifest.json"
+#: the largest published manifest read from a store
+MAX_MANIFEST_SIZE = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,8 @@ def _canonical(entries: Iterable[ManifestEntry]) -> bytes:
 def default_manifest_path(path: str | os.PathLike[str]) -> str:
     """Where ``weightlift manifest`` writes and ``weightlift verify`` looks by default."""
     p = os.fspath(path)
+    if is_url(p):  # beside the object, or inside the prefix, in the store
+        return p + FOLDER_MANIFEST if p.endswith("/") else p + PUBLISHED_SUFFIX
     if os.path.isdir(p):
         return os.path.join(p, FOLDER_MANIFEST)
     return p + PUBLISHED_SUFFIX
@@ -102,7 +108,7 @@ def make_manifest(source: str | os.PathLike[str] | Checkpoint, *, select: Select
     """The published manifest of a checkpoint's (selected) tensors, in file order."""
     ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
     infos = ck.select(select)
-    digests = file_digests(infos)
+    digests = file_digests(infos) if ck.source is None else store_digests(ck.source, infos)
     return Manifest(
         tuple(ManifestEntry(t.name, t.dtype, tuple(t.shape), t.length, digests[t.name].hex()) for t in infos)
     )
@@ -113,8 +119,13 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     if its own digest does not match its entries."""
     p = os.fspath(path)
     try:
-        with open(p, "rb") as f:
-            doc = json.loads(f.read())
+        if is_url(p):
+            from weightlift.sources.objects import Objects
+
+            doc = json.loads(Objects(p).read_all(p, MAX_MANIFEST_SIZE))
+        else:
+            with open(p, "rb") as f:
+                doc = json.loads(f.read())
     except FileNotFoundError:
         raise NotFoundError("no manifest here (write one with `weightlift manifest`)", file=p) from None
     except OSError as e:
@@ -167,10 +178,13 @@ def verify_checkpoint(
     (or are missing from either side), each with why; empty when all match."""
     ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
     infos = ck.select(select)
-    with DigestPool(max(1, os.cpu_count() or 1)) as pool:
-        # never from a sidecar: verify is the question whether the bytes are still these
-        futures = hash_tensors(infos, pool=pool, threshold=0, manifests=False)
-        digests = {n: f.result() for n, f in futures.items()}
+    if ck.source is not None:
+        digests = store_digests(ck.source, infos)
+    else:
+        with DigestPool(max(1, os.cpu_count() or 1)) as pool:
+            # never from a sidecar: verify is the question whether the bytes are still these
+            futures = hash_tensors(infos, pool=pool, threshold=0, manifests=False)
+            digests = {n: f.result() for n, f in futures.items()}
     differ = _differences(manifest.by_name(), infos, digests)
     if select is None:
         here = {t.name for t in infos}

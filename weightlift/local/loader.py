@@ -76,6 +76,13 @@ def load_local(
     infos = ckpt.select(opts.select)
     prof = _profiler(opts.profile)
     nbytes = sum(t.length for t in infos)
+    if ckpt.source is not None:  # objects in a store: its ranged-read engine, no mapping
+        from weightlift.sources.load import load_objects
+
+        out = load_objects(
+            ckpt.source, infos, opts, prof=prof, progress=_progress(opts.progress, nbytes), on_landed=on_landed
+        )
+        return _dequantize_all(infos, out, opts.framework) if opts.dequantize else out
     prof.count(tensors=len(infos), nbytes=nbytes)  # tensor bytes, not the padding runs copy along
     files = list(dict.fromkeys(t.file for t in infos))
     maps = {f: ckpt.mapped(f) for f in files}  # one mapping per file for the whole load
@@ -101,7 +108,7 @@ def load_local(
         )
         out = mover.run()
         if opts.dequantize:
-            out = {t.name: _dequantized(t, out[t.name], opts.framework) if quantized(t) else out[t.name] for t in infos}
+            out = _dequantize_all(infos, out, opts.framework)
     if opts.report is not None:
         seconds = time.perf_counter() - t_start
         opts.report.update(
@@ -171,6 +178,10 @@ def _progress(progress: bool | None, total: int) -> Callable[[int], None] | None
 
 
 # -- views and conversions -----------------------------------------------------------------
+
+
+def _dequantize_all(infos: list[TensorInfo], out: dict[str, Any], framework: str) -> dict[str, Any]:
+    return {t.name: _dequantized(t, out[t.name], framework) if quantized(t) else out[t.name] for t in infos}
 
 
 def _dequantized(t: TensorInfo, raw: Any, framework: str) -> Any:

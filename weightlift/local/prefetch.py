@@ -58,9 +58,15 @@ def prefetch(path: str | os.PathLike[str] | Checkpoint, *, select: Select = None
     the GIL, and touch each page once, which on a VM is a fault of its own). Call it first
     thing, then import, then load: the load waits for whatever the prefetch has not finished and
     reads nothing twice. Files already resident are left alone. Headers are parsed now, so a
-    missing or malformed checkpoint raises here."""
+    missing or malformed checkpoint raises here.
+
+    A store URL is opened (headers read, credentials and endpoint resolved) and nothing more:
+    it has no page cache to fill, and reading ahead would hold the checkpoint in host memory,
+    outside the load's budget."""
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     infos = ckpt.select(select)
+    if ckpt.source is not None:
+        return Prefetch([], None)
     files = list(dict.fromkeys(t.file for t in infos))
     maps = {f: ckpt.mapped(f) for f in files}
     cold = [f for f in files if resident_fraction(f, refresh=True) < RESIDENT_THRESHOLD]

@@ -180,6 +180,8 @@ class Client:
             return self._push_to(source, select, to, hash_threshold=hash_threshold, verify=verify)
         ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
         tensors = ck.select(select)
+        if verify and ck.source is not None:
+            raise OptionError("push(verify=True) from a store URL is not supported: verify=True on the load from it")
         self._conn()
         while len(self._conns) < self.streams:
             self._conns.append(self._connect())

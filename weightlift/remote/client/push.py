@@ -37,6 +37,7 @@ from weightlift.remote.protocol import (
     Message,
     WriteHeader,
 )
+from weightlift.sources import is_url
 
 __all__ = [
     "Plan",
@@ -108,7 +109,10 @@ class Hashing:
         self.all: dict[str, Future[bytes]] = {}  # every tensor hashed, the above included
         self.hashed_bytes = 0
         self._pool: DigestPool | None = None
-        chosen = [p.info for p in plans if p.info.length >= max(threshold, 1)] if enabled else []
+        # a tensor in a store has no sidecar, and hashing it first would read it twice: never asked about
+        chosen = (
+            [p.info for p in plans if p.info.length >= max(threshold, 1) and not is_url(p.info.file)] if enabled else []
+        )
         wanted = [p.info for p in plans] if verify else chosen
         if wanted:
             self._pool = DigestPool(max(1, min(4, (os.cpu_count() or 2) // 2)), profiler=prof)
@@ -273,6 +277,11 @@ class Pusher:
             self.prof.count(tensors=1, calls=1)
             self.tally.add(tensors=1)
             return
+        if is_url(t.file):
+            self._send_from_store(head, tid, t)
+            self._completed(tid, p)
+            self.tally.add(tensors=1, bytes=t.length, sent=t.length)
+            return
         head += self.conn.frame(WriteHeader(tid, 0, t.length))
         with self.prof.phase("wire", t.length, name=t.name):
             m = mapped(t.file)
@@ -289,6 +298,20 @@ class Pusher:
         self._completed(tid, p)
         self.prof.count(tensors=1, calls=2, nbytes=t.length)
         self.tally.add(tensors=1, bytes=t.length, sent=t.length)
+
+    def _send_from_store(self, head: bytes, tid: int, t: TensorInfo) -> None:
+        """A tensor in an object store: one WRITE per part, each part read from the store just
+        ahead of its send (never the whole tensor in memory, never on local disk)."""
+        from weightlift.sources.stream import pieces
+
+        for off, view in pieces(t):
+            with self.prof.phase("wire", len(view), name=t.name):
+                frame = self.conn.frame(WriteHeader(tid, off, len(view)))
+                tag = self.conn.payload_tag(view) if self.conn.protected else b""
+                self.conn.send(head + frame, view, tag)
+            head = b""
+            self.prof.count(calls=1, nbytes=len(view))
+        self.prof.count(tensors=1)
 
     def _check(self, digests: tuple[tuple[int, bytes], ...]) -> None:
         """Compare the digests the server reports with the files' (from the manifest or hashed)."""

@@ -1,0 +1,70 @@
+"""Fixtures of the store tests: one moto server (and a fault proxy before it) per session, an
+nginx per session, and an environment that points botocore at them and at nothing else."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.sources.servers import KEYS, FaultProxy, Moto, Nginx
+
+BUCKET = "wl-test"
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[Moto]:
+    pytest.importorskip("obstore", reason="store URLs need obstore (the s3 extra)")
+    m = Moto()
+    why = m.start()
+    if why is not None:
+        pytest.skip(f"no S3 server to test against: {why}")
+    m.client().create_bucket(Bucket=BUCKET)
+    yield m
+    m.stop()
+
+
+@pytest.fixture(scope="session")
+def proxy(moto_server: Moto) -> Iterator[FaultProxy]:
+    p = FaultProxy(moto_server.port)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def aws_env(tmp_path, monkeypatch):
+    """Credentials in the environment, the endpoint the proxy, no shared files from the machine."""
+    from weightlift.sources.store import forget_stores
+
+    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_NO_SIGN_REQUEST", "AWS_SKIP_SIGNATURE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in KEYS.items():
+        monkeypatch.setenv(k, v)
+    (tmp_path / "aws").mkdir(exist_ok=True)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws" / "config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "aws" / "credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    forget_stores()
+    yield monkeypatch
+    forget_stores()
+
+
+@pytest.fixture
+def s3(moto_server: Moto, proxy: FaultProxy, aws_env):
+    """(boto3 client of moto, the proxy, its faults) with botocore pointed at the proxy."""
+    aws_env.setenv("AWS_ENDPOINT_URL", proxy.url)
+    aws_env.setenv("WEIGHTLIFT_SOURCE_PART", str(256 * 1024))  # small parts: many requests on small files
+    proxy.reset()
+    return moto_server.client(), proxy
+
+
+@pytest.fixture(scope="session")
+def nginx(tmp_path_factory) -> Iterator[tuple[Nginx, object]]:
+    pytest.importorskip("obstore", reason="store URLs need obstore (the s3 extra)")
+    root = tmp_path_factory.mktemp("www")
+    n = Nginx(root, tmp_path_factory.mktemp("nginx"))
+    why = n.start()
+    if why is not None:
+        pytest.skip(f"no web server to test against: {why}")
+    yield n, root
+    n.stop()

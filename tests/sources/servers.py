@@ -1,0 +1,272 @@
+"""Real servers for the store tests, started on loopback: moto's S3 server, nginx, a fault proxy.
+
+moto runs as its own process (``python -m moto.server``), so its memory and its GIL are not the
+test's. nginx is the distribution's, with a configuration written under the test's folder. The
+proxy sits in front of moto and injects the faults a test asks for: throttling (503 SlowDown),
+a connection cut mid-body, a body that ends early, 403s, and replacing an object between two
+reads. It forwards everything else unchanged (moto does not check signatures; the proxy records
+the ``Authorization`` header so a test can see who signed).
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+KEYS = {
+    "AWS_ACCESS_KEY_ID": "AKIATESTKEY",
+    "AWS_SECRET_ACCESS_KEY": "wl-secret-never-shown",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> str | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"exited with {proc.returncode}"
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return None
+        except OSError:
+            time.sleep(0.05)
+    return "did not start listening"
+
+
+class Moto:
+    """``python -m moto.server`` on a free loopback port; None from :meth:`start` says why not."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> str | None:
+        try:
+            import moto.server  # noqa: F401
+        except ImportError as e:
+            return f"moto[server] is not installed ({e})"
+        env = dict(os.environ, **KEYS)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
+        why = _wait_port(self.port, self.proc)
+        if why is not None:
+            self.stop()
+            return f"moto server {why}"
+        return None
+
+    def client(self):  # noqa: ANN201 - boto3 is a test dependency
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.url,
+            aws_access_key_id=KEYS["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=KEYS["AWS_SECRET_ACCESS_KEY"],
+            region_name="us-east-1",
+        )
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            self.proc = None
+
+
+class Nginx:
+    """nginx serving ``root`` on a free loopback port (Range and If-Match, as any static server)."""
+
+    def __init__(self, root: Path, work: Path):
+        self.root, self.work = root, work
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> str | None:
+        exe = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+        if exe is None:
+            return "nginx is not installed (apt-get install -y nginx)"
+        w = self.work
+        (w / "logs").mkdir(parents=True, exist_ok=True)
+        temps = " ".join(f"{k}_temp_path {w / k};" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+        (w / "nginx.conf").write_text(
+            ("user root;\n" if os.geteuid() == 0 else "")  # its workers must read the test's own folders
+            + f"daemon off; worker_processes 1; error_log {w / 'logs' / 'error.log'}; pid {w / 'nginx.pid'};\n"
+            "events { worker_connections 128; }\n"
+            f"http {{ access_log off; sendfile on; {temps}\n"
+            f"  server {{ listen 127.0.0.1:{self.port}; root {self.root}; location / {{ }} }} }}\n"
+        )
+        self.proc = subprocess.Popen(
+            [exe, "-c", str(w / "nginx.conf"), "-p", str(w)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        why = _wait_port(self.port, self.proc, timeout=10)
+        if why is not None:
+            err = self.proc.stderr.read().decode(errors="replace")[-300:] if self.proc.stderr else ""
+            self.stop()
+            return f"nginx {why}: {err}"
+        return None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            self.proc = None
+
+
+@dataclass
+class Faults:
+    """What the proxy does to the next GETs with a Range (tensor and header reads)."""
+
+    #: answer this many ranged GETs with 503 SlowDown first
+    throttle: int = 0
+    #: cut this many ranged GET bodies halfway (the connection is closed)
+    cut: int = 0
+    #: end this many ranged GET bodies halfway, cleanly (a short Content-Length)
+    short: int = 0
+    #: close this many ranged GETs' connections before any response (a reset connection)
+    reset: int = 0
+    #: answer every request with 403 AccessDenied
+    deny: bool = False
+    #: called once before the ranged GET number ``replace_at`` (1-based) is forwarded
+    replace: Callable[[], None] | None = None
+    replace_at: int = 0
+    gets: int = 0
+    injected: list[str] = field(default_factory=list)
+    authorization: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class FaultProxy:
+    """An HTTP proxy in front of ``upstream`` (host, port) that injects :class:`Faults`."""
+
+    def __init__(self, upstream_port: int):
+        self.faults = Faults()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                proxy.handle(self, "GET")
+
+            def do_HEAD(self) -> None:
+                proxy.handle(self, "HEAD")
+
+            def do_PUT(self) -> None:
+                proxy.handle(self, "PUT")
+
+        self.upstream = upstream_port
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def reset(self) -> Faults:
+        self.faults = Faults()
+        return self.faults
+
+    def _decide(self, h: BaseHTTPRequestHandler, method: str) -> str | None:
+        f = self.faults
+        with f.lock:
+            f.authorization.append(h.headers.get("Authorization", ""))
+            if f.deny:
+                return "deny"
+            if method != "GET" or "Range" not in h.headers:
+                return None
+            f.gets += 1
+            if f.replace is not None and f.gets == f.replace_at:
+                fn, f.replace = f.replace, None
+                fn()
+                f.injected.append("replace")
+            for kind in ("throttle", "reset", "cut", "short"):
+                if getattr(f, kind) > 0:
+                    setattr(f, kind, getattr(f, kind) - 1)
+                    f.injected.append(kind)
+                    return kind
+        return None
+
+    def handle(self, h: BaseHTTPRequestHandler, method: str) -> None:
+        n = int(h.headers.get("Content-Length") or 0)
+        body = h.rfile.read(n) if n else None
+        fault = self._decide(h, method)
+        if fault == "reset":
+            h.close_connection = True
+            h.connection.shutdown(socket.SHUT_RDWR)
+            return
+        if fault in ("throttle", "deny"):
+            code, s3code = (503, "SlowDown") if fault == "throttle" else (403, "AccessDenied")
+            msg = (
+                f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{s3code}</Code><Message>injected</Message></Error>'
+            )
+            payload = msg.encode()
+            h.send_response(code)
+            h.send_header("Content-Type", "application/xml")
+            h.send_header("Content-Length", str(len(payload)))
+            h.end_headers()
+            h.wfile.write(payload)
+            return
+        conn = http.client.HTTPConnection("127.0.0.1", self.upstream, timeout=30)
+        headers = {k: v for k, v in h.headers.items() if k.lower() not in ("connection", "keep-alive")}
+        conn.request(method, h.path, body=body, headers=headers)
+        r = conn.getresponse()
+        data = r.read() if method != "HEAD" else b""
+        half = len(data) // 2
+        h.send_response(r.status)
+        for k, v in r.getheaders():
+            if k.lower() in ("connection", "transfer-encoding", "content-length", "keep-alive", "server", "date"):
+                continue
+            h.send_header(k, v)
+        if method == "HEAD":
+            h.send_header("Content-Length", r.getheader("Content-Length") or "0")
+        elif fault == "short" and r.status == 206:
+            h.send_header("Content-Length", str(half))
+            h.end_headers()
+            h.wfile.write(data[:half])
+            return
+        else:
+            h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        if fault == "cut" and r.status == 206:
+            h.wfile.write(data[:half])
+            h.wfile.flush()
+            h.close_connection = True
+            h.connection.shutdown(socket.SHUT_RDWR)
+            return
+        if data:
+            h.wfile.write(data)
+        conn.close()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,0 +1,74 @@
+"""Loads from a web server that honours Range (nginx) equal the local load byte for byte."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+import weightlift as wl
+from tests.checkpoints import every_dtype, raw_bytes, write, write_sharded
+from weightlift.errors import NotFoundError
+
+
+def _same(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    for k in b:
+        assert raw_bytes(a[k]) == raw_bytes(b[k]), k
+
+
+def _big(n: int) -> list:
+    rng = np.random.default_rng(2)
+    return [(f"layer.{i}.w", "F32", (64, 512), rng.random((64, 512), dtype=np.float32).tobytes()) for i in range(n)]
+
+
+@pytest.fixture
+def www(nginx, monkeypatch):
+    from weightlift.sources.store import forget_stores
+
+    monkeypatch.setenv("WEIGHTLIFT_SOURCE_PART", str(128 * 1024))
+    forget_stores()
+    return nginx
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_single_file(www, tmp_path, framework):
+    if framework == "torch":
+        pytest.importorskip("torch")
+    server, root = www
+    local = write(tmp_path / "m.safetensors", every_dtype() + _big(5))
+    shutil.copy(local, root / f"single-{framework}.safetensors")
+    _same(
+        wl.load(f"{server.url}/single-{framework}.safetensors", framework=framework),
+        wl.load(local, framework=framework),
+    )
+
+
+def test_sharded_folder_and_selection(www, tmp_path):
+    server, root = www
+    idx = write_sharded(tmp_path / "sh", every_dtype() + _big(6), 2)
+    shutil.copytree(tmp_path / "sh", root / "sharded")
+    local = wl.load(idx)
+    _same(wl.load(f"{server.url}/sharded/"), local)  # found as transformers would look for it
+    _same(
+        wl.load(f"{server.url}/sharded/model.safetensors.index.json", select="layer.*"),
+        {k: v for k, v in local.items() if k.startswith("layer.")},
+    )
+
+
+def test_gguf(www, tmp_path):
+    pytest.importorskip("gguf")
+    from tests.gguf_files import write_sample
+
+    server, root = www
+    write_sample(root / "m.gguf")
+    _same(wl.load(f"{server.url}/m.gguf"), wl.load(root / "m.gguf"))
+
+
+def test_missing(www):
+    server, _ = www
+    with pytest.raises(NotFoundError, match="nope.safetensors"):
+        wl.open(f"{server.url}/nope.safetensors")
+    with pytest.raises(NotFoundError, match="cannot be listed"):
+        wl.open(f"{server.url}/empty-folder/")

@@ -1,0 +1,159 @@
+"""Loads from an S3 server (moto, behind the fault proxy) equal the local load byte for byte."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import weightlift as wl
+from tests.checkpoints import every_dtype, raw_bytes, write, write_sharded
+from tests.sources.conftest import BUCKET
+from weightlift.digest.published import make_manifest
+from weightlift.errors import IntegrityError, NotFoundError, OptionError
+
+
+def _upload(client, local, key: str) -> str:
+    client.upload_file(str(local), BUCKET, key)
+    return f"s3://{BUCKET}/{key}"
+
+
+def _same(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    for k in b:
+        assert raw_bytes(a[k]) == raw_bytes(b[k]), k
+        assert tuple(a[k].shape) == tuple(b[k].shape), k
+
+
+def _big(n: int = 12, shape=(64, 1024)) -> list[tuple[str, str, tuple[int, ...], bytes]]:
+    rng = np.random.default_rng(1)
+    return [(f"layer.{i}.w", "F32", shape, rng.random(shape, dtype=np.float32).tobytes()) for i in range(n)]
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_every_dtype_equals_the_local_load(s3, tmp_path, framework):
+    if framework == "torch":
+        pytest.importorskip("torch")
+    client, _ = s3
+    local = write(tmp_path / "m.safetensors", every_dtype() + _big(4))
+    url = _upload(client, local, f"dtypes-{framework}/model.safetensors")
+    _same(wl.load(url, framework=framework), wl.load(local, framework=framework))
+
+
+def test_header_in_one_request_and_tensors_in_parts(s3, tmp_path):
+    client, proxy = s3
+    local = write(tmp_path / "m.safetensors", _big(8))
+    url = _upload(client, local, "parts/model.safetensors")
+    f = proxy.reset()
+    ck = wl.open(url)
+    assert f.gets == 1  # the header: one ranged read
+    rep: dict = {}
+    wl.load(ck, report=rep)
+    nbytes = sum(t.length for t in ck)
+    assert rep["source"]["requests"] == -(-nbytes // (256 * 1024))  # contiguous tensors share requests
+    assert f.gets == 1 + rep["source"]["requests"]
+
+
+def test_sharded_prefix_and_selection(s3, tmp_path):
+    client, _ = s3
+    tensors = every_dtype() + _big(6)
+    idx = write_sharded(tmp_path / "sh", tensors, 3)
+    for p in (tmp_path / "sh").iterdir():
+        _upload(client, p, f"sharded/{p.name}")
+    local = wl.load(idx)
+    _same(wl.load(f"s3://{BUCKET}/sharded/"), local)
+    _same(wl.load(f"s3://{BUCKET}/sharded"), local)  # a prefix without its slash
+    picked = wl.load(f"s3://{BUCKET}/sharded/model.safetensors.index.json", select="layer.*")
+    _same(picked, {k: v for k, v in local.items() if k.startswith("layer.")})
+    assert len(wl.open(f"s3://{BUCKET}/sharded/").files) == 3
+
+
+def test_gguf_equals_the_local_load(s3, tmp_path):
+    pytest.importorskip("gguf")
+    from tests.gguf_files import write_sample
+
+    client, _ = s3
+    write_sample(tmp_path / "m.gguf")
+    url = _upload(client, tmp_path / "m.gguf", "gguf/model.gguf")
+    _same(wl.load(url), wl.load(tmp_path / "m.gguf"))
+    deq = wl.load(url, dequantize=True)
+    _same(deq, wl.load(tmp_path / "m.gguf", dequantize=True))
+
+
+def test_verify_against_the_published_manifest(s3, tmp_path):
+    client, _ = s3
+    local = write(tmp_path / "m.safetensors", _big(4))
+    url = _upload(client, local, "verified/model.safetensors")
+    with pytest.raises(NotFoundError, match="no published manifest"):
+        wl.load(url, verify=True)
+    m = make_manifest(url)  # hashed streaming from the store
+    assert m == make_manifest(local)
+    client.put_object(Bucket=BUCKET, Key="verified/model.safetensors.manifest.json", Body=m.to_json().encode())
+    rep: dict = {}
+    _same(wl.load(url, verify=True, report=rep), wl.load(local))
+    assert rep["verified"] == 4
+    # a manifest that disagrees with the bytes: nothing is returned
+    other = write(
+        tmp_path / "o.safetensors", _big(4, shape=(64, 1024))[:3] + [("layer.3.w", "F32", (64, 1024), bytes(262144))]
+    )
+    wrong = make_manifest(other)
+    with pytest.raises(IntegrityError, match="layer.3.w"):
+        wl.load(url, verify=True, manifest=wrong)
+
+
+def test_missing_object_names_it(s3):
+    with pytest.raises(NotFoundError, match=f"s3://{BUCKET}/nothing/here.safetensors"):
+        wl.open(f"s3://{BUCKET}/nothing/here.safetensors")
+
+
+def test_dtype_is_refused_for_urls(s3, tmp_path):
+    client, _ = s3
+    url = _upload(client, write(tmp_path / "m.safetensors", _big(1)), "cast/model.safetensors")
+    with pytest.raises(OptionError, match="dtype"):
+        wl.load(url, dtype="F16")
+
+
+def test_cli_inspect_load_manifest_verify(s3, tmp_path):
+    client, _ = s3
+    local = write(tmp_path / "m.safetensors", _big(3))
+    url = _upload(client, local, "cli/model.safetensors")
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "weightlift", *args], capture_output=True, text=True, timeout=120)
+
+    r = cli("inspect", url)
+    assert r.returncode == 0 and "layer.2.w" in r.stdout, r.stderr
+    r = cli("manifest", url)
+    assert r.returncode == 0 and f"written to {url}.manifest.json" in r.stdout, r.stderr
+    r = cli("verify", url, "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["ok"], r.stderr
+    r = cli("load", url, "--verify", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["verified"] == 3
+
+
+def test_prefetch_of_a_url_opens_it_and_reads_nothing_ahead(s3, tmp_path):
+    client, proxy = s3
+    url = _upload(client, write(tmp_path / "m.safetensors", _big(2)), "prefetch/model.safetensors")
+    f = proxy.reset()
+    job = wl.prefetch(url)
+    job.wait()
+    assert f.gets == 1  # the header only: a store has no page cache to fill
+    with pytest.raises(NotFoundError):
+        wl.prefetch(f"s3://{BUCKET}/prefetch/missing.safetensors")
+
+
+def test_profile_shows_the_store_phases(s3, tmp_path):
+    client, _ = s3
+    url = _upload(client, write(tmp_path / "m.safetensors", _big(4)), "profile/model.safetensors")
+    rep: dict = {}
+    wl.load(url, profile=True, report=rep)
+    prof = rep["profile"]
+    requests = rep["source"]["requests"]
+    assert prof["commands"]["GET headers"]["count"] == requests
+    assert prof["commands"]["GET first byte"]["count"] == requests
+    assert prof["phase_bytes"]["read"] == sum(t.length for t in wl.open(url))
+    assert prof["work_s"]["wire"] > 0

@@ -1,0 +1,66 @@
+"""A push from a store URL to a tensor server: the server holds the object's bytes, part by part,
+and nothing lands on local disk."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import weightlift as wl
+from tests.checkpoints import raw_bytes, write
+from tests.sources.conftest import BUCKET
+from weightlift.errors import OptionError
+
+
+def test_push_from_s3_to_a_tensor_server(s3, tmp_path):
+    from weightlift.remote.client import Client
+    from weightlift.remote.server import Server
+
+    client, proxy = s3
+    rng = np.random.default_rng(4)
+    # one tensor several parts long (parts are 256 KiB here), and small ones around it
+    t = [("big", "F32", (512, 1024), rng.random((512, 1024), dtype=np.float32).tobytes())]
+    t += [(f"s{i}", "I32", (7,), np.arange(7, dtype=np.int32).tobytes()) for i in range(3)]
+    local = write(tmp_path / "m.safetensors", t)
+    client.upload_file(str(local), BUCKET, "push/model.safetensors")
+    url = f"s3://{BUCKET}/push/model.safetensors"
+    with Server() as s, Client(s.address) as c:
+        res = c.push(url)
+        assert res.tensors == 4 and res.bytes == sum(len(x[3]) for x in t)
+        c.pull(tmp_path / "pulled.safetensors")
+        with pytest.raises(OptionError, match="verify"):
+            c.push(url, verify=True)
+    got, want = wl.load(tmp_path / "pulled.safetensors"), wl.load(local)
+    assert sorted(got) == sorted(want) and all(raw_bytes(got[k]) == raw_bytes(want[k]) for k in want)
+
+
+def test_cli_push_from_s3(s3, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from weightlift.remote.server import Server
+
+    client, _ = s3
+    local = write(tmp_path / "m.safetensors", [("w", "F32", (256, 256), np.ones((256, 256), np.float32).tobytes())])
+    client.upload_file(str(local), BUCKET, "push/cli.safetensors")
+    with Server() as s:
+        host, port = s.address[:2]
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "weightlift",
+                "push",
+                f"s3://{BUCKET}/push/cli.safetensors",
+                "--to",
+                f"{host}:{port}",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["tensors"] == 1
+        assert raw_bytes(s.tensors()["w"]) == raw_bytes(wl.load(local)["w"])

@@ -1,0 +1,178 @@
+"""Loading tensors out of a store into a target, through the ranged-read engine.
+
+The engine's theory of operation (:mod:`weightlift.sources.engine`) says how bytes move; this
+module picks the target, the connections and the part size (the endpoint's tuning, or
+``threads=`` as the connection count), runs the parts, and returns the tensors as views of the
+arena, as a local load does. ``copy=False`` has no mapping to borrow from here: tensors are
+loaded as with ``copy=True``. A cast on load (``dtype=``) is not offered for store URLs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from weightlift import env
+from weightlift.errors import OptionError
+from weightlift.formats import TensorInfo
+from weightlift.memory.faulter import REGION, Faulter
+from weightlift.memory.targets import Stager, Target, make_target
+from weightlift.options import LoadOptions
+from weightlift.profile import Profiler
+from weightlift.sources.engine import Budget, Part, layout, make_parts, make_runs, run_parts
+from weightlift.sources.objects import Objects
+
+__all__ = ["load_objects", "plan_budget"]
+
+_OFF = Profiler(enabled=False)
+#: how far the arena's fault-in helpers may run ahead of the parts landing in it
+FAULT_WINDOW = 256 * 1024 * 1024
+Landed = Callable[..., None]
+
+
+def plan_budget(objs: Objects, *, threads: int | None, staged: bool, budget: int | None = None) -> Budget:
+    """Connections, part size and memory budget for reading ``objs``: the endpoint's tuning, with
+    ``threads`` (else ``WEIGHTLIFT_SOURCE_CONNECTIONS``) as the connection count, and ``budget``
+    (else ``WEIGHTLIFT_SOURCE_BUDGET``) bytes of host memory."""
+    t = objs.tuning()
+    conns = threads or env.source_connections() or t.connections
+    part = env.source_part() or t.part
+    return Budget.fit(
+        budget if budget is not None else env.source_budget(), part=part, connections=conns, staged=staged
+    )
+
+
+def load_objects(
+    objs: Objects,
+    infos: list[TensorInfo],
+    opts: LoadOptions,
+    *,
+    prof: Profiler = _OFF,
+    progress: Callable[[int], None] | None = None,
+    on_landed: Landed | None = None,
+    target: Target | None = None,
+    budget: int | None = None,
+) -> dict[str, Any]:
+    """``infos`` (tensors of ``objs``) loaded into ``target`` (default: ``opts``' device and
+    framework); ``{name: tensor}`` in the order of ``infos``. ``on_landed`` is told the bytes as
+    they land (see :func:`weightlift.local.loader.load_local`); ``budget`` bounds the host
+    memory held besides the destination (default: ``WEIGHTLIFT_SOURCE_BUDGET``, else two parts
+    per connection for a staged target)."""
+    if opts.cast is not None:
+        raise OptionError("dtype= is not supported when loading from a store URL; cast after the load")
+    t0 = time.perf_counter()
+    target = target if target is not None else make_target(opts.device, opts.framework, None)
+    staged = not target.memcpy_ok
+    b = plan_budget(objs, threads=opts.threads, staged=staged, budget=budget)
+    runs = make_runs(infos)
+    starts, total = layout(runs)
+    parts = make_parts(runs, starts, b.part)
+    nbytes = sum(t.length for t in infos)
+    prof.count(tensors=len(infos), nbytes=nbytes)
+    arena = target.arena(total)
+    mover = _Mover(objs, arena, prof, progress, on_landed)
+    # only a verified staged load holds bytes while it waits for a late part (its hasher keeps
+    # copies of the staging pieces that came early); elsewhere no worker waits for another's
+    # part, so one slow request must stall nobody
+    window = b.window if staged and on_landed is not None else len(parts)
+    if staged:
+        run_parts(
+            parts,
+            mover.staged,
+            connections=b.connections,
+            window=window,
+            worker_state=lambda: target.stager(private=True),
+            close_state=lambda s: s.close(),
+        )
+    else:
+        mover.host(parts, b.connections, window)
+    target.synchronize()
+    out = {
+        t.name: target.view(arena, s + (t.offset - r.offset), t)
+        for r, s in zip(runs, starts, strict=True)
+        for t in r.tensors
+    }
+    if opts.report is not None:
+        seconds = time.perf_counter() - t0
+        opts.report.update(
+            tensors=len(infos),
+            bytes=nbytes,
+            seconds=seconds,
+            gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+            files=len({t.file for t in infos}),
+            copy=True,
+            device=opts.device,
+            framework=opts.framework,
+            source={
+                "connections": min(b.connections, max(1, len(parts))),
+                "part": b.part,
+                "budget": b.nbytes,
+                "requests": len(parts),
+            },
+        )
+        if prof.enabled:
+            opts.report["profile"] = prof.report()
+    return {t.name: out[t.name] for t in infos}
+
+
+class _Mover:
+    """How one part lands: in place in a host arena, or through a worker's staging."""
+
+    def __init__(
+        self,
+        objs: Objects,
+        arena: Any,
+        prof: Profiler,
+        progress: Callable[[int], None] | None,
+        on_landed: Landed | None,
+    ):
+        self.objs, self.arena, self.prof, self.progress, self.on_landed = objs, arena, prof, progress, on_landed
+
+    def _done(self, p: Part) -> None:
+        self.prof.count(calls=1)
+        if self.progress is not None:
+            self.progress(p.length)
+
+    def staged(self, stager: Stager, p: Part) -> None:
+        prof, a = self.prof, 0
+        while a < p.length:
+            with prof.phase("device"):
+                buf = stager.take(p.length - a)  # waits for the copy out of this slot
+            n = len(buf)
+            self.objs.read_into(p.file, p.offset + a, memoryview(buf.data).cast("B"), prof=prof)
+            if self.on_landed is not None:
+                self.on_landed(p.file, p.offset + a, buf, stable=False)
+            with prof.phase("device", n):
+                stager.land(self.arena, p.dst + a)
+            a += n
+        self._done(p)
+
+    def host(self, parts: list[Part], connections: int, window: int) -> None:
+        arena = self.arena
+        flat = np.frombuffer(arena, dtype=np.uint8) if not isinstance(arena, np.ndarray) else arena
+        mv = memoryview(flat.data).cast("B") if flat.size else memoryview(b"")
+        # the network is the wait here, as the disk is for a cold local load: helpers fault the
+        # arena's fresh pages in ahead of the parts on otherwise idle cores
+        faulter = Faulter.ahead(flat, window=FAULT_WINDOW, name="wl-source-fault") if flat.size else None
+        landed = self.on_landed
+
+        def work(_: Any, p: Part) -> None:
+            if faulter is not None:
+                faulter.ready(REGION, p.dst, p.dst + p.length)
+            piece = None
+            if landed is not None:
+
+                def piece(a: int, z: int, p: Part = p) -> None:
+                    landed(p.file, p.offset + a, flat[p.dst + a : p.dst + z])
+
+            self.objs.read_into(p.file, p.offset, mv[p.dst : p.dst + p.length], prof=self.prof, on_piece=piece)
+            self._done(p)
+
+        try:
+            run_parts(parts, work, connections=connections, window=window)
+        finally:
+            if faulter is not None:
+                faulter.close()

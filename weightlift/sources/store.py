@@ -1,0 +1,263 @@
+"""One store's client: object identity, small reads, and ranged reads straight into a buffer.
+
+Every request for tensor bytes carries the ETag seen when the object's header was read as
+``If-Match``: an object replaced while a load reads it answers 412, and the load stops with a
+FormatError naming it, as a local file changed under a load does; bytes of two versions are never
+mixed. A body cut short (a reset connection, a server that stops early) is resumed from the byte
+where it stopped, with backoff, up to :class:`~weightlift.sources.credentials.Retry`'s limit;
+requests that fail before a body (5xx, throttling, refused connections) are retried by obstore.
+
+The body arrives in pieces of at least :data:`PIECE` bytes, each copied once into its place in the
+destination while the next is received on obstore's own threads (the GIL is not held while
+bytes are received). Foreign errors become weightlift's here, naming the object and what to
+check, and never a credential.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from weightlift.errors import FileError, FormatError, NotFoundError, OptionError, TransportError, WeightliftError
+from weightlift.profile import Profiler
+from weightlift.sources.credentials import Retry, describe, make_store, resolve
+from weightlift.sources.url import Location
+
+__all__ = ["ObjectInfo", "Store", "store_for", "forget_stores", "PIECE"]
+
+#: the smallest piece of a body handed over at once (obstore gathers smaller network reads)
+PIECE = 1024 * 1024
+_OFF = Profiler(enabled=False)
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """An object as its header was read: a load reads only bytes of this version."""
+
+    url: str
+    size: int
+    etag: str | None
+    version: str | None = None
+
+
+class Store:
+    """The client of one bucket (or one HTTP host), shared by every object read from it."""
+
+    def __init__(self, loc: Location, *, retry: Retry | None = None, connections: int = 16):
+        self.config, provider = resolve(loc)
+        self.retry = retry or Retry()
+        self._scheme = loc.scheme
+        self._store = make_store(self.config, provider, self.retry, connections=connections)
+
+    def _key(self, loc: Location) -> str:
+        return loc.key
+
+    def head(self, loc: Location) -> ObjectInfo:
+        """The object's size and identity; NotFoundError if it does not exist."""
+        import obstore
+
+        try:
+            meta = obstore.head(self._store, self._key(loc))
+        except Exception as e:  # noqa: BLE001 - mapped to weightlift's errors here
+            raise self.error(e, loc.url, "read its metadata") from None
+        return ObjectInfo(loc.url, int(meta["size"]), meta.get("e_tag"), meta.get("version"))
+
+    def exists(self, loc: Location) -> bool:
+        try:
+            self.head(loc)
+        except NotFoundError:
+            return False
+        return True
+
+    def listing(self, loc: Location) -> list[str] | None:
+        """The names directly inside prefix ``loc`` (objects, not sub-prefixes); None where the
+        store cannot list (plain HTTP)."""
+        if self._scheme != "s3":
+            return None
+        import obstore
+
+        prefix = loc.key if not loc.key or loc.key.endswith("/") else loc.key + "/"
+        try:
+            res = obstore.list_with_delimiter(self._store, prefix or None)
+        except Exception as e:  # noqa: BLE001
+            raise self.error(e, loc.url, "list the prefix") from None
+        return sorted(o["path"].rsplit("/", 1)[-1] for o in res["objects"])
+
+    def put(self, loc: Location, data: bytes) -> None:
+        import obstore
+
+        try:
+            obstore.put(self._store, self._key(loc), data)
+        except Exception as e:  # noqa: BLE001
+            raise self.error(e, loc.url, "write it") from None
+
+    def read(self, obj: ObjectInfo, loc: Location, offset: int, n: int) -> bytes:
+        """``n`` bytes of the object at ``offset`` (a header: small), as bytes."""
+        buf = bytearray(n)
+        self.read_into(obj, loc, offset, memoryview(buf))
+        return bytes(buf)
+
+    def read_into(
+        self,
+        obj: ObjectInfo,
+        loc: Location,
+        offset: int,
+        dst: memoryview,
+        *,
+        prof: Profiler = _OFF,
+        on_piece: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """Bytes [offset, offset + len(dst)) of ``obj`` into ``dst``, resumed where a body stops.
+
+        ``on_piece(start, end)`` is told each range of ``dst`` as it is filled."""
+        n = dst.nbytes
+        done, attempt = 0, 0
+        while done < n:
+            try:
+                done = self._body(obj, loc, offset, dst, done, prof, on_piece)
+            except _Interrupted as cut:
+                done = cut.done
+                attempt += 1
+                if attempt > self.retry.max_retries:
+                    raise TransportError(
+                        f"{obj.url}: the body stopped at byte {offset + done} {attempt} times "
+                        f"({cut.reason}); check the connection to {describe(self.config)}"
+                    ) from None
+                time.sleep(self.retry.backoff(attempt))
+
+    def _body(
+        self,
+        obj: ObjectInfo,
+        loc: Location,
+        offset: int,
+        dst: memoryview,
+        done: int,
+        prof: Profiler,
+        on_piece: Callable[[int, int], None] | None,
+    ) -> int:
+        """One request for what is left; returns how much of ``dst`` is filled when its body ends."""
+        import obstore
+
+        n = dst.nbytes
+        opts: Any = {"range": (offset + done, offset + n)}
+        if obj.etag:
+            opts["if_match"] = obj.etag
+        if obj.version:
+            opts["version"] = obj.version
+        try:
+            t0 = prof.clock()
+            with prof.phase("wire", name="request"):  # until the response's headers: the store's latency
+                res = obstore.get(self._store, self._key(loc), options=opts)
+            prof.command("GET headers", t0, prof.clock())
+            self._same(obj, res.meta)
+            first = prof.enabled
+            with prof.phase("read", n - done, name="body"):
+                for piece in res.stream(min_chunk_size=PIECE):
+                    if first:  # request to first body byte (its first piece): the commands table's mean
+                        prof.command("GET first byte", t0, prof.clock())
+                        first = False
+                    k = len(piece)
+                    if done + k > n:
+                        raise FileError(
+                            f"the store sent more bytes than the range asked for at {offset + done}", file=obj.url
+                        )
+                    dst[done : done + k] = piece
+                    if on_piece is not None:
+                        on_piece(done, done + k)
+                    done += k
+        except WeightliftError:
+            raise
+        except Exception as e:  # noqa: BLE001 - an interrupted body, or an error to map
+            if _interrupted(e):
+                raise _Interrupted(done, type(e).__name__) from None
+            raise self.error(e, obj.url, f"read bytes [{offset + done}, {offset + n})") from None
+        if done < n:  # the body ended early but cleanly: a server's truncated answer
+            raise _Interrupted(done, f"the body ended {n - done} bytes short")
+        return done
+
+    def _same(self, obj: ObjectInfo, meta: Any) -> None:
+        tag = meta.get("e_tag")
+        if obj.etag and tag and tag != obj.etag or int(meta.get("size", obj.size)) != obj.size:
+            raise _changed(obj)
+
+    def error(self, e: BaseException, url: str, what: str) -> WeightliftError:
+        """``e`` (obstore's) as weightlift's error, naming the object and what to check."""
+        import obstore.exceptions as ox
+
+        cfg = describe(self.config)
+        if isinstance(e, (ox.NotFoundError, FileNotFoundError)):
+            return NotFoundError(f"no such object (check the bucket, the key and the endpoint: {cfg})", file=url)
+        if isinstance(e, ox.PreconditionError):
+            return _changed_url(url)
+        if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError, PermissionError)):
+            check = (
+                "the credentials, AWS_PROFILE, the bucket policy"
+                if self._scheme == "s3"
+                else "the server's permissions"
+            )
+            return FileError(f"access denied: cannot {what} (check {check}; {cfg})", file=url)
+        if isinstance(e, ox.UnknownConfigurationKeyError):
+            return OptionError(f"{url}: store configuration: {_first_line(e)}")
+        return TransportError(f"{url}: cannot {what}: {_first_line(e)} ({cfg})")
+
+
+class _Interrupted(Exception):
+    def __init__(self, done: int, reason: str):
+        self.done = done
+        self.reason = reason
+
+
+def _interrupted(e: BaseException) -> bool:
+    """Whether ``e`` is a body cut short (worth resuming), not a refusal."""
+    import obstore.exceptions as ox
+
+    if isinstance(e, (ox.NotFoundError, ox.PreconditionError, ox.PermissionDeniedError, ox.UnauthenticatedError)):
+        return False
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    text = str(e)
+    return any(
+        s in text for s in ("body", "Body", "connection", "Connection", "reset", "closed", "timed out", "Decode")
+    )
+
+
+def _first_line(e: BaseException) -> str:
+    # obstore's message starts with the status line; its debug dump after that may be long
+    text = str(e).split("\n", 1)[0]
+    return text[:300]
+
+
+def _changed(obj: ObjectInfo) -> FormatError:
+    return _changed_url(obj.url)
+
+
+def _changed_url(url: str) -> FormatError:
+    return FormatError("changed in the store since its header was read (its ETag differs); open it again", file=url)
+
+
+_stores: dict[tuple[str, str], Store] = {}
+_stores_lock = threading.Lock()
+_retry = Retry()
+
+
+def store_for(loc: Location) -> Store:
+    """The process's one client for ``loc``'s bucket or host (connections are pooled per client)."""
+    key = (loc.scheme, loc.root)
+    with _stores_lock:
+        s = _stores.get(key)
+        if s is None:
+            s = _stores[key] = Store(loc, retry=_retry)
+        return s
+
+
+def forget_stores(*, retry: Retry | None = None) -> None:
+    """Drop every client (the next read resolves credentials and endpoints afresh); ``retry``
+    replaces the retry policy of the clients made from now on."""
+    global _retry
+    with _stores_lock:
+        _stores.clear()
+        if retry is not None:
+            _retry = retry

@@ -1,0 +1,84 @@
+"""Where an object lives: ``s3://bucket/key`` or ``http(s)://host/path``, parsed without I/O.
+
+A *location* names one object or one prefix (a folder) of objects. Names beside it (the shards
+of an index, the published manifest) are joined with ``/`` as in the store, never with the local
+path separator. A URL with a query string or a fragment is refused: a signed query belongs to one
+object and one moment, and would not survive being joined with a shard's name.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from weightlift.errors import OptionError
+
+__all__ = ["SCHEMES", "Location", "is_url", "parse"]
+
+SCHEMES = ("s3", "http", "https")
+
+
+def is_url(path: object) -> bool:
+    """Whether ``path`` names an object in a store (``s3://``, ``http://``, ``https://``)."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    return isinstance(path, str) and path.split("://", 1)[0].lower() in SCHEMES and "://" in path
+
+
+@dataclass(frozen=True)
+class Location:
+    """One object (or prefix): its scheme, the store's root (bucket or ``scheme://host``), its key."""
+
+    scheme: str
+    #: the bucket for s3, ``scheme://host[:port]`` for http(s)
+    root: str
+    #: the object's key (no leading ``/``); a prefix ends in ``/`` or is empty
+    key: str
+
+    @property
+    def url(self) -> str:
+        if self.scheme == "s3":
+            return f"s3://{self.root}/{self.key}"
+        return f"{self.root}/{self.key}"
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.key.rstrip("/"))
+
+    def sibling(self, name: str) -> Location:
+        """The object ``name`` beside this one (in its prefix)."""
+        return Location(self.scheme, self.root, posixpath.join(posixpath.dirname(self.key), name))
+
+    def child(self, name: str) -> Location:
+        """The object ``name`` inside this prefix."""
+        base = self.key if not self.key or self.key.endswith("/") else self.key + "/"
+        return Location(self.scheme, self.root, base + name)
+
+
+def parse(url: str) -> Location:
+    """The location ``url`` names; OptionError for what is not a store URL weightlift reads."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in SCHEMES:
+        raise OptionError(f"not a store URL (expected s3://, http:// or https://): {url!r}")
+    if parts.query or parts.fragment:
+        raise OptionError(f"{scheme}:// URLs with a query or fragment are not supported: {_shown(url)}")
+    if not parts.netloc:
+        raise OptionError(f"{url!r} names no {'bucket' if scheme == 's3' else 'host'}")
+    if parts.username or parts.password:
+        raise OptionError(f"credentials in a URL are not supported (use the AWS configuration): {_shown(url)}")
+    key = parts.path.lstrip("/")
+    if ".." in key.split("/"):
+        raise OptionError(f"a key with '..' is not supported: {_shown(url)}")
+    if scheme == "s3":
+        return Location("s3", parts.netloc, key)
+    return Location(scheme, f"{scheme}://{parts.netloc}", key)
+
+
+def _shown(url: str) -> str:
+    # never echo a query string (it may hold a signature) or a password
+    p = urlsplit(url)
+    host = p.hostname or ""
+    return f"{p.scheme}://{host}{':' + str(p.port) if p.port else ''}{p.path}"
