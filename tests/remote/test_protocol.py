@@ -58,15 +58,21 @@ def test_command_values_are_pinned():
         "LIST_REPLY": 0x87,
         "FREE_REPLY": 0x88,
         "BARRIER_REPLY": 0x89,
+        "DELTA": 12,
+        "UPDATE": 13,
+        "COMMIT": 14,
+        "COMMIT_REPLY": 0x8E,
     }
     assert int(Capability.CACHE) == 1 and int(Capability.AUTH) == 2
-    assert int(Capability.VERIFY) == 4 and int(Capability.MAC) == 8
+    assert int(Capability.VERIFY) == 4 and int(Capability.MAC) == 8 and int(Capability.DELTA) == 16
+    assert (P.Delta.FLAG_VERIFY, P.Update.FLAG_IN_PLACE, P.Commit.FLAG_ABORT) == (1, 1, 1)
+    assert [int(e) for e in P.DeltaEncoding] == [0, 1, 2]
     assert (Alloc.FLAG_DIGEST, Alloc.FLAG_VERIFY, Barrier.FLAG_DIGESTS, Read.FLAG_DIGEST) == (1, 2, 1, 1)
     assert [int(c) for c in P.ErrorCode] == [1, 2, 3, 4, 5, 6, 7]
 
 
 def test_versions_and_limits_are_pinned():
-    assert (P.PROTOCOL_MAJOR, P.PROTOCOL_MINOR, P.PREVIOUS_MINOR) == (1, 2, 1)
+    assert (P.PROTOCOL_MAJOR, P.PROTOCOL_MINOR, P.PREVIOUS_MINOR) == (1, 3, 2)
     assert (P.MAX_DIGESTS, P.MAC_SIZE) == (4096, 32)
     assert P.MAX_FRAME == 16 << 20
     assert (P.MAX_NAME, P.MAX_DIMS, P.MAX_TENSORS) == (4096, 64, 65536)
@@ -128,6 +134,43 @@ GOLDEN = [
         "8700000023000000000100000001000d00011000000000000000610200000000000000" + "0900000000000000",
     ),
     (FreeReply(2), "880000000400000002000000"),
+    (
+        P.Delta(5, "w", "BF16", (4,), 8, P.DeltaEncoding.XOR, D1, D2, 10, True),
+        "0c00000064000000"
+        + "05000000"
+        + "0800"
+        + "01"
+        + "02"
+        + "01"
+        + "0800000000000000"
+        + "0a00000000000000"
+        + D1.hex()
+        + D2.hex()
+        + "0100770400000000000000",
+    ),
+    (
+        P.Delta(6, "w", "F32", (), 4, P.DeltaEncoding.SAME, D2, D2, 0),
+        "0c0000005c000000"
+        + "06000000"
+        + "0b00"
+        + "00"
+        + "00"
+        + "00"
+        + "0400000000000000"
+        + "0000000000000000"
+        + D2.hex()
+        + D2.hex()
+        + "010077",
+    ),
+    (P.Update(), "0d0000000100000000"),
+    (P.Update(1), "0d0000000100000001"),
+    (P.Commit(), "0e0000000100000000"),
+    (P.Commit(1), "0e0000000100000001"),
+    (P.CommitReply(True, 3, 7, D1), "8e0000002f00000001030000000700000000000000" + D1.hex() + "0000"),
+    (
+        P.CommitReply(False, 0, 2, bytes(32), "x"),
+        "8e00000030000000" + "00" + "00000000" + "0200000000000000" + bytes(32).hex() + "0100" + "78",
+    ),
     (
         BarrierReply(2, 4096, ("bad",), (5, 6)),
         "8900000025000000020000000010000000000000010000000300626164020000000500000006000000" + "00000000",

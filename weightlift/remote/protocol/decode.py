@@ -49,6 +49,9 @@ from weightlift.remote.protocol.messages import (
     BarrierReply,
     Bye,
     Command,
+    Commit,
+    CommitReply,
+    Delta,
     Error,
     FillFromCache,
     Free,
@@ -62,6 +65,7 @@ from weightlift.remote.protocol.messages import (
     Message,
     Read,
     ReadReply,
+    Update,
     WriteHeader,
 )
 
@@ -262,6 +266,23 @@ def _dec_barrier_reply(r: _Reader, lim: _Limits) -> BarrierReply:
     return BarrierReply(tensors, nbytes, errors, need, digests)
 
 
+def _dec_delta(r: _Reader, lim: _Limits) -> Delta:
+    tid, code, ndims, encoding, flags, nbytes, length, base, digest, name_len = r.unpack(Delta.LAYOUT, "DELTA head")
+    dtype = r.dtype(code)
+    name = r.text(name_len, MAX_NAME, "tensor name")
+    shape = r.shape(ndims)
+    r.sized(dtype, shape, nbytes, lim.max_tensor_bytes, f"tensor {name!r}")
+    if length > lim.max_tensor_bytes:
+        raise r.fail(f"{length} payload bytes exceed the tensor limit of {lim.max_tensor_bytes}")
+    verify = bool(flags & Delta.FLAG_VERIFY)
+    return Delta(tid, name, dtype, shape, nbytes, encoding, bytes(base), bytes(digest), length, verify)
+
+
+def _dec_commit_reply(r: _Reader, lim: _Limits) -> CommitReply:
+    ok, tensors, generation, root, n = r.unpack(CommitReply.LAYOUT, "COMMIT_REPLY head")
+    return CommitReply(bool(ok), tensors, generation, bytes(root), r.text(n, MAX_MESSAGE, "message", empty_ok=True))
+
+
 def _dec_error(r: _Reader, lim: _Limits) -> Error:
     code, n = r.unpack(Error.LAYOUT, "ERROR head")
     return Error(code, r.text(n, MAX_MESSAGE, "message", empty_ok=True))
@@ -291,6 +312,10 @@ _DECODERS: dict[Command, Callable[[_Reader, _Limits], Message]] = {
     Command.BARRIER_REPLY: _dec_barrier_reply,
     Command.ERROR: _dec_error,
     Command.BYE: lambda r, lim: Bye(),
+    Command.DELTA: _dec_delta,
+    Command.UPDATE: lambda r, lim: Update(*r.unpack(Update.LAYOUT, "UPDATE flags")),
+    Command.COMMIT: lambda r, lim: Commit(*r.unpack(Commit.LAYOUT, "COMMIT flags")),
+    Command.COMMIT_REPLY: _dec_commit_reply,
 }
 
 
