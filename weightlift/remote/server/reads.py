@@ -111,9 +111,10 @@ class Reads:
         want_digest = bool(r.flags & Read.FLAG_DIGEST) and verify_usable(out.minor)
         dest = entry.tensor
         if _is_host(dest):
-            view = as_bytes(dest).data[r.offset : r.offset + r.length]
-            digest = hash_buffer(view) if want_digest else None
-            out.stream.send_parts(out.sealed(send(ReadReply(r.length, digest), minor=out.minor), view))
+            with self._store.reading():  # an in-place update waits until these bytes are out
+                view = as_bytes(dest).data[r.offset : r.offset + r.length]
+                digest = hash_buffer(view) if want_digest else None
+                out.stream.send_parts(out.sealed(send(ReadReply(r.length, digest), minor=out.minor), view))
             return
         try:
             staging = self._device.staging()
