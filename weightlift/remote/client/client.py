@@ -172,21 +172,14 @@ class Client:
         """Send the selected tensors of a checkpoint, or of ``{name: array or tensor}``, to the
         server; returns when all have landed.
 
-        **From memory** (numpy arrays, torch tensors; a CUDA tensor is staged through host memory
-        one tensor at a time): each tensor is sent from its own memory, with the same ``select``,
-        ``verify``, token and MAC as a file. To a server of protocol minor 3 the push is an
-        *update*: nothing of it is visible until all of it is, at once (a reader sees the old
-        set or the new one, never a mix; a client that dies halfway changes nothing), and the
-        server then states one digest over the whole set, which the client checks against its
-        own (IntegrityError otherwise; ``PushResult.set_digest``). A tensor the server holds an
-        earlier version of is sent as what changed against it (a DELTA), when the client has
-        that version: kept by ``Client(keep_base=True)`` (the last push of it), or given as
-        ``base={name: previous array}`` (tensors the caller still holds; hashed to name them).
-        A DELTA the server cannot apply (its tensor is another version now) is sent whole.
-        ``in_place``: the server applies the DELTAs into the tensors' own memory at the switch
-        (no second copy; readers wait while it runs) instead of into new memory as they arrive
-        (readers keep the old version meanwhile). One connection carries an update, whatever
-        ``streams`` says.
+        **From memory** (numpy arrays, torch tensors; CUDA ones staged through host memory), each
+        tensor goes from its own memory, with the same ``select``, ``verify``, token and MAC. To a
+        server of protocol minor 3 it is an update (:mod:`~weightlift.remote.client.update`): all
+        visible at once or not at all, proven by the server's set digest (``PushResult.set_digest``,
+        IntegrityError if it differs), and a tensor whose previous version the client has
+        (``Client(keep_base=True)``, or ``base={name: previous}``) sent as what changed.
+        ``in_place``: the server applies the changes into the tensors' own memory at the switch
+        (no second copy; readers wait while it runs) instead of into new memory as they arrive.
 
         ``hash_threshold``: tensors of at least this many bytes are hashed and asked about when
         the server keeps a cache (default :data:`~weightlift.digest.blake.HASH_THRESHOLD`).

@@ -24,6 +24,7 @@ plans, the hashing beside it, the senders and their tally.
 
 from __future__ import annotations
 
+import builtins
 import threading
 import time
 from collections.abc import Iterable
@@ -62,7 +63,7 @@ class PushResult:
     profile: dict[str, Any] | None = None
     verified: int = 0  # tensors whose digest the server reported and the client matched (verify=True)
     deltas: int = 0  # tensors sent as a DELTA against the version the server held (an update)
-    set_digest: bytes | None = None  # an update's set digest, stated by the server and matched by the client
+    set_digest: builtins.bytes | None = None  # an update's set digest, stated by the server and matched by the client
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -282,7 +282,7 @@ class Pusher:
         head += self.conn.frame(WriteHeader(tid, 0, t.length))
         with self.prof.phase("wire", t.length, name=t.name):
             if is_memory(t):  # the tensor's own memory, handed to sendmsg after the headers
-                data = host_bytes(t)
+                data = host_bytes(t).data
                 self.conn.send(head, data, self.conn.payload_tag(data))
                 self._completed(tid, p)
                 self.prof.count(tensors=1, calls=2, nbytes=t.length)

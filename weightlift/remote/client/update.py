@@ -138,7 +138,7 @@ class UpdatePusher(Pusher):
         with self.prof.phase("encode", t.length, name=t.name):
             encoding = codec.choose(new, base.data, item)
             parts = codec.encode(encoding, new, base.data, item) if encoding is not None else None
-        if parts is None:
+        if encoding is None or parts is None:
             return False
         self._send_delta(p, DeltaEncoding(encoding), base.digest, digest, parts)
         return True

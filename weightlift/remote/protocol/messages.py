@@ -505,14 +505,11 @@ class DeltaEncoding(IntEnum):
 class Delta(Message):
     """A tensor sent as what changed against a base the server holds; ``length`` payload bytes follow.
 
-    Wire: LAYOUT(id, dtype code, ndims, encoding, flags, nbytes, length, base digest, digest,
-    name_len) name dims, then the payload. Like an ALLOC whose bytes are the stored tensor
-    ``name`` (which must hash to ``base`` and have this dtype and shape) with the payload
-    applied; the result must hash to ``digest``. A server whose ``name`` is not that base
-    allocates the tensor as an ALLOC would and lists ``tensor_id`` in the next BARRIER_REPLY's
-    need: the client then sends the whole tensor with WRITE. ``verify`` (flags&1): report the
-    digest of what was stored at the next BARRIER that asks for digests.
-    """
+    Wire: LAYOUT(id, dtype code, ndims, encoding, flags, nbytes, length, base, digest, name_len)
+    name dims payload. An ALLOC whose bytes are the stored ``name`` (hashing to ``base``, of this
+    dtype and shape) with the payload applied, which must hash to ``digest``; a server without
+    that base allocates it and lists the id in BARRIER_REPLY's need (the client WRITEs it whole).
+    ``verify`` (flags&1): as ALLOC's."""
 
     COMMAND = Command.DELTA
     LAYOUT = struct.Struct("<IHBBBQQ32s32sH")
@@ -533,10 +530,9 @@ class Delta(Message):
 
 @dataclass(frozen=True, slots=True)
 class Update(Message):
-    """Open an update on this connection: the tensors that complete from now on stay invisible
-    until COMMIT makes all of them visible at once. Wire: flags:u8; flags&1 (IN_PLACE): DELTAs
-    are applied into their base's own memory at COMMIT (no second copy; readers wait while they
-    are applied) instead of into a copy as they arrive (readers keep the old version until then)."""
+    """Open an update: tensors completing from now on stay invisible until COMMIT shows them all
+    at once. Wire: flags:u8; flags&1 (IN_PLACE): DELTAs are applied into their bases' own memory
+    at COMMIT (no second copy; readers wait meanwhile), not into a copy as they arrive."""
 
     COMMAND = Command.UPDATE
     LAYOUT = struct.Struct("<B")

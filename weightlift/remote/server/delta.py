@@ -94,7 +94,7 @@ class Deltas:
         payload = np.empty(d.length, np.uint8)
         try:
             with self._prof.phase("wire", d.length, name=d.name):
-                self._frames.payload(memoryview(payload))
+                self._frames.payload(payload.data)
             self._frames.frame_end()  # proven before any of it is used
         except BaseException:
             charge.release()
@@ -142,7 +142,7 @@ class Deltas:
             rx.dests.unfault(p)  # the delta writes every byte: no helper faults it in meanwhile
             out = as_bytes(p.dest)
             with self._prof.phase("apply", d.nbytes, name=d.name):
-                codec.apply(d.encoding, memoryview(payload), as_bytes(base.tensor), out, item_size(d.dtype))
+                codec.apply(d.encoding, payload.data, as_bytes(base.tensor), out, item_size(d.dtype))
             with self._prof.phase("hash", d.nbytes, name=d.name):
                 ok = hash_buffer(out) == d.digest
         except codec.DeltaError as e:

@@ -45,10 +45,14 @@ from __future__ import annotations
 import os
 import ssl
 import threading
+from collections.abc import Iterable
 from typing import Any
 
+from weightlift.digest.blake import hash_buffer
+from weightlift.digest.setdigest import set_digest
 from weightlift.errors import StateError
 from weightlift.memory.pool import HostPool
+from weightlift.memory.targets import as_bytes
 from weightlift.remote.protocol import PROTOCOL_MINOR
 from weightlift.remote.server.accept import Acceptor
 from weightlift.remote.server.cache import TensorCache
@@ -279,6 +283,23 @@ class Server:
         changes its weights in place; those tensors (and torch tensors, which have no read-only
         form) are hashed again before a later push trusts them."""
         return self._store.tensors(writable=writable)
+
+    def set_digest(self, names: Iterable[str] | None = None) -> bytes:
+        """The set digest (:func:`weightlift.digest.setdigest.set_digest`) over the named tensors
+        (None: every one held), from one instant's view of the store: what an update's COMMIT
+        stated for its tensors. A tensor without a known digest is hashed; KeyError names one
+        not held."""
+        entries = self._store.entries(names)
+        if names is not None:
+            missing = [n for n in names if n not in entries]
+            if missing:
+                raise KeyError(f"the server holds no tensor {missing[0]!r}")
+        return set_digest({n: e.digest or hash_buffer(as_bytes(e.tensor)) for n, e in entries.items()})
+
+    @property
+    def generation(self) -> int:
+        """How many updates (sets switched in at once) the server has made visible."""
+        return self._store.generation
 
     @property
     def memory_used(self) -> int:

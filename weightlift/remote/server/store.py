@@ -450,6 +450,13 @@ class Store:
             if self._held.get(digest) == name:
                 del self._held[digest]
 
+    def entries(self, names: Any = None) -> dict[str, Entry]:
+        """The entries of ``names`` (None: every one), as they are at one instant."""
+        with self._lock:
+            if names is None:
+                return dict(self._entries)
+            return {n: self._entries[n] for n in names if n in self._entries}
+
     def held(self) -> tuple[int, int]:
         """(complete tensors held, their data bytes)."""
         with self._lock:

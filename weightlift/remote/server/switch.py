@@ -134,7 +134,7 @@ class Switch:
             if now is None or now.tensor is not d.base.tensor:
                 raise _Failed(f"{d.name!r} was replaced by another client during the update")
             raw = as_bytes(d.base.tensor)
-            codec.apply(d.encoding, memoryview(d.payload), raw, raw, d.item, undo=undo)
+            codec.apply(d.encoding, d.payload.data, raw, raw, d.item, undo=undo)
             if hash_buffer(raw) != d.digest:
                 raise _Failed(f"{d.name!r}: the delta applied does not give the digest the client sent")
             b = d.base
