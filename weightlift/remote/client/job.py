@@ -121,7 +121,7 @@ class Push:
         self.how = how
         self.prof = profiler
         self.threshold = how.hash_threshold if hash_threshold is None else hash_threshold
-        self.verify = verify
+        self.verify = verify or update is not None  # an update proves every tensor (see update)
         self.update = update  # an update (tensors from memory, minor 3): one connection, UPDATE to COMMIT
         if update is not None:
             self.conns = conns[:1]
@@ -141,7 +141,7 @@ class Push:
             threshold=self.threshold,
             prof=self.prof,
             enabled=self.how.hash_ahead and self.conns[0].cache,
-            verify=self.verify or self.update is not None,  # an update proves every tensor by its digest
+            verify=self.verify,
         )
         sender = self.how.sender if self.update is None else UpdatePusher
         self.senders = [

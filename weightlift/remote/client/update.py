@@ -18,6 +18,9 @@ Each tensor goes the cheapest way the client knows of:
 A DELTA the server cannot apply (its tensor is not that base any more) comes back in the
 BARRIER reply's need list, and the tensor is sent whole in the same update.
 
+An update always verifies: the server hashes each tensor as it lands (or as a DELTA's result)
+and the client compares every digest, as ``verify=True`` does for a file, besides the set digest.
+
 Base memory. The client must hold the base bytes to diff against. ``Client(keep_base=True)``
 keeps a host copy of every tensor each update pushed, with its digest, as the next update's base
 (memory: one more copy of the pushed tensors, refreshed in place, so no allocation after the
@@ -115,6 +118,8 @@ class UpdatePusher(Pusher):
         self._command(Update(Update.FLAG_IN_PLACE if self.spec.in_place else 0))
         whole = [p for p in plans if not self._delta(p)]
         super().run(whole)  # ends with the BARRIER that answers every DELTA too
+        for p in whole:  # hashed beside the sends: only a DELTA waits for its digest
+            self.spec.digests[p.info.name] = self._digest(p)
         self._commit()
 
     def _digest(self, p: Plan) -> bytes:
@@ -124,11 +129,10 @@ class UpdatePusher(Pusher):
     def _delta(self, p: Plan) -> bool:
         """Send ``p`` as a DELTA if that pays; False: it goes whole."""
         t = p.info
-        digest = self._digest(p)
-        self.spec.digests[t.name] = digest
         base = self.spec.bases.get(t.name)
         if not self.spec.delta or base is None or (base.dtype, base.shape) != (p.dtype, p.shape):
             return False
+        digest = self.spec.digests[t.name] = self._digest(p)
         bits = dtype_info(p.dtype).bits
         item = bits // 8 if bits % 8 == 0 else 0
         if digest == base.digest:
@@ -147,7 +151,7 @@ class UpdatePusher(Pusher):
         t = p.info
         tid = self._new_id(p)
         length = sum(len(x) for x in parts)
-        verify = self.verify and not self.spec.in_place  # in place: proven by the set digest only
+        verify = not self.spec.in_place  # in place: proven by the set digest only
         head = self.conn.frame(Delta(tid, t.name, p.dtype, p.shape, t.length, encoding, base, digest, length, verify))
         tag = b""
         if self.conn.protected and length:

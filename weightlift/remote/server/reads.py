@@ -112,6 +112,9 @@ class Reads:
         dest = entry.tensor
         if _is_host(dest):
             with self._store.reading():  # an in-place update waits until these bytes are out
+                if r.version and self._store.get(r.name) is not entry:  # switched in meanwhile
+                    out.reply(Error(ErrorCode.STALE, f"{r.name!r} was replaced since it was listed"))
+                    return
                 view = as_bytes(dest).data[r.offset : r.offset + r.length]
                 digest = hash_buffer(view) if want_digest else None
                 out.stream.send_parts(out.sealed(send(ReadReply(r.length, digest), minor=out.minor), view))

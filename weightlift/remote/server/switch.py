@@ -18,6 +18,7 @@ tensor the update named, as held right after the switch, for the client to compa
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,7 +105,12 @@ class Switch:
     def commit(self) -> CommitReply:
         """Apply, prove and switch in everything at once; or nothing, saying why."""
         store = self._store
-        with store.exclusive():
+        held = list(self._held.values())
+        for s in held:
+            if s.digest is None:  # sent without one: hashed here, before anyone can see it
+                s.digest = hash_buffer(as_bytes(s.tensor))
+        # only memory changed in place needs the readers held off; the rest is one pointer swap
+        with store.exclusive() if self._deltas else nullcontext():
             undo = codec.Undo()
             try:
                 staged = self._apply(undo)
@@ -112,19 +118,14 @@ class Switch:
                 undo.run()
                 self.abort()
                 return CommitReply(False, 0, store.generation, bytes(32), f"update not switched: {e}")
-            staged += list(self._held.values())
-            for s in staged:
-                if s.digest is None:  # sent without one: hashed here, before anyone can see it
-                    s.digest = hash_buffer(as_bytes(s.tensor))
-            names = list(self._names)
-            generation, digests = store.switch(staged, names)
+            generation, digests = store.switch(staged + held, list(self._names))
         for d in self._deltas.values():
             d.charge.release()
         self._held, self._deltas, self._names = {}, {}, {}
         missing = [n for n, dg in digests.items() if dg is None]
         if missing:
-            return CommitReply(True, len(staged), generation, bytes(32), f"no digest for {missing[0]!r}")
-        return CommitReply(True, len(staged), generation, set_digest(digests))  # type: ignore[arg-type]
+            return CommitReply(True, len(staged) + len(held), generation, bytes(32), f"no digest for {missing[0]!r}")
+        return CommitReply(True, len(staged) + len(held), generation, set_digest(digests))  # type: ignore[arg-type]
 
     def _apply(self, undo: codec.Undo) -> list[Staged]:
         """The in-place deltas applied (each proven), as entries to publish."""
