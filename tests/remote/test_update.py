@@ -425,3 +425,13 @@ def test_update_commands_do_not_exist_in_minor_two():
     dec.feed(P.send(Update()))
     with pytest.raises(RemoteProtocolError):
         dec.next_event()
+
+
+def test_an_update_with_both_profilers_on():
+    v0 = _model()
+    with Server(profile=True) as srv, Client(srv.address, keep_base=True, profile=True) as c:
+        c.push(v0)
+        r = c.push(_step(v0, 0.01, seed=1), in_place=False)
+        assert r.deltas == len(v0) and r.profile is not None
+        r = c.push(_step(v0, 0.3, seed=2), in_place=True)
+        _holds(srv, _step(v0, 0.3, seed=2))

@@ -132,16 +132,17 @@ class UpdatePusher(Pusher):
         base = self.spec.bases.get(t.name)
         if not self.spec.delta or base is None or (base.dtype, base.shape) != (p.dtype, p.shape):
             return False
-        digest = self.spec.digests[t.name] = self._digest(p)
         bits = dtype_info(p.dtype).bits
         item = bits // 8 if bits % 8 == 0 else 0
+        new = host_bytes(t)
+        # encoded while the hashing pool takes the tensor's digest, which is waited for after
+        with self.prof.phase("stage", t.length, name="delta " + t.name):
+            encoding = codec.choose(new, base.data, item)
+            parts = codec.encode(encoding, new, base.data, item) if encoding is not None else None
+        digest = self.spec.digests[t.name] = self._digest(p)
         if digest == base.digest:
             self._send_delta(p, DeltaEncoding.SAME, base.digest, digest, [])
             return True
-        new = host_bytes(t)
-        with self.prof.phase("encode", t.length, name=t.name):
-            encoding = codec.choose(new, base.data, item)
-            parts = codec.encode(encoding, new, base.data, item) if encoding is not None else None
         if encoding is None or parts is None:
             return False
         self._send_delta(p, DeltaEncoding(encoding), base.digest, digest, parts)

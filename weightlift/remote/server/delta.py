@@ -141,7 +141,7 @@ class Deltas:
             rx.dests.ensure(p, fault=False)
             rx.dests.unfault(p)  # the delta writes every byte: no helper faults it in meanwhile
             out = as_bytes(p.dest)
-            with self._prof.phase("apply", d.nbytes, name=d.name):
+            with self._prof.phase("stage", d.nbytes, name="delta " + d.name):
                 codec.apply(d.encoding, payload.data, as_bytes(base.tensor), out, item_size(d.dtype))
             with self._prof.phase("hash", d.nbytes, name=d.name):
                 ok = hash_buffer(out) == d.digest
