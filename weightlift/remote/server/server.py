@@ -281,7 +281,9 @@ class Server:
         pushed, and a digest-named push of the same bytes then finds them in memory without
         hashing them again. ``writable=True`` hands out the arrays themselves, for a process that
         changes its weights in place; those tensors (and torch tensors, which have no read-only
-        form) are hashed again before a later push trusts them."""
+        form) are hashed again before a later push trusts them. The dictionary is taken at one
+        instant: an update switched in (a client's push from memory) is in it whole or not at
+        all; an in-place update changes the arrays handed out earlier at its switch."""
         return self._store.tensors(writable=writable)
 
     def set_digest(self, names: Iterable[str] | None = None) -> bytes:
