@@ -129,13 +129,15 @@ def test_a_cuda_tensor_goes_through_a_staging_copy():
 
 def test_select_and_the_options_of_a_file_push_apply(tmp_path):
     tensors = _model()
-    with (
-        Server(token="s3cret-token-of-16-bytes-or-more") as srv,
-        Client(srv.address, token="s3cret-token-of-16-bytes-or-more") as c,
-    ):
+    token = "s3cret-token-of-16-bytes-or-more"
+    with Server(token=token) as srv, Client(srv.address, token=token, keep_base=True) as c:
         assert c.connections[0].protected
         c.push(tensors, select="layer.*", verify=True)
         assert sorted(srv.tensors()) == sorted(n for n in tensors if n.startswith("layer."))
+        stepped = _step(tensors, 0.01, seed=3)
+        r = c.push(stepped, select="layer.*")  # DELTAs on a protected connection: their payloads MACed too
+        assert r.deltas == 4
+        _holds(srv, {n: a for n, a in stepped.items() if n.startswith("layer.")})
         with pytest.raises(OptionError):
             c.push(tensors, to=["127.0.0.1:1"])
         path = write(tmp_path / "m.safetensors", [("x", "U8", (3,), b"abc")])
@@ -435,3 +437,20 @@ def test_an_update_with_both_profilers_on():
         assert r.deltas == len(v0) and r.profile is not None
         r = c.push(_step(v0, 0.3, seed=2), in_place=True)
         _holds(srv, _step(v0, 0.3, seed=2))
+
+
+def test_a_delta_under_an_id_in_flight_or_a_same_that_changes_is_refused():
+    v0 = np.arange(256, dtype=np.float32)
+    d0 = blake3.blake3(v0.tobytes()).digest()
+    with Server() as srv, Client(srv.address) as c:
+        c.push({"w": v0})
+        raw = Raw(srv.address)
+        raw.hello()
+        raw.send(Alloc(1, "other", "U8", (4,), 4))  # id 1 in flight
+        raw.send(Delta(1, "w", "F32", v0.shape, v0.nbytes, DeltaEncoding.SAME, d0, d0, 0))
+        raw.send(Delta(2, "w", "F32", v0.shape, v0.nbytes, DeltaEncoding.SAME, d0, bytes(32), 0))
+        raw.send(WriteHeader(1, 0, 4), b"abcd")
+        reply = _barrier(raw)
+        assert len(reply.errors) == 2 and all("DELTA" in e for e in reply.errors)
+        assert srv.tensors()["other"].tobytes() == b"abcd"  # the tensor in flight went on untouched
+        assert srv.tensors()["w"].tobytes() == v0.tobytes()

@@ -119,7 +119,11 @@ class Deltas:
         rx = self._rx
         base = self._base(d)
         switch = self._switch()
-        if base is not None and d.encoding == DeltaEncoding.SAME and not payload.nbytes:
+        if d.tensor_id in rx.pending or (d.encoding == DeltaEncoding.SAME and (payload.nbytes or d.digest != d.base)):
+            why = f"DELTA of {d.name!r}: tensor id {d.tensor_id} is in flight, or a SAME delta that changes something"
+            rx.outcomes.error(why)
+            return False
+        if base is not None and d.encoding == DeltaEncoding.SAME:
             # the tensor is its base, already there: it stays (and belongs to the open update)
             if switch is not None:
                 switch.name(d.name)
