@@ -454,3 +454,14 @@ def test_a_delta_under_an_id_in_flight_or_a_same_that_changes_is_refused():
         assert len(reply.errors) == 2 and all("DELTA" in e for e in reply.errors)
         assert srv.tensors()["other"].tobytes() == b"abcd"  # the tensor in flight went on untouched
         assert srv.tensors()["w"].tobytes() == v0.tobytes()
+
+
+def test_an_update_to_a_caching_server_fills_what_it_has(tmp_path):
+    v0 = {f"big.{i}": _random("U8", (1 << 20,), i) for i in range(3)}
+    with Server(cache_dir=tmp_path / "cache") as srv, Client(srv.address) as c:
+        c.push(v0)
+        c.free(list(v0))
+        r = c.push(v0)  # no base kept: the cache has every tensor
+        assert r.cached == 3 and r.bytes_sent == 0
+        _holds(srv, v0)
+        assert r.set_digest == set_digest(_digests(v0))
