@@ -19,6 +19,7 @@ from weightlift.dtypes import DTYPES, numpy_dtype
 from weightlift.errors import IntegrityError, LocalProtocolError, OptionError, RemoteProtocolError
 from weightlift.remote import delta as D
 from weightlift.remote.client.client import Client
+from weightlift.remote.client.connection import Replaced
 from weightlift.remote.protocol import Alloc, Commit, CommitReply, Delta, DeltaEncoding, Update, WriteHeader
 from weightlift.remote.server.server import Server
 
@@ -465,3 +466,58 @@ def test_an_update_to_a_caching_server_fills_what_it_has(tmp_path):
         assert r.cached == 3 and r.bytes_sent == 0
         _holds(srv, v0)
         assert r.set_digest == set_digest(_digests(v0))
+
+
+def test_a_pull_during_updates_holds_one_set(tmp_path):
+    """Each version fills every tensor with one byte: a pulled file with two values mixed sets."""
+    from safetensors.numpy import load_file
+
+    names = [f"t{i}" for i in range(8)]
+    n = 1 << 15
+    with Server() as srv, Client(srv.address, keep_base=True) as writer:
+        writer.push({name: np.full(n, 0, np.uint8) for name in names})
+        stop = threading.Event()
+
+        def updates() -> None:
+            v = 0
+            while not stop.is_set():
+                v = (v + 1) % 250
+                writer.push({name: np.full(n, v, np.uint8) for name in names})
+
+        t = threading.Thread(target=updates, daemon=True)
+        t.start()
+        pulled = 0
+        end = time.monotonic() + 2.0
+        try:
+            with Client(srv.address) as reader:
+                while time.monotonic() < end:
+                    try:
+                        reader.pull(tmp_path / "p.safetensors")
+                    except Exception as e:  # gave up after its attempts: updates came too fast
+                        assert "replaced" in str(e)
+                        continue
+                    got = load_file(str(tmp_path / "p.safetensors"))
+                    values = {int(a[0]) for a in got.values()} | {int(a[-1]) for a in got.values()}
+                    assert len(values) == 1, values
+                    pulled += 1
+        finally:
+            stop.set()
+            t.join(10)
+        assert pulled
+
+
+def test_a_read_naming_an_old_generation_is_stale():
+    with Server() as srv, Client(srv.address) as c:
+        c.push({"x": np.zeros(4, np.uint8)})
+        conn = c.connections[0]
+        gen = srv.generation
+        c.push({"x": np.ones(4, np.uint8)})  # an update: the generation moves on
+        assert srv.generation == gen + 1
+        conn.send(conn.frame(P.Read("x", 0, 4, 0, 0, gen)))
+        with pytest.raises(Replaced, match="replaced"):
+            conn.expect(P.ReadReply)
+        conn.send(conn.frame(P.Read("x", 0, 4, 0, 0, gen + 1)))
+        conn.expect(P.ReadReply)
+        buf = bytearray(4)
+        conn.recv_payload(memoryview(buf))
+        assert bytes(buf) == bytes([1] * 4)

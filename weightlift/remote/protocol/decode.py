@@ -210,7 +210,8 @@ def _dec_read(r: _Reader, lim: _Limits) -> Read:
         raise r.fail(f"bytes [{offset}, {offset + length}) exceed the tensor limit of {lim.max_tensor_bytes}")
     flags = r.unpack(FLAGS_LAYOUT, "READ flags")[0] if r.remaining else 0  # appended in minor 2
     version = r.unpack(DIM_LAYOUT, "READ version")[0] if r.remaining else 0  # appended in minor 2
-    return Read(name, offset, length, flags, version)
+    generation = r.unpack(DIM_LAYOUT, "READ generation")[0] if r.remaining else 0  # appended in minor 3
+    return Read(name, offset, length, flags, version, generation)
 
 
 def _dec_read_reply(r: _Reader, lim: _Limits) -> ReadReply:
@@ -237,11 +238,12 @@ def _dec_list_reply(r: _Reader, lim: _Limits) -> ListReply:
         shape = r.shape(ndims)
         r.sized(dtype, shape, nbytes, MAX_TENSOR_BYTES, f"tensor {name!r}")
         entries.append(ListEntry(name, dtype, shape, nbytes))
-    if r.remaining:  # appended in minor 2: one version per entry
+    if r.remaining and entries:  # appended in minor 2: one version per entry
         entries = [
             ListEntry(e.name, e.dtype, e.shape, e.nbytes, r.unpack(DIM_LAYOUT, "entry version")[0]) for e in entries
         ]
-    return ListReply(tuple(entries), bool(more))
+    generation = r.unpack(DIM_LAYOUT, "LIST_REPLY generation")[0] if r.remaining else 0  # appended in minor 3
+    return ListReply(tuple(entries), bool(more), generation)
 
 
 def _dec_free(r: _Reader, lim: _Limits) -> Free:

@@ -138,6 +138,10 @@ def _enc_have_reply(m: HaveReply, minor: int) -> bytes:
 def _enc_read(m: Read, minor: int) -> bytes:
     name = _name(m.name, "tensor name")
     out = Read.LAYOUT.pack(m.offset, m.length, len(name) - 2) + name[2:]
+    if minor >= 3:
+        return out + FLAGS_LAYOUT.pack(m.flags) + DIM_LAYOUT.pack(m.version) + DIM_LAYOUT.pack(m.generation)
+    if m.generation:
+        _since(minor, 3, "READ generation")
     if minor >= 2:
         return out + FLAGS_LAYOUT.pack(m.flags) + DIM_LAYOUT.pack(m.version)
     if m.flags:
@@ -174,6 +178,8 @@ def _enc_list_reply(m: ListReply, minor: int) -> bytes:
         parts.append(name[2:] + _dims(e.shape))
     if minor >= 2:  # an older peer cannot ask for a version: it is not told them
         parts.extend(DIM_LAYOUT.pack(e.version) for e in m.entries)
+    if minor >= 3:
+        parts.append(DIM_LAYOUT.pack(m.generation))
     return b"".join(parts)
 
 

@@ -353,6 +353,7 @@ class Read(Message):
     length: int
     flags: int = 0  # since minor 2
     version: int = 0  # since minor 2; 0: whichever version is there
+    generation: int = 0  # since minor 3; 0: any; else STALE once another set was switched in
 
 
 @dataclass(frozen=True, slots=True)
@@ -404,6 +405,7 @@ class ListReply(Message):
 
     entries: tuple[ListEntry, ...]
     more: bool = False
+    generation: int = 0  # since minor 3: the store's switches so far, after the versions
 
 
 @dataclass(frozen=True, slots=True)
@@ -549,14 +551,12 @@ class Commit(Message):
     COMMAND = Command.COMMIT
     LAYOUT = struct.Struct("<B")
     FLAG_ABORT: ClassVar[int] = 1
-
     flags: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class CommitReply(Message):
     """What a COMMIT made visible. Wire: LAYOUT(ok, tensors, generation, root, message_len) message.
-
     ``root`` is the set digest (:func:`weightlift.digest.set_digest`) over the names and BLAKE3
     digests of the update's tensors as the server holds them after the switch; ``generation``
     counts the switches of the server's store. ``ok`` false: nothing was switched, ``message``

@@ -300,7 +300,8 @@ class Server:
 
     @property
     def generation(self) -> int:
-        """How many updates (sets switched in at once) the server has made visible."""
+        """The store's generation: 1 at start, one more at each update (a set switched in at once).
+        LIST states it; a READ that names it is STALE once it has moved on (protocol minor 3)."""
         return self._store.generation
 
     @property

@@ -211,7 +211,7 @@ class Store:
         self._held: dict[bytes, str] = {}  # digest -> name of a stored tensor proven to hold those bytes
         self._used = 0
         self._versions = 0  # the last version number given to a published tensor
-        self._generation = 0  # switches so far (an update made visible at once)
+        self._generation = 1  # one more than the switches so far (a READ naming 0 asks for any)
         self._readers = _Readers()
         self._unowned: dict[int, int] = {}  # id -> cost of held tensors that take no weak references
         self._stats = {
@@ -348,7 +348,7 @@ class Store:
 
     @property
     def generation(self) -> int:
-        """How many updates were switched in so far."""
+        """The store's generation: 1, and one more at each update switched in."""
         return self._generation
 
     def reading(self) -> Any:
