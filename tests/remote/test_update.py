@@ -483,6 +483,7 @@ def test_a_pull_during_updates_holds_one_set(tmp_path):
             while not stop.is_set():
                 v = (v + 1) % 250
                 writer.push({name: np.full(n, v, np.uint8) for name in names})
+                time.sleep(0.005)  # room for a pull between two switches, on a loaded machine too
 
         t = threading.Thread(target=updates, daemon=True)
         t.start()
