@@ -39,7 +39,11 @@ def _holds(server: Server, tensors: dict[str, bytes]) -> None:
         assert got[n].tobytes() == b, n
 
 
-@pytest.mark.parametrize("client_minor,server_minor", [(NEW, NEW), (NEW, OLD), (OLD, NEW), (OLD, OLD)])
+# the previous minor's four pairings, and minor 1's with the current one
+PAIRINGS = [(NEW, NEW), (NEW, OLD), (OLD, NEW), (OLD, OLD), (NEW, 1), (1, NEW), (1, OLD)]
+
+
+@pytest.mark.parametrize("client_minor,server_minor", PAIRINGS)
 def test_four_pairings_move_the_same_bytes(tmp_path, client_minor, server_minor):
     path, tensors = _model(tmp_path)
     large = sum(len(b) for n, b in tensors.items() if n.startswith("large"))

@@ -58,15 +58,21 @@ def test_command_values_are_pinned():
         "LIST_REPLY": 0x87,
         "FREE_REPLY": 0x88,
         "BARRIER_REPLY": 0x89,
+        "DELTA": 12,
+        "UPDATE": 13,
+        "COMMIT": 14,
+        "COMMIT_REPLY": 0x8E,
     }
     assert int(Capability.CACHE) == 1 and int(Capability.AUTH) == 2
-    assert int(Capability.VERIFY) == 4 and int(Capability.MAC) == 8
+    assert int(Capability.VERIFY) == 4 and int(Capability.MAC) == 8 and int(Capability.DELTA) == 16
+    assert (P.Delta.FLAG_VERIFY, P.Update.FLAG_IN_PLACE, P.Commit.FLAG_ABORT) == (1, 1, 1)
+    assert [int(e) for e in P.DeltaEncoding] == [0, 1, 2]
     assert (Alloc.FLAG_DIGEST, Alloc.FLAG_VERIFY, Barrier.FLAG_DIGESTS, Read.FLAG_DIGEST) == (1, 2, 1, 1)
     assert [int(c) for c in P.ErrorCode] == [1, 2, 3, 4, 5, 6, 7]
 
 
 def test_versions_and_limits_are_pinned():
-    assert (P.PROTOCOL_MAJOR, P.PROTOCOL_MINOR, P.PREVIOUS_MINOR) == (1, 2, 1)
+    assert (P.PROTOCOL_MAJOR, P.PROTOCOL_MINOR, P.PREVIOUS_MINOR) == (1, 3, 2)
     assert (P.MAX_DIGESTS, P.MAC_SIZE) == (4096, 32)
     assert P.MAX_FRAME == 16 << 20
     assert (P.MAX_NAME, P.MAX_DIMS, P.MAX_TENSORS) == (4096, 64, 65536)
@@ -103,9 +109,13 @@ GOLDEN = [
         Alloc(7, "x", "F32", (), 4, None, True),
         "0200000013000000070000000b0000020400000000000000010078",
     ),
-    (Read("w", 8, 24), "060000001c0000000800000000000000180000000000000001007700" + "0000000000000000"),
-    (Read("w", 0, 4, 1), "060000001c0000000000000000000000040000000000000001007701" + "0000000000000000"),
-    (Read("w", 0, 4, 0, 7), "060000001c0000000000000000000000040000000000000001007700" + "0700000000000000"),
+    (Read("w", 8, 24), "0600000024000000080000000000000018000000000000000100770000000000000000000000000000000000"),
+    (Read("w", 0, 4, 1), "0600000024000000000000000000000004000000000000000100770100000000000000000000000000000000"),
+    (Read("w", 0, 4, 0, 7), "0600000024000000000000000000000004000000000000000100770007000000000000000000000000000000"),
+    (
+        Read("w", 0, 4, 0, 7, 5),
+        "0600000024000000000000000000000004000000000000000100770007000000000000000500000000000000",
+    ),
     (ListRequest("ab"), "070000000400000002006162"),
     (ListRequest(), "07000000020000000000"),
     (Free(("a", "bc")), "080000000b0000000200000001006102006263"),
@@ -121,13 +131,55 @@ GOLDEN = [
     (ReadReply(24, D1), "8600000029000000180000000000000001" + D1.hex()),
     (
         ListReply((ListEntry("a", "I64", (2,), 16),), more=True),
-        "8700000023000000010100000001000d00011000000000000000610200000000000000" + "0000000000000000",
+        "870000002b000000010100000001000d00011000000000000000610200000000000000"
+        + "0000000000000000"
+        + "0000000000000000",
     ),
     (
-        ListReply((ListEntry("a", "I64", (2,), 16, 9),)),
-        "8700000023000000000100000001000d00011000000000000000610200000000000000" + "0900000000000000",
+        ListReply((ListEntry("a", "I64", (2,), 16, 9),), generation=3),
+        "870000002b000000000100000001000d00011000000000000000610200000000000000"
+        + "0900000000000000"
+        + "0300000000000000",
     ),
+    (ListReply((), generation=4), "870000000d00000000000000000400000000000000"),
     (FreeReply(2), "880000000400000002000000"),
+    (
+        P.Delta(5, "w", "BF16", (4,), 8, P.DeltaEncoding.XOR, D1, D2, 10, True),
+        "0c00000064000000"
+        + "05000000"
+        + "0800"
+        + "01"
+        + "02"
+        + "01"
+        + "0800000000000000"
+        + "0a00000000000000"
+        + D1.hex()
+        + D2.hex()
+        + "0100770400000000000000",
+    ),
+    (
+        P.Delta(6, "w", "F32", (), 4, P.DeltaEncoding.SAME, D2, D2, 0),
+        "0c0000005c000000"
+        + "06000000"
+        + "0b00"
+        + "00"
+        + "00"
+        + "00"
+        + "0400000000000000"
+        + "0000000000000000"
+        + D2.hex()
+        + D2.hex()
+        + "010077",
+    ),
+    (P.Update(), "0d0000000100000000"),
+    (P.Update(1), "0d0000000100000001"),
+    (P.Commit(), "0e0000000100000000"),
+    (P.Commit(1), "0e0000000100000001"),
+    (P.CommitReply(True, 3, 7, D1), "8e0000002f00000001030000000700000000000000" + D1.hex() + "0000"),
+    (
+        P.CommitReply(False, 0, 2, bytes(32), "x"),
+        "8e00000030000000" + "00" + "00000000" + "0200000000000000" + bytes(32).hex() + "0100" + "78",
+    ),
     (
         BarrierReply(2, 4096, ("bad",), (5, 6)),
         "8900000025000000020000000010000000000000010000000300626164020000000500000006000000" + "00000000",
@@ -149,6 +201,28 @@ def test_golden_bytes(msg, hexbytes):
     dec.feed(raw)
     assert dec.next_event() == msg
     assert dec.at_boundary or msg.COMMAND in P.PAYLOAD_COMMANDS
+
+
+# READ and LIST_REPLY as minor 2 lays them out, before minor 3 appended the generation
+MINOR_TWO = [
+    (Read("w", 8, 24), "060000001c0000000800000000000000180000000000000001007700" + "0000000000000000"),
+    (Read("w", 0, 4, 0, 7), "060000001c0000000000000000000000040000000000000001007700" + "0700000000000000"),
+    (
+        ListReply((ListEntry("a", "I64", (2,), 16, 9),)),
+        "8700000023000000000100000001000d00011000000000000000610200000000000000" + "0900000000000000",
+    ),
+]
+
+
+@pytest.mark.parametrize("msg,hexbytes", MINOR_TWO)
+def test_minor_two_layouts_are_unchanged(msg, hexbytes):
+    raw = bytes.fromhex(hexbytes)
+    assert send(msg, minor=2) == raw
+    dec = Decoder(our_role="server" if msg.COMMAND in P.CLIENT_COMMANDS else "client", minor=2)
+    dec.feed(raw)
+    assert dec.next_event() == msg  # the generation absent: 0
+    with pytest.raises(LocalProtocolError, match="minor 3"):
+        send(Read("w", 0, 4, 0, 0, 1), minor=2)
 
 
 def test_every_command_has_a_message_type_and_golden_case():

@@ -1,2 +1,3 @@
 """Digests: BLAKE3 hashing (blake), the per-file sidecar cache of digests (sidecar), the manifest a
-user publishes (published), and hashing what a load landed (landed)."""
+user publishes (published), hashing what a load landed (landed), and one digest over a set of
+named tensors (setdigest)."""

@@ -14,21 +14,25 @@ import builtins
 import os
 import ssl
 from collections.abc import Mapping, Sequence
-from typing import overload
+from typing import Any, overload
 
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
 from weightlift.errors import OptionError, StateError
 from weightlift.profile import Profiler
 from weightlift.remote.client.connection import Connection
-from weightlift.remote.client.job import Push, PushResult, strategy
+from weightlift.remote.client.job import PIPELINE, Push, PushResult, strategy
+from weightlift.remote.client.memory import host_bytes, memory_tensors
 from weightlift.remote.client.pull import MAX_LIST_BYTES, MAX_LIST_ENTRIES, Pull, RemoteTensor, listing
 from weightlift.remote.client.servers import Address, address_key, push_each
+from weightlift.remote.client.update import Bases, UpdateSpec, given_bases
 from weightlift.remote.protocol import MAX_TENSORS, PROTOCOL_MINOR, Free, FreeReply, Hello
 from weightlift.remote.transport import TCP, Backend, TlsBackend
 
 __all__ = ["Client", "PushResult", "RemoteTensor", "MAX_LIST_ENTRIES", "MAX_LIST_BYTES"]
 
 Source = str | os.PathLike[str] | Checkpoint
+#: What a push takes from memory: ``{name: numpy array or torch tensor}``.
+Tensors = Mapping[str, Any]
 
 
 class Client:
@@ -44,6 +48,8 @@ class Client:
     ``tls``: a client ``ssl.SSLContext`` (:func:`~weightlift.remote.transport.client_tls_context`)
     to speak TLS to a server started with one; every connection, and every server of
     ``push(to=...)``, uses it.
+    ``keep_base``: keep a host copy of every tensor pushed from memory (one more copy of them),
+    so that the next push of those tensors sends only what changed (see :meth:`push`).
     """
 
     def __init__(
@@ -57,6 +63,7 @@ class Client:
         protocol_minor: int = PROTOCOL_MINOR,
         backend: Backend = TCP,
         tls: ssl.SSLContext | None = None,
+        keep_base: bool = False,
     ):
         if tls is not None:
             if backend is not TCP:
@@ -76,6 +83,7 @@ class Client:
         self.profiler = profile if isinstance(profile, Profiler) else Profiler(profile)
         # A profiler of our own reports one push at a time; one passed in accumulates as its owner wishes.
         self._own_profiler = not isinstance(profile, Profiler)
+        self.bases: Bases | None = Bases() if keep_base else None  # what this client last pushed from memory
         self._conns: list[Connection] = [self._connect()]
 
     def _connect(self) -> Connection:
@@ -129,12 +137,14 @@ class Client:
     @overload
     def push(
         self,
-        source: Source,
+        source: Source | Tensors,
         *,
         select: Select = None,
         hash_threshold: int | None = None,
         verify: bool = False,
         to: None = None,
+        base: Tensors | None = None,
+        in_place: bool = False,
     ) -> PushResult: ...
 
     @overload
@@ -150,14 +160,26 @@ class Client:
 
     def push(
         self,
-        source: Source,
+        source: Source | Tensors,
         *,
         select: Select = None,
         hash_threshold: int | None = None,
         verify: bool = False,
         to: Mapping[Address, Select] | Sequence[Address] | None = None,
+        base: Tensors | None = None,
+        in_place: bool = False,
     ) -> PushResult | dict[str, PushResult]:
-        """Send the selected tensors of a checkpoint to the server; returns when all have landed.
+        """Send the selected tensors of a checkpoint, or of ``{name: array or tensor}``, to the
+        server; returns when all have landed.
+
+        **From memory** (numpy arrays, torch tensors; CUDA ones staged through host memory), each
+        tensor goes from its own memory, with the same ``select``, ``verify``, token and MAC. To a
+        server of protocol minor 3 it is an update (:mod:`~weightlift.remote.client.update`): all
+        visible at once or not at all, proven by the server's set digest (``PushResult.set_digest``,
+        IntegrityError if it differs), and a tensor whose previous version the client has
+        (``Client(keep_base=True)``, or ``base={name: previous}``) sent as what changed.
+        ``in_place``: the server applies the changes into the tensors' own memory at the switch
+        (no second copy; readers wait while it runs) instead of into new memory as they arrive.
 
         ``hash_threshold``: tensors of at least this many bytes are hashed and asked about when
         the server keeps a cache (default :data:`~weightlift.digest.blake.HASH_THRESHOLD`).
@@ -176,6 +198,14 @@ class Client:
         push reports what the server received, not that the bytes are right: on a connection
         without a token, bytes changed in flight are stored and the push succeeds.
         """
+        if isinstance(source, Mapping):
+            if to is not None:
+                raise OptionError(
+                    "push(to=...) takes a checkpoint; push tensors from memory to each server's own client"
+                )
+            return self._push_memory(source, select, hash_threshold, verify, base, in_place)
+        if base is not None or in_place:
+            raise OptionError("push(base=..., in_place=...) apply to tensors pushed from memory")
         if to is not None:
             return self._push_to(source, select, to, hash_threshold=hash_threshold, verify=verify)
         ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
@@ -204,6 +234,46 @@ class Client:
             if not job.settled:
                 self.close()
             raise
+
+    def _push_memory(
+        self,
+        tensors: Tensors,
+        select: Select,
+        hash_threshold: int | None,
+        verify: bool,
+        base: Tensors | None,
+        in_place: bool,
+    ) -> PushResult:
+        infos = memory_tensors(tensors, select)
+        conn = self._conn()
+        spec = None
+        if conn.session.update:
+            bases = given_bases(base) if base is not None else (self.bases if self.bases is not None else {})
+            spec = UpdateSpec(bases, in_place=in_place, delta=conn.session.delta)
+        if self._own_profiler:
+            self.profiler.reset()
+        job = Push(
+            infos,
+            [conn],
+            where=address_key(self.address),
+            how=PIPELINE,  # the naive arm reads files only
+            profiler=self.profiler,
+            hash_threshold=hash_threshold,
+            verify=verify,
+            update=spec,
+        )
+        try:
+            result = job.run()
+        except BaseException:
+            if not job.settled:
+                self.close()
+            if self.bases is not None:
+                self.bases.forget()  # the server holds some version of each: none is a sure base
+            raise
+        if self.bases is not None and spec is not None:
+            for t in infos:
+                self.bases.record(t.name, t.dtype, t.shape, spec.digests[t.name], host_bytes(t))
+        return result
 
     def _push_to(
         self,

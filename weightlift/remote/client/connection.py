@@ -138,6 +138,7 @@ class Connection:
         self.mac_out: FrameMac | None = None  # set once READY on a protected connection
         self.mac_in: FrameMac | None = None
         self._payload_until = 0.0  # when the payload of the last reply is due (with a timeout)
+        self.listed_generations: list[int] = []  # what each page of the last listing stated (minor 3)
         try:
             # every send, sendfile and receive from here on waits at most ``timeout`` seconds
             stream.set_io_timeout(timeout)

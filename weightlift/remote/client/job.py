@@ -24,6 +24,7 @@ plans, the hashing beside it, the senders and their tally.
 
 from __future__ import annotations
 
+import builtins
 import threading
 import time
 from collections.abc import Iterable
@@ -38,6 +39,7 @@ from weightlift.profile import Profiler
 from weightlift.remote.client.connection import Connection
 from weightlift.remote.client.naive import NaivePusher
 from weightlift.remote.client.push import Hashing, Plan, Pusher, Tally, balance, wire_form
+from weightlift.remote.client.update import UpdatePusher, UpdateSpec
 
 __all__ = ["PushResult", "Strategy", "PIPELINE", "NAIVE", "strategy", "Push"]
 
@@ -47,7 +49,10 @@ class PushResult:
     """What a push did. ``bytes``: tensor bytes now on the server; ``bytes_sent``: payload that
     crossed the wire; ``bytes_hashed``: bytes hashed by this push; ``cached``: tensors the server
     filled from its cache; ``profile``: the profiler report when profiling was on; ``verified``:
-    tensors proven to be on the server as they are in the file (``verify=True``)."""
+    tensors proven to be on the server as they are in the file (``verify=True``); ``deltas``:
+    tensors of an update sent as what changed; ``set_digest``: the digest over the whole set an
+    update switched in (:func:`weightlift.digest.setdigest.set_digest`), the server's and the
+    client's alike."""
 
     tensors: int
     bytes: int
@@ -57,6 +62,8 @@ class PushResult:
     seconds: float
     profile: dict[str, Any] | None = None
     verified: int = 0  # tensors whose digest the server reported and the client matched (verify=True)
+    deltas: int = 0  # tensors sent as a DELTA against the version the server held (an update)
+    set_digest: builtins.bytes | None = None  # an update's set digest, stated by the server and matched by the client
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,6 +108,7 @@ class Push:
         profiler: Profiler,
         hash_threshold: int | None = None,
         verify: bool = False,
+        update: UpdateSpec | None = None,
     ):
         if verify and not all(c.verify for c in conns):
             raise LocalProtocolError(
@@ -113,7 +121,10 @@ class Push:
         self.how = how
         self.prof = profiler
         self.threshold = how.hash_threshold if hash_threshold is None else hash_threshold
-        self.verify = verify
+        self.verify = verify or update is not None  # an update proves every tensor (see update)
+        self.update = update  # an update (tensors from memory, minor 3): one connection, UPDATE to COMMIT
+        if update is not None:
+            self.conns = conns[:1]
         self.tally = Tally()
         self.senders: list[Pusher] = []
 
@@ -132,12 +143,13 @@ class Push:
             enabled=self.how.hash_ahead and self.conns[0].cache,
             verify=self.verify,
         )
+        sender = self.how.sender if self.update is None else UpdatePusher
         self.senders = [
-            self.how.sender(
-                c, prof=self.prof, tally=self.tally, hashing=hashing, threshold=self.threshold, verify=self.verify
-            )
+            sender(c, prof=self.prof, tally=self.tally, hashing=hashing, threshold=self.threshold, verify=self.verify)
             for c in self.conns
         ]
+        if self.update is not None:
+            self.senders[0].spec = self.update  # type: ignore[attr-defined]
         ok = False
         try:
             self._send(balance(self.plans, len(self.conns)))
@@ -160,6 +172,8 @@ class Push:
             seconds,
             self.prof.report() if self.prof.enabled else None,
             tally.verified,
+            tally.deltas,
+            self.update.root if self.update is not None else None,
         )
 
     def _send(self, groups: list[list[Plan]]) -> None:

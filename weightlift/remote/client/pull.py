@@ -4,7 +4,9 @@ A pull lists the server's tensors (LIST, page by page, bounded in entries and by
 out back to back behind one header, and READs each into its place in the file's mapping, a
 window of READs in flight. Since protocol 1.2 each READ names the version LIST stated, so a
 tensor replaced in between is refused as STALE and read again as its new version when its
-layout is the same, or the pull starts over. With ``verify`` the server states each tensor's
+layout is the same, or the pull starts over. Since 1.3 LIST states the server's generation
+and each READ names it too: once an update is switched in (a whole set at once) every READ is
+STALE and the pull starts over, so a file holds one set, never part of two. With ``verify`` the server states each tensor's
 digest and the bytes are hashed as they land, a piece at a time while the piece is hot.
 
 The file is written where nobody else chose: an exclusive temporary file of an unpredictable
@@ -69,15 +71,18 @@ class RemoteTensor(NamedTuple):
 
 def listing(conn: Connection) -> list[ListEntry]:
     """LIST, page by page: every complete tensor in name order, with its version (minor 2; else 0).
+    ``conn.listed_generations`` holds the generation each page stated (minor 3; else 0).
 
     RemoteProtocolError if the pages go out of order (else a server could repeat them forever)
     or the listing passes :data:`MAX_LIST_ENTRIES` entries or :data:`MAX_LIST_BYTES` bytes."""
     out: list[ListEntry] = []
     after = ""
     size = 0
+    conn.listed_generations = generations = []
     while True:
         conn.send(conn.frame(ListRequest(after)))
         page: ListReply = conn.expect(ListReply)
+        generations.append(page.generation)
         prev = after
         for e in page.entries:  # name order, each page after the last
             if (out or prev) and e.name <= prev:
@@ -114,6 +119,7 @@ class Pull:
         self.conn, self.path, self.where = conn, os.fspath(path), where
         self.verify, self.protected = verify, protected
         self.settled = True
+        self.generation = 0  # the server's generation as listed: a set switched in after makes READs STALE
 
     def run(self) -> list[RemoteTensor]:
         """Write the file; returns its tensors. A pull that keeps finding tensors replaced under
@@ -135,6 +141,10 @@ class Pull:
         (each tensor in the file is then whole, as some version was); one replaced by another
         layout raises Replaced, and no file is written."""
         listed = listing(self.conn)
+        gens = self.conn.listed_generations
+        if len(set(gens)) > 1:
+            raise Replaced("an update was switched in while the tensors were listed")
+        self.generation = gens[0] if gens else 0  # minor 3: every READ names it
         entries = [RemoteTensor(e.name, e.dtype, e.shape, e.nbytes) for e in listed]
         header, offsets = build_header([(e.name, e.dtype, e.shape, e.nbytes) for e in entries])
         if len(header) - PREFIX_SIZE > MAX_HEADER_SIZE:  # neither weightlift nor safetensors would open it
@@ -192,11 +202,14 @@ class Pull:
     def _read_current(self, listed: list[ListEntry], starts: list[int], mm: mmap.mmap | None) -> list[str]:
         """READ every listed tensor; those replaced since by the same layout are read again as
         their new version. Returns the names that differ from their stated digest (``verify``)."""
-        differ, stale = read_tensors(self.conn, listed, starts, mm, self.verify)
+        differ, stale = read_tensors(self.conn, listed, starts, mm, self.verify, self.generation)
         for _ in range(PULL_ATTEMPTS):
             if not stale:
                 return differ
             now = {e.name: e for e in listing(self.conn)}
+            if self.generation and any(g != self.generation for g in self.conn.listed_generations):
+                # an update switched in: what was read is of the old set, so all of it goes again
+                raise Replaced("an update was switched in while the tensors were read")
             again = [now.get(listed[i].name) for i in stale]
             moved = [
                 listed[i].name
@@ -206,7 +219,12 @@ class Pull:
             if moved:
                 raise Replaced(", ".join(map(repr, moved)) + " replaced by another layout since listed")
             more, stale_again = read_tensors(
-                self.conn, [e for e in again if e is not None], [starts[i] for i in stale], mm, self.verify
+                self.conn,
+                [e for e in again if e is not None],
+                [starts[i] for i in stale],
+                mm,
+                self.verify,
+                self.generation,
             )
             differ += more
             stale = [stale[k] for k in stale_again]
@@ -221,13 +239,15 @@ def read_tensors(
     starts: list[int],
     mm: mmap.mmap | None,
     verify: bool = False,
+    generation: int = 0,
 ) -> tuple[list[str], list[int]]:
     """READ every entry into its place in ``mm``; with ``verify`` each is hashed as it lands,
     a piece at a time while the piece is hot, and the names that differ are returned.
 
     Each READ asks for the version listed; the positions in ``entries`` of those the server
     answers were replaced since are returned beside the names that differ, their bytes not
-    read."""
+    read. A non-zero ``generation`` (minor 3) makes every READ STALE once another set was
+    switched in since the listing."""
     view = memoryview(mm) if mm is not None else memoryview(b"")
     flags = Read.FLAG_DIGEST if verify else 0
     differ: list[str] = []
@@ -238,7 +258,8 @@ def read_tensors(
         for i, e in enumerate(entries):
             while sent < len(entries) and sent < i + READ_WINDOW:
                 x = entries[sent]
-                conn.send(conn.frame(Read(x.name, 0, x.nbytes, flags, x.version if conn.minor >= 2 else 0)))
+                version = x.version if conn.minor >= 2 else 0
+                conn.send(conn.frame(Read(x.name, 0, x.nbytes, flags, version, generation if conn.minor >= 3 else 0)))
                 sent += 1
             try:
                 reply: ReadReply = conn.expect(ReadReply)

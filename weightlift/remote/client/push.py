@@ -13,7 +13,7 @@ import os
 import threading
 from collections import Counter, deque
 from concurrent.futures import Future
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from weightlift.digest.blake import DigestPool
 from weightlift.digest.sidecar import hash_tensors
@@ -26,6 +26,7 @@ from weightlift.errors import (
 from weightlift.formats import TensorInfo
 from weightlift.profile import Profiler
 from weightlift.remote.client.connection import Connection, printable
+from weightlift.remote.client.memory import host_bytes, is_memory
 from weightlift.remote.protocol import (
     MAX_DIGESTS,
     Alloc,
@@ -82,7 +83,7 @@ def wire_form(t: TensorInfo) -> Plan:
 class Tally:
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.tensors = self.bytes = self.sent = self.hashed = self.cached = self.verified = 0
+        self.tensors = self.bytes = self.sent = self.hashed = self.cached = self.verified = self.deltas = 0
         self.differ: list[str] = []  # verified tensors whose server digest is not the file's
 
     def mismatch(self, what: str) -> None:
@@ -116,11 +117,14 @@ class Hashing:
         wanted = [p.info for p in plans] if verify else chosen
         if wanted:
             self._pool = DigestPool(max(1, min(4, (os.cpu_count() or 2) // 2)), profiler=prof)
-            self.all = hash_tensors(wanted, view=self._view, pool=self._pool, threshold=0)
+            files = not any(is_memory(t) for t in wanted)  # tensors in memory have no sidecar
+            self.all = hash_tensors(wanted, view=self._view, pool=self._pool, threshold=0, manifests=files)
             self.futures = {t.name: self.all[t.name] for t in chosen}
 
-    def _view(self, t: TensorInfo) -> memoryview:
+    def _view(self, t: TensorInfo) -> Any:
         self.hashed_bytes += t.length
+        if is_memory(t):
+            return host_bytes(t)
         return mapped(t.file).view(t.offset, t.length)
 
     def close(self, *, ok: bool) -> None:
@@ -166,12 +170,14 @@ class Pusher:
         # tensors FILLed from the server's cache since the last BARRIER: the only ones its reply
         # may ask for again (each once), so a server cannot make this push send more than it holds
         self.filled: dict[int, Plan] = {}
+        self.delta_ids: set[int] = set()  # those of them sent as a DELTA (the rest FILLed)
         self.ahead: dict[int, int] = {}  # tensors ALLOCated ahead of their WRITE: id(plan) -> tensor id
         self.ahead_bytes = 0
         self.settled = True  # False while frames are out that no BARRIER reply has answered
 
     def run(self, plans: list[Plan]) -> None:
-        self.settled = not plans
+        if plans:
+            self.settled = False
         futures = self.hashing.futures
         small = deque(p for p in plans if p.info.name not in futures)
         large = deque(p for p in plans if p.info.name in futures)
@@ -284,6 +290,13 @@ class Pusher:
             return
         head += self.conn.frame(WriteHeader(tid, 0, t.length))
         with self.prof.phase("wire", t.length, name=t.name):
+            if is_memory(t):  # the tensor's own memory, handed to sendmsg after the headers
+                data = host_bytes(t).data
+                self.conn.send(head, data, self.conn.payload_tag(data))
+                self._completed(tid, p)
+                self.prof.count(tensors=1, calls=2, nbytes=t.length)
+                self.tally.add(tensors=1, bytes=t.length, sent=t.length)
+                return
             m = mapped(t.file)
             # on a protected connection the WRITE's tag covers the payload: hashed from the mapping
             # (which also brings its pages in for sendfile), sent right after it
@@ -346,9 +359,13 @@ class Pusher:
                         self.tally.mismatch(f"{q.info.name!r} (the server reported no digest)")
                     self.unverified.clear()
                 return
-            for tid, p in again:  # a cache entry failed its check on the server: send the bytes
-                self.tally.add(tensors=-1, bytes=-p.info.length, cached=-1)
+            for tid, p in again:  # a cache entry failed its check, or a DELTA's base is not there: send the bytes
+                if tid in self.delta_ids:
+                    self.tally.add(tensors=-1, bytes=-p.info.length, deltas=-1)
+                else:
+                    self.tally.add(tensors=-1, bytes=-p.info.length, cached=-1)
                 self._send(p, None, tid)
+            self.delta_ids.clear()
         raise RemoteProtocolError("server keeps asking for tensors again")
 
     def _again(self, need: tuple[int, ...]) -> list[tuple[int, Plan]]:

@@ -49,6 +49,9 @@ from weightlift.remote.protocol.messages import (
     BarrierReply,
     Bye,
     Command,
+    Commit,
+    CommitReply,
+    Delta,
     Error,
     FillFromCache,
     Free,
@@ -62,6 +65,7 @@ from weightlift.remote.protocol.messages import (
     Message,
     Read,
     ReadReply,
+    Update,
     WriteHeader,
 )
 
@@ -206,7 +210,8 @@ def _dec_read(r: _Reader, lim: _Limits) -> Read:
         raise r.fail(f"bytes [{offset}, {offset + length}) exceed the tensor limit of {lim.max_tensor_bytes}")
     flags = r.unpack(FLAGS_LAYOUT, "READ flags")[0] if r.remaining else 0  # appended in minor 2
     version = r.unpack(DIM_LAYOUT, "READ version")[0] if r.remaining else 0  # appended in minor 2
-    return Read(name, offset, length, flags, version)
+    generation = r.unpack(DIM_LAYOUT, "READ generation")[0] if r.remaining else 0  # appended in minor 3
+    return Read(name, offset, length, flags, version, generation)
 
 
 def _dec_read_reply(r: _Reader, lim: _Limits) -> ReadReply:
@@ -233,11 +238,12 @@ def _dec_list_reply(r: _Reader, lim: _Limits) -> ListReply:
         shape = r.shape(ndims)
         r.sized(dtype, shape, nbytes, MAX_TENSOR_BYTES, f"tensor {name!r}")
         entries.append(ListEntry(name, dtype, shape, nbytes))
-    if r.remaining:  # appended in minor 2: one version per entry
+    if r.remaining and entries:  # appended in minor 2: one version per entry
         entries = [
             ListEntry(e.name, e.dtype, e.shape, e.nbytes, r.unpack(DIM_LAYOUT, "entry version")[0]) for e in entries
         ]
-    return ListReply(tuple(entries), bool(more))
+    generation = r.unpack(DIM_LAYOUT, "LIST_REPLY generation")[0] if r.remaining else 0  # appended in minor 3
+    return ListReply(tuple(entries), bool(more), generation)
 
 
 def _dec_free(r: _Reader, lim: _Limits) -> Free:
@@ -260,6 +266,23 @@ def _dec_barrier_reply(r: _Reader, lim: _Limits) -> BarrierReply:
         raw = r.take(n * BARRIER_DIGEST_LAYOUT.size, "digest list")
         digests = tuple((i, bytes(d)) for i, d in BARRIER_DIGEST_LAYOUT.iter_unpack(raw))
     return BarrierReply(tensors, nbytes, errors, need, digests)
+
+
+def _dec_delta(r: _Reader, lim: _Limits) -> Delta:
+    tid, code, ndims, encoding, flags, nbytes, length, base, digest, name_len = r.unpack(Delta.LAYOUT, "DELTA head")
+    dtype = r.dtype(code)
+    name = r.text(name_len, MAX_NAME, "tensor name")
+    shape = r.shape(ndims)
+    r.sized(dtype, shape, nbytes, lim.max_tensor_bytes, f"tensor {name!r}")
+    if length > lim.max_tensor_bytes:
+        raise r.fail(f"{length} payload bytes exceed the tensor limit of {lim.max_tensor_bytes}")
+    verify = bool(flags & Delta.FLAG_VERIFY)
+    return Delta(tid, name, dtype, shape, nbytes, encoding, bytes(base), bytes(digest), length, verify)
+
+
+def _dec_commit_reply(r: _Reader, lim: _Limits) -> CommitReply:
+    ok, tensors, generation, root, n = r.unpack(CommitReply.LAYOUT, "COMMIT_REPLY head")
+    return CommitReply(bool(ok), tensors, generation, bytes(root), r.text(n, MAX_MESSAGE, "message", empty_ok=True))
 
 
 def _dec_error(r: _Reader, lim: _Limits) -> Error:
@@ -291,6 +314,10 @@ _DECODERS: dict[Command, Callable[[_Reader, _Limits], Message]] = {
     Command.BARRIER_REPLY: _dec_barrier_reply,
     Command.ERROR: _dec_error,
     Command.BYE: lambda r, lim: Bye(),
+    Command.DELTA: _dec_delta,
+    Command.UPDATE: lambda r, lim: Update(*r.unpack(Update.LAYOUT, "UPDATE flags")),
+    Command.COMMIT: lambda r, lim: Commit(*r.unpack(Commit.LAYOUT, "COMMIT flags")),
+    Command.COMMIT_REPLY: _dec_commit_reply,
 }
 
 

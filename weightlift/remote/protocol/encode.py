@@ -42,6 +42,9 @@ from weightlift.remote.protocol.messages import (
     Barrier,
     BarrierReply,
     Bye,
+    Commit,
+    CommitReply,
+    Delta,
     Error,
     FillFromCache,
     Free,
@@ -55,6 +58,7 @@ from weightlift.remote.protocol.messages import (
     Message,
     Read,
     ReadReply,
+    Update,
     WriteHeader,
 )
 
@@ -134,6 +138,10 @@ def _enc_have_reply(m: HaveReply, minor: int) -> bytes:
 def _enc_read(m: Read, minor: int) -> bytes:
     name = _name(m.name, "tensor name")
     out = Read.LAYOUT.pack(m.offset, m.length, len(name) - 2) + name[2:]
+    if minor >= 3:
+        return out + FLAGS_LAYOUT.pack(m.flags) + DIM_LAYOUT.pack(m.version) + DIM_LAYOUT.pack(m.generation)
+    if m.generation:
+        _since(minor, 3, "READ generation")
     if minor >= 2:
         return out + FLAGS_LAYOUT.pack(m.flags) + DIM_LAYOUT.pack(m.version)
     if m.flags:
@@ -170,6 +178,8 @@ def _enc_list_reply(m: ListReply, minor: int) -> bytes:
         parts.append(name[2:] + _dims(e.shape))
     if minor >= 2:  # an older peer cannot ask for a version: it is not told them
         parts.extend(DIM_LAYOUT.pack(e.version) for e in m.entries)
+    if minor >= 3:
+        parts.append(DIM_LAYOUT.pack(m.generation))
     return b"".join(parts)
 
 
@@ -200,6 +210,22 @@ def _enc_barrier_reply(m: BarrierReply, minor: int) -> bytes:
     return out
 
 
+def _enc_delta(m: Delta, minor: int) -> bytes:
+    if any(d < 0 for d in m.shape) or m.nbytes < 0 or m.length < 0:
+        raise LocalProtocolError(f"DELTA {m.name!r}: negative shape {m.shape}, size or length")
+    name = _name(m.name, "tensor name")
+    flags = Delta.FLAG_VERIFY if m.verify else 0
+    head = (m.tensor_id, _code(m.dtype), len(m.shape), m.encoding, flags, m.nbytes, m.length)
+    digests = (_digest(m.base, "DELTA base digest"), _digest(m.digest, "DELTA digest"))
+    return Delta.LAYOUT.pack(*head, *digests, len(name) - 2) + name[2:] + _dims(m.shape)
+
+
+def _enc_commit_reply(m: CommitReply, minor: int) -> bytes:
+    raw = _text(m.message)[NAME_LAYOUT.size :]
+    root = _digest(m.root, "COMMIT_REPLY root")
+    return CommitReply.LAYOUT.pack(1 if m.ok else 0, m.tensors, m.generation, root, len(raw)) + raw
+
+
 def _enc_error(m: Error, minor: int) -> bytes:
     raw = _text(m.message)[NAME_LAYOUT.size :]
     return Error.LAYOUT.pack(m.code, len(raw)) + raw
@@ -223,6 +249,10 @@ _ENCODERS: dict[type, Callable[[Any, int], bytes]] = {
     BarrierReply: _enc_barrier_reply,
     Error: _enc_error,
     Bye: lambda m, minor: b"",
+    Delta: _enc_delta,
+    Update: lambda m, minor: Update.LAYOUT.pack(m.flags),
+    Commit: lambda m, minor: Commit.LAYOUT.pack(m.flags),
+    CommitReply: _enc_commit_reply,
 }
 
 

@@ -89,6 +89,11 @@ __all__ = [
     "BarrierReply",
     "Error",
     "Bye",
+    "Delta",
+    "DeltaEncoding",
+    "Update",
+    "Commit",
+    "CommitReply",
     "MESSAGE_TYPES",
     "HELLO_LAYOUT",
     "HELLO_LAYOUT_PREVIOUS",
@@ -98,9 +103,11 @@ PROTOCOL_MAJOR = 1
 # Minor 1 added the content cache (HAVE, FILL_FROM_CACHE, the CACHE flag, BARRIER_REPLY's need
 # list) and HELLO's max_memory. Minor 2 added verification (ALLOC's VERIFY flag, BARRIER's flags
 # and BARRIER_REPLY's digests, READ's flags and READ_REPLY's digest) and, on a connection with a
-# token, a MAC after every frame (see ``weightlift.remote.protocol.mac``).
-PROTOCOL_MINOR = 2
-PREVIOUS_MINOR = 1
+# token, a MAC after every frame (see ``weightlift.remote.protocol.mac``). Minor 3 added weight
+# updates: DELTA (a tensor sent as what changed against a base the server holds, the DELTA flag),
+# UPDATE and COMMIT (a set of tensors made visible at once) and COMMIT_REPLY (the set's digest).
+PROTOCOL_MINOR = 3
+PREVIOUS_MINOR = 2
 
 # Limits checked by the decoder before anything is allocated from a length on the wire.
 MAX_FRAME = 16 * 1024 * 1024  # body bytes of one frame (payloads are not frames)
@@ -143,16 +150,21 @@ class Command(IntEnum):
     BARRIER = 9
     BYE = 10
     ERROR = 11  # server -> client
+    DELTA = 12  # minor 3
+    UPDATE = 13  # minor 3
+    COMMIT = 14  # minor 3
     HAVE_REPLY = 0x84
     READ_REPLY = 0x86
     LIST_REPLY = 0x87
     FREE_REPLY = 0x88
     BARRIER_REPLY = 0x89
+    COMMIT_REPLY = 0x8E  # minor 3
 
 
 # The minor that introduced each command; a peer speaking an older minor never sees it.
 COMMAND_SINCE: dict[Command, int] = {c: 0 for c in Command}
 COMMAND_SINCE.update({Command.HAVE: 1, Command.FILL_FROM_CACHE: 1, Command.HAVE_REPLY: 1})
+COMMAND_SINCE.update({Command.DELTA: 3, Command.UPDATE: 3, Command.COMMIT: 3, Command.COMMIT_REPLY: 3})
 
 CLIENT_COMMANDS = frozenset(
     {
@@ -167,6 +179,9 @@ CLIENT_COMMANDS = frozenset(
         Command.FREE,
         Command.BARRIER,
         Command.BYE,
+        Command.DELTA,
+        Command.UPDATE,
+        Command.COMMIT,
     }
 )
 SERVER_COMMANDS = frozenset(
@@ -179,9 +194,10 @@ SERVER_COMMANDS = frozenset(
         Command.LIST_REPLY,
         Command.FREE_REPLY,
         Command.BARRIER_REPLY,
+        Command.COMMIT_REPLY,
     }
 )
-PAYLOAD_COMMANDS = frozenset({Command.WRITE, Command.READ_REPLY})
+PAYLOAD_COMMANDS = frozenset({Command.WRITE, Command.READ_REPLY, Command.DELTA})
 
 
 class Capability(IntFlag):
@@ -191,6 +207,7 @@ class Capability(IntFlag):
     AUTH = 2  # the server wants AUTH before anything else
     VERIFY = 4  # (minor 2) the server hashes ALLOCs flagged VERIFY and reports their digests
     MAC = 8  # (minor 2) after AUTH every frame carries a MAC; implied by minor 2 and a token
+    DELTA = 16  # (minor 3) the server applies DELTA frames (else it answers each with "need")
 
 
 class ErrorCode(IntEnum):
@@ -336,6 +353,7 @@ class Read(Message):
     length: int
     flags: int = 0  # since minor 2
     version: int = 0  # since minor 2; 0: whichever version is there
+    generation: int = 0  # since minor 3; 0: any; else STALE once another set was switched in
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,6 +405,7 @@ class ListReply(Message):
 
     entries: tuple[ListEntry, ...]
     more: bool = False
+    generation: int = 0  # since minor 3: the store's switches so far, after the versions
 
 
 @dataclass(frozen=True, slots=True)
@@ -476,6 +495,83 @@ class Bye(Message):
     LAYOUT = struct.Struct("<")
 
 
+class DeltaEncoding(IntEnum):
+    """How a DELTA's payload encodes the new tensor against its base (see ``weightlift.remote.delta``)."""
+
+    SAME = 0  # the tensor is its base: no payload
+    SPARSE = 1  # per chunk: the changed elements' positions and new values, zstd-compressed
+    XOR = 2  # per chunk: the new bytes XOR the base's, zstd-compressed
+
+
+@dataclass(frozen=True, slots=True)
+class Delta(Message):
+    """A tensor sent as what changed against a base the server holds; ``length`` payload bytes follow.
+
+    Wire: LAYOUT(id, dtype code, ndims, encoding, flags, nbytes, length, base, digest, name_len)
+    name dims payload. An ALLOC whose bytes are the stored ``name`` (hashing to ``base``, of this
+    dtype and shape) with the payload applied, which must hash to ``digest``; a server without
+    that base allocates it and lists the id in BARRIER_REPLY's need (the client WRITEs it whole).
+    ``verify`` (flags&1): as ALLOC's."""
+
+    COMMAND = Command.DELTA
+    LAYOUT = struct.Struct("<IHBBBQQ32s32sH")
+    HAS_PAYLOAD = True
+    FLAG_VERIFY: ClassVar[int] = 1
+
+    tensor_id: int
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    encoding: int
+    base: bytes
+    digest: bytes
+    length: int
+    verify: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Update(Message):
+    """Open an update: tensors completing from now on stay invisible until COMMIT shows them all
+    at once. Wire: flags:u8; flags&1 (IN_PLACE): DELTAs are applied into their bases' own memory
+    at COMMIT (no second copy; readers wait meanwhile), not into a copy as they arrive."""
+
+    COMMAND = Command.UPDATE
+    LAYOUT = struct.Struct("<B")
+    FLAG_IN_PLACE: ClassVar[int] = 1
+
+    flags: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Commit(Message):
+    """End the open update: publish every tensor it holds at once (flags&1, ABORT: drop them,
+    leaving what was visible as it was). Answered by COMMIT_REPLY after every earlier frame."""
+
+    COMMAND = Command.COMMIT
+    LAYOUT = struct.Struct("<B")
+    FLAG_ABORT: ClassVar[int] = 1
+    flags: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CommitReply(Message):
+    """What a COMMIT made visible. Wire: LAYOUT(ok, tensors, generation, root, message_len) message.
+    ``root`` is the set digest (:func:`weightlift.digest.set_digest`) over the names and BLAKE3
+    digests of the update's tensors as the server holds them after the switch; ``generation``
+    counts the switches of the server's store. ``ok`` false: nothing was switched, ``message``
+    says why."""
+
+    COMMAND = Command.COMMIT_REPLY
+    LAYOUT = struct.Struct("<BIQ32sH")
+
+    ok: bool
+    tensors: int
+    generation: int
+    root: bytes
+    message: str = ""
+
+
 MESSAGE_TYPES: dict[Command, type[Message]] = {
     m.COMMAND: m
     for m in (
@@ -496,5 +592,9 @@ MESSAGE_TYPES: dict[Command, type[Message]] = {
         BarrierReply,
         Error,
         Bye,
+        Delta,
+        Update,
+        Commit,
+        CommitReply,
     )
 }

@@ -9,7 +9,7 @@ no I/O: the caller moves the bytes (:mod:`weightlift.remote.transport`), so the 
 runs over any stream and back to back in memory in the tests.
 
 What a minor version enables is said once, here (:func:`cache_usable`, :func:`verify_usable`,
-:func:`mac_usable`), and both ends ask.
+:func:`mac_usable`, :func:`update_usable`), and both ends ask.
 """
 
 from __future__ import annotations
@@ -33,10 +33,24 @@ from weightlift.remote.protocol.messages import (
     Message,
 )
 
-__all__ = ["SessionState", "ServerSession", "ClientSession", "cache_usable", "verify_usable", "mac_usable"]
+__all__ = [
+    "SessionState",
+    "ServerSession",
+    "ClientSession",
+    "cache_usable",
+    "verify_usable",
+    "mac_usable",
+    "update_usable",
+]
 
 VERIFY_SINCE = 2  # ALLOC's VERIFY flag, BARRIER_REPLY's digests, READ_REPLY's digest
 MAC_SINCE = 2  # a MAC after every frame once a token was proven
+UPDATE_SINCE = 3  # DELTA, UPDATE, COMMIT
+
+
+def update_usable(minor: int) -> bool:
+    """Whether a connection that speaks ``minor`` can send DELTA, UPDATE and COMMIT."""
+    return minor >= UPDATE_SINCE
 
 
 def cache_usable(minor: int) -> bool:
@@ -144,6 +158,8 @@ class ClientSession:
         self.max_frame = MAX_FRAME  # what the server accepts, once it said so
         self.cache = False  # the server keeps a cache this connection can use
         self.verify = False  # the server reports digests of what it stored (minor 2)
+        self.update = False  # the server takes UPDATE and COMMIT (minor 3)
+        self.delta = False  # ... and applies DELTA frames (its DELTA flag)
         self.hello: Hello | None = None  # the HELLO we sent
         self.server: Hello | None = None
         self._token = token
@@ -169,6 +185,8 @@ class ClientSession:
         # A server of an older minor cannot have a cache we can use, whatever its flag byte says.
         self.cache = hello.has(Capability.CACHE) and cache_usable(self.minor)
         self.verify = verify_usable(self.minor)
+        self.update = update_usable(self.minor)
+        self.delta = self.update and hello.has(Capability.DELTA)
         if hello.has(Capability.AUTH):
             if self._token is None:
                 self.state = SessionState.CLOSED

@@ -29,6 +29,7 @@ from typing import Any
 
 from weightlift.errors import AuthError, RemoteProtocolError, TransportError, WeightliftError
 from weightlift.profile import Profiler
+from weightlift.remote import delta as codec
 from weightlift.remote.protocol import (
     MAX_FRAME,
     MAX_TENSOR_BYTES,
@@ -38,6 +39,9 @@ from weightlift.remote.protocol import (
     Barrier,
     Bye,
     Capability,
+    Commit,
+    CommitReply,
+    Delta,
     Error,
     ErrorCode,
     FillFromCache,
@@ -50,6 +54,7 @@ from weightlift.remote.protocol import (
     Read,
     ServerSession,
     SessionState,
+    Update,
     WriteHeader,
     client_mac,
     frame_keys,
@@ -57,10 +62,12 @@ from weightlift.remote.protocol import (
     new_nonce,
     send,
     server_mac,
+    update_usable,
     verify_mac,
     verify_usable,
 )
 from weightlift.remote.server.context import Context
+from weightlift.remote.server.delta import Deltas
 from weightlift.remote.server.destinations import Destinations
 from weightlift.remote.server.device import Device
 from weightlift.remote.server.frames import FrameReader, FrameTooLarge
@@ -69,6 +76,7 @@ from weightlift.remote.server.paths import DirectPath, PayloadPath, Wire
 from weightlift.remote.server.reads import Outbox, Reads
 from weightlift.remote.server.receive import Receiver
 from weightlift.remote.server.slots import Slot
+from weightlift.remote.server.switch import Switch
 from weightlift.remote.transport import Stream
 
 __all__ = ["Connection", "LINGER_BYTES", "LINGER_SECONDS"]
@@ -111,6 +119,10 @@ class Connection:
         self.rx = self._receiver()
         self.reads = Reads(ctx, self.out, self.device)
         self._done = False  # set by a handler when the connection is to end
+        self.switch: Switch | None = None  # the open update (UPDATE to COMMIT)
+        self.deltas = Deltas(
+            self.store, self.rx, self.frames, lambda: self.switch, self.prof, enabled=self._deltas_usable()
+        )
         rx = self.rx
         self._handlers: dict[type[Message], Callable[[Any], None]] = {
             Auth: self._auth,
@@ -123,6 +135,9 @@ class Connection:
             ListRequest: self.reads.list,
             Free: self.reads.free,
             Bye: self._bye,
+            Delta: self.deltas.delta,
+            Update: self._update,
+            Commit: self._commit,
         }
 
     def _receiver(self) -> Receiver:
@@ -177,6 +192,9 @@ class Connection:
             self._close()
 
     def _close(self) -> None:
+        if self.switch is not None:  # ended mid-update: nothing it held becomes visible
+            self.switch.abort()
+            self.switch = None
         self.rx.close()
         self.frames.close()
         self.device.close()
@@ -199,6 +217,34 @@ class Connection:
 
     def _bye(self, msg: Bye) -> None:
         self._done = True
+
+    # -- updates ---------------------------------------------------------------------------------
+
+    def _deltas_usable(self) -> bool:
+        """DELTAs apply to host memory, with the codec installed (the DELTA flag says so)."""
+        return self.ctx.pooled and codec.available()
+
+    def _update(self, msg: Update) -> None:
+        if self.switch is not None:
+            raise RemoteProtocolError("UPDATE while an update is open on this connection")
+        self.switch = Switch(self.store, in_place=bool(msg.flags & Update.FLAG_IN_PLACE))
+        self.rx.publish = self.switch.hold
+
+    def _commit(self, msg: Commit) -> None:
+        switch, self.switch = self.switch, None
+        if switch is None:
+            raise RemoteProtocolError("COMMIT without an open update")
+        self.rx.publish = self.store.publish
+        if self.rx.pending:  # a tensor still in flight would miss the switch: refuse the whole set
+            switch.abort()
+            why = f"update not switched: {len(self.rx.pending)} tensors still in flight (BARRIER first)"
+            self.out.reply(CommitReply(False, 0, self.store.generation, bytes(32), why))
+            return
+        if msg.flags & Commit.FLAG_ABORT:
+            switch.abort()
+            self.out.reply(CommitReply(False, 0, self.store.generation, bytes(32), "update aborted"))
+            return
+        self.out.reply(switch.commit())
 
     def _fatal(self, code: ErrorCode, message: str) -> None:
         """Reply ERROR, then close without a reset, so the client can read why."""
@@ -272,6 +318,8 @@ class Connection:
             flags |= Capability.VERIFY
         if mac_usable(self.minor, token):
             flags |= Capability.MAC  # informational: the minor and the token decide, not this bit
+        if update_usable(self.minor) and self._deltas_usable():
+            flags |= Capability.DELTA
         return flags
 
     def _take_ready_slot(self) -> None:

@@ -91,7 +91,8 @@ class Reads:
                 break
             budget -= size
             entries.append(ListEntry(name, e.dtype, e.shape, e.nbytes, e.version))
-        self._out.reply(ListReply(tuple(entries), more=more or len(entries) < len(items)))
+        more = more or len(entries) < len(items)
+        self._out.reply(ListReply(tuple(entries), more=more, generation=self._store.generation))
 
     def read(self, r: Read) -> None:
         # the whole reply within io_timeout plus its size at min_frame_rate, as a frame coming in
@@ -110,7 +111,7 @@ class Reads:
         if entry is None:
             out.reply(Error(ErrorCode.NOT_FOUND, f"no tensor {r.name!r}"))
             return
-        if r.version and r.version != entry.version:
+        if (r.version and r.version != entry.version) or self._switched(r):
             out.reply(Error(ErrorCode.STALE, f"{r.name!r} was replaced since it was listed"))
             return
         if r.offset + r.length > entry.nbytes:
@@ -122,9 +123,13 @@ class Reads:
         want_digest = bool(r.flags & Read.FLAG_DIGEST) and verify_usable(out.minor)
         dest = entry.tensor
         if _is_host(dest):
-            view = as_bytes(dest).data[r.offset : r.offset + r.length]
-            digest = hash_buffer(view) if want_digest else None
-            out.stream.send_parts(out.sealed(send(ReadReply(r.length, digest), minor=out.minor), view))
+            with self._store.reading():  # an in-place update waits until these bytes are out
+                if (r.version and self._store.get(r.name) is not entry) or self._switched(r):  # meanwhile
+                    out.reply(Error(ErrorCode.STALE, f"{r.name!r} was replaced since it was listed"))
+                    return
+                view = as_bytes(dest).data[r.offset : r.offset + r.length]
+                digest = hash_buffer(view) if want_digest else None
+                out.stream.send_parts(out.sealed(send(ReadReply(r.length, digest), minor=out.minor), view))
             return
         try:
             staging = self._device.staging()
@@ -132,6 +137,10 @@ class Reads:
             out.reply(Error(ErrorCode.LIMIT, f"no memory to stage {r.name!r} for reading: {e}"))
             return
         self._read_device(r, dest, staging, want_digest)
+
+    def _switched(self, r: Read) -> bool:
+        """Whether the READ names a generation and another set was switched in since (minor 3)."""
+        return bool(r.generation) and r.generation != self._store.generation
 
     def _read_device(self, r: Read, dest: Any, staging: np.ndarray, want_digest: bool) -> None:
         """A READ of device memory, through the staging buffer a piece at a time."""

@@ -71,6 +71,8 @@ class Receiver:
         self.outcomes = Outcomes(ctx.store, max_digests=MAX_DIGESTS)
         self.fills = Fills(ctx.store, device, dests, prof)
         self._files: list[CacheWriter] = []  # cache writers made, some still holding a temporary file
+        # where a complete tensor goes: the store, or an open update that publishes it at its switch
+        self.publish: Callable[..., None] = self.store.publish
 
     def _files_open(self) -> int:
         self._files = [w for w in self._files if w.is_open]
@@ -131,6 +133,16 @@ class Receiver:
         if p.complete:
             self.dests.ensure(p)
             self._complete(a.tensor_id, p)
+
+    def complete(self, tid: int, p: Pending) -> None:
+        """``p`` was filled by other means than its WRITEs (a DELTA applied): publish it."""
+        self._complete(tid, p)
+
+    def abandon(self, tid: int, why: str) -> None:
+        """Give up on the pending tensor ``tid`` (a DELTA that did not apply), reporting why."""
+        p = self.pending.get(tid)
+        if p is not None:
+            self._abandon(tid, p, why)
 
     def _abandon(self, tid: int, p: Pending, why: str) -> None:
         """Give up on a pending tensor: free it, report why, and drain its later WRITEs quietly."""
@@ -231,12 +243,8 @@ class Receiver:
                 self.outcomes.need[f.tensor_id] = None
                 return
             self.dests.ensure(p)  # fresh memory: the helpers fault it in ahead of the reads below
+            filled = self.fills.from_cache(p, f.digest, cache)  # into a device: through charged staging
         except (RequestError, MemoryFull) as e:  # no memory for it after all: nothing of it stays in flight
-            self._abandon(f.tensor_id, p, str(e))
-            return
-        try:
-            filled = self.fills.from_cache(p, f.digest, cache)
-        except MemoryFull as e:  # the staging a fill into a device needs did not fit: nothing stays
             self._abandon(f.tensor_id, p, str(e))
             return
         if not filled:
@@ -272,7 +280,8 @@ class Receiver:
         dest = target.finish(p.dest)
         if p.charge is None or p.deferred:
             raise AssertionError(f"tensor {p.name!r} completed without a charge")
-        self.store.publish(p.name, p.dtype, p.shape, p.nbytes, dest, p.charge, p.digest if p.proven else None)
+        # a verified tensor's digest is of the bytes stored: the base a later DELTA names
+        self.publish(p.name, p.dtype, p.shape, p.nbytes, dest, p.charge, p.digest if p.proven else streamed)
         p.charge = None
         self.outcomes.done_tensors += 1
         self.prof.count(tensors=1, nbytes=p.nbytes)

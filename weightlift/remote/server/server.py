@@ -45,10 +45,14 @@ from __future__ import annotations
 import os
 import ssl
 import threading
+from collections.abc import Iterable
 from typing import Literal
 
+from weightlift.digest.blake import hash_buffer
+from weightlift.digest.setdigest import set_digest
 from weightlift.errors import StateError
 from weightlift.memory.pool import HostPool
+from weightlift.memory.targets import as_bytes
 from weightlift.options import Array
 from weightlift.remote.protocol import PROTOCOL_MINOR
 from weightlift.remote.server.accept import Acceptor
@@ -274,8 +278,28 @@ class Server:
         pushed, and a digest-named push of the same bytes then finds them in memory without
         hashing them again. ``writable=True`` hands out the arrays themselves, for a process that
         changes its weights in place; those tensors (and torch tensors, which have no read-only
-        form) are hashed again before a later push trusts them."""
+        form) are hashed again before a later push trusts them. The dictionary is taken at one
+        instant: an update switched in (a client's push from memory) is in it whole or not at
+        all; an in-place update changes the arrays handed out earlier at its switch."""
         return self._store.tensors(writable=writable)
+
+    def set_digest(self, names: Iterable[str] | None = None) -> bytes:
+        """The set digest (:func:`weightlift.digest.setdigest.set_digest`) over the named tensors
+        (None: every one held), from one instant's view of the store: what an update's COMMIT
+        stated for its tensors. A tensor without a known digest is hashed; KeyError names one
+        not held."""
+        entries = self._store.entries(names)
+        if names is not None:
+            missing = [n for n in names if n not in entries]
+            if missing:
+                raise KeyError(f"the server holds no tensor {missing[0]!r}")
+        return set_digest({n: e.digest or hash_buffer(as_bytes(e.tensor)) for n, e in entries.items()})
+
+    @property
+    def generation(self) -> int:
+        """The store's generation: 1 at start, one more at each update (a set switched in at once).
+        LIST states it; a READ that names it is STALE once it has moved on (protocol minor 3)."""
+        return self._store.generation
 
     @property
     def memory_used(self) -> int:

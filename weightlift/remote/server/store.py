@@ -18,6 +18,11 @@ Invariants, and why this module is the only code that changes them:
   reference to its array goes (``weakref.finalize``): memory a reader still holds (a READ reply
   the peer is slow to take, an in-process caller of ``tensors()``) is never reused and still
   counts against ``max_memory``, so stalled readers cannot pin old versions beyond the limit.
+* **Switches.** :meth:`Store.switch` publishes a whole set at once under the one lock (an update:
+  a reader sees every tensor of it as it was before or every one as it is after, never a mix)
+  and counts the store's ``generation``. Memory changed in place (an in-place update) changes
+  under :meth:`Store.exclusive`, which waits for the READs sending host bytes
+  (:meth:`Store.reading`) and holds new ones off until it is done.
 * **Proven digests.** An entry whose bytes were proven to hash to a digest answers HAVE and can
   fill a later ALLOC of that digest; :meth:`Store.distrust` forgets a digest whose bytes have
   changed since (a reader wrote into its tensor).
@@ -31,6 +36,9 @@ from __future__ import annotations
 import heapq
 import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
@@ -38,7 +46,17 @@ import numpy as np
 
 from weightlift.memory.pool import HostPool
 
-__all__ = ["ENTRY_OVERHEAD", "NAME_COPIES", "DIM_OVERHEAD", "Entry", "Charge", "MemoryFull", "Store", "entry_cost"]
+__all__ = [
+    "ENTRY_OVERHEAD",
+    "NAME_COPIES",
+    "DIM_OVERHEAD",
+    "Entry",
+    "Charge",
+    "MemoryFull",
+    "Store",
+    "Staged",
+    "entry_cost",
+]
 
 # What one tensor's bookkeeping costs besides its data, measured (tests/remote/test_server_limits.py):
 # the entry, the array object, its finalizer, the pending record and its message while in flight.
@@ -132,6 +150,54 @@ class Charge:
         return self.nbytes
 
 
+@dataclass
+class Staged:
+    """A tensor an update publishes at its switch: as :meth:`Store.publish` takes one. ``charge``
+    None: the memory of the entry it replaces, changed in place (that entry's charge holds)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    tensor: Any
+    charge: Charge | None
+    digest: bytes | None
+
+
+class _Readers:
+    """READs sending a tensor's bytes share the memory; an in-place update changes it alone."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._writing = False
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writing)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writing)
+            self._writing = True
+            self._cond.wait_for(lambda: self._readers == 0)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+
 class Store:
     """The tensors a server holds, and what they cost; every change goes through these methods."""
 
@@ -145,6 +211,8 @@ class Store:
         self._held: dict[bytes, str] = {}  # digest -> name of a stored tensor proven to hold those bytes
         self._used = 0
         self._versions = 0  # the last version number given to a published tensor
+        self._generation = 1  # one more than the switches so far (a READ naming 0 asks for any)
+        self._readers = _Readers()
         self._unowned: dict[int, int] = {}  # id -> cost of held tensors that take no weak references
         self._stats = {
             "connections": 0,
@@ -216,30 +284,80 @@ class Store:
         answer HAVE for it."""
         cost = charge._hand_over()
         with self._lock:
-            old = self._entries.get(name)
-            if old is not None and old.tensor is tensor:
-                # the same memory published again (unchanged weights): it is charged once, by
-                # the finalizer its first publication set
-                self._used -= cost
-                cost = old.cost
-            else:
-                self._charge_until_gone(tensor, cost)
-            if old is not None and old.tensor is tensor and (old.dtype, old.shape) == (dtype, shape):
-                version = old.version  # the same bytes as the same tensor: a reader's listing still holds
-            else:
-                self._versions += 1
-                version = self._versions
-            entry = self._entries[name] = Entry(dtype, shape, nbytes, tensor, cost, digest, version)
-            if old is not None and old.tensor is tensor:  # the same memory: what was handed out holds
-                entry.exposed, entry._readonly = old.exposed, old._readonly
-            if old is not None:
-                self._unhold(name, old)
-                if old.tensor is not tensor:
-                    self._drop(old)
-            if digest is not None and self._remember:
-                self._held[digest] = name
-            self._stats["tensors"] += 1
+            old = self._publish(name, dtype, shape, nbytes, tensor, cost, digest, changed=False)
         del old  # the last reference to a replaced tensor: its memory goes back to the pool now
+
+    def _publish(
+        self,
+        name: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        nbytes: int,
+        tensor: Any,
+        cost: int,
+        digest: bytes | None,
+        *,
+        changed: bool,
+    ) -> Entry | None:
+        """Publish under the lock (held); returns the entry replaced. ``changed``: the same memory
+        holds other bytes now (changed in place), so it is a new version all the same."""
+        old = self._entries.get(name)
+        if old is not None and old.tensor is tensor:
+            # the same memory published again (unchanged weights, or changed in place): it is
+            # charged once, by the finalizer its first publication set
+            self._used -= cost
+            cost = old.cost
+        else:
+            self._charge_until_gone(tensor, cost)
+        same = old is not None and old.tensor is tensor and (old.dtype, old.shape) == (dtype, shape)
+        if same and not changed:
+            version = old.version  # type: ignore[union-attr]  # the same bytes as the same tensor: a listing still holds
+        else:
+            self._versions += 1
+            version = self._versions
+        entry = self._entries[name] = Entry(dtype, shape, nbytes, tensor, cost, digest, version)
+        if old is not None and old.tensor is tensor:  # the same memory: what was handed out holds
+            entry.exposed, entry._readonly = old.exposed, old._readonly
+        if old is not None:
+            self._unhold(name, old)
+            if old.tensor is not tensor:
+                self._drop(old)
+        if digest is not None and self._remember:
+            self._held[digest] = name
+        self._stats["tensors"] += 1
+        return old
+
+    def switch(self, staged: list[Staged], names: list[str]) -> tuple[int, dict[str, bytes | None]]:
+        """Publish every staged tensor at once; returns the new generation and the digest of every
+        tensor in ``names`` as held right after the switch (None: not held, or no digest known)."""
+        costs = [s.charge._hand_over() if s.charge is not None else 0 for s in staged]
+        replaced = []
+        with self._lock:
+            for s, cost in zip(staged, costs, strict=True):
+                changed = s.charge is None  # changed in place: the same memory, other bytes
+                entry = (s.name, s.dtype, s.shape, s.nbytes, s.tensor, cost, s.digest)
+                replaced.append(self._publish(*entry, changed=changed))
+            self._generation += 1
+            generation = self._generation
+            digests = {}
+            for n in names:
+                e = self._entries.get(n)
+                digests[n] = e.digest if e is not None else None
+        del replaced  # replaced tensors' memory goes back once nobody holds it
+        return generation, digests
+
+    @property
+    def generation(self) -> int:
+        """The store's generation: 1, and one more at each update switched in."""
+        return self._generation
+
+    def reading(self) -> Any:
+        """Hold off in-place changes while a READ sends a tensor's bytes (a context manager)."""
+        return self._readers.reading()
+
+    def exclusive(self) -> Any:
+        """Change stored memory in place, alone: READs sending bytes finish first, new ones wait."""
+        return self._readers.exclusive()
 
     def _charge_until_gone(self, tensor: Any, cost: int) -> None:
         # The charge goes back when the array does, not when the entry does: a reply in flight
@@ -331,6 +449,13 @@ class Store:
             entry.digest = None
             if self._held.get(digest) == name:
                 del self._held[digest]
+
+    def entries(self, names: Any = None) -> dict[str, Entry]:
+        """The entries of ``names`` (None: every one), as they are at one instant."""
+        with self._lock:
+            if names is None:
+                return dict(self._entries)
+            return {n: self._entries[n] for n in names if n in self._entries}
 
     def held(self) -> tuple[int, int]:
         """(complete tensors held, their data bytes)."""

@@ -1,0 +1,123 @@
+"""DELTA encodings on a synthetic RL step: encoded size, encode and apply speed.
+
+A bf16 tensor (``--mib``, default 128) gets an Adam-like step at a learning rate where the given
+fractions of its values change (1 %, 10 %, 100 % by default; a changed value moves by one unit
+in its last place, as small steps do). For each fraction and each encoding (SPARSE, XOR) this
+prints the payload's size, the client's encode rate, and the server's apply rate in GB/s of
+tensor: into fresh memory (double-buffered) and into the base's own memory (in place), the
+apply as the server runs it (:func:`weightlift.remote.delta.apply`, every core), and the hash
+that proves the result. ``--json`` for one JSON object.
+
+    PYTHONPATH=. python bench/delta_codec.py --mib 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import ml_dtypes
+import numpy as np
+
+from weightlift.digest.blake import hash_buffer
+from weightlift.remote import delta as D
+
+
+def step(w: np.ndarray, frac: float, rng: np.random.Generator) -> np.ndarray:
+    new = w.copy()
+    bits = new.view(np.uint16)
+    k = int(bits.size * frac)
+    idx = np.arange(bits.size) if frac >= 1 else rng.choice(bits.size, k, replace=False)
+    up = rng.integers(0, 2, len(idx), dtype=np.uint16).astype(bool)
+    bits[idx] = np.where(up, bits[idx] + 1, bits[idx] - 1)  # one ulp either way
+    return new
+
+
+def timed(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(enc: int, new: np.ndarray, base: np.ndarray, out: np.ndarray, repeat: int) -> dict:
+    parts: list = []
+
+    def encode() -> None:
+        parts[:] = D.encode(enc, new, base, 2, limit=1 << 40)
+
+    enc_s = timed(encode, repeat)
+    payload = memoryview(b"".join(parts))
+    apply_s = timed(lambda: D.apply(enc, payload, base, out, 2), repeat)
+    assert out.tobytes() == new.tobytes()
+    work = base.copy()
+    t0 = time.perf_counter()
+    D.apply(enc, payload, work, work, 2, undo=D.Undo())
+    inplace_s = time.perf_counter() - t0
+    assert work.tobytes() == new.tobytes()
+    return {
+        "payload_mib": round(len(payload) / 2**20, 2),
+        "ratio": round(len(payload) / base.nbytes, 4),
+        "encode_gbs": round(base.nbytes / enc_s / 1e9, 2),
+        "apply_gbs": round(base.nbytes / apply_s / 1e9, 2),
+        "apply_in_place_gbs": round(base.nbytes / inplace_s / 1e9, 2),
+        "apply_s": apply_s,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=128)
+    ap.add_argument("--fractions", default="0.01,0.1,1.0")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    n = args.mib << 19  # bf16 elements
+    w = (rng.standard_normal(n, dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+    base = w.view(np.uint8)
+    out = np.empty_like(base)
+    out[:] = 0  # touched, as a server's pooled memory is
+    rows = []
+    hash_s = timed(lambda: hash_buffer(base), args.repeat)
+    for frac in (float(f) for f in args.fractions.split(",")):
+        new = step(w, frac, rng).view(np.uint8)
+        changed = float((new.view(np.uint16) != base.view(np.uint16)).mean())
+        chosen = D.choose(new, base, 2)
+        for name, enc in (("sparse", D.SPARSE), ("xor", D.XOR)):
+            row = measure(enc, new, base, out, args.repeat)
+            row.update(
+                changed=round(changed, 4),
+                encoding=name,
+                chosen={D.SPARSE: "sparse", D.XOR: "xor", None: "whole"}[chosen],
+            )
+            row["apply_and_hash_gbs"] = round(base.nbytes / (row.pop("apply_s") + hash_s) / 1e9, 2)
+            rows.append(row)
+    result = {
+        "tensor_mib": args.mib,
+        "dtype": "BF16",
+        "cores": os.cpu_count(),
+        "hash_gbs": round(base.nbytes / hash_s / 1e9, 2),
+        "rows": rows,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"{args.mib} MiB bf16, {os.cpu_count()} cores, BLAKE3 of the result {result['hash_gbs']} GB/s")
+    print(
+        f"{'changed':>8} {'enc':>6} {'chosen':>6} {'MiB':>7} {'ratio':>6} {'encode':>7} {'apply':>7} {'inplace':>7} {'+hash':>6}  (GB/s)"
+    )
+    for r in rows:
+        print(
+            f"{r['changed']:8.3f} {r['encoding']:>6} {r['chosen']:>6} {r['payload_mib']:7.2f} {r['ratio']:6.3f} "
+            f"{r['encode_gbs']:7.2f} {r['apply_gbs']:7.2f} {r['apply_in_place_gbs']:7.2f} {r['apply_and_hash_gbs']:6.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

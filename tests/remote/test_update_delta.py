@@ -1,0 +1,179 @@
+"""The DELTA codec (weightlift.remote.delta) and the set digest, with no sockets: every encoding
+back byte for byte, in place and undone, the estimate's choices, and malformed payloads refused."""
+
+from __future__ import annotations
+
+import struct
+
+import blake3
+import ml_dtypes
+import numpy as np
+import pytest
+
+from weightlift.digest.setdigest import leaf_digest, set_digest
+from weightlift.remote import delta as D
+
+ITEMS = {"U8": 1, "BF16": 2, "F32": 4, "F64": 8, "C64": 8}
+
+
+def _pair(item: int, n: int, frac: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(base, new) as uint8 arrays of ``n`` elements of ``item`` bytes, ``frac`` of them changed."""
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, n * item, dtype=np.uint8)
+    new = base.copy()
+    k = int(n * frac)
+    if k:
+        idx = rng.choice(n, k, replace=False)
+        rows = new.reshape(n, item)
+        rows[idx, 0] ^= rng.integers(1, 256, k, dtype=np.uint8)  # each chosen element really changes
+    return base, new
+
+
+def _roundtrip(encoding: int, base: np.ndarray, new: np.ndarray, item: int) -> int:
+    parts = D.encode(encoding, new, base, item, limit=1 << 40)
+    assert parts is not None
+    payload = memoryview(b"".join(parts))
+    out = np.full_like(base, 0xA5)
+    D.apply(encoding, payload, base, out, item)
+    assert out.tobytes() == new.tobytes()
+    inplace, undo = base.copy(), D.Undo()
+    D.apply(encoding, payload, inplace, inplace, item, undo=undo)
+    assert inplace.tobytes() == new.tobytes()
+    undo.run()
+    assert inplace.tobytes() == base.tobytes()  # an in-place application taken back exactly
+    return len(payload)
+
+
+@pytest.mark.parametrize("encoding", [D.SPARSE, D.XOR])
+@pytest.mark.parametrize("item", sorted(set(ITEMS.values())))
+@pytest.mark.parametrize("frac", [0.0, 0.001, 0.3, 1.0])
+def test_every_encoding_gives_the_new_bytes_back(encoding, item, frac):
+    base, new = _pair(item, 300_001, frac)  # an odd count: the last chunk is short
+    size = _roundtrip(encoding, base, new, item)
+    if frac == 0.0:
+        chunks = -(-base.nbytes // max(item, D.CHUNK_BYTES - D.CHUNK_BYTES % item))
+        assert size == 8 + 4 * chunks  # nothing changed: the head and an empty table
+
+
+def test_chunks_across_many_cores_and_an_unaligned_tail(monkeypatch):
+    monkeypatch.setattr(D, "CHUNK_BYTES", 4096)
+    base, new = _pair(2, 100_003, 0.02, seed=3)
+    _roundtrip(D.SPARSE, base, new, 2)
+    _roundtrip(D.XOR, base, new, 2)
+
+
+def test_nan_payloads_survive_bit_for_bit():
+    # bfloat16 NaNs with different payloads compare unequal to everything, themselves included:
+    # the codec compares bits, never values
+    n = 50_000
+    base = np.zeros(n, np.uint16)
+    base[::7] = 0x7FC1
+    new = base.copy()
+    new[::7] = 0x7FC2  # another NaN payload
+    new[1::11] = 0xFF81  # a negative NaN where a zero was
+    assert np.isnan(new.view(ml_dtypes.bfloat16).astype(np.float32)[::7]).all()
+    b8, n8 = base.view(np.uint8), new.view(np.uint8)
+    for encoding in (D.SPARSE, D.XOR):
+        _roundtrip(encoding, b8, n8, 2)
+
+
+def test_choose_by_the_sampled_changes():
+    base, sparse = _pair(2, 1 << 20, 0.01)
+    assert D.choose(sparse, base, 2) == D.SPARSE
+    # an Adam-like step on every value: only low mantissa bits move, so XOR compresses well
+    w = (np.random.default_rng(1).standard_normal(1 << 20, dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+    stepped = (w.astype(np.float32) * (1 + 2**-6)).astype(ml_dtypes.bfloat16)
+    assert D.choose(stepped.view(np.uint8), w.view(np.uint8), 2) == D.XOR
+    noise = np.random.default_rng(2).integers(0, 256, base.nbytes, dtype=np.uint8)
+    assert D.choose(noise, base, 2) is None  # new bytes with nothing in common: sent whole
+    assert D.choose(sparse, base, 0) is None  # sub-byte dtypes always travel whole
+
+
+def test_encode_gives_up_past_its_limit():
+    base = np.zeros(1 << 16, np.uint8)
+    noise = np.random.default_rng(0).integers(0, 256, base.nbytes, dtype=np.uint8)
+    assert D.encode(D.XOR, noise, base, 1) is None
+    assert D.encode(D.XOR, noise, base, 1, limit=1 << 30) is not None
+
+
+def _good(item: int = 2) -> tuple[np.ndarray, np.ndarray, bytes]:
+    base, new = _pair(item, 10_000, 0.05)
+    return base, new, b"".join(D.encode(D.SPARSE, new, base, item, limit=1 << 30))
+
+
+def _sparse_payload(nbytes: int, chunk_blob: bytes) -> bytes:
+    import zstandard
+
+    frame = zstandard.ZstdCompressor().compress(chunk_blob)
+    return struct.pack("<II", nbytes, 1) + struct.pack("<I", len(frame)) + frame
+
+
+@pytest.mark.parametrize(
+    "mangle,match",
+    [
+        (lambda p: p[:5], "no head"),
+        (lambda p: struct.pack("<II", 3, 1) + p[8:], "whole number"),
+        (lambda p: struct.pack("<II", 1 << 30, 1) + p[8:], "whole number"),
+        (lambda p: p[:4] + struct.pack("<I", 7) + p[8:], "chunks"),
+        (lambda p: p[:-1], "chunks take"),
+        (lambda p: p + b"x", "chunks take"),
+        (lambda p: p[:12] + bytes(len(p) - 12), "decompress"),
+    ],
+)
+def test_malformed_payloads_are_refused(mangle, match):
+    base, _, payload = _good()
+    out = np.empty_like(base)
+    with pytest.raises(D.DeltaError, match=match):
+        D.apply(D.SPARSE, memoryview(mangle(payload)), base, out, 2)
+
+
+def test_sparse_positions_are_checked():
+    base = np.zeros(64, np.uint8)  # 32 two-byte elements in one chunk
+    out = np.empty_like(base)
+    past = struct.pack("<II", 1, 40) + b"\x01\x00"
+    repeated = struct.pack("<III", 2, 3, 0) + b"\x01\x00\x02\x00"
+    short = struct.pack("<II", 5, 1)
+    for blob, match in ((past, "past"), (repeated, "increasing"), (short, "does not hold")):
+        with pytest.raises(D.DeltaError, match=match):
+            D.apply(D.SPARSE, memoryview(_sparse_payload(64, blob)), base, out, 2)
+    with pytest.raises(D.DeltaError, match="encoding"):
+        D.apply(7, memoryview(_sparse_payload(64, past)), base, out, 2)
+    with pytest.raises(D.DeltaError, match="no payload"):
+        D.apply(D.SAME, memoryview(b"x"), base, out, 2)
+
+
+def test_an_xor_chunk_must_be_the_chunks_length():
+    import zstandard
+
+    base = np.zeros(64, np.uint8)
+    frame = zstandard.ZstdCompressor().compress(bytes(63))
+    payload = struct.pack("<III", 64, 1, len(frame)) + frame
+    with pytest.raises(D.DeltaError, match="not the chunk"):
+        D.apply(D.XOR, memoryview(payload), base, np.empty_like(base), 1)
+
+
+# -- the set digest ------------------------------------------------------------------------------
+
+
+def _h(*parts: bytes) -> bytes:
+    return blake3.blake3(b"".join(parts)).digest()
+
+
+def test_set_digest_is_the_documented_merkle_tree():
+    d = {n: _h(n.encode()) for n in ("b", "a", "c")}
+    leaves = [_h(b"\x00", struct.pack("<H", 1), n.encode(), d[n]) for n in ("a", "b", "c")]
+    assert leaves[0] == leaf_digest("a", d["a"])
+    root = _h(b"\x01", _h(b"\x01", leaves[0], leaves[1]), leaves[2])  # c moves up unpaired
+    assert set_digest(d) == root
+    assert set_digest(list(d.items())[::-1]) == root  # the order given does not matter
+    assert set_digest({}) == _h(b"\x02")
+    assert set_digest({"a": d["a"]}) == leaves[0]
+
+
+def test_set_digest_binds_each_digest_to_its_name():
+    d1, d2 = _h(b"1"), _h(b"2")
+    assert set_digest({"x": d1, "y": d2}) != set_digest({"x": d2, "y": d1})
+    assert set_digest({"x": d1}) != set_digest({"x": d1, "y": d2})
+    # names order by their UTF-8 bytes, not by Python's code points on surrogates or case rules
+    names = ["\u00e9", "z", "Z", "\U0001f600"]
+    assert set_digest({n: d1 for n in names}) == set_digest({n: d1 for n in reversed(names)})

@@ -1,0 +1,147 @@
+"""An update on one connection: tensors held back from UPDATE to COMMIT, then switched in at once.
+
+Theory of operation. UPDATE opens a :class:`Switch`; from then on the connection's receiver hands
+each tensor that completes to :meth:`Switch.hold` instead of publishing it, so readers keep the
+version they had (the double-buffered way: the new bytes live in memory of their own). A DELTA
+in an in-place update is kept encoded (:meth:`Switch.in_place`): its payload is small, and the
+tensor it changes stays as it was. COMMIT then, under :meth:`Store.exclusive
+<weightlift.remote.server.store.Store.exclusive>` (no READ sends bytes meanwhile), applies the
+in-place deltas into their bases' memory, proves every result against the digest its DELTA
+named, and publishes everything held with one :meth:`Store.switch
+<weightlift.remote.server.store.Store.switch>`. Whatever fails undoes every in-place change and
+switches nothing: readers see the old set or the new one, never a mix. A connection that ends
+with its update open (a client killed mid-update) drops what it held; nothing visible changed.
+
+The reply states the set digest (:func:`weightlift.digest.setdigest.set_digest`) over every
+tensor the update named, as held right after the switch, for the client to compare with its own.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from weightlift.digest.blake import hash_buffer
+from weightlift.digest.setdigest import set_digest
+from weightlift.memory.targets import as_bytes
+from weightlift.remote import delta as codec
+from weightlift.remote.protocol import CommitReply
+from weightlift.remote.server.store import Charge, Entry, Staged, Store
+
+__all__ = ["Switch", "InPlace"]
+
+
+@dataclass
+class InPlace:
+    """A DELTA of an in-place update, kept encoded until COMMIT applies it into ``base``."""
+
+    name: str
+    base: Entry
+    encoding: int
+    item: int
+    payload: np.ndarray
+    charge: Charge  # the payload's memory, until the commit
+    digest: bytes
+
+
+class Switch:
+    """One connection's open update (``in_place``: its DELTAs change their bases' own memory)."""
+
+    def __init__(self, store: Store, *, in_place: bool):
+        self._store = store
+        self.in_place_mode = in_place
+        self._held: dict[str, Staged] = {}
+        self._deltas: dict[str, InPlace] = {}
+        self._names: dict[str, None] = {}  # every tensor the update named, in order
+
+    def hold(
+        self,
+        name: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        nbytes: int,
+        tensor: Any,
+        charge: Charge,
+        digest: bytes | None,
+    ) -> None:
+        """Take a complete tensor (as :meth:`Store.publish` would) to publish at the switch."""
+        self._drop(name)
+        self._held[name] = Staged(name, dtype, shape, nbytes, tensor, charge, digest)
+        self._names[name] = None
+
+    def in_place(self, d: InPlace) -> None:
+        self._drop(d.name)
+        self._deltas[d.name] = d
+        self._names[d.name] = None
+
+    def name(self, name: str) -> None:
+        """``name`` belongs to the update unchanged (a DELTA that said its tensor is its base)."""
+        self._names[name] = None
+
+    def base(self, name: str) -> Entry | None:
+        """The tensor a DELTA of ``name`` applies to: one this update holds, else the store's."""
+        held = self._held.get(name)
+        if held is not None:
+            return Entry(held.dtype, held.shape, held.nbytes, held.tensor, 0, held.digest)
+        return self._store.get(name)
+
+    def _drop(self, name: str) -> None:
+        held = self._held.pop(name, None)
+        if held is not None and held.charge is not None:
+            held.charge.release()
+        d = self._deltas.pop(name, None)
+        if d is not None:
+            d.charge.release()
+
+    def abort(self) -> None:
+        """Drop everything held: nothing visible changes."""
+        for name in list(self._held) + list(self._deltas):
+            self._drop(name)
+        self._names.clear()
+
+    def commit(self) -> CommitReply:
+        """Apply, prove and switch in everything at once; or nothing, saying why."""
+        store = self._store
+        held = list(self._held.values())
+        for s in held:
+            if s.digest is None:  # sent without one: hashed here, before anyone can see it
+                s.digest = hash_buffer(as_bytes(s.tensor))
+        # only memory changed in place needs the readers held off; the rest is one pointer swap
+        with store.exclusive() if self._deltas else nullcontext():
+            undo = codec.Undo()
+            try:
+                staged = self._apply(undo)
+            except (codec.DeltaError, _Failed) as e:
+                undo.run()
+                self.abort()
+                return CommitReply(False, 0, store.generation, bytes(32), f"update not switched: {e}")
+            generation, digests = store.switch(staged + held, list(self._names))
+        for d in self._deltas.values():
+            d.charge.release()
+        self._held, self._deltas, self._names = {}, {}, {}
+        missing = [n for n, dg in digests.items() if dg is None]
+        if missing:
+            return CommitReply(True, len(staged) + len(held), generation, bytes(32), f"no digest for {missing[0]!r}")
+        return CommitReply(True, len(staged) + len(held), generation, set_digest(digests))  # type: ignore[arg-type]
+
+    def _apply(self, undo: codec.Undo) -> list[Staged]:
+        """The in-place deltas applied (each proven), as entries to publish."""
+        out = []
+        for d in self._deltas.values():
+            now = self._store.get(d.name)
+            if now is None or now.tensor is not d.base.tensor:
+                raise _Failed(f"{d.name!r} was replaced by another client during the update")
+            raw = as_bytes(d.base.tensor)
+            codec.apply(d.encoding, d.payload.data, raw, raw, d.item, undo=undo)
+            if hash_buffer(raw) != d.digest:
+                raise _Failed(f"{d.name!r}: the delta applied does not give the digest the client sent")
+            b = d.base
+            out.append(Staged(d.name, b.dtype, b.shape, b.nbytes, b.tensor, None, d.digest))
+        return out
+
+
+class _Failed(Exception):
+    """An in-place delta that cannot be switched in: the whole update is not."""
