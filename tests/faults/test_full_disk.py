@@ -81,7 +81,9 @@ def test_push_larger_than_the_cache_disk_completes_and_the_server_keeps_serving(
         entries, others = cache_files(small_disk)
         assert not others, others  # the entry the disk could not hold left no temporary file
         assert 0 < len(assert_entries_sound(small_disk)) < TENSORS
-        wait_for(lambda: fd_count(server.pid) == fds, 10)  # no temporary file still open (the closed connection's socket may take a moment)
+        wait_for(
+            lambda: fd_count(server.pid) == fds, 10
+        )  # no temporary file still open (the closed connection's socket may take a moment)
 
         # it goes on serving: the same tensors again, and others, each byte right
         other = tmp_path / "other.safetensors"
