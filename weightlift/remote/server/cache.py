@@ -71,6 +71,7 @@ import blake3
 
 from weightlift.digest.blake import DIGEST_SIZE, byte_view, digest_hex
 from weightlift.errors import CacheError, OptionError
+from weightlift.remote.server.cache_behind import WriteBehind
 from weightlift.remote.server.cache_check import PARALLEL_PIECE_MIN, DigestCheck, entry_hasher
 from weightlift.remote.server.cache_folder import (
     ENTRY_MODE,
@@ -100,6 +101,8 @@ __all__ = [
 #: Bytes read per ``readinto`` by :meth:`TensorCache.read_into`: large enough for the parallel
 #: hasher, small enough that the bytes are still in cache when they are hashed.
 READ_CHUNK = 4 * 1024 * 1024
+#: How long :meth:`TensorCache.has` waits for an entry of its digest being written behind.
+BEHIND_WAIT_S = 30.0
 #: The default cap (``max_bytes="auto"``): this fraction of what the entries take plus the free
 #: space of the cache's file system, measured when the cache opens.
 DEFAULT_MAX_FRACTION = 0.5
@@ -160,6 +163,7 @@ class TensorCache:
         self.hash_threads = hash_threads
         self._lock = threading.Lock()  # eviction's unlinks against commits' renames
         self._counts = {"folder_scans": 1, "evicted": 0, "bytes_evicted": 0}  # the scan at open
+        self._behind: WriteBehind | None = None
         fd = open_root(self.root)
         try:
             st = os.fstat(fd)
@@ -198,11 +202,16 @@ class TensorCache:
 
     # -- queries -----------------------------------------------------------------------------
 
-    def has(self, digest: bytes, length: int | None = None) -> bool:
+    def has(self, digest: bytes, length: int | None = None, *, wait: bool = True) -> bool:
         """Whether an entry exists for ``digest`` (of ``length`` bytes, when given). A stat, no read.
 
-        A True here is a promise worth making, not a guarantee: the read verifies again.
+        An entry of ``digest`` being written behind is waited for first (at most
+        :data:`BEHIND_WAIT_S`), unless ``wait`` is False. A True here is a promise worth making,
+        not a guarantee: the read verifies again.
         """
+        behind = self._behind
+        if wait and behind is not None:
+            behind.wait_for(bytes(digest), BEHIND_WAIT_S)
         try:
             st = os.stat(self.path_for(digest), follow_symlinks=False)
         except OSError:
@@ -211,13 +220,34 @@ class TensorCache:
 
     # -- writing -----------------------------------------------------------------------------
 
-    def writer(self, digest: bytes, length: int) -> CacheWriter:
-        """A writer that fills the entry for ``digest``, which must come to ``length`` bytes."""
+    def writer(self, digest: bytes, length: int, *, hashed: bool = True) -> CacheWriter:
+        """A writer that fills the entry for ``digest``, which must come to ``length`` bytes.
+
+        ``hashed=False`` is for bytes already proven to hash to ``digest`` (the write-behind of a
+        sealed tensor): they are written without hashing them again, and only the length is
+        checked at commit."""
         if length < 0:
             raise OptionError(f"length must be >= 0, got {length}")
         if self.max_bytes is not None and charge(length) > self.max_bytes:
             raise CacheError(f"a {length}-byte entry does not fit a {self.max_bytes}-byte cache")
-        return CacheWriter(self, digest, length)
+        return CacheWriter(self, digest, length, hashed=hashed)
+
+    @property
+    def behind(self) -> WriteBehind:
+        """The background writer of entries from published tensors (:mod:`.cache_behind`)."""
+        with self._lock:
+            if self._behind is None:
+                self._behind = WriteBehind(lambda d, n, h: self.writer(d, n, hashed=h))
+            return self._behind
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the entries queued behind are written; False on timeout."""
+        return self._behind is None or self._behind.flush(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Write the entries queued behind, then take no more."""
+        if self._behind is not None:
+            self._behind.close(timeout)
 
     def _folder_for_write(self, hx: str) -> int:
         """The descriptor of the fan-out folder ``hx`` names, made (or remade) as needed."""
@@ -429,8 +459,9 @@ class CacheWriter:
     unless :meth:`commit` was called, so an exception never leaves a temporary file behind.
     """
 
-    def __init__(self, cache: TensorCache, digest: bytes, length: int):
+    def __init__(self, cache: TensorCache, digest: bytes, length: int, *, hashed: bool = True):
         self._cache = cache
+        self._hashed = hashed
         self.digest = bytes(digest)
         self.length = length
         self.path = cache.path_for(digest)
@@ -465,9 +496,10 @@ class CacheWriter:
         if self.written + n > self.length:
             self.abort()
             raise CacheError(f"more than the declared {self.length} bytes written to cache entry")
-        if self._hasher is None:
-            self._hasher = entry_hasher(self.length, n, self._cache.hash_threads)
-        self._hasher.update(view)
+        if self._hashed:
+            if self._hasher is None:
+                self._hasher = entry_hasher(self.length, n, self._cache.hash_threads)
+            self._hasher.update(view)
         try:
             while view:
                 view = view[os.write(self._fd, view) :]
@@ -484,7 +516,7 @@ class CacheWriter:
         if self.written != self.length:
             self.abort()
             raise CacheError(f"cache entry {hx}: {self.written} bytes written, {self.length} declared")
-        actual = (self._hasher or blake3.blake3()).digest()
+        actual = (self._hasher or blake3.blake3()).digest() if self._hashed else self.digest
         if not hmac.compare_digest(actual, self.digest):
             self.abort()
             raise CacheError(f"cache entry {hx}: the bytes do not match the digest")

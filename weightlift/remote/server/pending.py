@@ -76,6 +76,7 @@ class Pending:
         "hashed",
         "proven",
         "verify",
+        "behind",
     )
 
     def __init__(self, a: Alloc, cost: int, charge: Charge, deferred: int = 0):
@@ -91,6 +92,7 @@ class Pending:
         self.hashed = 0
         self.proven = False  # the bytes in dest are known to hash to digest
         self.verify = a.verify  # report the digest of what was stored at the next barrier
+        self.behind = False  # its cache entry is to be written behind, from memory, once published
 
     def _span(self, begin: int, end: int) -> tuple[int, int]:
         # Ranges i..j-1 overlap or touch [begin, end): those before i end before it begins,

@@ -25,6 +25,7 @@ from weightlift.memory.pool import POOL_MIN, size_class
 from weightlift.profile import Profiler
 from weightlift.remote.protocol import MAX_DIGESTS, MAX_TENSORS, Alloc, BarrierReply, FillFromCache, WriteHeader
 from weightlift.remote.server.cache import CacheWriter, DigestCheck, disk_unusable
+from weightlift.remote.server.cache_behind import sealed_since
 from weightlift.remote.server.context import Context, RequestError
 from weightlift.remote.server.destinations import Destinations
 from weightlift.remote.server.device import STAGING_BYTES, Device
@@ -196,9 +197,13 @@ class Receiver:
         cache = self.ctx.cache
         if p.digest is not None and cache is not None and first:
             # The bytes of a tensor named by digest are always hashed, to prove them before it is
-            # published; into a new cache entry where there is none yet and this connection
-            # holds fewer than MAX_OPEN_FILES temporary files, else only hashed.
-            if not cache.has(p.digest, p.nbytes) and self._files_open() < MAX_OPEN_FILES:
+            # published. Where there is no entry yet, host memory has it written behind, once
+            # published (:mod:`.cache_behind`); a target without host views writes it as the
+            # bytes pass, while this connection holds fewer than MAX_OPEN_FILES temporary files.
+            missing = not cache.has(p.digest, p.nbytes, wait=False)
+            if missing and self.device.target.memcpy_ok:
+                p.behind = not cache.behind.pending(p.digest)
+            elif missing and self._files_open() < MAX_OPEN_FILES:
                 try:
                     p.writer = cache.writer(p.digest, p.nbytes)
                     self._files.append(p.writer)
@@ -267,8 +272,18 @@ class Receiver:
         dest = target.finish(p.dest)
         if p.charge is None or p.deferred:
             raise AssertionError(f"tensor {p.name!r} completed without a charge")
+        cache = self.ctx.cache
+        old = self.store.get(p.name)
+        if cache is not None and old is not None and old.tensor is not dest:
+            cache.behind.drop(old.tensor)  # replaced: an old version's entry is not worth its memory
+        del old
         self.store.publish(p.name, p.dtype, p.shape, p.nbytes, dest, p.charge, p.digest if p.proven else None)
         p.charge = None
+        if p.behind and p.proven and cache is not None and p.digest is not None:
+            sealed = sealed_since(self.store, p.name, dest)
+            if sealed is not None:  # not replaced already by another connection
+                cache.behind.on_error = self.cache_failed
+                cache.behind.submit(p.digest, dest, target.host_view(dest), sealed)
         self.outcomes.done_tensors += 1
         self.prof.count(tensors=1, nbytes=p.nbytes)
 
