@@ -82,6 +82,7 @@ from weightlift.remote.server.cache_folder import (
     reopen_root,
 )
 from weightlift.remote.server.cache_index import STALE_TEMP_SECONDS, TEMP_PREFIX, LruIndex, charge, scan_entries
+from weightlift.remote.server.cache_read import BadRead, fill_verified, read_exact
 
 __all__ = [
     "DIGEST_SIZE",
@@ -116,6 +117,7 @@ _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 class _Readable(Protocol):
     def readinto(self, buf: memoryview, /) -> int | None: ...
+    def fileno(self) -> int: ...
 
 
 _Fill = Callable[[_Readable, "blake3.blake3"], None]
@@ -311,7 +313,8 @@ class TensorCache:
         """Fill the writable buffer ``dest`` with the entry for ``digest`` and verify it.
 
         ``dest`` must be exactly the entry's length. The bytes go straight from the file into
-        ``dest`` in :data:`READ_CHUNK` pieces and are hashed as they land; ``before(begin, end)``,
+        ``dest`` in :data:`READ_CHUNK` pieces, by several readers for a large entry
+        (:mod:`.cache_read`), and are hashed as they land; ``before(begin, end)``,
         if given, runs before each piece is read into ``dest[begin:end]`` (a server faults fresh
         memory in there). If the entry is missing, of another size, unreadable or corrupt, it is
         deleted, CacheError is raised, and what is in ``dest`` is undefined.
@@ -323,14 +326,7 @@ class TensorCache:
         piece = min(READ_CHUNK, n) or 1
 
         def fill(f: _Readable, hasher: blake3.blake3) -> None:
-            off = 0
-            while off < n:
-                chunk = out[off : off + piece]
-                if before is not None:
-                    before(off, off + len(chunk))
-                _read_exact(f, chunk)
-                hasher.update(chunk)
-                off += len(chunk)
+            fill_verified(f, out, piece, hasher, before)
 
         self._verified_read(digest, n, piece, fill)
 
@@ -357,7 +353,7 @@ class TensorCache:
             off = 0
             while off < length:
                 chunk = stage[: min(piece, length - off)]
-                _read_exact(f, chunk)
+                read_exact(f, chunk)
                 hasher.update(chunk)
                 write(off, chunk)
                 off += len(chunk)
@@ -404,7 +400,7 @@ class TensorCache:
             hasher = entry_hasher(length, piece, self.hash_threads)
             try:
                 fill(f, hasher)
-            except _BadRead as exc:
+            except BadRead as exc:
                 # Only the entry's own read errors land here; whatever ``write`` raises is the
                 # caller's and passes through with the entry kept.
                 self._drop(folder, digest, st)
@@ -431,23 +427,6 @@ class TensorCache:
             return
         remove_tree(folder, hx)
         self._index.remove(digest)
-
-
-class _BadRead(Exception):
-    """A read of an entry failed or came up short."""
-
-
-def _read_exact(f: _Readable, chunk: memoryview) -> None:
-    got = 0
-    n = len(chunk)
-    while got < n:
-        try:
-            r = f.readinto(chunk[got:])
-        except OSError as exc:
-            raise _BadRead(f"is unreadable ({reason(exc)})") from exc
-        if not r:
-            raise _BadRead(f"ended early ({got} of {n} bytes)")
-        got += r
 
 
 class CacheWriter:

@@ -22,6 +22,8 @@ What the writer holds, and why it is safe:
   when it starts: a sealed tensor is written without hashing it again; an exposed one is hashed
   as it is written and committed only if it still matches. ``sealed()`` is asked again before the
   rename, so a handle given out during the write aborts the entry.
+* **Behind, also for the CPU.** The writer thread runs at the lowest priority, so that on a
+  machine whose cores are busy with the push the entries are written with the time left over.
 * **Bounded.** At most :data:`MAX_JOBS` jobs wait; past that a tensor is not cached (a counter
   says how many), so a disk slower than the network never holds the push up or grows a queue
   without end. :meth:`WriteBehind.flush` waits for the queue to empty (a server closing, a test).
@@ -29,6 +31,8 @@ What the writer holds, and why it is safe:
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -40,6 +44,7 @@ from weightlift.errors import CacheError
 
 __all__ = ["WriteBehind", "sealed_since", "MAX_JOBS", "WRITE_PIECE"]
 
+BEHIND_NICE = 19  # the writer thread's nice value: it runs on what the receive leaves
 MAX_JOBS = 4096  # entries waiting to be written; past this a tensor is not cached
 WRITE_PIECE = 8 * 1024 * 1024  # bytes per write(): large, and each piece hashed while still in cache
 
@@ -59,6 +64,13 @@ def sealed_since(store: Any, name: str, tensor: Any) -> Callable[[], bool] | Non
         return not (cur is not None and cur.tensor is tensor and cur.exposed)
 
     return sealed
+
+
+def _lowest_priority() -> None:
+    """Run the calling thread at the lowest CPU priority (Linux: a nice value per thread), so
+    that on a machine whose cores are busy receiving, the entries are written with what is left."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BEHIND_NICE)
 
 
 @dataclass
@@ -152,6 +164,7 @@ class WriteBehind:
             self._cond.notify_all()
 
     def _run(self) -> None:
+        _lowest_priority()
         done: bytes | None = None  # the digest of the job just finished
         while True:
             with self._cond:

@@ -9,6 +9,8 @@ charge deferred; it is charged in full here, before its memory is made.
 
 from __future__ import annotations
 
+import contextlib
+
 from weightlift.memory.faulter import Faulter
 from weightlift.memory.fresh import policy as fill_policy
 from weightlift.memory.pool import POOL_MIN
@@ -18,6 +20,11 @@ from weightlift.remote.server.device import Device
 from weightlift.remote.server.pending import Pending
 
 __all__ = ["Destinations", "FAULT_PIECE", "FAULT_WINDOW"]
+
+# A bf16 or fp8 destination is a numpy array of an ml_dtypes type, and importing ml_dtypes takes
+# about half a second: a server pays it when it starts, not inside its first push.
+with contextlib.suppress(ImportError):
+    import ml_dtypes  # noqa: F401
 
 FAULT_PIECE = 4 * 1024 * 1024  # fresh destination memory is faulted in this much at a time by the helpers ...
 FAULT_WINDOW = 64 * 1024 * 1024  # ... at most this far ahead of the bytes received (weightlift.memory.faulter)
