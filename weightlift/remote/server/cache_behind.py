@@ -45,6 +45,7 @@ from weightlift.errors import CacheError
 __all__ = ["WriteBehind", "sealed_since", "MAX_JOBS", "WRITE_PIECE"]
 
 BEHIND_NICE = 19  # the writer thread's nice value: it runs on what the receive leaves
+IDLE_EXIT_S = 1.0  # the writer thread ends after this long with nothing to write
 MAX_JOBS = 4096  # entries waiting to be written; past this a tensor is not cached
 WRITE_PIECE = 8 * 1024 * 1024  # bytes per write(): large, and each piece hashed while still in cache
 
@@ -173,9 +174,9 @@ class WriteBehind:
                 self._busy = False
                 self._cond.notify_all()
                 while not self._jobs:
-                    if self._closed:
+                    if self._closed or not self._cond.wait(IDLE_EXIT_S) and not self._jobs:
+                        self._thread = None  # idle: the next submit starts a new one
                         return
-                    self._cond.wait()
                 job = self._jobs.popleft()
                 self._busy = True
             done = job.digest

@@ -3,7 +3,8 @@
 A cache hit should cost what a local load of the same bytes costs. A local load reads with
 several ``preadv`` threads straight into the destination (:mod:`weightlift.local.mover`); one
 thread reading a piece, hashing it, then reading the next leaves the copy of one piece waiting
-on the hash of the one before. Here :data:`READERS` threads ``preadv`` the entry's pieces, in
+on the hash of the one before. Here :data:`READERS` threads (made for the read: a thread costs microseconds, the read of a
+large entry milliseconds, and no idle thread stays behind) ``preadv`` the entry's pieces, in
 order and at most :data:`WINDOW` pieces ahead, straight into the destination, and the calling
 thread hashes each piece as soon as it has landed, while it is still in the CPU's cache; the
 copies run with the GIL released, so reads and hash overlap.
@@ -16,7 +17,6 @@ left writing into the destination when :func:`fill_verified` returns or raises.
 from __future__ import annotations
 
 import os
-import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,12 +26,9 @@ from weightlift.remote.server.cache_folder import reason
 
 __all__ = ["BadRead", "read_exact", "fill_verified", "READERS", "WINDOW", "PARALLEL_READ_MIN"]
 
-READERS = 2  # reader threads, shared by every connection of the process
+READERS = 2  # reader threads of one entry's read
 WINDOW = 6  # pieces read ahead of the hash at most
 PARALLEL_READ_MIN = 16 * 1024 * 1024  # entries at least this large are read by the readers
-
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 
 
 class _Readable(Protocol):
@@ -70,14 +67,6 @@ def _pread_exact(fd: int, chunk: memoryview, offset: int) -> None:
         got += r
 
 
-def _readers() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(READERS, thread_name_prefix="weightlift-cache-read")
-        return _pool
-
-
 def fill_verified(
     f: _Readable,
     out: memoryview,
@@ -104,24 +93,19 @@ def fill_verified(
             before(off, off + len(chunk))
         _pread_exact(fd, chunk, off)
 
-    pool = _readers()
     ahead: deque[tuple[memoryview, Future[None]]] = deque()
     nxt = 0
-    try:
-        while nxt < n or ahead:
-            while nxt < n and len(ahead) < WINDOW:
-                chunk = out[nxt : nxt + piece]
-                ahead.append((chunk, pool.submit(read, nxt, chunk)))
-                nxt += len(chunk)
-            chunk, fut = ahead.popleft()
-            fut.result()
-            hasher.update(chunk)
-    finally:
-        for _, fut in ahead:  # nothing may write into out once this returns
-            fut.cancel()
-        for _, fut in ahead:
-            if not fut.cancelled():
-                try:
-                    fut.result()
-                except BaseException:
-                    pass
+    # the pool's exit waits for every read it started: none writes into out after this returns
+    with ThreadPoolExecutor(READERS, thread_name_prefix="weightlift-cache-read") as pool:
+        try:
+            while nxt < n or ahead:
+                while nxt < n and len(ahead) < WINDOW:
+                    chunk = out[nxt : nxt + piece]
+                    ahead.append((chunk, pool.submit(read, nxt, chunk)))
+                    nxt += len(chunk)
+                chunk, fut = ahead.popleft()
+                fut.result()
+                hasher.update(chunk)
+        finally:
+            for _, fut in ahead:
+                fut.cancel()

@@ -77,6 +77,7 @@ class Pending:
         "proven",
         "verify",
         "behind",
+        "fresh",
     )
 
     def __init__(self, a: Alloc, cost: int, charge: Charge, deferred: int = 0):
@@ -93,6 +94,7 @@ class Pending:
         self.proven = False  # the bytes in dest are known to hash to digest
         self.verify = a.verify  # report the digest of what was stored at the next barrier
         self.behind = False  # its cache entry is to be written behind, from memory, once published
+        self.fresh = False  # dest is memory never touched (its pages need faulting in), not reused
 
     def _span(self, begin: int, end: int) -> tuple[int, int]:
         # Ranges i..j-1 overlap or touch [begin, end): those before i end before it begins,
