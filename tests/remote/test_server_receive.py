@@ -89,7 +89,8 @@ def test_cache_is_filled_as_bytes_arrive_and_checks_the_digest(tmp_path):
         _cache_push(raw, a, 0, "w", d)
         assert _barrier(raw).tensors == 1
         raw.send(Have((d, bytes(32))))
-        assert raw.recv() == HaveReply((True, False))
+        assert raw.recv() == HaveReply((True, False))  # held in memory, its bytes proven
+        assert s.cache is not None and s.cache.flush(10)  # the entry is written behind the push
         entry = tmp_path / "c" / d.hex()[:2] / d.hex()
         assert entry.read_bytes() == a.tobytes()
 

@@ -50,8 +50,9 @@ and are otherwise ignored: they never have an entry's name.
 
 Hashing runs with the GIL released (blake3 does so for large inputs) and uses blake3's
 multithreaded mode for entries of at least 1 MiB fed in pieces of at least
-:data:`PARALLEL_PIECE_MIN`, which about doubles the rate on two cores; smaller pieces stay
-single-threaded, where the thread pool costs more than it gives.
+:data:`PARALLEL_PIECE_MIN` on machines of at least ``PARALLEL_HASH_CPUS`` cores
+(:func:`.cache_check.parallel_pays`); smaller pieces, and smaller machines, whose other core is
+busy receiving or reading the bytes, stay single-threaded.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
 from typing import Literal, Protocol
 
 import blake3
@@ -309,14 +311,22 @@ class TensorCache:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def read_into(self, digest: bytes, dest: object, *, before: Callable[[int, int], None] | None = None) -> None:
+    def read_into(
+        self,
+        digest: bytes,
+        dest: object,
+        *,
+        before: Callable[[int, int], None] | None = None,
+        readers: Executor | None = None,
+    ) -> None:
         """Fill the writable buffer ``dest`` with the entry for ``digest`` and verify it.
 
         ``dest`` must be exactly the entry's length. The bytes go straight from the file into
         ``dest`` in :data:`READ_CHUNK` pieces, by several readers for a large entry
         (:mod:`.cache_read`), and are hashed as they land; ``before(begin, end)``,
         if given, runs before each piece is read into ``dest[begin:end]`` (a server faults fresh
-        memory in there). If the entry is missing, of another size, unreadable or corrupt, it is
+        memory in there). ``readers``: threads to read with (:func:`.cache_read.reader_pool`). If
+        the entry is missing, of another size, unreadable or corrupt, it is
         deleted, CacheError is raised, and what is in ``dest`` is undefined.
         """
         out = byte_view(dest)
@@ -326,7 +336,7 @@ class TensorCache:
         piece = min(READ_CHUNK, n) or 1
 
         def fill(f: _Readable, hasher: blake3.blake3) -> None:
-            fill_verified(f, out, piece, hasher, before)
+            fill_verified(f, out, piece, hasher, before, readers)
 
         self._verified_read(digest, n, piece, fill)
 

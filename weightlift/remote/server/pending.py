@@ -18,6 +18,7 @@ from weightlift.digest.blake import PARALLEL_HASH_MIN, byte_view
 from weightlift.errors import CacheError
 from weightlift.profile import Profiler
 from weightlift.remote.protocol import Alloc
+from weightlift.remote.server.cache_check import parallel_pays
 from weightlift.remote.server.store import Charge
 
 __all__ = ["Pending", "StreamHash", "feed", "MAX_RANGES"]
@@ -36,8 +37,8 @@ class StreamHash:
 
     def write(self, buf: Any) -> None:
         view = byte_view(buf)
-        if self._hasher is None:  # as for the cache: threads pay only on large pieces
-            big = min(self.length, view.nbytes) >= PARALLEL_HASH_MIN
+        if self._hasher is None:  # as for the cache: threads pay only on large pieces, on enough cores
+            big = parallel_pays(self.length, view.nbytes) and min(self.length, view.nbytes) >= PARALLEL_HASH_MIN
             self._hasher = blake3.blake3(max_threads=blake3.blake3.AUTO if big else 1)
         self._hasher.update(view)
 

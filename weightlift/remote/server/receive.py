@@ -331,6 +331,7 @@ class Receiver:
     def close(self) -> None:
         """The connection ends: stop the faulter (nothing writes into freed memory), drop what is in flight."""
         self.dests.close()  # waits for the pieces in progress
+        self.fills.close()
         for p in self.pending.values():
             self.dests.unfault(p)
             if p.writer is not None:
