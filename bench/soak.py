@@ -370,6 +370,7 @@ def soak(
             c.free(warm.names)
         (root / "warm.safetensors").unlink()
         settled(proc.pid, fds0)  # the warm-up's connection has ended on the server's side
+        time.sleep(1.5)  # and the cache's write-behind thread, idle, has ended (it ends after 1 s)
         start = {"rss": rss(proc.pid), "fds": fds(proc.pid), "threads": threads(proc.pid)}
         peak = [start["rss"]]
         done = threading.Event()

@@ -141,6 +141,7 @@ def test_a_corrupt_cache_entry_is_dropped_and_the_tensor_sent_again(tmp_path):
     path, tensors = model(tmp_path, large=2)
     with Server(cache_dir=tmp_path / "cache") as s, Client(s.address) as c:
         c.push(path, hash_threshold=THRESHOLD)
+        assert s.cache is not None and s.cache.flush(10)  # the entries are written behind the push
         d = hash_buffer(tensors["large.1"][2])
         entry = tmp_path / "cache" / d.hex()[:2] / d.hex()
         data = bytearray(entry.read_bytes())
@@ -154,6 +155,7 @@ def test_a_corrupt_cache_entry_is_dropped_and_the_tensor_sent_again(tmp_path):
         )
         assert r.tensors == len(tensors) and r.bytes == sum(len(b) for _, _, b in tensors.values())
         assert_holds(s, tensors)
+        assert s.cache.flush(10)
         assert entry.read_bytes() == tensors["large.1"][2]  # and the entry is good again
 
 

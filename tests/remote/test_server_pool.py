@@ -83,7 +83,7 @@ def test_a_lazy_allocation_that_fails_leaves_nothing_in_flight(tmp_path, monkeyp
         raw = Raw(s.address)
         raw.hello()
         _cache_push(raw, a, 9, "v", d)  # on disk now ...
-        assert _barrier(raw).tensors == 1
+        assert _barrier(raw).tensors == 1 and s.cache.flush(10)  # (the entry is written behind the push)
         raw.send(Free(("v",)))  # ... and nowhere in memory
         assert raw.recv() == FreeReply(1)
         s.trim(0)  # not even pooled

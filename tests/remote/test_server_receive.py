@@ -89,7 +89,8 @@ def test_cache_is_filled_as_bytes_arrive_and_checks_the_digest(tmp_path):
         _cache_push(raw, a, 0, "w", d)
         assert _barrier(raw).tensors == 1
         raw.send(Have((d, bytes(32))))
-        assert raw.recv() == HaveReply((True, False))
+        assert raw.recv() == HaveReply((True, False))  # held in memory, its bytes proven
+        assert s.cache is not None and s.cache.flush(10)  # the entry is written behind the push
         entry = tmp_path / "c" / d.hex()[:2] / d.hex()
         assert entry.read_bytes() == a.tobytes()
 
@@ -132,6 +133,7 @@ def test_fill_from_cache_and_a_corrupt_entry_is_asked_for_again(tmp_path, n):
         second.send(WriteHeader(1, 0, a.nbytes), a.tobytes())
         assert _barrier(second).tensors == 1
         assert np.array_equal(s.tensors()["w.again"], a)
+        assert s.cache.flush(10)  # the entry is written behind the push
         assert entry.read_bytes() == a.tobytes()  # and cached afresh
 
 
@@ -143,6 +145,7 @@ def test_second_push_of_a_held_tensor_keeps_its_memory(tmp_path):
         raw.hello()
         _cache_push(raw, a, 0, "w", d)
         _barrier(raw)
+        assert s.cache.flush(10)  # the entry is written behind the push
         held = s.tensors()["w"]
         used = s.memory_used
         (tmp_path / "c" / d.hex()[:2] / d.hex()).unlink()  # only the held tensor has these bytes now
@@ -203,6 +206,7 @@ def test_a_held_tensor_written_in_place_is_not_trusted(tmp_path):
         raw.hello()
         _cache_push(raw, a, 0, "w", d)
         _barrier(raw)
+        assert s.cache.flush(10)  # the entry is written behind the push
         s.tensors(writable=True)["w"][10] += 1.0  # a reader changed its weights
         _fill(raw, a, 1, "w", d)
         assert _barrier(raw) == BarrierReply(1, 0)

@@ -66,6 +66,7 @@ Buffer = bytes | bytearray | memoryview
 
 # Large kernel buffers let a fast link run without the sender stalling on every window; the
 # kernel caps the request at its own limit (net.core.wmem_max / rmem_max) without complaint.
+# Asked for only where the kernel does not size the buffers itself (see _autotuned).
 SOCKET_BUFFER = 8 * 1024 * 1024
 # Linux refuses more than IOV_MAX (1024) buffers in one sendmsg.
 _MAX_IOV = 512
@@ -115,12 +116,18 @@ class Backend(Protocol):
     def listen(self, host: str, port: int, *, backlog: int = 64) -> Listener: ...
 
 
+def _autotuned() -> bool:
+    """Whether the kernel sizes TCP buffers itself (Linux): a buffer set by hand switches that
+    off for the socket and pins it at the size asked for, capped at net.core.[rw]mem_max, which
+    was measured to slow even loopback transfers (raw TCP, not only the protocol)."""
+    return os.path.exists("/proc/sys/net/ipv4/tcp_rmem")
+
+
 def _tune(sock: socket.socket) -> None:
-    for level, opt, value in (
-        (socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER),
-        (socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER),
-        (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),
-    ):
+    sizes = (
+        [] if _autotuned() else [(socket.SOL_SOCKET, o, SOCKET_BUFFER) for o in (socket.SO_SNDBUF, socket.SO_RCVBUF)]
+    )
+    for level, opt, value in (*sizes, (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)):
         try:
             sock.setsockopt(level, opt, value)
         except OSError:

@@ -50,8 +50,9 @@ and are otherwise ignored: they never have an entry's name.
 
 Hashing runs with the GIL released (blake3 does so for large inputs) and uses blake3's
 multithreaded mode for entries of at least 1 MiB fed in pieces of at least
-:data:`PARALLEL_PIECE_MIN`, which about doubles the rate on two cores; smaller pieces stay
-single-threaded, where the thread pool costs more than it gives.
+:data:`PARALLEL_PIECE_MIN` on machines of at least ``PARALLEL_HASH_CPUS`` cores
+(:func:`.cache_check.parallel_pays`); smaller pieces, and smaller machines, whose other core is
+busy receiving or reading the bytes, stay single-threaded.
 """
 
 from __future__ import annotations
@@ -65,12 +66,14 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
 from typing import Literal, Protocol
 
 import blake3
 
 from weightlift.digest.blake import DIGEST_SIZE, byte_view, digest_hex
 from weightlift.errors import CacheError, OptionError
+from weightlift.remote.server.cache_behind import WriteBehind
 from weightlift.remote.server.cache_check import PARALLEL_PIECE_MIN, DigestCheck, entry_hasher
 from weightlift.remote.server.cache_folder import (
     ENTRY_MODE,
@@ -81,6 +84,7 @@ from weightlift.remote.server.cache_folder import (
     reopen_root,
 )
 from weightlift.remote.server.cache_index import STALE_TEMP_SECONDS, TEMP_PREFIX, LruIndex, charge, scan_entries
+from weightlift.remote.server.cache_read import BadRead, fill_verified, read_exact
 
 __all__ = [
     "DIGEST_SIZE",
@@ -100,6 +104,8 @@ __all__ = [
 #: Bytes read per ``readinto`` by :meth:`TensorCache.read_into`: large enough for the parallel
 #: hasher, small enough that the bytes are still in cache when they are hashed.
 READ_CHUNK = 4 * 1024 * 1024
+#: How long :meth:`TensorCache.has` waits for an entry of its digest being written behind.
+BEHIND_WAIT_S = 30.0
 #: The default cap (``max_bytes="auto"``): this fraction of what the entries take plus the free
 #: space of the cache's file system, measured when the cache opens.
 DEFAULT_MAX_FRACTION = 0.5
@@ -113,6 +119,7 @@ _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 class _Readable(Protocol):
     def readinto(self, buf: memoryview, /) -> int | None: ...
+    def fileno(self) -> int: ...
 
 
 _Fill = Callable[[_Readable, "blake3.blake3"], None]
@@ -160,6 +167,7 @@ class TensorCache:
         self.hash_threads = hash_threads
         self._lock = threading.Lock()  # eviction's unlinks against commits' renames
         self._counts = {"folder_scans": 1, "evicted": 0, "bytes_evicted": 0}  # the scan at open
+        self._behind: WriteBehind | None = None
         fd = open_root(self.root)
         try:
             st = os.fstat(fd)
@@ -198,11 +206,16 @@ class TensorCache:
 
     # -- queries -----------------------------------------------------------------------------
 
-    def has(self, digest: bytes, length: int | None = None) -> bool:
+    def has(self, digest: bytes, length: int | None = None, *, wait: bool = True) -> bool:
         """Whether an entry exists for ``digest`` (of ``length`` bytes, when given). A stat, no read.
 
-        A True here is a promise worth making, not a guarantee: the read verifies again.
+        An entry of ``digest`` being written behind is waited for first (at most
+        :data:`BEHIND_WAIT_S`), unless ``wait`` is False. A True here is a promise worth making,
+        not a guarantee: the read verifies again.
         """
+        behind = self._behind
+        if wait and behind is not None:
+            behind.wait_for(bytes(digest), BEHIND_WAIT_S)
         try:
             st = os.stat(self.path_for(digest), follow_symlinks=False)
         except OSError:
@@ -212,13 +225,34 @@ class TensorCache:
 
     # -- writing -----------------------------------------------------------------------------
 
-    def writer(self, digest: bytes, length: int) -> CacheWriter:
-        """A writer that fills the entry for ``digest``, which must come to ``length`` bytes."""
+    def writer(self, digest: bytes, length: int, *, hashed: bool = True) -> CacheWriter:
+        """A writer that fills the entry for ``digest``, which must come to ``length`` bytes.
+
+        ``hashed=False`` is for bytes already proven to hash to ``digest`` (the write-behind of a
+        sealed tensor): they are written without hashing them again, and only the length is
+        checked at commit."""
         if length < 0:
             raise OptionError(f"length must be >= 0, got {length}")
         if self.max_bytes is not None and charge(length) > self.max_bytes:
             raise CacheError(f"a {length}-byte entry does not fit a {self.max_bytes}-byte cache")
-        return CacheWriter(self, digest, length)
+        return CacheWriter(self, digest, length, hashed=hashed)
+
+    @property
+    def behind(self) -> WriteBehind:
+        """The background writer of entries from published tensors (:mod:`.cache_behind`)."""
+        with self._lock:
+            if self._behind is None:
+                self._behind = WriteBehind(lambda d, n, h: self.writer(d, n, hashed=h))
+            return self._behind
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the entries queued behind are written; False on timeout."""
+        return self._behind is None or self._behind.flush(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Write the entries queued behind, then take no more."""
+        if self._behind is not None:
+            self._behind.close(timeout)
 
     def _folder_for_write(self, hx: str) -> int:
         """The descriptor of the fan-out folder ``hx`` names, made (or remade) as needed."""
@@ -278,13 +312,22 @@ class TensorCache:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def read_into(self, digest: bytes, dest: object, *, before: Callable[[int, int], None] | None = None) -> None:
+    def read_into(
+        self,
+        digest: bytes,
+        dest: object,
+        *,
+        before: Callable[[int, int], None] | None = None,
+        readers: Executor | None = None,
+    ) -> None:
         """Fill the writable buffer ``dest`` with the entry for ``digest`` and verify it.
 
         ``dest`` must be exactly the entry's length. The bytes go straight from the file into
-        ``dest`` in :data:`READ_CHUNK` pieces and are hashed as they land; ``before(begin, end)``,
+        ``dest`` in :data:`READ_CHUNK` pieces, by several readers for a large entry
+        (:mod:`.cache_read`), and are hashed as they land; ``before(begin, end)``,
         if given, runs before each piece is read into ``dest[begin:end]`` (a server faults fresh
-        memory in there). If the entry is missing, of another size, unreadable or corrupt, it is
+        memory in there). ``readers``: threads to read with (:func:`.cache_read.reader_pool`). If
+        the entry is missing, of another size, unreadable or corrupt, it is
         deleted, CacheError is raised, and what is in ``dest`` is undefined.
         """
         out = byte_view(dest)
@@ -294,14 +337,7 @@ class TensorCache:
         piece = min(READ_CHUNK, n) or 1
 
         def fill(f: _Readable, hasher: blake3.blake3) -> None:
-            off = 0
-            while off < n:
-                chunk = out[off : off + piece]
-                if before is not None:
-                    before(off, off + len(chunk))
-                _read_exact(f, chunk)
-                hasher.update(chunk)
-                off += len(chunk)
+            fill_verified(f, out, piece, hasher, before, readers)
 
         self._verified_read(digest, n, piece, fill)
 
@@ -328,7 +364,7 @@ class TensorCache:
             off = 0
             while off < length:
                 chunk = stage[: min(piece, length - off)]
-                _read_exact(f, chunk)
+                read_exact(f, chunk)
                 hasher.update(chunk)
                 write(off, chunk)
                 off += len(chunk)
@@ -375,7 +411,7 @@ class TensorCache:
             hasher = entry_hasher(length, piece, self.hash_threads)
             try:
                 fill(f, hasher)
-            except _BadRead as exc:
+            except BadRead as exc:
                 # Only the entry's own read errors land here; whatever ``write`` raises is the
                 # caller's and passes through with the entry kept.
                 self._drop(folder, digest, st)
@@ -406,23 +442,6 @@ class TensorCache:
         self._index.remove(digest)
 
 
-class _BadRead(Exception):
-    """A read of an entry failed or came up short."""
-
-
-def _read_exact(f: _Readable, chunk: memoryview) -> None:
-    got = 0
-    n = len(chunk)
-    while got < n:
-        try:
-            r = f.readinto(chunk[got:])
-        except OSError as exc:
-            raise _BadRead(f"is unreadable ({reason(exc)})") from exc
-        if not r:
-            raise _BadRead(f"ended early ({got} of {n} bytes)")
-        got += r
-
-
 class CacheWriter:
     """Writes one entry: ``write`` pieces as they arrive, then ``commit`` or ``abort``.
 
@@ -432,8 +451,9 @@ class CacheWriter:
     unless :meth:`commit` was called, so an exception never leaves a temporary file behind.
     """
 
-    def __init__(self, cache: TensorCache, digest: bytes, length: int):
+    def __init__(self, cache: TensorCache, digest: bytes, length: int, *, hashed: bool = True):
         self._cache = cache
+        self._hashed = hashed
         self.digest = bytes(digest)
         self.length = length
         self.path = cache.path_for(digest)
@@ -468,9 +488,10 @@ class CacheWriter:
         if self.written + n > self.length:
             self.abort()
             raise CacheError(f"more than the declared {self.length} bytes written to cache entry")
-        if self._hasher is None:
-            self._hasher = entry_hasher(self.length, n, self._cache.hash_threads)
-        self._hasher.update(view)
+        if self._hashed:
+            if self._hasher is None:
+                self._hasher = entry_hasher(self.length, n, self._cache.hash_threads)
+            self._hasher.update(view)
         try:
             while view:
                 view = view[os.write(self._fd, view) :]
@@ -487,7 +508,7 @@ class CacheWriter:
         if self.written != self.length:
             self.abort()
             raise CacheError(f"cache entry {hx}: {self.written} bytes written, {self.length} declared")
-        actual = (self._hasher or blake3.blake3()).digest()
+        actual = (self._hasher or blake3.blake3()).digest() if self._hashed else self.digest
         if not hmac.compare_digest(actual, self.digest):
             self.abort()
             raise CacheError(f"cache entry {hx}: the bytes do not match the digest")

@@ -4,26 +4,39 @@
 from __future__ import annotations
 
 import hmac
+import os
 
 import blake3
 
 from weightlift.digest.blake import PARALLEL_HASH_MIN, byte_view
 from weightlift.errors import CacheError
 
-__all__ = ["PARALLEL_PIECE_MIN", "entry_hasher", "DigestCheck"]
+__all__ = ["PARALLEL_PIECE_MIN", "PARALLEL_HASH_CPUS", "entry_hasher", "parallel_pays", "DigestCheck"]
 
 #: The smallest piece for which blake3's thread pool pays: in smaller pieces its start-up costs
 #: more than the parallel hashing saves (measured figures: bench/RESULTS.md).
 PARALLEL_PIECE_MIN = 256 * 1024
+#: The fewest cores on which blake3's thread pool is used on the receive and cache-read paths.
+PARALLEL_HASH_CPUS = 4
 
 
 def entry_hasher(length: int, piece: int, threads: int | None) -> blake3.blake3:
     """A hasher for ``length`` bytes fed in pieces of ``piece``: multithreaded where that pays,
     or with ``threads`` threads when given."""
     if threads is None:
-        parallel = length >= PARALLEL_HASH_MIN and piece >= PARALLEL_PIECE_MIN
-        threads = blake3.blake3.AUTO if parallel else 1
+        threads = blake3.blake3.AUTO if parallel_pays(length, piece) else 1
     return blake3.blake3(max_threads=threads)
+
+
+def parallel_pays(length: int, piece: int) -> bool:
+    """Whether blake3's thread pool pays for ``length`` bytes hashed in pieces of ``piece``.
+
+    Not on a machine of fewer than :data:`PARALLEL_HASH_CPUS` cores: the bytes hashed on a
+    server's receive or cache-read path are being received or read by the other core meanwhile,
+    and the pool's threads then wait for the cores instead of sharing the work (profiled: several
+    times the single-threaded hash's CPU time)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cpus >= PARALLEL_HASH_CPUS and length >= PARALLEL_HASH_MIN and piece >= PARALLEL_PIECE_MIN
 
 
 class DigestCheck:

@@ -9,6 +9,8 @@ charge deferred; it is charged in full here, before its memory is made.
 
 from __future__ import annotations
 
+import contextlib
+
 from weightlift.memory.faulter import Faulter
 from weightlift.memory.fresh import policy as fill_policy
 from weightlift.memory.pool import POOL_MIN
@@ -18,6 +20,11 @@ from weightlift.remote.server.device import Device
 from weightlift.remote.server.pending import Pending
 
 __all__ = ["Destinations", "FAULT_PIECE", "FAULT_WINDOW"]
+
+# A bf16 or fp8 destination is a numpy array of an ml_dtypes type, and importing ml_dtypes takes
+# about half a second: a server pays it when it starts, not inside its first push.
+with contextlib.suppress(ImportError):
+    import ml_dtypes  # noqa: F401
 
 FAULT_PIECE = 4 * 1024 * 1024  # fresh destination memory is faulted in this much at a time by the helpers ...
 FAULT_WINDOW = 64 * 1024 * 1024  # ... at most this far ahead of the bytes received (weightlift.memory.faulter)
@@ -35,8 +42,9 @@ class Destinations:
         self.faulter: Faulter | None = None  # made at the first fresh destination
 
     def ready(self, p: Pending, begin: int, end: int) -> bool:
-        """Whether the faulter has faulted ``p``'s bytes [begin, end) in already."""
-        return self.faulter is not None and self.faulter.ready(p, begin, end)
+        """Whether ``p``'s bytes [begin, end) need no faulting in: reused memory (a weight
+        update landing in the pool's touched pages), or pages the faulter has reached."""
+        return not p.fresh or (self.faulter is not None and self.faulter.ready(p, begin, end))
 
     def ensure(self, p: Pending, *, fault: bool = True) -> None:
         """Give ``p`` its destination (RequestError, or MemoryFull for a deferred charge)."""
@@ -50,6 +58,8 @@ class Destinations:
                 p.dest = view_as(raw, p.dtype, p.shape, self._ctx.config.framework)
             else:
                 p.dest = self._device.target.empty(p.dtype, p.shape)
+            # the target's own memory is, as far as anyone here knows, never touched
+            p.fresh = fresh or not self._device.pooled
         except Exception as e:  # ENOMEM from mmap, numpy on an absurd shape, torch out of memory, no device
             raise RequestError(
                 f"cannot allocate {p.name!r} ({p.dtype} {p.shape}, {p.nbytes} bytes): {type(e).__name__}: {e}"

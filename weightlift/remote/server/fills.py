@@ -8,13 +8,16 @@ come. Either way the tensor's bytes are proven when it is filled.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 from weightlift.digest.blake import hash_buffer
 from weightlift.errors import CacheError
 from weightlift.memory.targets import populate
 from weightlift.profile import Profiler
-from weightlift.remote.server.cache import TensorCache
+from weightlift.remote.server.cache import READ_CHUNK, TensorCache
+from weightlift.remote.server.cache_read import reader_pool
 from weightlift.remote.server.destinations import Destinations
 from weightlift.remote.server.device import Device
 from weightlift.remote.server.pending import Pending
@@ -31,6 +34,13 @@ class Fills:
         self._device = device
         self._dests = dests
         self._prof = prof
+        self._readers: ThreadPoolExecutor | None = None  # made at the first large cache read
+
+    def close(self) -> None:
+        """The connection ends: its reader threads go (no read is in progress)."""
+        if self._readers is not None:
+            self._readers.shutdown()
+            self._readers = None
 
     def from_memory(self, p: Pending, digest: bytes) -> bool:
         """Fill ``p`` from a tensor the server holds whose bytes were proven to hash to
@@ -83,7 +93,9 @@ class Fills:
                         if not dests.ready(p, begin, end):
                             populate(dest[begin:end])
 
-                    cache.read_into(digest, dest, before=before)
+                    if self._readers is None and p.nbytes >= 2 * READ_CHUNK:
+                        self._readers = reader_pool()
+                    cache.read_into(digest, dest, before=before, readers=self._readers)
                 else:
                     cache.read_into_target(
                         digest,

@@ -18,6 +18,7 @@ from weightlift.digest.blake import PARALLEL_HASH_MIN, byte_view
 from weightlift.errors import CacheError
 from weightlift.profile import Profiler
 from weightlift.remote.protocol import Alloc
+from weightlift.remote.server.cache_check import parallel_pays
 from weightlift.remote.server.store import Charge
 
 __all__ = ["Pending", "StreamHash", "feed", "MAX_RANGES"]
@@ -36,8 +37,8 @@ class StreamHash:
 
     def write(self, buf: Any) -> None:
         view = byte_view(buf)
-        if self._hasher is None:  # as for the cache: threads pay only on large pieces
-            big = min(self.length, view.nbytes) >= PARALLEL_HASH_MIN
+        if self._hasher is None:  # as for the cache: threads pay only on large pieces, on enough cores
+            big = parallel_pays(self.length, view.nbytes) and min(self.length, view.nbytes) >= PARALLEL_HASH_MIN
             self._hasher = blake3.blake3(max_threads=blake3.blake3.AUTO if big else 1)
         self._hasher.update(view)
 
@@ -76,6 +77,8 @@ class Pending:
         "hashed",
         "proven",
         "verify",
+        "behind",
+        "fresh",
     )
 
     def __init__(self, a: Alloc, cost: int, charge: Charge, deferred: int = 0):
@@ -91,6 +94,8 @@ class Pending:
         self.hashed = 0
         self.proven = False  # the bytes in dest are known to hash to digest
         self.verify = a.verify  # report the digest of what was stored at the next barrier
+        self.behind = False  # its cache entry is to be written behind, from memory, once published
+        self.fresh = False  # dest is memory never touched (its pages need faulting in), not reused
 
     def _span(self, begin: int, end: int) -> tuple[int, int]:
         # Ranges i..j-1 overlap or touch [begin, end): those before i end before it begins,

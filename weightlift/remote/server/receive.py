@@ -25,6 +25,7 @@ from weightlift.memory.pool import POOL_MIN, size_class
 from weightlift.profile import Profiler
 from weightlift.remote.protocol import MAX_DIGESTS, MAX_TENSORS, Alloc, BarrierReply, FillFromCache, WriteHeader
 from weightlift.remote.server.cache import CacheWriter, DigestCheck, disk_unusable
+from weightlift.remote.server.cache_behind import sealed_since
 from weightlift.remote.server.context import Context, RequestError
 from weightlift.remote.server.destinations import Destinations
 from weightlift.remote.server.device import STAGING_BYTES, Device
@@ -32,7 +33,7 @@ from weightlift.remote.server.fills import Fills
 from weightlift.remote.server.outcomes import Outcomes
 from weightlift.remote.server.paths import PayloadPath
 from weightlift.remote.server.pending import MAX_RANGES, Pending, StreamHash
-from weightlift.remote.server.store import MemoryFull, entry_cost
+from weightlift.remote.server.store import MemoryFull, Store, entry_cost
 
 __all__ = ["Receiver", "MAX_OPEN_FILES", "RESERVED_NAMES"]
 
@@ -104,25 +105,10 @@ class Receiver:
             raise RequestError(f"more than {MAX_TENSORS} tensors in flight on one connection")
         if a.name in RESERVED_NAMES:
             raise RequestError(f"{a.name!r} is not a tensor name: safetensors reserves it for the file's metadata")
-        pooled = self.device.pooled and a.nbytes >= POOL_MIN
-        data = size_class(a.nbytes) if pooled else a.nbytes  # a pooled tensor holds whole huge pages
-        cost = entry_cost(a.name, data, len(a.shape))
-        try:
-            charge = self.store.charge(cost, a.nbytes if pooled else 0)
-            deferred = 0
-        except MemoryFull:
-            # A client allocates ahead of its writes: while an earlier tensor of this connection
-            # is still arriving, its old version may be about to make the room (a weight update
-            # near the limit). Its bookkeeping is charged now, its data at its first byte, and
-            # it fails there. Nothing a client allocates is ever held without a charge.
-            if not self.pending or not a.nbytes:
-                raise
-            charge = self.store.charge(cost - data)
-            deferred = data
-        p = Pending(a, cost, charge, deferred)
+        p = _charged(self.store, a, pooled=self.device.pooled and a.nbytes >= POOL_MIN, ahead=bool(self.pending))
         # A tensor named by digest may be filled from memory the server already holds: its
         # destination is made when the first byte needs a place, not here.
-        if not deferred and (a.digest is None or a.nbytes == 0 or not self.store.remembers_digests):
+        if not p.deferred and (a.digest is None or a.nbytes == 0 or not self.store.remembers_digests):
             try:
                 self.dests.ensure(p)
             except (RequestError, MemoryFull):
@@ -208,9 +194,13 @@ class Receiver:
         cache = self.ctx.cache
         if p.digest is not None and cache is not None and first:
             # The bytes of a tensor named by digest are always hashed, to prove them before it is
-            # published; into a new cache entry where there is none yet and this connection
-            # holds fewer than MAX_OPEN_FILES temporary files, else only hashed.
-            if not cache.has(p.digest, p.nbytes) and self._files_open() < MAX_OPEN_FILES:
+            # published. Where there is no entry yet, host memory has it written behind, once
+            # published (:mod:`.cache_behind`); a target without host views writes it as the
+            # bytes pass, while this connection holds fewer than MAX_OPEN_FILES temporary files.
+            missing = not cache.has(p.digest, p.nbytes, wait=False)
+            if missing and self.device.target.memcpy_ok:
+                p.behind = not cache.behind.pending(p.digest)
+            elif missing and self._files_open() < MAX_OPEN_FILES:
                 try:
                     p.writer = cache.writer(p.digest, p.nbytes)
                     self._files.append(p.writer)
@@ -280,9 +270,19 @@ class Receiver:
         dest = target.finish(p.dest)
         if p.charge is None or p.deferred:
             raise AssertionError(f"tensor {p.name!r} completed without a charge")
+        cache = self.ctx.cache
+        old = self.store.get(p.name)
+        if cache is not None and old is not None and old.tensor is not dest:
+            cache.behind.drop(old.tensor)  # replaced: an old version's entry is not worth its memory
+        del old
         # a verified tensor's digest is of the bytes stored: the base a later DELTA names
         self.publish(p.name, p.dtype, p.shape, p.nbytes, dest, p.charge, p.digest if p.proven else streamed)
         p.charge = None
+        if p.behind and p.proven and cache is not None and p.digest is not None:
+            sealed = sealed_since(self.store, p.name, dest, staged=self.publish != self.store.publish)
+            if sealed is not None:  # not replaced already by another connection
+                cache.behind.on_error = self.cache_failed
+                cache.behind.submit(p.digest, dest, target.host_view(dest), sealed)
         self.outcomes.done_tensors += 1
         self.prof.count(tensors=1, nbytes=p.nbytes)
 
@@ -331,9 +331,26 @@ class Receiver:
     def close(self) -> None:
         """The connection ends: stop the faulter (nothing writes into freed memory), drop what is in flight."""
         self.dests.close()  # waits for the pieces in progress
+        self.fills.close()
         for p in self.pending.values():
             self.dests.unfault(p)
             if p.writer is not None:
                 p.writer.abort()
             p.release()
         self.pending.clear()
+
+
+def _charged(store: Store, a: Alloc, *, pooled: bool, ahead: bool) -> Pending:
+    """The tensor ``a`` allocates, charged: whole (a pooled tensor holds whole huge pages), or,
+    when that does not fit and the connection has others in flight (``ahead``), its bookkeeping
+    now and its data at its first byte. A client allocates ahead of its writes: an earlier
+    tensor still arriving may be about to make the room (a weight update near the limit), and
+    if it does not, the tensor fails at its first byte. Nothing is held without a charge."""
+    data = size_class(a.nbytes) if pooled else a.nbytes
+    cost = entry_cost(a.name, data, len(a.shape))
+    try:
+        return Pending(a, cost, store.charge(cost, a.nbytes if pooled else 0), 0)
+    except MemoryFull:
+        if not ahead or not a.nbytes:
+            raise
+        return Pending(a, cost, store.charge(cost - data), data)

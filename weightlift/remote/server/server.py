@@ -257,6 +257,8 @@ class Server:
         self._acceptor.close()
         if self._accept_thread is not None and self._accept_thread is not threading.current_thread():
             self._accept_thread.join(timeout=10)
+        if self._ctx.cache is not None:
+            self._ctx.cache.close()  # the entries still queued to be written behind are written
         if self._store.pool is not None:
             self._store.pool.close()  # idle memory goes back; tensors still held keep theirs
 

@@ -1,0 +1,167 @@
+"""Cache entries written behind the push: off the path that publishes a tensor, from its memory,
+never wrong, never before they are complete, and never holding memory past a replacement."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from tests.remote.rawclient import Raw, _barrier, _cache_push, _cost, _f32
+from weightlift.digest.blake import hash_buffer
+from weightlift.memory.pool import size_class
+from weightlift.remote.server import cache_behind
+from weightlift.remote.server.cache import CacheWriter
+from weightlift.remote.server.server import Server
+
+
+def _entry(root, d):
+    return root / d.hex()[:2] / d.hex()
+
+
+class _Gate:
+    """Holds every behind-write at its first piece until ``open()``; says when one is waiting."""
+
+    def __init__(self, monkeypatch):
+        self.waiting = threading.Event()
+        self._go = threading.Event()
+        real = CacheWriter.write
+
+        def write(w, buf):
+            self.waiting.set()
+            assert self._go.wait(30)
+            real(w, buf)
+
+        monkeypatch.setattr(CacheWriter, "write", write)
+
+    def open(self):
+        self._go.set()
+
+
+def test_a_push_does_not_wait_for_the_disk(tmp_path, monkeypatch):
+    gate = _Gate(monkeypatch)
+    a = _f32(700_000, 1)
+    d = hash_buffer(a)
+    with Server(cache_dir=tmp_path / "c") as s:
+        raw = Raw(s.address)
+        raw.hello()
+        _cache_push(raw, a, 0, "w", d)
+        assert _barrier(raw).tensors == 1  # published while its entry is not written
+        assert np.array_equal(s.tensors()["w"], a)
+        assert gate.waiting.wait(10)
+        assert not _entry(tmp_path / "c", d).exists()  # nothing visible before it is whole
+        gate.open()
+        assert s.cache.flush(10)
+        assert _entry(tmp_path / "c", d).read_bytes() == a.tobytes()
+
+
+def test_an_entry_being_written_is_waited_for_by_the_next_push(tmp_path, monkeypatch):
+    gate = _Gate(monkeypatch)
+    a = _f32(700_000, 2)
+    d = hash_buffer(a)
+    with Server(cache_dir=tmp_path / "c") as s:
+        assert s.cache is not None
+        raw = Raw(s.address)
+        raw.hello()
+        _cache_push(raw, a, 0, "w", d)
+        _barrier(raw)
+        assert gate.waiting.wait(10) and s.cache.behind.pending(d)
+        threading.Timer(0.3, gate.open).start()
+        assert s.cache.has(d, a.nbytes)  # waits for the write in progress, then finds the entry
+        assert not s.cache.behind.pending(d)
+
+
+def test_a_tensor_written_into_before_its_entry_is_not_cached(tmp_path, monkeypatch):
+    gate = _Gate(monkeypatch)
+    a = _f32(700_000, 3)
+    d = hash_buffer(a)
+    with Server(cache_dir=tmp_path / "c") as s:
+        assert s.cache is not None
+        raw = Raw(s.address)
+        raw.hello()
+        _cache_push(raw, _f32(700_000, 4), 1, "first", hash_buffer(_f32(700_000, 4)))
+        _barrier(raw)
+        assert gate.waiting.wait(10)  # the writer holds at the first entry; "w" waits its turn
+        _cache_push(raw, a, 0, "w", d)
+        _barrier(raw)
+        s.tensors(writable=True)["w"][10] += 1.0  # a reader changes the weights before the entry is written
+        gate.open()
+        assert s.cache.flush(10)
+        assert not _entry(tmp_path / "c", d).exists()  # hashed as it was written: it no longer matches
+        # "first" was handed out writable too while it was written unhashed: given up as well
+        assert s.cache.behind.counts["written"] == 0 and s.cache.behind.counts["aborted"] == 1
+
+
+def test_a_handle_given_out_during_the_write_aborts_the_entry(tmp_path, monkeypatch):
+    a = _f32(700_000, 5)
+    d = hash_buffer(a)
+    with Server(cache_dir=tmp_path / "c") as s:
+        real = CacheWriter.write
+
+        def write(w, buf):
+            s.tensors(writable=True)  # a writable handle goes out while the entry is written
+            real(w, buf)
+
+        monkeypatch.setattr(CacheWriter, "write", write)
+        raw = Raw(s.address)
+        raw.hello()
+        _cache_push(raw, a, 0, "w", d)
+        _barrier(raw)
+        assert s.cache is not None and s.cache.flush(10)
+        assert not _entry(tmp_path / "c", d).exists()
+        assert s.cache.behind.counts["aborted"] == 1
+
+
+def test_a_replaced_tensor_is_dropped_from_the_queue_and_its_memory_goes_back(tmp_path, monkeypatch):
+    gate = _Gate(monkeypatch)
+    blocker = _f32(700_000, 6)
+    old, new = _f32(700_000, 7), _f32(700_000, 8)
+    with Server(cache_dir=tmp_path / "c") as s:
+        assert s.cache is not None
+        raw = Raw(s.address)
+        raw.hello()
+        _cache_push(raw, blocker, 0, "blocker", hash_buffer(blocker))
+        _barrier(raw)
+        assert gate.waiting.wait(10)
+        _cache_push(raw, old, 1, "w", hash_buffer(old))
+        _barrier(raw)
+        _cache_push(raw, new, 2, "w", hash_buffer(new))  # replaces "w" before its entry was written
+        _barrier(raw)
+        assert s.cache.behind.counts["dropped"] == 1
+        # only the held tensors are charged: the replaced version's memory is not kept by the queue
+        pooled = size_class(old.nbytes)
+        assert s.memory_used == _cost("blocker", pooled) + _cost("w", pooled)
+        gate.open()
+        assert s.cache.flush(10)
+        assert not _entry(tmp_path / "c", hash_buffer(old)).exists()
+        assert _entry(tmp_path / "c", hash_buffer(new)).read_bytes() == new.tobytes()
+
+
+def test_a_full_queue_skips_caching_and_never_holds_the_push(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache_behind, "MAX_JOBS", 1)
+    gate = _Gate(monkeypatch)
+    arrays = [_f32(700_000, 10 + i) for i in range(3)]
+    with Server(cache_dir=tmp_path / "c") as s:
+        assert s.cache is not None
+        raw = Raw(s.address)
+        raw.hello()
+        for i, a in enumerate(arrays):
+            _cache_push(raw, a, i, f"w{i}", hash_buffer(a))
+            assert _barrier(raw).tensors == 1
+            if i == 0:
+                assert gate.waiting.wait(10)  # the first is being written, the second waits
+        assert s.cache.behind.counts["skipped"] == 1
+        gate.open()
+        assert s.cache.flush(10)
+        assert [_entry(tmp_path / "c", hash_buffer(a)).exists() for a in arrays] == [True, True, False]
+
+
+def test_closing_the_server_writes_what_is_queued(tmp_path):
+    arrays = [_f32(700_000, 20 + i) for i in range(4)]
+    with Server(cache_dir=tmp_path / "c") as s:
+        raw = Raw(s.address)
+        raw.hello()
+        for i, a in enumerate(arrays):
+            _cache_push(raw, a, i, f"w{i}", hash_buffer(a))
+        assert _barrier(raw).tensors == 4
+    assert all(_entry(tmp_path / "c", hash_buffer(a)).read_bytes() == a.tobytes() for a in arrays)

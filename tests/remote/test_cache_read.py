@@ -1,0 +1,101 @@
+"""Reading large cache entries with several readers: the same bytes, the same checks, and no
+reader left writing into the destination once the read has returned or failed."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import blake3
+import numpy as np
+import pytest
+
+import weightlift.remote.server.cache as cache_mod
+import weightlift.remote.server.cache_read as read_mod
+from weightlift.errors import CacheError
+from weightlift.remote.server.cache import TensorCache
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Entries of a few KiB take the parallel path, in many pieces."""
+    monkeypatch.setattr(read_mod, "PARALLEL_READ_MIN", 1)
+    monkeypatch.setattr(cache_mod, "READ_CHUNK", 4096)
+
+
+def _put(cache: TensorCache, data: bytes) -> bytes:
+    d = blake3.blake3(data).digest()
+    with cache.writer(d, len(data)) as w:
+        w.write(data)
+        w.commit()
+    return d
+
+
+def _data(n: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def test_a_large_entry_is_read_by_the_readers_byte_for_byte(tmp_path, small_pieces):
+    cache = TensorCache(tmp_path)
+    data = _data(100_003, 1)  # not a whole number of pieces
+    d = _put(cache, data)
+    seen: list[tuple[int, int]] = []
+    threads: set[str] = set()
+
+    def before(b: int, e: int) -> None:
+        seen.append((b, e))
+        threads.add(threading.current_thread().name)
+
+    out = bytearray(len(data))
+    cache.read_into(d, out, before=before)
+    assert bytes(out) == data
+    assert sorted(seen) == [(b, min(b + 4096, len(data))) for b in range(0, len(data), 4096)]
+    assert all(t.startswith("weightlift-cache-read") for t in threads)
+
+
+def test_a_corrupt_large_entry_is_dropped(tmp_path, small_pieces):
+    cache = TensorCache(tmp_path)
+    data = _data(60_000, 2)
+    d = _put(cache, data)
+    path = cache.path_for(d)
+    raw = bytearray(open(path, "rb").read())
+    raw[50_000] ^= 1
+    open(path, "wb").write(raw)
+    with pytest.raises(CacheError, match="does not match"):
+        cache.read_into(d, bytearray(len(data)))
+    assert not os.path.exists(path)
+
+
+def test_a_read_that_fails_midway_leaves_no_reader_writing(tmp_path, small_pieces, monkeypatch):
+    cache = TensorCache(tmp_path)
+    data = _data(80_000, 3)
+    d = _put(cache, data)
+    real = read_mod._pread_exact
+    running = []
+
+    def pread(fd, chunk, offset):
+        running.append(offset)
+        if offset == 40_960:
+            raise read_mod.BadRead("is unreadable (test)")
+        real(fd, chunk, offset)
+        running.remove(offset)
+
+    monkeypatch.setattr(read_mod, "_pread_exact", pread)
+    with pytest.raises(CacheError, match="unreadable"):
+        cache.read_into(d, bytearray(len(data)))
+    assert running == [40_960]  # every other read started had finished when read_into raised
+    assert not os.path.exists(cache.path_for(d))
+
+
+def test_an_error_in_before_passes_through_and_keeps_the_entry(tmp_path, small_pieces):
+    cache = TensorCache(tmp_path)
+    data = _data(50_000, 4)
+    d = _put(cache, data)
+
+    def before(b: int, e: int) -> None:
+        if b >= 20_000:
+            raise MemoryError("no memory for the destination")
+
+    with pytest.raises(MemoryError):
+        cache.read_into(d, bytearray(len(data)), before=before)
+    assert cache.has(d, len(data))
