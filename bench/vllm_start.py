@@ -6,11 +6,14 @@
 
 ``--python`` is an interpreter with vLLM installed (vLLM's CPU build pins a transformers of its
 own, so it usually lives in a venv apart from weightlift's). Each run is a fresh process of it
-that starts ``vllm.LLM(model, load_format=ARM)`` and generates one greedy token from a fixed
-prompt; the window runs from the spawn to the line the child prints then. vLLM logs the weight
-loading of every format as "Loading weights took N seconds" (the ``weightlift`` format in the
-same words); that figure is read from the child's output. All arms must produce the same
-tokens (eight greedy ones, generated after the timed first).
+that starts ``vllm.LLM(model, load_format=ARM)`` (the engine in that process) and generates one
+greedy token from a fixed prompt; the window runs from the spawn to the line the child prints
+then. The weight loading is timed the same way for every arm: the wall time of the format's
+loader's ``load_weights`` (finding the files, reading them and ``model.load_weights``), which
+is the span vLLM's own "Loading weights took N seconds" covers; that line is read from the
+output too where the format logs it (the default loader, ``weightlift``; not
+``runai_streamer``). All arms must produce the same tokens (eight greedy ones, generated after
+the timed first).
 
 The arms are interleaved, each round in its own order (the rotations of the arm list, then
 those reversed), with a pause before every run (``--settle``). Warm runs find the model in the
@@ -69,12 +72,25 @@ def main():
         if not torch.cuda.is_available():
             print("WL_VLLM_SKIP vLLM's fastsafetensors iterator places tensors on a CUDA device; there is none", flush=True)
             return
+    import os
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its loader can be timed
     from vllm import LLM, SamplingParams
+    from vllm.model_executor import model_loader
+    from weightlift.integrations.vllm import register
+    register()
+    timed = {}
+    cls = model_loader.get_model_loader(model_loader.LoadConfig(load_format=arm)).__class__
+    inner = cls.load_weights
+    def load_weights(self, model, model_config):
+        t = time.perf_counter()
+        inner(self, model, model_config)
+        timed["load_weights_s"] = time.perf_counter() - t
+    cls.load_weights = load_weights
     llm = LLM(model=path, load_format=arm, skip_tokenizer_init=True, enforce_eager=True,
-              gpu_memory_utilization=0.05, max_model_len=256)
+              gpu_memory_utilization=0.05, max_model_len=128)
     prompt = [{"prompt_token_ids": [1, 8, 15, 22, 29, 36, 43, 50]}]
     first = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
-    print("WL_VLLM_READY", time.time_ns(), json.dumps({"first": list(first[0].outputs[0].token_ids)}), flush=True)
+    print("WL_VLLM_READY", time.time_ns(), json.dumps({"first": list(first[0].outputs[0].token_ids), **timed}), flush=True)
     more = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     print("WL_VLLM_TOKENS", json.dumps(list(more[0].outputs[0].token_ids)), flush=True)
     llm.llm_engine.engine_core.shutdown()
@@ -112,12 +128,14 @@ def run_child(python: str, arm: str, path: str, timeout: float) -> dict[str, Any
     ready = re.search(rb"WL_VLLM_READY (\d+) (.*)", out)
     tokens = re.search(rb"WL_VLLM_TOKENS (.*)", out)
     loading = LOADING.findall(out)
-    if ready is None or tokens is None or not loading:
+    if ready is None or tokens is None:
         tail = out.decode(errors="replace").strip().splitlines()[-8:]
         raise SystemExit(f"vllm_start: the {arm} arm failed (exit {proc.returncode}): " + " | ".join(tail))
+    info = json.loads(ready.group(2))
     return {
         "window_s": (int(ready.group(1)) - t0) / 1e9,
-        "loading_s": float(loading[-1]),
+        "loading_s": info["load_weights_s"],
+        "vllm_loading_s": float(loading[-1]) if loading else None,
         "tokens": json.loads(tokens.group(1)),
     }
 
@@ -135,7 +153,7 @@ def _median(xs: list[float]) -> float | None:
 def run_mode(python: str, path: str, arms: tuple[str, ...], *, cold: bool, runs: int, settle: float) -> dict[str, Any]:
     files = model_files(path)
     res: dict[str, dict[str, Any]] = {
-        a: {"window_s": [], "loading_s": [], "tokens": [], "resident_before": []} for a in arms
+        a: {"window_s": [], "loading_s": [], "vllm_loading_s": [], "tokens": [], "resident_before": []} for a in arms
     }
     skipped: dict[str, str] = {}
     warmup = 0 if cold else 1
@@ -155,7 +173,7 @@ def run_mode(python: str, path: str, arms: tuple[str, ...], *, cold: bool, runs:
                 continue
             label = "warm-up" if rnd < warmup else f"run {rnd - warmup + 1}"
             print(
-                f"  {'cold' if cold else 'warm'} {label} {arm}: loading weights {s['loading_s']:.2f} s, "
+                f"  {'cold' if cold else 'warm'} {label} {arm}: load_weights {s['loading_s']:.2f} s, "
                 f"first token {s['window_s']:.2f} s",
                 file=sys.stderr,
             )
@@ -163,6 +181,8 @@ def run_mode(python: str, path: str, arms: tuple[str, ...], *, cold: bool, runs:
                 r = res[arm]
                 r["window_s"].append(s["window_s"])
                 r["loading_s"].append(s["loading_s"])
+                if s["vllm_loading_s"] is not None:
+                    r["vllm_loading_s"].append(s["vllm_loading_s"])
                 r["tokens"].append(s["tokens"])
                 if resident is not None:
                     r["resident_before"].append(resident)
@@ -171,6 +191,7 @@ def run_mode(python: str, path: str, arms: tuple[str, ...], *, cold: bool, runs:
     for r in ran.values():
         r["median_loading_s"] = _median(r["loading_s"])
         r["median_window_s"] = _median(r["window_s"])
+        r["median_vllm_loading_s"] = _median(r["vllm_loading_s"])
     return {"mode": "cold" if cold else "warm", "arms": ran, "skipped": skipped, "same_tokens": len(tokens) == 1}
 
 
@@ -179,14 +200,16 @@ def format_table(result: dict[str, Any]) -> str:
         f"model {result['model']} ({result['bytes'] / 1e9:.2f} GB), median of {result['runs']} runs per arm, "
         f"{result['settle_s']:.0f} s pause before each run"
     ]
-    head = f"{'mode':<5} {'load format':<16} {'loading weights':>15} {'vs auto':>8} {'first token':>12}"
+    head = f"{'mode':<5} {'load format':<16} {'load_weights':>13} {'vs auto':>8} {'vLLM says':>10} {'first token':>12}"
     lines += [head, "-" * len(head)]
     for m in result["modes"]:
         base = m["arms"].get("auto", {}).get("median_loading_s")
         for arm, r in m["arms"].items():
             ratio = f"{r['median_loading_s'] / base:.2f}x" if base else "-"
+            said = r["median_vllm_loading_s"]
+            said_s = f"{said:>8.2f} s" if said is not None else f"{'-':>10}"
             lines.append(
-                f"{m['mode']:<5} {arm:<16} {r['median_loading_s']:>13.2f} s {ratio:>8} {r['median_window_s']:>10.2f} s"
+                f"{m['mode']:<5} {arm:<16} {r['median_loading_s']:>11.2f} s {ratio:>8} {said_s} {r['median_window_s']:>10.2f} s"
             )
         for arm, why in m["skipped"].items():
             lines.append(f"{m['mode']:<5} {arm:<16} skipped: {why}")
