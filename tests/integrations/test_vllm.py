@@ -162,17 +162,19 @@ def test_an_unknown_option_stops_the_engine_naming_it(models, capfd):
     assert "no option 'prefetch_all'" in "".join(capfd.readouterr())
 
 
+@pytest.fixture(scope="class")
+def engine(models):
+    """A running engine with the weightlift load format and weight-transfer backend."""
+    port = _free_port()
+    llm = _start(models[("llama", 0)], load_format="weightlift", weight_transfer_config={"backend": "weightlift"})
+    llm.init_weight_transfer_engine({"init_info": {"port": port, "token": TOKEN}})
+    yield llm, ("127.0.0.1", port)
+    _stop(llm)
+
+
 class TestWeightTransfer:
     """One engine, started with the ``weightlift`` load format and weight-transfer backend,
     taken through refused updates and a real one."""
-
-    @pytest.fixture(scope="class")
-    def engine(self, models):
-        port = _free_port()
-        llm = _start(models[("llama", 0)], load_format="weightlift", weight_transfer_config={"backend": "weightlift"})
-        llm.init_weight_transfer_engine({"init_info": {"port": port, "token": TOKEN}})
-        yield llm, ("127.0.0.1", port)
-        _stop(llm)
 
     def _update(self, llm) -> None:
         llm.start_weight_update()

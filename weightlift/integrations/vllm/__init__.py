@@ -23,11 +23,15 @@ BACKEND = "weightlift"
 def register() -> None:
     """Register the load format and the weight-transfer engine with vLLM (idempotent)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-    from vllm.model_executor.model_loader import register_model_loader
+    from vllm.model_executor import model_loader
 
     from weightlift.integrations.vllm.loader import WeightliftModelLoader
 
-    register_model_loader(LOAD_FORMAT)(WeightliftModelLoader)
+    # vLLM runs the plugin in each process, and a caller may have registered already: its
+    # registries are asked first (registering twice is a warning for a loader, an error for an
+    # engine)
+    if getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", {}).get(LOAD_FORMAT) is not WeightliftModelLoader:
+        model_loader.register_model_loader(LOAD_FORMAT)(WeightliftModelLoader)
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
             BACKEND, "weightlift.integrations.vllm.engine", "WeightliftWeightTransferEngine"

@@ -9,12 +9,13 @@ of the tensor it is given (for tensor parallelism, its rank's slice). This loade
 where those tensors come from, so every architecture vLLM supports loads as it does with the
 default loader:
 
-- from the files: :func:`weightlift.load` with ``framework="torch"`` and ``copy=False`` hands out
-  views of each file's mapping, the selected bytes of a cold file read into the page cache
-  first by parallel readers, so that the loaders' copies neither wait on storage nor fault page
-  by page. With ``verify`` each tensor is hashed as it lands and compared with the manifest (or
-  the files' own digests) before any reaches the model; a mismatch stops the engine with an
-  error naming the tensors and their files.
+- from the files: each tensor a view of a private copy-on-write mapping of its file, as
+  safetensors hands out, with the mapped bytes made ready on parallel threads first (read into
+  the page cache where cold, mapped, touched once: :func:`weightlift.hf.mapped.read_and_map`), so
+  that the loaders' copies neither wait on storage nor fault page by page. With ``verify`` every
+  tensor is hashed as it lands and compared with the manifest (or the files' own digests)
+  before any reaches the model; a mismatch stops the engine with an error naming the tensors
+  and their files. ``copy`` reads into fresh memory instead (:func:`weightlift.load`).
 - from a tensor server (``server``): every tensor it holds, READ over the wire into one block of
   this process's memory (:mod:`weightlift.integrations.vllm.pulled`).
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -40,8 +42,11 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from weightlift.api import load, prefetch
 from weightlift.checkpoint import Checkpoint, open_checkpoint
 from weightlift.errors import IntegrityError
+from weightlift.hf.mapped import read_and_map
 from weightlift.integrations.vllm.options import LoaderOptions
 from weightlift.integrations.vllm.pulled import pull_tensors, tls_context
+from weightlift.integrations.vllm.streamed import streamed_tensors
+from weightlift.options import LoadOptions
 
 __all__ = ["WeightliftModelLoader"]
 
@@ -88,27 +93,25 @@ class WeightliftModelLoader(BaseModelLoader):
                 self._prefetch = prefetch(ck)
         return super().load_model(vllm_config, model_config, prefix)
 
-    def tensors(self, model_config: ModelConfig) -> dict[str, torch.Tensor] | None:
+    def tensors(self, model_config: ModelConfig) -> Iterable[tuple[str, torch.Tensor]] | None:
         """The checkpoint's tensors by name, read as the options say; None: no safetensors here."""
         o = self.options
         if o.server is not None:
-            return pull_tensors(o.server, token=o.token(), tls=tls_context(o.tls), verify=o.verify, timeout=o.timeout)
+            pulled = pull_tensors(o.server, token=o.token(), tls=tls_context(o.tls), verify=o.verify, timeout=o.timeout)
+            return pulled.items()
         ck = self.checkpoint(model_config)
         if ck is None:
             return None
         if self._prefetch is not None:
             self._prefetch.wait()
         extra: dict[str, Any] = {"verify": True, "manifest": o.manifest} if o.verify else {}
+        kw: dict[str, Any] = dict(page_cache=o.page_cache, threads=o.threads, report=self.report, **extra)
         try:
-            return load(
-                ck,
-                framework="torch",
-                copy=o.copy,
-                page_cache=o.page_cache,
-                threads=o.threads,
-                report=self.report,
-                **extra,
-            )
+            if o.copy:
+                return load(ck, framework="torch", copy=True, **kw).items()
+            if o.verify or o.page_cache is not None:  # every tensor proven before any reaches the model
+                return read_and_map(ck, LoadOptions(framework="torch", **kw)).items()
+            return streamed_tensors(ck, threads=o.threads)
         except IntegrityError as e:
             files = sorted({t.file for t in ck.tensors if repr(t.name) in str(e) or t.name in str(e)})
             raise IntegrityError(f"{e} (in {', '.join(files) or ck.path}); the engine does not start") from None
@@ -120,10 +123,17 @@ class WeightliftModelLoader(BaseModelLoader):
             logger.info("weightlift: no safetensors checkpoint; vLLM's default loader reads these files")
             DefaultModelLoader(LoadConfig(load_format="auto")).load_weights(model, model_config)
             return
-        model.load_weights(iter(tensors.items()))
+        count = [0, 0]
+
+        def counted() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, t in tensors:
+                count[0] += 1
+                count[1] += t.nbytes
+                yield name, t
+
+        model.load_weights(counted())
         elapsed = time.perf_counter() - t0
-        nbytes = sum(t.nbytes for t in tensors.values())
-        self.report.update(tensors=len(tensors), bytes=nbytes, seconds=elapsed, source=self.options.server or "files")
+        self.report.update(tensors=count[0], bytes=count[1], seconds=elapsed, source=self.options.server or "files")
         logger.info(
-            "Loading weights took %.2f seconds (weightlift: %d tensors, %.2f GB)", elapsed, len(tensors), nbytes / 1e9
+            "Loading weights took %.2f seconds (weightlift: %d tensors, %.2f GB)", elapsed, count[0], count[1] / 1e9
         )
