@@ -64,10 +64,11 @@ class WeightliftModelLoader(BaseModelLoader):
         #: what the last load did: tensors, bytes, seconds, source
         self.report: dict[str, Any] = {}
 
-    def _default(self) -> DefaultModelLoader:
-        """vLLM's own loader on the same config, for finding and downloading the files."""
+    def _default(self, load_format: str = "safetensors") -> DefaultModelLoader:
+        """vLLM's own loader on the same config, for finding and downloading the files (and
+        reading those that are not safetensors)."""
         cfg = LoadConfig(
-            load_format="safetensors",
+            load_format=load_format,
             download_dir=self.load_config.download_dir,
             ignore_patterns=self.load_config.ignore_patterns,
         )
@@ -121,7 +122,7 @@ class WeightliftModelLoader(BaseModelLoader):
         tensors = self.tensors(model_config)
         if tensors is None:
             logger.info("weightlift: no safetensors checkpoint; vLLM's default loader reads these files")
-            DefaultModelLoader(LoadConfig(load_format="auto")).load_weights(model, model_config)
+            self._default("auto").load_weights(model, model_config)
             return
         count = [0, 0]
 

@@ -5,7 +5,8 @@ out, :func:`weightlift.hf.mapped.private_mapping`). One thread makes the mapped 
 read in file order, a few pieces at a time (read in where cold, mapped, touched once:
 :func:`weightlift.memory.fresh.map_in`), and a tensor is handed out as soon as the pieces under
 it are ready: the loaders copy the first layers while the last are still being read, so a load
-takes about the longer of the two instead of their sum.
+takes about the longer of the two instead of their sum. Files already wholly in the page cache
+are handed out at once: the loaders' copies map them faster than a second pass would.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from weightlift.checkpoint import Checkpoint
+from weightlift.disk.residency import file_fraction
 from weightlift.disk.source import MAX_WARMERS
 from weightlift.hf.mapped import private_mapping
 from weightlift.local.prefetch import await_prefetches
@@ -36,6 +38,9 @@ def streamed_tensors(ck: Checkpoint, *, threads: int | None = None) -> Iterator[
     with ThreadPoolExecutor(1, thread_name_prefix="weightlift-map-in") as pool:
         ready: dict[str, list[Future[int]]] = {}
         for f, st in storages.items():
+            if file_fraction(f) >= 1.0:
+                ready[f] = []
+                continue
             base, n = st.data_ptr(), st.nbytes()
             ready[f] = [
                 pool.submit(map_in, [(base + o, min(step, n - o), f)], threads=threads) for o in range(0, n, step)
