@@ -38,11 +38,12 @@ RANK = {
     "distributed": 8,
     "api": 9,
     "hf": 10,
-    "check": 11,
-    "benchmark": 12,
-    "cli": 13,
-    "__init__": 14,
-    "__main__": 14,
+    "integrations": 11,
+    "check": 12,
+    "benchmark": 13,
+    "cli": 14,
+    "__init__": 15,
+    "__main__": 15,
 }
 
 

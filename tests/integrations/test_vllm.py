@@ -1,0 +1,220 @@
+"""weightlift in a real vLLM: the ``weightlift`` load format and weight-transfer engine.
+
+These run where vLLM is importable (CI gives them an environment of their own with vLLM's CPU
+build, see .ci/run); elsewhere they skip with the reason. Every model is a tiny one written by
+transformers' ``save_pretrained`` here: a Llama-style decoder with tied embeddings, a Mixtral
+mixture-of-experts decoder and a Qwen2 decoder (biased QKV, untied head). An engine start takes
+seconds, so each test starts as few as it can.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (CI runs these in its vLLM environment)")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from weightlift import AuthError, Client, Server  # noqa: E402
+from weightlift.digest.published import make_manifest  # noqa: E402
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: the models are tiny
+
+PROMPTS = [[1, 5, 9, 22], [7, 7, 3], [100, 42, 17, 8, 250]]
+TOKEN = "a token long enough for the weightlift server 0123456789"
+ENGINE = dict(skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=0.05, max_model_len=128)
+
+
+def _write(folder, arch: str, seed: int) -> str:
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+    )
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(tie_word_embeddings=True, **common))
+    elif arch == "mixtral":
+        cfg = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
+        model = transformers.MixtralForCausalLM(cfg)
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(tie_word_embeddings=False, **common))
+    path = os.path.join(folder, f"{arch}-{seed}")
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vllm-models")
+    return {
+        (arch, seed): _write(str(folder), arch, seed)
+        for arch, seed in [("llama", 0), ("llama", 1), ("mixtral", 0), ("qwen2", 0)]
+    }
+
+
+def _start(model: str, **kw):
+    return vllm.LLM(model=model, **ENGINE, **kw)
+
+
+def _tokens(llm) -> list[list[int]]:
+    params = vllm.SamplingParams(max_tokens=8, temperature=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _stop(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def _run(model: str, **kw) -> list[list[int]]:
+    """Greedy tokens from a fresh engine on ``model``, the engine stopped again."""
+    llm = _start(model, **kw)
+    try:
+        return _tokens(llm)
+    finally:
+        _stop(llm)
+
+
+@pytest.fixture(scope="module")
+def default_tokens(models):
+    """vLLM's default loader's tokens, per model, each computed once."""
+    cache: dict[tuple[str, int], list[list[int]]] = {}
+
+    def get(key):
+        if key not in cache:
+            cache[key] = _run(models[key])
+        return cache[key]
+
+    return get
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2"])
+def test_load_format_gives_the_default_loaders_tokens(models, default_tokens, arch):
+    assert _run(models[(arch, 0)], load_format="weightlift") == default_tokens((arch, 0))
+
+
+def test_load_format_from_a_tensor_server(models, default_tokens, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    with Server(token=TOKEN) as server:
+        server.start()
+        host, port = server.address
+        with Client((host, port), token=TOKEN) as c:
+            c.push(os.path.join(models[("llama", 0)], "model.safetensors"), verify=True)
+        extra = {"server": f"{host}:{port}", "token_file": str(token_file), "verify": True}
+        got = _run(models[("llama", 0)], load_format="weightlift", model_loader_extra_config=extra)
+    assert got == default_tokens(("llama", 0))
+
+
+def test_verify_stops_the_engine_naming_the_corrupted_tensor(models, tmp_path, capfd):
+    src = models[("qwen2", 0)]
+    bad = tmp_path / "qwen2-bad"
+    bad.mkdir()
+    for name in os.listdir(src):
+        (bad / name).write_bytes(open(os.path.join(src, name), "rb").read())
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(make_manifest(str(bad / "model.safetensors")).to_json())
+    from weightlift.checkpoint import open_checkpoint
+
+    victim = open_checkpoint(str(bad))["model.layers.1.mlp.down_proj.weight"]
+    with open(bad / "model.safetensors", "r+b") as f:
+        f.seek(victim.offset + 10)
+        byte = f.read(1)
+        f.seek(victim.offset + 10)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with pytest.raises(RuntimeError, match="initialization failed"):
+        _run(str(bad), load_format="weightlift", model_loader_extra_config={"verify": True, "manifest": str(manifest)})
+    # the engine's processes log the root cause to the stdout they share with this one
+    err = "".join(capfd.readouterr())
+    assert "IntegrityError" in err and "model.layers.1.mlp.down_proj.weight" in err
+    assert str(bad / "model.safetensors") in err
+
+
+def test_verify_passes_an_intact_checkpoint(models, default_tokens, tmp_path):
+    path = models[("mixtral", 0)]
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(make_manifest(path).to_json())
+    extra = {"verify": True, "manifest": str(manifest), "prefetch": True}
+    assert _run(path, load_format="weightlift", model_loader_extra_config=extra) == default_tokens(("mixtral", 0))
+
+
+def test_an_unknown_option_stops_the_engine_naming_it(models, capfd):
+    with pytest.raises(RuntimeError, match="initialization failed"):
+        _run(models[("llama", 0)], load_format="weightlift", model_loader_extra_config={"prefetch_all": True})
+    assert "no option 'prefetch_all'" in "".join(capfd.readouterr())
+
+
+@pytest.fixture(scope="class")
+def engine(models):
+    """A running engine with the weightlift load format and weight-transfer backend."""
+    port = _free_port()
+    llm = _start(models[("llama", 0)], load_format="weightlift", weight_transfer_config={"backend": "weightlift"})
+    llm.init_weight_transfer_engine({"init_info": {"port": port, "token": TOKEN}})
+    yield llm, ("127.0.0.1", port)
+    _stop(llm)
+
+
+class TestWeightTransfer:
+    """One engine, started with the ``weightlift`` load format and weight-transfer backend,
+    taken through refused updates and a real one."""
+
+    def _update(self, llm) -> None:
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {}})
+        llm.finish_weight_update()
+
+    def test_loads_as_the_default_loader(self, engine, default_tokens):
+        llm, _ = engine
+        assert _tokens(llm) == default_tokens(("llama", 0))
+
+    def test_a_push_with_a_wrong_token_is_refused_and_the_engine_serves_on(self, engine, models, default_tokens):
+        llm, address = engine
+        with pytest.raises(AuthError):
+            with Client(address, token="not the token, and long enough to be one 0123456789") as c:
+                c.push(os.path.join(models[("llama", 1)], "model.safetensors"))
+        assert _tokens(llm) == default_tokens(("llama", 0))
+
+    def test_an_update_of_other_shapes_is_refused_and_the_engine_serves_on(self, engine, tmp_path, default_tokens):
+        from safetensors.torch import save_file
+
+        llm, address = engine
+        wrong = tmp_path / "wrong.safetensors"
+        save_file({"model.norm.weight": torch.ones(64, dtype=torch.bfloat16)}, str(wrong))
+        with Client(address, token=TOKEN) as c:
+            c.push(str(wrong))
+            llm.start_weight_update()
+            with pytest.raises(Exception, match="shapes differ|model.norm.weight"):
+                llm.update_weights({"update_info": {}})
+            c.free(["model.norm.weight"])
+        assert _tokens(llm) == default_tokens(("llama", 0))
+
+    def test_an_update_gives_a_fresh_engines_tokens_and_sends_only_what_changed(self, engine, models, default_tokens):
+        llm, address = engine
+        new = os.path.join(models[("llama", 1)], "model.safetensors")
+        with Client(address, token=TOKEN) as c:
+            first = c.push(new, verify=True, hash_threshold=0)
+            again = c.push(new, verify=True, hash_threshold=0)
+        self._update(llm)
+        assert first.bytes_sent > 0 and again.bytes_sent < first.bytes_sent / 10
+        assert again.verified == again.tensors
+        fresh = default_tokens(("llama", 1))
+        assert fresh != default_tokens(("llama", 0))
+        assert _tokens(llm) == fresh

@@ -1,0 +1,80 @@
+"""The parts of the vLLM integration that need no vLLM: the load format's options and the pull
+of a tensor server's tensors into torch tensors (the engine itself: test_vllm.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from weightlift import Client, OptionError, Server
+from weightlift.integrations.vllm.options import KEYS, LoaderOptions
+
+TOKEN = "a token long enough for the weightlift server 0123456789"
+
+
+def test_options_default_and_given():
+    assert LoaderOptions.parse(None) == LoaderOptions()
+    o = LoaderOptions.parse({"verify": True, "manifest": "m.json", "prefetch": True, "threads": 2})
+    assert (o.verify, o.manifest, o.prefetch, o.threads) == (True, "m.json", True, 2)
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"prefetch_all": True}, "no option 'prefetch_all'"),
+        ({"verify": "yes"}, "verify must be true or false"),
+        ({"threads": 0}, "threads must be a positive integer"),
+        ({"threads": True}, "threads must be a positive integer"),
+        ({"page_cache": "drop"}, "page_cache must be"),
+        ({"manifest": "m.json"}, "set verify too"),
+        ({"token_file": "t"}, "set server too"),
+        ({"server": "h:1", "prefetch": True}, "are for the files"),
+        ({"server": "h:1", "timeout": 0}, "timeout must be a positive number"),
+        ({"tls": 3}, "tls must be"),
+    ],
+)
+def test_options_refused_naming_the_key(extra, match):
+    with pytest.raises(OptionError, match=match):
+        LoaderOptions.parse(extra)
+
+
+def test_an_unknown_option_lists_every_known_one():
+    with pytest.raises(OptionError) as info:
+        LoaderOptions.parse({"nope": 1})
+    assert all(k in str(info.value) for k in KEYS)
+
+
+def test_token_file(tmp_path):
+    f = tmp_path / "token"
+    f.write_text(TOKEN + "\n")
+    assert LoaderOptions.parse({"server": "h:1", "token_file": str(f)}).token() == TOKEN.encode()
+    with pytest.raises(OptionError, match="cannot read token_file"):
+        LoaderOptions.parse({"server": "h:1", "token_file": str(tmp_path / "missing")}).token()
+
+
+def test_pull_tensors_gives_every_tensor_the_server_holds(tmp_path):
+    torch = pytest.importorskip("torch")
+    from safetensors.numpy import save_file
+
+    from weightlift.integrations.vllm.pulled import ALIGN, pull_tensors
+
+    rng = np.random.default_rng(0)
+    tensors = {
+        "a.weight": rng.standard_normal((3, 5)).astype(np.float32),
+        "b.bias": rng.integers(0, 100, 7).astype(np.int64),
+        "c.empty": np.zeros((0, 4), np.float16),
+    }
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, str(path))
+    with Server(token=TOKEN) as server:
+        server.start()
+        with Client(server.address, token=TOKEN) as c:
+            c.push(str(path))
+        host, port = server.address
+        got = pull_tensors(f"{host}:{port}", token=TOKEN.encode(), verify=True)
+    assert list(got) == sorted(tensors)
+    for name, want in tensors.items():
+        assert isinstance(got[name], torch.Tensor)
+        np.testing.assert_array_equal(got[name].numpy(), want)
+        if got[name].numel():
+            assert got[name].data_ptr() % ALIGN == 0

@@ -1,0 +1,1 @@
+"""Where weightlift plugs into the serving engines its users run: :mod:`weightlift.integrations.vllm`."""

@@ -1,0 +1,206 @@
+"""The ``weightlift`` weight-transfer engine: a trainer pushes new weights into a running vLLM.
+
+Theory of operation
+-------------------
+vLLM drives a weight-transfer engine in four phases, each a call on every worker: ``init``
+(once), then per update ``start``, ``update`` (one or more chunks) and ``finish``. Here:
+
+- ``init`` starts a :class:`weightlift.Server` inside the worker, on ``host:port + rank``, with
+  the token (``token`` or ``token_file``) every client must prove, so that each frame is MAC'd,
+  and a digest cache, so that the server remembers what it holds by digest.
+- The trainer pushes the new weights to that server with :class:`weightlift.Client` (a
+  checkpoint, or tensors it holds in memory where the client takes them), ``verify=True`` for
+  the server to hash what landed and the client to compare. A tensor whose bytes the server
+  already holds (unchanged since the last update) is named by digest and not sent. Nothing of
+  this touches the model: the engine keeps serving while the bytes travel.
+- ``start`` prepares vLLM's layerwise reload (the layers' processed kernel tensors are saved,
+  so a layer that gets no weights is put back as it was).
+- ``update`` checks every tensor the server holds against the checkpoint the engine was started
+  on (each name known, each shape the same) before any reaches the model, then feeds them all to
+  ``model.load_weights``; the weight loaders copy from the server's memory into the parameters.
+  A refused update (an unknown name, another shape) is undone at once, so the engine serves the
+  weights it had; a push refused by the server (a wrong token) never reaches the engine at all.
+- ``finish`` runs the layers' post-processing (repacking for the CPU kernels, quantization) and
+  puts the processed tensors in place.
+
+The server keeps the last update's tensors (one copy of the weights in host memory beside the
+model's), so that the next push sends only what changed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.config import VllmConfig
+from vllm.config.weight_transfer import WeightTransferConfig
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.logger import init_logger
+
+from weightlift.checkpoint import open_checkpoint
+from weightlift.errors import OptionError, StateError
+from weightlift.remote.server import Server
+
+__all__ = ["WeightliftInitInfo", "WeightliftUpdateInfo", "WeightliftWeightTransferEngine"]
+
+logger = init_logger("vllm.weightlift")  # a child of vLLM's logger: its handlers and level
+
+
+@dataclass
+class WeightliftInitInfo(WeightTransferInitInfo):
+    """What ``init_weight_transfer_engine`` takes: where the worker's server listens (rank ``r``
+    on ``port + r``; port 0 picks any, for one worker) and the token clients must prove."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    token: str | None = None
+    token_file: str | None = None
+    #: bytes the server may hold (None: its default); an update must fit beside the model
+    max_memory: int | None = None
+
+
+@dataclass
+class WeightliftUpdateInfo(WeightTransferUpdateInfo):
+    """What ``update_weights`` takes: ``names`` (None: every tensor the server holds)."""
+
+    names: list[str] | None = None
+
+
+class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, WeightliftUpdateInfo]):
+    """vLLM's ``weight_transfer_config={"backend": "weightlift"}`` (see the theory of operation)."""
+
+    init_info_cls = WeightliftInitInfo
+    update_info_cls = WeightliftUpdateInfo
+
+    def __init__(self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device, model: Any):
+        super().__init__(config, vllm_config, device, model)
+        self.server: Server | None = None
+        self._cache: tempfile.TemporaryDirectory[str] | None = None
+        self._expected: dict[str, tuple[int, ...]] | None = None
+        self.rank = vllm_config.parallel_config.rank
+
+    def init_transfer_engine(self, init_info: WeightliftInitInfo) -> None:
+        if self.server is not None:
+            raise StateError("the weightlift weight-transfer engine is already initialised")
+        token = init_info.token
+        if init_info.token_file is not None:
+            with open(init_info.token_file, "rb") as f:
+                token = f.read().strip().decode()
+        port = init_info.port + self.rank if init_info.port else 0
+        self._cache = tempfile.TemporaryDirectory(prefix="weightlift-vllm-")
+        self.server = Server(
+            init_info.host,
+            port,
+            framework="torch",
+            token=token,
+            cache_dir=self._cache.name,
+            max_memory=init_info.max_memory,
+        )
+        host, bound = self.server.start()
+        self._expected = _checkpoint_shapes(self.model_config.model)
+        logger.info("weightlift weight transfer: rank %d listens on %s:%d", self.rank, host, bound)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """Where this worker's server listens."""
+        return self._server().address
+
+    def _server(self) -> Server:
+        if self.server is None:
+            raise StateError("init_weight_transfer_engine has not been called")
+        return self.server
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        self._server()
+        initialize_layerwise_reload(self.model)
+
+    def receive_weights(self, update_info: WeightliftUpdateInfo) -> None:
+        held = self._server().tensors()
+        names = sorted(held) if update_info.names is None else list(update_info.names)
+        try:
+            weights = self._checked(held, names)
+        except BaseException:
+            self._undo()
+            raise
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        with disable_mtp_completeness_check():
+            self.model.load_weights(weights)
+
+    def _checked(self, held: dict[str, Any], names: list[str]) -> list[tuple[str, Any]]:
+        """``(name, tensor)`` for ``names``; OptionError before any reaches the model if one is
+        not held, not in the engine's checkpoint, or of another shape there."""
+        if not names:
+            raise OptionError("weight update refused: the server holds no tensors (push them first)")
+        missing = [n for n in names if n not in held]
+        if missing:
+            raise OptionError(f"weight update refused: not on the server: {', '.join(missing[:8])}")
+        if self._expected is not None:
+            unknown = [n for n in names if n not in self._expected]
+            if unknown:
+                raise OptionError(f"weight update refused: not in the model's checkpoint: {', '.join(unknown[:8])}")
+            wrong = [
+                f"{n} {tuple(held[n].shape)} (the model's is {self._expected[n]})"
+                for n in names
+                if tuple(held[n].shape) != self._expected[n]
+            ]
+            if wrong:
+                raise OptionError(f"weight update refused: shapes differ: {', '.join(wrong[:8])}")
+        return [(n, held[n]) for n in names]
+
+    def _undo(self) -> None:
+        """Put every layer back as it was before ``start`` (none got weights yet)."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        _reprocess_tied(self.model)
+
+    def shutdown(self) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            server.close()
+        if self._cache is not None:
+            self._cache.cleanup()
+            self._cache = None
+
+
+def _reprocess_tied(model: Any) -> None:
+    """Process again each layer that shares its weight with another and packed it for its
+    kernels (``cpu_linear``: a tied LM head on the CPU). The checkpoint holds a tied weight
+    once, so the layerwise reload fills and processes the layer that loads it, and puts the
+    other back as it was: the new bytes in its (shared) weight, its kernel's packed copy of the
+    old ones."""
+    owners: dict[int, int] = {}
+    layers = [m for m in model.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)]
+    for m in layers:
+        if m.weight.numel():
+            owners[m.weight.data_ptr()] = owners.get(m.weight.data_ptr(), 0) + 1
+    for m in layers:
+        method = getattr(m, "quant_method", None)
+        if hasattr(m, "cpu_linear") and m.weight.numel() and owners[m.weight.data_ptr()] > 1 and method is not None:
+            method.process_weights_after_loading(m)
+
+
+def _checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]] | None:
+    """Every tensor's shape in the checkpoint at ``model`` (headers only), or None where it is
+    not a local safetensors checkpoint: then updates are checked by vLLM's loaders alone."""
+    if not os.path.isdir(model):
+        return None
+    try:
+        return {t.name: tuple(t.shape) for t in open_checkpoint(model).tensors}
+    except Exception:  # not ours to read: vLLM loaded it its own way
+        return None

@@ -1,0 +1,140 @@
+"""The ``weightlift`` load format: vLLM's model, weightlift's reads.
+
+Theory of operation
+-------------------
+vLLM builds the model (its own layers: fused QKV and gate-up projections, stacked experts,
+quantized linear methods, tied embeddings) and then feeds ``model.load_weights`` an iterator of
+``(checkpoint name, tensor)`` pairs; each parameter's ``weight_loader`` copies what it keeps out
+of the tensor it is given (for tensor parallelism, its rank's slice). This loader changes only
+where those tensors come from, so every architecture vLLM supports loads as it does with the
+default loader:
+
+- from the files: each tensor a view of a private copy-on-write mapping of its file, as
+  safetensors hands out, with the mapped bytes made ready on parallel threads first (read into
+  the page cache where cold, mapped, touched once: :func:`weightlift.hf.mapped.read_and_map`), so
+  that the loaders' copies neither wait on storage nor fault page by page. With ``verify`` every
+  tensor is hashed as it lands and compared with the manifest (or the files' own digests)
+  before any reaches the model; a mismatch stops the engine with an error naming the tensors
+  and their files. ``copy`` reads into fresh memory instead (:func:`weightlift.load`).
+- from a tensor server (``server``): every tensor it holds, READ over the wire into one block of
+  this process's memory (:mod:`weightlift.integrations.vllm.pulled`).
+
+The files are found as the default loader finds them (a local folder, or what vLLM downloads
+for a hub name); checkpoints that are not safetensors (``.bin``, ``.pt``) are left to the
+default loader, which reads them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.config import ModelConfig, VllmConfig
+from vllm.config.load import LoadConfig
+from vllm.logger import init_logger
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+from weightlift.api import load, prefetch
+from weightlift.checkpoint import Checkpoint, open_checkpoint
+from weightlift.errors import IntegrityError
+from weightlift.hf.mapped import read_and_map
+from weightlift.integrations.vllm.options import LoaderOptions
+from weightlift.integrations.vllm.pulled import pull_tensors, tls_context
+from weightlift.integrations.vllm.streamed import streamed_tensors
+from weightlift.options import LoadOptions
+
+__all__ = ["WeightliftModelLoader"]
+
+logger = init_logger("vllm.weightlift")  # a child of vLLM's logger: its handlers and level
+
+
+class WeightliftModelLoader(BaseModelLoader):
+    """vLLM's ``load_format="weightlift"``; options from ``model_loader_extra_config``
+    (:class:`~weightlift.integrations.vllm.options.LoaderOptions`)."""
+
+    def __init__(self, load_config: LoadConfig):
+        super().__init__(load_config)
+        self.options = LoaderOptions.parse(load_config.model_loader_extra_config)
+        self._prefetch: Any = None
+        #: what the last load did: tensors, bytes, seconds, source
+        self.report: dict[str, Any] = {}
+
+    def _default(self, load_format: str = "safetensors") -> DefaultModelLoader:
+        """vLLM's own loader on the same config, for finding and downloading the files (and
+        reading those that are not safetensors)."""
+        cfg = LoadConfig(
+            load_format=load_format,
+            download_dir=self.load_config.download_dir,
+            ignore_patterns=self.load_config.ignore_patterns,
+        )
+        return DefaultModelLoader(cfg)
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        if self.options.server is None:
+            self._default().download_model(model_config)
+
+    def checkpoint(self, model_config: ModelConfig) -> Checkpoint | None:
+        """The model's safetensors checkpoint, or None where it has none (``.bin``, ``.pt``)."""
+        path = model_config.model
+        if not os.path.isdir(path):
+            path = self._default()._prepare_weights(model_config.model, None, model_config.revision, True, None)[0]
+        if not any(n.endswith(".safetensors") for n in os.listdir(path)):
+            return None
+        return open_checkpoint(path)
+
+    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+        if self.options.prefetch and self.options.server is None:
+            ck = self.checkpoint(model_config)
+            if ck is not None:  # the reads run while vLLM builds the model
+                self._prefetch = prefetch(ck)
+        return super().load_model(vllm_config, model_config, prefix)
+
+    def tensors(self, model_config: ModelConfig) -> Iterable[tuple[str, torch.Tensor]] | None:
+        """The checkpoint's tensors by name, read as the options say; None: no safetensors here."""
+        o = self.options
+        if o.server is not None:
+            pulled = pull_tensors(o.server, token=o.token(), tls=tls_context(o.tls), verify=o.verify, timeout=o.timeout)
+            return pulled.items()
+        ck = self.checkpoint(model_config)
+        if ck is None:
+            return None
+        if self._prefetch is not None:
+            self._prefetch.wait()
+        extra: dict[str, Any] = {"verify": True, "manifest": o.manifest} if o.verify else {}
+        kw: dict[str, Any] = dict(page_cache=o.page_cache, threads=o.threads, report=self.report, **extra)
+        try:
+            if o.copy:
+                return load(ck, framework="torch", copy=True, **kw).items()
+            if o.verify or o.page_cache is not None:  # every tensor proven before any reaches the model
+                return read_and_map(ck, LoadOptions(framework="torch", **kw)).items()
+            return streamed_tensors(ck, threads=o.threads)
+        except IntegrityError as e:
+            files = sorted({t.file for t in ck.tensors if repr(t.name) in str(e) or t.name in str(e)})
+            raise IntegrityError(f"{e} (in {', '.join(files) or ck.path}); the engine does not start") from None
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        t0 = time.perf_counter()
+        tensors = self.tensors(model_config)
+        if tensors is None:
+            logger.info("weightlift: no safetensors checkpoint; vLLM's default loader reads these files")
+            self._default("auto").load_weights(model, model_config)
+            return
+        count = [0, 0]
+
+        def counted() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, t in tensors:
+                count[0] += 1
+                count[1] += t.nbytes
+                yield name, t
+
+        model.load_weights(counted())
+        elapsed = time.perf_counter() - t0
+        self.report.update(tensors=count[0], bytes=count[1], seconds=elapsed, source=self.options.server or "files")
+        logger.info(
+            "Loading weights took %.2f seconds (weightlift: %d tensors, %.2f GB)", elapsed, count[0], count[1] / 1e9
+        )
