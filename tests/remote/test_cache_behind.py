@@ -165,3 +165,24 @@ def test_closing_the_server_writes_what_is_queued(tmp_path):
             _cache_push(raw, a, i, f"w{i}", hash_buffer(a))
         assert _barrier(raw).tensors == 4
     assert all(_entry(tmp_path / "c", hash_buffer(a)).read_bytes() == a.tobytes() for a in arrays)
+
+
+def test_an_in_place_update_waits_for_the_entry_being_written_from_its_base(tmp_path, monkeypatch):
+    # v0's entry is being written behind from v0's memory when an in-place update changes that
+    # memory: the switch waits for the entry first, so the entry named by v0's digest holds v0
+    from weightlift.remote.client import Client
+
+    gate = _Gate(monkeypatch)
+    rng = np.random.default_rng(5)
+    v0 = rng.standard_normal(1 << 20).astype(np.float32)
+    v1 = v0.copy()
+    v1[rng.choice(v1.size, v1.size // 100, replace=False)] += 1.0
+    d0 = hash_buffer(v0)
+    with Server(cache_dir=tmp_path / "c") as s, Client(s.address, keep_base=True) as c:
+        c.push({"w": v0})
+        assert gate.waiting.wait(10) and s.cache.behind.pending(d0)
+        threading.Timer(0.5, gate.open).start()
+        r = c.push({"w": v1}, in_place=True)
+        assert r.deltas == 1 and np.array_equal(s.tensors()["w"], v1)
+        assert s.cache.flush(10)
+        assert _entry(tmp_path / "c", d0).read_bytes() == v0.tobytes()

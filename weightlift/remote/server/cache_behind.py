@@ -108,6 +108,7 @@ class WriteBehind:
         self._cond = threading.Condition()
         self._jobs: deque[_Job] = deque()
         self._busy = False
+        self._current: Any = None  # the tensor being written now
         self._queued: dict[bytes, int] = {}  # digest -> jobs of it queued or being written
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -146,9 +147,13 @@ class WriteBehind:
         if left:
             self._queued[digest] = left
 
-    def drop(self, tensor: Any) -> None:
-        """Forget the queued jobs of ``tensor`` (replaced: its memory may go back now)."""
+    def drop(self, tensor: Any, *, wait: bool = False) -> None:
+        """Forget the queued jobs of ``tensor`` (replaced: its memory may go back now). ``wait``:
+        also wait until an entry being written from it now is done (its memory is about to be
+        written into, which would make the entry's bytes another version's)."""
         with self._cond:
+            if wait:
+                self._cond.wait_for(lambda: self._current is not tensor)
             gone = [j for j in self._jobs if j.tensor is tensor]
             if gone:
                 self.counts["dropped"] += len(gone)
@@ -180,6 +185,7 @@ class WriteBehind:
                 if done is not None:
                     self._done(done)
                 self._busy = False
+                self._current = None
                 self._cond.notify_all()
                 while not self._jobs:
                     if self._closed or not self._cond.wait(IDLE_EXIT_S) and not self._jobs:
@@ -187,6 +193,7 @@ class WriteBehind:
                         return
                 job = self._jobs.popleft()
                 self._busy = True
+                self._current = job.tensor
             done = job.digest
             try:
                 self._write(job)

@@ -227,7 +227,7 @@ class Connection:
     def _update(self, msg: Update) -> None:
         if self.switch is not None:
             raise RemoteProtocolError("UPDATE while an update is open on this connection")
-        self.switch = Switch(self.store, in_place=bool(msg.flags & Update.FLAG_IN_PLACE))
+        self.switch = Switch(self.store, in_place=bool(msg.flags & Update.FLAG_IN_PLACE), cache=self.ctx.cache)
         self.rx.publish = self.switch.hold
 
     def _commit(self, msg: Commit) -> None:

@@ -29,6 +29,7 @@ from weightlift.digest.setdigest import set_digest
 from weightlift.memory.targets import as_bytes
 from weightlift.remote import delta as codec
 from weightlift.remote.protocol import CommitReply
+from weightlift.remote.server.cache import TensorCache
 from weightlift.remote.server.store import Charge, Entry, Staged, Store
 
 __all__ = ["Switch", "InPlace"]
@@ -50,8 +51,9 @@ class InPlace:
 class Switch:
     """One connection's open update (``in_place``: its DELTAs change their bases' own memory)."""
 
-    def __init__(self, store: Store, *, in_place: bool):
+    def __init__(self, store: Store, *, in_place: bool, cache: TensorCache | None = None):
         self._store = store
+        self._cache = cache
         self.in_place_mode = in_place
         self._held: dict[str, Staged] = {}
         self._deltas: dict[str, InPlace] = {}
@@ -134,6 +136,8 @@ class Switch:
             now = self._store.get(d.name)
             if now is None or now.tensor is not d.base.tensor:
                 raise _Failed(f"{d.name!r} was replaced by another client during the update")
+            if self._cache is not None:  # no entry may be written from this memory as it changes
+                self._cache.behind.drop(d.base.tensor, wait=True)
             raw = as_bytes(d.base.tensor)
             codec.apply(d.encoding, d.payload.data, raw, raw, d.item, undo=undo)
             if hash_buffer(raw) != d.digest:
