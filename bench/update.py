@@ -150,6 +150,8 @@ def child_tcp_send(host: str, path: str) -> None:
 
 
 def child_load(path: str) -> None:
+    import ml_dtypes  # noqa: F401  (imported before the clock, as a server imports it at start)
+
     import weightlift as wl
 
     t0 = time.perf_counter()

@@ -167,6 +167,52 @@ def test_closing_the_server_writes_what_is_queued(tmp_path):
     assert all(_entry(tmp_path / "c", hash_buffer(a)).read_bytes() == a.tobytes() for a in arrays)
 
 
+class _Recording:
+    def __init__(self):
+        self.written = threading.Event()
+
+    def __call__(self, digest, length, hashed):
+        rec = self
+
+        class W:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                pass
+
+            def write(self, buf):
+                pass
+
+            def commit(self):
+                rec.written.set()
+
+        return W()
+
+
+def test_the_writer_waits_while_a_connection_is_receiving(monkeypatch):
+    rec = _Recording()
+    behind = cache_behind.WriteBehind(rec)
+    behind.receiving(1, True)
+    a = np.zeros(1000, np.uint8)
+    assert behind.submit(b"d" * 32, a, a, lambda: True)
+    assert not rec.written.wait(0.3)  # a tensor is still in flight on connection 1
+    behind.receiving(1, False)
+    assert rec.written.wait(10)
+    behind.close()
+
+
+def test_the_writer_waits_for_the_receive_a_bounded_while(monkeypatch):
+    monkeypatch.setattr(cache_behind, "MAX_DEFER_S", 0.2)
+    rec = _Recording()
+    behind = cache_behind.WriteBehind(rec)
+    behind.receiving(1, True)  # a connection that never finishes
+    a = np.zeros(1000, np.uint8)
+    assert behind.submit(b"d" * 32, a, a, lambda: True)
+    assert rec.written.wait(10)
+    behind.close()
+
+
 def test_an_in_place_update_waits_for_the_entry_being_written_from_its_base(tmp_path, monkeypatch):
     # v0's entry is being written behind from v0's memory when an in-place update changes that
     # memory: the switch waits for the entry first, so the entry named by v0's digest holds v0

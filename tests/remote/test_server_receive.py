@@ -409,3 +409,28 @@ def test_bad_requests_are_reported_at_the_barrier_and_the_connection_lives(serve
     assert server.tensors()["w"].tobytes() == b"wxyz"
     assert server.stats()["errors"] == 3
     assert _barrier(raw) == BarrierReply(0, 0)  # errors are reported once
+
+
+def test_a_weight_update_into_reused_memory_faults_nothing_in(monkeypatch):
+    # the third version of a tensor lands in the first one's pool memory, every page of it
+    # touched already: neither the receiver nor a helper asks the kernel to fault it in again
+    touched: list[int] = []
+    real = faulter_mod.fault_in
+
+    def counting(buf):
+        touched.append(len(buf))
+        real(buf)
+
+    monkeypatch.setattr(faulter_mod, "fault_in", counting)
+    monkeypatch.setattr(paths_mod, "populate", counting)
+    with Server() as s:
+        raw = Raw(s.address)
+        raw.hello()
+        for version in range(3):
+            if version == 2:
+                touched.clear()
+            a = _f32(700_000, 40 + version)
+            _put(raw, version, "w", a)
+            assert _barrier(raw).tensors == 1
+            assert np.array_equal(s.tensors()["w"], a)
+        assert s.stats()["pooled"] >= 1 and touched == []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import sys
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -184,6 +185,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     auth = ", token required" if a.token_file else ""
     auth += ", TLS" if tls is not None else ""
     print(f"weightlift: serving on {host}:{port} (device {a.device}, {framework}{cache}{auth})", flush=True)
+    # SIGTERM ends the server as Ctrl-C does: it closes, writing the cache entries still queued
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         server.serve_forever()
     finally:

@@ -106,6 +106,8 @@ __all__ = [
 READ_CHUNK = 4 * 1024 * 1024
 #: How long :meth:`TensorCache.has` waits for an entry of its digest being written behind.
 BEHIND_WAIT_S = 30.0
+#: How long :meth:`TensorCache.close` goes on writing the entries queued behind.
+BEHIND_CLOSE_S = 60.0
 #: The default cap (``max_bytes="auto"``): this fraction of what the entries take plus the free
 #: space of the cache's file system, measured when the cache opens.
 DEFAULT_MAX_FRACTION = 0.5
@@ -249,8 +251,9 @@ class TensorCache:
         """Wait until the entries queued behind are written; False on timeout."""
         return self._behind is None or self._behind.flush(timeout)
 
-    def close(self, timeout: float | None = None) -> None:
-        """Write the entries queued behind, then take no more."""
+    def close(self, timeout: float | None = BEHIND_CLOSE_S) -> None:
+        """Write the entries queued behind (for at most ``timeout`` seconds; the rest are not
+        cached), then take no more."""
         if self._behind is not None:
             self._behind.close(timeout)
 

@@ -22,8 +22,11 @@ What the writer holds, and why it is safe:
   when it starts: a sealed tensor is written without hashing it again; an exposed one is hashed
   as it is written and committed only if it still matches. ``sealed()`` is asked again before the
   rename, so a handle given out during the write aborts the entry.
-* **Behind, also for the CPU.** The writer thread runs at the lowest priority, so that on a
-  machine whose cores are busy with the push the entries are written with the time left over.
+* **Behind, also for the CPU.** Copying an entry into the page cache takes a core as long as
+  receiving it did. While any connection has tensors in flight the writer waits (each entry at
+  most :data:`MAX_DEFER_S`, so a server that never stops receiving still caches), and it runs at
+  the lowest priority, so that on a machine whose cores are busy with the push the entries are
+  written with the time left over.
 * **Bounded.** At most :data:`MAX_JOBS` jobs wait; past that a tensor is not cached (a counter
   says how many), so a disk slower than the network never holds the push up or grows a queue
   without end. :meth:`WriteBehind.flush` waits for the queue to empty (a server closing, a test).
@@ -34,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +49,7 @@ from weightlift.errors import CacheError
 __all__ = ["WriteBehind", "sealed_since", "MAX_JOBS", "WRITE_PIECE"]
 
 BEHIND_NICE = 19  # the writer thread's nice value: it runs on what the receive leaves
+MAX_DEFER_S = 5.0  # an entry waits for the receives in flight to end at most this long
 IDLE_EXIT_S = 1.0  # the writer thread ends after this long with nothing to write
 MAX_JOBS = 4096  # entries waiting to be written; past this a tensor is not cached
 WRITE_PIECE = 8 * 1024 * 1024  # bytes per write(): large, and each piece hashed while still in cache
@@ -89,6 +94,7 @@ class _Job:
     tensor: Any  # the published array: holding it keeps its memory from being reused
     view: Any  # its bytes (a host view of the array)
     sealed: Callable[[], bool]  # whether nobody could have written into it since it was proven
+    queued: float  # time.monotonic() when it was queued
 
 
 class WriteBehind:
@@ -110,6 +116,7 @@ class WriteBehind:
         self._busy = False
         self._current: Any = None  # the tensor being written now
         self._queued: dict[bytes, int] = {}  # digest -> jobs of it queued or being written
+        self._receiving: set[int] = set()  # receivers with tensors in flight (see receiving())
         self._thread: threading.Thread | None = None
         self._closed = False
         self.counts = {"written": 0, "skipped": 0, "dropped": 0, "aborted": 0}
@@ -122,7 +129,7 @@ class WriteBehind:
             if self._closed or len(self._jobs) >= MAX_JOBS:
                 self.counts["skipped"] += 1
                 return False
-            job = _Job(bytes(digest), nbytes, tensor, view, sealed)
+            job = _Job(bytes(digest), nbytes, tensor, view, sealed, time.monotonic())
             self._jobs.append(job)
             self._queued[job.digest] = self._queued.get(job.digest, 0) + 1
             if self._thread is None:
@@ -130,6 +137,18 @@ class WriteBehind:
                 self._thread.start()
             self._cond.notify_all()
         return True
+
+    def receiving(self, who: int, active: bool) -> None:
+        """Receiver ``who`` has tensors in flight (``active``) or none any more: while any has,
+        the writer waits (at most :data:`MAX_DEFER_S` per entry), so that its copies to the
+        page cache do not take the CPU from the receive."""
+        with self._cond:
+            if active:
+                self._receiving.add(who)
+            elif who in self._receiving:
+                self._receiving.discard(who)
+                if not self._receiving:
+                    self._cond.notify_all()
 
     def pending(self, digest: bytes) -> bool:
         """Whether an entry of ``digest`` is queued or being written."""
@@ -184,6 +203,7 @@ class WriteBehind:
             with self._cond:
                 if done is not None:
                     self._done(done)
+                    done = None
                 self._busy = False
                 self._current = None
                 self._cond.notify_all()
@@ -191,6 +211,15 @@ class WriteBehind:
                     if self._closed or not self._cond.wait(IDLE_EXIT_S) and not self._jobs:
                         self._thread = None  # idle: the next submit starts a new one
                         return
+                # behind the receive, for a while at most; the job stays queued meanwhile, so a
+                # replacement (or an in-place change of its memory) can still drop it
+                while self._receiving and not self._closed and self._jobs:
+                    left = self._jobs[0].queued + MAX_DEFER_S - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                if not self._jobs:
+                    continue
                 job = self._jobs.popleft()
                 self._busy = True
                 self._current = job.tensor

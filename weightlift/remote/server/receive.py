@@ -75,6 +75,11 @@ class Receiver:
         # where a complete tensor goes: the store, or an open update that publishes it at its switch
         self.publish: Callable[..., None] = self.store.publish
 
+    def _receiving(self) -> None:
+        """Tell the cache's writer whether this connection has tensors in flight."""
+        if self.ctx.cache is not None:
+            self.ctx.cache.behind.receiving(id(self), bool(self.pending))
+
     def _files_open(self) -> int:
         self._files = [w for w in self._files if w.is_open]
         return len(self._files)
@@ -116,6 +121,7 @@ class Receiver:
                 raise
         self.outcomes.failed.pop(a.tensor_id, None)
         self.pending[a.tensor_id] = p
+        self._receiving()
         if p.complete:
             self.dests.ensure(p)
             self._complete(a.tensor_id, p)
@@ -134,6 +140,7 @@ class Receiver:
         """Give up on a pending tensor: free it, report why, and drain its later WRITEs quietly."""
         self.dests.unfault(p)
         del self.pending[tid]
+        self._receiving()
         self.outcomes.need.pop(tid, None)
         if p.writer is not None:
             p.writer.abort()
@@ -251,6 +258,7 @@ class Receiver:
     def _complete(self, tid: int, p: Pending) -> None:
         self.dests.unfault(p)
         del self.pending[tid]
+        self._receiving()
         self.outcomes.need.pop(tid, None)  # the bytes came after all: the client need not send them again
         proven, streamed = self._close_writer(p)
         if not proven:
@@ -265,7 +273,7 @@ class Receiver:
             p.proven = True
         if p.verify:
             if streamed is None:
-                streamed = p.digest if p.proven and p.digest is not None else self._hash_dest(p)
+                streamed = p.digest if p.proven and p.digest is not None else _hash_dest(p, self.device.target)
             self.outcomes.add_verified(tid, streamed)
         dest = target.finish(p.dest)
         if p.charge is None or p.deferred:
@@ -311,23 +319,6 @@ class Receiver:
         p.release()
         self.outcomes.error(f"tensor {p.name!r}: the bytes received do not match the digest the client sent")
 
-    def _hash_dest(self, p: Pending) -> bytes:
-        """The digest of ``p``'s destination, hashed in one pass after the fact: for the tensors
-        not hashed as they arrived (written out of order, or empty)."""
-        if p.nbytes == 0:
-            return blake3.blake3().digest()
-        target = self.device.target
-        if target.memcpy_ok:
-            return hash_buffer(target.host_view(p.dest))
-        import torch
-
-        target.synchronize()  # the uploads into it run on the target's stream: all of them landed first
-        flat = p.dest.reshape(-1).view(torch.uint8)
-        h = blake3.blake3()
-        for pos in range(0, p.nbytes, STAGING_BYTES):
-            h.update(flat[pos : pos + STAGING_BYTES].cpu().numpy())
-        return h.digest()
-
     def close(self) -> None:
         """The connection ends: stop the faulter (nothing writes into freed memory), drop what is in flight."""
         self.dests.close()  # waits for the pieces in progress
@@ -338,6 +329,24 @@ class Receiver:
                 p.writer.abort()
             p.release()
         self.pending.clear()
+        self._receiving()
+
+
+def _hash_dest(p: Pending, target: Any) -> bytes:
+    """The digest of ``p``'s destination, hashed in one pass after the fact: for the tensors
+    not hashed as they arrived (written out of order, or empty)."""
+    if p.nbytes == 0:
+        return blake3.blake3().digest()
+    if target.memcpy_ok:
+        return hash_buffer(target.host_view(p.dest))
+    import torch
+
+    target.synchronize()  # the uploads into it run on the target's stream: all of them landed first
+    flat = p.dest.reshape(-1).view(torch.uint8)
+    h = blake3.blake3()
+    for pos in range(0, p.nbytes, STAGING_BYTES):
+        h.update(flat[pos : pos + STAGING_BYTES].cpu().numpy())
+    return h.digest()
 
 
 def _charged(store: Store, a: Alloc, *, pooled: bool, ahead: bool) -> Pending:
