@@ -173,11 +173,28 @@ def child_push_mem(to: str, path: str, push_kwargs: str) -> None:
     print(json.dumps({"seconds": time.perf_counter() - t0, "bytes": r.bytes_sent}))
 
 
+def child_push_delta(to: str, base_path: str, path: str) -> None:
+    """A trainer's step: push v from memory (untimed; the server then holds v and its digests),
+    then time ``Client.push(v+1, base=v)``, which sends each tensor as what changed where that pays."""
+    import weightlift as wl
+    from weightlift.remote.client import Client
+
+    base, tensors = wl.load(base_path), wl.load(path)
+    host, port = to.rsplit(":", 1)
+    with Client((host, int(port))) as c:
+        c.push(base)
+        t0 = time.perf_counter()
+        r = c.push(tensors, base=base)
+        dt = time.perf_counter() - t0
+    print(json.dumps({"seconds": dt, "bytes": r.bytes_sent, "deltas": r.deltas}))
+
+
 CHILDREN: dict[str, Callable[..., None]] = {
     "tcp_recv": lambda host, size: child_tcp_recv(host, int(size)),
     "tcp_send": child_tcp_send,
     "load": child_load,
     "push_mem": child_push_mem,
+    "push_delta": child_push_delta,
 }
 
 
@@ -291,16 +308,16 @@ def arm_load(c: Ctx, frac: float) -> float:
 def arm_delta(c: Ctx, frac: float) -> float:
     """v+1 (fraction f) pushed from memory into a running server holding v, deltas allowed.
 
-    Needs ``Client.push({name: tensor}, ...)``; ``DELTA_KWARGS`` are the push's keywords."""
+    The child pushes v from memory first (untimed), then v+1 with ``base=v`` (timed)."""
     server, to = c.serve()
     try:
-        c.push(c.ns_s, to, c.base)
-        return c.client_child("push_mem", to, c.versions[frac], json.dumps(DELTA_KWARGS))["seconds"]
+        out = c.client_child("push_delta", to, c.base, c.versions[frac])
+        print(f"  delta {frac}: {out['bytes']} bytes sent, {out['deltas']} deltas", file=sys.stderr)
+        return float(out["seconds"])
     finally:
         _stop(server)
 
 
-DELTA_KWARGS: dict[str, Any] = {}  # e.g. {"delta": True} once the client takes it
 ARMS: dict[str, Callable[[Ctx, float], float]] = {
     "push.fresh": arm_push_fresh,
     "push.cache": arm_push_cache,
