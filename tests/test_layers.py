@@ -27,6 +27,7 @@ RANK = {
     "profile": 2,
     "formats": 2,
     "options": 3,
+    "plan": 3,
     "disk": 4,
     "memory": 4,
     "sources": 4.5,  # beside disk, over memory (it lands bytes in targets), under checkpoint

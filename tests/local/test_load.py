@@ -222,7 +222,7 @@ def test_coalesced_runs_same_bytes_as_per_tensor(tmp_path):
         for i in range(40)
     ]
     path = write(tmp_path / "moe.safetensors", tensors)
-    from weightlift.local.plan import make_runs
+    from weightlift.plan import make_runs
 
     runs = make_runs(wl.open(path).tensors)
     assert len(runs) == 1 and len(runs[0].tensors) == 40

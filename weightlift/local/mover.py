@@ -23,10 +23,10 @@ from weightlift.disk.source import MAX_WARMERS, MappedFile, Warmer, evict_range
 from weightlift.dtypes import DTYPES, dtype_info
 from weightlift.errors import FileError, WeightliftError
 from weightlift.formats import TensorInfo
-from weightlift.local.plan import CHUNK, Chunk, Run, layout, make_chunks, make_runs
 from weightlift.memory.faulter import REGION, Faulter
 from weightlift.memory.fresh import policy as fill_policy
 from weightlift.memory.targets import WORKER_SLOT, Stager, Target, populate
+from weightlift.plan import CHUNK, Chunk, Run, layout, make_chunks, make_runs
 from weightlift.profile import Profiler
 
 __all__ = ["Mover", "Landed", "LANDED_PIECE", "COLD_FAULT_WINDOW", "mapped_error"]

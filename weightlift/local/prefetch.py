@@ -16,8 +16,8 @@ from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
 from weightlift.disk.source import MAX_WARMERS, RESIDENT_THRESHOLD, MappedFile, resident_fraction
 from weightlift.disk.source import prefetch as read_in
 from weightlift.formats import TensorInfo
-from weightlift.local.plan import make_runs
 from weightlift.memory.fresh import map_in
+from weightlift.plan import make_runs
 from weightlift.profile import Profiler
 
 __all__ = ["Prefetch", "prefetch", "await_prefetches", "read_in_views"]

@@ -30,24 +30,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from weightlift.dtypes import DTYPES
 from weightlift.errors import OptionError
-from weightlift.formats import TensorInfo
+from weightlift.plan import ALIGN, MAX_GAP, Run, layout, make_runs
 from weightlift.sources.store import PIECE
 
 __all__ = ["Run", "Part", "make_runs", "layout", "make_parts", "Budget", "run_parts", "MAX_GAP", "ALIGN"]
-
-MAX_GAP = 256
-ALIGN = 64
-_ITEMSIZE = {d.name: max(1, d.bits // 8) for d in DTYPES}
-
-
-@dataclass(frozen=True, slots=True)
-class Run:
-    file: str
-    offset: int
-    length: int
-    tensors: tuple[TensorInfo, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,48 +46,6 @@ class Part:
     offset: int
     length: int
     dst: int
-
-
-def _aligned(t: TensorInfo) -> bool:
-    return t.offset % _ITEMSIZE.get(t.dtype, 1) == 0
-
-
-def make_runs(tensors: list[TensorInfo]) -> list[Run]:
-    """Tensors grouped into runs of back-to-back bytes, in object order."""
-    runs: list[Run] = []
-    cur: list[TensorInfo] = []
-
-    def flush() -> None:
-        if cur:
-            end = max(t.end for t in cur)
-            runs.append(Run(cur[0].file, cur[0].offset, end - cur[0].offset, tuple(cur)))
-            cur.clear()
-
-    for t in sorted(tensors, key=lambda t: (t.file, t.offset)):
-        if (
-            cur
-            and t.file == cur[-1].file
-            and 0 <= t.offset - cur[-1].end <= MAX_GAP
-            and _aligned(t)
-            and _aligned(cur[0])
-        ):
-            cur.append(t)
-            continue
-        flush()
-        cur.append(t)
-    flush()
-    return runs
-
-
-def layout(runs: list[Run]) -> tuple[list[int], int]:
-    """Each run's offset in one arena (as aligned as in its object), and the arena's size."""
-    pos, out = 0, []
-    for r in runs:
-        base = -(-pos // ALIGN) * ALIGN
-        start = base if len(r.tensors) == 1 and not _aligned(r.tensors[0]) else base + r.offset % ALIGN
-        out.append(start)
-        pos = start + r.length
-    return out, pos
 
 
 def make_parts(runs: list[Run], starts: list[int], part: int) -> list[Part]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from weightlift.formats import TensorInfo
-from weightlift.local.plan import ALIGN, layout, make_chunks, make_runs
+from weightlift.plan import ALIGN, layout, make_chunks, make_runs
 
 
 def T(name, off, n, dtype="U8", file="f"):
