@@ -206,17 +206,27 @@ class _FakeCuda(CudaTarget):
         return dest
 
 
-def test_a_cuda_connection_is_charged_its_pinned_staging():
-    # A CUDA server's connection makes its target, with 2 x 64 MiB of pinned host slots, at its
-    # first ALLOC: that host memory is charged to max_memory, and given back when it closes.
-    store = Store(max_memory=1 << 30, pool=None, remember_digests=False)
-    ctx = Context(ServerConfig(max_memory=1 << 30), store, None, host_target=None, new_target=_FakeCuda)
+def _cuda_server(limit: int, cache=None) -> tuple[Store, Context]:
+    """A CUDA server's store and context, without a device or a listening socket."""
+    store = Store(max_memory=limit, pool=None, remember_digests=False)
+    return store, Context(ServerConfig(max_memory=limit), store, cache, host_target=None, new_target=_FakeCuda)
+
+
+def _connected(ctx: Context) -> tuple[Raw, threading.Thread]:
+    """A connection of ``ctx``'s server on one end of a socketpair, a Raw client past HELLO on the other."""
     ours, theirs = socket.socketpair()
-    conn = Connection(ctx, SocketStream(ours, peer="test"))
-    t = threading.Thread(target=conn.run, daemon=True)
+    t = threading.Thread(target=Connection(ctx, SocketStream(ours, peer="test")).run, daemon=True)
     t.start()
     raw = Raw.over(theirs)
     raw.hello()
+    return raw, t
+
+
+def test_a_cuda_connection_is_charged_its_pinned_staging():
+    # A CUDA server's connection makes its target, with 2 x 64 MiB of pinned host slots, at its
+    # first ALLOC: that host memory is charged to max_memory, and given back when it closes.
+    store, ctx = _cuda_server(1 << 30)
+    raw, t = _connected(ctx)
     assert _barrier(raw) == BarrierReply(0, 0)
     assert store.used == 0  # a connection that allocates nothing pins nothing
     raw.send(Alloc(0, "w", "U8", (0,), 0))
@@ -230,13 +240,8 @@ def test_a_cuda_connection_is_charged_its_pinned_staging():
 
 def test_a_cuda_connection_over_the_limit_with_its_staging_fails_its_alloc():
     limit = PINNED_STAGING // 2
-    store = Store(max_memory=limit, pool=None, remember_digests=False)
-    ctx = Context(ServerConfig(max_memory=limit), store, None, host_target=None, new_target=_FakeCuda)
-    ours, theirs = socket.socketpair()
-    t = threading.Thread(target=Connection(ctx, SocketStream(ours, peer="test")).run, daemon=True)
-    t.start()
-    raw = Raw.over(theirs)
-    raw.hello()
+    store, ctx = _cuda_server(limit)
+    raw, t = _connected(ctx)
     raw.send(Alloc(0, "w", "U8", (0,), 0))
     reply = _barrier(raw)
     assert reply.tensors == 0 and "memory limit" in reply.errors[0]
@@ -259,13 +264,8 @@ def test_a_fill_whose_staging_does_not_fit_leaves_nothing_charged(tmp_path):
         w.write(a.tobytes())
         w.commit()
     limit = PINNED_STAGING + entry_cost("w", 1) + a.nbytes + STAGING_BYTES // 2
-    store = Store(max_memory=limit, pool=None, remember_digests=False)
-    ctx = Context(ServerConfig(max_memory=limit), store, cache, host_target=None, new_target=_FakeCuda)
-    ours, theirs = socket.socketpair()
-    t = threading.Thread(target=Connection(ctx, SocketStream(ours, peer="test")).run, daemon=True)
-    t.start()
-    raw = Raw.over(theirs)
-    raw.hello()
+    store, ctx = _cuda_server(limit, cache)
+    raw, t = _connected(ctx)
     _fill(raw, a, 0, "w", d)
     reply = _barrier(raw)
     assert reply.tensors == 0 and "exceed" in reply.errors[0]
@@ -280,17 +280,12 @@ def test_connections_that_pin_host_memory_are_capped_together():
     # together has a cap of its own, so many connections cannot pin the host's memory away.
     from weightlift.remote.server.context import MAX_PINNED
 
-    store = Store(max_memory=1 << 50, pool=None, remember_digests=False)
-    ctx = Context(ServerConfig(max_memory=1 << 50), store, None, host_target=None, new_target=_FakeCuda)
+    _, ctx = _cuda_server(1 << 50)
     fit = MAX_PINNED // PINNED_STAGING
     conns = []
 
     def connect():
-        ours, theirs = socket.socketpair()
-        t = threading.Thread(target=Connection(ctx, SocketStream(ours, peer="test")).run, daemon=True)
-        t.start()
-        raw = Raw.over(theirs)
-        raw.hello()
+        raw, t = _connected(ctx)
         raw.send(Alloc(0, "w", "U8", (0,), 0))
         conns.append((raw, t))
         return _barrier(raw)
