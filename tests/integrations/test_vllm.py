@@ -162,6 +162,41 @@ def test_an_unknown_option_stops_the_engine_naming_it(models, capfd):
     assert "no option 'prefetch_all'" in "".join(capfd.readouterr())
 
 
+def _step(weights: dict, seed: int) -> dict:
+    """A sparse training step on ``weights``: about 1 % of the elements of each matrix moved, and
+    the final norm negated (so that greedy tokens surely change); the rest the same bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, w in weights.items():
+        w = w.clone()
+        if name == "model.norm.weight":
+            w = -w
+        elif w.ndim == 2:
+            flat = w.view(-1)
+            hit = torch.randint(0, flat.numel(), (max(1, flat.numel() // 100),), generator=gen)
+            flat[hit] += 0.05
+        out[name] = w
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(models, tmp_path_factory):
+    """The trainer's weights in memory: llama-1's tensors and one sparse step on from them (also
+    written as a checkpoint, for a fresh engine to compare with)."""
+    from safetensors.torch import load_file, save_file
+
+    first = load_file(os.path.join(models[("llama", 1)], "model.safetensors"))
+    second = _step(first, 7)
+    folder = tmp_path_factory.mktemp("vllm-step") / "llama-1-step"
+    folder.mkdir()
+    for name in os.listdir(models[("llama", 1)]):
+        if name != "model.safetensors":
+            (folder / name).write_bytes(open(os.path.join(models[("llama", 1)], name), "rb").read())
+    save_file(second, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    models[("llama", "step")] = str(folder)
+    return first, second
+
+
 @pytest.fixture(scope="class")
 def engine(models):
     """A running engine with the weightlift load format and weight-transfer backend."""
@@ -172,49 +207,81 @@ def engine(models):
     _stop(llm)
 
 
+@pytest.fixture(scope="class")
+def trainer(engine):
+    """The trainer's client of the engine's server, keeping what it pushed as the next base."""
+    with Client(engine[1], token=TOKEN, keep_base=True) as c:
+        yield c
+
+
 class TestWeightTransfer:
     """One engine, started with the ``weightlift`` load format and weight-transfer backend,
-    taken through refused updates and a real one."""
+    taken through refused updates and real ones pushed from the trainer's memory, in order."""
 
-    def _update(self, llm) -> None:
+    def _update(self, llm, **info) -> None:
         llm.start_weight_update()
-        llm.update_weights({"update_info": {}})
+        llm.update_weights({"update_info": info})
         llm.finish_weight_update()
 
     def test_loads_as_the_default_loader(self, engine, default_tokens):
         llm, _ = engine
         assert _tokens(llm) == default_tokens(("llama", 0))
 
-    def test_a_push_with_a_wrong_token_is_refused_and_the_engine_serves_on(self, engine, models, default_tokens):
+    def test_a_push_with_a_wrong_token_is_refused_and_the_engine_serves_on(self, engine, trained, default_tokens):
         llm, address = engine
         with pytest.raises(AuthError):
             with Client(address, token="not the token, and long enough to be one 0123456789") as c:
-                c.push(os.path.join(models[("llama", 1)], "model.safetensors"))
+                c.push(trained[0])
         assert _tokens(llm) == default_tokens(("llama", 0))
 
-    def test_an_update_of_other_shapes_is_refused_and_the_engine_serves_on(self, engine, tmp_path, default_tokens):
-        from safetensors.torch import save_file
-
+    def test_an_update_of_other_shapes_is_refused_and_the_engine_serves_on(self, engine, default_tokens):
         llm, address = engine
-        wrong = tmp_path / "wrong.safetensors"
-        save_file({"model.norm.weight": torch.ones(64, dtype=torch.bfloat16)}, str(wrong))
         with Client(address, token=TOKEN) as c:
-            c.push(str(wrong))
+            c.push({"model.norm.weight": torch.ones(64, dtype=torch.bfloat16)})
             llm.start_weight_update()
             with pytest.raises(Exception, match="shapes differ|model.norm.weight"):
                 llm.update_weights({"update_info": {}})
             c.free(["model.norm.weight"])
         assert _tokens(llm) == default_tokens(("llama", 0))
 
-    def test_an_update_gives_a_fresh_engines_tokens_and_sends_only_what_changed(self, engine, models, default_tokens):
+    def test_part_of_a_layer_is_refused_and_the_engine_serves_on(self, engine, trained, default_tokens):
         llm, address = engine
-        new = os.path.join(models[("llama", 1)], "model.safetensors")
+        name = "model.layers.0.self_attn.q_proj.weight"  # fused with k and v, which are not there
         with Client(address, token=TOKEN) as c:
-            first = c.push(new, verify=True, hash_threshold=0)
-            again = c.push(new, verify=True, hash_threshold=0)
+            c.push({name: trained[0][name]})
+            llm.start_weight_update()
+            with pytest.raises(Exception, match="reloaded whole.*k_proj"):
+                llm.update_weights({"update_info": {}})
+            c.free([name])
+        assert _tokens(llm) == default_tokens(("llama", 0))
+
+    def test_an_update_from_memory_gives_a_fresh_engines_tokens(self, engine, trainer, trained, default_tokens):
+        llm, _ = engine
+        first = trainer.push(trained[0], hash_threshold=0)  # each named by digest: the server caches it
         self._update(llm)
-        assert first.bytes_sent > 0 and again.bytes_sent < first.bytes_sent / 10
-        assert again.verified == again.tensors
+        assert first.bytes_sent == sum(t.nbytes for t in trained[0].values()) and first.deltas == 0
+        assert first.set_digest is not None  # the server's digest over the set, matched by the client
         fresh = default_tokens(("llama", 1))
         assert fresh != default_tokens(("llama", 0))
+        assert _tokens(llm) == fresh
+
+    def test_a_released_copy_is_refilled_from_the_servers_cache(self, engine, trained, default_tokens):
+        llm, address = engine
+        self._update(llm, release=True)  # the same weights again, then the server lets go of them
+        with Client(address, token=TOKEN) as c:
+            assert c.list() == []
+            again = c.push(trained[0], hash_threshold=0)  # named by digest: filled from the disk cache
+        assert again.bytes_sent == 0 and again.cached == len(trained[0])
+        self._update(llm)
+        assert _tokens(llm) == default_tokens(("llama", 1))
+
+    def test_the_next_update_sends_what_changed(self, engine, trainer, trained, default_tokens):
+        llm, _ = engine
+        second = trained[1]
+        step = trainer.push(second)
+        self._update(llm)
+        assert step.deltas == len(second)  # every tensor against the version the server holds
+        assert 0 < step.bytes_sent < sum(t.nbytes for t in second.values()) / 10
+        fresh = default_tokens(("llama", "step"))
+        assert fresh != default_tokens(("llama", 1))
         assert _tokens(llm) == fresh

@@ -8,6 +8,8 @@ import numpy as np
 
 import weightlift.remote.protocol as P
 from tests.remote.rawclient import Raw, _barrier, _cost, _f32, _put
+from tests.waiting import wait_for
+from weightlift.remote.client import Client
 from weightlift.remote.protocol import (
     Alloc,
     Error,
@@ -20,6 +22,7 @@ from weightlift.remote.protocol import (
     Read,
     ReadReply,
 )
+from weightlift.remote.server.server import Server
 from weightlift.remote.server.store import Store
 
 
@@ -50,6 +53,25 @@ def test_read_list_free(server):
     assert raw.recv() == FreeReply(2)
     assert sorted(server.tensors()) == ["t02", "t03", "t04"]
     assert server.memory_used == sum(_cost(n, arrays[n].nbytes) for n in ("t02", "t03", "t04"))
+
+
+def test_server_free_drops_what_it_holds_and_its_cache_fills_the_next_push(tmp_path):
+    arrays = {f"t{i}": _f32(600_000 + i, i) for i in range(3)}  # above the pool's smallest class
+    with Server(cache_dir=tmp_path / "cache") as s:
+        with Client(s.address) as c:
+            first = c.push(arrays)
+        assert s.cache is not None and s.cache.flush(10)  # written behind: now on disk
+        held = s.memory_used
+        assert s.free(["t0", "nope"]) == 1
+        assert sorted(s.tensors()) == ["t1", "t2"] and s.memory_used < held
+        assert s.free() == 2 and s.tensors() == {}
+        wait_for(lambda: s.memory_used == 0)
+        assert s.trim() > 0 and s.stats().pool_idle_bytes == 0
+        with Client(s.address) as c:
+            again = c.push(arrays)
+        assert first.bytes_sent == sum(a.nbytes for a in arrays.values())
+        assert again.bytes_sent == 0 and again.cached == 3  # the digests outlive the memory
+        assert all(np.array_equal(s.tensors()[n], a) for n, a in arrays.items())
 
 
 def test_list_is_paged_to_the_clients_frame_limit(server):

@@ -8,23 +8,31 @@ vLLM drives a weight-transfer engine in four phases, each a call on every worker
 - ``init`` starts a :class:`weightlift.Server` inside the worker, on ``host:port + rank``, with
   the token (``token`` or ``token_file``) every client must prove, so that each frame is MAC'd,
   and a digest cache, so that the server remembers what it holds by digest.
-- The trainer pushes the new weights to that server with :class:`weightlift.Client` (a
-  checkpoint, or tensors it holds in memory where the client takes them), ``verify=True`` for
-  the server to hash what landed and the client to compare. A tensor whose bytes the server
-  already holds (unchanged since the last update) is named by digest and not sent. Nothing of
-  this touches the model: the engine keeps serving while the bytes travel.
+- The trainer pushes the new weights to that server with :class:`weightlift.Client`: the
+  tensors it holds, ``push({name: tensor})``, sent from their own memory as one update (all
+  switched in at once or none, the result proven by the server's set digest), or a checkpoint.
+  With ``Client(keep_base=True)`` the next push sends each tensor as what changed against the
+  version the server holds (a tensor that did not change costs a header). Nothing of this
+  touches the model: the engine keeps serving while the bytes travel.
 - ``start`` prepares vLLM's layerwise reload (the layers' processed kernel tensors are saved,
   so a layer that gets no weights is put back as it was).
 - ``update`` checks every tensor the server holds against the checkpoint the engine was started
-  on (each name known, each shape the same) before any reaches the model, then feeds them all to
-  ``model.load_weights``; the weight loaders copy from the server's memory into the parameters.
-  A refused update (an unknown name, another shape) is undone at once, so the engine serves the
-  weights it had; a push refused by the server (a wrong token) never reaches the engine at all.
+  on (each name known, each shape the same, each decoder layer whole) before any reaches the
+  model, then feeds them all to ``model.load_weights``; the weight loaders copy from the
+  server's memory into the parameters. A refused update is undone at once, so the engine serves
+  the weights it had; a push refused by the server (a wrong token) never reaches the engine.
 - ``finish`` runs the layers' post-processing (repacking for the CPU kernels, quantization) and
-  puts the processed tensors in place.
+  puts the processed tensors in place; with ``release`` the server then drops its tensors.
 
-The server keeps the last update's tensors (one copy of the weights in host memory beside the
-model's), so that the next push sends only what changed.
+Memory. The server keeps the last update's tensors, one host copy of the weights in checkpoint
+form beside the model's, as the bases the next update's changes apply to. It cannot be the
+model's own memory: the fused layers hold several checkpoint tensors in one parameter (q, k
+and v; gate and up; every expert), and on the CPU build every linear layer repacks its weight
+for the kernels and drops the checkpoint-form one, so only embeddings and norms are plain
+copies a delta could be applied to. ``release=True`` gives the copy back after ``finish``; the
+disk cache keeps the bytes of every tensor that arrived whole and named by digest, so the next
+push of those is filled from it and not resent, but the next update has no bases to apply
+changes to (a tensor that arrived as changes, or changed since, goes whole).
 """
 
 from __future__ import annotations
@@ -68,9 +76,12 @@ class WeightliftInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class WeightliftUpdateInfo(WeightTransferUpdateInfo):
-    """What ``update_weights`` takes: ``names`` (None: every tensor the server holds)."""
+    """What ``update_weights`` takes: ``names`` (None: every tensor the server holds; a name
+    brings the rest of its decoder layer with it), and ``release``: once the update is finished
+    the server drops what it holds and gives the memory back (see the theory of operation)."""
 
     names: list[str] | None = None
+    release: bool = False
 
 
 class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, WeightliftUpdateInfo]):
@@ -84,6 +95,7 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
         self.server: Server | None = None
         self._cache: tempfile.TemporaryDirectory[str] | None = None
         self._expected: dict[str, tuple[int, ...]] | None = None
+        self._release = False  # the update in progress asked for the server's copy to go at finish
         self.rank = vllm_config.parallel_config.rank
 
     def init_transfer_engine(self, init_info: WeightliftInitInfo) -> None:
@@ -124,13 +136,19 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: WeightliftUpdateInfo) -> None:
-        held = self._server().tensors()
+        server = self._server()
+        if update_info.release and server.cache is not None:
+            # what is still queued for the disk cache goes there now: handing the tensors out
+            # below makes them writable, and the cache writes only tensors nobody could change
+            server.cache.flush()
+        held = server.tensors()
         names = sorted(held) if update_info.names is None else list(update_info.names)
         try:
             weights = self._checked(held, names)
         except BaseException:
             self._undo()
             raise
+        self._release = update_info.release
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         with disable_mtp_completeness_check():
@@ -155,6 +173,7 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
             ]
             if wrong:
                 raise OptionError(f"weight update refused: shapes differ: {', '.join(wrong[:8])}")
+            names = _whole_layers(names, held, self._expected)
         return [(n, held[n]) for n in names]
 
     def _undo(self) -> None:
@@ -168,6 +187,17 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
 
         finalize_layerwise_reload(self.model, self.model_config)
         _reprocess_tied(self.model)
+        release, self._release = self._release, False
+        if release:
+            server = self._server()
+            freed = server.free()
+            returned = server.trim()
+            logger.info(
+                "weightlift weight transfer: rank %d released %d tensors (%d bytes back to the system)",
+                self.rank,
+                freed,
+                returned,
+            )
 
     def shutdown(self) -> None:
         server, self.server = self.server, None
@@ -193,6 +223,35 @@ def _reprocess_tied(model: Any) -> None:
         method = getattr(m, "quant_method", None)
         if hasattr(m, "cpu_linear") and m.weight.numel() and owners[m.weight.data_ptr()] > 1 and method is not None:
             method.process_weights_after_loading(m)
+
+
+def _layer_key(name: str) -> str:
+    """The decoder layer a checkpoint name belongs to: the name up to its first number
+    (``model.layers.3``), or the whole name where it has none (embeddings, the final norm)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return name
+
+
+def _whole_layers(names: list[str], held: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> list[str]:
+    """``names`` and every other tensor of their decoder layers; OptionError if the server lacks one.
+
+    vLLM's layerwise reload processes a layer once the elements of all its parameters are
+    loaded; a layer given only some of its tensors (``q_proj`` without ``k_proj`` and ``v_proj``
+    of a fused ``qkv_proj``, one expert of a fused MoE) would be processed with the rest of its
+    memory fresh and unset. So a layer is reloaded whole, from what the server holds."""
+    keys = {_layer_key(n) for n in names}
+    need = [n for n in expected if _layer_key(n) in keys]
+    lacking = [n for n in need if n not in held]
+    if lacking:
+        raise OptionError(
+            "weight update refused: a layer is reloaded whole, and the server lacks "
+            + ", ".join(lacking[:8])
+            + (f" (and {len(lacking) - 8} more)" if len(lacking) > 8 else "")
+        )
+    return sorted(set(names) | set(need))
 
 
 def _checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]] | None:

@@ -285,6 +285,14 @@ class Server:
         all; an in-place update changes the arrays handed out earlier at its switch."""
         return self._store.tensors(writable=writable)
 
+    def free(self, names: Iterable[str] | None = None) -> int:
+        """Drop the named tensors (None: every one held), as a client's FREE does; returns how
+        many were held. Their memory goes back to the pool (:meth:`trim` gives it to the system)
+        once nobody references them; a disk cache keeps what it holds, so a later push of the
+        same bytes is filled from it."""
+        held = tuple(self._store.entries(None)) if names is None else tuple(names)
+        return self._store.free(held)
+
     def set_digest(self, names: Iterable[str] | None = None) -> bytes:
         """The set digest (:func:`weightlift.digest.setdigest.set_digest`) over the named tensors
         (None: every one held), from one instant's view of the store: what an update's COMMIT
