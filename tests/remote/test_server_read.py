@@ -74,6 +74,24 @@ def test_server_free_drops_what_it_holds_and_its_cache_fills_the_next_push(tmp_p
         assert all(np.array_equal(s.tensors()[n], a) for n, a in arrays.items())
 
 
+def test_cache_held_writes_what_arrived_as_changes_so_a_free_loses_no_digest(tmp_path):
+    first = {f"t{i}": _f32(300_000, i) for i in range(3)}
+    second = {n: a.copy() for n, a in first.items()}
+    second["t0"][::1000] += 1  # a sparse change: it arrives as a DELTA, not whole and named
+    with Server(cache_dir=tmp_path / "cache") as s:
+        with Client(s.address, keep_base=True) as c:
+            c.push(first, hash_threshold=0)
+            step = c.push(second)
+        assert step.deltas == 3 and s.cache is not None and s.cache.flush(10)
+        assert s.cache_held() == 1  # t0's new version; t1 and t2 arrived whole, named by digest
+        assert s.cache.flush(10) and s.cache_held() == 0
+        s.free()
+        with Client(s.address) as c:
+            again = c.push(second, hash_threshold=0)
+        assert again.bytes_sent == 0 and again.cached == 3
+        assert all(np.array_equal(s.tensors()[n], a) for n, a in second.items())
+
+
 def test_list_is_paged_to_the_clients_frame_limit(server):
     raw = Raw(server.address)
     nonce = P.new_nonce()

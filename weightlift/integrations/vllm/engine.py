@@ -29,10 +29,10 @@ form beside the model's, as the bases the next update's changes apply to. It can
 model's own memory: the fused layers hold several checkpoint tensors in one parameter (q, k
 and v; gate and up; every expert), and on the CPU build every linear layer repacks its weight
 for the kernels and drops the checkpoint-form one, so only embeddings and norms are plain
-copies a delta could be applied to. ``release=True`` gives the copy back after ``finish``; the
-disk cache keeps the bytes of every tensor that arrived whole and named by digest, so the next
-push of those is filled from it and not resent, but the next update has no bases to apply
-changes to (a tensor that arrived as changes, or changed since, goes whole).
+copies a delta could be applied to. ``release=True`` gives the copy back after ``finish``,
+its bytes kept in the disk cache, so that the next push of a tensor that did not change is
+filled from the disk and not resent; but the next update has no bases in memory to apply
+changes to, so a tensor that changed goes whole.
 """
 
 from __future__ import annotations
@@ -136,12 +136,7 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: WeightliftUpdateInfo) -> None:
-        server = self._server()
-        if update_info.release and server.cache is not None:
-            # what is still queued for the disk cache goes there now: handing the tensors out
-            # below makes them writable, and the cache writes only tensors nobody could change
-            server.cache.flush()
-        held = server.tensors()
+        held = self._server().tensors()
         names = sorted(held) if update_info.names is None else list(update_info.names)
         try:
             weights = self._checked(held, names)
@@ -155,8 +150,9 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
             self.model.load_weights(weights)
 
     def _checked(self, held: dict[str, Any], names: list[str]) -> list[tuple[str, Any]]:
-        """``(name, tensor)`` for ``names``; OptionError before any reaches the model if one is
-        not held, not in the engine's checkpoint, or of another shape there."""
+        """``(name, tensor)`` for ``names`` and the rest of their decoder layers; OptionError
+        before any reaches the model if one is not held, not in the engine's checkpoint, or of
+        another shape there."""
         if not names:
             raise OptionError("weight update refused: the server holds no tensors (push them first)")
         missing = [n for n in names if n not in held]
@@ -189,15 +185,25 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
         _reprocess_tied(self.model)
         release, self._release = self._release, False
         if release:
-            server = self._server()
-            freed = server.free()
-            returned = server.trim()
-            logger.info(
-                "weightlift weight transfer: rank %d released %d tensors (%d bytes back to the system)",
-                self.rank,
-                freed,
-                returned,
-            )
+            self._release_copy()
+
+    def _release_copy(self) -> None:
+        """Drop what the server holds and give its memory back, its bytes kept in the disk cache
+        first (those that arrived as changes are not there yet), so that a later push of the
+        same bytes is filled from the disk, not resent."""
+        server = self._server()
+        written = server.cache_held()
+        if server.cache is not None:
+            server.cache.flush()  # the writer holds each tensor until written: then it can go
+        freed = server.free()
+        returned = server.trim()
+        logger.info(
+            "weightlift weight transfer: rank %d released %d tensors (%d bytes back to the system, %d written to the cache)",
+            self.rank,
+            freed,
+            returned,
+            written,
+        )
 
     def shutdown(self) -> None:
         server, self.server = self.server, None

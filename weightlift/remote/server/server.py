@@ -57,6 +57,7 @@ from weightlift.options import Array
 from weightlift.remote.protocol import PROTOCOL_MINOR
 from weightlift.remote.server.accept import Acceptor
 from weightlift.remote.server.cache import TensorCache
+from weightlift.remote.server.cache_behind import sealed_since
 from weightlift.remote.server.config import (
     HANDSHAKE_TIMEOUT,
     IDLE_TIMEOUT,
@@ -292,6 +293,26 @@ class Server:
         same bytes is filled from it."""
         held = tuple(self._store.entries(None)) if names is None else tuple(names)
         return self._store.free(held)
+
+    def cache_held(self, names: Iterable[str] | None = None) -> int:
+        """Queue each named tensor (None: every one held) that the disk cache lacks to be written
+        there behind (:meth:`TensorCache.flush` waits for it): those that arrived other than
+        whole and named by digest (as changes to a base, or unnamed). Only host tensors with a
+        proven digest; one handed out writable since is hashed again as it is written and kept
+        only if it still matches. Returns how many were queued (0 without a cache)."""
+        cache = self._ctx.cache
+        if cache is None:
+            return 0
+        queued = 0
+        for name, e in self._store.entries(names).items():
+            if e.digest is None or getattr(getattr(e.tensor, "device", None), "type", "cpu") != "cpu":
+                continue
+            if cache.behind.pending(e.digest) or cache.has(e.digest, e.nbytes, wait=False):
+                continue
+            sealed = sealed_since(self._store, name, e.tensor)
+            if sealed is not None and cache.behind.submit(e.digest, e.tensor, as_bytes(e.tensor), sealed):
+                queued += 1
+        return queued
 
     def set_digest(self, names: Iterable[str] | None = None) -> bytes:
         """The set digest (:func:`weightlift.digest.setdigest.set_digest`) over the named tensors
