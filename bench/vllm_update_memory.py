@@ -5,7 +5,7 @@
 
 Run with an interpreter that has vLLM (its CPU build) and weightlift. This process is the
 trainer: it starts ``vllm.LLM(model, load_format="weightlift", weight_transfer_config=
-{"backend": "weightlift"})`` (the engine core, which holds the worker, in a process of its own),
+{"backend": "weightlift"})`` (its worker in a process of its own),
 loads the checkpoint's tensors into its own memory and takes them through updates:
 
 1. a whole push (``Client(keep_base=True)``), then start / update / finish;
@@ -15,7 +15,7 @@ loads the checkpoint's tensors into its own memory and takes them through update
 4. the same step pushed again by a client without bases (large tensors named by digest, so
    the server's disk cache can fill them), then an update with ``release=True``.
 
-After every phase the engine core's ``VmRSS``, ``RssAnon``, ``RssFile`` and ``VmHWM`` are read
+After every phase the worker process's ``VmRSS``, ``RssAnon``, ``RssFile`` and ``VmHWM`` are read
 from ``/proc``; the load average is printed with them. Also reported: which of the
 checkpoint's tensors are plain copies in the model after loading (a parameter of the same
 name, dtype and shape holding the same bytes), the only ones whose memory the server could
@@ -54,13 +54,9 @@ def _status(pid: int) -> dict[str, int]:
     return out
 
 
-def _engine_pid() -> int:
-    import psutil
-
-    kids = psutil.Process().children(recursive=True)
-    if not kids:
-        raise SystemExit("no engine core process (VLLM_ENABLE_V1_MULTIPROCESSING=0?)")
-    return max(kids, key=lambda p: p.memory_info().rss).pid
+def _pid(worker: Any) -> int:
+    """In the worker: its process id (the process whose memory is measured)."""
+    return os.getpid()
 
 
 def _plain_copies(worker: Any, files: list[str]) -> dict[str, int]:
@@ -136,10 +132,10 @@ def main() -> None:
         skip_tokenizer_init=True,
         enforce_eager=True,
         gpu_memory_utilization=0.05,
-        max_model_len=256,
+        max_model_len=128,
     )
     llm.init_weight_transfer_engine({"init_info": {"port": port, "token": TOKEN}})
-    pid = _engine_pid()
+    pid = llm.collective_rpc(_pid)[0]
     params = vllm.SamplingParams(max_tokens=4, temperature=0)
     phases: list[dict[str, Any]] = []
 
