@@ -10,7 +10,9 @@ loads the checkpoint's tensors into its own memory and takes them through update
 
 1. a whole push (``Client(keep_base=True)``), then start / update / finish;
 2. a sparse step (about 1 % of each matrix's elements moved, in place in the trainer's
-   tensors) pushed as what changed, then an update;
+   tensors) pushed as what changed with ``in_place=True`` (applied into the server's tensors),
+   then an update; another step pushed as what changed into new memory (the default), then an
+   update;
 3. an update with ``release=True``: the server gives its copy back after finish;
 4. the same step pushed again by a client without bases (large tensors named by digest, so
    the server's disk cache can fill them), then an update with ``release=True``.
@@ -172,8 +174,12 @@ def main() -> None:
         mark("pushed whole", bytes_sent=r.bytes_sent, push_s=r.seconds)
         mark("updated", update_s=update())
         _step(weights, 1)
+        r = trainer.push(weights, in_place=True)
+        mark("pushed a step as deltas, in place", bytes_sent=r.bytes_sent, deltas=r.deltas, push_s=r.seconds)
+        mark("updated", update_s=update())
+        _step(weights, 2)
         r = trainer.push(weights)
-        mark("pushed a step as deltas", bytes_sent=r.bytes_sent, deltas=r.deltas, push_s=r.seconds)
+        mark("pushed a step as deltas, into new memory", bytes_sent=r.bytes_sent, deltas=r.deltas, push_s=r.seconds)
         mark("updated", update_s=update())
         step_tokens = tokens()
         mark("updated, release", update_s=update(release=True))

@@ -268,7 +268,7 @@ class TestWeightTransfer:
     def test_the_next_update_sends_what_changed(self, engine, trainer, trained, default_tokens):
         llm, _ = engine
         second = trained[1]
-        step = trainer.push(second)
+        step = trainer.push(second, in_place=True)  # the changes applied into the server's copy
         self._update(llm)
         assert step.deltas == len(second)  # every tensor against the version the server holds
         assert 0 < step.bytes_sent < sum(t.nbytes for t in second.values()) / 10

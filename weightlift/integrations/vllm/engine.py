@@ -37,7 +37,6 @@ changes to, so a tensor that changed goes whole.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -52,8 +51,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
-from weightlift.checkpoint import open_checkpoint
-from weightlift.errors import OptionError, StateError
+from weightlift.errors import StateError
+from weightlift.integrations.vllm.updates import checked, checkpoint_shapes
 from weightlift.remote.server import Server
 
 __all__ = ["WeightliftInitInfo", "WeightliftUpdateInfo", "WeightliftWeightTransferEngine"]
@@ -116,7 +115,7 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
             max_memory=init_info.max_memory,
         )
         host, bound = self.server.start()
-        self._expected = _checkpoint_shapes(self.model_config.model)
+        self._expected = checkpoint_shapes(self.model_config.model)
         logger.info("weightlift weight transfer: rank %d listens on %s:%d", self.rank, host, bound)
 
     @property
@@ -139,7 +138,7 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
         held = self._server().tensors()
         names = sorted(held) if update_info.names is None else list(update_info.names)
         try:
-            weights = self._checked(held, names)
+            weights = checked(held, names, self._expected)
         except BaseException:
             self._undo()
             raise
@@ -148,29 +147,6 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
 
         with disable_mtp_completeness_check():
             self.model.load_weights(weights)
-
-    def _checked(self, held: dict[str, Any], names: list[str]) -> list[tuple[str, Any]]:
-        """``(name, tensor)`` for ``names`` and the rest of their decoder layers; OptionError
-        before any reaches the model if one is not held, not in the engine's checkpoint, or of
-        another shape there."""
-        if not names:
-            raise OptionError("weight update refused: the server holds no tensors (push them first)")
-        missing = [n for n in names if n not in held]
-        if missing:
-            raise OptionError(f"weight update refused: not on the server: {', '.join(missing[:8])}")
-        if self._expected is not None:
-            unknown = [n for n in names if n not in self._expected]
-            if unknown:
-                raise OptionError(f"weight update refused: not in the model's checkpoint: {', '.join(unknown[:8])}")
-            wrong = [
-                f"{n} {tuple(held[n].shape)} (the model's is {self._expected[n]})"
-                for n in names
-                if tuple(held[n].shape) != self._expected[n]
-            ]
-            if wrong:
-                raise OptionError(f"weight update refused: shapes differ: {', '.join(wrong[:8])}")
-            names = _whole_layers(names, held, self._expected)
-        return [(n, held[n]) for n in names]
 
     def _undo(self) -> None:
         """Put every layer back as it was before ``start`` (none got weights yet)."""
@@ -229,43 +205,3 @@ def _reprocess_tied(model: Any) -> None:
         method = getattr(m, "quant_method", None)
         if hasattr(m, "cpu_linear") and m.weight.numel() and owners[m.weight.data_ptr()] > 1 and method is not None:
             method.process_weights_after_loading(m)
-
-
-def _layer_key(name: str) -> str:
-    """The decoder layer a checkpoint name belongs to: the name up to its first number
-    (``model.layers.3``), or the whole name where it has none (embeddings, the final norm)."""
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return name
-
-
-def _whole_layers(names: list[str], held: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> list[str]:
-    """``names`` and every other tensor of their decoder layers; OptionError if the server lacks one.
-
-    vLLM's layerwise reload processes a layer once the elements of all its parameters are
-    loaded; a layer given only some of its tensors (``q_proj`` without ``k_proj`` and ``v_proj``
-    of a fused ``qkv_proj``, one expert of a fused MoE) would be processed with the rest of its
-    memory fresh and unset. So a layer is reloaded whole, from what the server holds."""
-    keys = {_layer_key(n) for n in names}
-    need = [n for n in expected if _layer_key(n) in keys]
-    lacking = [n for n in need if n not in held]
-    if lacking:
-        raise OptionError(
-            "weight update refused: a layer is reloaded whole, and the server lacks "
-            + ", ".join(lacking[:8])
-            + (f" (and {len(lacking) - 8} more)" if len(lacking) > 8 else "")
-        )
-    return sorted(set(names) | set(need))
-
-
-def _checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]] | None:
-    """Every tensor's shape in the checkpoint at ``model`` (headers only), or None where it is
-    not a local safetensors checkpoint: then updates are checked by vLLM's loaders alone."""
-    if not os.path.isdir(model):
-        return None
-    try:
-        return {t.name: tuple(t.shape) for t in open_checkpoint(model).tensors}
-    except Exception:  # not ours to read: vLLM loaded it its own way
-        return None
