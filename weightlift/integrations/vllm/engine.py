@@ -22,14 +22,17 @@ vLLM drives a weight-transfer engine in four phases, each a call on every worker
   server's memory into the parameters. A refused update is undone at once, so the engine serves
   the weights it had; a push refused by the server (a wrong token) never reaches the engine.
 - ``finish`` runs the layers' post-processing (repacking for the CPU kernels, quantization) and
-  puts the processed tensors in place; with ``release`` the server then drops its tensors.
+  puts the processed tensors in place; the server gives idle memory back (the versions an
+  update into new memory replaced), and with ``release`` it drops its tensors too.
 
 Memory. The server keeps the last update's tensors, one host copy of the weights in checkpoint
-form beside the model's, as the bases the next update's changes apply to. It cannot be the
-model's own memory: the fused layers hold several checkpoint tensors in one parameter (q, k
-and v; gate and up; every expert), and on the CPU build every linear layer repacks its weight
-for the kernels and drops the checkpoint-form one, so only embeddings and norms are plain
-copies a delta could be applied to. ``release=True`` gives the copy back after ``finish``,
+form beside the model's, as the bases the next update's changes apply to (a push with
+``in_place=True`` applies them into that copy; otherwise the new versions land beside the old
+until the switch, two copies for the while). It cannot be the model's own memory: the fused
+layers hold several checkpoint tensors in one parameter (q, k and v; gate and up; every
+expert), and on the CPU build every linear layer repacks its weight for the kernels and drops
+the checkpoint-form one (the LM head keeps it beside its packed copy), so only the embeddings,
+the LM head and the norms are plain copies a change could be applied to. ``release=True`` gives the copy back after ``finish``,
 its bytes kept in the disk cache, so that the next push of a tensor that did not change is
 filled from the disk and not resent; but the next update has no bases in memory to apply
 changes to, so a tensor that changed goes whole.
@@ -37,6 +40,8 @@ changes to, so a tensor that changed goes whole.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -162,6 +167,11 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
         release, self._release = self._release, False
         if release:
             self._release_copy()
+        else:
+            # an update into new memory left the versions it replaced idle in the server's pool
+            # (kept for the next one): beside the model, memory is worth more than the faults
+            self._server().trim()
+        _malloc_trim()
 
     def _release_copy(self) -> None:
         """Drop what the server holds and give its memory back, its bytes kept in the disk cache
@@ -188,6 +198,17 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
         if self._cache is not None:
             self._cache.cleanup()
             self._cache = None
+
+
+def _malloc_trim() -> None:
+    """Give the C heap's free memory back to the system where the C library can (glibc). The
+    layerwise reload makes and frees a layer's worth of fresh tensors per layer; freed, they
+    stay in the heap's arenas, which glibc returns only when asked."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator gives memory back its own way
+        pass
 
 
 def _reprocess_tied(model: Any) -> None:
