@@ -210,8 +210,11 @@ class Client:
             return self._push_to(source, select, to, hash_threshold=hash_threshold, verify=verify)
         ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
         tensors = ck.select(select)
-        if verify and ck.source is not None:
-            raise OptionError("push(verify=True) from a store URL is not supported: verify=True on the load from it")
+        expected = None
+        if verify and ck.source is not None:  # a store has no sidecars: the digests its manifest publishes
+            from weightlift.digest.published import expected_digests
+
+            expected = expected_digests(tensors, ck.source.find_manifest(ck.path))
         self._conn()
         while len(self._conns) < self.streams:
             self._conns.append(self._connect())
@@ -225,6 +228,7 @@ class Client:
             profiler=self.profiler,
             hash_threshold=hash_threshold,
             verify=verify,
+            expected=expected,
         )
         try:
             return job.run()
