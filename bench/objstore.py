@@ -5,9 +5,10 @@ One synthetic safetensors checkpoint is uploaded once to each server; every run 
 process, the arms of a round in a seeded shuffled order, medians over the rounds.
 
 * ``floor.N``: obstore's own parallel ranged reads (the client weightlift uses), N connections,
-  parts of the size weightlift's calibration chose for the endpoint, streamed into one
-  preallocated buffer (faulted in inside the clock, as weightlift's result is): the most this
-  client moves. The floor is the best N.
+  parts of the size weightlift's calibration chose for the endpoint, streamed in 64 KiB chunks
+  or more (weightlift's ``CHUNK``) into one preallocated buffer of fresh memory, faulted in by
+  the copies into it, inside the clock, as weightlift's result is: the most this client moves.
+  The floor is the best N.
 * ``hot.N``: the same reads into a buffer faulted in before the clock starts: the client and
   server alone, a ceiling no load reaches (a load's destination is fresh memory).
 * ``wl``: ``weightlift.load("s3://...")`` after ``weightlift.sources.tuning.calibrate`` ran once
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 MIB = 1 << 20
+CHUNK = 64 << 10  # weightlift.sources.store.CHUNK: obstore's smallest chunk of a body
 BUCKET = "wl-bench"
 KEY = "model/model.safetensors"
 KEYS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench-secret", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -87,13 +89,14 @@ def _floor(endpoint: str, conns: int, part: int = 8 * MIB, buf: Any = None) -> i
     )  # fmt: skip
     size = obstore.head(st, KEY)["size"]
     if buf is None:
+        # fresh memory, faulted in on the clock by the parallel copies into it, as a load's
+        # destination is (touching it first, on one thread, would put the faults in series)
         buf = np.empty(size, np.uint8)
-        buf[::4096] = 0  # fresh memory, faulted in on the clock as a load's destination is
     mv = memoryview(buf.data).cast("B")
 
     def get(o: int) -> None:
         n, d = min(part, size - o), o
-        for piece in obstore.get(st, KEY, options={"range": (o, o + n)}).stream(min_chunk_size=MIB):
+        for piece in obstore.get(st, KEY, options={"range": (o, o + n)}).stream(min_chunk_size=CHUNK):
             k = len(piece)
             mv[d : d + k] = piece
             d += k

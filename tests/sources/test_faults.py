@@ -48,6 +48,23 @@ def test_transient_faults_are_retried_and_the_bytes_are_exact(ckpt, fault):
 
 
 @pytest.mark.parametrize("fault", ["cut", "short"])
+def test_a_verified_load_hashes_the_bytes_before_a_cut_once(ckpt, tmp_path, fault, monkeypatch):
+    from weightlift.digest.published import make_manifest
+
+    url, local, _, _, proxy = ckpt
+    monkeypatch.setenv("WEIGHTLIFT_SOURCE_PART", str(4 << 20))  # a part of several pieces, cut inside one
+    ck = wl.open(url)
+    manifest = make_manifest(
+        write(tmp_path / "local.safetensors", [(k, "F32", (128, 1024), raw_bytes(v)) for k, v in local.items()])
+    )
+    f = proxy.reset()
+    setattr(f, fault, 2)
+    rep: dict = {}
+    _same(wl.load(ck, verify=True, manifest=manifest, report=rep), local)
+    assert rep["verified"] == 4 and f.injected.count(fault) == 2
+
+
+@pytest.mark.parametrize("fault", ["cut", "short"])
 def test_persistent_faults_end_in_a_transport_error(ckpt, fault):
     url, _, _, _, proxy = ckpt
     ck = wl.open(url)

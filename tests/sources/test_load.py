@@ -13,7 +13,7 @@ import weightlift as wl
 from tests.checkpoints import every_dtype, raw_bytes, write, write_sharded
 from tests.sources.conftest import BUCKET
 from weightlift.digest.published import make_manifest
-from weightlift.errors import IntegrityError, NotFoundError, OptionError
+from weightlift.errors import IntegrityError, NotFoundError
 
 
 def _upload(client, local, key: str) -> str:
@@ -109,11 +109,50 @@ def test_missing_object_names_it(s3):
         wl.open(f"s3://{BUCKET}/nothing/here.safetensors")
 
 
-def test_dtype_is_refused_for_urls(s3, tmp_path):
+def _castable() -> list[tuple[str, str, tuple[int, ...], bytes]]:
+    """Every dtype, and floating-point tensors several parts long (parts are 256 KiB here) with
+    lengths that are no multiple of a part."""
+    rng = np.random.default_rng(3)
+    big = rng.random((301, 1031), dtype=np.float32)
+    return every_dtype() + [
+        ("big.f32", "F32", big.shape, big.tobytes()),
+        ("big.f16", "F16", big.shape, big.astype(np.float16).tobytes()),
+        ("big.bf16", "BF16", (301, 1031), rng.integers(0, 1 << 15, 301 * 1031, dtype=np.uint16).tobytes()),
+        ("big.i32", "I32", (257, 1024), rng.integers(0, 1 << 30, 257 * 1024, dtype=np.int32).tobytes()),
+    ]
+
+
+# random bytes hold values float16 cannot: both loads overflow them the same way
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype", ["F16", "BF16", "F32"])
+def test_dtype_casts_as_the_local_load(s3, tmp_path, framework, dtype):
+    if framework == "torch":
+        pytest.importorskip("torch")
     client, _ = s3
-    url = _upload(client, write(tmp_path / "m.safetensors", _big(1)), "cast/model.safetensors")
-    with pytest.raises(OptionError, match="dtype"):
-        wl.load(url, dtype="F16")
+    local = write(tmp_path / "m.safetensors", _castable())
+    url = _upload(client, local, f"cast-{framework}/model.safetensors")
+    want = wl.load(local, framework=framework, dtype=dtype)
+    rep: dict = {}
+    got = wl.load(url, framework=framework, dtype=dtype, report=rep)
+    _same(got, want)
+    assert str(got["big.f32"].dtype) == str(want["big.f32"].dtype)
+    assert rep["source"]["requests"] > 3  # the long tensors went in parts
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_dtype_with_verify_and_a_selection(s3, tmp_path):
+    client, _ = s3
+    local = write(tmp_path / "m.safetensors", _castable())
+    url = _upload(client, local, "cast-verified/model.safetensors")
+    m = make_manifest(local)
+    got = wl.load(url, dtype="F16", verify=True, manifest=m, select="big.*")
+    _same(got, wl.load(local, dtype="F16", select="big.*"))
+    # the digests are of the bytes in the store, before the cast: a wrong one is named
+    other = [t if t[0] != "big.bf16" else (t[0], t[1], t[2], bytes(len(t[3]))) for t in _castable()]
+    wrong = make_manifest(write(tmp_path / "o.safetensors", other))
+    with pytest.raises(IntegrityError, match="big.bf16"):
+        wl.load(url, dtype="F16", verify=True, manifest=wrong, select="big.*")
 
 
 def test_cli_inspect_load_manifest_verify(s3, tmp_path):

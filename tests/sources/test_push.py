@@ -9,7 +9,8 @@ import pytest
 import weightlift as wl
 from tests.checkpoints import raw_bytes, write
 from tests.sources.conftest import BUCKET
-from weightlift.errors import OptionError
+from weightlift.digest.published import make_manifest
+from weightlift.errors import IntegrityError, NotFoundError
 
 
 def test_push_from_s3_to_a_tensor_server(s3, tmp_path):
@@ -28,10 +29,53 @@ def test_push_from_s3_to_a_tensor_server(s3, tmp_path):
         res = c.push(url)
         assert res.tensors == 4 and res.bytes == sum(len(x[3]) for x in t)
         c.pull(tmp_path / "pulled.safetensors")
-        with pytest.raises(OptionError, match="verify"):
-            c.push(url, verify=True)
     got, want = wl.load(tmp_path / "pulled.safetensors"), wl.load(local)
     assert sorted(got) == sorted(want) and all(raw_bytes(got[k]) == raw_bytes(want[k]) for k in want)
+
+
+def _tensors(seed: int = 4) -> list:
+    rng = np.random.default_rng(seed)
+    t = [("big", "F32", (512, 1024), rng.random((512, 1024), dtype=np.float32).tobytes())]
+    return t + [(f"s{i}", "I32", (7,), np.arange(7, dtype=np.int32).tobytes()) for i in range(3)]
+
+
+def test_verified_push_from_s3_checks_every_tensor_against_the_published_manifest(s3, tmp_path):
+    from weightlift.remote.client import Client
+    from weightlift.remote.server import Server
+
+    client, proxy = s3
+    local = write(tmp_path / "m.safetensors", _tensors())
+    client.upload_file(str(local), BUCKET, "push-verified/model.safetensors")
+    url = f"s3://{BUCKET}/push-verified/model.safetensors"
+    with Server() as s, Client(s.address) as c:
+        with pytest.raises(NotFoundError, match="no published manifest"):
+            c.push(url, verify=True)
+    m = make_manifest(local)
+    client.put_object(Bucket=BUCKET, Key="push-verified/model.safetensors.manifest.json", Body=m.to_json().encode())
+    with Server() as s, Client(s.address) as c:
+        f = proxy.reset()
+        res = c.push(url, verify=True)
+        assert res.verified == 4 and res.tensors == 4
+        # the header, the manifest, big's parts, the small ones: the object is read once, not hashed first
+        assert f.gets == 2 + -(-512 * 1024 * 4 // (256 * 1024)) + 3
+        got = s.tensors()
+        assert all(raw_bytes(got[k]) == raw_bytes(v) for k, v in wl.load(local).items())
+    # the object replaced by one whose "big" differs from what was published: named, not accepted
+    bad = _tensors()
+    raw = bytearray(bad[0][3])
+    raw[-4:] = bytes(4)
+    bad[0] = (*bad[0][:3], bytes(raw))
+    client.upload_file(str(write(tmp_path / "bad.safetensors", bad)), BUCKET, "push-verified/model.safetensors")
+    with Server() as s, Client(s.address) as c:
+        with pytest.raises(IntegrityError, match=r"1 of 4 tensors.*'big' \(server [0-9a-f]+, published"):
+            c.push(url, verify=True)
+    # a manifest that lacks a tensor, or gives another size: refused before a byte is sent
+    short = make_manifest(write(tmp_path / "short.safetensors", _tensors()[:3]))
+    client.put_object(Bucket=BUCKET, Key="push-verified/model.safetensors.manifest.json", Body=short.to_json().encode())
+    with Server() as s, Client(s.address) as c:
+        with pytest.raises(IntegrityError, match="s2"):
+            c.push(url, verify=True)
+        assert s.tensors() == {}
 
 
 def test_cli_push_from_s3(s3, tmp_path):

@@ -50,6 +50,7 @@ from weightlift.checkpoint import Checkpoint, open_checkpoint
 from weightlift.errors import NotFoundError, OptionError, WeightliftError
 from weightlift.hf.conversions import lazy_conversion_table
 from weightlift.hf.mapped import read_and_map
+from weightlift.hf.stored import model_folder
 from weightlift.options import LoadOptions
 
 __all__ = [
@@ -267,7 +268,9 @@ def from_pretrained(
     """The model of a checkpoint folder as ``save_pretrained`` writes it, loaded by weightlift.
 
     ``path`` is the folder (config.json beside ``model.safetensors`` or a shard index), or a
-    .safetensors file or shard index in it. ``config`` overrides the folder's config (a config
+    .safetensors file or shard index in it; or the same in a store, by URL (``s3://bucket/prefix/``,
+    ``https://host/path/``: see :mod:`weightlift.hf.stored`), whose weights then load as any URL
+    load does, as copies. ``config`` overrides the folder's config (a config
     object, a folder or a config.json). ``dtype`` None is transformers' ``dtype="auto"``.
     ``model_class`` defaults to the config's ``architectures``. ``key_mapping`` is transformers'
     ``{regex: replacement}`` for checkpoint names. ``load_options`` go to :func:`weightlift.load`
@@ -289,45 +292,46 @@ def from_pretrained(
     ckpt = open_checkpoint(path)
     if ckpt.format != "safetensors":
         raise OptionError(f"{ckpt.path}: weightlift.hf loads safetensors checkpoints, not {ckpt.format}")
-    folder = os.fspath(path) if os.path.isdir(path) else os.path.dirname(os.path.abspath(ckpt.path))
-    config = load_config(config if config is not None else folder)
-    cls = model_class or model_class_for(config)
-    dt = resolve_dtype(dtype, config, ckpt)
-    dev = _device(device)
-    report: dict[str, Any] = {}
-    # checked once, here, in the caller's thread; the read below may run on a thread of its own
-    opts = LoadOptions(framework="torch", device=str(dev), report=report, **load_options)
+    with model_folder(path, ckpt, config=config is None) as folder:  # a URL: its small files fetched
+        config = load_config(config if config is not None else folder)
+        cls = model_class or model_class_for(config)
+        dt = resolve_dtype(dtype, config, ckpt)
+        dev = _device(device)
+        report: dict[str, Any] = {}
+        # checked once, here, in the caller's thread; the read below may run on a thread of its own
+        opts = LoadOptions(framework="torch", device=str(dev), report=report, **load_options)
 
-    # Where the files already hold the model's dtype nothing is cast, whatever the model turns
-    # out to be, so the read starts now, on threads of its own, and the model is built on the
-    # meta device and its name conversions compiled (pure Python, most of transformers' own
-    # load time) while it runs.
-    uncast = all(_file_dtype(t.dtype) in (None, dt) for t in ckpt.tensors)
-    mapped = copy is None and dev.type == "cpu" and uncast
-    early = None
-    if mapped:
-        early = _Background(read_and_map, ckpt, opts)
-    elif copy is not False and uncast:
-        early = _Background(run_load, ckpt, opts)
-    try:
-        model = _empty_model(cls, config, dt)
-        plan = _load_plan(model, device=dev, dtype=dt, key_mapping=key_mapping, name_or_path=os.fspath(path))
-    except BaseException:
+        # Where the files already hold the model's dtype nothing is cast, whatever the model turns
+        # out to be, so the read starts now, on threads of its own, and the model is built on the
+        # meta device and its name conversions compiled (pure Python, most of transformers' own
+        # load time) while it runs.
+        uncast = all(_file_dtype(t.dtype) in (None, dt) for t in ckpt.tensors)
+        mapped = copy is None and dev.type == "cpu" and uncast and ckpt.source is None  # a URL: no mapping
+        early = None
+        if mapped:
+            early = _Background(read_and_map, ckpt, opts)
+        elif copy is not False and uncast:
+            early = _Background(run_load, ckpt, opts)
+        try:
+            model = _empty_model(cls, config, dt)
+            plan = _load_plan(model, device=dev, dtype=dt, key_mapping=key_mapping, name_or_path=os.fspath(path))
+        except BaseException:
+            if early is not None:
+                early.wait()
+            raise
         if early is not None:
-            early.wait()
-        raise
-    if early is not None:
-        sd = early.result()
-    else:
-        # one cast for all when every parameter shares a dtype; else file dtypes, cast per parameter below
-        cast = _uniform_dtype(model)
-        if cast is not None and all(_file_dtype(t.dtype) in (None, cast) for t in ckpt.tensors):
-            cast = None  # nothing to cast: plain copies (or, with copy=False, views of the mapping)
-        sd = run_load(ckpt, replace(opts, copy=copy is not False, dtype=cast))
-    model, info = _assemble(model, sd, plan, folder=folder)
-    info["weightlift"]["load"] = {k: report[k] for k in ("tensors", "bytes", "seconds") if k in report}
-    info["weightlift"]["storage"] = "private mapping" if mapped else "read-only mapping" if copy is False else "copies"
-    return (model, info) if output_loading_info else model
+            sd = early.result()
+        else:
+            # one cast for all when every parameter shares a dtype; else file dtypes, cast per parameter below
+            cast = _uniform_dtype(model)
+            if cast is not None and all(_file_dtype(t.dtype) in (None, cast) for t in ckpt.tensors):
+                cast = None  # nothing to cast: plain copies (or, with copy=False, views of the mapping)
+            sd = run_load(ckpt, replace(opts, copy=copy is not False, dtype=cast))
+        model, info = _assemble(model, sd, plan, folder=folder)
+        info["weightlift"]["load"] = {k: report[k] for k in ("tensors", "bytes", "seconds") if k in report}
+        borrowed = copy is False and ckpt.source is None
+        info["weightlift"]["storage"] = "private mapping" if mapped else "read-only mapping" if borrowed else "copies"
+        return (model, info) if output_loading_info else model
 
 
 class _Background:

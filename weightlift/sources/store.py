@@ -7,9 +7,14 @@ mixed. A body cut short (a reset connection, a server that stops early) is resum
 where it stopped, with backoff, up to :class:`~weightlift.sources.credentials.Retry`'s limit;
 requests that fail before a body (5xx, throttling, refused connections) are retried by obstore.
 
-The body arrives in pieces of at least :data:`PIECE` bytes, each copied once into its place in the
-destination while the next is received on obstore's own threads (the GIL is not held while
-bytes are received). Foreign errors become weightlift's here, naming the object and what to
+The body arrives in chunks of at least :data:`CHUNK` bytes, each copied once into its place in
+the destination while the next is received on obstore's own threads (the GIL is not held while
+bytes are received); whoever watches the bytes land is told of them :data:`PIECE` bytes at a
+time. Chunks are kept small on purpose: obstore gathers network reads smaller than the asked
+minimum into a buffer of that size, and a buffer of a mebibyte may come fresh from the
+allocator each time (a mapping of its own, faulted in page by page and unmapped after: glibc
+does so until a freed block of that size has raised its mapping threshold), which then costs
+more system time than the copy out of it. Foreign errors become weightlift's here, naming the object and what to
 check, and never a credential.
 """
 
@@ -28,8 +33,10 @@ from weightlift.sources.url import Location
 
 __all__ = ["ObjectInfo", "Store", "store_for", "forget_stores", "PIECE"]
 
-#: the smallest piece of a body handed over at once (obstore gathers smaller network reads)
+#: the most bytes of a body held per connection inside the client while they are copied out
 PIECE = 1024 * 1024
+#: the smallest chunk of a body obstore hands over at once (it gathers smaller network reads)
+CHUNK = 64 * 1024
 _OFF = Profiler(enabled=False)
 
 
@@ -154,20 +161,27 @@ class Store:
             prof.command("GET headers", t0, prof.clock())
             self._same(obj, res.meta)
             first = prof.enabled
+            told = done  # on_piece has been told of dst[:told]
             with prof.phase("read", n - done, name="body"):
-                for piece in res.stream(min_chunk_size=PIECE):
-                    if first:  # request to first body byte (its first piece): the commands table's mean
-                        prof.command("GET first byte", t0, prof.clock())
-                        first = False
-                    k = len(piece)
-                    if done + k > n:
-                        raise FileError(
-                            f"the store sent more bytes than the range asked for at {offset + done}", file=obj.url
-                        )
-                    dst[done : done + k] = piece
-                    if on_piece is not None:
-                        on_piece(done, done + k)
-                    done += k
+                try:
+                    for piece in res.stream(min_chunk_size=CHUNK):
+                        if first:  # request to first body byte (its first chunk): the commands table's mean
+                            prof.command("GET first byte", t0, prof.clock())
+                            first = False
+                        k = len(piece)
+                        if done + k > n:
+                            raise FileError(
+                                f"the store sent more bytes than the range asked for at {offset + done}", file=obj.url
+                            )
+                        dst[done : done + k] = piece
+                        done += k
+                        if on_piece is not None and done - told >= PIECE:
+                            a, told = told, done
+                            on_piece(a, done)
+                finally:  # what landed before the body ended (or was cut: it resumes after it)
+                    if on_piece is not None and done > told:
+                        a, told = told, done
+                        on_piece(a, done)
         except WeightliftError:
             raise
         except Exception as e:  # noqa: BLE001 - an interrupted body, or an error to map

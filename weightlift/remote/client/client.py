@@ -18,6 +18,7 @@ from typing import Any, overload
 
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
 from weightlift.errors import OptionError, StateError
+from weightlift.formats import TensorInfo
 from weightlift.profile import Profiler
 from weightlift.remote.client.connection import Connection
 from weightlift.remote.client.job import PIPELINE, Push, PushResult, strategy
@@ -210,8 +211,7 @@ class Client:
             return self._push_to(source, select, to, hash_threshold=hash_threshold, verify=verify)
         ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
         tensors = ck.select(select)
-        if verify and ck.source is not None:
-            raise OptionError("push(verify=True) from a store URL is not supported: verify=True on the load from it")
+        expected = _published(ck, tensors) if verify and ck.source is not None else None
         self._conn()
         while len(self._conns) < self.streams:
             self._conns.append(self._connect())
@@ -225,6 +225,7 @@ class Client:
             profiler=self.profiler,
             hash_threshold=hash_threshold,
             verify=verify,
+            expected=expected,
         )
         try:
             return job.run()
@@ -340,3 +341,12 @@ def _free_batch(conn: Connection, names: builtins.list[str]) -> int:
     conn.send(conn.frame(Free(tuple(names))))
     reply: FreeReply = conn.expect(FreeReply)
     return reply.freed
+
+
+def _published(ck: Checkpoint, tensors: builtins.list[TensorInfo]) -> dict[str, bytes]:
+    """The digests a store's published manifest gives the tensors (a store has no sidecars):
+    what the server must report for each as it lands."""
+    from weightlift.digest.published import expected_digests
+
+    assert ck.source is not None
+    return expected_digests(tensors, ck.source.find_manifest(ck.path))

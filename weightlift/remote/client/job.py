@@ -27,7 +27,7 @@ from __future__ import annotations
 import builtins
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -109,6 +109,7 @@ class Push:
         hash_threshold: int | None = None,
         verify: bool = False,
         update: UpdateSpec | None = None,
+        expected: Mapping[str, bytes] | None = None,
     ):
         if verify and not all(c.verify for c in conns):
             raise LocalProtocolError(
@@ -127,6 +128,7 @@ class Push:
             self.conns = conns[:1]
         self.tally = Tally()
         self.senders: list[Pusher] = []
+        self.expected = expected  # with verify: digests published for the tensors (a store's manifest)
 
     @property
     def settled(self) -> bool:
@@ -142,6 +144,7 @@ class Push:
             prof=self.prof,
             enabled=self.how.hash_ahead and self.conns[0].cache,
             verify=self.verify,
+            expected=self.expected,
         )
         sender = self.how.sender if self.update is None else UpdatePusher
         self.senders = [

@@ -12,6 +12,7 @@ import itertools
 import os
 import threading
 from collections import Counter, deque
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
@@ -105,7 +106,16 @@ class Hashing:
     when the manifest lacks its digest.
     """
 
-    def __init__(self, plans: list[Plan], *, threshold: int, prof: Profiler, enabled: bool, verify: bool = False):
+    def __init__(
+        self,
+        plans: list[Plan],
+        *,
+        threshold: int,
+        prof: Profiler,
+        enabled: bool,
+        verify: bool = False,
+        expected: Mapping[str, bytes] | None = None,
+    ):
         self.futures: dict[str, Future[bytes]] = {}  # the tensors to ask the cache about
         self.all: dict[str, Future[bytes]] = {}  # every tensor hashed, the above included
         self.hashed_bytes = 0
@@ -115,11 +125,15 @@ class Hashing:
             [p.info for p in plans if p.info.length >= max(threshold, 1) and not is_url(p.info.file)] if enabled else []
         )
         wanted = [p.info for p in plans] if verify else chosen
+        # digests given (a store's published manifest) are what the server must report: not hashed here
+        known = {t.name: _done(expected[t.name]) for t in wanted if expected and t.name in expected}
+        wanted = [t for t in wanted if t.name not in known]
         if wanted:
             self._pool = DigestPool(max(1, min(4, (os.cpu_count() or 2) // 2)), profiler=prof)
             files = not any(is_memory(t) for t in wanted)  # tensors in memory have no sidecar
             self.all = hash_tensors(wanted, view=self._view, pool=self._pool, threshold=0, manifests=files)
-            self.futures = {t.name: self.all[t.name] for t in chosen}
+        self.all.update(known)
+        self.futures = {t.name: self.all[t.name] for t in chosen}
 
     def _view(self, t: TensorInfo) -> Any:
         self.hashed_bytes += t.length
@@ -131,6 +145,12 @@ class Hashing:
         """After a push: wait for the workers (they save the manifests), or cancel on failure."""
         if self._pool is not None:
             self._pool.close(wait=ok)
+
+
+def _done(digest: bytes) -> Future[bytes]:
+    f: Future[bytes] = Future()
+    f.set_result(digest)
+    return f
 
 
 def balance(plans: list[Plan], n: int) -> list[list[Plan]]:
@@ -334,7 +354,8 @@ class Pusher:
                 raise RemoteProtocolError(f"server reports a digest for tensor id {tid}, which is not due")
             want = self.hashing.all[p.info.name].result()
             if got != want:
-                self.tally.mismatch(f"{p.info.name!r} (server {got.hex()[:16]}, file {want.hex()[:16]})")
+                where = "published" if is_url(p.info.file) else "file"
+                self.tally.mismatch(f"{p.info.name!r} (server {got.hex()[:16]}, {where} {want.hex()[:16]})")
             else:
                 self.tally.add(verified=1)
 
