@@ -40,7 +40,7 @@ import os
 import struct
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import blake3
@@ -66,13 +66,11 @@ __all__ = [
 CHUNK_BYTES = 4 << 20  # tensor bytes per chunk: enough to compress well, small enough to spread over cores
 BLOCK_BYTES = 256 << 10  # bytes compared, changed and hashed at once: they stay in a core's cache between passes
 MAX_CHUNK_BYTES = 64 << 20  # the largest chunk a payload may state (what one worker decompresses at once)
-# changed fraction of the sampled elements up to which SPARSE is chosen: its pass (a compare and
-# the changed values) costs a third of XOR's compressor per byte, and at 10 % its payload is only
-# about 1.4 times XOR's
-SPARSE_MAX = 0.15
+SPARSE_MAX = 0.05  # changed fraction of the sampled elements up to which SPARSE is chosen
 DENSE_RATIO_MAX = 0.75  # XOR is chosen where the sample compresses at least this well, else the tensor goes whole
 SAMPLE_BLOCKS = 64  # the estimate looks at this many evenly spaced blocks ...
 SAMPLE_BLOCK = 4096  # ... of this many bytes
+COMPRESS_AHEAD = 8  # chunks of one scan waiting for (or in) compression at once
 LEVEL = 1  # zstd's fastest standard level: deltas are cut on the sender's critical path
 
 SAME, SPARSE, XOR = 0, 1, 2  # DeltaEncoding values (the protocol's enum; kept numeric here)
@@ -190,9 +188,9 @@ def _changes(new: np.ndarray, base: np.ndarray, item: int, update: bool) -> tupl
                 where.append(words)
                 values.append(aw)
             else:
-                per = 8 // item
+                shift = (8 // item).bit_length() - 1  # elements per word: 2, 4 or 8
                 j = np.flatnonzero((aw ^ b[words]).view(_UINT[item]))
-                where.append(words[j // per] * per + j % per)
+                where.append((words[j >> shift] << shift) | (j & ((1 << shift) - 1)))
                 values.append(aw.view(_UINT[item])[j])
             if update:
                 b[words] = aw
@@ -218,9 +216,10 @@ def _block(item: int) -> int:
     return max(item, BLOCK_BYTES - BLOCK_BYTES % item)
 
 
-def _sparse_frame(new: np.ndarray, base: np.ndarray, item: int, hasher: Any, update: bool) -> bytes:
-    """A SPARSE chunk, block by block: each block hashed (``hasher``), compared and, with
-    ``update``, its changed elements written into ``base`` while it is in cache."""
+def _sparse_body(new: np.ndarray, base: np.ndarray, item: int, hasher: Any, update: bool) -> bytes | None:
+    """A SPARSE chunk before compression (None: unchanged), block by block: each block hashed
+    (``hasher``), compared and, with ``update``, its changed elements written into ``base``
+    while it is in cache."""
     block = _block(item)
     where, values = [], []
     for o in range(0, new.nbytes, block):
@@ -232,14 +231,14 @@ def _sparse_frame(new: np.ndarray, base: np.ndarray, item: int, hasher: Any, upd
             where.append(pos + o // item)
             values.append(vals)
     if not where:
-        return b""
+        return None
     pos = np.concatenate(where)
     gaps = np.diff(pos, prepend=0).astype("<u4")  # small numbers: they compress far better than positions
-    changed = b"".join(v.tobytes() for v in values)
-    return _zstd()[0].compress(_U32.pack(len(pos)) + gaps.tobytes() + changed)
+    return b"".join([_U32.pack(len(pos)), gaps.tobytes(), *(v.tobytes() for v in values)])
 
 
-def _xor_frame(new: np.ndarray, base: np.ndarray, item: int, hasher: Any, update: bool) -> bytes:
+def _xor_body(new: np.ndarray, base: np.ndarray, item: int, hasher: Any, update: bool) -> np.ndarray | None:
+    """An XOR chunk before compression (None: unchanged), hashed and refreshed as SPARSE's."""
     block = _block(item)
     x = np.empty(new.nbytes, np.uint8)
     for o in range(0, new.nbytes, block):
@@ -249,7 +248,12 @@ def _xor_frame(new: np.ndarray, base: np.ndarray, item: int, hasher: Any, update
         np.bitwise_xor(nb, bb, out=x[o : o + block])
         if update:
             np.copyto(bb, nb)
-    return _zstd()[0].compress(x.data) if x.any() else b""
+    return x if x.any() else None
+
+
+def _compress(body: Any) -> bytes:
+    """A chunk's frame: its body compressed (any thread: each has its own compressor)."""
+    return b"" if body is None else bytes(_zstd()[0].compress(body))
 
 
 def _whole_pass(new: np.ndarray, base: np.ndarray, hasher: Any, update: bool) -> None:
@@ -262,7 +266,7 @@ def _whole_pass(new: np.ndarray, base: np.ndarray, hasher: Any, update: bool) ->
             np.copyto(base[o : o + BLOCK_BYTES], nb)
 
 
-_FRAMES = {SPARSE: _sparse_frame, XOR: _xor_frame}
+_BODIES: dict[int, Callable[[np.ndarray, np.ndarray, int, Any, bool], Any]] = {SPARSE: _sparse_body, XOR: _xor_body}
 
 
 def _chunk_size(item: int) -> int:
@@ -283,9 +287,11 @@ def encode(
     n = new.nbytes
     limit = int(DENSE_RATIO_MAX * n) if limit is None else limit
     chunk = _chunk_size(item)
-    frame = _FRAMES[encoding]
+    body = _BODIES[encoding]
     frames = list(
-        _workers().map(lambda s: frame(new[s : s + chunk], base[s : s + chunk], item, None, False), range(0, n, chunk))
+        _workers().map(
+            lambda s: _compress(body(new[s : s + chunk], base[s : s + chunk], item, None, False)), range(0, n, chunk)
+        )
     )
     parts = _payload(frames, chunk)
     return parts if sum(len(p) for p in parts) <= limit else None
@@ -304,26 +310,27 @@ def scan(
     ``encoding`` is None or the payload passes ``limit``) and the BLAKE3 digest of ``new``.
 
     ``update``: ``base`` becomes ``new`` on the way, its changed elements written while they are
-    in cache (a kept base refreshed for the next update without a copy of the tensor). On the
-    calling thread only: a tensor's digest is one sequential pass; callers scan several tensors
-    on several threads."""
+    in cache (a kept base refreshed for the next update without a copy of the tensor). The pass
+    runs on the calling thread (a tensor's digest is one sequential pass; callers scan several
+    tensors on several threads); each chunk's compression goes to the codec's workers meanwhile."""
     n = new.nbytes
     limit = int(DENSE_RATIO_MAX * n) if limit is None else limit
     chunk = _chunk_size(max(item, 1))
     hasher = blake3.blake3(max_threads=1)
-    frames: list[bytes] | None = [] if encoding is not None else None
-    size = _HEAD.size + _U32.size * -(-n // chunk)
+    frames: list[Future[bytes]] = []
     for s in range(0, n, chunk):
         nb, bb = new[s : s + chunk], base[s : s + chunk]
-        if frames is None:
+        if encoding is None:
             _whole_pass(nb, bb, hasher, update)
             continue
-        f = _FRAMES[encoding](nb, bb, item, hasher, update)  # type: ignore[index]
-        size += len(f)
-        frames.append(f)
-        if size > limit:
-            frames = None  # sent whole after all: the rest is only hashed (and copied)
-    return (None if frames is None else _payload(frames, chunk)), hasher.digest()
+        if len(frames) >= COMPRESS_AHEAD:
+            frames[-COMPRESS_AHEAD].result()  # bounds the bodies held waiting for a worker
+        frames.append(_workers().submit(_compress, _BODIES[encoding](nb, bb, item, hasher, update)))
+    digest = hasher.digest()
+    if encoding is None:
+        return None, digest
+    parts = _payload([f.result() for f in frames], chunk)
+    return (parts if sum(len(p) for p in parts) <= limit else None), digest
 
 
 # -- applying (the server) ---------------------------------------------------------------------------
