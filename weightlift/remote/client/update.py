@@ -23,9 +23,12 @@ and the client compares every digest, as ``verify=True`` does for a file, beside
 
 Base memory. The client must hold the base bytes to diff against. ``Client(keep_base=True)``
 keeps a host copy of every tensor each update pushed, with its digest, as the next update's base
-(memory: one more copy of the pushed tensors, refreshed in place, so no allocation after the
-first). ``push(tensors, base=previous)`` instead uses tensors the caller still holds (no copy
-kept), hashed once per push to name them.
+(memory: one more copy of the pushed tensors). A tensor sent against its kept copy is read once:
+the scan that hashes it and finds its changes also writes them into the copy, so the copy is the
+new version afterwards without a copy of the tensor and the base is never hashed again. A tensor
+sent whole is copied into its kept copy after the update. ``push(tensors, base=previous)``
+instead uses tensors the caller still holds (no copy kept, never written), hashed once per push
+to name them.
 """
 
 from __future__ import annotations
