@@ -69,7 +69,7 @@ MAX_CHUNK_BYTES = 64 << 20  # the largest chunk a payload may state (what one wo
 SPARSE_MAX = 0.05  # changed fraction of the sampled elements up to which SPARSE is chosen
 DENSE_RATIO_MAX = 0.75  # XOR is chosen where the sample compresses at least this well, else the tensor goes whole
 SAMPLE_BLOCKS = 64  # the estimate looks at this many evenly spaced blocks ...
-SAMPLE_BLOCK = 4096  # ... of this many bytes
+SAMPLE_BLOCK = 1024  # ... of this many bytes (64 KiB in all: a small part of a tensor worth a delta)
 COMPRESS_AHEAD = 8  # chunks of one scan waiting for (or in) compression at once
 LEVEL = 1  # zstd's fastest standard level: deltas are cut on the sender's critical path
 
