@@ -467,10 +467,8 @@ def _print(result: dict[str, Any]) -> None:
         print(f"{name:<16s}" + "".join(f"{v:10.2f}" if v is not None else f"{'-':>10s}" for v in vals))
     for r in rates:
         for a, (cli, srv, sent, first) in sorted(result["rates"][r].get("cpu", {}).items()):
-            print(
-                f"{r} {a}: median CPU s client {cli:.3f}, server {srv:.3f}; {sent / 1e6:.1f} MB sent; "
-                f"first step {first:.3f} s"
-            )
+            step = f"; first step {first:.3f} s" if first else ""
+            print(f"{r} {a}: median CPU s client {cli:.3f}, server {srv:.3f}; {sent / 1e6:.1f} MB sent{step}")
     print(f"load average before {result['load_before']}, after {result['load_after']}")
 
 
