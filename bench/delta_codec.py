@@ -3,10 +3,12 @@
 A bf16 tensor (``--mib``, default 128) gets an Adam-like step at a learning rate where the given
 fractions of its values change (1 %, 10 %, 100 % by default; a changed value moves by one unit
 in its last place, as small steps do). For each fraction and each encoding (SPARSE, XOR) this
-prints the payload's size, the client's encode rate, and the server's apply rate in GB/s of
-tensor: into fresh memory (double-buffered) and into the base's own memory (in place), the
-apply as the server runs it (:func:`weightlift.remote.delta.apply`, every core), and the hash
-that proves the result. ``--json`` for one JSON object.
+prints the payload's size and rates in GB/s of tensor: ``encode`` (:func:`~weightlift.remote.delta.encode`,
+every core, no hash), ``scan`` (the client's one pass: hash, compare, encode and refresh the kept
+base, one thread), ``apply`` into fresh memory and ``inplace`` (every core, no hash), ``+hash``
+(apply, then a BLAKE3 pass over the result), and ``fused`` / ``fusedip`` (the server's
+:func:`~weightlift.remote.delta.apply_hashed`: applied and hashed in one pass, one thread, fresh
+memory and in place). ``--json`` for one JSON object.
 
     PYTHONPATH=. python bench/delta_codec.py --mib 128
 """
@@ -53,19 +55,37 @@ def measure(enc: int, new: np.ndarray, base: np.ndarray, out: np.ndarray, repeat
 
     enc_s = timed(encode, repeat)
     payload = memoryview(b"".join(parts))
+    kept = base.copy()
+    scans = []
+    for _ in range(repeat):  # the sender's one pass: hash, compare, encode, refresh the kept base
+        np.copyto(kept, base)
+        t0 = time.perf_counter()
+        got, digest = D.scan(enc, new, kept, 2, limit=1 << 40, update=True)
+        scans.append(time.perf_counter() - t0)
+        assert b"".join(got) == payload and kept.tobytes() == new.tobytes()
     apply_s = timed(lambda: D.apply(enc, payload, base, out, 2), repeat)
     assert out.tobytes() == new.tobytes()
+    hashed_s = timed(lambda: D.apply_hashed(enc, payload, base, out, 2), repeat)
+    assert D.apply_hashed(enc, payload, base, out, 2) == digest
     work = base.copy()
     t0 = time.perf_counter()
     D.apply(enc, payload, work, work, 2, undo=D.Undo())
     inplace_s = time.perf_counter() - t0
     assert work.tobytes() == new.tobytes()
+    work = base.copy()
+    t0 = time.perf_counter()
+    D.apply_hashed(enc, payload, work, work, 2, undo=D.Undo())
+    inplace_hashed_s = time.perf_counter() - t0
+    gbs = lambda s: round(base.nbytes / s / 1e9, 2)  # noqa: E731
     return {
         "payload_mib": round(len(payload) / 2**20, 2),
         "ratio": round(len(payload) / base.nbytes, 4),
-        "encode_gbs": round(base.nbytes / enc_s / 1e9, 2),
-        "apply_gbs": round(base.nbytes / apply_s / 1e9, 2),
-        "apply_in_place_gbs": round(base.nbytes / inplace_s / 1e9, 2),
+        "encode_gbs": gbs(enc_s),
+        "scan_gbs": gbs(statistics.median(scans)),
+        "apply_gbs": gbs(apply_s),
+        "apply_in_place_gbs": gbs(inplace_s),
+        "apply_hashed_gbs": gbs(hashed_s),
+        "apply_hashed_in_place_gbs": gbs(inplace_hashed_s),
         "apply_s": apply_s,
     }
 
@@ -110,12 +130,14 @@ def main() -> None:
         return
     print(f"{args.mib} MiB bf16, {os.cpu_count()} cores, BLAKE3 of the result {result['hash_gbs']} GB/s")
     print(
-        f"{'changed':>8} {'enc':>6} {'chosen':>6} {'MiB':>7} {'ratio':>6} {'encode':>7} {'apply':>7} {'inplace':>7} {'+hash':>6}  (GB/s)"
+        f"{'changed':>8} {'enc':>6} {'chosen':>6} {'MiB':>7} {'ratio':>6} {'encode':>7} {'scan':>6} {'apply':>7} "
+        f"{'inplace':>7} {'+hash':>6} {'fused':>6} {'fusedip':>7}  (GB/s)"
     )
     for r in rows:
         print(
             f"{r['changed']:8.3f} {r['encoding']:>6} {r['chosen']:>6} {r['payload_mib']:7.2f} {r['ratio']:6.3f} "
-            f"{r['encode_gbs']:7.2f} {r['apply_gbs']:7.2f} {r['apply_in_place_gbs']:7.2f} {r['apply_and_hash_gbs']:6.2f}"
+            f"{r['encode_gbs']:7.2f} {r['scan_gbs']:6.2f} {r['apply_gbs']:7.2f} {r['apply_in_place_gbs']:7.2f} "
+            f"{r['apply_and_hash_gbs']:6.2f} {r['apply_hashed_gbs']:6.2f} {r['apply_hashed_in_place_gbs']:7.2f}"
         )
 
 

@@ -28,6 +28,12 @@ Arms (seconds are the client's: connect to the last acknowledgement):
   earlier server process), the entry files in the page cache.
 * ``load.warm``: ``weightlift.load`` of the v+1 file in a fresh process, the file in the page
   cache: the owned copy a cache hit is compared with.
+* ``delta`` (per fraction): a trainer's step with ``Client(keep_base=True)``: v, v+1 and v pushed
+  from memory before (the earlier versions over the link, untimed), then v+1 timed; each
+  tensor goes as what changed where that pays. Also prints the first step (v+1 right after v, into fresh server
+  memory) and the CPU seconds client and server used in the timed step (client and server share
+  this machine's cores).
+* ``delta.given``: ``push(v+1, base=v)`` after a push of v: the caller's v as the base.
 
 Ratios: ``update/tcp`` (goal >= 0.95 as tcp/update), ``cache/fresh`` (goal <= 1.15),
 ``hit/load`` (goal <= 1.1). Needs root; run from the repository root.
@@ -35,7 +41,7 @@ Ratios: ``update/tcp`` (goal >= 0.95 as tcp/update), ``cache/fresh`` (goal <= 1.
 Adding an arm: a function ``arm_NAME(ctx, frac) -> seconds`` registered in :data:`ARMS` (and,
 when it depends on the fraction, in :data:`PER_FRACTION`). An in-memory or delta push runs
 ``child_push_mem`` in the client's namespace (``ctx.client_child("push_mem", ...)``), which loads
-v+1 into memory and times ``Client.push(tensors, **push_kwargs)``; ``arm_delta`` below shows it.
+v+1 into memory and times ``Client.push(tensors, **push_kwargs)``.
 
     python bench/update.py --size-mib 768 --rates none,4gbit,1gbit --runs 3
 """
@@ -173,20 +179,42 @@ def child_push_mem(to: str, path: str, push_kwargs: str) -> None:
     print(json.dumps({"seconds": time.perf_counter() - t0, "bytes": r.bytes_sent}))
 
 
-def child_push_delta(to: str, base_path: str, path: str) -> None:
-    """A trainer's step: push v from memory (untimed; the server then holds v and its digests),
-    then time ``Client.push(v+1, base=v)``, which sends each tensor as what changed where that pays."""
+def _cpu(pid: int) -> float:
+    """CPU seconds (user and system, every thread) a process has used: from /proc, so that the
+    client can read the server's across network namespaces (they share the PID namespace)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child_push_delta(to: str, base_path: str, path: str, server_pid: str, how: str) -> None:
+    """A trainer's steps. ``kept``: ``Client(keep_base=True)`` pushes v from memory (the server
+    then holds v, the client a copy of it and its digests), then v+1 (the first step: timed as
+    ``first``), v and v+1 again: the last is timed as the steady state, where the server's pool
+    holds the memory of the version two steps back, as in training. Each step after the first
+    push sends what changed against the kept copy. ``given``: v, then ``push(v+1, base=v)``
+    with the caller's v as the base (hashed by the push), timed. Prints the seconds, the bytes
+    sent and the CPU seconds each side used during the timed push."""
     import weightlift as wl
     from weightlift.remote.client import Client
 
     base, tensors = wl.load(base_path), wl.load(path)
     host, port = to.rsplit(":", 1)
-    with Client((host, int(port))) as c:
+    kw = {"base": base} if how == "given" else {}
+    first = None
+    with Client((host, int(port)), keep_base=how == "kept") as c:
         c.push(base)
+        if how == "kept":
+            t0 = time.perf_counter()
+            c.push(tensors)
+            first = time.perf_counter() - t0
+            c.push(base)
+        srv0, cli0 = _cpu(int(server_pid)), time.process_time()
         t0 = time.perf_counter()
-        r = c.push(tensors, base=base)
+        r = c.push(tensors, **kw)
         dt = time.perf_counter() - t0
-    print(json.dumps({"seconds": dt, "bytes": r.bytes_sent, "deltas": r.deltas}))
+        cpu = {"client_cpu": time.process_time() - cli0, "server_cpu": _cpu(int(server_pid)) - srv0}
+    print(json.dumps({"seconds": dt, "first": first, "bytes": r.bytes_sent, "deltas": r.deltas, **cpu}))
 
 
 CHILDREN: dict[str, Callable[..., None]] = {
@@ -208,6 +236,8 @@ class Ctx:
         (self.ns_c, _, _), (self.ns_s, _, self.addr) = ends
         self.net, self.base, self.versions, self.tmp = net, base, versions, tmp
         self.full = versions[max(versions)]  # the v+1 every whole-push arm sends
+        # delta arms: (client CPU s, server CPU s, bytes sent, first step s)
+        self.cpu: dict[str, list[tuple[float, float, int, float]]] = {}
 
     def serve(self, *options: str) -> tuple[Any, str]:
         return self.net.serve(self.ns_s, self.addr, "--insecure", *options)
@@ -305,17 +335,33 @@ def arm_load(c: Ctx, frac: float) -> float:
     return c.child(c.ns_s, "load", c.full)["seconds"]
 
 
-def arm_delta(c: Ctx, frac: float) -> float:
-    """v+1 (fraction f) pushed from memory into a running server holding v, deltas allowed.
-
-    The child pushes v from memory first (untimed), then v+1 with ``base=v`` (timed)."""
+def _delta(c: Ctx, frac: float, how: str) -> float:
     server, to = c.serve()
     try:
-        out = c.client_child("push_delta", to, c.base, c.versions[frac])
-        print(f"  delta {frac}: {out['bytes']} bytes sent, {out['deltas']} deltas", file=sys.stderr)
+        out = c.client_child("push_delta", to, c.base, c.versions[frac], server.pid, how)
+        first = f", first step {out['first']:.3f} s" if out["first"] is not None else ""
+        print(
+            f"  delta.{how} {frac}: {out['bytes']} bytes sent, {out['deltas']} deltas, CPU s client "
+            f"{out['client_cpu']:.3f} server {out['server_cpu']:.3f}{first}",
+            file=sys.stderr,
+        )
+        row = (out["client_cpu"], out["server_cpu"], out["bytes"], out["first"] or 0.0)
+        c.cpu.setdefault(f"delta.{how}.{frac:g}", []).append(row)
         return float(out["seconds"])
     finally:
         _stop(server)
+
+
+def arm_delta(c: Ctx, frac: float) -> float:
+    """v+1 (fraction f) pushed from memory into a running server holding v, as a trainer does:
+    ``Client(keep_base=True)`` pushed v, v+1 and v before (untimed but for the first step),
+    then pushes v+1 (timed)."""
+    return _delta(c, frac, "kept")
+
+
+def arm_delta_given(c: Ctx, frac: float) -> float:
+    """The same step with ``push(v+1, base=v)``: the caller's v as the base, hashed by the push."""
+    return _delta(c, frac, "given")
 
 
 ARMS: dict[str, Callable[[Ctx, float], float]] = {
@@ -326,8 +372,9 @@ ARMS: dict[str, Callable[[Ctx, float], float]] = {
     "hit": arm_hit,
     "load.warm": arm_load,
     "delta": arm_delta,
+    "delta.given": arm_delta_given,
 }
-PER_FRACTION = {"update", "delta"}
+PER_FRACTION = {"update", "delta", "delta.given"}
 DEFAULT_ARMS = "push.fresh,push.cache,update,tcp.touched,hit,load.warm"
 RATIOS = (
     ("update/tcp", "update.1", "tcp.touched"),
@@ -357,6 +404,7 @@ def _run_rate(net: Any, k: int, rate: str, args: Any, base: str, versions: dict[
                 times[label[(arm, f)]].append(s)
                 print(f"  {rate} round {rnd} {label[(arm, f)]}: {s:.3f} s", flush=True)
     out: dict[str, Any] = {"seconds": times, "median": {a: statistics.median(v) for a, v in times.items() if v}}
+    out["cpu"] = {a: [statistics.median(x) for x in zip(*v, strict=True)] for a, v in c.cpu.items()}
     out["ratios"] = {}
     for name, a, b in RATIOS:
         if times.get(a) and times.get(b):
@@ -417,6 +465,10 @@ def _print(result: dict[str, Any]) -> None:
     for name, _, _ in RATIOS:
         vals = [result["rates"][r]["ratios"].get(name) for r in rates]
         print(f"{name:<16s}" + "".join(f"{v:10.2f}" if v is not None else f"{'-':>10s}" for v in vals))
+    for r in rates:
+        for a, (cli, srv, sent, first) in sorted(result["rates"][r].get("cpu", {}).items()):
+            step = f"; first step {first:.3f} s" if first else ""
+            print(f"{r} {a}: median CPU s client {cli:.3f}, server {srv:.3f}; {sent / 1e6:.1f} MB sent{step}")
     print(f"load average before {result['load_before']}, after {result['load_after']}")
 
 

@@ -16,7 +16,7 @@ from tests.checkpoints import write
 from tests.remote.rawclient import Raw, _barrier
 from weightlift.digest.setdigest import set_digest
 from weightlift.dtypes import DTYPES, numpy_dtype
-from weightlift.errors import IntegrityError, LocalProtocolError, OptionError, RemoteProtocolError
+from weightlift.errors import IntegrityError, LocalProtocolError, OptionError, RemoteProtocolError, TransportError
 from weightlift.remote import delta as D
 from weightlift.remote.client.client import Client
 from weightlift.remote.client.connection import Replaced
@@ -522,3 +522,35 @@ def test_a_read_naming_an_old_generation_is_stale():
         buf = bytearray(4)
         conn.recv_payload(memoryview(buf))
         assert bytes(buf) == bytes([1] * 4)
+
+
+def test_a_kept_base_is_refreshed_by_the_scan_and_each_tensor_hashed_once():
+    v0 = _model()
+    v1 = _step(v0, 0.01, seed=1)
+    v1["layer.3"] = _random("U8", (v1["layer.3"].nbytes,), 7).view(v1["layer.3"].dtype)  # noise: sent whole
+    whole = sum(a.nbytes for a in v1.values())
+    with Server() as srv, Client(srv.address, keep_base=True) as c:
+        c.push(v0)
+        r = c.push(v1)
+        assert r.deltas == len(v1) - 1
+        assert r.bytes_hashed == whole  # each tensor once: its scan, or the hash beside its send
+        _holds(srv, v1)
+        assert c.bases is not None
+        for name, a in v1.items():
+            kept = c.bases.get(name)
+            assert kept is not None and kept.data.tobytes() == _bytes(a)
+            assert kept.digest == blake3.blake3(_bytes(a)).digest()
+        v2 = _step(v1, 0.01, seed=2)
+        r = c.push(v2)  # against the refreshed copies
+        assert r.deltas >= len(v2) - 1
+        _holds(srv, v2)
+
+
+def test_a_failed_update_forgets_the_kept_bases():
+    v0 = _model()
+    with Server() as srv, Client(srv.address, keep_base=True) as c:
+        c.push(v0)
+        srv.close()
+        with pytest.raises(TransportError):
+            c.push(_step(v0, 0.01, seed=1))
+        assert c.bases is not None and c.bases.nbytes == 0

@@ -177,3 +177,70 @@ def test_set_digest_binds_each_digest_to_its_name():
     # names order by their UTF-8 bytes, not by Python's code points on surrogates or case rules
     names = ["\u00e9", "z", "Z", "\U0001f600"]
     assert set_digest({n: d1 for n in names}) == set_digest({n: d1 for n in reversed(names)})
+
+
+# -- the one-pass scan and the fused apply -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("encoding", [D.SPARSE, D.XOR])
+@pytest.mark.parametrize("item", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("frac", [0.0, 0.002, 0.3, 1.0])
+def test_a_scan_is_encode_and_hash_and_refreshes_a_kept_base(monkeypatch, encoding, item, frac):
+    monkeypatch.setattr(D, "CHUNK_BYTES", 1 << 16)  # several chunks, each of several blocks
+    monkeypatch.setattr(D, "BLOCK_BYTES", 1 << 12)
+    base, new = _pair(item, 50_003, frac, seed=item)  # an odd count: a tail of less than a word
+    kept = base.copy()
+    parts, digest = D.scan(encoding, new, kept, item, limit=1 << 40, update=True)
+    assert parts is not None
+    assert b"".join(parts) == b"".join(D.encode(encoding, new, base, item, limit=1 << 40))
+    assert digest == blake3.blake3(new).digest()
+    assert kept.tobytes() == new.tobytes()  # the kept base is the new version now
+    untouched = base.copy()
+    assert D.scan(encoding, new, untouched, item, limit=1 << 40)[1] == digest
+    assert untouched.tobytes() == base.tobytes()  # without update the base is only read
+
+
+@pytest.mark.parametrize("encoding", [D.SPARSE, D.XOR])
+@pytest.mark.parametrize("item", [1, 2, 4, 8, 16])
+def test_the_fused_apply_gives_the_bytes_and_their_digest(monkeypatch, encoding, item):
+    monkeypatch.setattr(D, "CHUNK_BYTES", 1 << 16)
+    monkeypatch.setattr(D, "BLOCK_BYTES", 1 << 12)
+    base, new = _pair(item, 70_001, 0.01, seed=5)
+    new[: 1 << 17] = base[: 1 << 17]  # the first chunks unchanged: no frame, the base's bytes
+    payload = memoryview(b"".join(D.encode(encoding, new, base, item, limit=1 << 40)))
+    want = blake3.blake3(new).digest()
+    out = np.full_like(base, 0x5A)
+    assert D.apply_hashed(encoding, payload, base, out, item) == want
+    assert out.tobytes() == new.tobytes()
+    inplace, undo = base.copy(), D.Undo()
+    assert D.apply_hashed(encoding, payload, inplace, inplace, item, undo=undo) == want
+    assert inplace.tobytes() == new.tobytes()
+    undo.run()
+    assert inplace.tobytes() == base.tobytes()
+    same = np.empty_like(base)
+    assert D.apply_hashed(D.SAME, memoryview(b""), base, same, item) == blake3.blake3(base).digest()
+    assert same.tobytes() == base.tobytes()
+
+
+def test_a_scan_past_its_limit_still_hashes_and_refreshes(monkeypatch):
+    monkeypatch.setattr(D, "CHUNK_BYTES", 1 << 14)  # the limit passed a few chunks in
+    base = np.zeros(1 << 18, np.uint8)
+    noise = np.random.default_rng(0).integers(0, 256, base.nbytes, dtype=np.uint8)
+    kept = base.copy()
+    parts, digest = D.scan(D.XOR, noise, kept, 1, update=True)
+    assert parts is None  # sent whole
+    assert digest == blake3.blake3(noise).digest() and kept.tobytes() == noise.tobytes()
+    kept = base.copy()
+    assert D.scan(None, noise, kept, 1, update=True) == (None, digest)
+    assert kept.tobytes() == noise.tobytes()
+
+
+def test_the_fused_apply_refuses_what_apply_refuses():
+    base, _, payload = _good()
+    out = np.empty_like(base)
+    with pytest.raises(D.DeltaError, match="chunks take"):
+        D.apply_hashed(D.SPARSE, memoryview(payload[:-1]), base, out, 2)
+    with pytest.raises(D.DeltaError, match="no payload"):
+        D.apply_hashed(D.SAME, memoryview(b"x"), base, out, 2)
+    with pytest.raises(D.DeltaError, match="encoding"):
+        D.apply_hashed(7, memoryview(payload), base, out, 2)

@@ -2,8 +2,7 @@
 
 Both ends of a connection use this module (the client encodes, the server applies); it does no
 I/O. A tensor is cut into chunks of ``chunk_bytes`` (a whole number of elements); each chunk is
-encoded on its own, so both ends work on as many cores as they have (zstandard and numpy release
-the GIL) and an unchanged chunk costs four bytes. The payload::
+encoded on its own (zstandard and numpy release the GIL) and an unchanged chunk costs four bytes. The payload::
 
     head   := chunk_bytes:u32  nchunks:u32           nchunks = ceil(nbytes / chunk_bytes)
     table  := clen:u32 * nchunks                     0: the chunk is its base's bytes
@@ -23,6 +22,15 @@ where at most :data:`SPARSE_MAX` of them changed, XOR where the sample compresse
 :data:`DENSE_RATIO_MAX` of its size, else none (the tensor is sent whole, and the attempt cost
 only the sample). Sub-byte dtypes (packed 4-bit and smaller) always travel whole.
 
+The passes. A sender calls :func:`scan`: one pass over the new bytes and the base, a
+:data:`BLOCK_BYTES` block at a time, that hashes the new bytes (the digest the DELTA names),
+finds the changes (compared as 64-bit words, only the words that differ looked at element by
+element) and, for a base the sender keeps, writes them into it, all while the block is in cache.
+A receiver calls :func:`apply_hashed`: base, changes and the hash of the result, again a block
+at a time, into fresh memory or in place. Both run on the calling thread (a digest is one
+sequential pass): a sender scans several tensors on several threads, ahead of its sends.
+:func:`encode` and :func:`apply` do the same without the hash, a chunk per core.
+
 Every length in a payload is checked before anything is sized from it (:class:`DeltaError`).
 """
 
@@ -32,9 +40,10 @@ import os
 import struct
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import blake3
 import numpy as np
 
 from weightlift.errors import WeightliftError
@@ -47,17 +56,21 @@ __all__ = [
     "available",
     "choose",
     "encode",
+    "scan",
     "apply",
+    "apply_hashed",
     "payload_bound",
     "copy",
 ]
 
 CHUNK_BYTES = 4 << 20  # tensor bytes per chunk: enough to compress well, small enough to spread over cores
+BLOCK_BYTES = 256 << 10  # bytes compared, changed and hashed at once: they stay in a core's cache between passes
 MAX_CHUNK_BYTES = 64 << 20  # the largest chunk a payload may state (what one worker decompresses at once)
 SPARSE_MAX = 0.05  # changed fraction of the sampled elements up to which SPARSE is chosen
 DENSE_RATIO_MAX = 0.75  # XOR is chosen where the sample compresses at least this well, else the tensor goes whole
 SAMPLE_BLOCKS = 64  # the estimate looks at this many evenly spaced blocks ...
-SAMPLE_BLOCK = 4096  # ... of this many bytes
+SAMPLE_BLOCK = 1024  # ... of this many bytes (64 KiB in all: a small part of a tensor worth a delta)
+COMPRESS_AHEAD = 8  # chunks of one scan waiting for (or in) compression at once
 LEVEL = 1  # zstd's fastest standard level: deltas are cut on the sender's critical path
 
 SAME, SPARSE, XOR = 0, 1, 2  # DeltaEncoding values (the protocol's enum; kept numeric here)
@@ -155,20 +168,114 @@ def choose(new: np.ndarray, base: np.ndarray, item: int) -> int | None:
     return XOR if len(packed) <= DENSE_RATIO_MAX * s_new.nbytes else None
 
 
-def _encode_chunk(encoding: int, new: np.ndarray, base: np.ndarray, item: int) -> bytes:
-    if encoding == XOR:
-        x = np.bitwise_xor(new, base)
-        return _zstd()[0].compress(x.data) if x.any() else b""
-    ne, be = _elements(new, item), _elements(base, item)
-    changed = ne != be
-    if changed.ndim > 1:
-        changed = changed.any(axis=1)
-    pos = np.flatnonzero(changed)
-    if not len(pos):
-        return b""
-    vals = np.ascontiguousarray(ne[pos])
+def _changes(new: np.ndarray, base: np.ndarray, item: int, update: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The elements of ``new`` that differ from ``base`` in one block (in cache): their
+    indices and their new values; with ``update``, ``base`` takes the new values.
+
+    Where elements tile 64-bit words, the block is compared a word at a time and only the
+    words that differ are looked at element by element: at a few percent of changes that is
+    one pass over each input and no temporary of the block's size but a bool per word."""
+    n = new.nbytes
+    whole = n - n % 8 if 8 % item == 0 else 0
+    where: list[np.ndarray] = []
+    values: list[np.ndarray] = []
+    if whole:
+        a, b = new[:whole].view(np.uint64), base[:whole].view(np.uint64)
+        words = np.flatnonzero(a != b)
+        if len(words):
+            aw = a[words]
+            if item == 8:
+                where.append(words)
+                values.append(aw)
+            else:
+                shift = (8 // item).bit_length() - 1  # elements per word: 2, 4 or 8
+                j = np.flatnonzero((aw ^ b[words]).view(_UINT[item]))
+                where.append((words[j >> shift] << shift) | (j & ((1 << shift) - 1)))
+                values.append(aw.view(_UINT[item])[j])
+            if update:
+                b[words] = aw
+    if whole < n:
+        ne, be = _elements(new[whole:], item), _elements(base[whole:], item)
+        rest = ne != be
+        if rest.ndim > 1:
+            rest = rest.any(axis=1)
+        pos = np.flatnonzero(rest)
+        vals = ne[pos]
+        if update:
+            be[pos] = vals
+        where.append(pos + whole // item)
+        values.append(vals.reshape(-1).view(np.uint8) if vals.ndim > 1 else vals)
+    if len(where) == 1:
+        return where[0], values[0]
+    if not where:
+        return np.empty(0, np.int64), np.empty(0, np.uint8)
+    return np.concatenate(where), np.concatenate([v.view(np.uint8) for v in values])
+
+
+def _block(item: int) -> int:
+    return max(item, BLOCK_BYTES - BLOCK_BYTES % item)
+
+
+def _sparse_body(new: np.ndarray, base: np.ndarray, item: int, hasher: Any, update: bool) -> bytes | None:
+    """A SPARSE chunk before compression (None: unchanged), block by block: each block hashed
+    (``hasher``), compared and, with ``update``, its changed elements written into ``base``
+    while it is in cache."""
+    block = _block(item)
+    where, values = [], []
+    for o in range(0, new.nbytes, block):
+        nb, bb = new[o : o + block], base[o : o + block]
+        if hasher is not None:
+            hasher.update(nb)
+        pos, vals = _changes(nb, bb, item, update)
+        if len(pos):
+            where.append(pos + o // item)
+            values.append(vals)
+    if not where:
+        return None
+    pos = np.concatenate(where)
     gaps = np.diff(pos, prepend=0).astype("<u4")  # small numbers: they compress far better than positions
-    return _zstd()[0].compress(_U32.pack(len(pos)) + gaps.tobytes() + vals.tobytes())
+    return b"".join([_U32.pack(len(pos)), gaps.tobytes(), *(v.tobytes() for v in values)])
+
+
+def _xor_body(new: np.ndarray, base: np.ndarray, item: int, hasher: Any, update: bool) -> np.ndarray | None:
+    """An XOR chunk before compression (None: unchanged), hashed and refreshed as SPARSE's."""
+    block = _block(item)
+    x = np.empty(new.nbytes, np.uint8)
+    for o in range(0, new.nbytes, block):
+        nb, bb = new[o : o + block], base[o : o + block]
+        if hasher is not None:
+            hasher.update(nb)
+        np.bitwise_xor(nb, bb, out=x[o : o + block])
+        if update:
+            np.copyto(bb, nb)
+    return x if x.any() else None
+
+
+def _compress(body: Any) -> bytes:
+    """A chunk's frame: its body compressed (any thread: each has its own compressor)."""
+    return b"" if body is None else bytes(_zstd()[0].compress(body))
+
+
+def _whole_pass(new: np.ndarray, base: np.ndarray, hasher: Any, update: bool) -> None:
+    """No frame: only hash ``new`` and, with ``update``, copy it into ``base``, block by block."""
+    for o in range(0, new.nbytes, BLOCK_BYTES):
+        nb = new[o : o + BLOCK_BYTES]
+        if hasher is not None:
+            hasher.update(nb)
+        if update:
+            np.copyto(base[o : o + BLOCK_BYTES], nb)
+
+
+_BODIES: dict[int, Callable[[np.ndarray, np.ndarray, int, Any, bool], Any]] = {SPARSE: _sparse_body, XOR: _xor_body}
+
+
+def _chunk_size(item: int) -> int:
+    return max(item, CHUNK_BYTES - CHUNK_BYTES % item)
+
+
+def _payload(frames: list[bytes], chunk: int) -> list[bytes]:
+    head = _HEAD.pack(chunk, len(frames)) + b"".join(_U32.pack(len(f)) for f in frames)
+    return [head, *(f for f in frames if f)]
 
 
 def encode(
@@ -176,18 +283,54 @@ def encode(
 ) -> list[bytes] | None:
     """The payload of ``new`` against ``base`` in ``encoding``, as parts to send in order; None
     where it would take more than ``limit`` bytes (default: :data:`DENSE_RATIO_MAX` of the
-    tensor), so that the tensor goes whole instead."""
+    tensor), so that the tensor goes whole instead. Its chunks are encoded on every core."""
     n = new.nbytes
     limit = int(DENSE_RATIO_MAX * n) if limit is None else limit
-    chunk = max(item, CHUNK_BYTES - CHUNK_BYTES % item)
-    starts = range(0, n, chunk)
+    chunk = _chunk_size(item)
+    body = _BODIES[encoding]
     frames = list(
-        _workers().map(lambda s: _encode_chunk(encoding, new[s : s + chunk], base[s : s + chunk], item), starts)
+        _workers().map(
+            lambda s: _compress(body(new[s : s + chunk], base[s : s + chunk], item, None, False)), range(0, n, chunk)
+        )
     )
-    head = _HEAD.pack(chunk, len(frames)) + b"".join(_U32.pack(len(f)) for f in frames)
-    if len(head) + sum(len(f) for f in frames) > limit:
-        return None
-    return [head, *(f for f in frames if f)]
+    parts = _payload(frames, chunk)
+    return parts if sum(len(p) for p in parts) <= limit else None
+
+
+def scan(
+    encoding: int | None,
+    new: np.ndarray,
+    base: np.ndarray,
+    item: int,
+    *,
+    limit: int | None = None,
+    update: bool = False,
+) -> tuple[list[bytes] | None, bytes]:
+    """One pass over ``new`` and ``base``: the payload (as :func:`encode`; None where
+    ``encoding`` is None or the payload passes ``limit``) and the BLAKE3 digest of ``new``.
+
+    ``update``: ``base`` becomes ``new`` on the way, its changed elements written while they are
+    in cache (a kept base refreshed for the next update without a copy of the tensor). The pass
+    runs on the calling thread (a tensor's digest is one sequential pass; callers scan several
+    tensors on several threads); each chunk's compression goes to the codec's workers meanwhile."""
+    n = new.nbytes
+    limit = int(DENSE_RATIO_MAX * n) if limit is None else limit
+    chunk = _chunk_size(max(item, 1))
+    hasher = blake3.blake3(max_threads=1)
+    frames: list[Future[bytes]] = []
+    for s in range(0, n, chunk):
+        nb, bb = new[s : s + chunk], base[s : s + chunk]
+        if encoding is None:
+            _whole_pass(nb, bb, hasher, update)
+            continue
+        if len(frames) >= COMPRESS_AHEAD:
+            frames[-COMPRESS_AHEAD].result()  # bounds the bodies held waiting for a worker
+        frames.append(_workers().submit(_compress, _BODIES[encoding](nb, bb, item, hasher, update)))
+    digest = hasher.digest()
+    if encoding is None:
+        return None, digest
+    parts = _payload([f.result() for f in frames], chunk)
+    return (parts if sum(len(p) for p in parts) <= limit else None), digest
 
 
 # -- applying (the server) ---------------------------------------------------------------------------
@@ -249,17 +392,23 @@ def _decompress(frame: memoryview, bound: int) -> bytes:
     return raw
 
 
-def _apply_xor(frame: memoryview, base: np.ndarray, out: np.ndarray) -> None:
+def _apply_xor(frame: memoryview, base: np.ndarray, out: np.ndarray, hasher: Any = None) -> None:
     raw = _decompress(frame, base.nbytes)
     if len(raw) != base.nbytes:
         raise DeltaError(f"XOR chunk decompresses to {len(raw)} bytes, not the chunk's {base.nbytes}")
-    np.bitwise_xor(base, np.frombuffer(raw, np.uint8), out=out)
+    x = np.frombuffer(raw, np.uint8)
+    if hasher is None:
+        np.bitwise_xor(base, x, out=out)
+        return
+    for o in range(0, base.nbytes, BLOCK_BYTES):
+        ob = out[o : o + BLOCK_BYTES]
+        np.bitwise_xor(base[o : o + BLOCK_BYTES], x[o : o + BLOCK_BYTES], out=ob)
+        hasher.update(ob)
 
 
-def _apply_sparse(
-    frame: memoryview, base: np.ndarray, out: np.ndarray, item: int, in_place: bool, undo: Undo | None
-) -> None:
-    n = base.nbytes // item
+def _sparse_decode(frame: memoryview, nbytes: int, item: int) -> tuple[np.ndarray, np.ndarray]:
+    """A SPARSE chunk's (element positions, new elements), every length and position checked."""
+    n = nbytes // item
     raw = _decompress(frame, _U32.size + n * (_U32.size + item))
     if len(raw) < _U32.size:
         raise DeltaError("SPARSE chunk has no count")
@@ -272,14 +421,50 @@ def _apply_sparse(
     pos = np.cumsum(gaps, dtype=np.int64)
     if count and pos[-1] >= n:
         raise DeltaError(f"SPARSE position {pos[-1]} lies past the chunk's {n} elements")
-    vals = np.frombuffer(raw, np.uint8, count * item, _U32.size * (count + 1))
+    return pos, _elements(np.frombuffer(raw, np.uint8, count * item, _U32.size * (count + 1)), item)
+
+
+def _apply_sparse(
+    frame: memoryview,
+    base: np.ndarray,
+    out: np.ndarray,
+    item: int,
+    in_place: bool,
+    undo: Undo | None,
+    hasher: Any = None,
+) -> None:
+    """The chunk's changes over ``base`` into ``out`` (the same memory where ``in_place``); with
+    ``hasher``, block by block: copied, changed and hashed while the block is in cache."""
+    pos, vals = _sparse_decode(frame, base.nbytes, item)
     dest = _elements(out, item)
-    if not in_place:
-        np.copyto(out, base)
-    elif undo is not None:
+    if in_place and undo is not None:
         old = dest[pos].copy()
         undo.add(lambda: dest.__setitem__(pos, old))
-    dest[pos] = _elements(vals, item)
+    if hasher is None:
+        if not in_place:
+            np.copyto(out, base)
+        dest[pos] = vals
+        return
+    block = _block(item)
+    per = block // item
+    cuts = np.searchsorted(pos, np.arange(1, -(-base.nbytes // block) + 1) * per)
+    lo = 0
+    for k, o in enumerate(range(0, base.nbytes, block)):
+        ob = out[o : o + block]
+        if not in_place:
+            np.copyto(ob, base[o : o + block])
+        hi = int(cuts[k])
+        if hi > lo:
+            _elements(ob, item)[pos[lo:hi] - k * per] = vals[lo:hi]
+        hasher.update(ob)
+        lo = hi
+
+
+def _check_encoding(encoding: int, payload: memoryview, item: int) -> None:
+    if encoding == SAME and len(payload):
+        raise DeltaError("a SAME delta carries no payload")
+    if encoding not in (SAME, SPARSE, XOR) or item < 1:
+        raise DeltaError(f"DELTA encoding {encoding} for {item}-byte elements is not one this server applies")
 
 
 def apply(
@@ -287,16 +472,13 @@ def apply(
 ) -> None:
     """Write ``base`` with the DELTA ``payload`` applied into ``out`` (both uint8 arrays of the
     tensor's bytes; ``out`` may be ``base`` itself: in place, ``undo`` then learns how to take it
-    back). DeltaError for a payload that does not fit the base; in place, a chunk before the
-    failing one may have been applied already (``undo`` takes them back)."""
+    back), a chunk per core. DeltaError for a payload that does not fit the base; in place, a
+    chunk before the failing one may have been applied already (``undo`` takes them back)."""
+    _check_encoding(encoding, payload, item)
     if encoding == SAME:
-        if len(payload):
-            raise DeltaError("a SAME delta carries no payload")
         if out is not base:
             np.copyto(out, base)
         return
-    if encoding not in (SPARSE, XOR) or item < 1:
-        raise DeltaError(f"DELTA encoding {encoding} for {item}-byte elements is not one this server applies")
     nbytes = base.nbytes
     chunk, frames = _table(payload, nbytes, item)
 
@@ -320,3 +502,35 @@ def apply(
     errors = [e for e in (j.exception() for j in jobs) if e is not None]
     if errors:
         raise errors[0]
+
+
+def apply_hashed(
+    encoding: int, payload: memoryview, base: np.ndarray, out: np.ndarray, item: int, *, undo: Undo | None = None
+) -> bytes:
+    """:func:`apply` in one pass that also hashes the result: the BLAKE3 digest of ``out``.
+
+    Block by block, each block of the result is hashed right after it is written, while it is in
+    cache (no second pass over the tensor to prove it). On the calling thread: the digest is one
+    sequential pass, and a server applies several tensors' DELTAs on several connections."""
+    _check_encoding(encoding, payload, item)
+    hasher = blake3.blake3(max_threads=1)
+    nbytes = base.nbytes
+    if encoding == SAME:
+        _whole_pass(base, out, hasher, out is not base)
+        return hasher.digest()
+    chunk, frames = _table(payload, nbytes, item)
+    named = {s: (offset, clen) for s, offset, clen in frames}
+    for s in range(0, nbytes, chunk):
+        b, o = base[s : s + chunk], out[s : s + chunk]
+        frame = named.get(s)
+        if frame is None:  # the base's bytes
+            _whole_pass(b, o, hasher, out is not base)
+            continue
+        f = payload[frame[0] : frame[0] + frame[1]]
+        if encoding == XOR:
+            _apply_xor(f, b, o, hasher)
+            if undo is not None and out is base:
+                undo.add(lambda f=f, o=o: _apply_xor(f, o, o))  # type: ignore[misc]
+        else:
+            _apply_sparse(f, b, o, item, out is base, undo, hasher)
+    return hasher.digest()

@@ -138,8 +138,10 @@ class Push:
         """Send every tensor and wait for the server to have them; IntegrityError (with
         ``verify``) naming every tensor the server holds other than the file."""
         t0 = time.perf_counter()
+        # an update hashes the tensors it scans against a base itself, in the same pass
+        scanned = self.update.scanned(self.plans) if self.update is not None else set()
         hashing = Hashing(
-            self.plans,
+            [p for p in self.plans if p.info.name not in scanned],
             threshold=self.threshold,
             prof=self.prof,
             enabled=self.how.hash_ahead and self.conns[0].cache,

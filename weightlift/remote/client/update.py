@@ -23,16 +23,22 @@ and the client compares every digest, as ``verify=True`` does for a file, beside
 
 Base memory. The client must hold the base bytes to diff against. ``Client(keep_base=True)``
 keeps a host copy of every tensor each update pushed, with its digest, as the next update's base
-(memory: one more copy of the pushed tensors, refreshed in place, so no allocation after the
-first). ``push(tensors, base=previous)`` instead uses tensors the caller still holds (no copy
-kept), hashed once per push to name them.
+(memory: one more copy of the pushed tensors). A tensor sent against its kept copy is read once:
+the scan that hashes it and finds its changes also writes them into the copy, so the copy is the
+new version afterwards without a copy of the tensor and the base is never hashed again. A tensor
+sent whole is copied into its kept copy after the update. ``push(tensors, base=previous)``
+instead uses tensors the caller still holds (no copy kept, never written), hashed once per push
+to name them.
 """
 
 from __future__ import annotations
 
+import os
+from collections import deque
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -73,8 +79,12 @@ class Bases:
         return sum(b.data.nbytes for b in self._by_name.values())
 
     def record(self, name: str, dtype: str, shape: tuple[int, ...], digest: bytes, data: np.ndarray) -> None:
-        """Keep a copy of ``data`` as ``name``'s base (into the old copy's memory where it fits)."""
+        """Keep a copy of ``data`` as ``name``'s base (into the old copy's memory where it fits;
+        nothing to copy where the update's scan refreshed it already)."""
         old = self._by_name.get(name)
+        if old is not None and old.digest == digest and old.data.nbytes == data.nbytes:
+            old.dtype, old.shape = dtype, shape
+            return
         if old is None or old.data.nbytes != data.nbytes:
             old = self._by_name[name] = Base(dtype, shape, digest, np.empty(data.nbytes, np.uint8))
         codec.copy(old.data, data)  # at memory speed, on every core
@@ -82,6 +92,12 @@ class Bases:
 
     def forget(self) -> None:
         self._by_name.clear()
+
+
+def item_size(dtype: str) -> int:
+    """Bytes per element; 0 for sub-byte dtypes (always sent whole)."""
+    bits = dtype_info(dtype).bits
+    return bits // 8 if bits % 8 == 0 else 0
 
 
 def given_bases(base: Mapping[str, Any]) -> dict[str, Base]:
@@ -105,17 +121,73 @@ class UpdateSpec:
     root: bytes | None = None  # the server's set digest, once committed
     generation: int = 0
 
+    @property
+    def kept(self) -> bool:
+        """The bases are the client's own copies (refreshed in place), not the caller's tensors."""
+        return isinstance(self.bases, Bases)
+
+    def base_of(self, p: Plan) -> Base | None:
+        """The base ``p`` is sent against as a DELTA, if any: of its dtype and shape, whole bytes."""
+        base = self.bases.get(p.info.name)
+        if not self.delta or base is None or (base.dtype, base.shape) != (p.dtype, p.shape):
+            return None
+        return base if item_size(p.dtype) and base.data.nbytes == p.info.length else None
+
+    def scanned(self, plans: list[Plan]) -> set[str]:
+        """The names of the tensors the update hashes itself (as it scans them)."""
+        return {p.info.name for p in plans if self.base_of(p) is not None}
+
+
+#: Threads that scan tensors against their bases (hash, compare, encode) ahead of the sender:
+#: half the cores, the rest for the sender and, on a shared machine, the peer.
+SCAN_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
+#: Tensor bytes scanned ahead of the one being sent (at least one tensor): what bounds the
+#: payloads held at once.
+SCAN_AHEAD_BYTES = 256 << 20
+
+
+class Scanned(NamedTuple):
+    """A tensor scanned against its base: the payload (None: send it whole), its digest, and
+    the base digest the payload is encoded against."""
+
+    encoding: int | None
+    parts: list[bytes] | None
+    digest: bytes
+    base: bytes
+
 
 class UpdatePusher(Pusher):
     """A :class:`~weightlift.remote.client.push.Pusher` that wraps its tensors in UPDATE and
-    COMMIT and sends each it has a base for as a DELTA."""
+    COMMIT and sends each it has a base for as a DELTA.
+
+    The tensors with a base are scanned (:func:`weightlift.remote.delta.scan`: hashed, compared
+    and encoded in one pass) on :data:`SCAN_THREADS` threads, in order and a few ahead, while
+    this thread sends the ones scanned before; a kept base is refreshed by the same pass."""
 
     spec: UpdateSpec
 
     def run(self, plans: list[Plan]) -> None:
         self.settled = False
         self._command(Update(Update.FLAG_IN_PLACE if self.spec.in_place else 0))
-        whole = [p for p in plans if not self._delta(p)]
+        todo = [p for p in plans if self.spec.base_of(p) is not None]
+        whole = [p for p in plans if self.spec.base_of(p) is None]
+        with ThreadPoolExecutor(SCAN_THREADS, thread_name_prefix="weightlift-scan") as pool:
+            ahead: deque[tuple[Plan, Future[Scanned]]] = deque()
+            ahead_bytes = 0
+            try:
+                for p in todo:
+                    while ahead and ahead_bytes + p.info.length > SCAN_AHEAD_BYTES:
+                        q, fut = ahead.popleft()
+                        ahead_bytes -= q.info.length
+                        self._sent_scanned(q, fut.result(), whole)
+                    ahead.append((p, pool.submit(self._scan, p)))
+                    ahead_bytes += p.info.length
+                while ahead:
+                    q, fut = ahead.popleft()
+                    self._sent_scanned(q, fut.result(), whole)
+            finally:
+                for _, fut in ahead:
+                    fut.cancel()
         super().run(whole)  # ends with the BARRIER that answers every DELTA too
         for p in whole:  # hashed beside the sends: only a DELTA waits for its digest
             self.spec.digests[p.info.name] = self._digest(p)
@@ -125,27 +197,34 @@ class UpdatePusher(Pusher):
         fut = self.hashing.all.get(p.info.name)
         return fut.result() if fut is not None else hash_buffer(host_bytes(p.info))
 
-    def _delta(self, p: Plan) -> bool:
-        """Send ``p`` as a DELTA if that pays; False: it goes whole."""
+    def _scan(self, p: Plan) -> Scanned:
+        """On a scan thread: ``p`` against its base, in one pass (a kept base becomes ``p``)."""
         t = p.info
-        base = self.spec.bases.get(t.name)
-        if not self.spec.delta or base is None or (base.dtype, base.shape) != (p.dtype, p.shape):
-            return False
-        bits = dtype_info(p.dtype).bits
-        item = bits // 8 if bits % 8 == 0 else 0
-        new = host_bytes(t)
-        # encoded while the hashing pool takes the tensor's digest, which is waited for after
-        with self.prof.phase("stage", t.length, name="delta " + t.name):
+        base = self.spec.base_of(p)
+        assert base is not None
+        item = item_size(p.dtype)
+        new, was = host_bytes(t), base.digest
+        with self.prof.phase("stage", t.length, name="delta " + t.name, background=True):
             encoding = codec.choose(new, base.data, item)
-            parts = codec.encode(encoding, new, base.data, item) if encoding is not None else None
-        digest = self.spec.digests[t.name] = self._digest(p)
-        if digest == base.digest:
-            self._send_delta(p, DeltaEncoding.SAME, base.digest, digest, [])
-            return True
-        if encoding is None or parts is None:
-            return False
-        self._send_delta(p, DeltaEncoding(encoding), base.digest, digest, parts)
-        return True
+            parts, digest = codec.scan(encoding, new, base.data, item, update=self.spec.kept)
+        if self.spec.kept:
+            base.digest = digest  # the kept copy holds the new bytes now
+        self.tally.add(hashed=t.length)
+        return Scanned(encoding, parts, digest, was)
+
+    def _sent_scanned(self, p: Plan, s: Scanned, whole: list[Plan]) -> None:
+        """Send ``p`` as its scan says: a DELTA (SAME where nothing changed), else later, whole."""
+        name = p.info.name
+        self.spec.digests[name] = s.digest
+        done: Future[bytes] = Future()
+        done.set_result(s.digest)
+        self.hashing.all[name] = done  # what the server's reported digest is compared with
+        if s.digest == s.base:
+            self._send_delta(p, DeltaEncoding.SAME, s.base, s.digest, [])
+        elif s.encoding is None or s.parts is None:
+            whole.append(p)
+        else:
+            self._send_delta(p, DeltaEncoding(s.encoding), s.base, s.digest, s.parts)
 
     def _send_delta(self, p: Plan, encoding: DeltaEncoding, base: bytes, digest: bytes, parts: list[bytes]) -> None:
         t = p.info

@@ -9,8 +9,8 @@ before anything uses it. Then:
   (an entry handed out writable is hashed again first). If not, the tensor is allocated as an
   ALLOC would, and its id goes into the next BARRIER_REPLY's need: the client sends it whole;
 * in an in-place update the payload is kept until COMMIT (:mod:`.switch`);
-* otherwise the result is written into fresh memory (base and changes in one pass per chunk, on
-  every core), hashed, and completes like a tensor whose WRITEs all arrived: published, or held
+* otherwise the result is written into fresh memory and hashed in the same pass (base, changes
+  and hash a cache-sized block at a time: :func:`weightlift.remote.delta.apply_hashed`), and completes like a tensor whose WRITEs all arrived: published, or held
   by the open update. A result that does not hash to the DELTA's digest fails the tensor; the
   base is untouched.
 """
@@ -145,10 +145,11 @@ class Deltas:
             rx.dests.ensure(p, fault=False)
             rx.dests.unfault(p)  # the delta writes every byte: no helper faults it in meanwhile
             out = as_bytes(p.dest)
-            with self._prof.phase("stage", d.nbytes, name="delta " + d.name):
-                codec.apply(d.encoding, payload.data, as_bytes(base.tensor), out, item_size(d.dtype))
-            with self._prof.phase("hash", d.nbytes, name=d.name):
-                ok = hash_buffer(out) == d.digest
+            with self._prof.phase("stage", d.nbytes, name="delta " + d.name):  # applied and hashed in one pass
+                ok = (
+                    codec.apply_hashed(d.encoding, payload.data, as_bytes(base.tensor), out, item_size(d.dtype))
+                    == d.digest
+                )
         except codec.DeltaError as e:
             rx.abandon(d.tensor_id, f"DELTA of {d.name!r}: {e}")
             return False
