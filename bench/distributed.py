@@ -24,7 +24,6 @@ this script's --json output).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -34,7 +33,8 @@ import sys
 import time
 from typing import Any
 
-MIB = 1 << 20
+from _common import MIB, add_run_arguments, checkpoint, parser, write_json
+
 RULES = {
     "*.self_attn.[qkv]_proj.weight": "colwise",
     "*.mlp.gate_proj.weight": "colwise",
@@ -254,23 +254,18 @@ def run_link(size: int, timeout: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-mib", type=int, default=256, help="synthetic checkpoint size (default 256)")
-    p.add_argument("--path", help="a checkpoint to use instead of the synthetic one")
+    p = parser(__doc__)
+    add_run_arguments(p, size_mib=256, runs=3, settle=2.0, verb="use")
     p.add_argument("--receivers", default="1,2,4", help="receiver counts (default 1,2,4)")
-    p.add_argument("--runs", type=int, default=3, help="counted rounds (default 3)")
-    p.add_argument("--settle", type=float, default=2.0, help="seconds of pause before every run (default 2)")
     p.add_argument("--cold", action="store_true", help="evict the checkpoint before every timed run")
-    p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--quick", action="store_true", help="one round")
-    p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     args = p.parse_args(argv)
 
-    from weightlift.benchmark.harness import evict_files, round_order, synthetic_checkpoint
+    from weightlift.benchmark.harness import evict_files, round_order
     from weightlift.benchmark.stats import summarize
     from weightlift.distributed import BROADCAST_CHUNK
 
-    path = args.path or synthetic_checkpoint(args.size_mib * MIB)
+    path = checkpoint(args)
     import weightlift as wl
 
     size = wl.open(path).nbytes
@@ -341,9 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = table(model_rates, sorted({*counts, 8, 64}))
     print_table(model_rates, rows)
     result["model"] = {"rates": model_rates, "projection": rows}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result)
     return 0
 
 

@@ -11,11 +11,12 @@ processes), made to choose the defaults of the device path in one short session.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
+
+from _common import write_json
 
 
 def pageable_h2d(nbytes: int, reps: int = 3) -> float:
@@ -100,9 +101,7 @@ def main() -> int:
         print(
             f"{k:<22} median {med:.3f} s  {gbps:6.1f} GB/s  {100 * gbps / pinned:5.1f} % of pinned  runs {[round(x, 3) for x in v]}"
         )
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(a.json, out)
     return 0
 
 

@@ -13,22 +13,20 @@ run: copy limit, best raw read, loopback TCP, pinned host-to-device.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from suite import add_arguments, command
+from _common import table_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(
-        p,
+    return table_main(
+        __doc__,
+        argv,
         default_arms="local",
         quick_arms="safetensors.numpy,wl.numpy,wl.numpy.nocopy",
         default_baseline="safetensors.numpy",
         default_size_gib=2.0,
     )
-    return command(p.parse_args(argv))
 
 
 if __name__ == "__main__":

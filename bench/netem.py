@@ -16,8 +16,6 @@ Needs root (namespaces); run from the repository root.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import tempfile
@@ -25,11 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the namespace helpers live with the tests: tests/net/netns.py
-
-MIB = 1 << 20
-CLI = [sys.executable, "-m", "weightlift.cli"]
+from _common import add_run_arguments, checkpoint, netns, parser, push_between, write_json
 
 
 def _token(folder: Path) -> str:
@@ -39,59 +33,32 @@ def _token(folder: Path) -> str:
     return str(path)
 
 
-def one_push(net: Any, ends: list[tuple[str, str, str]], path: str, streams: int, token: str, timeout: float) -> dict:
-    (ns_client, _, _), (ns_server, _, addr) = ends
-    server, to = net.serve(ns_server, addr, "--token-file", token)
-    try:
-        t0 = time.perf_counter()
-        r = net.run(
-            ns_client,
-            [*CLI, "push", path, "--to", to, "--token-file", token, "--streams", str(streams), "--json"],
-            timeout=timeout,
-        )
-        wall = time.perf_counter() - t0
-        if r.returncode:
-            raise RuntimeError(f"push failed: {r.stderr[-2000:]}")
-        res = json.loads(r.stdout)
-        return {"seconds": res["seconds"], "wall": wall, "bytes": res["bytes"], "tensors": res["tensors"]}
-    finally:
-        server.kill()
-        server.wait()
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-mib", type=int, default=256, help="synthetic checkpoint size (default 256)")
-    p.add_argument("--path", help="a checkpoint to push instead of the synthetic one")
+    p = parser(__doc__)
+    add_run_arguments(p, size_mib=256, runs=3, settle=1.0)
     p.add_argument("--delays", default="0,10,50", help="one-way delays in ms (default 0,10,50)")
     p.add_argument("--streams", default="1,2,4", help="stream counts (default 1,2,4)")
     p.add_argument("--loss", type=float, default=0.0, help="fraction of packets dropped (default 0)")
     p.add_argument("--reorder", type=float, default=0.0, help="fraction of packets sent ahead (default 0)")
-    p.add_argument("--runs", type=int, default=3, help="counted rounds (default 3)")
-    p.add_argument("--settle", type=float, default=1.0, help="seconds of pause before every run (default 1)")
-    p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--quick", action="store_true", help="32 MiB, delays 0 and 10 ms, one round")
-    p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     args = p.parse_args(argv)
 
-    from tests.net.netns import Net, has_netem, unavailable
-    from weightlift.benchmark.harness import round_order, synthetic_checkpoint
+    helpers = netns("netem")
+    if helpers is None:
+        return 2
+    from weightlift.benchmark.harness import round_order
     from weightlift.benchmark.stats import summarize
 
-    reason = unavailable()
-    if reason:
-        print(f"netem benchmark skipped: {reason}", file=sys.stderr)
-        return 2
     if args.quick:
         args.size_mib, args.delays, args.runs = 32, "0,10", 1
     delays = [float(x) for x in args.delays.split(",")]
     counts = [int(x) for x in args.streams.split(",")]
-    path = args.path or synthetic_checkpoint(args.size_mib * MIB)
+    path = checkpoint(args)
     import weightlift as wl
 
     ck = wl.open(path)
     size = ck.nbytes
-    link = "tc netem" if has_netem() else "user-space link (tests/net/impair.py, MTU 9000)"
+    link = "tc netem" if helpers.has_netem() else "user-space link (tests/net/impair.py, MTU 9000)"
     print(
         f"checkpoint: {path} ({size / 1e6:.0f} MB, {len(ck.tensors)} tensors), {args.runs} round(s), "
         f"link: {link}, loss {args.loss}, reorder {args.reorder}",
@@ -99,16 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     times: dict[str, list[float]] = {}
     walls: dict[str, list[float]] = {}
-    with Net() as net, tempfile.TemporaryDirectory() as tmp:
-        token = _token(Path(tmp))
+    with helpers.Net() as net, tempfile.TemporaryDirectory() as tmp:
+        auth = ("--token-file", _token(Path(tmp)))
         for k, delay in enumerate(delays):
             ends = net.impaired_pair(delay_ms=delay, loss=args.loss, reorder=args.reorder, seed=k, subnet=f"10.240.{k}")
             for rnd in range(args.runs):
                 for n in round_order(counts, rnd):
                     time.sleep(args.settle)
-                    r = one_push(net, ends, path, n, token, args.timeout)
-                    if r["bytes"] != size:
-                        raise RuntimeError(f"pushed {r['bytes']} bytes of {size}")
+                    r = push_between(net, ends, path, size, args.timeout, serve=auth, push=(*auth, "--streams", str(n)))
                     arm = f"{delay:g}ms.s{n}"
                     times.setdefault(arm, []).append(r["seconds"])
                     walls.setdefault(arm, []).append(r["wall"])
@@ -136,9 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{delay:8g} {n:7d} {med:9.3f} {s['min']:6.3f}-{s['max']:6.3f} {size / med / 1e6:7.0f} "
                 f"{base / med:10.2f}x"
             )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result)
     return 0
 
 

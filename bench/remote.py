@@ -13,22 +13,20 @@ cache), and a split load (half local, half pushed). The raw loopback TCP baselin
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from suite import add_arguments, command
+from _common import table_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(
-        p,
+    return table_main(
+        __doc__,
+        argv,
         default_arms="remote",
         quick_arms="wl.push,wl.push.legacy",
         default_baseline="wl.push.legacy",
         default_size_gib=2.0,
     )
-    return command(p.parse_args(argv))
 
 
 if __name__ == "__main__":

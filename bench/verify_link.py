@@ -20,60 +20,32 @@ root.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the namespace helpers live with the tests: tests/net/netns.py
+from _common import CLI, add_run_arguments, checkpoint, netns, parser, push_between, write_json
 
-MIB = 1 << 20
-CLI = [sys.executable, "-m", "weightlift.cli"]
 ARMS = ("push", "push.verify")
 
 
-def one_push(net: Any, ends: list[tuple[str, str, str]], path: str, verify: bool, timeout: float) -> dict[str, Any]:
-    (ns_client, _, _), (ns_server, _, addr) = ends
-    server, to = net.serve(ns_server, addr, "--insecure")
-    try:
-        cmd = [*CLI, "push", path, "--to", to, "--json"] + (["--verify"] if verify else [])
-        r = net.run(ns_client, cmd, timeout=timeout)
-        if r.returncode:
-            raise RuntimeError(f"push failed ({r.returncode}): {r.stderr[-2000:]}")
-        res = json.loads(r.stdout)
-        return {"seconds": res["seconds"], "bytes": res["bytes"]}
-    finally:
-        server.kill()
-        server.wait()
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-mib", type=int, default=768, help="synthetic checkpoint size (default 768)")
-    p.add_argument("--path", help="a checkpoint to push instead of the synthetic one")
+    p = parser(__doc__)
+    add_run_arguments(p, size_mib=768, runs=5, settle=5.0, per=" per rate")
     p.add_argument("--rates", default="none,4gbit,2gbit", help="link caps, tc notation; none: no cap")
-    p.add_argument("--runs", type=int, default=5, help="counted rounds per rate (default 5)")
-    p.add_argument("--settle", type=float, default=5.0, help="seconds of pause before every run (default 5)")
-    p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     args = p.parse_args(argv)
 
-    from tests.net.netns import Net, unavailable
-    from weightlift.benchmark.harness import ensure_bytecode, round_order, synthetic_checkpoint
+    helpers = netns("verify_link")
+    if helpers is None:
+        return 2
+    from weightlift.benchmark.harness import ensure_bytecode, round_order
     from weightlift.benchmark.stats import summarize
 
-    reason = unavailable()
-    if reason:
-        print(f"verify_link benchmark skipped: {reason}", file=sys.stderr)
-        return 2
     ensure_bytecode()
-    path = args.path or synthetic_checkpoint(args.size_mib * MIB)
+    path = checkpoint(args)
     subprocess.run([*CLI, "manifest", path, "-o", "-"], check=True, capture_output=True)  # the sidecar
     import weightlift as wl
 
@@ -81,16 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     rates = [r.strip() for r in args.rates.split(",") if r.strip()]
     print(f"checkpoint: {path} ({size / 1e6:.0f} MB), {args.runs} rounds, settle {args.settle:g} s", flush=True)
     result: dict[str, Any] = {"path": path, "bytes": size, "runs": args.runs, "rates": {}}
-    with Net() as net, tempfile.TemporaryDirectory():
+    with helpers.Net() as net, tempfile.TemporaryDirectory():
         for k, rate in enumerate(rates):
             ends = net.pair(f"10.241.{k}", rate=None if rate == "none" else rate)
             times: dict[str, list[float]] = {a: [] for a in ARMS}
             for rnd in range(args.runs):
                 for arm in round_order(list(ARMS), rnd):
                     time.sleep(args.settle)
-                    r = one_push(net, ends, path, arm == "push.verify", args.timeout)
-                    if r["bytes"] != size:
-                        raise RuntimeError(f"pushed {r['bytes']} bytes of {size}")
+                    verify = ("--verify",) if arm == "push.verify" else ()
+                    r = push_between(net, ends, path, size, args.timeout, serve=("--insecure",), push=verify)
                     times[arm].append(r["seconds"])
                     print(f"  rate {rate}, round {rnd}, {arm}: {r['seconds']:.3f} s", flush=True)
             ratios = [v / p for v, p in zip(times["push.verify"], times["push"], strict=False)]
@@ -107,9 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         pm, vm = r["summary"]["push"]["median"], r["summary"]["push.verify"]["median"]
         lo, hi = min(r["ratios"]), max(r["ratios"])
         print(f"{rate:>8s} {pm:8.3f} {size / pm / 1e6:6.0f} {vm:10.3f} {r['ratio']:14.2f}x {lo:8.2f}-{hi:.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result)
     return 0
 
 

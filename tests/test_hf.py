@@ -24,6 +24,7 @@ from weightlift.cli import main  # noqa: E402
 from weightlift.hf import conversions  # noqa: E402
 
 SMALL = dict(vocab_size=256, max_position_embeddings=128, initializer_range=0.3)
+LAYERS = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, **SMALL)  # llama, mixtral and bert alike
 PROMPT = torch.tensor([[1, 8, 15, 22, 29, 36, 43, 50]])
 
 
@@ -33,28 +34,13 @@ def _configs() -> dict:
         # tied embeddings: lm_head.weight is not in the checkpoint
         "llama": (
             t.LlamaForCausalLM,
-            t.LlamaConfig(
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                tie_word_embeddings=True,
-                **SMALL,
-            ),
+            t.LlamaConfig(intermediate_size=64, num_key_value_heads=2, tie_word_embeddings=True, **LAYERS),
         ),
         # experts saved one tensor each, merged into one tensor per layer on load
         "mixtral": (
             t.MixtralForCausalLM,
             t.MixtralConfig(
-                hidden_size=32,
-                intermediate_size=48,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                num_local_experts=4,
-                num_experts_per_tok=2,
-                **SMALL,
+                intermediate_size=48, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **LAYERS
             ),
         ),
         "gpt2": (
@@ -72,7 +58,7 @@ def _configs() -> dict:
         ),
         "bert": (
             t.BertForMaskedLM,
-            t.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, **SMALL),
+            t.BertConfig(intermediate_size=64, **LAYERS),
         ),
     }
 

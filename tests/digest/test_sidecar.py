@@ -83,6 +83,14 @@ D1 = bytes(range(32))
 D2 = bytes(range(32, 64))
 
 
+def _saved(path: str) -> Sidecar:
+    """The sidecar of ``path`` with one digest (D1, of tensor "a"'s bytes 0 to 10), saved."""
+    m = Sidecar.load(path)
+    m.put("a", 0, 10, D1)
+    m.save()
+    return m
+
+
 def test_manifest_round_trip(tmp_path):
     path = _checkpoint(tmp_path)
     m = Sidecar.load(path)
@@ -108,9 +116,7 @@ def test_manifest_round_trip(tmp_path):
 
 def test_manifest_invalidated_by_mtime(tmp_path):
     path = _checkpoint(tmp_path)
-    m = Sidecar.load(path)
-    m.put("a", 0, 10, D1)
-    m.save()
+    _saved(path)
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
     assert len(Sidecar.load(path)) == 0
@@ -118,9 +124,7 @@ def test_manifest_invalidated_by_mtime(tmp_path):
 
 def test_manifest_invalidated_by_size(tmp_path):
     path = _checkpoint(tmp_path)
-    m = Sidecar.load(path)
-    m.put("a", 0, 10, D1)
-    m.save()
+    _saved(path)
     st = os.stat(path)
     with open(path, "ab") as f:
         f.write(b"x")
@@ -130,9 +134,7 @@ def test_manifest_invalidated_by_size(tmp_path):
 
 def test_manifest_invalidated_by_rewrite(tmp_path):
     path = _checkpoint(tmp_path, _data(4096, seed=1))
-    m = Sidecar.load(path)
-    m.put("a", 0, 10, D1)
-    m.save()
+    _saved(path)
     st = os.stat(path)
     # Same size and mtime, new bytes in a new inode: a download tool replacing the file.
     tmp = path + ".new"
@@ -151,9 +153,7 @@ def test_manifest_invalidated_by_rewrite(tmp_path):
 def test_manifest_invalidated_by_in_place_write_with_mtime_restored(tmp_path):
     # What rsync -t or touch -r leave: new bytes, old size and mtime, same inode.
     path = _checkpoint(tmp_path)
-    m = Sidecar.load(path)
-    m.put("a", 0, 10, D1)
-    m.save()
+    _saved(path)
     st = os.stat(path)
     time.sleep(0.01)
     with open(path, "r+b") as f:
@@ -176,9 +176,7 @@ def test_manifest_invalidated_by_in_place_write_with_mtime_restored(tmp_path):
 def test_manifest_ignores_corrupt_sidecar(tmp_path, content):
     path = _checkpoint(tmp_path)
     if content is None:
-        m = Sidecar.load(path)
-        m.put("a", 0, 10, D1)
-        m.save()
+        _saved(path)
         doc = json.loads(open(path + SIDECAR_SUFFIX).read())
         doc["tensors"]["a"]["blake3"] = "zz" * 32
         content = json.dumps(doc).encode()
@@ -436,13 +434,17 @@ def stat_mode(p: str) -> int:
     return stat.S_IMODE(os.stat(p).st_mode)
 
 
-def test_fallback_folder_made_private(tmp_path, monkeypatch):
+def _saved_in_fallback(tmp_path, monkeypatch) -> tuple[str, Sidecar, str]:
+    """A checkpoint in a folder that refuses new files, its sidecar saved in the fallback folder:
+    the checkpoint's path, the sidecar and the fallback folder."""
     path = _checkpoint(tmp_path)
     _refuse_in(monkeypatch, os.path.dirname(path))
-    m = Sidecar.load(path)
-    m.put("a", 0, 10, D1)
-    m.save()
-    folder = os.path.dirname(m.fallback_path)
+    m = _saved(path)
+    return path, m, os.path.dirname(m.fallback_path)
+
+
+def test_fallback_folder_made_private(tmp_path, monkeypatch):
+    path, m, folder = _saved_in_fallback(tmp_path, monkeypatch)
     assert stat_mode(folder) == 0o700 and stat_mode(m.fallback_path) & 0o077 == 0
     os.chmod(folder, 0o755)  # an older, wider folder of ours is narrowed
     m.put("a", 0, 10, D2)
@@ -453,12 +455,7 @@ def test_fallback_folder_made_private(tmp_path, monkeypatch):
 
 @_root_only
 def test_fallback_folder_of_another_user_is_ignored(tmp_path, monkeypatch):
-    path = _checkpoint(tmp_path)
-    _refuse_in(monkeypatch, os.path.dirname(path))
-    m = Sidecar.load(path)
-    m.put("a", 0, 10, D1)
-    m.save()
-    folder = os.path.dirname(m.fallback_path)
+    path, m, folder = _saved_in_fallback(tmp_path, monkeypatch)
     os.chown(folder, OTHER_UID, OTHER_UID)
     assert len(Sidecar.load(path)) == 0  # not read from a folder another user controls
     with pytest.warns(UserWarning, match="cannot save"):

@@ -427,47 +427,22 @@ def _main_checks(rank: int, world: int, paths: dict[str, str], report: dict) -> 
         report["bytes_read"][key] = rep.get("bytes_read")
         report["paths"][key] = rep.get("paths")
 
-    rep: dict = {}
-    record("full", wl.load(paths["st"], group=dist.group.WORLD, framework="torch", report=rep), rep, paths["st"], None)
-    rep = {}
-    record("index", wl.load(paths["index"], group=dist.group.WORLD, report=rep), rep, paths["index"], None)
+    def load(key: str, path: str, shard: Shard | None = None, **options) -> None:
+        """Load ``path`` across the group and record what this rank got and read."""
+        rep: dict = {}
+        got = wl.load(path, shard=shard, group=dist.group.WORLD, report=rep, **options)
+        record(key, got, rep, path, None if shard is None else shard.resolved(rank, world))
+
+    load("full", paths["st"], framework="torch")
+    load("index", paths["index"])
     shard = Shard(RULES)  # rank and world from the group
-    rep = {}
-    record(
-        "shard",
-        wl.load(paths["st"], shard=shard, group=dist.group.WORLD, framework="torch", report=rep),
-        rep,
-        paths["st"],
-        shard.resolved(rank, world),
-    )
+    load("shard", paths["st"], shard, framework="torch")
     os.environ["WEIGHTLIFT_ROW_READ_MIN"] = "1"  # every rank alike: strided slices row by row
-    rep = {}
-    record(
-        "shard_rows",
-        wl.load(paths["st"], shard=shard, group=dist.group.WORLD, report=rep),
-        rep,
-        paths["st"],
-        shard.resolved(rank, world),
-    )
+    load("shard_rows", paths["st"], shard)
     del os.environ["WEIGHTLIFT_ROW_READ_MIN"]
-    rep = {}
-    record(
-        "shard_pread",
-        wl.load(paths["st"], shard=shard, group=dist.group.WORLD, engine="pread", report=rep),
-        rep,
-        paths["st"],
-        shard.resolved(rank, world),
-    )
+    load("shard_pread", paths["st"], shard, engine="pread")
     if "gguf" in paths and world == 2:
-        gshard = Shard(GGUF_RULES)
-        rep = {}
-        record(
-            "gguf",
-            wl.load(paths["gguf"], shard=gshard, group=dist.group.WORLD, framework="torch", report=rep),
-            rep,
-            paths["gguf"],
-            gshard.resolved(rank, world),
-        )
+        load("gguf", paths["gguf"], Shard(GGUF_RULES), framework="torch")
     if "gguf" in paths and world == 4:
         try:  # every rank refuses the misaligned split, none is left waiting in a collective
             wl.load(paths["gguf"], shard=Shard({"blk.0.ffn_down.weight": 1}), group=dist.group.WORLD)

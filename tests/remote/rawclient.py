@@ -3,7 +3,10 @@ frames a test writes and reads the replies."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 
@@ -38,6 +41,13 @@ class Raw:
         self.mac_out: P.FrameMac | None = None  # a protected connection (token, minor 2)
         self.mac_in: P.FrameMac | None = None
         self._payload = b""
+
+    @classmethod
+    def connected(cls, address, *, token: bytes | None = None, **kw) -> Raw:
+        """A Raw client past HELLO (and AUTH, given a token)."""
+        raw = cls(address, **kw)
+        raw.hello(token=token)
+        return raw
 
     @classmethod
     def over(cls, sock: socket.socket, *, minor: int = P.PROTOCOL_MINOR) -> Raw:
@@ -150,9 +160,35 @@ def _fill(raw: Raw, a: np.ndarray, tid: int, name: str, digest: bytes) -> None:
     raw.send(P.FillFromCache(tid, digest))
 
 
+def _entry(cache_dir: Path, digest: bytes) -> Path:
+    """Where a disk cache keeps the bytes ``digest`` names."""
+    return cache_dir / digest.hex()[:2] / digest.hex()
+
+
+@contextlib.contextmanager
+def _cached(cache_dir: Path, a: np.ndarray, digest: bytes) -> Iterator[tuple[Server, Raw]]:
+    """A server caching in ``cache_dir`` that holds ``a`` as "w", pushed named by ``digest``, and
+    the client that pushed it (past its BARRIER)."""
+    with Server(cache_dir=cache_dir) as s:
+        raw = Raw.connected(s.address)
+        _cache_push(raw, a, 0, "w", digest)
+        assert _barrier(raw).tensors == 1
+        yield s, raw
+
+
+def _stalled_reader(address, name: str, nbytes: int) -> Raw:
+    """A client that asks for a tensor and takes one byte of the reply: the server is then inside
+    its send, holding the tensor's memory, until this socket reads or closes."""
+    raw = Raw(address)
+    raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    raw.hello()
+    raw.send(P.Read(name, 0, nbytes))
+    assert raw.sock.recv(1)
+    return raw
+
+
 def _serves(s: Server) -> None:
-    ok = Raw(s.address)
-    ok.hello()
+    ok = Raw.connected(s.address)
     _put(ok, 0, "ok", _f32(4))
     assert _barrier(ok).tensors == 1
     ok.close()

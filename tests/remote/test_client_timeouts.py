@@ -289,23 +289,24 @@ def one_tensor(tmp_path):
     return write(tmp_path / "m.safetensors", [("w", "U8", (SIZE,), raw)])
 
 
-def test_a_need_list_repeating_one_id_is_refused_not_resent(fake, one_tensor):
+def _need_list_refused(fake, path, *, have: bool, repeat: int, match: str) -> None:
+    """A push to a server whose need list repeats (``_asks_again``) fails with ``match`` before a
+    byte is sent again."""
     seen: dict[str, int] = {}
-    s = fake(_asks_again(have=True, repeat=65536, seen=seen), flags=Capability.CACHE)
+    s = fake(_asks_again(have=have, repeat=repeat, seen=seen), flags=Capability.CACHE)
     with Client(s.address, timeout=10) as c:
-        with pytest.raises(RemoteProtocolError, match="asks for tensor id 0 65536 times"):
-            c.push(one_tensor, hash_threshold=1)
+        with pytest.raises(RemoteProtocolError, match=match):
+            c.push(path, hash_threshold=1)
     assert seen["again"] == 0
+
+
+def test_a_need_list_repeating_one_id_is_refused_not_resent(fake, one_tensor):
+    _need_list_refused(fake, one_tensor, have=True, repeat=65536, match="asks for tensor id 0 65536 times")
 
 
 def test_a_need_list_naming_a_tensor_sent_whole_is_refused(fake, one_tensor):
     # only a FILL_FROM_CACHE can fail for want of a cache entry: the bytes of a WRITE are there
-    seen: dict[str, int] = {}
-    s = fake(_asks_again(have=False, repeat=1, seen=seen), flags=Capability.CACHE)
-    with Client(s.address, timeout=10) as c:
-        with pytest.raises(RemoteProtocolError, match="not asked to fill from its cache"):
-            c.push(one_tensor, hash_threshold=1)
-    assert seen["again"] == 0
+    _need_list_refused(fake, one_tensor, have=False, repeat=1, match="not asked to fill from its cache")
 
 
 # ----- a server's text reaches the terminal escaped ------------------------------------------

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import weightlift.remote.protocol as P
-from tests.checkpoints import write
+from tests.remote.models import holds, write_u8
 from weightlift.remote.client.client import Client
 from weightlift.remote.protocol import NEED_DATA, Barrier, BarrierReply, Decoder, Hello, send
 from weightlift.remote.server.server import Server
@@ -28,15 +28,7 @@ def _model(tmp_path) -> tuple[str, dict[str, bytes]]:
     rng = np.random.default_rng(0)
     tensors = {f"small.{i}": rng.integers(0, 256, 64 * (i + 1), dtype=np.uint8).tobytes() for i in range(3)}
     tensors.update({f"large.{i}": rng.integers(0, 256, 150_000, dtype=np.uint8).tobytes() for i in range(3)})
-    path = write(tmp_path / "m.safetensors", [(n, "U8", (len(b),), b) for n, b in tensors.items()])
-    return str(path), tensors
-
-
-def _holds(server: Server, tensors: dict[str, bytes]) -> None:
-    got = server.tensors()
-    assert sorted(got) == sorted(tensors)
-    for n, b in tensors.items():
-        assert got[n].tobytes() == b, n
+    return write_u8(tmp_path / "m.safetensors", tensors)
 
 
 # the previous minor's four pairings, and minor 1's with the current one
@@ -55,10 +47,10 @@ def test_four_pairings_move_the_same_bytes(tmp_path, client_minor, server_minor)
             # an old server has no cache to offer; a new one only offers it to a peer that knows HAVE
             assert hello.has(P.Capability.CACHE) == both_new
             first = c.push(path, hash_threshold=THRESHOLD)
-            _holds(s, tensors)
+            holds(s, tensors)
             c.free(list(tensors))
             second = c.push(path, hash_threshold=THRESHOLD)
-            _holds(s, tensors)
+            holds(s, tensors)
             assert sorted(t.name for t in c.list()) == sorted(tensors)
     total = sum(len(b) for b in tensors.values())
     assert first.bytes == second.bytes == total

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import weightlift.remote.protocol as P
-from tests.checkpoints import write
+from tests.remote.models import holds, write_u8
 from tests.remote.relay import Relay
 from weightlift.errors import AuthError, WeightliftError
 from weightlift.remote.client.client import Client
@@ -25,15 +25,7 @@ def _model(tmp_path) -> tuple[str, dict[str, bytes]]:
     tensors = {f"w.{i}": rng.integers(0, 256, 5000 * (i + 1), dtype=np.uint8).tobytes() for i in range(3)}
     tensors["big"] = rng.integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()  # sent with sendfile
     tensors["empty"] = b""
-    path = write(tmp_path / "m.safetensors", [(n, "U8", (len(b),), b) for n, b in tensors.items()])
-    return str(path), tensors
-
-
-def _holds(server: Server, tensors: dict[str, bytes]) -> None:
-    got = server.tensors()
-    assert sorted(got) == sorted(tensors)
-    for n, b in tensors.items():
-        assert got[n].tobytes() == b, n
+    return write_u8(tmp_path / "m.safetensors", tensors)
 
 
 # ----- the MAC itself ----------------------------------------------------------------------------
@@ -94,7 +86,7 @@ def test_a_token_connection_is_protected_and_moves_every_byte(tmp_path):
         r = c.push(path, verify=True, hash_threshold=100_000)
         assert r.verified == len(tensors)
         assert c.push(path, hash_threshold=100_000).cached == 1  # HAVE and FILL_FROM_CACHE, protected too
-        _holds(s, tensors)
+        holds(s, tensors)
         c.pull(out, verify=True)
         assert c.free(["w.0"]) == 1 and len(c.list()) == len(tensors) - 1
     from weightlift import load

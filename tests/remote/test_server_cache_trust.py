@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import weightlift.remote.protocol as P
-from tests.remote.test_server import Raw, _barrier, _cache_push, _f32
+from tests.remote.rawclient import Raw, _barrier, _cache_push, _cached, _entry, _f32
 from weightlift.digest.blake import hash_buffer
 from weightlift.errors import CacheError
 from weightlift.remote.protocol import Alloc, BarrierReply, WriteHeader
@@ -24,12 +24,8 @@ from weightlift.remote.server.server import Server
 def test_a_fill_of_the_wrong_size_keeps_the_valid_entry(tmp_path):
     a = _f32(50_000, 1)
     d = hash_buffer(a)
-    with Server(cache_dir=tmp_path / "c") as s:
-        raw = Raw(s.address)
-        raw.hello()
-        _cache_push(raw, a, 0, "w", d)
-        assert _barrier(raw).tensors == 1
-        entry = tmp_path / "c" / d.hex()[:2] / d.hex()
+    with _cached(tmp_path / "c", a, d) as (s, raw):
+        entry = _entry(tmp_path / "c", d)
         raw.send(Alloc(1, "bigger", "F32", (2 * a.size,), 2 * a.nbytes, d))
         raw.send(P.FillFromCache(1, d))
         assert _barrier(raw) == BarrierReply(0, 0, (), (1,))  # not filled: send the bytes
@@ -40,11 +36,7 @@ def test_a_fill_of_the_wrong_size_keeps_the_valid_entry(tmp_path):
 def test_wrong_bytes_under_a_cached_digest_are_refused(tmp_path):
     a = _f32(50_000, 2)
     d = hash_buffer(a)
-    with Server(cache_dir=tmp_path / "c") as s:
-        raw = Raw(s.address)
-        raw.hello()
-        _cache_push(raw, a, 0, "w", d)
-        assert _barrier(raw).tensors == 1
+    with _cached(tmp_path / "c", a, d) as (s, raw):
         _cache_push(raw, _f32(50_000, 3), 1, "liar", d)  # the digest is cached: the bytes are still checked
         reply = _barrier(raw)
         assert reply.tensors == 0 and "do not match the digest" in reply.errors[0]
@@ -57,8 +49,7 @@ def test_out_of_order_writes_under_a_digest_are_proven_at_the_end(tmp_path):
     bad = a.copy()
     bad[7] += 1
     with Server(cache_dir=tmp_path / "c") as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         for tid, name, arr in ((0, "good", a), (1, "bad", bad)):
             raw.send(Alloc(tid, name, "F32", a.shape, a.nbytes, hash_buffer(a)))
             half = a.nbytes // 2
@@ -73,8 +64,7 @@ def test_out_of_order_writes_under_a_digest_are_proven_at_the_end(tmp_path):
 def test_one_connection_holds_a_bounded_number_of_cache_files(tmp_path):
     arrs = [_f32(1000, 10 + i) for i in range(40)]
     with Server(cache_dir=tmp_path / "c") as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         half = arrs[0].nbytes // 2
         for i, a in enumerate(arrs):  # every tensor begun, none finished
             raw.send(Alloc(i, f"t{i}", "F32", a.shape, a.nbytes, hash_buffer(a)))
@@ -95,8 +85,7 @@ def test_one_connection_holds_a_bounded_number_of_cache_files(tmp_path):
 def test_the_disk_cache_is_capped_least_recently_used_first(tmp_path):
     arrs = [_f32(25_000, 20 + i) for i in range(4)]  # 100 kB each: 25 blocks on disk
     with Server(cache_dir=tmp_path / "c", cache_max_bytes=250_000) as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         for i, a in enumerate(arrs):
             _cache_push(raw, a, i, f"t{i}", hash_buffer(a))
             assert _barrier(raw).tensors == 1

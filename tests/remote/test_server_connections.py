@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.remote.rawclient import Raw, _barrier, _put, _serves
+from tests.remote.rawclient import Raw, _barrier, _put, _serves, _stalled_reader
 from tests.waiting import wait_for
 from weightlift.remote.protocol import (
     Alloc,
@@ -37,11 +37,9 @@ TOKEN = b"0123456789abcdef-token"
 
 def test_unauthenticated_peers_never_lock_out_an_authenticated_client():
     with Server(token=TOKEN, max_connections=2, max_handshakes=4, handshake_timeout=60) as s:
-        working = Raw(s.address)
-        working.hello(token=TOKEN)
+        working = Raw.connected(s.address, token=TOKEN)
         squatters = [socket.create_connection(s.address) for _ in range(30)]  # no HELLO, ever
-        late = Raw(s.address)  # a client arriving while every handshake slot is held
-        late.hello(token=TOKEN)
+        late = Raw.connected(s.address, token=TOKEN)  # a client arriving while every handshake slot is held
         for raw in (working, late):
             _put(raw, 0, "w", np.ones(4, dtype=np.float32))
             assert _barrier(raw).tensors == 1
@@ -63,24 +61,21 @@ def test_connections_from_one_address_are_capped():
         held[0].send(Bye())
         assert held[0].closed()
         wait_for(lambda: s.stats().ready == 2)
-        again = Raw(s.address)
-        again.hello()
+        again = Raw.connected(s.address)
         for r in held[1:] + [again, extra]:
             r.close()
 
 
 def test_an_idle_connection_is_closed():
     with Server(idle_timeout=0.2) as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         assert raw.closed()  # the server closed it (the socket's own timeout is 10 s)
         wait_for(lambda: s.stats().ready == 0)
 
 
 def test_a_connection_stalled_inside_a_frame_is_closed():
     with Server(io_timeout=0.2, idle_timeout=None) as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         raw.sock.sendall(send(Free(("w",)))[:-1])  # all but its last byte
         assert raw.closed()
 
@@ -88,14 +83,10 @@ def test_a_connection_stalled_inside_a_frame_is_closed():
 def test_a_reader_that_stops_reading_is_closed_and_its_memory_goes_back():
     big = 16 << 20
     with Server(io_timeout=0.3) as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         _put(raw, 0, "w", np.ones(big, dtype=np.uint8), dtype="U8")
         assert _barrier(raw).tensors == 1
-        stalled = Raw(s.address)
-        stalled.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        stalled.hello()
-        stalled.send(Read("w", 0, big))
+        stalled = _stalled_reader(s.address, "w", big)
         raw.send(Free(("w",)))
         assert raw.recv() == FreeReply(1)
         wait_for(lambda: s.memory_used == 0)  # the send timed out: the reply's hold on it went
@@ -130,8 +121,7 @@ def test_a_trickled_frame_costs_the_server_about_what_a_whole_one_does():
     try:
         assert proc.stdout is not None
         port = int(proc.stdout.readline())
-        raw = Raw(("127.0.0.1", port))
-        raw.hello()
+        raw = Raw.connected(("127.0.0.1", port))
         raw.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
         def cost(step: int, rounds: int = 3) -> float:
@@ -186,8 +176,7 @@ def test_a_tensor_may_not_be_named_metadata():
     from weightlift.remote.protocol import Alloc
 
     with Server() as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         raw.send(Alloc(0, "__metadata__", "U8", (0,), 0))
         reply = _barrier(raw)
         assert reply.tensors == 0 and "metadata" in reply.errors[0]
@@ -200,8 +189,7 @@ def test_ls_shows_names_safely(capsys):
     from weightlift.remote.protocol import Alloc
 
     with Server() as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         raw.send(Alloc(0, "evil\x1b]0;owned\x07\x1b[2J\\", "U8", (0,), 0))
         assert _barrier(raw).tensors == 1
         host, port = s.address
@@ -305,8 +293,7 @@ def test_a_frame_trickled_inside_the_io_timeout_is_cut_by_its_deadline():
     # bytes) gets 0.5 s plus its size over the minimum rate: it is cut after a few bytes.
     frame = send(Have(tuple(i.to_bytes(32, "little") for i in range(10))))
     with Server(io_timeout=0.5, idle_timeout=None) as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         sent = _trickle_until_closed(raw, frame[:40], 0.2)
         assert sent < 10, f"the server still read a frame trickled for {sent * 0.2:.1f} s"
         raw.close()
@@ -315,8 +302,7 @@ def test_a_frame_trickled_inside_the_io_timeout_is_cut_by_its_deadline():
 
 def test_a_payload_trickled_inside_the_io_timeout_is_cut_by_its_deadline():
     with Server(io_timeout=0.5, idle_timeout=None) as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         raw.send(Alloc(0, "w", "U8", (4096,), 4096))
         raw.sock.sendall(send(WriteHeader(0, 0, 4096)))
         sent = _trickle_until_closed(raw, bytes(40), 0.2)
@@ -329,8 +315,7 @@ def test_a_slow_but_steady_frame_within_the_rate_arrives():
     # 64 KiB at 1 KiB per 10 ms: every receive inside the I/O timeout, the whole within
     # io_timeout + size / min_frame_rate
     with Server(io_timeout=1.0, min_frame_rate=16 * 1024) as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         payload = np.arange(1 << 16, dtype=np.uint8)
         raw.send(Alloc(0, "w", "U8", payload.shape, payload.nbytes))
         data = send(WriteHeader(0, 0, payload.nbytes)) + payload.tobytes()
@@ -351,8 +336,7 @@ def test_frame_rate_option_is_checked():
 def test_without_a_minimum_rate_only_the_io_timeout_bounds_a_frame():
     frame = send(Have(tuple(i.to_bytes(32, "little") for i in range(10))))
     with Server(io_timeout=0.5, idle_timeout=None, min_frame_rate=None) as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         assert _trickle_until_closed(raw, frame[:12], 0.2) == 12  # 2.4 s, each byte inside the timeout
         raw.sock.sendall(frame[12:])
         assert isinstance(raw.recv(), HaveReply)
@@ -363,8 +347,7 @@ def test_a_reply_drained_inside_the_io_timeout_is_cut_by_its_deadline():
     # the other direction: a peer that takes a large READ reply slowly, each send inside the I/O
     # timeout, must not hold its connection longer than io_timeout + size / min_frame_rate
     with Server(io_timeout=0.5, idle_timeout=None, min_frame_rate=64 << 20) as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         a = np.zeros(64 << 20, dtype=np.uint8)  # its reply's deadline: 0.5 s + 1 s
         _put(raw, 0, "big", a, dtype="U8")
         assert _barrier(raw).tensors == 1

@@ -12,7 +12,7 @@ import tracemalloc
 
 import numpy as np
 
-from tests.remote.rawclient import Raw, _barrier, _fill, _put
+from tests.remote.rawclient import Raw, _barrier, _fill, _put, _stalled_reader
 from tests.waiting import wait_for
 from weightlift.memory.targets import STAGING_SLOT, CudaTarget
 from weightlift.remote.protocol import (
@@ -23,7 +23,6 @@ from weightlift.remote.protocol import (
     FreeReply,
     Have,
     HaveReply,
-    Read,
     WriteHeader,
     send,
 )
@@ -36,23 +35,11 @@ from weightlift.remote.server.store import Store, entry_cost
 from weightlift.remote.transport import SocketStream
 
 
-def _stalled_reader(address, name: str, nbytes: int) -> socket.socket:
-    """A client that asks for a tensor and takes one byte of the reply: the server is then inside
-    its send, holding the tensor's memory, until this socket reads or closes."""
-    raw = Raw(address)
-    raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    raw.hello()
-    raw.send(Read(name, 0, nbytes))
-    assert raw.sock.recv(1)
-    return raw.sock
-
-
 def test_a_stalled_reader_keeps_the_old_version_charged():
     big = 24 << 20
     data = np.ones(big, dtype=np.uint8)
     with Server(max_memory=entry_cost("w", big) + (8 << 20)) as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         _put(raw, 0, "w", data, dtype="U8")
         assert _barrier(raw).tensors == 1
         used = s.memory_used
@@ -77,8 +64,7 @@ def test_allocations_ahead_at_the_limit_are_charged_their_bookkeeping():
     per = entry_cost(name, 0, len(shape))
     limit = entry_cost("first", 1 << 20) + 10 * per
     with Server(max_memory=limit) as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         raw.send(Alloc(0, "first", "U8", (1 << 20,), 1 << 20))  # pending: its bytes have not come
         for i in range(1, 101):  # none of these fit: allocated ahead, charged at least their bookkeeping
             raw.send(Alloc(i, f"{name}{i:03}", "U8", shape, 1 << 20))
@@ -100,8 +86,7 @@ def test_an_entry_is_charged_at_least_what_it_costs():
     shape = (0,) + (1,) * 63
     n = 300
     with Server() as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         raw.send(Alloc(0, "warm-up", "U8", shape, 0))
         _barrier(raw)
         tracemalloc.start()
@@ -120,8 +105,7 @@ def test_an_entry_is_charged_at_least_what_it_costs():
 def test_a_large_unfinished_frame_is_charged():
     # A HAVE of many digests is a large frame; its buffer is charged while it arrives.
     with Server(max_memory=1 << 20) as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         from weightlift.remote.protocol import send
 
         frame = send(Have(tuple(bytes([i % 256]) * 32 for i in range(60_000))))
@@ -130,8 +114,7 @@ def test_a_large_unfinished_frame_is_charged():
         assert reply is not None and reply.code == ErrorCode.LIMIT and "memory" in reply.message
         raw.close()
     with Server() as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         raw.sock.sendall(frame[: len(frame) // 2])
         wait_for(lambda: s.memory_used >= len(frame))
         raw.sock.sendall(frame[len(frame) // 2 :])
@@ -143,8 +126,7 @@ def test_a_large_unfinished_frame_is_charged():
 def test_write_into_a_pending_tensor_still_works_at_the_limit():
     data = np.arange(1000, dtype=np.uint8)
     with Server(max_memory=entry_cost("a", 1000)) as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         raw.send(Alloc(0, "a", "U8", data.shape, data.nbytes))
         raw.send(WriteHeader(0, 0, data.nbytes), data.tobytes())
         assert _barrier(raw).tensors == 1 and s.memory_used == s.max_memory
@@ -159,8 +141,7 @@ def test_the_naive_path_charges_its_whole_write_buffer(monkeypatch):
     n = 8 << 20
     data = np.ones(n, dtype=np.uint8)
     with Server(max_memory=entry_cost("w", n) + (1 << 20)) as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         _put(raw, 0, "w", data, dtype="U8")
         reply = _barrier(raw)
         assert reply.tensors == 0 and "memory limit" in reply.errors[0]
@@ -169,8 +150,7 @@ def test_the_naive_path_charges_its_whole_write_buffer(monkeypatch):
         assert _barrier(raw).tensors == 1
         raw.close()
     with Server(max_memory=2 * n + (1 << 20)) as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         raw.send(Alloc(0, "w", "U8", (n,), n))
         raw.sock.sendall(send(WriteHeader(0, 0, n)) + data.tobytes()[: n // 2])
         wait_for(lambda: s.memory_used == entry_cost("w", n) + n)  # the tensor and the buffer

@@ -15,7 +15,7 @@ import weightlift.remote.protocol as P
 import weightlift.remote.server.destinations as destinations_mod
 import weightlift.remote.server.paths as paths_mod
 import weightlift.remote.server.pending as pending_mod
-from tests.remote.rawclient import Raw, _barrier, _cache_push, _cost, _f32, _fill, _put
+from tests.remote.rawclient import Raw, _barrier, _cache_push, _cached, _cost, _entry, _f32, _fill, _put
 from tests.waiting import wait_for
 from weightlift.digest.blake import hash_buffer
 from weightlift.remote.protocol import (
@@ -35,8 +35,7 @@ from weightlift.remote.server.server import Server
 
 
 def test_tensor_invisible_until_every_byte_arrived(server):
-    raw = Raw(server.address)
-    raw.hello()
+    raw = Raw.connected(server.address)
     a = _f32(4096, 1)
     data = a.tobytes()
     raw.send(Alloc(0, "w", "F32", a.shape, a.nbytes))
@@ -51,8 +50,7 @@ def test_tensor_invisible_until_every_byte_arrived(server):
 
 def test_client_killed_mid_tensor_leaves_nothing_and_server_keeps_serving(server):
     a = _f32(100_000, 2)
-    raw = Raw(server.address)
-    raw.hello()
+    raw = Raw.connected(server.address)
     raw.send(Alloc(0, "half", "F32", a.shape, a.nbytes))
     raw.sock.sendall(send(WriteHeader(0, 0, a.nbytes)) + a.tobytes()[: a.nbytes // 2])
     raw.close()
@@ -61,16 +59,14 @@ def test_client_killed_mid_tensor_leaves_nothing_and_server_keeps_serving(server
         time.sleep(0.01)
     assert server.memory_used == 0
     assert server.tensors() == {}
-    other = Raw(server.address)
-    other.hello()
+    other = Raw.connected(server.address)
     _put(other, 0, "next", a)
     assert _barrier(other).tensors == 1
     assert list(server.tensors()) == ["next"]
 
 
 def test_same_name_replaces_and_frees_the_old(server):
-    raw = Raw(server.address)
-    raw.hello()
+    raw = Raw.connected(server.address)
     _put(raw, 0, "w", _f32(100, 1))
     _put(raw, 1, "w", _f32(100, 2))
     _barrier(raw)
@@ -91,7 +87,7 @@ def test_cache_is_filled_as_bytes_arrive_and_checks_the_digest(tmp_path):
         raw.send(Have((d, bytes(32))))
         assert raw.recv() == HaveReply((True, False))  # held in memory, its bytes proven
         assert s.cache is not None and s.cache.flush(10)  # the entry is written behind the push
-        entry = tmp_path / "c" / d.hex()[:2] / d.hex()
+        entry = _entry(tmp_path / "c", d)
         assert entry.read_bytes() == a.tobytes()
 
         # the bytes that arrive are not the bytes the digest names: the tensor is refused
@@ -107,14 +103,10 @@ def test_cache_is_filled_as_bytes_arrive_and_checks_the_digest(tmp_path):
 def test_fill_from_cache_and_a_corrupt_entry_is_asked_for_again(tmp_path, n):
     a = _f32(n, 6)
     d = hash_buffer(a)
-    with Server(cache_dir=tmp_path / "c") as s:
-        first = Raw(s.address)
-        first.hello()
-        _cache_push(first, a, 0, "w", d)
-        _barrier(first)
+    with _cached(tmp_path / "c", a, d):
+        pass  # pushed named by its digest; the server stops
     with Server(cache_dir=tmp_path / "c") as s:  # restarted: the bytes are only on disk now
-        second = Raw(s.address)
-        second.hello()
+        second = Raw.connected(s.address)
         _fill(second, a, 0, "w.copy", d)
         assert _barrier(second) == BarrierReply(1, 0)
         assert np.array_equal(s.tensors()["w.copy"], a)
@@ -122,7 +114,7 @@ def test_fill_from_cache_and_a_corrupt_entry_is_asked_for_again(tmp_path, n):
         second.send(Free(("w.copy",)))  # nothing held in memory: the disk entry is the only source
         assert second.recv() == FreeReply(1)
 
-        entry = tmp_path / "c" / d.hex()[:2] / d.hex()
+        entry = _entry(tmp_path / "c", d)
         raw_bytes = bytearray(entry.read_bytes())
         raw_bytes[1000] ^= 0xFF
         entry.write_bytes(raw_bytes)
@@ -140,15 +132,11 @@ def test_fill_from_cache_and_a_corrupt_entry_is_asked_for_again(tmp_path, n):
 def test_second_push_of_a_held_tensor_keeps_its_memory(tmp_path):
     a = _f32(700_000, 8)  # above the pool's minimum: huge-page backed
     d = hash_buffer(a)
-    with Server(cache_dir=tmp_path / "c") as s:
-        raw = Raw(s.address)
-        raw.hello()
-        _cache_push(raw, a, 0, "w", d)
-        _barrier(raw)
+    with _cached(tmp_path / "c", a, d) as (s, raw):
         assert s.cache.flush(10)  # the entry is written behind the push
         held = s.tensors()["w"]
         used = s.memory_used
-        (tmp_path / "c" / d.hex()[:2] / d.hex()).unlink()  # only the held tensor has these bytes now
+        _entry(tmp_path / "c", d).unlink()  # only the held tensor has these bytes now
         raw.send(P.Have((d, hash_buffer(b"other"))))
         assert raw.recv() == P.HaveReply((True, False))
         _fill(raw, a, 1, "w", d)
@@ -178,11 +166,7 @@ def test_held_tensors_are_handed_out_read_only_and_then_need_no_second_hash(tmp_
     )
     a = _f32(700_000, 7)
     d = hash_buffer(a)
-    with Server(cache_dir=tmp_path / "c") as s:
-        raw = Raw(s.address)
-        raw.hello()
-        _cache_push(raw, a, 0, "w", d)
-        _barrier(raw)
+    with _cached(tmp_path / "c", a, d) as (s, raw):
         view = s.tensors()["w"]
         assert s.tensors()["w"] is view and not view.flags.writeable
         with pytest.raises(ValueError):
@@ -201,11 +185,7 @@ def test_held_tensors_are_handed_out_read_only_and_then_need_no_second_hash(tmp_
 def test_a_held_tensor_written_in_place_is_not_trusted(tmp_path):
     a = _f32(700_000, 9)
     d = hash_buffer(a)
-    with Server(cache_dir=tmp_path / "c") as s:
-        raw = Raw(s.address)
-        raw.hello()
-        _cache_push(raw, a, 0, "w", d)
-        _barrier(raw)
+    with _cached(tmp_path / "c", a, d) as (s, raw):
         assert s.cache.flush(10)  # the entry is written behind the push
         s.tensors(writable=True)["w"][10] += 1.0  # a reader changed its weights
         _fill(raw, a, 1, "w", d)
@@ -214,7 +194,7 @@ def test_a_held_tensor_written_in_place_is_not_trusted(tmp_path):
         st = s.stats()
         assert st["memory_hits"] == 0 and st["cache_hits"] == 1
         # with no disk entry either, the client is asked for the bytes
-        (tmp_path / "c" / d.hex()[:2] / d.hex()).unlink()
+        _entry(tmp_path / "c", d).unlink()
         s.tensors(writable=True)["w"][10] += 1.0
         _fill(raw, a, 2, "w", d)
         assert _barrier(raw) == BarrierReply(0, 0, (), (2,))
@@ -223,15 +203,29 @@ def test_a_held_tensor_written_in_place_is_not_trusted(tmp_path):
 def test_naive_arm_receives_the_same_bytes(monkeypatch):
     monkeypatch.setenv("WEIGHTLIFT_LOAD_OPT", "0")
     with Server() as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         a = _f32(10_000, 8)
         _put(raw, 0, "w", a)
         _barrier(raw)
         assert s.tensors()["w"].tobytes() == a.tobytes()
 
 
-def test_fresh_destination_is_faulted_in_at_most_a_window_ahead_of_the_payload(monkeypatch, request):
+@pytest.fixture
+def touched(monkeypatch) -> list[int]:
+    """The length of every piece faulted in, by a faulter helper or by the receiver."""
+    pieces: list[int] = []
+    real = faulter_mod.fault_in
+
+    def counting(buf):
+        pieces.append(len(buf))
+        real(buf)
+
+    monkeypatch.setattr(faulter_mod, "fault_in", counting)
+    monkeypatch.setattr(paths_mod, "populate", counting)
+    return pieces
+
+
+def test_fresh_destination_is_faulted_in_at_most_a_window_ahead_of_the_payload(monkeypatch, request, touched):
     # with the receiver faulting what the helpers have not reached (one fill policy), every
     # page is faulted exactly once, by a helper or by the receiver
     monkeypatch.setenv("WEIGHTLIFT_FAULT_AHEAD", "1")
@@ -240,18 +234,8 @@ def test_fresh_destination_is_faulted_in_at_most_a_window_ahead_of_the_payload(m
     piece = 64 * 1024
     monkeypatch.setattr(destinations_mod, "FAULT_PIECE", piece)
     monkeypatch.setattr(destinations_mod, "FAULT_WINDOW", 4 * piece)
-    touched: list[int] = []
-    real = faulter_mod.fault_in
-
-    def counting(buf):
-        touched.append(len(buf))
-        real(buf)
-
-    monkeypatch.setattr(faulter_mod, "fault_in", counting)
-    monkeypatch.setattr(paths_mod, "populate", counting)
     with Server() as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         data = np.random.default_rng(1).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes()
         raw.send(Alloc(0, "w", "U8", (len(data),), len(data)))
         # nothing sent yet: the helpers fault the window in, and no more
@@ -279,8 +263,7 @@ def test_tensors_allocated_ahead_land_whole_in_any_write_order(monkeypatch):
     rng = np.random.default_rng(5)
     data = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (3 << 20, (5 << 20) + 123, 2 << 20)]
     with Server() as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         for i, d in enumerate(data):
             raw.send(Alloc(i, f"t{i}", "U8", (len(d),), len(d)))
         raw.send(Alloc(9, "gone", "U8", (4 << 20,), 4 << 20))
@@ -299,8 +282,7 @@ def test_tensors_allocated_ahead_land_whole_in_any_write_order(monkeypatch):
         raw.close()  # the half-written tensor is dropped, its faulting cancelled, its charge released
         wait_for(lambda: s.memory_used < before)
         assert before - s.memory_used >= 4 << 20
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         _put(raw, 0, "after", np.arange(1 << 20, dtype=np.float32))
         assert _barrier(raw).tensors == 1
 
@@ -330,8 +312,7 @@ def test_ranges_merge_in_any_order():
 def test_too_many_separate_ranges_is_a_request_error(server):
     k = pending_mod.MAX_RANGES
     n = 2 * k + 4
-    raw = Raw(server.address)
-    raw.hello()
+    raw = Raw.connected(server.address)
     frames = [send(Alloc(0, "holes", "U8", (n,), n))]
     frames += [send(WriteHeader(0, 2 * i, 1)) + b"x" for i in range(k + 2)]  # k fit, then one too many
     raw.sock.sendall(b"".join(frames))
@@ -345,8 +326,7 @@ def test_too_many_separate_ranges_is_a_request_error(server):
 
 def test_errors_kept_per_connection_are_capped_and_the_rest_counted(server):
     extra = 10
-    raw = Raw(server.address)
-    raw.hello()
+    raw = Raw.connected(server.address)
     raw.sock.sendall(send(WriteHeader(7, 0, 0)) * (P.MAX_ERRORS + extra))
     raw.send(ListRequest())  # a reply after the WRITEs: they have all been handled
     assert isinstance(raw.recv(), ListReply)
@@ -380,8 +360,7 @@ def test_what_a_connection_keeps_for_its_barrier_is_bounded():
 
 
 def test_need_list_names_each_pending_tensor_once(server):
-    raw = Raw(server.address)
-    raw.hello()
+    raw = Raw.connected(server.address)
     raw.send(Alloc(0, "a", "U8", (4,), 4))
     raw.send(Alloc(1, "b", "U8", (4,), 4))
     for _ in range(3):  # no cache here: every fill is a need, but each id is asked for once
@@ -393,8 +372,7 @@ def test_need_list_names_each_pending_tensor_once(server):
 
 
 def test_bad_requests_are_reported_at_the_barrier_and_the_connection_lives(server):
-    raw = Raw(server.address)
-    raw.hello()
+    raw = Raw.connected(server.address)
     raw.send(WriteHeader(7, 0, 5), b"12345")  # never allocated: payload drained
     raw.send(Alloc(0, "w", "U8", (4,), 4))
     raw.send(WriteHeader(0, 2, 4), b"abcd")  # runs past the end
@@ -411,21 +389,11 @@ def test_bad_requests_are_reported_at_the_barrier_and_the_connection_lives(serve
     assert _barrier(raw) == BarrierReply(0, 0)  # errors are reported once
 
 
-def test_a_weight_update_into_reused_memory_faults_nothing_in(monkeypatch):
+def test_a_weight_update_into_reused_memory_faults_nothing_in(touched):
     # the third version of a tensor lands in the first one's pool memory, every page of it
     # touched already: neither the receiver nor a helper asks the kernel to fault it in again
-    touched: list[int] = []
-    real = faulter_mod.fault_in
-
-    def counting(buf):
-        touched.append(len(buf))
-        real(buf)
-
-    monkeypatch.setattr(faulter_mod, "fault_in", counting)
-    monkeypatch.setattr(paths_mod, "populate", counting)
     with Server() as s:
-        raw = Raw(s.address)
-        raw.hello()
+        raw = Raw.connected(s.address)
         for version in range(3):
             if version == 2:
                 touched.clear()
