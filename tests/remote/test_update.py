@@ -554,3 +554,26 @@ def test_a_failed_update_forgets_the_kept_bases():
         with pytest.raises(TransportError):
             c.push(_step(v0, 0.01, seed=1))
         assert c.bases is not None and c.bases.nbytes == 0
+
+
+def test_an_in_place_switch_that_fails_on_any_error_takes_back_what_it_applied(monkeypatch):
+    from weightlift.errors import WeightliftError
+    from weightlift.remote.server import switch
+
+    real, calls = switch.codec.apply_hashed, []
+
+    def second_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("no memory for the chunk")  # not a DeltaError: any failure mid-switch
+        return real(*args, **kwargs)
+
+    v0 = _model()
+    with Server() as srv, Client(srv.address, keep_base=True) as c:
+        first = c.push(v0)
+        monkeypatch.setattr(switch.codec, "apply_hashed", second_fails)
+        with pytest.raises(WeightliftError, match="MemoryError"):
+            c.push(_step(v0, 0.01, seed=1), in_place=True)
+        assert len(calls) == 2
+        _holds(srv, v0)  # the first delta, applied in place, was taken back
+        assert srv.set_digest(v0) == first.set_digest

@@ -116,10 +116,15 @@ class Switch:
             undo = codec.Undo()
             try:
                 staged = self._apply(undo)
-            except (codec.DeltaError, _Failed) as e:
+            except Exception as e:  # a bad delta, or no memory for a chunk: every base applied goes back
                 undo.run()
                 self.abort()
-                return CommitReply(False, 0, store.generation, bytes(32), f"update not switched: {e}")
+                why = e if isinstance(e, (codec.DeltaError, _Failed)) else f"{type(e).__name__}: {e}"
+                return CommitReply(False, 0, store.generation, bytes(32), f"update not switched: {why}")
+            except BaseException:
+                undo.run()
+                self.abort()
+                raise
             generation, digests = store.switch(staged + held, list(self._names))
         for d in self._deltas.values():
             d.charge.release()
