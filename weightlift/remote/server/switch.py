@@ -144,7 +144,13 @@ class Switch:
             if self._cache is not None:  # no entry may be written from this memory as it changes
                 self._cache.behind.drop(d.base.tensor, wait=True)
             raw = as_bytes(d.base.tensor)
-            if codec.apply_hashed(d.encoding, d.payload.data, raw, raw, d.item, undo=undo) != d.digest:
+            try:
+                got = codec.apply_hashed(d.encoding, d.payload.data, raw, raw, d.item, undo=undo)
+            except codec.DeltaError as e:
+                raise _Failed(f"DELTA of {d.name!r}: {e}") from None
+            except Exception as e:  # no memory for a chunk, say
+                raise _Failed(f"DELTA of {d.name!r}: {type(e).__name__}: {e}") from e
+            if got != d.digest:
                 raise _Failed(f"{d.name!r}: the delta applied does not give the digest the client sent")
             b = d.base
             out.append(Staged(d.name, b.dtype, b.shape, b.nbytes, b.tensor, None, d.digest))
