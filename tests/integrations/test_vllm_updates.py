@@ -93,3 +93,11 @@ def test_the_rest_of_a_layer_is_held_to_the_checkpoints_shapes_too():
     held["model.layers.0.self_attn.k_proj.weight"] = np.zeros((3, 4), np.float32)  # not the model's (2, 4)
     with pytest.raises(OptionError, match=r"shapes differ: model.layers.0.self_attn.k_proj.weight \(3, 4\)"):
         checked(held, ["model.layers.0.self_attn.q_proj.weight"], EXPECTED)
+
+
+def test_without_the_checkpoint_a_name_still_brings_what_the_server_holds_of_its_layer():
+    held = _held(
+        ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight", "model.norm.weight"]
+    )
+    got = [n for n, _ in checked(held, ["model.layers.0.self_attn.q_proj.weight"], None)]
+    assert got == ["model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.q_proj.weight"]
