@@ -86,3 +86,18 @@ def test_checkpoint_shapes_reads_the_headers_or_gives_up(tmp_path):
     assert checkpoint_shapes("org/hub-name") is None  # not a folder: vLLM's loaders check alone
     (tmp_path / "model.safetensors").write_bytes(b"not a checkpoint")
     assert checkpoint_shapes(str(tmp_path)) is None
+
+
+def test_the_rest_of_a_layer_is_held_to_the_checkpoints_shapes_too():
+    held = _held(n for n in EXPECTED if "inv_freq" not in n)
+    held["model.layers.0.self_attn.k_proj.weight"] = np.zeros((3, 4), np.float32)  # not the model's (2, 4)
+    with pytest.raises(OptionError, match=r"shapes differ: model.layers.0.self_attn.k_proj.weight \(3, 4\)"):
+        checked(held, ["model.layers.0.self_attn.q_proj.weight"], EXPECTED)
+
+
+def test_without_the_checkpoint_a_name_still_brings_what_the_server_holds_of_its_layer():
+    held = _held(
+        ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight", "model.norm.weight"]
+    )
+    got = [n for n, _ in checked(held, ["model.layers.0.self_attn.q_proj.weight"], None)]
+    assert got == ["model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.q_proj.weight"]

@@ -166,3 +166,42 @@ def test_a_listing_pages_in_name_order():
     assert [n for n, _ in page] == names[:300] and more
     page, more = store.listing(names[899], 300)
     assert [n for n, _ in page] == names[900:] and not more
+
+
+def test_cache_held_writes_no_entry_from_memory_an_in_place_switch_changes(tmp_path):
+    import blake3
+
+    first = {"t0": _f32(300_000, 0)}
+    second = {"t0": first["t0"].copy()}
+    second["t0"][::1000] += 1  # arrives as a DELTA: not in the cache
+    third = {"t0": second["t0"].copy()}
+    third["t0"][::997] += 1
+    d1 = blake3.blake3(second["t0"].tobytes()).digest()
+    with Server(cache_dir=tmp_path / "cache") as s, Client(s.address, keep_base=True) as c:
+        c.push(first, hash_threshold=0)
+        c.push(second)
+        assert s.cache is not None and s.cache.flush(10) and not s.cache.has(d1, wait=False)
+        behind, switched = s.cache.behind, []
+        real = behind.submit
+
+        def racing(digest, tensor, view, sealed):
+            # an in-place update of the same tensor switches in while cache_held queues its entry;
+            # while cache_held holds in-place changes off, the switch waits for it (the join gives up)
+            t = threading.Thread(target=lambda: switched.append(c.push(third, in_place=True)))
+            t.start()
+            t.join(2)
+            racing.thread = t
+            return real(digest, tensor, view, sealed)
+
+        behind.submit = racing
+        try:
+            assert s.cache_held() == 1
+        finally:
+            behind.submit = real
+        racing.thread.join(30)
+        assert switched and np.array_equal(s.tensors()["t0"], third["t0"])
+        assert s.cache.flush(10)
+        if s.cache.has(d1, wait=False):  # written before the switch, or dropped by it: never another version
+            out = np.empty_like(second["t0"])
+            s.cache.read_into(d1, out)
+            assert np.array_equal(out, second["t0"])

@@ -3,6 +3,7 @@ sets switched in at once and proven by the set digest, and peers of the previous
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 
@@ -554,3 +555,46 @@ def test_a_failed_update_forgets_the_kept_bases():
         with pytest.raises(TransportError):
             c.push(_step(v0, 0.01, seed=1))
         assert c.bases is not None and c.bases.nbytes == 0
+
+
+def test_an_in_place_switch_that_fails_on_any_error_takes_back_what_it_applied(monkeypatch):
+    from weightlift.errors import WeightliftError
+    from weightlift.remote.server import switch
+
+    real, calls = switch.codec.apply_hashed, []
+
+    def second_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("no memory for the chunk")  # not a DeltaError: any failure mid-switch
+        return real(*args, **kwargs)
+
+    v0 = _model()
+    with Server() as srv, Client(srv.address, keep_base=True) as c:
+        first = c.push(v0)
+        monkeypatch.setattr(switch.codec, "apply_hashed", second_fails)
+        with pytest.raises(WeightliftError, match=r"DELTA of 'layer\.1': MemoryError"):
+            c.push(_step(v0, 0.01, seed=1), in_place=True)
+        assert len(calls) == 2
+        _holds(srv, v0)  # the first delta, applied in place, was taken back
+        assert srv.set_digest(v0) == first.set_digest
+
+
+def test_an_in_place_delta_that_does_not_decode_is_named_at_the_switch():
+    v0 = np.arange(1 << 12, dtype=np.float32)
+    with Server() as srv, Client(srv.address) as c:
+        c.push({"w": v0})
+        d0 = blake3.blake3(v0.tobytes()).digest()
+        payload = struct.pack("<II", 1 << 20, 1) + struct.pack("<I", 0)  # one chunk, no frame: fine
+        payload = payload[:4] + struct.pack("<I", 3) + payload[8:]  # three chunks stated for one
+        raw = Raw(srv.address)
+        raw.hello()
+        raw.send(Update(Update.FLAG_IN_PLACE))
+        raw.send(Delta(1, "w", "F32", v0.shape, v0.nbytes, DeltaEncoding.XOR, d0, bytes(32), len(payload)), payload)
+        assert _barrier(raw).errors == ()  # kept for the switch
+        raw.send(Commit())
+        commit = raw.recv()
+        assert isinstance(commit, CommitReply) and not commit.ok
+        assert "'w'" in commit.message and "chunks" in commit.message
+        assert srv.tensors()["w"].tobytes() == v0.tobytes()
+        raw.close()

@@ -244,3 +244,36 @@ def test_the_fused_apply_refuses_what_apply_refuses():
         D.apply_hashed(D.SAME, memoryview(b"x"), base, out, 2)
     with pytest.raises(D.DeltaError, match="encoding"):
         D.apply_hashed(7, memoryview(payload), base, out, 2)
+
+
+@pytest.mark.parametrize("encoding", [D.SPARSE, D.XOR])
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_frame_that_inflates_past_its_chunk_is_refused_before_it_is_inflated(encoding, fused):
+    """A hostile frame whose header states far more bytes than its chunk can hold: refused from
+    the header, with no allocation of the stated size (zstd sizes its output from the header)."""
+    import tracemalloc
+
+    import zstandard
+
+    base = np.zeros(64, np.uint8)
+    frame = zstandard.ZstdCompressor(level=1).compress(bytes(64 << 20))  # 64 MiB of zeros: a small frame
+    payload = memoryview(struct.pack("<III", 64, 1, len(frame)) + frame)
+    apply = D.apply_hashed if fused else D.apply
+    tracemalloc.start()
+    try:
+        with pytest.raises(D.DeltaError, match="more than"):
+            apply(encoding, payload, base, np.empty_like(base), 1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+def test_a_frame_without_its_size_is_bounded_as_it_inflates():
+    import zstandard
+
+    base = np.zeros(64, np.uint8)
+    frame = zstandard.ZstdCompressor(level=1, write_content_size=False).compress(bytes(1 << 20))
+    payload = memoryview(struct.pack("<III", 64, 1, len(frame)) + frame)
+    with pytest.raises(D.DeltaError):
+        D.apply(D.XOR, payload, base, np.empty_like(base), 1)

@@ -381,9 +381,15 @@ def _table(payload: memoryview, nbytes: int, item: int) -> tuple[int, list[tuple
 
 
 def _decompress(frame: memoryview, bound: int) -> bytes:
+    """The frame's bytes, at most ``bound`` of them. zstd allocates the size a frame's header
+    states and ignores ``max_output_size`` then: that size is checked first, so that a small
+    hostile frame cannot make the server allocate and fill gigabytes."""
     import zstandard
 
     try:
+        stated = zstandard.frame_content_size(frame)  # -1: not stated, bounded by max_output_size
+        if stated > bound:
+            raise DeltaError(f"DELTA chunk states {stated} bytes, more than its {bound}")
         raw: bytes = _zstd()[1].decompress(frame, max_output_size=bound)
     except zstandard.ZstdError as e:
         raise DeltaError(f"DELTA chunk does not decompress: {e}") from None

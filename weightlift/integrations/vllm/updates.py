@@ -67,23 +67,25 @@ def whole_layers(names: list[str], held: dict[str, Any], expected: Shapes) -> li
 
 def checked(held: dict[str, Any], names: list[str], expected: Shapes | None) -> list[tuple[str, Any]]:
     """``(name, tensor)`` for ``names`` and the rest of their decoder layers; OptionError if one
-    is not held, not in the checkpoint (``expected``; None: no such checks), or of another
-    shape there."""
+    is not held, not in the checkpoint (``expected``; None: no such checks, and a layer is what
+    the server holds of it), or (any of the layers' tensors) of another shape there."""
     if not names:
         raise OptionError("weight update refused: the server holds no tensors (push them first)")
     missing = [n for n in names if n not in held]
     if missing:
         raise OptionError(f"weight update refused: not on the server: {_some(missing)}")
-    if expected is not None:
-        unknown = [n for n in names if n not in expected]
-        if unknown:
-            raise OptionError(f"weight update refused: not in the model's checkpoint: {_some(unknown)}")
-        wrong = [
-            f"{n} {tuple(held[n].shape)} (the model's is {expected[n]})"
-            for n in names
-            if tuple(held[n].shape) != expected[n]
-        ]
-        if wrong:
-            raise OptionError(f"weight update refused: shapes differ: {_some(wrong)}")
-        names = whole_layers(names, held, expected)
+    if expected is None:  # no checkpoint to say what a layer holds: what the server holds of it
+        keys = {layer_key(n) for n in names}
+        return [(n, held[n]) for n in sorted(set(names) | {n for n in held if layer_key(n) in keys})]
+    unknown = [n for n in names if n not in expected]
+    if unknown:
+        raise OptionError(f"weight update refused: not in the model's checkpoint: {_some(unknown)}")
+    names = whole_layers(names, held, expected)  # the tensors a layer brings are checked as the named
+    wrong = [
+        f"{n} {tuple(held[n].shape)} (the model's is {expected[n]})"
+        for n in names
+        if tuple(held[n].shape) != expected[n]
+    ]
+    if wrong:
+        raise OptionError(f"weight update refused: shapes differ: {_some(wrong)}")
     return [(n, held[n]) for n in names]

@@ -304,14 +304,17 @@ class Server:
         if cache is None:
             return 0
         queued = 0
-        for name, e in self._store.entries(names).items():
-            if e.digest is None or getattr(getattr(e.tensor, "device", None), "type", "cpu") != "cpu":
-                continue
-            if cache.behind.pending(e.digest) or cache.has(e.digest, e.nbytes, wait=False):
-                continue
-            sealed = sealed_since(self._store, name, e.tensor)
-            if sealed is not None and cache.behind.submit(e.digest, e.tensor, as_bytes(e.tensor), sealed):
-                queued += 1
+        # in-place changes held off meanwhile: no switch changes a tensor between its entry read
+        # here and its job queued (a switch after drops the jobs of the memory it changes)
+        with self._store.reading():
+            for name, e in self._store.entries(names).items():
+                if e.digest is None or getattr(getattr(e.tensor, "device", None), "type", "cpu") != "cpu":
+                    continue
+                if cache.behind.pending(e.digest) or cache.has(e.digest, e.nbytes, wait=False):
+                    continue
+                sealed = sealed_since(self._store, name, e.tensor)
+                if sealed is not None and cache.behind.submit(e.digest, e.tensor, as_bytes(e.tensor), sealed):
+                    queued += 1
         return queued
 
     def set_digest(self, names: Iterable[str] | None = None) -> bytes:

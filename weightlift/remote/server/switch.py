@@ -116,10 +116,15 @@ class Switch:
             undo = codec.Undo()
             try:
                 staged = self._apply(undo)
-            except (codec.DeltaError, _Failed) as e:
+            except Exception as e:  # a bad delta, or no memory for a chunk: every base applied goes back
                 undo.run()
                 self.abort()
-                return CommitReply(False, 0, store.generation, bytes(32), f"update not switched: {e}")
+                why = e if isinstance(e, (codec.DeltaError, _Failed)) else f"{type(e).__name__}: {e}"
+                return CommitReply(False, 0, store.generation, bytes(32), f"update not switched: {why}")
+            except BaseException:
+                undo.run()
+                self.abort()
+                raise
             generation, digests = store.switch(staged + held, list(self._names))
         for d in self._deltas.values():
             d.charge.release()
@@ -139,7 +144,13 @@ class Switch:
             if self._cache is not None:  # no entry may be written from this memory as it changes
                 self._cache.behind.drop(d.base.tensor, wait=True)
             raw = as_bytes(d.base.tensor)
-            if codec.apply_hashed(d.encoding, d.payload.data, raw, raw, d.item, undo=undo) != d.digest:
+            try:
+                got = codec.apply_hashed(d.encoding, d.payload.data, raw, raw, d.item, undo=undo)
+            except codec.DeltaError as e:
+                raise _Failed(f"DELTA of {d.name!r}: {e}") from None
+            except Exception as e:  # no memory for a chunk, say
+                raise _Failed(f"DELTA of {d.name!r}: {type(e).__name__}: {e}") from e
+            if got != d.digest:
                 raise _Failed(f"{d.name!r}: the delta applied does not give the digest the client sent")
             b = d.base
             out.append(Staged(d.name, b.dtype, b.shape, b.nbytes, b.tensor, None, d.digest))
