@@ -5,6 +5,7 @@ I/O. A tensor is cut into chunks of ``chunk_bytes`` (a whole number of elements)
 encoded on its own (zstandard and numpy release the GIL) and an unchanged chunk costs four bytes. The payload::
 
     head   := chunk_bytes:u32  nchunks:u32           nchunks = ceil(nbytes / chunk_bytes)
+                                                     chunk_bytes >= min(MIN_CHUNK_BYTES, nbytes)
     table  := clen:u32 * nchunks                     0: the chunk is its base's bytes
     chunks := one zstd frame per chunk whose clen is not 0, in order
 
@@ -66,6 +67,10 @@ __all__ = [
 CHUNK_BYTES = 4 << 20  # tensor bytes per chunk: enough to compress well, small enough to spread over cores
 BLOCK_BYTES = 256 << 10  # bytes compared, changed and hashed at once: they stay in a core's cache between passes
 MAX_CHUNK_BYTES = 64 << 20  # the largest chunk a payload may state (what one worker decompresses at once)
+# the smallest chunk a payload may state, unless it is the whole tensor: a chunk costs a table
+# entry and a zstd call, so that tiny chunks would make a small payload cost the server much CPU
+# and bookkeeping. The encoder's chunks are CHUNK_BYTES less a part of an element, never smaller.
+MIN_CHUNK_BYTES = 64 << 10
 SPARSE_MAX = 0.05  # changed fraction of the sampled elements up to which SPARSE is chosen
 DENSE_RATIO_MAX = 0.75  # XOR is chosen where the sample compresses at least this well, else the tensor goes whole
 SAMPLE_BLOCKS = 64  # the estimate looks at this many evenly spaced blocks ...
@@ -121,10 +126,10 @@ def _elements(buf: np.ndarray, item: int) -> np.ndarray:
     return buf.view(kind) if kind is not None else buf.reshape(-1, item)
 
 
-def payload_bound(nbytes: int, item: int) -> int:
+def payload_bound(nbytes: int) -> int:
     """The most bytes a payload for a tensor of ``nbytes`` may take: never more than sending it
     whole (a client would send it whole), and the head and table of the smallest chunks."""
-    return nbytes + _HEAD.size + _U32.size * (nbytes // max(item, 1) + 1)
+    return nbytes + _HEAD.size + _U32.size * (nbytes // MIN_CHUNK_BYTES + 1)
 
 
 def copy(dest: np.ndarray, src: np.ndarray) -> None:
@@ -354,7 +359,10 @@ class Undo:
 
 
 def _table(payload: memoryview, nbytes: int, item: int) -> tuple[int, list[tuple[int, int, int]]]:
-    """(chunk_bytes, [(chunk start, frame offset, frame length)]) after checking every length."""
+    """(chunk_bytes, [(chunk start, frame offset, frame length)]) after checking every length.
+
+    The chunk size is checked before anything is sized from the count, and the table is read
+    as one array: a payload never makes the server build one object per entry it states."""
     if len(payload) < _HEAD.size:
         raise DeltaError(f"DELTA payload of {len(payload)} bytes has no head")
     chunk, count = _HEAD.unpack_from(payload)
@@ -362,22 +370,22 @@ def _table(payload: memoryview, nbytes: int, item: int) -> tuple[int, list[tuple
         raise DeltaError(
             f"DELTA chunk size {chunk} is not a whole number of {item}-byte elements up to {MAX_CHUNK_BYTES}"
         )
+    if chunk < min(MIN_CHUNK_BYTES, nbytes):
+        raise DeltaError(
+            f"DELTA chunk size {chunk} is below {MIN_CHUNK_BYTES} bytes and not the whole tensor of {nbytes}"
+        )
     if count != -(-nbytes // chunk):
         raise DeltaError(f"DELTA has {count} chunks; {nbytes} bytes in chunks of {chunk} make {-(-nbytes // chunk)}")
     pos = _HEAD.size + _U32.size * count
     if len(payload) < pos:
         raise DeltaError(f"DELTA payload of {len(payload)} bytes is shorter than its table of {count} chunks")
-    lengths = struct.unpack_from(f"<{count}I", payload, _HEAD.size)
-    if pos + sum(lengths) != len(payload):
-        raise DeltaError(
-            f"DELTA chunks take {sum(lengths)} bytes; the payload has {len(payload) - pos} after its table"
-        )
-    out = []
-    for i, clen in enumerate(lengths):
-        if clen:
-            out.append((i * chunk, pos, clen))
-        pos += clen
-    return chunk, out
+    lengths = np.frombuffer(payload, "<u4", count, _HEAD.size).astype(np.int64)
+    total = int(lengths.sum())
+    if pos + total != len(payload):
+        raise DeltaError(f"DELTA chunks take {total} bytes; the payload has {len(payload) - pos} after its table")
+    offsets = pos + np.cumsum(lengths) - lengths
+    named = np.flatnonzero(lengths)
+    return chunk, list(zip((named * chunk).tolist(), offsets[named].tolist(), lengths[named].tolist(), strict=True))
 
 
 def _decompress(frame: memoryview, bound: int) -> bytes:

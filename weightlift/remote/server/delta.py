@@ -78,7 +78,7 @@ class Deltas:
         it is longer than a whole tensor's encoding can be or does not fit in memory."""
         rx = self._rx
         why = None
-        if d.length > codec.payload_bound(d.nbytes, max(item_size(d.dtype), 1)):
+        if d.length > codec.payload_bound(d.nbytes):
             why = f"DELTA of {d.name!r}: {d.length} payload bytes for a tensor of {d.nbytes}"
         else:
             try:
