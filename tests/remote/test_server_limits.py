@@ -284,3 +284,10 @@ def test_connections_that_pin_host_memory_are_capped_together():
         raw.close()
         t.join(10)
     assert ctx.pins.used == 0
+
+
+def test_a_server_configs_token_stays_out_of_its_repr():
+    token = b"a token long enough for the weightlift server 0123456789"
+    config = ServerConfig(max_memory=1 << 20, token=token)
+    assert token.decode() not in repr(config) and "max_memory=1048576" in repr(config)
+    assert config.token == token
