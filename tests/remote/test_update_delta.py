@@ -309,3 +309,44 @@ def test_chunks_below_the_minimum_are_refused_before_the_table_is_read(fused):
     assert out.tobytes() == new.tobytes()
     for item in (1, 2, 3, 8, 16, 3 << 20, 5 << 20):
         assert D._chunk_size(item) >= D.MIN_CHUNK_BYTES
+
+
+def _every_element_changed(nbytes: int, item: int) -> memoryview:
+    """A hostile SPARSE payload: one chunk in which every element changed (to zero), the largest
+    a SPARSE frame may decode to, from a frame of a few hundred bytes."""
+    import zstandard
+
+    n = nbytes // item
+    blob = struct.pack("<I", n) + np.ones(n, "<u4").tobytes() + bytes(nbytes)
+    blob = blob[:4] + bytes(4) + blob[8:]  # the first position is 0, each other one more
+    frame = zstandard.ZstdCompressor(level=1).compress(blob)
+    return memoryview(struct.pack("<III", nbytes, 1, len(frame)) + frame)
+
+
+@pytest.mark.parametrize("item", [1, 2, 4, 8])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_sparse_frame_decodes_within_its_stated_scratch(item, in_place):
+    """What applying a SPARSE frame takes besides its inputs and its output stays within
+    scratch_bound (which a server charges before it applies), a small multiple of the chunk; in
+    place, what the undo keeps is counted in Undo.nbytes."""
+    import tracemalloc
+
+    nbytes = 1 << 20
+    payload = _every_element_changed(nbytes, item)
+    bound = D.scratch_bound(D.SPARSE, payload, nbytes, item)
+    assert bound <= (1 + 10 / item) * nbytes + 64
+    base = np.full(nbytes, 0xAB, np.uint8)
+    out, undo = (base, D.Undo()) if in_place else (np.empty_like(base), None)
+    tracemalloc.start()
+    try:
+        digest = D.apply_hashed(D.SPARSE, payload, base, out, item, undo=undo)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert digest == blake3.blake3(bytes(nbytes)).digest() and not out.any()
+    kept = undo.nbytes if undo is not None else 0
+    assert peak <= bound + kept + (64 << 10)
+    if undo is not None:
+        assert kept == (4 + item) * (nbytes // item)  # the old elements and their positions
+        undo.run()
+        assert (base == 0xAB).all()

@@ -61,6 +61,7 @@ __all__ = [
     "apply",
     "apply_hashed",
     "payload_bound",
+    "scratch_bound",
     "copy",
 ]
 
@@ -342,20 +343,44 @@ def scan(
 
 
 class Undo:
-    """How to take an in-place application back: the elements SPARSE overwrote, or XOR again."""
+    """How to take an in-place application back: the elements SPARSE overwrote, or XOR again.
+    ``nbytes``: the memory its steps keep (SPARSE's old elements and their positions)."""
 
     def __init__(self) -> None:
         self.steps: list[Callable[[], None]] = []
+        self.nbytes = 0
         self._lock = threading.Lock()
 
-    def add(self, step: Callable[[], None]) -> None:
+    def add(self, step: Callable[[], None], nbytes: int = 0) -> None:
         with self._lock:
             self.steps.append(step)
+            self.nbytes += nbytes
 
     def run(self) -> None:
         for step in reversed(self.steps):
             step()
         self.steps = []
+        self.nbytes = 0
+
+
+def scratch_bound(encoding: int, payload: memoryview, nbytes: int, item: int) -> int:
+    """The most memory :func:`apply_hashed` takes besides its inputs and its output while it
+    applies ``payload`` to a tensor of ``nbytes`` (it works a chunk at a time): one chunk's
+    decompressed frame and, for SPARSE, the changes' positions and one block's indices. What an
+    in-place application keeps to be undone comes on top (:attr:`Undo.nbytes`). 0 for a payload
+    refused from its head. A server charges it before it applies."""
+    if encoding not in (SPARSE, XOR) or item < 1 or len(payload) < _HEAD.size:
+        return 0
+    chunk = min(_HEAD.unpack_from(payload)[0], MAX_CHUNK_BYTES, nbytes)
+    if encoding == XOR:
+        return chunk
+    n = chunk // item
+    return _sparse_raw_bound(n, item) + _U32.size * n + 8 * (_block(item) // item + 1)
+
+
+def _sparse_raw_bound(n: int, item: int) -> int:
+    """The most bytes a SPARSE frame of a chunk of ``n`` elements may decompress to."""
+    return _U32.size + n * (_U32.size + item)
 
 
 def _table(payload: memoryview, nbytes: int, item: int) -> tuple[int, list[tuple[int, int, int]]]:
@@ -423,18 +448,20 @@ def _apply_xor(frame: memoryview, base: np.ndarray, out: np.ndarray, hasher: Any
 def _sparse_decode(frame: memoryview, nbytes: int, item: int) -> tuple[np.ndarray, np.ndarray]:
     """A SPARSE chunk's (element positions, new elements), every length and position checked."""
     n = nbytes // item
-    raw = _decompress(frame, _U32.size + n * (_U32.size + item))
+    raw = _decompress(frame, _sparse_raw_bound(n, item))
     if len(raw) < _U32.size:
         raise DeltaError("SPARSE chunk has no count")
     (count,) = _U32.unpack_from(raw)
-    if count > n or len(raw) != _U32.size + count * (_U32.size + item):
+    if count > n or len(raw) != _sparse_raw_bound(count, item):
         raise DeltaError(f"SPARSE chunk of {len(raw)} bytes does not hold {count} of at most {n} elements")
     gaps = np.frombuffer(raw, "<u4", count, _U32.size)
     if count > 1 and not gaps[1:].all():
         raise DeltaError("SPARSE positions are not strictly increasing within the chunk")
-    pos = np.cumsum(gaps, dtype=np.int64)
-    if count and pos[-1] >= n:
-        raise DeltaError(f"SPARSE position {pos[-1]} lies past the chunk's {n} elements")
+    last = int(gaps.sum(dtype=np.uint64))
+    if count and last >= n:
+        raise DeltaError(f"SPARSE position {last} lies past the chunk's {n} elements")
+    # four bytes a position, exact: every partial sum is at most the last, below n (< 2**32)
+    pos = np.cumsum(gaps, dtype=np.uint32)
     return pos, _elements(np.frombuffer(raw, np.uint8, count * item, _U32.size * (count + 1)), item)
 
 
@@ -452,8 +479,8 @@ def _apply_sparse(
     pos, vals = _sparse_decode(frame, base.nbytes, item)
     dest = _elements(out, item)
     if in_place and undo is not None:
-        old = dest[pos].copy()
-        undo.add(lambda: dest.__setitem__(pos, old))
+        old = dest[pos]  # a copy already (an index array)
+        undo.add(lambda: dest.__setitem__(pos, old), pos.nbytes + old.nbytes)
     if hasher is None:
         if not in_place:
             np.copyto(out, base)
@@ -461,7 +488,8 @@ def _apply_sparse(
         return
     block = _block(item)
     per = block // item
-    cuts = np.searchsorted(pos, np.arange(1, -(-base.nbytes // block) + 1) * per)
+    # the needles in the positions' own dtype: mixed ones would make searchsorted copy them wider
+    cuts = np.searchsorted(pos, (np.arange(1, -(-base.nbytes // block) + 1) * per).astype(pos.dtype))
     lo = 0
     for k, o in enumerate(range(0, base.nbytes, block)):
         ob = out[o : o + block]

@@ -156,6 +156,8 @@ class Deltas:
             rx.dests.ensure(p, fault=False)
             rx.dests.unfault(p)  # the delta writes every byte: no helper faults it in meanwhile
             out = as_bytes(p.dest)
+            # what applying takes besides the payload (a chunk's decoded frame), charged with it
+            charge.grow(codec.scratch_bound(d.encoding, payload.data, d.nbytes, item_size(d.dtype)))
             # read as a READ reads: another client's in-place switch of the base waits for the
             # pass, and one that came first is seen here (the base changed: sent whole instead)
             with self._store.reading(), self._prof.phase("stage", d.nbytes, name="delta " + d.name):
@@ -169,7 +171,7 @@ class Deltas:
         except codec.DeltaError as e:
             rx.abandon(d.tensor_id, f"DELTA of {d.name!r}: {e}")
             return False
-        except Exception as e:  # no memory for the result after all
+        except Exception as e:  # no memory for the result or for applying, after all
             rx.abandon(d.tensor_id, f"DELTA of {d.name!r}: {type(e).__name__}: {e}")
             return False
         if not ok:
