@@ -164,3 +164,10 @@ def test_loads_typed_overloads_keep_its_keywords():
         params = inspect.signature(ov).parameters
         assert list(params) == list(impl)
         assert [p.kind for p in params.values()] == [p.kind for p in impl.values()]
+
+
+def test_a_token_stays_out_of_the_options_repr():
+    token = "a token long enough for the weightlift server 0123456789"
+    opts = LoadOptions(token=token)
+    assert token not in repr(opts) and "device='cpu'" in repr(opts)
+    assert opts.token == token

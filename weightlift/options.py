@@ -127,7 +127,7 @@ class LoadOptions:
     progress: bool | None = None
     report: dict[str, Any] | None = None
     remote: Mapping[str, Select] | None = None
-    token: str | bytes | None = None
+    token: str | bytes | None = field(default=None, repr=False)  # a secret: never in a log line or a traceback
     streams: int = 1
     #: a :class:`weightlift.Shard` (typed in ``load``'s signature; the distributed layer sits above this one)
     shard: object | None = None

@@ -286,3 +286,11 @@ class TestWeightTransfer:
         assert again.bytes_sent == 0 and again.cached == len(second)
         self._update(llm)
         assert _tokens(llm) == default_tokens(("llama", "step"))
+
+
+def test_the_engines_init_info_keeps_its_token_out_of_its_repr():
+    from weightlift.integrations.vllm.engine import WeightliftInitInfo
+
+    info = WeightliftInitInfo(port=7, token=TOKEN)
+    assert TOKEN not in repr(info) and TOKEN not in str(info) and "port=7" in repr(info)
+    assert info.token == TOKEN

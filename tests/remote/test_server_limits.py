@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import socket
+import struct
 import threading
 import tracemalloc
 
@@ -284,3 +285,46 @@ def test_connections_that_pin_host_memory_are_capped_together():
         raw.close()
         t.join(10)
     assert ctx.pins.used == 0
+
+
+def test_a_server_configs_token_stays_out_of_its_repr():
+    token = b"a token long enough for the weightlift server 0123456789"
+    config = ServerConfig(max_memory=1 << 20, token=token)
+    assert token.decode() not in repr(config) and "max_memory=1048576" in repr(config)
+    assert config.token == token
+
+
+def test_what_applying_a_delta_takes_is_charged_before_it_is_decoded():
+    """A SPARSE DELTA of a few hundred bytes whose one chunk says every element changed decodes
+    to several times the tensor: that is charged before it is decoded, in and out of place, so
+    a server with room for the base, the result and the payload refuses it at its limit."""
+    import blake3
+    import zstandard
+
+    from weightlift.remote.protocol import Commit, CommitReply, Delta, DeltaEncoding, Update
+
+    n = 1 << 20
+    base = np.full(n, 0xAB, np.uint8)
+    d0, d1 = blake3.blake3(base).digest(), blake3.blake3(bytes(n)).digest()
+    blob = struct.pack("<II", n, 0) + struct.pack("<I", 1) * (n - 1) + bytes(n)  # every element set to 0
+    frame = zstandard.ZstdCompressor(level=1).compress(blob)
+    payload = struct.pack("<III", n, 1, len(frame)) + frame
+    limit = 2 * entry_cost("w", n) + (2 << 20)  # room for the base and the result, not the decode
+    with Server(max_memory=limit) as s:
+        raw = Raw.connected(s.address)
+        raw.send(Alloc(0, "w", "U8", (n,), n, d0, True))  # verified: the server knows its digest
+        raw.send(WriteHeader(0, 0, n), base.tobytes())
+        assert _barrier(raw).tensors == 1
+        for tid, flags in ((1, None), (2, Update.FLAG_IN_PLACE)):
+            if flags is not None:
+                raw.send(Update(flags))
+            raw.send(Delta(tid, "w", "U8", (n,), n, DeltaEncoding.SPARSE, d0, d1, len(payload)), payload)
+            reply = _barrier(raw)
+            if flags is None:
+                assert reply.errors and "memory limit" in reply.errors[0]
+            else:
+                raw.send(Commit())
+                commit = raw.recv()
+                assert isinstance(commit, CommitReply) and not commit.ok and "memory limit" in commit.message
+            assert s.tensors()["w"].tobytes() == base.tobytes() and s.memory_used <= limit
+        raw.close()

@@ -598,3 +598,63 @@ def test_an_in_place_delta_that_does_not_decode_is_named_at_the_switch():
         assert "'w'" in commit.message and "chunks" in commit.message
         assert srv.tensors()["w"].tobytes() == v0.tobytes()
         raw.close()
+
+
+def test_a_delta_applied_beside_an_in_place_switch_of_its_base_reads_one_version(monkeypatch):
+    """One client's out-of-place DELTA reads its base while another client's in-place update of
+    the same tensor switches in: the switch waits for the pass (it changes memory a READ would
+    read), so the delta sees one version of its base and its result is proven."""
+    v0 = {"layer.0": _model()["layer.0"]}
+    v1, v2 = _step(v0, 0.01, seed=1), _step(v0, 0.01, seed=2)
+    real, other = D.apply_hashed, {}
+
+    def racing(encoding, payload, base, out, item, **kw):
+        if out is not base and "thread" not in other:  # b's delta, read out of place
+            a = Client(srv.address)
+
+            def switch():
+                try:
+                    other["reply"] = a.push(v2, base=v0, in_place=True)
+                except Exception as e:  # refused: b's version replaced the base it named
+                    other["reply"] = e
+
+            t = other["thread"] = threading.Thread(target=switch)
+            t.start()
+            t.join(2)  # a's switch runs now, unless it waits for this pass (the join gives up)
+            other["client"] = a
+        return real(encoding, payload, base, out, item, **kw)
+
+    with Server() as srv, Client(srv.address, keep_base=True) as b:
+        b.push(v0)
+        monkeypatch.setattr(D, "apply_hashed", racing)
+        r = b.push(v1)
+        other["thread"].join(30)
+        other["client"].close()
+        assert r.deltas == 1 and r.set_digest == set_digest(_digests(v1))
+        got = srv.tensors()["layer.0"].tobytes()
+        assert got in (_bytes(v1["layer.0"]), _bytes(v2["layer.0"]))  # one client's version, whole
+
+
+def test_a_delta_whose_base_is_switched_in_place_before_it_applies_goes_whole(monkeypatch):
+    """Another client's in-place update of the base switches in after this DELTA found its base
+    but before it reads it: the delta sees the base changed and the tensor is sent whole."""
+    from weightlift.remote.server.store import Store
+
+    v0 = {"layer.0": _model()["layer.0"]}
+    v1, v2 = _step(v0, 0.01, seed=1), _step(v0, 0.01, seed=2)
+    real, other = Store.reading, {}
+
+    def switched_first(store):
+        if "done" not in other:
+            other["done"] = True
+            with Client(srv.address) as a:  # the in-place switch of the same tensor, run to its end
+                other["reply"] = a.push(v2, base=v0, in_place=True)
+        return real(store)
+
+    with Server() as srv, Client(srv.address, keep_base=True) as b:
+        b.push(v0)
+        monkeypatch.setattr(Store, "reading", switched_first)
+        r = b.push(v1)
+        assert other["reply"].deltas == 1  # a's update switched in while b's delta waited
+        assert r.deltas == 0 and r.set_digest == set_digest(_digests(v1))  # refused, then sent whole
+        _holds(srv, v1)

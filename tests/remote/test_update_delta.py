@@ -56,8 +56,8 @@ def test_every_encoding_gives_the_new_bytes_back(encoding, item, frac):
 
 
 def test_chunks_across_many_cores_and_an_unaligned_tail(monkeypatch):
-    monkeypatch.setattr(D, "CHUNK_BYTES", 4096)
-    base, new = _pair(2, 100_003, 0.02, seed=3)
+    monkeypatch.setattr(D, "CHUNK_BYTES", D.MIN_CHUNK_BYTES)  # the smallest chunks a payload may have
+    base, new = _pair(2, 300_007, 0.02, seed=3)
     _roundtrip(D.SPARSE, base, new, 2)
     _roundtrip(D.XOR, base, new, 2)
 
@@ -277,3 +277,76 @@ def test_a_frame_without_its_size_is_bounded_as_it_inflates():
     payload = memoryview(struct.pack("<III", 64, 1, len(frame)) + frame)
     with pytest.raises(D.DeltaError):
         D.apply(D.XOR, payload, base, np.empty_like(base), 1)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_chunks_below_the_minimum_are_refused_before_the_table_is_read(fused):
+    """A hostile payload of one-byte chunks (a table entry and a zstd call per byte of the tensor):
+    refused from its head, with nothing sized from its count; a chunk under the minimum that is
+    the whole tensor is fine, and the encoder never cuts chunks under the minimum."""
+    import tracemalloc
+
+    nbytes = 1 << 20
+    base = np.zeros(nbytes, np.uint8)
+    payload = memoryview(struct.pack("<II", 1, nbytes) + bytes(4 * nbytes))  # every chunk its base's bytes
+    assert len(payload) > D.payload_bound(nbytes)  # a server drains it unread, from the DELTA's header
+    apply, out = D.apply_hashed if fused else D.apply, np.empty_like(base)
+    tracemalloc.start()
+    try:
+        with pytest.raises(D.DeltaError, match="below"):
+            apply(D.XOR, payload, base, out, 1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 16
+    small = np.zeros(4096, np.uint8)
+    new = small.copy()
+    new[7] = 1
+    whole = memoryview(b"".join(D.encode(D.SPARSE, new, small, 1, limit=1 << 30)))
+    assert struct.unpack_from("<II", whole) == (D.CHUNK_BYTES, 1)
+    out = np.empty_like(small)
+    apply(D.SPARSE, whole, small, out, 1)
+    assert out.tobytes() == new.tobytes()
+    for item in (1, 2, 3, 8, 16, 3 << 20, 5 << 20):
+        assert D._chunk_size(item) >= D.MIN_CHUNK_BYTES
+
+
+def _every_element_changed(nbytes: int, item: int) -> memoryview:
+    """A hostile SPARSE payload: one chunk in which every element changed (to zero), the largest
+    a SPARSE frame may decode to, from a frame of a few hundred bytes."""
+    import zstandard
+
+    n = nbytes // item
+    blob = struct.pack("<I", n) + np.ones(n, "<u4").tobytes() + bytes(nbytes)
+    blob = blob[:4] + bytes(4) + blob[8:]  # the first position is 0, each other one more
+    frame = zstandard.ZstdCompressor(level=1).compress(blob)
+    return memoryview(struct.pack("<III", nbytes, 1, len(frame)) + frame)
+
+
+@pytest.mark.parametrize("item", [1, 2, 4, 8])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_sparse_frame_decodes_within_its_stated_scratch(item, in_place):
+    """What applying a SPARSE frame takes besides its inputs and its output stays within
+    scratch_bound (which a server charges before it applies), a small multiple of the chunk; in
+    place, what the undo keeps is counted in Undo.nbytes."""
+    import tracemalloc
+
+    nbytes = 1 << 20
+    payload = _every_element_changed(nbytes, item)
+    bound = D.scratch_bound(D.SPARSE, payload, nbytes, item)
+    assert bound <= (1 + 10 / item) * nbytes + 64
+    base = np.full(nbytes, 0xAB, np.uint8)
+    out, undo = (base, D.Undo()) if in_place else (np.empty_like(base), None)
+    tracemalloc.start()
+    try:
+        digest = D.apply_hashed(D.SPARSE, payload, base, out, item, undo=undo)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert digest == blake3.blake3(bytes(nbytes)).digest() and not out.any()
+    kept = undo.nbytes if undo is not None else 0
+    assert peak <= bound + kept + (64 << 10)
+    if undo is not None:
+        assert kept == (4 + item) * (nbytes // item)  # the old elements and their positions
+        undo.run()
+        assert (base == 0xAB).all()

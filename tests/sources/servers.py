@@ -153,6 +153,8 @@ class Faults:
     reset: int = 0
     #: answer every request with 403 AccessDenied
     deny: bool = False
+    #: answer 403 AccessDenied where the upstream has no such key (S3 without ListBucket does)
+    deny_missing: bool = False
     #: called once before the ranged GET number ``replace_at`` (1-based) is forwarded
     replace: Callable[[], None] | None = None
     replace_at: int = 0
@@ -225,22 +227,17 @@ class FaultProxy:
             h.connection.shutdown(socket.SHUT_RDWR)
             return
         if fault in ("throttle", "deny"):
-            code, s3code = (503, "SlowDown") if fault == "throttle" else (403, "AccessDenied")
-            msg = (
-                f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{s3code}</Code><Message>injected</Message></Error>'
-            )
-            payload = msg.encode()
-            h.send_response(code)
-            h.send_header("Content-Type", "application/xml")
-            h.send_header("Content-Length", str(len(payload)))
-            h.end_headers()
-            h.wfile.write(payload)
+            self._refuse(h, method, *((503, "SlowDown") if fault == "throttle" else (403, "AccessDenied")))
             return
         conn = http.client.HTTPConnection("127.0.0.1", self.upstream, timeout=30)
         headers = {k: v for k, v in h.headers.items() if k.lower() not in ("connection", "keep-alive")}
         conn.request(method, h.path, body=body, headers=headers)
         r = conn.getresponse()
         data = r.read() if method != "HEAD" else b""
+        if r.status == 404 and self.faults.deny_missing:
+            conn.close()
+            self._refuse(h, method, 403, "AccessDenied")
+            return
         half = len(data) // 2
         h.send_response(r.status)
         for k, v in r.getheaders():
@@ -266,6 +263,16 @@ class FaultProxy:
         if data:
             h.wfile.write(data)
         conn.close()
+
+    @staticmethod
+    def _refuse(h: BaseHTTPRequestHandler, method: str, code: int, s3code: str) -> None:
+        msg = f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{s3code}</Code><Message>injected</Message></Error>'
+        payload = msg.encode() if method != "HEAD" else b""
+        h.send_response(code)
+        h.send_header("Content-Type", "application/xml")
+        h.send_header("Content-Length", str(len(payload)))
+        h.end_headers()
+        h.wfile.write(payload)
 
     def close(self) -> None:
         self.server.shutdown()

@@ -102,6 +102,29 @@ def test_from_s3_with_a_given_config_and_without_a_generation_config(s3, folder)
     assert model.generation_config.max_new_tokens != 7  # the folder's defaults: there was none to read
 
 
+def test_from_s3_without_list_permission_a_missing_generation_config_is_absent(s3, folder, caplog):
+    """S3 answers 403 for a missing key to a caller that may not list the bucket: the optional
+    generation config is then taken as absent (logged at debug), a required file's 403 stays an
+    error naming the object."""
+    import logging
+
+    from weightlift.errors import FileError
+
+    client, proxy = s3
+    url = _upload(client, folder, "hf-nolist")
+    client.delete_object(Bucket=BUCKET, Key="hf-nolist/generation_config.json")
+    proxy.faults.deny_missing = True
+    with caplog.at_level(logging.DEBUG, logger="weightlift"):
+        model = hf.from_pretrained(url)
+    assert torch.equal(_logits(model), _logits(hf.from_pretrained(folder)))
+    assert model.generation_config.max_new_tokens != 7  # none was read
+    assert any("generation_config.json" in r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG)
+    client.delete_object(Bucket=BUCKET, Key="hf-nolist/config.json")
+    with pytest.raises(FileError, match="access denied") as e:
+        hf.from_pretrained(url)
+    assert "hf-nolist/config.json" in str(e.value)
+
+
 def test_verified_from_s3(s3, folder):
     from weightlift.digest.published import make_manifest
 

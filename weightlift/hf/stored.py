@@ -11,12 +11,15 @@ disk.
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 from weightlift.checkpoint import Checkpoint
-from weightlift.errors import NotFoundError
+from weightlift.errors import FileError, NotFoundError
 
 __all__ = ["model_folder", "SMALL_FILES", "MAX_SMALL_FILE"]
 
@@ -25,6 +28,21 @@ __all__ = ["model_folder", "SMALL_FILES", "MAX_SMALL_FILE"]
 SMALL_FILES = ("config.json", "generation_config.json")
 #: the largest small file read from a store
 MAX_SMALL_FILE = 16 * 1024 * 1024
+
+_log = logging.getLogger("weightlift.hf")
+
+
+def _present(src: Any, url: str, required: bool) -> bool:
+    """Whether the small file ``url`` is in the store. S3 answers a caller who may not list the
+    bucket 403, not 404, for a key that does not exist: for an optional file that is taken as
+    absent; for a required one it stays the error, naming the object."""
+    try:
+        return bool(src.exists(url))
+    except FileError as e:
+        if required or e.errno != errno.EACCES:
+            raise
+        _log.debug("%s: access denied, taken as absent (a store that may not be listed says so for a missing key)", url)
+        return False
 
 
 @contextlib.contextmanager
@@ -40,7 +58,7 @@ def model_folder(path: str | os.PathLike[str], ckpt: Checkpoint, *, config: bool
     with tempfile.TemporaryDirectory(prefix="weightlift-hf-") as tmp:
         for name in SMALL_FILES if config else SMALL_FILES[1:]:
             url = src.sibling(ckpt.path, name)
-            if not src.exists(url):
+            if not _present(src, url, required=name == "config.json"):
                 if name == "config.json":
                     raise NotFoundError(
                         "no config.json beside the checkpoint (a folder written by save_pretrained has one; "

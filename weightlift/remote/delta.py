@@ -5,6 +5,7 @@ I/O. A tensor is cut into chunks of ``chunk_bytes`` (a whole number of elements)
 encoded on its own (zstandard and numpy release the GIL) and an unchanged chunk costs four bytes. The payload::
 
     head   := chunk_bytes:u32  nchunks:u32           nchunks = ceil(nbytes / chunk_bytes)
+                                                     chunk_bytes >= min(MIN_CHUNK_BYTES, nbytes)
     table  := clen:u32 * nchunks                     0: the chunk is its base's bytes
     chunks := one zstd frame per chunk whose clen is not 0, in order
 
@@ -60,12 +61,17 @@ __all__ = [
     "apply",
     "apply_hashed",
     "payload_bound",
+    "scratch_bound",
     "copy",
 ]
 
 CHUNK_BYTES = 4 << 20  # tensor bytes per chunk: enough to compress well, small enough to spread over cores
 BLOCK_BYTES = 256 << 10  # bytes compared, changed and hashed at once: they stay in a core's cache between passes
 MAX_CHUNK_BYTES = 64 << 20  # the largest chunk a payload may state (what one worker decompresses at once)
+# the smallest chunk a payload may state, unless it is the whole tensor: a chunk costs a table
+# entry and a zstd call, so that tiny chunks would make a small payload cost the server much CPU
+# and bookkeeping. The encoder's chunks are CHUNK_BYTES less a part of an element, never smaller.
+MIN_CHUNK_BYTES = 64 << 10
 SPARSE_MAX = 0.05  # changed fraction of the sampled elements up to which SPARSE is chosen
 DENSE_RATIO_MAX = 0.75  # XOR is chosen where the sample compresses at least this well, else the tensor goes whole
 SAMPLE_BLOCKS = 64  # the estimate looks at this many evenly spaced blocks ...
@@ -121,10 +127,10 @@ def _elements(buf: np.ndarray, item: int) -> np.ndarray:
     return buf.view(kind) if kind is not None else buf.reshape(-1, item)
 
 
-def payload_bound(nbytes: int, item: int) -> int:
+def payload_bound(nbytes: int) -> int:
     """The most bytes a payload for a tensor of ``nbytes`` may take: never more than sending it
     whole (a client would send it whole), and the head and table of the smallest chunks."""
-    return nbytes + _HEAD.size + _U32.size * (nbytes // max(item, 1) + 1)
+    return nbytes + _HEAD.size + _U32.size * (nbytes // MIN_CHUNK_BYTES + 1)
 
 
 def copy(dest: np.ndarray, src: np.ndarray) -> None:
@@ -337,24 +343,51 @@ def scan(
 
 
 class Undo:
-    """How to take an in-place application back: the elements SPARSE overwrote, or XOR again."""
+    """How to take an in-place application back: the elements SPARSE overwrote, or XOR again.
+    ``nbytes``: the memory its steps keep (SPARSE's old elements and their positions)."""
 
     def __init__(self) -> None:
         self.steps: list[Callable[[], None]] = []
+        self.nbytes = 0
         self._lock = threading.Lock()
 
-    def add(self, step: Callable[[], None]) -> None:
+    def add(self, step: Callable[[], None], nbytes: int = 0) -> None:
         with self._lock:
             self.steps.append(step)
+            self.nbytes += nbytes
 
     def run(self) -> None:
         for step in reversed(self.steps):
             step()
         self.steps = []
+        self.nbytes = 0
+
+
+def scratch_bound(encoding: int, payload: memoryview, nbytes: int, item: int) -> int:
+    """The most memory :func:`apply_hashed` takes besides its inputs and its output while it
+    applies ``payload`` to a tensor of ``nbytes`` (it works a chunk at a time): one chunk's
+    decompressed frame and, for SPARSE, the changes' positions and one block's indices. What an
+    in-place application keeps to be undone comes on top (:attr:`Undo.nbytes`). 0 for a payload
+    refused from its head. A server charges it before it applies."""
+    if encoding not in (SPARSE, XOR) or item < 1 or len(payload) < _HEAD.size:
+        return 0
+    chunk = min(_HEAD.unpack_from(payload)[0], MAX_CHUNK_BYTES, nbytes)
+    if encoding == XOR:
+        return chunk
+    n = chunk // item
+    return _sparse_raw_bound(n, item) + _U32.size * n + 8 * (_block(item) // item + 1)
+
+
+def _sparse_raw_bound(n: int, item: int) -> int:
+    """The most bytes a SPARSE frame of a chunk of ``n`` elements may decompress to."""
+    return _U32.size + n * (_U32.size + item)
 
 
 def _table(payload: memoryview, nbytes: int, item: int) -> tuple[int, list[tuple[int, int, int]]]:
-    """(chunk_bytes, [(chunk start, frame offset, frame length)]) after checking every length."""
+    """(chunk_bytes, [(chunk start, frame offset, frame length)]) after checking every length.
+
+    The chunk size is checked before anything is sized from the count, and the table is read
+    as one array: a payload never makes the server build one object per entry it states."""
     if len(payload) < _HEAD.size:
         raise DeltaError(f"DELTA payload of {len(payload)} bytes has no head")
     chunk, count = _HEAD.unpack_from(payload)
@@ -362,22 +395,22 @@ def _table(payload: memoryview, nbytes: int, item: int) -> tuple[int, list[tuple
         raise DeltaError(
             f"DELTA chunk size {chunk} is not a whole number of {item}-byte elements up to {MAX_CHUNK_BYTES}"
         )
+    if chunk < min(MIN_CHUNK_BYTES, nbytes):
+        raise DeltaError(
+            f"DELTA chunk size {chunk} is below {MIN_CHUNK_BYTES} bytes and not the whole tensor of {nbytes}"
+        )
     if count != -(-nbytes // chunk):
         raise DeltaError(f"DELTA has {count} chunks; {nbytes} bytes in chunks of {chunk} make {-(-nbytes // chunk)}")
     pos = _HEAD.size + _U32.size * count
     if len(payload) < pos:
         raise DeltaError(f"DELTA payload of {len(payload)} bytes is shorter than its table of {count} chunks")
-    lengths = struct.unpack_from(f"<{count}I", payload, _HEAD.size)
-    if pos + sum(lengths) != len(payload):
-        raise DeltaError(
-            f"DELTA chunks take {sum(lengths)} bytes; the payload has {len(payload) - pos} after its table"
-        )
-    out = []
-    for i, clen in enumerate(lengths):
-        if clen:
-            out.append((i * chunk, pos, clen))
-        pos += clen
-    return chunk, out
+    lengths = np.frombuffer(payload, "<u4", count, _HEAD.size).astype(np.int64)
+    total = int(lengths.sum())
+    if pos + total != len(payload):
+        raise DeltaError(f"DELTA chunks take {total} bytes; the payload has {len(payload) - pos} after its table")
+    offsets = pos + np.cumsum(lengths) - lengths
+    named = np.flatnonzero(lengths)
+    return chunk, list(zip((named * chunk).tolist(), offsets[named].tolist(), lengths[named].tolist(), strict=True))
 
 
 def _decompress(frame: memoryview, bound: int) -> bytes:
@@ -415,18 +448,20 @@ def _apply_xor(frame: memoryview, base: np.ndarray, out: np.ndarray, hasher: Any
 def _sparse_decode(frame: memoryview, nbytes: int, item: int) -> tuple[np.ndarray, np.ndarray]:
     """A SPARSE chunk's (element positions, new elements), every length and position checked."""
     n = nbytes // item
-    raw = _decompress(frame, _U32.size + n * (_U32.size + item))
+    raw = _decompress(frame, _sparse_raw_bound(n, item))
     if len(raw) < _U32.size:
         raise DeltaError("SPARSE chunk has no count")
     (count,) = _U32.unpack_from(raw)
-    if count > n or len(raw) != _U32.size + count * (_U32.size + item):
+    if count > n or len(raw) != _sparse_raw_bound(count, item):
         raise DeltaError(f"SPARSE chunk of {len(raw)} bytes does not hold {count} of at most {n} elements")
     gaps = np.frombuffer(raw, "<u4", count, _U32.size)
     if count > 1 and not gaps[1:].all():
         raise DeltaError("SPARSE positions are not strictly increasing within the chunk")
-    pos = np.cumsum(gaps, dtype=np.int64)
-    if count and pos[-1] >= n:
-        raise DeltaError(f"SPARSE position {pos[-1]} lies past the chunk's {n} elements")
+    last = int(gaps.sum(dtype=np.uint64))
+    if count and last >= n:
+        raise DeltaError(f"SPARSE position {last} lies past the chunk's {n} elements")
+    # four bytes a position, exact: every partial sum is at most the last, below n (< 2**32)
+    pos = np.cumsum(gaps, dtype=np.uint32)
     return pos, _elements(np.frombuffer(raw, np.uint8, count * item, _U32.size * (count + 1)), item)
 
 
@@ -444,8 +479,8 @@ def _apply_sparse(
     pos, vals = _sparse_decode(frame, base.nbytes, item)
     dest = _elements(out, item)
     if in_place and undo is not None:
-        old = dest[pos].copy()
-        undo.add(lambda: dest.__setitem__(pos, old))
+        old = dest[pos]  # a copy already (an index array)
+        undo.add(lambda: dest.__setitem__(pos, old), pos.nbytes + old.nbytes)
     if hasher is None:
         if not in_place:
             np.copyto(out, base)
@@ -453,7 +488,8 @@ def _apply_sparse(
         return
     block = _block(item)
     per = block // item
-    cuts = np.searchsorted(pos, np.arange(1, -(-base.nbytes // block) + 1) * per)
+    # the needles in the positions' own dtype: mixed ones would make searchsorted copy them wider
+    cuts = np.searchsorted(pos, (np.arange(1, -(-base.nbytes // block) + 1) * per).astype(pos.dtype))
     lo = 0
     for k, o in enumerate(range(0, base.nbytes, block)):
         ob = out[o : o + block]

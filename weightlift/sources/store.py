@@ -20,6 +20,7 @@ check, and never a credential.
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 from collections.abc import Callable
@@ -212,7 +213,7 @@ class Store:
                 if self._scheme == "s3"
                 else "the server's permissions"
             )
-            return FileError(f"access denied: cannot {what} (check {check}; {cfg})", file=url)
+            return FileError(f"access denied: cannot {what} (check {check}; {cfg})", file=url, errno=errno.EACCES)
         if isinstance(e, ox.UnknownConfigurationKeyError):
             return OptionError(f"{url}: store configuration: {_first_line(e)}")
         return TransportError(f"{url}: cannot {what}: {_first_line(e)} ({cfg})")

@@ -43,7 +43,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -72,7 +72,7 @@ class WeightliftInitInfo(WeightTransferInitInfo):
 
     host: str = "127.0.0.1"
     port: int = 0
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)  # a secret: never in a log line or a traceback
     token_file: str | None = None
     #: bytes the server may hold (None: its default); an update must fit beside the model
     max_memory: int | None = None

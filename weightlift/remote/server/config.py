@@ -13,7 +13,7 @@ import ipaddress
 import os
 import ssl
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from weightlift import env
@@ -107,7 +107,7 @@ class ServerConfig:
     framework: str = "numpy"
     cache_dir: str | os.PathLike[str] | None = None
     cache_max_bytes: int | Literal["auto"] | None = "auto"
-    token: bytes | None = None
+    token: bytes | None = field(default=None, repr=False)  # a secret: never in a log line or a traceback
     max_memory: int
     reserve: int = 0
     max_connections: int = MAX_CONNECTIONS

@@ -10,7 +10,9 @@ before anything uses it. Then:
   ALLOC would, and its id goes into the next BARRIER_REPLY's need: the client sends it whole;
 * in an in-place update the payload is kept until COMMIT (:mod:`.switch`);
 * otherwise the result is written into fresh memory and hashed in the same pass (base, changes
-  and hash a cache-sized block at a time: :func:`weightlift.remote.delta.apply_hashed`), and completes like a tensor whose WRITEs all arrived: published, or held
+  and hash a cache-sized block at a time: :func:`weightlift.remote.delta.apply_hashed`), the
+  base read under :meth:`Store.reading <weightlift.remote.server.store.Store.reading>` as a READ
+  reads it, and completes like a tensor whose WRITEs all arrived: published, or held
   by the open update. A result that does not hash to the DELTA's digest fails the tensor; the
   base is untouched.
 """
@@ -78,7 +80,7 @@ class Deltas:
         it is longer than a whole tensor's encoding can be or does not fit in memory."""
         rx = self._rx
         why = None
-        if d.length > codec.payload_bound(d.nbytes, max(item_size(d.dtype), 1)):
+        if d.length > codec.payload_bound(d.nbytes):
             why = f"DELTA of {d.name!r}: {d.length} payload bytes for a tensor of {d.nbytes}"
         else:
             try:
@@ -114,6 +116,15 @@ class Deltas:
             return e if hash_buffer(as_bytes(e.tensor)) == d.base else None
         return e if e.digest == d.base else None
 
+    def _still(self, d: Delta, base: Entry) -> bool:
+        """Whether ``base`` is still what a DELTA of its name applies to: the same memory in the
+        same version (an in-place switch publishes the memory it changed as a new version)."""
+        switch = self._switch()
+        now = switch.base(d.name) if switch is not None else self._store.get(d.name)
+        return (
+            now is not None and now.tensor is base.tensor and (now.version, now.digest) == (base.version, base.digest)
+        )
+
     def _use(self, d: Delta, payload: np.ndarray, charge: Charge) -> bool:
         """Apply (or keep, in place) the delta; True when the payload's charge was taken over."""
         rx = self._rx
@@ -145,7 +156,14 @@ class Deltas:
             rx.dests.ensure(p, fault=False)
             rx.dests.unfault(p)  # the delta writes every byte: no helper faults it in meanwhile
             out = as_bytes(p.dest)
-            with self._prof.phase("stage", d.nbytes, name="delta " + d.name):  # applied and hashed in one pass
+            # what applying takes besides the payload (a chunk's decoded frame), charged with it
+            charge.grow(codec.scratch_bound(d.encoding, payload.data, d.nbytes, item_size(d.dtype)))
+            # read as a READ reads: another client's in-place switch of the base waits for the
+            # pass, and one that came first is seen here (the base changed: sent whole instead)
+            with self._store.reading(), self._prof.phase("stage", d.nbytes, name="delta " + d.name):
+                if not self._still(d, base):
+                    rx.outcomes.need[d.tensor_id] = None
+                    return False
                 ok = (
                     codec.apply_hashed(d.encoding, payload.data, as_bytes(base.tensor), out, item_size(d.dtype))
                     == d.digest
@@ -153,7 +171,7 @@ class Deltas:
         except codec.DeltaError as e:
             rx.abandon(d.tensor_id, f"DELTA of {d.name!r}: {e}")
             return False
-        except Exception as e:  # no memory for the result after all
+        except Exception as e:  # no memory for the result or for applying, after all
             rx.abandon(d.tensor_id, f"DELTA of {d.name!r}: {type(e).__name__}: {e}")
             return False
         if not ok:

@@ -144,12 +144,19 @@ class Switch:
             if self._cache is not None:  # no entry may be written from this memory as it changes
                 self._cache.behind.drop(d.base.tensor, wait=True)
             raw = as_bytes(d.base.tensor)
+            kept = undo.nbytes
+            # what applying takes (a chunk's decoded frame) is charged while it applies; what the
+            # undo keeps, with the payload, until the switch is done
+            scratch = self._store.charge(codec.scratch_bound(d.encoding, d.payload.data, raw.nbytes, d.item))
             try:
                 got = codec.apply_hashed(d.encoding, d.payload.data, raw, raw, d.item, undo=undo)
             except codec.DeltaError as e:
                 raise _Failed(f"DELTA of {d.name!r}: {e}") from None
             except Exception as e:  # no memory for a chunk, say
                 raise _Failed(f"DELTA of {d.name!r}: {type(e).__name__}: {e}") from e
+            finally:
+                scratch.release()
+            d.charge.grow(undo.nbytes - kept)
             if got != d.digest:
                 raise _Failed(f"{d.name!r}: the delta applied does not give the digest the client sent")
             b = d.base
