@@ -66,7 +66,6 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor
 from typing import Literal, Protocol
 
 import blake3
@@ -84,7 +83,7 @@ from weightlift.remote.server.cache_folder import (
     reopen_root,
 )
 from weightlift.remote.server.cache_index import STALE_TEMP_SECONDS, TEMP_PREFIX, LruIndex, charge, scan_entries
-from weightlift.remote.server.cache_read import BadRead, fill_verified, read_exact
+from weightlift.remote.server.cache_read import BadRead, Readers, fill_verified, read_exact, read_piece
 
 __all__ = [
     "DIGEST_SIZE",
@@ -321,23 +320,23 @@ class TensorCache:
         dest: object,
         *,
         before: Callable[[int, int], None] | None = None,
-        readers: Executor | None = None,
+        readers: Readers | None = None,
     ) -> None:
         """Fill the writable buffer ``dest`` with the entry for ``digest`` and verify it.
 
         ``dest`` must be exactly the entry's length. The bytes go straight from the file into
-        ``dest`` in :data:`READ_CHUNK` pieces, by several readers for a large entry
-        (:mod:`.cache_read`), and are hashed as they land; ``before(begin, end)``,
-        if given, runs before each piece is read into ``dest[begin:end]`` (a server faults fresh
-        memory in there). ``readers``: threads to read with (:func:`.cache_read.reader_pool`). If
-        the entry is missing, of another size, unreadable or corrupt, it is
-        deleted, CacheError is raised, and what is in ``dest`` is undefined.
+        ``dest`` in pieces of at most :data:`READ_CHUNK`, read by the caller and helper threads
+        (:mod:`.cache_read`), each hashed right after it lands; ``before(begin, end)``, if
+        given, runs before each piece is read into ``dest[begin:end]`` (a server faults fresh
+        memory in there), on whichever thread reads it. ``readers``: the helpers to share with
+        (:func:`.cache_read.reader_pool`). If the entry is missing, of another size, unreadable
+        or corrupt, it is deleted, CacheError is raised, and what is in ``dest`` is undefined.
         """
         out = byte_view(dest)
         if out.readonly:
             raise OptionError("read_into needs a writable buffer")
         n = out.nbytes
-        piece = min(READ_CHUNK, n) or 1
+        piece = read_piece(n, READ_CHUNK)
 
         def fill(f: _Readable, hasher: blake3.blake3) -> None:
             fill_verified(f, out, piece, hasher, before, readers)
