@@ -4,8 +4,8 @@ A cache hit should cost what a local load of the same bytes costs. A local load 
 many ``preadv`` threads as there are cores, straight into the destination
 (:mod:`weightlift.local.mover`); a hit must also hash every byte, in order, to prove the entry.
 One thread reading a piece, hashing it, then reading the next leaves a core idle; a thread that
-only hashes while others read adds a third runnable thread, and a wake-up on every piece, to
-two cores that are busy already. So here the work is shared by :data:`READERS` workers: the
+only hashes while others read adds one more runnable thread than there are cores, and a
+wake-up on every piece. So here the work is shared by :data:`READERS` workers: the
 calling thread and its helpers (a connection's :class:`Readers`, kept for its reads). Each
 worker takes the next piece, ``preadv``\\ s it straight into the destination, and then, if that
 piece is the next one the hash is waiting for and nobody is hashing, hashes it and every later
@@ -215,10 +215,6 @@ class Readers:
         for t in self._threads:
             t.start()
 
-    @property
-    def helpers(self) -> int:
-        return len(self._threads)
-
     def offer(self, job: _Job) -> None:
         for _ in self._threads:
             self._queue.put(job)
@@ -241,8 +237,6 @@ class Readers:
             self._queue.put(None)
         for t in self._threads:
             t.join()
-
-    shutdown = close
 
 
 def reader_pool() -> Readers:
