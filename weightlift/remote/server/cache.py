@@ -42,7 +42,7 @@ count as a use) from an in-memory index built by one walk of the folder when the
 eviction never walks the folder again. The index knows what this process committed, read or
 found at open: processes sharing one root each hold their own cap, and :meth:`TensorCache.evict`
 rescans the folder to count the others' entries too. Entry mtimes carry the order across
-restarts.
+restarts (to within :data:`TOUCH_GRAIN_NS`).
 
 Temporary files do not count; ones left by a crashed writer are removed when the cache is opened
 once they are :data:`STALE_TEMP_SECONDS` old (a live writer touches its file with every write),
@@ -103,6 +103,10 @@ __all__ = [
 #: Bytes read per ``readinto`` by :meth:`TensorCache.read_into`: large enough for the parallel
 #: hasher, small enough that the bytes are still in cache when they are hashed.
 READ_CHUNK = 4 * 1024 * 1024
+#: A verified read sets an entry's mtime (its place in the order a restart rebuilds) only when
+#: it is older than this: the index holds the exact order while the process runs, and a hit on
+#: a hot entry costs no inode write.
+TOUCH_GRAIN_NS = 60 * 10**9
 #: How long :meth:`TensorCache.has` waits for an entry of its digest being written behind.
 BEHIND_WAIT_S = 30.0
 #: How long :meth:`TensorCache.close` goes on writing the entries queued behind.
@@ -414,8 +418,7 @@ class TensorCache:
             try:
                 fill(f, hasher)
             except BadRead as exc:
-                # Only the entry's own read errors land here; whatever ``write`` raises is the
-                # caller's and passes through with the entry kept.
+                # only the entry's own read errors: what ``write`` raises passes, the entry kept
                 self._drop(folder, digest, st)
                 raise CacheError(f"cache entry {hx} {exc}; dropped") from exc.__cause__
             if not hmac.compare_digest(hasher.digest(), digest):
@@ -423,7 +426,8 @@ class TensorCache:
                 raise CacheError(f"cache entry {hx} does not match its digest; dropped")
             try:
                 now = time.time_ns()
-                os.utime(f.fileno(), ns=(now, now))  # recently used, also for the order after a restart
+                if now - st.st_mtime_ns > TOUCH_GRAIN_NS:  # recently used, for the order after a restart
+                    os.utime(f.fileno(), ns=(now, now))
                 if os.fstat(f.fileno()).st_nlink == 0:  # evicted while it was read: not to be indexed again
                     return
             except OSError:
