@@ -63,7 +63,7 @@ from weightlift.remote.server.config import MIN_FRAME_RATE
 from weightlift.remote.server.store import entry_cost
 
 MIB = 1 << 20
-SLACK = 64 * MIB  # SECURITY.md: what a server holds beyond max_memory (threads, interpreter, allocator)
+SLACK = 48 * MIB  # SECURITY.md: what a server holds beyond max_memory (threads, interpreter, allocator)
 VARIANTS = 3  # checkpoints per client, pushed in turn: each push replaces the client's tensors
 
 _SERVE = """

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import gc
+import mmap
+import weakref
 
 import numpy as np
 
-from weightlift.memory.pool import POOL_MIN, HostPool, size_class
+from weightlift.memory.pool import MAPPED_MIN, POOL_MIN, HostPool, size_class
 
 
 def test_memory_comes_back_only_when_the_last_view_is_gone():
@@ -106,3 +108,22 @@ def test_a_carve_ahead_of_the_reserve_thread_waits_for_it():
     assert pool.servable(100 * 2**20) == 100 * 2**20 and pool.servable(200 * 2**20) == 0
     pool.close()
     assert pool.idle_bytes == 0 and big.min() == 3
+
+
+def test_mid_sized_buffers_are_mappings_of_their_own_that_go_with_them():
+    # From malloc, a buffer freed by one of a server's threads would stay in that thread's
+    # arena; a mapping of its own is unmapped when the last view of it goes.
+    pool = HostPool()
+    a, fresh = pool.take_marked(MAPPED_MIN + 5)
+    assert a.size == MAPPED_MIN + 5 and a.flags.writeable and not fresh
+    mapping = a.base.obj  # frombuffer's memoryview of the mapping
+    assert isinstance(mapping, mmap.mmap)
+    gone = weakref.ref(mapping)
+    a[:] = 3
+    view = a[1:4]
+    del a, mapping
+    assert gone() is not None and view.tolist() == [3, 3, 3]  # a view keeps it
+    del view
+    assert gone() is None and pool.idle_bytes == 0  # unmapped, never pooled
+    small, fresh = pool.take_marked(MAPPED_MIN - 1)
+    assert not isinstance(getattr(small.base, "obj", None), mmap.mmap) and not fresh

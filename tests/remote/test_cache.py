@@ -722,3 +722,24 @@ def test_another_user_can_neither_read_nor_list_the_cache():
         assert _as_other_user(lambda: os.listdir(os.path.dirname(cache.path_for(d)))) == 0
     finally:
         shutil.rmtree(base)
+
+
+def test_a_read_moves_an_entrys_mtime_only_past_the_grain(tmp_path):
+    # The mtime carries the order across a restart; a hit on an entry used within the grain
+    # leaves the inode alone, one on an older entry makes it the most recent.
+    from weightlift.remote.server.cache import TOUCH_GRAIN_NS
+
+    cache = TensorCache(tmp_path)
+    data = _data(5000, seed=21)
+    d = _digest(data)
+    _put(cache, data)
+    path = cache.path_for(d)
+    recent = time.time_ns() - TOUCH_GRAIN_NS // 2
+    os.utime(path, ns=(recent, recent))
+    cache.read_into(d, bytearray(len(data)))
+    assert os.stat(path).st_mtime_ns == recent
+    old = time.time_ns() - 2 * TOUCH_GRAIN_NS
+    os.utime(path, ns=(old, old))
+    before = time.time_ns()
+    cache.read_into(d, bytearray(len(data)))
+    assert os.stat(path).st_mtime_ns >= before

@@ -4,6 +4,7 @@ never wrong, never before they are complete, and never holding memory past a rep
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
@@ -198,6 +199,24 @@ def test_the_writer_waits_while_a_connection_is_receiving(monkeypatch):
     assert behind.submit(b"d" * 32, a, a, lambda: True)
     assert not rec.written.wait(0.3)  # a tensor is still in flight on connection 1
     behind.receiving(1, False)
+    assert rec.written.wait(10)
+    behind.close()
+
+
+def test_a_gap_between_two_tensors_does_not_start_the_writer(monkeypatch):
+    # A push leaves a moment with nothing in flight between one tensor and the next ALLOC: the
+    # writer starts only once no tensor has been in flight for QUIET_S.
+    monkeypatch.setattr(cache_behind, "QUIET_S", 1.0)
+    rec = _Recording()
+    behind = cache_behind.WriteBehind(rec)
+    behind.receiving(1, True)
+    a = np.zeros(1000, np.uint8)
+    assert behind.submit(b"d" * 32, a, a, lambda: True)
+    behind.receiving(1, False)  # the gap
+    time.sleep(0.05)
+    behind.receiving(1, True)  # the next tensor
+    assert not rec.written.wait(0.3)
+    behind.receiving(1, False)  # the push is over
     assert rec.written.wait(10)
     behind.close()
 

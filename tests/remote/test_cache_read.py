@@ -50,7 +50,70 @@ def test_a_large_entry_is_read_by_the_readers_byte_for_byte(tmp_path, small_piec
     cache.read_into(d, out, before=before)
     assert bytes(out) == data
     assert sorted(seen) == [(b, min(b + 4096, len(data))) for b in range(0, len(data), 4096)]
-    assert all(t.startswith("weightlift-cache-read") for t in threads)
+    caller = threading.current_thread().name  # the caller reads too, beside its helpers
+    assert all(t == caller or t.startswith("weightlift-cache-read") for t in threads)
+
+
+def test_the_caller_and_a_connections_helper_share_the_read(tmp_path, small_pieces):
+    # The caller's first piece waits until a helper has landed one: both read, and the bytes
+    # and the digest still come out whole and in order.
+    cache = TensorCache(tmp_path)
+    data = _data(64 * 4096 + 5, 5)
+    d = _put(cache, data)
+    caller = threading.current_thread()
+    helped = threading.Event()
+    by: dict[int, str] = {}
+
+    def before(b: int, e: int) -> None:
+        by[b] = threading.current_thread().name
+        if threading.current_thread() is not caller:
+            helped.set()
+        elif b == 0:
+            assert helped.wait(10), "no helper took a piece"
+
+    readers = read_mod.reader_pool()
+    try:
+        for _ in range(3):  # the same helpers, read after read
+            out = bytearray(len(data))
+            by.clear()
+            helped.clear()
+            cache.read_into(d, out, before=before, readers=readers)
+            assert bytes(out) == data
+            assert by[0] == caller.name
+            assert any(name.startswith("weightlift-cache-read") for name in by.values())
+    finally:
+        readers.close()
+
+
+def test_a_helper_that_comes_late_touches_nothing(tmp_path, small_pieces, monkeypatch):
+    # The helper is held up until the caller has read the whole entry alone and returned: it
+    # finds the read closed, writes nothing into the (since reused) destination, and is still
+    # there for the next read.
+    cache = TensorCache(tmp_path)
+    data = _data(40 * 4096, 6)
+    d = _put(cache, data)
+    gate = threading.Event()
+    join = read_mod._Job.join
+
+    def late_join(job):  # only helpers join: the caller works without
+        gate.wait(10)
+        return join(job)
+
+    monkeypatch.setattr(read_mod._Job, "join", late_join)
+    readers = read_mod.Readers(helpers=1)
+    try:
+        out = bytearray(len(data))
+        cache.read_into(d, out, readers=readers)
+        assert bytes(out) == data
+        out[:] = bytes(len(out))  # the memory goes to someone else
+        gate.set()
+        again = bytearray(len(data))
+        cache.read_into(d, again, readers=readers)
+        assert bytes(again) == data
+    finally:
+        gate.set()
+        readers.close()  # the helper has seen both reads and left
+    assert bytes(out) == bytes(len(out))
 
 
 def test_a_corrupt_large_entry_is_dropped(tmp_path, small_pieces):

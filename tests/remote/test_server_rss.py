@@ -17,7 +17,7 @@ from weightlift.remote.protocol import Alloc, Free, FreeReply, Have, Read, send
 from weightlift.remote.server.store import entry_cost
 
 LIMIT = 96 << 20
-SLACK = 64 << 20  # SECURITY.md: threads, interpreter and allocator overhead a server holds beyond max_memory
+SLACK = 48 << 20  # SECURITY.md: threads, interpreter and allocator overhead a server holds beyond max_memory
 
 _SERVE = f"""
 from weightlift.remote.server.server import Server

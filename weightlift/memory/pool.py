@@ -34,10 +34,11 @@ import numpy as np
 
 from weightlift.memory.fresh import fault_in, new_mapping
 
-__all__ = ["HostPool", "POOL_MIN", "size_class"]
+__all__ = ["HostPool", "POOL_MIN", "MAPPED_MIN", "size_class"]
 
-POOL_MIN = 2 * 1024 * 1024  # below this, np.empty: malloc's own free lists reuse small blocks
+POOL_MIN = 2 * 1024 * 1024  # below this, not pooled: np.empty, or a mapping of its own
 _CLASS = 2 * 1024 * 1024
+MAPPED_MIN = 128 * 1024  # from here up to POOL_MIN, a mapping of its own (see take_marked)
 
 
 def size_class(nbytes: int) -> int:
@@ -102,9 +103,19 @@ class HostPool:
         return self.take_marked(nbytes)[0]
 
     def take_marked(self, nbytes: int) -> tuple[np.ndarray, bool]:
-        """:meth:`take`, and whether the memory is a fresh mapping nobody has touched yet."""
+        """:meth:`take`, and whether the memory is a fresh mapping nobody has touched yet (a
+        pooled size class; below POOL_MIN the answer is always False)."""
         if nbytes < POOL_MIN:
-            return np.empty(nbytes, dtype=np.uint8), False
+            if nbytes < MAPPED_MIN:
+                return np.empty(nbytes, dtype=np.uint8), False
+            # A mapping of its own, unmapped when the array goes: from malloc, memory freed by
+            # one thread stays in that thread's arena, and a server's many threads would hold
+            # many such arenas of freed tensors beyond what is charged to them. Not marked
+            # fresh, as malloc's memory was not: the copy into it faults its pages, and no
+            # helper faults in one ahead of bytes that may never come.
+            return np.frombuffer(
+                new_mapping(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE), dtype=np.uint8, count=nbytes
+            ), False
         size = size_class(nbytes)
         m: mmap.mmap | None = None
         off: int | None = None

@@ -42,7 +42,7 @@ count as a use) from an in-memory index built by one walk of the folder when the
 eviction never walks the folder again. The index knows what this process committed, read or
 found at open: processes sharing one root each hold their own cap, and :meth:`TensorCache.evict`
 rescans the folder to count the others' entries too. Entry mtimes carry the order across
-restarts.
+restarts (to within :data:`TOUCH_GRAIN_NS`).
 
 Temporary files do not count; ones left by a crashed writer are removed when the cache is opened
 once they are :data:`STALE_TEMP_SECONDS` old (a live writer touches its file with every write),
@@ -66,7 +66,6 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor
 from typing import Literal, Protocol
 
 import blake3
@@ -84,7 +83,7 @@ from weightlift.remote.server.cache_folder import (
     reopen_root,
 )
 from weightlift.remote.server.cache_index import STALE_TEMP_SECONDS, TEMP_PREFIX, LruIndex, charge, scan_entries
-from weightlift.remote.server.cache_read import BadRead, fill_verified, read_exact
+from weightlift.remote.server.cache_read import BadRead, Readers, fill_verified, read_exact, read_piece
 
 __all__ = [
     "DIGEST_SIZE",
@@ -104,6 +103,10 @@ __all__ = [
 #: Bytes read per ``readinto`` by :meth:`TensorCache.read_into`: large enough for the parallel
 #: hasher, small enough that the bytes are still in cache when they are hashed.
 READ_CHUNK = 4 * 1024 * 1024
+#: A verified read sets an entry's mtime (its place in the order a restart rebuilds) only when
+#: it is older than this: the index holds the exact order while the process runs, and a hit on
+#: a hot entry costs no inode write.
+TOUCH_GRAIN_NS = 60 * 10**9
 #: How long :meth:`TensorCache.has` waits for an entry of its digest being written behind.
 BEHIND_WAIT_S = 30.0
 #: How long :meth:`TensorCache.close` goes on writing the entries queued behind.
@@ -321,23 +324,23 @@ class TensorCache:
         dest: object,
         *,
         before: Callable[[int, int], None] | None = None,
-        readers: Executor | None = None,
+        readers: Readers | None = None,
     ) -> None:
         """Fill the writable buffer ``dest`` with the entry for ``digest`` and verify it.
 
         ``dest`` must be exactly the entry's length. The bytes go straight from the file into
-        ``dest`` in :data:`READ_CHUNK` pieces, by several readers for a large entry
-        (:mod:`.cache_read`), and are hashed as they land; ``before(begin, end)``,
-        if given, runs before each piece is read into ``dest[begin:end]`` (a server faults fresh
-        memory in there). ``readers``: threads to read with (:func:`.cache_read.reader_pool`). If
-        the entry is missing, of another size, unreadable or corrupt, it is
-        deleted, CacheError is raised, and what is in ``dest`` is undefined.
+        ``dest`` in pieces of at most :data:`READ_CHUNK`, read by the caller and helper threads
+        (:mod:`.cache_read`), each hashed right after it lands; ``before(begin, end)``, if
+        given, runs before each piece is read into ``dest[begin:end]`` (a server faults fresh
+        memory in there), on whichever thread reads it. ``readers``: the helpers to share with
+        (:func:`.cache_read.reader_pool`). If the entry is missing, of another size, unreadable
+        or corrupt, it is deleted, CacheError is raised, and what is in ``dest`` is undefined.
         """
         out = byte_view(dest)
         if out.readonly:
             raise OptionError("read_into needs a writable buffer")
         n = out.nbytes
-        piece = min(READ_CHUNK, n) or 1
+        piece = read_piece(n, READ_CHUNK)
 
         def fill(f: _Readable, hasher: blake3.blake3) -> None:
             fill_verified(f, out, piece, hasher, before, readers)
@@ -415,8 +418,7 @@ class TensorCache:
             try:
                 fill(f, hasher)
             except BadRead as exc:
-                # Only the entry's own read errors land here; whatever ``write`` raises is the
-                # caller's and passes through with the entry kept.
+                # only the entry's own read errors: what ``write`` raises passes, the entry kept
                 self._drop(folder, digest, st)
                 raise CacheError(f"cache entry {hx} {exc}; dropped") from exc.__cause__
             if not hmac.compare_digest(hasher.digest(), digest):
@@ -424,7 +426,8 @@ class TensorCache:
                 raise CacheError(f"cache entry {hx} does not match its digest; dropped")
             try:
                 now = time.time_ns()
-                os.utime(f.fileno(), ns=(now, now))  # recently used, also for the order after a restart
+                if now - st.st_mtime_ns > TOUCH_GRAIN_NS:  # recently used, for the order after a restart
+                    os.utime(f.fileno(), ns=(now, now))
                 if os.fstat(f.fileno()).st_nlink == 0:  # evicted while it was read: not to be indexed again
                     return
             except OSError:

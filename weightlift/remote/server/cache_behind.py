@@ -23,10 +23,11 @@ What the writer holds, and why it is safe:
   as it is written and committed only if it still matches. ``sealed()`` is asked again before the
   rename, so a handle given out during the write aborts the entry.
 * **Behind, also for the CPU.** Copying an entry into the page cache takes a core as long as
-  receiving it did. While any connection has tensors in flight the writer waits (each entry at
-  most :data:`MAX_DEFER_S`, so a server that never stops receiving still caches), and it runs at
-  the lowest priority, so that on a machine whose cores are busy with the push the entries are
-  written with the time left over.
+  receiving it did. While any connection has tensors in flight, and until none has had any for
+  :data:`QUIET_S` (a push leaves gaps between one tensor and the next ALLOC), the writer waits
+  (each entry at most :data:`MAX_DEFER_S`, so a server that never stops receiving still
+  caches), and it runs at the lowest priority, so that on a machine whose cores are busy with
+  the push the entries are written with the time left over.
 * **Bounded.** At most :data:`MAX_JOBS` jobs wait; past that a tensor is not cached (a counter
   says how many), so a disk slower than the network never holds the push up or grows a queue
   without end. :meth:`WriteBehind.flush` waits for the queue to empty (a server closing, a test).
@@ -50,6 +51,7 @@ __all__ = ["WriteBehind", "sealed_since", "MAX_JOBS", "WRITE_PIECE"]
 
 BEHIND_NICE = 19  # the writer thread's nice value: it runs on what the receive leaves
 MAX_DEFER_S = 5.0  # an entry waits for the receives in flight to end at most this long
+QUIET_S = 0.25  # ... and after the last one ended, this long without another beginning
 IDLE_EXIT_S = 1.0  # the writer thread ends after this long with nothing to write
 MAX_JOBS = 4096  # entries waiting to be written; past this a tensor is not cached
 WRITE_PIECE = 8 * 1024 * 1024  # bytes per write(): large, and each piece hashed while still in cache
@@ -117,6 +119,7 @@ class WriteBehind:
         self._current: Any = None  # the tensor being written now
         self._queued: dict[bytes, int] = {}  # digest -> jobs of it queued or being written
         self._receiving: set[int] = set()  # receivers with tensors in flight (see receiving())
+        self._quiet_since = 0.0  # time.monotonic() when the last receiver in flight stopped
         self._thread: threading.Thread | None = None
         self._closed = False
         self.counts = {"written": 0, "skipped": 0, "dropped": 0, "aborted": 0}
@@ -148,6 +151,7 @@ class WriteBehind:
             elif who in self._receiving:
                 self._receiving.discard(who)
                 if not self._receiving:
+                    self._quiet_since = time.monotonic()
                     self._cond.notify_all()
 
     def pending(self, digest: bytes) -> bool:
@@ -213,11 +217,13 @@ class WriteBehind:
                         return
                 # behind the receive, for a while at most; the job stays queued meanwhile, so a
                 # replacement (or an in-place change of its memory) can still drop it
-                while self._receiving and not self._closed and self._jobs:
-                    left = self._jobs[0].queued + MAX_DEFER_S - time.monotonic()
-                    if left <= 0:
+                while not self._closed and self._jobs:
+                    now = time.monotonic()
+                    left = self._jobs[0].queued + MAX_DEFER_S - now
+                    quiet = 0.0 if self._receiving else self._quiet_since + QUIET_S - now
+                    if left <= 0 or (not self._receiving and quiet <= 0):
                         break
-                    self._cond.wait(left)
+                    self._cond.wait(min(left, quiet) if quiet > 0 else left)
                 if not self._jobs:
                     continue
                 job = self._jobs.popleft()

@@ -8,16 +8,14 @@ come. Either way the tensor's bytes are proven when it is filled.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 
 from weightlift.digest.blake import hash_buffer
 from weightlift.errors import CacheError
 from weightlift.memory.targets import populate
 from weightlift.profile import Profiler
-from weightlift.remote.server.cache import READ_CHUNK, TensorCache
-from weightlift.remote.server.cache_read import reader_pool
+from weightlift.remote.server.cache import TensorCache
+from weightlift.remote.server.cache_read import PARALLEL_READ_MIN, Readers, reader_pool
 from weightlift.remote.server.destinations import Destinations
 from weightlift.remote.server.device import Device
 from weightlift.remote.server.pending import Pending
@@ -34,12 +32,12 @@ class Fills:
         self._device = device
         self._dests = dests
         self._prof = prof
-        self._readers: ThreadPoolExecutor | None = None  # made at the first large cache read
+        self._readers: Readers | None = None  # made at the first cache read large enough to share
 
     def close(self) -> None:
         """The connection ends: its reader threads go (no read is in progress)."""
         if self._readers is not None:
-            self._readers.shutdown()
+            self._readers.close()
             self._readers = None
 
     def from_memory(self, p: Pending, digest: bytes) -> bool:
@@ -80,22 +78,23 @@ class Fills:
         return False
 
     def from_cache(self, p: Pending, digest: bytes, cache: TensorCache) -> bool:
-        """Fill ``p`` (its destination made) from the cache entry of ``digest``; False when the
-        entry was missing or corrupt (it is gone now: the client sends the bytes)."""
-        target, dests = self._device.target, self._dests
+        """Fill ``p`` (its destination made, not handed to the connection's faulter: the
+        readers fault it in themselves) from the cache entry of ``digest``; False when the entry
+        was missing or corrupt (it is gone now: the client sends the bytes)."""
+        target = self._device.target
         with self._prof.phase("read", p.nbytes, name=p.name):
             try:
                 if target.memcpy_ok:
                     dest = target.host_view(p.dest)
 
                     def before(begin: int, end: int) -> None:
-                        # as for recv_into: fresh pages faulted inside readinto cost more
-                        if not dests.ready(p, begin, end):
-                            populate(dest[begin:end])
+                        # fresh pages are faulted in by whichever reader fills them, just before
+                        # its preadv (where the fill policy says that beats faulting inside it)
+                        populate(dest[begin:end])
 
-                    if self._readers is None and p.nbytes >= 2 * READ_CHUNK:
+                    if self._readers is None and p.nbytes >= PARALLEL_READ_MIN:
                         self._readers = reader_pool()
-                    cache.read_into(digest, dest, before=before, readers=self._readers)
+                    cache.read_into(digest, dest, before=before if p.fresh else None, readers=self._readers)
                 else:
                     cache.read_into_target(
                         digest,

@@ -239,7 +239,7 @@ class Receiver:
                 # digest disagree): the client sends the bytes; a valid entry stays
                 self.outcomes.need[f.tensor_id] = None
                 return
-            self.dests.ensure(p)  # fresh memory: the helpers fault it in ahead of the reads below
+            self.dests.ensure(p, fault=False)  # fresh memory: the cache's readers fault it in as they read
             filled = self.fills.from_cache(p, f.digest, cache)  # into a device: through charged staging
         except (RequestError, MemoryFull) as e:  # no memory for it after all: nothing of it stays in flight
             self._abandon(f.tensor_id, p, str(e))
