@@ -9,7 +9,7 @@ takes about the longer of the two instead of their sum.
 
 A file mostly in the page cache already (a warm start; a busy machine's cache loses pages here
 and there) gets no pass of its own: the loaders' copies map resident pages faster than a second
-pass would, and the pages missing are asked for with ``MADV_WILLNEED`` (read ahead in the
+pass would, and the pages missing are asked for with ``POSIX_FADV_WILLNEED`` (read ahead in the
 background, nothing mapped). In a file mostly cold, each piece is asked the same (``mincore``)
 as the reads reach it, and only the cold pieces are mapped in.
 
@@ -19,8 +19,6 @@ read ahead: each rank's loaders fault in only the pages under the slices they co
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,7 +29,7 @@ from weightlift.disk.residency import mapping_fraction
 from weightlift.disk.source import MAX_WARMERS
 from weightlift.hf.mapped import private_mapping
 from weightlift.local.prefetch import await_prefetches
-from weightlift.memory.fresh import MAP_IN_PIECE, _madvise, map_in
+from weightlift.memory.fresh import MAP_IN_PIECE, map_in
 
 __all__ = ["streamed_tensors", "file_order", "RESIDENT"]
 
@@ -44,17 +42,17 @@ def file_order(ck: Checkpoint) -> list[str]:
     return [t.name for t in sorted(ck.tensors, key=lambda t: (ck.files.index(t.file), t.offset))]
 
 
-def _read_ahead(addr: int, n: int) -> None:
-    """Ask for the pages of a mapped range that are not in the page cache, in the background."""
-    lo = addr - addr % mmap.PAGESIZE
-    _madvise()(ctypes.c_void_p(lo), addr + n - lo, mmap.MADV_WILLNEED)
+def _read_ahead(fd: int, offset: int, n: int) -> None:
+    """Ask for the pages of a file's range that are not in the page cache, in the background."""
+    os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
 
 
-def _make_ready(addr: int, n: int, file: str, threads: int) -> int:
-    """Ready one piece of a mapping for the loaders: mapped in where mostly cold, else read
-    ahead where pages are missing; returns the bytes mapped in."""
+def _make_ready(addr: int, n: int, file: str, offset: int, fd: int, threads: int) -> int:
+    """Ready one piece of a mapping (``n`` bytes at ``addr``, ``offset`` in ``file``) for the
+    loaders: mapped in where mostly cold, else read ahead where pages are missing; returns the
+    bytes mapped in."""
     if mapping_fraction(addr, n) >= RESIDENT:
-        _read_ahead(addr, n)
+        _read_ahead(fd, offset, n)
         return 0
     return map_in([(addr, n, file)], threads=threads)
 
@@ -72,13 +70,15 @@ def streamed_tensors(ck: Checkpoint, *, threads: int | None = None, touch: bool 
     with ThreadPoolExecutor(1, thread_name_prefix="weightlift-map-in") as pool:
         ready: dict[str, list[Future[int]]] = {f: [] for f in storages}
         for f, st in storages.items() if touch else ():
-            base, n = st.data_ptr(), st.nbytes()
+            base, n, fd = st.data_ptr(), st.nbytes(), ck.mapped(f).fileno()
             if mapping_fraction(base, n) >= RESIDENT:
                 # no pass of our own: another thread running beside the loaders' copy threads
                 # slows them more than the few missing pages cost
-                _read_ahead(base, n)
+                _read_ahead(fd, 0, n)
                 continue
-            ready[f] = [pool.submit(_make_ready, base + o, min(step, n - o), f, threads) for o in range(0, n, step)]
+            ready[f] = [
+                pool.submit(_make_ready, base + o, min(step, n - o), f, o, fd, threads) for o in range(0, n, step)
+            ]
         try:
             for name in file_order(ck):
                 t = by_name[name]
