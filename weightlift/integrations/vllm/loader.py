@@ -112,7 +112,8 @@ class WeightliftModelLoader(BaseModelLoader):
                 return load(ck, framework="torch", copy=True, **kw).items()
             if o.verify or o.page_cache is not None:  # every tensor proven before any reaches the model
                 return read_and_map(ck, LoadOptions(framework="torch", **kw)).items()
-            return streamed_tensors(ck, threads=o.threads)
+            # with tensor parallelism each rank faults in only the pages its loaders slice out
+            return streamed_tensors(ck, threads=o.threads, touch=_tp_size() == 1)
         except IntegrityError as e:
             files = sorted({t.file for t in ck.tensors if repr(t.name) in str(e) or t.name in str(e)})
             raise IntegrityError(f"{e} (in {', '.join(files) or ck.path}); the engine does not start") from None
@@ -138,3 +139,12 @@ class WeightliftModelLoader(BaseModelLoader):
         logger.info(
             "Loading weights took %.2f seconds (weightlift: %d tensors, %.2f GB)", elapsed, count[0], count[1] / 1e9
         )
+
+
+def _tp_size() -> int:
+    """The tensor-parallel world size this rank loads in (1 outside vLLM's distributed set-up)."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return parallel_state.get_tensor_model_parallel_world_size()

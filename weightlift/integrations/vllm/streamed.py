@@ -5,8 +5,16 @@ out, :func:`weightlift.hf.mapped.private_mapping`). One thread makes the mapped 
 read in file order, a few pieces at a time (read in where cold, mapped, touched once:
 :func:`weightlift.memory.fresh.map_in`), and a tensor is handed out as soon as the pieces under
 it are ready: the loaders copy the first layers while the last are still being read, so a load
-takes about the longer of the two instead of their sum. Files already wholly in the page cache
-are handed out at once: the loaders' copies map them faster than a second pass would.
+takes about the longer of the two instead of their sum.
+
+A file mostly in the page cache already (a warm start; a busy machine's cache loses pages here
+and there) gets no pass of its own: the loaders' copies map resident pages faster than a second
+pass would, and the pages missing are asked for with ``POSIX_FADV_WILLNEED`` (read ahead in the
+background, nothing mapped). In a file mostly cold, each piece is asked the same (``mincore``)
+as the reads reach it, and only the cold pieces are mapped in.
+
+With ``touch=False`` (tensor parallelism: each rank keeps a slice of most tensors) nothing is
+read ahead: each rank's loaders fault in only the pages under the slices they copy.
 """
 
 from __future__ import annotations
@@ -17,40 +25,67 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from weightlift.checkpoint import Checkpoint
-from weightlift.disk.residency import file_fraction
+from weightlift.disk.residency import mapping_fraction
 from weightlift.disk.source import MAX_WARMERS
 from weightlift.hf.mapped import private_mapping
 from weightlift.local.prefetch import await_prefetches
 from weightlift.memory.fresh import MAP_IN_PIECE, map_in
 
-__all__ = ["streamed_tensors"]
+__all__ = ["streamed_tensors", "file_order", "RESIDENT"]
+
+#: a piece with at least this fraction of its pages in the page cache is left to the loaders
+RESIDENT = 0.5
 
 
-def streamed_tensors(ck: Checkpoint, *, threads: int | None = None) -> Iterator[tuple[str, Any]]:
+def file_order(ck: Checkpoint) -> list[str]:
+    """The names of ``ck``'s tensors in the order :func:`streamed_tensors` hands them out."""
+    return [t.name for t in sorted(ck.tensors, key=lambda t: (ck.files.index(t.file), t.offset))]
+
+
+def _read_ahead(fd: int, offset: int, n: int) -> None:
+    """Ask for the pages of a file's range that are not in the page cache, in the background."""
+    os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
+
+
+def _make_ready(addr: int, n: int, file: str, offset: int, fd: int, threads: int) -> int:
+    """Ready one piece of a mapping (``n`` bytes at ``addr``, ``offset`` in ``file``) for the
+    loaders: mapped in where mostly cold, else read ahead where pages are missing; returns the
+    bytes mapped in."""
+    if mapping_fraction(addr, n) >= RESIDENT:
+        _read_ahead(fd, offset, n)
+        return 0
+    return map_in([(addr, n, file)], threads=threads)
+
+
+def streamed_tensors(ck: Checkpoint, *, threads: int | None = None, touch: bool = True) -> Iterator[tuple[str, Any]]:
     """``(name, torch.Tensor)`` for every tensor of ``ck`` in file order, each once its bytes are
-    ready to read. The mappings stay alive as long as a tensor views them."""
+    ready to read (at once with ``touch=False``). The mappings stay alive as long as a tensor
+    views them."""
     threads = threads or min(os.cpu_count() or 1, MAX_WARMERS)
     await_prefetches(ck.files)  # a prefetch still reading these files: its reads are ours
     sizes = {f: ck.mapped(f).size for f in ck.files}  # FormatError if a file changed since its header
     storages, out = private_mapping(ck, sizes)
     step = threads * MAP_IN_PIECE  # one map_in call keeps every thread busy
-    order = sorted(ck.tensors, key=lambda t: (ck.files.index(t.file), t.offset))
+    by_name = {t.name: t for t in ck.tensors}
     with ThreadPoolExecutor(1, thread_name_prefix="weightlift-map-in") as pool:
-        ready: dict[str, list[Future[int]]] = {}
-        for f, st in storages.items():
-            if file_fraction(f) >= 1.0:
-                ready[f] = []
+        ready: dict[str, list[Future[int]]] = {f: [] for f in storages}
+        for f, st in storages.items() if touch else ():
+            base, n, fd = st.data_ptr(), st.nbytes(), ck.mapped(f).fileno()
+            if mapping_fraction(base, n) >= RESIDENT:
+                # no pass of our own: another thread running beside the loaders' copy threads
+                # slows them more than the few missing pages cost
+                _read_ahead(fd, 0, n)
                 continue
-            base, n = st.data_ptr(), st.nbytes()
             ready[f] = [
-                pool.submit(map_in, [(base + o, min(step, n - o), f)], threads=threads) for o in range(0, n, step)
+                pool.submit(_make_ready, base + o, min(step, n - o), f, o, fd, threads) for o in range(0, n, step)
             ]
         try:
-            for t in order:
+            for name in file_order(ck):
+                t = by_name[name]
                 if t.length:
                     for fut in ready[t.file][: (t.offset + t.length - 1) // step + 1]:
                         fut.result()
-                yield t.name, out[t.name]
+                yield name, out[name]
         finally:
             for futs in ready.values():
                 for fut in futs:
