@@ -743,3 +743,17 @@ def test_a_read_moves_an_entrys_mtime_only_past_the_grain(tmp_path):
     before = time.time_ns()
     cache.read_into(d, bytearray(len(data)))
     assert os.stat(path).st_mtime_ns >= before
+
+
+def test_a_read_brings_an_entrys_mtime_from_the_future_back_to_now(tmp_path):
+    # An mtime ahead of the clock (a clock set back, a cache copied from another machine) would
+    # rank the entry newer than any after a restart for as long as it is ahead: a read sets it.
+    cache = TensorCache(tmp_path)
+    data = _data(5000, seed=22)
+    d = _digest(data)
+    _put(cache, data)
+    path = cache.path_for(d)
+    ahead = time.time_ns() + 24 * 3600 * 10**9
+    os.utime(path, ns=(ahead, ahead))
+    cache.read_into(d, bytearray(len(data)))
+    assert os.stat(path).st_mtime_ns <= time.time_ns()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import replace
 
 import blake3
 import numpy as np
@@ -162,3 +163,43 @@ def test_an_error_in_before_passes_through_and_keeps_the_entry(tmp_path, small_p
     with pytest.raises(MemoryError):
         cache.read_into(d, bytearray(len(data)), before=before)
     assert cache.has(d, len(data))
+
+
+def test_a_fill_from_the_cache_waits_for_the_faulter_on_its_destination(tmp_path, monkeypatch):
+    # A tensor allocated without a digest gets its destination at ALLOC, handed to the
+    # connection's faulter, whose helpers write into the pages they fault. Filled from the cache
+    # instead, that memory must leave the faulter first: a helper still faulting it would write
+    # over bytes the cache's readers have landed and hashed, and the tensor published corrupt.
+    import weightlift.memory.faulter as faulter_mod
+    import weightlift.remote.protocol as P
+    import weightlift.remote.server.destinations as dest_mod
+    from tests.remote.rawclient import Raw, _barrier
+    from weightlift.memory.fresh import policy
+    from weightlift.remote.server.server import Server
+
+    data = _data(3 * 1024 * 1024, 7)  # pooled: fresh memory, faulted ahead by the helpers
+    d = _put(TensorCache(tmp_path / "c"), data)
+    monkeypatch.setattr(dest_mod, "fill_policy", lambda: replace(policy(), helpers=1))
+    started, go = threading.Event(), threading.Event()
+    fault_in, cancel = faulter_mod.fault_in, faulter_mod.Faulter.cancel
+
+    def held_fault_in(buf, **kw):  # the helper is inside its piece until the region is let go
+        started.set()
+        go.wait(10)
+        fault_in(buf, method="touch")  # one zero written into each page
+
+    def cancelling(self, key):
+        go.set()
+        cancel(self, key)
+
+    monkeypatch.setattr(faulter_mod, "fault_in", held_fault_in)
+    monkeypatch.setattr(faulter_mod.Faulter, "cancel", cancelling)
+    with Server(cache_dir=tmp_path / "c") as s:
+        raw = Raw.connected(s.address)
+        raw.send(P.Alloc(0, "w", "U8", (len(data),), len(data), None))
+        assert started.wait(10), "no helper faulted the destination in"
+        raw.send(P.FillFromCache(0, d))
+        assert _barrier(raw).tensors == 1
+        go.set()
+        assert s.tensors()["w"].tobytes() == data
+        raw.close()

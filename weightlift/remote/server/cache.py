@@ -104,8 +104,8 @@ __all__ = [
 #: hasher, small enough that the bytes are still in cache when they are hashed.
 READ_CHUNK = 4 * 1024 * 1024
 #: A verified read sets an entry's mtime (its place in the order a restart rebuilds) only when
-#: it is older than this: the index holds the exact order while the process runs, and a hit on
-#: a hot entry costs no inode write.
+#: it is older than this (or ahead of the clock): the index holds the exact order while the
+#: process runs, and a hit on a hot entry costs no inode write.
 TOUCH_GRAIN_NS = 60 * 10**9
 #: How long :meth:`TensorCache.has` waits for an entry of its digest being written behind.
 BEHIND_WAIT_S = 30.0
@@ -426,7 +426,7 @@ class TensorCache:
                 raise CacheError(f"cache entry {hx} does not match its digest; dropped")
             try:
                 now = time.time_ns()
-                if now - st.st_mtime_ns > TOUCH_GRAIN_NS:  # recently used, for the order after a restart
+                if not 0 <= now - st.st_mtime_ns <= TOUCH_GRAIN_NS:  # used now, for a restart's order
                     os.utime(f.fileno(), ns=(now, now))
                 if os.fstat(f.fileno()).st_nlink == 0:  # evicted while it was read: not to be indexed again
                     return

@@ -78,9 +78,13 @@ class Fills:
         return False
 
     def from_cache(self, p: Pending, digest: bytes, cache: TensorCache) -> bool:
-        """Fill ``p`` (its destination made, not handed to the connection's faulter: the
-        readers fault it in themselves) from the cache entry of ``digest``; False when the entry
-        was missing or corrupt (it is gone now: the client sends the bytes)."""
+        """Fill ``p`` (its destination made) from the cache entry of ``digest``; False when the
+        entry was missing or corrupt (it is gone now: the client sends the bytes). The readers
+        fault fresh memory in themselves."""
+        # A destination made at ALLOC went to the faulter, whose helpers write into the pages
+        # they fault: it leaves the faulter (running pieces waited for) before any byte lands,
+        # or a helper could overwrite bytes already read and hashed.
+        self._dests.unfault(p)
         target = self._device.target
         with self._prof.phase("read", p.nbytes, name=p.name):
             try:
