@@ -49,13 +49,26 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) 
     return "did not start listening"
 
 
-class Moto:
-    """``python -m moto.server`` on a free loopback port; None from :meth:`start` says why not."""
+class _Served:
+    """A server process on a free loopback port, stopped by :meth:`stop` (killed if it lingers)."""
 
     def __init__(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            self.proc = None
+
+
+class Moto(_Served):
+    """``python -m moto.server`` on a free loopback port; None from :meth:`start` says why not."""
 
     def start(self) -> str | None:
         try:
@@ -86,24 +99,13 @@ class Moto:
             region_name="us-east-1",
         )
 
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-            self.proc = None
 
-
-class Nginx:
+class Nginx(_Served):
     """nginx serving ``root`` on a free loopback port (Range and If-Match, as any static server)."""
 
     def __init__(self, root: Path, work: Path):
+        super().__init__()
         self.root, self.work = root, work
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> str | None:
         exe = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
@@ -128,15 +130,6 @@ class Nginx:
             self.stop()
             return f"nginx {why}: {err}"
         return None
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-            self.proc = None
 
 
 @dataclass
