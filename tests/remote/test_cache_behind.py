@@ -191,12 +191,18 @@ class _Recording:
         return W()
 
 
-def test_the_writer_waits_while_a_connection_is_receiving(monkeypatch):
+def _queued_while_receiving() -> tuple[_Recording, cache_behind.WriteBehind]:
+    """A writer with one entry queued while connection 1 has a tensor in flight."""
     rec = _Recording()
     behind = cache_behind.WriteBehind(rec)
     behind.receiving(1, True)
     a = np.zeros(1000, np.uint8)
     assert behind.submit(b"d" * 32, a, a, lambda: True)
+    return rec, behind
+
+
+def test_the_writer_waits_while_a_connection_is_receiving(monkeypatch):
+    rec, behind = _queued_while_receiving()
     assert not rec.written.wait(0.3)  # a tensor is still in flight on connection 1
     behind.receiving(1, False)
     assert rec.written.wait(10)
@@ -207,11 +213,7 @@ def test_a_gap_between_two_tensors_does_not_start_the_writer(monkeypatch):
     # A push leaves a moment with nothing in flight between one tensor and the next ALLOC: the
     # writer starts only once no tensor has been in flight for QUIET_S.
     monkeypatch.setattr(cache_behind, "QUIET_S", 1.0)
-    rec = _Recording()
-    behind = cache_behind.WriteBehind(rec)
-    behind.receiving(1, True)
-    a = np.zeros(1000, np.uint8)
-    assert behind.submit(b"d" * 32, a, a, lambda: True)
+    rec, behind = _queued_while_receiving()
     behind.receiving(1, False)  # the gap
     time.sleep(0.05)
     behind.receiving(1, True)  # the next tensor
@@ -223,11 +225,7 @@ def test_a_gap_between_two_tensors_does_not_start_the_writer(monkeypatch):
 
 def test_the_writer_waits_for_the_receive_a_bounded_while(monkeypatch):
     monkeypatch.setattr(cache_behind, "MAX_DEFER_S", 0.2)
-    rec = _Recording()
-    behind = cache_behind.WriteBehind(rec)
-    behind.receiving(1, True)  # a connection that never finishes
-    a = np.zeros(1000, np.uint8)
-    assert behind.submit(b"d" * 32, a, a, lambda: True)
+    rec, behind = _queued_while_receiving()  # on a connection that never finishes
     assert rec.written.wait(10)
     behind.close()
 
