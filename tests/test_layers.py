@@ -23,6 +23,7 @@ RANK = {
     "errors": 0,
     "dtypes": 1,
     "env": 1,
+    "libc": 1,
     "progress": 1,
     "profile": 2,
     "formats": 2,

@@ -183,20 +183,20 @@ def _mapping(path, size=None):
 def _recording_madvise(monkeypatch, *, refuse: bool) -> list[tuple[int, int]]:
     """Replace map_in's madvise: record each (address, length); refuse it as a kernel before
     5.14 does (EINVAL), or pass it on."""
-    import ctypes
     import errno
 
+    from weightlift import libc
+
     calls: list[tuple[int, int]] = []
-    real = fresh._madvise()
+    real = libc.madvise
 
     def advise(addr, n, adv):
-        calls.append((addr.value, n))
+        calls.append((addr, n))
         if refuse:
-            ctypes.set_errno(errno.EINVAL)
-            return -1
-        return real(addr, n, adv)
+            raise OSError(errno.EINVAL, "madvise failed")
+        real(addr, n, adv)
 
-    monkeypatch.setattr(fresh, "_madvise", lambda: advise)
+    monkeypatch.setattr(libc, "madvise", advise)
     return calls
 
 

@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from weightlift import env
+from weightlift import env, libc
 
 __all__ = [
     "FillPolicy",
@@ -73,7 +73,6 @@ __all__ = [
 
 PAGE = mmap.PAGESIZE
 SMALL = 2 * 1024 * 1024  # below this, np.empty: malloc's free lists reuse small blocks
-_MADV_POPULATE_WRITE = 23
 
 
 @dataclass(frozen=True)
@@ -189,19 +188,6 @@ def fresh_host(nbytes: int) -> np.ndarray:
     return np.frombuffer(new_mapping(nbytes), dtype=np.uint8)
 
 
-_libc: Any = None
-
-
-def _madvise() -> Any:
-    global _libc
-    if _libc is None:
-        lib = ctypes.CDLL(None, use_errno=True)
-        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        lib.madvise.restype = ctypes.c_int
-        _libc = lib
-    return _libc.madvise
-
-
 def _as_uint8(buf: Any) -> np.ndarray:
     return buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
 
@@ -211,19 +197,29 @@ def fault_in(buf: Any, *, method: str | None = None) -> None:
     arr = _as_uint8(buf)
     if not arr.size:
         return
-    if (method or policy().method) == "populate":
-        # page-aligned inside: the partial pages at either end are written by hand
-        a = arr.ctypes.data
-        lo, hi = -(-a // PAGE) * PAGE, (a + arr.size) // PAGE * PAGE
-        if hi > lo and _madvise()(ctypes.c_void_p(lo), hi - lo, _MADV_POPULATE_WRITE) == 0:
-            arr[: lo - a] = 0
-            if a + arr.size > hi:
-                arr[hi - a] = 0
-            return
+    if (method or policy().method) == "populate" and _populate(arr):
+        return
     arr[::PAGE] = 0
     a = arr.ctypes.data
     if (a + arr.size - 1) // PAGE != (a + (arr.size - 1) // PAGE * PAGE) // PAGE:
         arr[-1] = 0  # a buffer that starts inside a page ends in one the stride missed
+
+
+def _populate(arr: np.ndarray) -> bool:
+    """``MADV_POPULATE_WRITE`` over the pages inside ``arr``, the partial pages at either end
+    written by hand; False where the kernel refuses it (before 5.14), and nothing was done."""
+    a = arr.ctypes.data
+    lo, hi = -(-a // PAGE) * PAGE, (a + arr.size) // PAGE * PAGE
+    if hi <= lo:
+        return False
+    try:
+        libc.madvise(lo, hi - lo, libc.MADV_POPULATE_WRITE)
+    except OSError:
+        return False
+    arr[: lo - a] = 0
+    if a + arr.size > hi:
+        arr[hi - a] = 0
+    return True
 
 
 def before_kernel_copy(buf: Any) -> None:
@@ -235,7 +231,6 @@ def before_kernel_copy(buf: Any) -> None:
 
 # -- mapped files, made ready to read ------------------------------------------------------
 
-MADV_POPULATE_READ = 22  # Linux 5.14; mmap.MADV_POPULATE_READ where Python knows it
 MAP_IN_PIECE = 64 << 20
 
 
@@ -268,19 +263,24 @@ def map_in(regions: list[tuple[int, int, str]], *, threads: int) -> int:
     piece_type = ctypes.c_uint8 * step
     if not pieces:
         return 0
-    advice = getattr(mmap, "MADV_POPULATE_READ", MADV_POPULATE_READ)
+    advice = getattr(mmap, "MADV_POPULATE_READ", libc.MADV_POPULATE_READ)
     lock = threading.Lock()
     errors: list[BaseException] = []
     state = {"next": 0, "advise": True}
 
     def one(addr: int, n: int, f: str) -> None:
         lo, hi = addr - addr % PAGE, -(-(addr + n) // PAGE) * PAGE
-        if state["advise"] and _madvise()(ctypes.c_void_p(lo), hi - lo, advice) != 0:
-            err = ctypes.get_errno()
-            if err != errno.EINVAL:
-                why = "a read error, or the file is shorter than it was" if err == errno.EFAULT else os.strerror(err)
-                raise FileError(f"cannot read its mapped bytes ({why})", file=f, errno=err)
-            state["advise"] = False  # a kernel before 5.14
+        if state["advise"]:
+            try:
+                libc.madvise(lo, hi - lo, advice)
+            except OSError as e:
+                if e.errno not in (errno.EINVAL, errno.ENOSYS):
+                    err = e.errno or 0
+                    why = (
+                        "a read error, or the file is shorter than it was" if err == errno.EFAULT else os.strerror(err)
+                    )
+                    raise FileError(f"cannot read its mapped bytes ({why})", file=f, errno=err) from None
+                state["advise"] = False  # a kernel before 5.14, or a C library without madvise
         first = -addr % PAGE  # the first page boundary inside the piece
         arr = np.ctypeslib.as_array(piece_type.from_address(addr))[:n]
         int(arr[first::PAGE].sum())  # a read of one byte per page; numpy lets go of the GIL

@@ -40,8 +40,6 @@ changes to, so a tensor that changed goes whole.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +54,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
+from weightlift import libc
 from weightlift.errors import StateError
 from weightlift.integrations.vllm.updates import checked, checkpoint_shapes
 from weightlift.remote.server import Server
@@ -204,11 +203,7 @@ def _malloc_trim() -> None:
     """Give the C heap's free memory back to the system where the C library can (glibc). The
     layerwise reload makes and frees a layer's worth of fresh tensors per layer; freed, they
     stay in the heap's arenas, which glibc returns only when asked."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: its allocator gives memory back its own way
-        pass
+    libc.malloc_trim(0)  # False where the C library is not glibc: its allocator does it itself
 
 
 def _reprocess_tied(model: Any) -> None:
