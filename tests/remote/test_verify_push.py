@@ -7,16 +7,18 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from dataclasses import replace
 
 import blake3
 import numpy as np
 import pytest
 
 import weightlift.remote.protocol as P
-from tests.checkpoints import write
+from tests.checkpoints import write, write_sharded
 from tests.remote.relay import Relay
 from weightlift.cli.main import main as cli
-from weightlift.errors import IntegrityError, LocalProtocolError, RemoteProtocolError
+from weightlift.digest.published import Manifest, make_manifest
+from weightlift.errors import IntegrityError, LocalProtocolError, OptionError, PushError, RemoteProtocolError
 from weightlift.remote.client.client import Client
 from weightlift.remote.protocol import NEED_DATA, Alloc, Barrier, BarrierReply, Decoder, Hello, WriteHeader, send
 from weightlift.remote.server.server import Server
@@ -165,6 +167,95 @@ def test_cli_push_and_pull_verify(tmp_path, capsys):
             raddr = f"{relay.address[0]}:{relay.address[1]}"
             assert cli(["push", path, "--to", raddr, "--verify"]) == 1
             assert "'small.3'" in capsys.readouterr().err
+
+
+# ----- push(manifest=...): the published digests the server must report ------------------------
+
+
+def _lying(m: Manifest, name: str) -> Manifest:
+    """``m`` with another digest for ``name``: a well-formed manifest that lies about one tensor."""
+    return Manifest(tuple(replace(e, blake3="00" * 32) if e.name == name else e for e in m.entries))
+
+
+@pytest.mark.parametrize("layout", ["file", "folder"])
+@pytest.mark.parametrize("given", ["path", "object"])
+def test_a_push_with_a_matching_manifest_is_verified_without_hashing_on_the_client(tmp_path, layout, given):
+    path, tensors = _model(tmp_path)
+    if layout == "folder":
+        items = [(n, "U8", (len(b),), b) for n, b in tensors.items()]
+        path = str(write_sharded(tmp_path / "sharded", items, 3))
+    m = make_manifest(path)
+    out = tmp_path / "published.manifest.json"
+    out.write_text(m.to_json())
+    with Server() as s, Client(s.address) as c:
+        r = c.push(path, verify=True, manifest=str(out) if given == "path" else m)
+        assert (r.tensors, r.verified, r.bytes_hashed) == (len(tensors), len(tensors), 0)
+        _holds(s, tensors)
+
+
+def test_a_push_whose_manifest_lies_about_a_tensor_is_refused_naming_it(tmp_path):
+    path, tensors = _model(tmp_path)
+    with Server() as s, Client(s.address) as c:
+        with pytest.raises(IntegrityError, match=r"1 of 8 tensors.*'small\.1' \(server [0-9a-f]+, published 0000") as e:
+            c.push(path, verify=True, manifest=_lying(make_manifest(path), "small.1"))
+        assert "large" not in str(e.value) and "small.0" not in str(e.value)
+        assert c.push(path, verify=True, manifest=make_manifest(path)).verified == len(tensors)  # still in step
+
+
+def test_a_push_whose_manifest_lacks_a_tensor_is_refused_before_any_byte_is_sent(tmp_path):
+    path, tensors = _model(tmp_path)
+    m = make_manifest(path)
+    short = Manifest(tuple(e for e in m.entries if e.name != "large.2"))
+    with Server() as s, Server() as other, Client(s.address) as c:
+        with pytest.raises(IntegrityError, match=r"1 tensor\(s\) not in the manifest.*large\.2"):
+            c.push(path, verify=True, manifest=short)
+        with pytest.raises(IntegrityError, match=r"large\.2"):  # to several servers: checked before any starts
+            c.push(path, verify=True, manifest=short, to=[other.address])
+        for server in (s, other):
+            assert server.tensors() == {} and server.stats()["bytes_received"] == 0
+        # a selection the manifest covers goes
+        assert c.push(path, select="small.*", verify=True, manifest=short).verified == 4
+
+
+def test_a_push_to_several_servers_checks_each_against_the_manifest(tmp_path):
+    path, tensors = _model(tmp_path)
+    with Server() as s, Server() as other, Client(s.address) as c:
+        got = c.push(path, verify=True, manifest=make_manifest(path), to={other.address: "large.*"}, select="small.*")
+        assert sorted(r.verified for r in got.values()) == [3, 4]
+        with pytest.raises(PushError) as e:
+            c.push(
+                path,
+                verify=True,
+                manifest=_lying(make_manifest(path), "large.0"),
+                to={other.address: "large.*"},
+                select="small.*",
+            )
+        assert list(e.value.errors) == [f"{other.address[0]}:{other.address[1]}"]
+        assert "'large.0'" in str(e.value.errors[f"{other.address[0]}:{other.address[1]}"])
+
+
+def test_push_manifest_options_that_do_not_go_together(tmp_path):
+    path, _ = _model(tmp_path)
+    m = make_manifest(path)
+    with Server() as s, Client(s.address) as c:
+        with pytest.raises(OptionError, match="verify=True"):
+            c.push(path, manifest=m)
+        with pytest.raises(OptionError, match="takes a checkpoint"):
+            c.push({"w": np.zeros(4, np.uint8)}, verify=True, manifest=m)
+        assert s.stats()["bytes_received"] == 0
+
+
+def test_cli_push_with_a_manifest(tmp_path, capsys):
+    path, tensors = _model(tmp_path)
+    good, bad = tmp_path / "good.manifest.json", tmp_path / "bad.manifest.json"
+    good.write_text(make_manifest(path).to_json())
+    bad.write_text(_lying(make_manifest(path), "small.3").to_json())
+    with Server() as s:
+        addr = f"{s.address[0]}:{s.address[1]}"
+        assert cli(["push", path, "--to", addr, "--manifest", str(good)]) == 0  # --manifest implies --verify
+        assert f"{len(tensors)} verified on the server" in capsys.readouterr().out
+        assert cli(["push", path, "--to", addr, "--manifest", str(bad)]) == 1
+        assert "'small.3'" in capsys.readouterr().err
 
 
 # ----- the server side, frame by frame ---------------------------------------------------------

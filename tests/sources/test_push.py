@@ -78,6 +78,41 @@ def test_verified_push_from_s3_checks_every_tensor_against_the_published_manifes
         assert s.tensors() == {}
 
 
+def test_verified_push_from_s3_with_a_manifest_given_by_path_or_url(s3, tmp_path):
+    """``manifest=`` names the published manifest wherever it is (none beside the object here):
+    a local file or another object; one that lies about a tensor is refused naming it, one that
+    lacks a tensor before a byte is sent."""
+    from dataclasses import replace
+
+    from weightlift.digest.published import Manifest
+    from weightlift.remote.client import Client
+    from weightlift.remote.server import Server
+
+    client, proxy = s3
+    local = write(tmp_path / "m.safetensors", _tensors())
+    client.upload_file(str(local), BUCKET, "push-given/model.safetensors")
+    url = f"s3://{BUCKET}/push-given/model.safetensors"
+    m = make_manifest(local)
+    (tmp_path / "m.json").write_text(m.to_json())
+    client.put_object(Bucket=BUCKET, Key="manifests/model.json", Body=m.to_json().encode())
+    for given in (str(tmp_path / "m.json"), f"s3://{BUCKET}/manifests/model.json"):
+        with Server() as s, Client(s.address) as c:
+            res = c.push(url, verify=True, manifest=given)
+            assert (res.verified, res.tensors, res.bytes_hashed) == (4, 4, 0)
+            got = s.tensors()
+            assert all(raw_bytes(got[k]) == raw_bytes(v) for k, v in wl.load(local).items())
+    lies = Manifest(tuple(replace(e, blake3="11" * 32) if e.name == "s1" else e for e in m.entries))
+    with Server() as s, Client(s.address) as c:
+        with pytest.raises(IntegrityError, match=r"1 of 4 tensors.*'s1' \(server [0-9a-f]+, published 1111"):
+            c.push(url, verify=True, manifest=lies)
+    short = Manifest(tuple(e for e in m.entries if e.name != "big"))
+    with Server() as s, Client(s.address) as c:
+        f = proxy.reset()
+        with pytest.raises(IntegrityError, match="big"):
+            c.push(url, verify=True, manifest=short)
+        assert s.stats()["bytes_received"] == 0 and f.gets <= 1  # at most the header was read
+
+
 def test_cli_push_from_s3(s3, tmp_path):
     import json
     import subprocess

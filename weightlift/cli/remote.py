@@ -120,6 +120,11 @@ def _register_push(sub: Any) -> None:
         action="store_true",
         help="the server reports the digest of every tensor it stored; exit 1 naming each one that differs from the file",
     )
+    p.add_argument(
+        "--manifest",
+        metavar="FILE",
+        help="implies --verify: the published manifest (path or URL) whose digests the server must report",
+    )
     p.add_argument("--json", action="store_true", help="print the result and profile as JSON")
     p.add_argument("--profile", action="store_true", help="print where the time went")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the push")
@@ -209,9 +214,10 @@ def _cmd_push(a: argparse.Namespace) -> int:
         raise OptionError(f"--streams must be at least 1, got {a.streams}")
     want = a.profile or a.json or a.trace
     prof = Profiler(enabled=True, trace=bool(a.trace)) if want else None
+    verify = a.verify or a.manifest is not None
     with _client(a, a.to, streams=a.streams, profile=prof) as c:
         try:
-            result = c.push(a.path, select=a.select, verify=a.verify)
+            result = c.push(a.path, select=a.select, verify=verify, manifest=a.manifest)
         except IntegrityError as e:  # the push ran; its bytes are wrong: exit 1, as verify does
             print(f"weightlift: {e}", file=sys.stderr)
             return 1
@@ -224,7 +230,7 @@ def _cmd_push(a: argparse.Namespace) -> int:
     print(
         f"pushed {result.tensors} tensors, {result.bytes:,} bytes to {a.to} in {result.seconds:.3f} s ({rate:.2f} GB/s); "
         f"{result.bytes_sent:,} bytes sent, {result.bytes_hashed:,} hashed, {result.cached} from the server's cache"
-        + (f"; {result.verified} verified on the server" if a.verify else "")
+        + (f"; {result.verified} verified on the server" if verify else "")
     )
     if a.profile and prof is not None:
         print(prof.format())

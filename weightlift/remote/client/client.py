@@ -14,7 +14,7 @@ import builtins
 import os
 import ssl
 from collections.abc import Mapping, Sequence
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, TypeAlias, overload
 
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
 from weightlift.errors import OptionError, StateError
@@ -29,9 +29,14 @@ from weightlift.remote.client.update import Bases, UpdateSpec, given_bases
 from weightlift.remote.protocol import MAX_TENSORS, PROTOCOL_MINOR, Free, FreeReply, Hello
 from weightlift.remote.transport import TCP, Backend, TlsBackend
 
+if TYPE_CHECKING:
+    from weightlift.digest.published import Manifest
+
 __all__ = ["Client", "PushResult", "RemoteTensor", "MAX_LIST_ENTRIES", "MAX_LIST_BYTES"]
 
 Source = str | os.PathLike[str] | Checkpoint
+#: A published manifest: its path or URL, or one read (:class:`~weightlift.digest.published.Manifest`).
+ManifestSource: TypeAlias = "str | os.PathLike[str] | Manifest"
 #: What a push takes from memory: ``{name: numpy array or torch tensor}``.
 Tensors = Mapping[str, Any]
 
@@ -146,6 +151,7 @@ class Client:
         to: None = None,
         base: Tensors | None = None,
         in_place: bool = False,
+        manifest: ManifestSource | None = None,
     ) -> PushResult: ...
 
     @overload
@@ -157,6 +163,7 @@ class Client:
         hash_threshold: int | None = None,
         verify: bool = False,
         to: Mapping[Address, Select] | Sequence[Address],
+        manifest: ManifestSource | None = None,
     ) -> dict[str, PushResult]: ...
 
     def push(
@@ -169,6 +176,7 @@ class Client:
         to: Mapping[Address, Select] | Sequence[Address] | None = None,
         base: Tensors | None = None,
         in_place: bool = False,
+        manifest: ManifestSource | None = None,
     ) -> PushResult | dict[str, PushResult]:
         """Send the selected tensors of a checkpoint, or of ``{name: array or tensor}``, to the
         server; returns when all have landed.
@@ -198,20 +206,21 @@ class Client:
         differs. Needs a server of protocol minor 2 (LocalProtocolError otherwise). Without it a
         push reports what the server received, not that the bytes are right: on a connection
         without a token, bytes changed in flight are stored and the push succeeds.
+
+        ``manifest`` (with ``verify``, as for a load): a published manifest (path, URL or
+        ``Manifest``; :mod:`weightlift.digest.published`) whose digests the server must report
+        for a file, a folder or a URL; nothing is hashed on the client. A URL without one uses
+        the manifest published beside it. IntegrityError before any byte is sent if it lacks a
+        selected tensor or gives it another size.
         """
+        _check_push_options(source, to=to, base=base, in_place=in_place, verify=verify, manifest=manifest)
         if isinstance(source, Mapping):
-            if to is not None:
-                raise OptionError(
-                    "push(to=...) takes a checkpoint; push tensors from memory to each server's own client"
-                )
             return self._push_memory(source, select, hash_threshold, verify, base, in_place)
-        if base is not None or in_place:
-            raise OptionError("push(base=..., in_place=...) apply to tensors pushed from memory")
         if to is not None:
-            return self._push_to(source, select, to, hash_threshold=hash_threshold, verify=verify)
+            return self._push_to(source, select, to, hash_threshold=hash_threshold, verify=verify, manifest=manifest)
         ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
         tensors = ck.select(select)
-        expected = _published(ck, tensors) if verify and ck.source is not None else None
+        expected = _published(ck, tensors, manifest) if verify and (manifest or ck.source) is not None else None
         self._conn()
         while len(self._conns) < self.streams:
             self._conns.append(self._connect())
@@ -284,6 +293,7 @@ class Client:
         *,
         hash_threshold: int | None,
         verify: bool,
+        manifest: ManifestSource | None,
     ) -> dict[str, PushResult]:
         others = dict(to) if isinstance(to, Mapping) else {a: select for a in to}
         me = address_key(self.address)
@@ -291,7 +301,13 @@ class Client:
         if len(targets) != len(others) + 1:
             raise OptionError("push(to=...): every server once, this client's own not again")
         return push_each(
-            source, targets, connect=self._sibling, own={me: self}, hash_threshold=hash_threshold, verify=verify
+            source,
+            targets,
+            connect=self._sibling,
+            own={me: self},
+            hash_threshold=hash_threshold,
+            verify=verify,
+            manifest=manifest,
         )
 
     # -- list / pull / free --------------------------------------------------------------------------
@@ -302,18 +318,7 @@ class Client:
 
     def free(self, names: str | Sequence[str]) -> int:
         """Drop the named tensors on the server; returns how many existed."""
-        conn = self._conn()
-        freed = 0
-        batch: builtins.list[str] = []
-        size = 0
-        for n in [names] if isinstance(names, str) else names:
-            cost = len(n.encode()) + 2
-            if batch and (len(batch) >= MAX_TENSORS or size + cost > conn.max_frame - 64):
-                freed += _free_batch(conn, batch)
-                batch, size = [], 0
-            batch.append(n)
-            size += cost
-        return freed + (_free_batch(conn, batch) if batch else 0)
+        return _free(self._conn(), [names] if isinstance(names, str) else names)
 
     def pull(self, path: str | os.PathLike[str], *, verify: bool = False) -> builtins.list[RemoteTensor]:
         """Write every tensor the server holds to ``path`` as a .safetensors file; returns them.
@@ -337,16 +342,55 @@ class Client:
             raise
 
 
+def _free(conn: Connection, names: Sequence[str]) -> int:
+    """FREE the names in as few messages as the frame and the tensor count allow."""
+    freed = 0
+    batch: builtins.list[str] = []
+    size = 0
+    for n in names:
+        cost = len(n.encode()) + 2
+        if batch and (len(batch) >= MAX_TENSORS or size + cost > conn.max_frame - 64):
+            freed += _free_batch(conn, batch)
+            batch, size = [], 0
+        batch.append(n)
+        size += cost
+    return freed + (_free_batch(conn, batch) if batch else 0)
+
+
 def _free_batch(conn: Connection, names: builtins.list[str]) -> int:
     conn.send(conn.frame(Free(tuple(names))))
     reply: FreeReply = conn.expect(FreeReply)
     return reply.freed
 
 
-def _published(ck: Checkpoint, tensors: builtins.list[TensorInfo]) -> dict[str, bytes]:
-    """The digests a store's published manifest gives the tensors (a store has no sidecars):
-    what the server must report for each as it lands."""
+def _check_push_options(
+    source: Source | Tensors,
+    *,
+    to: object,
+    base: Tensors | None,
+    in_place: bool,
+    verify: bool,
+    manifest: ManifestSource | None,
+) -> None:
+    """OptionError for a push's options that do not go together, before any connection."""
+    if manifest is not None and not verify:
+        raise OptionError("push(manifest=...) is what verify=True checks against: pass verify=True too")
+    if isinstance(source, Mapping):
+        if to is not None:
+            raise OptionError("push(to=...) takes a checkpoint; push tensors from memory to each server's own client")
+        if manifest is not None:
+            raise OptionError("push(manifest=...) takes a checkpoint; tensors from memory are hashed where they are")
+    elif base is not None or in_place:
+        raise OptionError("push(base=..., in_place=...) apply to tensors pushed from memory")
+
+
+def _published(ck: Checkpoint, tensors: builtins.list[TensorInfo], manifest: ManifestSource | None) -> dict[str, bytes]:
+    """The digests a published manifest gives the tensors: ``manifest``, else the one published
+    beside a store's checkpoint (a store has no sidecars); what the server must report for each
+    as it lands. IntegrityError if it lacks one of them."""
     from weightlift.digest.published import expected_digests
 
-    assert ck.source is not None
-    return expected_digests(tensors, ck.source.find_manifest(ck.path))
+    if manifest is None:
+        assert ck.source is not None
+        manifest = ck.source.find_manifest(ck.path)
+    return expected_digests(tensors, manifest)

@@ -133,6 +133,7 @@ class Hashing:
             files = not any(is_memory(t) for t in wanted)  # tensors in memory have no sidecar
             self.all = hash_tensors(wanted, view=self._view, pool=self._pool, threshold=0, manifests=files)
         self.all.update(known)
+        self.published = set(known)  # names whose digest a published manifest gave
         self.futures = {t.name: self.all[t.name] for t in chosen}
 
     def _view(self, t: TensorInfo) -> Any:
@@ -354,7 +355,7 @@ class Pusher:
                 raise RemoteProtocolError(f"server reports a digest for tensor id {tid}, which is not due")
             want = self.hashing.all[p.info.name].result()
             if got != want:
-                where = "published" if is_url(p.info.file) else "file"
+                where = "published" if p.info.name in self.hashing.published else "file"
                 self.tally.mismatch(f"{p.info.name!r} (server {got.hex()[:16]}, {where} {want.hex()[:16]})")
             else:
                 self.tally.add(verified=1)

@@ -13,15 +13,21 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
 from weightlift.errors import OptionError, PushError
+from weightlift.formats import TensorInfo
 from weightlift.remote.client.job import PushResult
+
+if TYPE_CHECKING:
+    from weightlift.digest.published import Manifest
 
 __all__ = ["Address", "Target", "address_key", "Pushes", "push_each"]
 
 Address = str | tuple[str, int]
+#: A published manifest: its path or URL, or one read.
+ManifestSource: TypeAlias = "str | os.PathLike[str] | Manifest"
 
 
 def address_key(addr: Address) -> str:
@@ -33,7 +39,13 @@ class Target(Protocol):
     """What a push goes through: a :class:`~weightlift.remote.client.Client`, structurally."""
 
     def push(
-        self, source: Checkpoint, *, select: Select = None, hash_threshold: int | None = None, verify: bool = False
+        self,
+        source: Checkpoint,
+        *,
+        select: Select = None,
+        hash_threshold: int | None = None,
+        verify: bool = False,
+        manifest: Manifest | None = None,
     ) -> PushResult: ...
 
     def close(self) -> None: ...
@@ -44,7 +56,8 @@ class Pushes:
 
     ``connect`` makes the client of an address (closed after its push); ``own`` names clients
     the caller keeps open, used for their addresses instead. Every selection is checked against
-    the checkpoint before any connection is made. :meth:`join` waits; :meth:`wait` also raises
+    the checkpoint, and with ``manifest`` (read once, for every push's ``verify``) against the
+    manifest, before any connection is made. :meth:`join` waits; :meth:`wait` also raises
     PushError if any push failed, else returns ``{"host:port": PushResult}``.
     """
 
@@ -57,14 +70,18 @@ class Pushes:
         own: Mapping[str, Target] | None = None,
         hash_threshold: int | None = None,
         verify: bool = False,
+        manifest: ManifestSource | None = None,
     ):
         if len({address_key(a) for a in targets}) != len(targets):
             raise OptionError("a push to several servers names every server once")
         ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
+        published = _read(manifest)
         for sel in targets.values():
-            ck.select(sel)  # a selection that matches nothing fails here, before any byte is sent
+            tensors = ck.select(sel)  # a selection that matches nothing fails here, before any byte is sent
+            if published is not None:
+                _check_against(tensors, published)
         self._ck, self._connect, self._own = ck, connect, dict(own or {})
-        self._hash_threshold, self._verify = hash_threshold, verify
+        self._hash_threshold, self._verify, self._manifest = hash_threshold, verify, published
         self.results: dict[str, PushResult] = {}
         self.errors: dict[str, BaseException] = {}
         self._lock = threading.Lock()
@@ -94,7 +111,11 @@ class Pushes:
                 self.errors[key] = e
 
     def _push(self, target: Target, select: Select) -> PushResult:
-        return target.push(self._ck, select=select, hash_threshold=self._hash_threshold, verify=self._verify)
+        if self._manifest is None:  # a target that knows no manifest still takes the push
+            return target.push(self._ck, select=select, hash_threshold=self._hash_threshold, verify=self._verify)
+        return target.push(
+            self._ck, select=select, hash_threshold=self._hash_threshold, verify=self._verify, manifest=self._manifest
+        )
 
     def join(self) -> None:
         """Wait for every push to end, however it ended."""
@@ -117,6 +138,24 @@ def push_each(
     own: Mapping[str, Target] | None = None,
     hash_threshold: int | None = None,
     verify: bool = False,
+    manifest: ManifestSource | None = None,
 ) -> dict[str, PushResult]:
     """:class:`Pushes` started and waited for: ``{"host:port": PushResult}``, or PushError."""
-    return Pushes(source, targets, connect=connect, own=own, hash_threshold=hash_threshold, verify=verify).wait()
+    return Pushes(
+        source, targets, connect=connect, own=own, hash_threshold=hash_threshold, verify=verify, manifest=manifest
+    ).wait()
+
+
+def _read(manifest: ManifestSource | None) -> Manifest | None:
+    if manifest is None:
+        return None
+    from weightlift.digest.published import Manifest, read_manifest
+
+    return manifest if isinstance(manifest, Manifest) else read_manifest(manifest)
+
+
+def _check_against(tensors: list[TensorInfo], manifest: Manifest) -> None:
+    """IntegrityError if ``manifest`` lacks one of ``tensors`` or gives it another size."""
+    from weightlift.digest.published import expected_digests
+
+    expected_digests(tensors, manifest)
