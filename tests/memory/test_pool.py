@@ -8,7 +8,8 @@ import weakref
 
 import numpy as np
 
-from weightlift.memory.pool import MAPPED_MIN, POOL_MIN, HostPool, size_class
+import weightlift.memory.pool as pool_mod
+from weightlift.memory.pool import MAPPED_MIN, POOL_MIN, HostPool, held_bytes, own_mappings, size_class
 
 
 def test_memory_comes_back_only_when_the_last_view_is_gone():
@@ -127,3 +128,47 @@ def test_mid_sized_buffers_are_mappings_of_their_own_that_go_with_them():
     assert gone() is None and pool.idle_bytes == 0  # unmapped, never pooled
     small, fresh = pool.take_marked(MAPPED_MIN - 1)
     assert not isinstance(getattr(small.base, "obj", None), mmap.mmap) and not fresh
+
+
+def test_held_bytes_are_the_pages_a_take_holds():
+    page = mmap.PAGESIZE
+    assert held_bytes(0) == 0 and held_bytes(MAPPED_MIN - 1) == MAPPED_MIN - 1  # malloc: its bytes
+    assert held_bytes(MAPPED_MIN) == MAPPED_MIN and held_bytes(MAPPED_MIN + 1) == MAPPED_MIN + page
+    assert held_bytes(POOL_MIN - 1) == POOL_MIN  # whole pages of a mapping of its own
+    assert held_bytes(POOL_MIN + 1) == size_class(POOL_MIN + 1) == 2 * POOL_MIN
+    a = HostPool().take(MAPPED_MIN + 1)
+    assert len(a.base.obj) == held_bytes(MAPPED_MIN + 1)  # the mapping is that many bytes
+
+
+def test_the_bound_on_mappings_of_their_own_is_well_under_the_kernel_limit():
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+    except OSError:
+        limit = pool_mod.DEFAULT_MAX_MAP_COUNT
+    assert pool_mod.MAPPINGS_BOUND == limit // 4
+
+
+def test_past_the_bound_mid_sized_buffers_come_from_malloc_with_their_bytes_exact(monkeypatch):
+    gc.collect()
+    start = own_mappings()
+    monkeypatch.setattr(pool_mod, "MAPPINGS_BOUND", start + 3)
+    pool = HostPool()
+    sizes = [MAPPED_MIN + 5 + 4099 * i for i in range(6)]
+    arrays = [pool.take(n) for n in sizes]
+    mapped = [isinstance(getattr(a.base, "obj", None), mmap.mmap) for a in arrays]
+    assert mapped == [True] * 3 + [False] * 3 and pool.unmapped == 3
+    assert own_mappings() == start + 3
+    for i, a in enumerate(arrays):
+        a[:] = np.arange(a.size, dtype=np.uint64).astype(np.uint8) ^ i
+    for i, (a, n) in enumerate(zip(arrays, sizes, strict=True)):
+        assert a.size == n and a.tobytes() == (np.arange(n, dtype=np.uint64).astype(np.uint8) ^ i).tobytes()
+    view = arrays[0][5:9]
+    del arrays[0]
+    assert own_mappings() == start + 3  # a view keeps the mapping, and its count
+    del view
+    assert own_mappings() == start + 2  # unmapped with its last view: room for one more
+    again = pool.take(MAPPED_MIN + 5)
+    assert isinstance(again.base.obj, mmap.mmap) and own_mappings() == start + 3 and pool.unmapped == 3
+    del arrays, again
+    assert own_mappings() == start and pool.idle_bytes == 0  # none of them pooled

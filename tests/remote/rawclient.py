@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 import weightlift.remote.protocol as P
+from weightlift.memory.pool import held_bytes
 from weightlift.remote.protocol import (
     NEED_DATA,
     Alloc,
@@ -27,8 +28,8 @@ from weightlift.remote.server.store import entry_cost
 
 
 def _cost(name: str, nbytes: int, ndim: int = 1) -> int:
-    """What one tensor counts against max_memory."""
-    return entry_cost(name, nbytes, ndim)
+    """What one tensor in host memory counts against max_memory: the pages it holds."""
+    return entry_cost(name, held_bytes(nbytes), ndim)
 
 
 class Raw:

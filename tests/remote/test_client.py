@@ -449,10 +449,14 @@ def test_server_errors_surface_at_the_end_of_a_push(tmp_path):
         with pytest.raises(RemoteProtocolError, match="memory limit"):
             c.push(path)
         assert list(s.tensors()) == ["large.0"]
-        # each stored tensor is charged its name and a per-entry overhead besides its bytes
+        # each stored tensor is charged its name and a per-entry overhead besides the pages its
+        # bytes take
+        import mmap
+
         from weightlift.remote.server.store import entry_cost
 
-        assert s.memory_used == entry_cost("large.0", 300_000, 1)
+        pages = -(-300_000 // mmap.PAGESIZE) * mmap.PAGESIZE
+        assert s.memory_used == entry_cost("large.0", pages, 1)
 
 
 def test_connection_refused_is_a_transport_error():

@@ -263,3 +263,31 @@ def test_default_memory_cap_is_most_of_physical_memory():
         raw = Raw(s.address)
         assert raw.hello().max_memory == s.max_memory
     assert Server(max_memory=123).max_memory == 123
+
+
+def test_mid_sized_tensors_past_the_mapping_bound_land_in_malloc_charged_their_pages(monkeypatch):
+    """Each tensor from MAPPED_MIN to POOL_MIN is a mapping of its own, one more against the
+    kernel's vm.max_map_count; past the bound on live ones the server places them with malloc.
+    Either way every byte lands, and each is charged the pages it holds, not its bytes."""
+    import gc
+
+    gc.collect()
+    start = pool_mod.own_mappings()
+    monkeypatch.setattr(pool_mod, "MAPPINGS_BOUND", start + 2)
+    arrays = {f"t{i}": _f32(pool_mod.MAPPED_MIN // 4 + 1000 * i + 1, i) for i in range(6)}
+    with Server() as s:
+        raw = Raw.connected(s.address)
+        for i, (name, a) in enumerate(arrays.items()):
+            _put(raw, i, name, a)
+        assert _barrier(raw).tensors == 6
+        assert pool_mod.own_mappings() == start + 2  # two mappings of their own, four from malloc
+        got = s.tensors()
+        assert all(got[n].tobytes() == a.tobytes() for n, a in arrays.items())
+        assert s.memory_used == sum(_cost(n, a.nbytes) for n, a in arrays.items())
+        assert all(_cost(n, a.nbytes) > _cost(n, 0) + a.nbytes for n, a in arrays.items())  # pages, not bytes
+        del got
+        raw.send(Free(tuple(arrays)))
+        assert raw.recv() == FreeReply(6)
+        assert s.memory_used == 0
+        wait_for(lambda: pool_mod.own_mappings() == start)
+        raw.close()

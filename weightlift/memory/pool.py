@@ -21,6 +21,14 @@ limit and calls :meth:`HostPool.trim` to give it back to the system when it need
 by a background thread while the process does other things (a worker starting up), from which
 new tensors are carved once it is faulted. A carve never reaches past what the thread has
 faulted, and the thread never touches what was carved, so the two never meet.
+
+Tensors from :data:`MAPPED_MIN` up to :data:`POOL_MIN` get a mapping of their own (see
+:meth:`HostPool.take_marked`), and every such mapping can be one more entry against the kernel's
+per-process limit (``vm.max_map_count``, 65530 by default), past which ``mmap`` fails: a push of
+a hundred thousand small tensors would reach it. So they are counted, across every pool of the
+process, and past :data:`MAPPINGS_BOUND` live ones a tensor of that size comes from malloc's
+shared arenas instead. Either way the owner charges the pages such a tensor takes
+(:func:`held_bytes`), not its bytes.
 """
 
 from __future__ import annotations
@@ -34,17 +42,87 @@ import numpy as np
 
 from weightlift.memory.fresh import fault_in, new_mapping
 
-__all__ = ["HostPool", "POOL_MIN", "MAPPED_MIN", "size_class"]
+__all__ = ["HostPool", "POOL_MIN", "MAPPED_MIN", "MAPPINGS_BOUND", "size_class", "held_bytes", "own_mappings"]
 
 POOL_MIN = 2 * 1024 * 1024  # below this, not pooled: np.empty, or a mapping of its own
 _CLASS = 2 * 1024 * 1024
 MAPPED_MIN = 128 * 1024  # from here up to POOL_MIN, a mapping of its own (see take_marked)
+_PAGE = mmap.PAGESIZE
+DEFAULT_MAX_MAP_COUNT = 65530  # the kernel's default, where /proc does not say
+
+
+def _mappings_bound() -> int:
+    """A quarter of the process's mapping limit: the rest stays for everything else the process
+    maps (libraries, pooled tensors, the reserve, other mid-sized mappings that do not merge)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+    except (OSError, ValueError):
+        limit = DEFAULT_MAX_MAP_COUNT
+    return max(1, limit // 4)
+
+
+#: Live mappings of their own (tensors from MAPPED_MIN to POOL_MIN) the process holds at most;
+#: past it such tensors come from malloc. A module constant, read at each take.
+MAPPINGS_BOUND = _mappings_bound()
+
+
+class _Live:
+    """The count of live mappings of their own, in the whole process. Released mappings are
+    queued without a lock (a finalizer may run inside the garbage collector in a thread that
+    holds the lock) and counted off under it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self._gone: deque[None] = deque()
+
+    def _drain(self) -> None:
+        while self._gone:
+            self._gone.popleft()
+            self._count -= 1
+
+    def take(self) -> bool:
+        """Count one more if the bound allows it."""
+        with self._lock:
+            self._drain()
+            if self._count >= MAPPINGS_BOUND:
+                return False
+            self._count += 1
+            return True
+
+    def release(self) -> None:
+        self._gone.append(None)
+
+    def count(self) -> int:
+        with self._lock:
+            self._drain()
+            return self._count
+
+
+_LIVE = _Live()
+
+
+def own_mappings() -> int:
+    """Mappings of their own alive in this process now (tensors from MAPPED_MIN to POOL_MIN)."""
+    return _LIVE.count()
 
 
 def size_class(nbytes: int) -> int:
     """The mapping size a tensor of ``nbytes`` gets: whole 2 MiB classes, so a released mapping
     fits the next tensor of about its size (and huge pages, where the policy uses them)."""
     return -(-nbytes // _CLASS) * _CLASS
+
+
+def held_bytes(nbytes: int) -> int:
+    """The host memory a :meth:`HostPool.take` of ``nbytes`` holds, as its owner charges it:
+    whole size classes from POOL_MIN, whole pages from MAPPED_MIN (a mapping of its own, or
+    malloc's pages past the bound), the bytes themselves below."""
+    if nbytes >= POOL_MIN:
+        return size_class(nbytes)
+    if nbytes >= MAPPED_MIN:
+        return -(-nbytes // _PAGE) * _PAGE
+    return nbytes
 
 
 class HostPool:
@@ -62,6 +140,7 @@ class HostPool:
         self._idle = 0
         self._closed = False
         self.reused = 0  # arrays served from the pool or the reserve (for stats and tests)
+        self.unmapped = 0  # mid-sized arrays taken from malloc past MAPPINGS_BOUND (for stats and tests)
         # The reserve: [0, _bump) carved, [_bump, _end) not, [0, _faulted) faulted in by the
         # reserve thread, which is writing [_faulted, _inflight) right now (when _inflight).
         self._arena: mmap.mmap | None = None
@@ -106,16 +185,7 @@ class HostPool:
         """:meth:`take`, and whether the memory is a fresh mapping nobody has touched yet (a
         pooled size class; below POOL_MIN the answer is always False)."""
         if nbytes < POOL_MIN:
-            if nbytes < MAPPED_MIN:
-                return np.empty(nbytes, dtype=np.uint8), False
-            # A mapping of its own, unmapped when the array goes: from malloc, memory freed by
-            # one thread stays in that thread's arena, and a server's many threads would hold
-            # many such arenas of freed tensors beyond what is charged to them. Not marked
-            # fresh, as malloc's memory was not: the copy into it faults its pages, and no
-            # helper faults in one ahead of bytes that may never come.
-            return np.frombuffer(
-                new_mapping(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE), dtype=np.uint8, count=nbytes
-            ), False
+            return self._unpooled(nbytes), False
         size = size_class(nbytes)
         m: mmap.mmap | None = None
         off: int | None = None
@@ -142,6 +212,28 @@ class HostPool:
         arr = np.frombuffer(m, dtype=np.uint8, count=nbytes, offset=off or 0)
         weakref.finalize(arr, self._give_back, m, off, size)
         return arr, fresh
+
+    def _unpooled(self, nbytes: int) -> np.ndarray:
+        # From MAPPED_MIN, a mapping of its own, unmapped when the array goes: from malloc,
+        # memory freed by one thread stays in that thread's arena, and a server's many threads
+        # would hold many such arenas of freed tensors beyond what is charged to them. Past the
+        # bound on live ones, malloc all the same: a failed mmap would fail the tensor. Never
+        # marked fresh, as malloc's memory is not: the copy into it faults its pages, and no
+        # helper faults in one ahead of bytes that may never come.
+        if nbytes < MAPPED_MIN:
+            return np.empty(nbytes, dtype=np.uint8)
+        if not _LIVE.take():
+            with self._lock:
+                self.unmapped += 1
+            return np.empty(nbytes, dtype=np.uint8)
+        try:
+            m = new_mapping(held_bytes(nbytes))
+        except BaseException:
+            _LIVE.release()
+            raise
+        arr = np.frombuffer(m, dtype=np.uint8, count=nbytes)
+        weakref.finalize(arr, _LIVE.release)
+        return arr
 
     def _give_back(self, m: mmap.mmap, off: int | None, size: int) -> None:
         # Runs when the last reference to the array is dropped, in whichever thread dropped it

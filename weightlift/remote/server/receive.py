@@ -21,7 +21,7 @@ import blake3
 
 from weightlift.digest.blake import hash_buffer
 from weightlift.errors import CacheError
-from weightlift.memory.pool import POOL_MIN, size_class
+from weightlift.memory.pool import held_bytes
 from weightlift.profile import Profiler
 from weightlift.remote.protocol import MAX_DIGESTS, MAX_TENSORS, Alloc, BarrierReply, FillFromCache, WriteHeader
 from weightlift.remote.server.cache import CacheWriter, DigestCheck, disk_unusable
@@ -110,7 +110,7 @@ class Receiver:
             raise RequestError(f"more than {MAX_TENSORS} tensors in flight on one connection")
         if a.name in RESERVED_NAMES:
             raise RequestError(f"{a.name!r} is not a tensor name: safetensors reserves it for the file's metadata")
-        p = _charged(self.store, a, pooled=self.device.pooled and a.nbytes >= POOL_MIN, ahead=bool(self.pending))
+        p = _charged(self.store, a, pooled=self.device.pooled, ahead=bool(self.pending))
         # A tensor named by digest may be filled from memory the server already holds: its
         # destination is made when the first byte needs a place, not here.
         if not p.deferred and (a.digest is None or a.nbytes == 0 or not self.store.remembers_digests):
@@ -350,12 +350,12 @@ def _hash_dest(p: Pending, target: Any) -> bytes:
 
 
 def _charged(store: Store, a: Alloc, *, pooled: bool, ahead: bool) -> Pending:
-    """The tensor ``a`` allocates, charged: whole (a pooled tensor holds whole huge pages), or,
-    when that does not fit and the connection has others in flight (``ahead``), its bookkeeping
-    now and its data at its first byte. A client allocates ahead of its writes: an earlier
+    """The tensor ``a`` allocates, charged: whole (in host memory the pages it holds, see
+    :func:`~weightlift.memory.pool.held_bytes`), or, when that does not fit and the connection
+    has others in flight (``ahead``), its bookkeeping now and its data at its first byte. A client allocates ahead of its writes: an earlier
     tensor still arriving may be about to make the room (a weight update near the limit), and
     if it does not, the tensor fails at its first byte. Nothing is held without a charge."""
-    data = size_class(a.nbytes) if pooled else a.nbytes
+    data = held_bytes(a.nbytes) if pooled else a.nbytes
     cost = entry_cost(a.name, data, len(a.shape))
     try:
         return Pending(a, cost, store.charge(cost, a.nbytes if pooled else 0), 0)
