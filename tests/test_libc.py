@@ -100,14 +100,18 @@ def _glibc() -> bool:
 
 
 def test_malloc_trim_gives_back_free_heap_memory_below_the_top_of_the_heap():
-    """glibc frees the heap's top by itself; memory freed below a block still held stays in the
-    heap until malloc_trim returns it, and says so."""
+    """glibc frees the heap's top by itself; memory freed between blocks still held stays in
+    the heap until malloc_trim returns it, and says so."""
     if not _glibc():
         assert libc.malloc_trim(0) is False  # nothing to ask: the allocator does it its own way
         return
     assert libc.available("malloc_trim")
-    blocks = [bytearray(64 << 10) for _ in range(256)]  # 16 MiB under the mmap threshold: heap
-    keep = bytearray(64 << 10)  # above them: the freed blocks are not the heap's top
+    # 64 KiB blocks (under the mmap threshold: from the heap), each followed by a small block
+    # kept alive, so that no freed block is merged into the heap's top, which free() trims itself
+    blocks, keep = [], []
+    for _ in range(256):
+        blocks.append(bytearray(64 << 10))
+        keep.append(bytearray(1024))
     del blocks
     assert libc.malloc_trim(0) is True
     del keep
