@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 from typing import Any
 
@@ -91,8 +92,7 @@ def madvise(address: int, length: int, advice: int) -> None:
 
 def mincore(address: int, length: int) -> bytes:
     """One byte per page of ``[address, address + length)``: bit 0 set where it is resident."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    vec = (ctypes.c_ubyte * ((length + page - 1) // page))()
+    vec = (ctypes.c_ubyte * -(-length // mmap.PAGESIZE))()
     _check("mincore", _call("mincore", address, length, vec))
     return bytes(vec)
 
