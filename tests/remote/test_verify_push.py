@@ -20,6 +20,7 @@ from weightlift.cli.main import main as cli
 from weightlift.digest.published import Manifest, make_manifest
 from weightlift.errors import IntegrityError, LocalProtocolError, OptionError, PushError, RemoteProtocolError
 from weightlift.remote.client.client import Client
+from weightlift.remote.client.servers import push_each
 from weightlift.remote.protocol import NEED_DATA, Alloc, Barrier, BarrierReply, Decoder, Hello, WriteHeader, send
 from weightlift.remote.server.server import Server
 
@@ -242,6 +243,8 @@ def test_push_manifest_options_that_do_not_go_together(tmp_path):
             c.push(path, manifest=m)
         with pytest.raises(OptionError, match="takes a checkpoint"):
             c.push({"w": np.zeros(4, np.uint8)}, verify=True, manifest=m)
+        with pytest.raises(OptionError, match="verify=True"):
+            push_each(path, {s.address: None}, connect=lambda a: Client(a), manifest=m)
         assert s.stats()["bytes_received"] == 0
 
 

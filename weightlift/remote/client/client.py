@@ -220,7 +220,7 @@ class Client:
             return self._push_to(source, select, to, hash_threshold=hash_threshold, verify=verify, manifest=manifest)
         ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
         tensors = ck.select(select)
-        expected = _published(ck, tensors, manifest) if verify and (manifest or ck.source) is not None else None
+        expected = _published(ck, tensors, manifest) if verify else None
         self._conn()
         while len(self._conns) < self.streams:
             self._conns.append(self._connect())
@@ -384,13 +384,17 @@ def _check_push_options(
         raise OptionError("push(base=..., in_place=...) apply to tensors pushed from memory")
 
 
-def _published(ck: Checkpoint, tensors: builtins.list[TensorInfo], manifest: ManifestSource | None) -> dict[str, bytes]:
+def _published(
+    ck: Checkpoint, tensors: builtins.list[TensorInfo], manifest: ManifestSource | None
+) -> dict[str, bytes] | None:
     """The digests a published manifest gives the tensors: ``manifest``, else the one published
     beside a store's checkpoint (a store has no sidecars); what the server must report for each
-    as it lands. IntegrityError if it lacks one of them."""
+    as it lands. None for local files without one (their own digests serve); IntegrityError if
+    the manifest lacks one of the tensors."""
     from weightlift.digest.published import expected_digests
 
     if manifest is None:
-        assert ck.source is not None
+        if ck.source is None:
+            return None
         manifest = ck.source.find_manifest(ck.path)
     return expected_digests(tensors, manifest)

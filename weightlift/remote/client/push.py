@@ -125,7 +125,9 @@ class Hashing:
             [p.info for p in plans if p.info.length >= max(threshold, 1) and not is_url(p.info.file)] if enabled else []
         )
         wanted = [p.info for p in plans] if verify else chosen
-        # digests given (a store's published manifest) are what the server must report: not hashed here
+        # digests given (a published manifest) are what the server must report: not hashed here. A
+        # tensor a caching server holds under its published digest is filled from there: those
+        # are the published bytes, proven by the cache's own check.
         known = {t.name: _done(expected[t.name]) for t in wanted if expected and t.name in expected}
         wanted = [t for t in wanted if t.name not in known]
         if wanted:

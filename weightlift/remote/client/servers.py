@@ -74,6 +74,8 @@ class Pushes:
     ):
         if len({address_key(a) for a in targets}) != len(targets):
             raise OptionError("a push to several servers names every server once")
+        if manifest is not None and not verify:
+            raise OptionError("a push's manifest is what verify=True checks against: pass verify=True too")
         ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
         published = _read(manifest)
         for sel in targets.values():
