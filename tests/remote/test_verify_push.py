@@ -248,6 +248,33 @@ def test_push_manifest_options_that_do_not_go_together(tmp_path):
         assert s.stats()["bytes_received"] == 0
 
 
+@pytest.mark.parametrize("holds", ["memory", "disk"])
+def test_a_manifest_never_picks_the_bytes_a_caching_server_fills_a_tensor_with(tmp_path, holds):
+    """A caching server fills a tensor asked about by digest from bytes it already holds. The
+    digest asked about is the file's own, so a manifest giving ``large.0`` the digest of other
+    bytes of its length (which the server holds) cannot land those in its place: the server
+    gets the file's bytes and the push is refused naming the tensor, as on a server without them."""
+    path, tensors = _model(tmp_path)
+    n = len(tensors["large.0"])
+    decoy = bytes(range(256)) * (n // 256) + bytes(n % 256)
+    other = str(write(tmp_path / "other.safetensors", [("other", "U8", (n,), decoy)]))
+    m = make_manifest(path)
+    lie = Manifest(
+        tuple(replace(e, blake3=blake3.blake3(decoy).hexdigest()) if e.name == "large.0" else e for e in m.entries)
+    )
+    cache = tmp_path / "c"
+    with Server(cache_dir=cache) as s, Client(s.address) as c:
+        c.push(other, hash_threshold=1000)
+        assert s.stats()["bytes_received"] == n
+    with Server(cache_dir=cache) as s, Client(s.address) as c:
+        if holds == "memory":
+            c.push(other, hash_threshold=1000)
+            assert s.stats()["bytes_received"] == 0  # from the disk cache: held in memory now too
+        with pytest.raises(IntegrityError, match=r"1 of 8 tensors.*'large\.0' \(server [0-9a-f]+, published"):
+            c.push(path, verify=True, manifest=lie, hash_threshold=1000)
+        assert s.tensors()["large.0"].tobytes() == tensors["large.0"]  # the file's bytes, never the decoy
+
+
 def test_cli_push_with_a_manifest(tmp_path, capsys):
     path, tensors = _model(tmp_path)
     good, bad = tmp_path / "good.manifest.json", tmp_path / "bad.manifest.json"

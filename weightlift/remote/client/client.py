@@ -209,9 +209,10 @@ class Client:
 
         ``manifest`` (with ``verify``, as for a load): a published manifest (path, URL or
         ``Manifest``; :mod:`weightlift.digest.published`) whose digests the server must report
-        for a file, a folder or a URL; nothing is hashed on the client. A URL without one uses
-        the manifest published beside it. IntegrityError before any byte is sent if it lacks a
-        selected tensor or gives it another size.
+        for a file, a folder or a URL (one without: the manifest beside it); the client hashes
+        only what it asks a caching server about, whose fills are then the file's bytes, never
+        what the manifest names. IntegrityError before any byte is sent if it lacks a selected
+        tensor or gives it another size.
         """
         _check_push_options(source, to=to, base=base, in_place=in_place, verify=verify, manifest=manifest)
         if isinstance(source, Mapping):

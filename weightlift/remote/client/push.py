@@ -125,18 +125,20 @@ class Hashing:
             [p.info for p in plans if p.info.length >= max(threshold, 1) and not is_url(p.info.file)] if enabled else []
         )
         wanted = [p.info for p in plans] if verify else chosen
-        # digests given (a published manifest) are what the server must report: not hashed here. A
-        # tensor a caching server holds under its published digest is filled from there: those
-        # are the published bytes, proven by the cache's own check.
+        # Digests given (a published manifest) are what the server must report: not hashed here.
+        # Those asked about are the files' own all the same: a caching server fills a tensor with
+        # whatever it holds under the digest asked about, so a manifest's digest would choose the
+        # bytes that land instead of checking them (one giving another tensor's would land that).
         known = {t.name: _done(expected[t.name]) for t in wanted if expected and t.name in expected}
-        wanted = [t for t in wanted if t.name not in known]
+        asked = {t.name for t in chosen}
+        wanted = [t for t in wanted if t.name not in known or t.name in asked]
         if wanted:
             self._pool = DigestPool(max(1, min(4, (os.cpu_count() or 2) // 2)), profiler=prof)
             files = not any(is_memory(t) for t in wanted)  # tensors in memory have no sidecar
             self.all = hash_tensors(wanted, view=self._view, pool=self._pool, threshold=0, manifests=files)
+        self.futures = {t.name: self.all[t.name] for t in chosen}
         self.all.update(known)
         self.published = set(known)  # names whose digest a published manifest gave
-        self.futures = {t.name: self.all[t.name] for t in chosen}
 
     def _view(self, t: TensorInfo) -> Any:
         self.hashed_bytes += t.length
