@@ -92,6 +92,29 @@ def test_posix_fadvise_dontneed_drops_a_real_file_from_the_page_cache(tmp_path):
         pytest.skip(f"this file system kept {cold:.0%} of the file after DONTNEED")
 
 
+def test_mincore_of_any_length_adds_no_ctypes_type():
+    """ctypes keeps every array type it makes (one per length) for the life of the process: a
+    probe of files of many sizes must not make one per size. Its vector is one byte per page
+    touched, a length not a page multiple included, and none for no length."""
+    import ctypes
+    import gc
+
+    def array_types() -> int:
+        return sum(1 for o in gc.get_objects() if isinstance(o, type) and issubclass(o, ctypes.Array))
+
+    m = mmap.mmap(-1, 40 * PAGE)
+    addr = _address(m)
+    m[: 3 * PAGE] = b"\x01" * (3 * PAGE)
+    libc.mincore(addr, PAGE)
+    before = array_types()
+    got = [libc.mincore(addr, n * PAGE - 7 * (n % 2)) for n in range(1, 40)]
+    assert array_types() == before
+    assert [len(v) for v in got] == list(range(1, 40))
+    assert got[4][:3] == b"\x01" * 3 and all(b & 1 == 0 for b in got[-1][3:])
+    assert libc.mincore(addr, 0) == b""
+    m.close()
+
+
 def _glibc() -> bool:
     try:
         return bool(os.confstr("CS_GNU_LIBC_VERSION"))

@@ -92,9 +92,11 @@ def madvise(address: int, length: int, advice: int) -> None:
 
 def mincore(address: int, length: int) -> bytes:
     """One byte per page of ``[address, address + length)``: bit 0 set where it is resident."""
-    vec = (ctypes.c_ubyte * -(-length // mmap.PAGESIZE))()
-    _check("mincore", _call("mincore", address, length, vec))
-    return bytes(vec)
+    pages = -(-length // mmap.PAGESIZE)
+    # a bytearray, not a ctypes array: ctypes keeps every array type (one per length) for good
+    vec = bytearray(max(pages, 1))
+    _check("mincore", _call("mincore", address, length, ctypes.addressof(ctypes.c_char.from_buffer(vec))))
+    return bytes(vec[:pages])
 
 
 def map_file(fd: int, length: int, prot: int, flags: int, offset: int = 0) -> int:
