@@ -103,6 +103,8 @@ def test_mincore_of_any_length_adds_no_ctypes_type():
         return sum(1 for o in gc.get_objects() if isinstance(o, type) and issubclass(o, ctypes.Array))
 
     m = mmap.mmap(-1, 40 * PAGE)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # a huge page would make the untouched pages resident too
+        m.madvise(mmap.MADV_NOHUGEPAGE)
     addr = _address(m)
     m[: 3 * PAGE] = b"\x01" * (3 * PAGE)
     libc.mincore(addr, PAGE)
