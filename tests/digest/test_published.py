@@ -156,3 +156,30 @@ def test_cli_load_verify_with_a_published_manifest(tmp_path, capsys):
     _flip(path, open_checkpoint(path).select("layer.1")[0].offset)
     assert main(["load", str(path), "--verify", "--manifest", str(out)]) == 2
     assert "layer.1" in capsys.readouterr().err
+
+
+def test_manifest_entry_of_another_dtype_or_shape_is_refused(tmp_path):
+    """Same length, same bytes' digest, but another dtype or shape: the load would give a tensor
+    the publisher did not describe, so the manifest does not vouch for it."""
+    from dataclasses import replace
+
+    from weightlift.digest.published import Manifest, expected_digests
+
+    path = write(tmp_path / "m.safetensors", [("w", "F32", (4, 6), np.arange(24, dtype=np.float32).tobytes())])
+    m = make_manifest(path)
+    infos = open_checkpoint(path).select()
+    assert expected_digests(infos, m)["w"].hex() == m.entries[0].blake3
+    for lie in (replace(m.entries[0], dtype="I32"), replace(m.entries[0], shape=(6, 4))):
+        with pytest.raises(IntegrityError, match="another dtype, shape or size: w"):
+            expected_digests(infos, Manifest((lie,)))
+
+
+def test_manifest_naming_a_tensor_twice_is_refused(tmp_path):
+    from weightlift.digest.published import Manifest
+
+    path = write(tmp_path / "m.safetensors", _tensors(2))
+    m = make_manifest(path)
+    twice = Manifest((*m.entries, m.entries[0]))
+    (tmp_path / "twice.json").write_text(twice.to_json())
+    with pytest.raises(IntegrityError, match="more than once"):
+        read_manifest(tmp_path / "twice.json")

@@ -145,6 +145,8 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
             if not isinstance(hx, str) or len(bytes.fromhex(hx)) != DIGEST_SIZE:
                 raise TypeError(name)
             entries.append(ManifestEntry(name, dtype, tuple(shape), length, hx.lower()))
+        if len({e.name for e in entries}) != len(entries):
+            raise IntegrityError(f"{p}: the manifest names a tensor more than once")
         m = Manifest(tuple(entries))
         if not isinstance(doc["digest"], str) or doc["digest"].lower() != m.digest:
             raise IntegrityError(f"{p}: the manifest's own digest does not match its tensors (edited or damaged)")
@@ -205,10 +207,12 @@ def expected_digests(
     bad = []
     for t in tensors:
         e = by_name.get(t.name)
-        if e is None or e.length != t.length:
+        if e is None or e.length != t.length or e.dtype != t.dtype or e.shape != tuple(t.shape):
             bad.append(t.name)
         else:
             out[t.name] = bytes.fromhex(e.blake3)
     if bad:
-        raise IntegrityError(f"{len(bad)} tensor(s) not in the manifest or of another size: {', '.join(bad[:8])}")
+        raise IntegrityError(
+            f"{len(bad)} tensor(s) not in the manifest or of another dtype, shape or size: {', '.join(bad[:8])}"
+        )
     return out
