@@ -2,8 +2,9 @@
 
 Invariants, and why this module is the only code that changes them:
 
-* **Cost.** A tensor counts against ``max_memory`` as its bytes (a pooled tensor: its whole
-  2 MiB size class) and what its bookkeeping really costs: :data:`ENTRY_OVERHEAD`, the name
+* **Cost.** A tensor counts against ``max_memory`` as the memory it holds
+  (:func:`weightlift.memory.pool.held_bytes`: a pooled tensor its whole 2 MiB size class, one of
+  128 KiB to 2 MiB its pages) and what its bookkeeping really costs: :data:`ENTRY_OVERHEAD`, the name
   :data:`NAME_COPIES` times and :data:`DIM_OVERHEAD` per dimension (:func:`entry_cost`; the
   figures are measured by the tests, with a long name and many dimensions). Idle pooled memory
   counts too and is given back first when a charge would not fit.
