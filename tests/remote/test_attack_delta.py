@@ -1,0 +1,82 @@
+"""DELTA and in-place updates attacked through a hand-driven client: lies and orders a client
+would not send, each ending in a refusal that changes nothing and leaves the account exact."""
+
+from __future__ import annotations
+
+import blake3
+import numpy as np
+
+from tests.remote.rawclient import Raw, _barrier, _f32
+from weightlift.remote import delta as D
+from weightlift.remote.protocol import Alloc, Commit, CommitReply, Delta, DeltaEncoding, Update, WriteHeader
+from weightlift.remote.server.server import Server
+
+N = 1 << 18  # elements of F32: 1 MiB a tensor
+
+
+def _sparse(a: np.ndarray, seed: int) -> tuple[np.ndarray, bytes]:
+    """``a`` with one element changed, and the SPARSE payload that makes it from ``a``."""
+    new = a.copy()
+    new[seed % a.size] += 1.0
+    return new, b"".join(D.encode(D.SPARSE, new.view(np.uint8), a.view(np.uint8), 4))
+
+
+def _digest(a: np.ndarray) -> bytes:
+    return blake3.blake3(a.tobytes()).digest()
+
+
+def _pushed_then_delta(raw: Raw, i: int) -> np.ndarray | None:
+    """In the open update: tensor ``w{i}`` sent whole, then a DELTA of it against what was just
+    sent (the base the update itself holds). Returns the bytes the DELTA makes, or None (and
+    sends no DELTA) where the tensor sent whole was refused."""
+    a = _f32(N, seed=i)
+    raw.send(Alloc(2 * i, f"w{i}", "F32", a.shape, a.nbytes, None, True))  # verify: its digest is kept
+    raw.send(WriteHeader(2 * i, 0, a.nbytes), a.tobytes())
+    if _barrier(raw).errors:  # did not fit
+        return None
+    new, payload = _sparse(a, i)
+    raw.send(
+        Delta(
+            2 * i + 1, f"w{i}", "F32", a.shape, a.nbytes, DeltaEncoding.SPARSE, _digest(a), _digest(new), len(payload)
+        ),
+        payload,
+    )
+    return new
+
+
+def test_an_in_place_delta_against_a_tensor_its_update_holds_stays_charged():
+    """A tensor the open update holds is a DELTA's base; in an in-place update the DELTA is kept
+    for the switch. The held tensor's memory is still referenced (the kept DELTA applies into it),
+    so it must still count against max_memory: otherwise one connection holds any amount of
+    memory past the limit, a tensor at a time, until its update ends."""
+    limit = 8 << 20
+    with Server(max_memory=limit) as srv:
+        raw = Raw.connected(srv.address)
+        raw.send(Update(Update.FLAG_IN_PLACE))
+        count = 16  # twice the limit in tensors
+        held = 0  # tensors the update holds: each one sent whole and kept, or the DELTA's result
+        for i in range(count):
+            held += _pushed_then_delta(raw, i) is not None
+            _barrier(raw)
+        assert held < count  # the limit refused some ...
+        assert srv.memory_used >= held * N * 4  # ... and every one held is charged
+        assert srv.memory_used <= limit
+        raw.send(Commit(Commit.FLAG_ABORT))
+        assert isinstance(raw.recv(), CommitReply)
+        raw.close()
+
+
+def test_an_in_place_delta_against_a_tensor_its_update_holds_switches_in_its_result():
+    """Sent whole, then changed by a DELTA in the same in-place update: the switch publishes the
+    DELTA's result (no other client is there to have replaced anything)."""
+    with Server() as srv:
+        raw = Raw.connected(srv.address)
+        raw.send(Update(Update.FLAG_IN_PLACE))
+        want = {f"w{i}": _pushed_then_delta(raw, i) for i in range(2)}
+        assert _barrier(raw).errors == ()
+        raw.send(Commit())
+        commit = raw.recv()
+        assert isinstance(commit, CommitReply) and commit.ok, commit.message
+        got = srv.tensors()
+        assert {k: got[k].tobytes() for k in want} == {k: v.tobytes() for k, v in want.items()}
+        raw.close()
