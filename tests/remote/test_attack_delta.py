@@ -80,3 +80,46 @@ def test_an_in_place_delta_against_a_tensor_its_update_holds_switches_in_its_res
         got = srv.tensors()
         assert {k: got[k].tobytes() for k in want} == {k: v.tobytes() for k, v in want.items()}
         raw.close()
+
+
+def test_a_tensor_filled_from_its_own_memory_and_switched_in_place_by_another_client_keeps_no_stale_digest(
+    tmp_path,
+):
+    """B's update fills ``w`` from the memory the server already holds for it (the same memory,
+    published again at B's switch). Before B commits, A's in-place update changes that memory.
+    B's switch then publishes the memory holding A's bytes: it may not name them by the digest B
+    proved before they changed (the set digest B is told, HAVE, and fills of that digest would
+    all rest on bytes that are not there)."""
+    from weightlift.digest.setdigest import set_digest
+    from weightlift.remote.client.client import Client
+    from weightlift.remote.protocol import FillFromCache
+
+    v0 = {"w": _f32(N, seed=1)}
+    v1 = {"w": _sparse(v0["w"], 3)[0]}
+    d0, d1 = _digest(v0["w"]), _digest(v1["w"])
+    with Server(cache_dir=tmp_path / "cache") as srv:
+        with Client(srv.address) as c:
+            c.push(v0)
+        b = Raw.connected(srv.address)
+        b.send(Update())
+        b.send(Alloc(1, "w", "F32", (N,), N * 4, d0))
+        b.send(FillFromCache(1, d0))
+        assert _barrier(b).errors == ()  # filled from the memory of the w the server holds
+        with Client(srv.address) as a:
+            assert a.push(v1, base=v0, in_place=True).deltas == 1  # A's switch changed that memory
+        b.send(Commit())
+        commit = b.recv()
+        assert isinstance(commit, CommitReply)
+        held = _digest(srv.tensors()["w"])
+        assert held in (d0, d1)
+        if commit.ok:  # what B is told it switched in is what the server holds
+            assert commit.root == set_digest({"w": held})
+        # a later fill by d0 gets v0's bytes or asks for them, never A's bytes under d0's name
+        z = Raw.connected(srv.address)
+        z.send(Alloc(2, "z", "F32", (N,), N * 4, d0))
+        z.send(FillFromCache(2, d0))
+        reply = _barrier(z)
+        if 2 not in reply.need and not reply.errors:
+            assert _digest(srv.tensors()["z"]) == d0
+        b.close()
+        z.close()
