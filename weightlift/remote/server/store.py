@@ -214,6 +214,8 @@ class Store:
         self._generation = 1  # one more than the switches so far (a READ naming 0 asks for any)
         self._readers = _Readers()
         self._unowned: dict[int, int] = {}  # id -> cost of held tensors that take no weak references
+        # memory changed in place -> the digest it was changed to (a proof older than that is void)
+        self._rewritten: dict[int, bytes | None] = {}
         self._stats = {
             "connections": 0,
             "tensors": 0,
@@ -310,6 +312,10 @@ class Store:
         else:
             self._charge_until_gone(tensor, cost)
         same = old is not None and old.tensor is tensor and (old.dtype, old.shape) == (dtype, shape)
+        if changed:
+            self._rewrote(tensor, digest)
+        elif digest is not None:
+            digest = self._still_proven(old, tensor, digest)
         if same and not changed:
             version = old.version  # type: ignore[union-attr]  # the same bytes as the same tensor: a listing still holds
         else:
@@ -326,6 +332,31 @@ class Store:
             self._held[digest] = name
         self._stats["tensors"] += 1
         return old
+
+    def _rewrote(self, tensor: Any, digest: bytes | None) -> None:
+        # the lock is held. Keyed by identity (arrays do not hash), forgotten with the memory;
+        # memory without weak references (a device's) is never changed in place
+        key = id(tensor)
+        if key not in self._rewritten:
+            try:
+                weakref.finalize(tensor, self._rewritten.pop, key, None)
+            except TypeError:
+                return
+        self._rewritten[key] = digest
+
+    def _still_proven(self, old: Entry | None, tensor: Any, digest: bytes) -> bytes | None:
+        """The digest a publication of ``tensor`` unchanged may claim (the lock is held).
+
+        Memory already stored (a tensor filled from the same name's memory) was proven to hold
+        ``digest`` when it was filled; another client's in-place switch may have changed it since,
+        before this publication (an update held it meanwhile). What the store knows of that memory
+        now wins: the stored entry's digest or, for memory changed in place and freed since, the
+        digest of its last change."""
+        if old is not None and old.tensor is tensor:
+            return old.digest
+        if id(tensor) in self._rewritten and self._rewritten[id(tensor)] != digest:
+            return None
+        return digest
 
     def switch(self, staged: list[Staged], names: list[str]) -> tuple[int, dict[str, bytes | None]]:
         """Publish every staged tensor at once; returns the new generation and the digest of every
