@@ -3,6 +3,8 @@ would not send, each ending in a refusal that changes nothing and leaves the acc
 
 from __future__ import annotations
 
+import struct
+
 import blake3
 import numpy as np
 import pytest
@@ -127,3 +129,50 @@ def test_a_tensor_filled_from_its_own_memory_and_switched_in_place_by_another_cl
             assert _digest(srv.tensors()["z"]) == d0
         b.close()
         z.close()
+
+
+def test_an_in_place_sparse_delta_charges_what_its_undo_keeps_before_it_takes_it():
+    """A SPARSE payload of a few kilobytes may name every element of a tensor. Applied in place,
+    the undo keeps each changed element's old value and position: five times a U8 tensor. That
+    memory must be charged before the server takes it (or chunk by chunk as it grows), so the
+    server never holds much more than ``max_memory`` at any moment, and the update is refused."""
+    import tracemalloc
+
+    import zstandard
+
+    from weightlift.remote.client.client import Client
+
+    limit, nbytes, chunk = 24 << 20, 8 << 20, 1 << 20
+    v0 = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    raw_chunk = b"".join(
+        [
+            struct.pack("<I", chunk),
+            np.concatenate([[0], np.ones(chunk - 1)]).astype("<u4").tobytes(),  # every element
+            bytes([255]) * chunk,
+        ]
+    )
+    frame = zstandard.ZstdCompressor(level=3).compress(raw_chunk)
+    count = nbytes // chunk
+    payload = struct.pack("<II", chunk, count) + struct.pack("<I", len(frame)) * count + frame * count
+    with Server(max_memory=limit) as srv:
+        with Client(srv.address) as c:
+            c.push({"w": v0})
+        used = srv.memory_used
+        raw = Raw.connected(srv.address)
+        raw.send(Update(Update.FLAG_IN_PLACE))
+        raw.send(
+            Delta(1, "w", "U8", (nbytes,), nbytes, DeltaEncoding.SPARSE, _digest(v0), bytes(32), len(payload)), payload
+        )
+        assert _barrier(raw).errors == ()  # kept for the switch
+        tracemalloc.start()
+        try:
+            raw.send(Commit())
+            commit = raw.recv()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert isinstance(commit, CommitReply) and not commit.ok
+        assert srv.tensors()["w"].tobytes() == v0.tobytes()
+        # what the commit took: within what the limit had left, and one chunk's undo besides
+        assert peak <= limit - used + 5 * chunk + (2 << 20), (peak, limit - used)
+        raw.close()
