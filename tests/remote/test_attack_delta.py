@@ -176,3 +176,45 @@ def test_an_in_place_sparse_delta_charges_what_its_undo_keeps_before_it_takes_it
         # what the commit took: within what the limit had left, and one chunk's undo besides
         assert peak <= limit - used + 5 * chunk + (2 << 20), (peak, limit - used)
         raw.close()
+
+
+def test_a_fill_from_another_names_memory_never_copies_it_while_an_in_place_switch_changes_it(tmp_path, monkeypatch):
+    """``z`` is filled by digest from the memory of ``w`` (proven to hold it). Another client's
+    in-place switch of ``w`` runs between the fill's choice of ``w`` and its copy: the copy must
+    read one version of ``w`` and publish ``z`` only with bytes that hash to the digest it names."""
+    import threading
+
+    from weightlift.remote.client.client import Client
+    from weightlift.remote.protocol import FillFromCache
+    from weightlift.remote.server.destinations import Destinations
+
+    v0 = {"w": _f32(N, seed=5)}
+    v1 = {"w": _sparse(v0["w"], 9)[0]}
+    d0 = _digest(v0["w"])
+    real, other = Destinations.ensure, {}
+
+    def racing(self, p, **kw):
+        real(self, p, **kw)
+        if p.name == "z" and "thread" not in other:  # w chosen, z's memory made, nothing copied yet
+
+            def switch() -> None:
+                with Client(srv.address) as a:
+                    other["deltas"] = a.push(v1, base=v0, in_place=True).deltas
+
+            t = other["thread"] = threading.Thread(target=switch)
+            t.start()
+            t.join(2)  # the switch runs now, unless it waits for the copy
+
+    with Server(cache_dir=tmp_path / "cache") as srv:
+        with Client(srv.address) as c:
+            c.push(v0)
+        monkeypatch.setattr(Destinations, "ensure", racing)
+        z = Raw.connected(srv.address)
+        z.send(Alloc(2, "z", "F32", (N,), N * 4, d0))
+        z.send(FillFromCache(2, d0))
+        reply = _barrier(z)
+        other["thread"].join(30)
+        assert other["deltas"] == 1  # the switch did run
+        if 2 not in reply.need:
+            assert reply.errors == () and _digest(srv.tensors()["z"]) == d0
+        z.close()
