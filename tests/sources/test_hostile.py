@@ -1,0 +1,168 @@
+"""A hostile or broken web server in front of a load: each lie ends in an error naming the
+object (or in the exact bytes), never in bytes of two versions mixed or of the wrong range.
+
+The server here is a few lines of ``http.server`` serving one object from memory, so that each
+test says exactly what its headers and bodies claim."""
+
+from __future__ import annotations
+
+import gzip
+import re
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+import weightlift as wl
+from tests.checkpoints import raw_bytes, write
+from weightlift.errors import FileError, FormatError, TransportError
+from weightlift.sources.credentials import Retry
+from weightlift.sources.store import forget_stores
+
+pytest.importorskip("obstore", reason="store URLs need obstore (the s3 extra)")
+
+LAST_MODIFIED = "Tue, 01 Dec 2026 00:00:00 GMT"
+
+
+class Served:
+    """One object at ``/m.safetensors``. ``etag``/``last_modified``: the validators every
+    response states; ``replace``: (the ranged GET after which ``data`` becomes these bytes and
+    ``last_modified`` this date); ``lie``: what the ranged answers do wrong."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+        self.etag: str | None = '"v0"'
+        self.last_modified: str | None = LAST_MODIFIED
+        self.replace: tuple[int, bytes, str] | None = None
+        self.lie: str | None = None
+        self.gets = 0
+        self.lock = threading.Lock()
+
+    def headers(self) -> dict[str, str]:
+        out = {}
+        if self.etag:
+            out["ETag"] = self.etag
+        if self.last_modified:
+            out["Last-Modified"] = self.last_modified
+        return out
+
+    def answer(self, h: BaseHTTPRequestHandler, head: bool) -> None:
+        with self.lock:
+            data, validators = self.data, self.headers()
+            m = re.fullmatch(r"bytes=(\d+)-(\d+)", h.headers.get("Range", ""))
+            if m and not head:
+                self.gets += 1
+                if self.replace is not None and self.gets == self.replace[0]:
+                    _, self.data, self.last_modified = self.replace
+                    self.etag = self.etag and '"v1"'
+        if h.path != "/m.safetensors":
+            h.send_response(404)
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+            return
+        if head or not m:
+            h.send_response(200)
+            for k, v in validators.items():
+                h.send_header(k, v)
+            h.send_header("Content-Length", str(len(data)))
+            h.end_headers()
+            if not head:
+                h.wfile.write(data)
+            return
+        a, z = int(m[1]), int(m[2])
+        body, start, encoding = data[a : z + 1], a, None
+        if self.lie == "whole":  # Range ignored: 200 and the whole object
+            h.send_response(200)
+            h.send_header("Content-Length", str(len(data)))
+            h.end_headers()
+            h.wfile.write(data)
+            return
+        if self.lie == "range":  # states and sends bytes from the object's start
+            body, start = data[: len(body)], 0
+        elif self.lie == "longer":  # more body than the range asked for
+            body = data[a : z + 1 + 4096]
+        elif self.lie == "gzip":  # an encoding nobody asked for
+            body, encoding = gzip.compress(body), "gzip"
+        h.send_response(206)
+        for k, v in validators.items():
+            h.send_header(k, v)
+        h.send_header("Content-Range", f"bytes {start}-{start + (z - a)}/{len(data)}")
+        if encoding:
+            h.send_header("Content-Encoding", encoding)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+
+
+@pytest.fixture
+def served(tmp_path, monkeypatch) -> Iterator[tuple[Served, str, dict, bytes]]:
+    """The served object (a checkpoint of two tensors), its URL, the local load, and the bytes
+    of a second version of the same size."""
+    t0 = [("a", "U8", (300_000,), bytes(300_000)), ("b", "U8", (200_000,), bytes(range(200)) * 1000)]
+    t1 = [("a", "U8", (300_000,), b"\x01" * 300_000), ("b", "U8", (200_000,), bytes(range(200)) * 1000)]
+    v0 = write(tmp_path / "v0.safetensors", t0).read_bytes()
+    v1 = write(tmp_path / "v1.safetensors", t1).read_bytes()
+    assert len(v0) == len(v1)
+    s = Served(v0)
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            s.answer(self, head=False)
+
+        def do_HEAD(self) -> None:
+            s.answer(self, head=True)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    monkeypatch.setenv("WEIGHTLIFT_SOURCE_PART", str(128 * 1024))  # several ranged reads per tensor
+    forget_stores(retry=Retry(max_retries=2, init_backoff_s=0.01, max_backoff_s=0.02, retry_timeout_s=5))
+    try:
+        yield s, f"http://127.0.0.1:{httpd.server_address[1]}/m.safetensors", wl.load(tmp_path / "v0.safetensors"), v1
+    finally:
+        forget_stores(retry=Retry())
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def _same(a: dict, b: dict) -> None:
+    assert list(a) == list(b) and all(raw_bytes(a[k]) == raw_bytes(b[k]) for k in b)
+
+
+@pytest.mark.parametrize("validators", ["etag", "last_modified"])
+def test_an_object_replaced_mid_load_at_the_same_size_is_an_error(served, validators):
+    """The second ranged read onwards sees another version of the object, of the same size. With
+    an ETag every read carries If-Match; a server that sends only Last-Modified (no ETag, as
+    Python's own http.server) must be held to that date the same way: the load stops with a
+    FormatError naming the object, never returning bytes of both versions."""
+    s, url, _, v1 = served
+    if validators == "last_modified":
+        s.etag = None
+    ck = wl.open(url)
+    s.replace = (2, v1, "Tue, 01 Dec 2026 12:00:00 GMT")
+    with pytest.raises(FormatError, match="changed in the store") as e:
+        wl.load(ck, threads=1)
+    assert url in str(e.value)
+
+
+def test_an_honest_server_without_etag_loads_exactly(served):
+    s, url, local, _ = served
+    s.etag = None
+    _same(wl.load(wl.open(url), threads=2), local)
+
+
+@pytest.mark.parametrize("lie", ["whole", "range", "longer", "gzip"])
+def test_a_body_that_is_not_the_range_asked_for_is_refused(served, lie):
+    """Range ignored (200 and the whole object), a Content-Range of another start, a body longer
+    than the range, a body in an encoding nobody asked for: an error naming the object."""
+    s, url, _, _ = served
+    ck = wl.open(url)
+    s.lie = lie
+    with pytest.raises((FileError, TransportError), match=re.escape(url)):
+        wl.load(ck, threads=1)
