@@ -1,9 +1,11 @@
 """One store's client: object identity, small reads, and ranged reads straight into a buffer.
 
 Every request for tensor bytes carries the ETag seen when the object's header was read as
-``If-Match``: an object replaced while a load reads it answers 412, and the load stops with a
-FormatError naming it, as a local file changed under a load does; bytes of two versions are never
-mixed. A body cut short (a reset connection, a server that stops early) is resumed from the byte
+``If-Match`` (for a server that states no ETag, its Last-Modified as ``If-Unmodified-Since``), and
+every answer's validators are compared with those: an object replaced while a load reads it
+answers 412 or states another version, and the load stops with a FormatError naming it, as a
+local file changed under a load does; bytes of two versions are never mixed. A server that states
+neither (nor Last-Modified to the second) leaves only the size to compare. A body cut short (a reset connection, a server that stops early) is resumed from the byte
 where it stopped, with backoff, up to :class:`~weightlift.sources.credentials.Retry`'s limit;
 requests that fail before a body (5xx, throttling, refused connections) are retried by obstore.
 
@@ -25,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from weightlift.errors import FileError, FormatError, NotFoundError, OptionError, TransportError, WeightliftError
@@ -49,6 +52,8 @@ class ObjectInfo:
     size: int
     etag: str | None
     version: str | None = None
+    #: the Last-Modified it stated: what identifies the version where a server states no ETag
+    last_modified: datetime | None = None
 
 
 class Store:
@@ -71,7 +76,7 @@ class Store:
             meta = obstore.head(self._store, self._key(loc))
         except Exception as e:  # noqa: BLE001 - mapped to weightlift's errors here
             raise self.error(e, loc.url, "read its metadata") from None
-        return ObjectInfo(loc.url, int(meta["size"]), meta.get("e_tag"), meta.get("version"))
+        return ObjectInfo(loc.url, int(meta["size"]), meta.get("e_tag"), meta.get("version"), meta.get("last_modified"))
 
     def exists(self, loc: Location) -> bool:
         try:
@@ -153,6 +158,8 @@ class Store:
         opts: Any = {"range": (offset + done, offset + n)}
         if obj.etag:
             opts["if_match"] = obj.etag
+        elif obj.last_modified is not None:
+            opts["if_unmodified_since"] = obj.last_modified
         if obj.version:
             opts["version"] = obj.version
         try:
@@ -194,8 +201,12 @@ class Store:
         return done
 
     def _same(self, obj: ObjectInfo, meta: Any) -> None:
-        tag = meta.get("e_tag")
+        tag, modified = meta.get("e_tag"), meta.get("last_modified")
         if obj.etag and tag and tag != obj.etag or int(meta.get("size", obj.size)) != obj.size:
+            raise _changed(obj)
+        # without an ETag, the date is the version (a server that ignores If-Unmodified-Since
+        # still states it)
+        if not obj.etag and obj.last_modified is not None and modified is not None and modified != obj.last_modified:
             raise _changed(obj)
 
     def error(self, e: BaseException, url: str, what: str) -> WeightliftError:
@@ -250,7 +261,9 @@ def _changed(obj: ObjectInfo) -> FormatError:
 
 
 def _changed_url(url: str) -> FormatError:
-    return FormatError("changed in the store since its header was read (its ETag differs); open it again", file=url)
+    return FormatError(
+        "changed in the store since its header was read (its ETag or Last-Modified differs); open it again", file=url
+    )
 
 
 _stores: dict[tuple[str, str], Store] = {}
