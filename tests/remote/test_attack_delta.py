@@ -218,3 +218,46 @@ def test_a_fill_from_another_names_memory_never_copies_it_while_an_in_place_swit
         if 2 not in reply.need:
             assert reply.errors == () and _digest(srv.tensors()["z"]) == d0
         z.close()
+
+
+def test_a_reader_stalled_on_one_tensor_holds_no_in_place_switch_or_read_of_another():
+    """A client stalls inside a READ of ``big`` (it takes one byte and stops; the server may keep
+    its send open for io_timeout + size / min_frame_rate: minutes to hours for a large tensor at
+    a trickle). Another client's in-place update of ``small`` must not wait for it, and while it
+    could wait it must not hold every other READ off: a third client's READ of ``small`` is
+    answered while the stalled reader still holds ``big``."""
+    import threading
+
+    from tests.remote.rawclient import _stalled_reader
+    from weightlift.remote.client.client import Client
+    from weightlift.remote.protocol import Read, ReadReply
+
+    small0 = {"small": _f32(1 << 16, seed=2)}
+    small1 = {"small": _sparse(small0["small"], 1)[0]}
+    with Server() as srv:
+        with Client(srv.address) as c:
+            c.push({"big": _f32(4 << 20, seed=3), **small0})
+        stalled = _stalled_reader(srv.address, "big", 16 << 20)
+        done: dict = {}
+
+        def update() -> None:
+            with Client(srv.address) as a:
+                done["deltas"] = a.push(small1, base=small0, in_place=True).deltas
+
+        t = threading.Thread(target=update, daemon=True)
+        t.start()
+        t.join(2)
+        try:
+            reader = Raw.connected(srv.address)
+            reader.sock.settimeout(2)
+            reader.send(Read("small", 0, small0["small"].nbytes))
+            try:
+                reply = reader.recv()
+            except TimeoutError:
+                reply = None
+            assert isinstance(reply, ReadReply), "a READ of another tensor waited for the stalled reader"
+            assert "deltas" in done, "an in-place switch of another tensor waited for the stalled reader"
+            reader.close()
+        finally:
+            stalled.close()
+            t.join(30)
