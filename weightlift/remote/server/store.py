@@ -198,6 +198,35 @@ class _Readers:
                 self._cond.notify_all()
 
 
+class _Rewritten:
+    """Memory changed in place, and the digest of its last change: a proof older than that is void.
+
+    Memory already stored can be published again unchanged (a tensor filled from the same name's
+    memory) with the digest it was proven to hold when it was filled. Another client's in-place
+    switch may have changed it since, before that publication (an update held it meanwhile):
+    what the store knows of that memory now wins, the stored entry's digest or, for memory
+    changed in place and freed since, the digest of its last change. Keyed by identity (arrays
+    do not hash), forgotten with the memory; the store's lock is held."""
+
+    def __init__(self) -> None:
+        self._digests: dict[int, bytes | None] = {}
+
+    def note(self, tensor: Any, digest: bytes | None) -> None:
+        key = id(tensor)
+        if key not in self._digests:
+            try:
+                weakref.finalize(tensor, self._digests.pop, key, None)
+            except TypeError:  # memory without weak references (a device's) is never changed in place
+                return
+        self._digests[key] = digest
+
+    def claim(self, digest: bytes | None, tensor: Any) -> bytes | None:
+        """``digest`` (what the store knows of the memory, else the publisher's proof), or None
+        where ``tensor`` was changed in place to other bytes since."""
+        key = id(tensor)
+        return None if key in self._digests and self._digests[key] != digest else digest
+
+
 class Store:
     """The tensors a server holds, and what they cost; every change goes through these methods."""
 
@@ -214,8 +243,7 @@ class Store:
         self._generation = 1  # one more than the switches so far (a READ naming 0 asks for any)
         self._readers = _Readers()
         self._unowned: dict[int, int] = {}  # id -> cost of held tensors that take no weak references
-        # memory changed in place -> the digest it was changed to (a proof older than that is void)
-        self._rewritten: dict[int, bytes | None] = {}
+        self._rewritten = _Rewritten()
         self._stats = {
             "connections": 0,
             "tensors": 0,
@@ -313,9 +341,9 @@ class Store:
             self._charge_until_gone(tensor, cost)
         same = old is not None and old.tensor is tensor and (old.dtype, old.shape) == (dtype, shape)
         if changed:
-            self._rewrote(tensor, digest)
+            self._rewritten.note(tensor, digest)
         elif digest is not None:
-            digest = self._still_proven(old, tensor, digest)
+            digest = self._rewritten.claim(old.digest if old is not None and old.tensor is tensor else digest, tensor)
         if same and not changed:
             version = old.version  # type: ignore[union-attr]  # the same bytes as the same tensor: a listing still holds
         else:
@@ -332,31 +360,6 @@ class Store:
             self._held[digest] = name
         self._stats["tensors"] += 1
         return old
-
-    def _rewrote(self, tensor: Any, digest: bytes | None) -> None:
-        # the lock is held. Keyed by identity (arrays do not hash), forgotten with the memory;
-        # memory without weak references (a device's) is never changed in place
-        key = id(tensor)
-        if key not in self._rewritten:
-            try:
-                weakref.finalize(tensor, self._rewritten.pop, key, None)
-            except TypeError:
-                return
-        self._rewritten[key] = digest
-
-    def _still_proven(self, old: Entry | None, tensor: Any, digest: bytes) -> bytes | None:
-        """The digest a publication of ``tensor`` unchanged may claim (the lock is held).
-
-        Memory already stored (a tensor filled from the same name's memory) was proven to hold
-        ``digest`` when it was filled; another client's in-place switch may have changed it since,
-        before this publication (an update held it meanwhile). What the store knows of that memory
-        now wins: the stored entry's digest or, for memory changed in place and freed since, the
-        digest of its last change."""
-        if old is not None and old.tensor is tensor:
-            return old.digest
-        if id(tensor) in self._rewritten and self._rewritten[id(tensor)] != digest:
-            return None
-        return digest
 
     def switch(self, staged: list[Staged], names: list[str]) -> tuple[int, dict[str, bytes | None]]:
         """Publish every staged tensor at once; returns the new generation and the digest of every
