@@ -166,3 +166,26 @@ def test_a_body_that_is_not_the_range_asked_for_is_refused(served, lie):
     s.lie = lie
     with pytest.raises((FileError, TransportError), match=re.escape(url)):
         wl.load(ck, threads=1)
+
+
+def test_a_push_reads_the_version_its_checkpoint_opened_when_the_url_was_opened_again(served):
+    """``ck`` is opened; the object is replaced; the same URL is opened again (``again``, the new
+    version). Pushing ``ck`` must send ``ck``'s version or stop with the FormatError that names
+    the change, never the new version's bytes at the offsets of the old header."""
+    from weightlift.remote.client import Client
+    from weightlift.remote.server import Server
+
+    s, url, local, v1 = served
+    ck = wl.open(url)
+    with s.lock:
+        s.data, s.etag = v1, '"v1"'
+    again = wl.open(url)
+    with Server() as srv, Client(srv.address) as c:
+        try:
+            c.push(ck)
+        except FormatError as e:
+            assert "changed in the store" in str(e) and url in str(e)
+        else:
+            held = srv.tensors()
+            assert {k: raw_bytes(held[k]) for k in local} == {k: raw_bytes(v) for k, v in local.items()}
+    del again
