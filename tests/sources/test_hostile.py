@@ -6,9 +6,11 @@ test says exactly what its headers and bodies claim."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import re
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -84,13 +86,36 @@ class Served:
             body = data[a : z + 1 + 4096]
         elif self.lie == "gzip":  # an encoding nobody asked for
             body, encoding = gzip.compress(body), "gzip"
+        elif self.lie == "trickle":
+            return self._trickle(h, f"bytes {a}-{z}/{len(data)}", body, validators)
+        self._partial(h, validators, f"bytes {start}-{start + (z - a)}/{len(data)}", body, encoding)
+
+    @staticmethod
+    def _trickle(h: BaseHTTPRequestHandler, span: str, body: bytes, validators: dict[str, str]) -> None:
+        """The headers at once, then a byte now and then, never the end."""
+        Served._partial(h, validators, span, b"", None, length=len(body))
+        with contextlib.suppress(OSError):
+            for i in range(len(body)):
+                h.wfile.write(body[i : i + 1])
+                h.wfile.flush()
+                time.sleep(0.2)
+
+    @staticmethod
+    def _partial(
+        h: BaseHTTPRequestHandler,
+        validators: dict[str, str],
+        span: str,
+        body: bytes,
+        encoding: str | None,
+        length: int | None = None,
+    ) -> None:
         h.send_response(206)
         for k, v in validators.items():
             h.send_header(k, v)
-        h.send_header("Content-Range", f"bytes {start}-{start + (z - a)}/{len(data)}")
+        h.send_header("Content-Range", span)
         if encoding:
             h.send_header("Content-Encoding", encoding)
-        h.send_header("Content-Length", str(len(body)))
+        h.send_header("Content-Length", str(len(body) if length is None else length))
         h.end_headers()
         h.wfile.write(body)
 
@@ -189,3 +214,19 @@ def test_a_push_reads_the_version_its_checkpoint_opened_when_the_url_was_opened_
             held = srv.tensors()
             assert {k: raw_bytes(held[k]) for k in local} == {k: raw_bytes(v) for k, v in local.items()}
     del again
+
+
+def test_a_trickling_body_ends_in_an_error_within_the_retry_time(served):
+    """A body that trickles (a byte now and then, never a whole chunk) makes no progress a resume
+    could keep: the read gives up once no byte has landed for the retry time (``retry_timeout_s``),
+    with an error that says so, rather than resuming it ``max_retries`` times, each of them
+    retried that long again inside the client."""
+    s, url, _, _ = served
+    forget_stores(
+        retry=Retry(max_retries=10, init_backoff_s=0.01, max_backoff_s=0.02, retry_timeout_s=1, timeout_s=0.5)
+    )
+    ck = wl.open(url)
+    s.lie = "trickle"
+    with pytest.raises(TransportError, match="no byte of the body arrived") as e:
+        wl.load(ck, threads=1)
+    assert url in str(e.value)
