@@ -128,12 +128,23 @@ class Store:
         ``on_piece(start, end)`` is told each range of ``dst`` as it is filled."""
         n = dst.nbytes
         done, attempt = 0, 0
+        moved = time.monotonic()  # when a byte last landed (or the read began)
         while done < n:
             try:
                 done = self._body(obj, loc, offset, dst, done, prof, on_piece)
             except _Interrupted as cut:
+                if cut.done > done:
+                    moved = time.monotonic()
                 done = cut.done
                 attempt += 1
+                # a body that brings nothing (stalled, or trickling under a chunk per request) is
+                # given the retry time once: the client already retried it that long inside
+                if time.monotonic() - moved > self.retry.retry_timeout_s:
+                    raise TransportError(
+                        f"{obj.url}: no byte of the body arrived at byte {offset + done} for "
+                        f"{self.retry.retry_timeout_s:g} s ({cut.reason}); check the connection to "
+                        f"{describe(self.config)}"
+                    ) from None
                 if attempt > self.retry.max_retries:
                     raise TransportError(
                         f"{obj.url}: the body stopped at byte {offset + done} {attempt} times "
