@@ -230,3 +230,71 @@ def test_a_trickling_body_ends_in_an_error_within_the_retry_time(served):
     with pytest.raises(TransportError, match="no byte of the body arrived") as e:
         wl.load(ck, threads=1)
     assert url in str(e.value)
+
+
+def test_a_listing_that_never_ends_is_refused_in_bounded_memory(monkeypatch):
+    """An S3 endpoint whose listing of a prefix is always truncated, with a new continuation
+    token and a thousand more keys each page (a broken or hostile store): resolving the prefix
+    stops with an error naming it, holding a bounded number of names, instead of asking for
+    pages forever while every one of them is kept."""
+    served = {"pages": 0}
+    keys = "".join(
+        f"<Contents><Key>p/o{i:04d}.bin</Key><Size>1</Size><LastModified>2026-01-01T00:00:00.000Z</LastModified>"
+        f'<ETag>"e"</ETag></Contents>'
+        for i in range(1000)
+    )
+
+    class Endless(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+        def do_HEAD(self) -> None:
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_GET(self) -> None:
+            served["pages"] += 1
+            body = (
+                '<?xml version="1.0"?><ListBucketResult><Name>b</Name><Prefix>p/</Prefix><KeyCount>1000</KeyCount>'
+                f"<MaxKeys>1000</MaxKeys><IsTruncated>true</IsTruncated>"
+                f"<NextContinuationToken>t{served['pages']}</NextContinuationToken>{keys}</ListBucketResult>"
+            ).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Endless)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_NO_SIGN_REQUEST", "true")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{httpd.server_address[1]}")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    forget_stores(retry=Retry(max_retries=1, init_backoff_s=0.01, max_backoff_s=0.02, retry_timeout_s=2))
+    done: dict = {}
+
+    def resolve() -> None:
+        try:
+            wl.open("s3://b/p/")
+        except Exception as e:  # noqa: BLE001 - what it ended in is the point
+            done["error"] = e
+
+    t = threading.Thread(target=resolve, daemon=True)
+    t.start()
+    t.join(30)
+    try:
+        assert not t.is_alive(), f"still listing after {served['pages']} pages"
+        assert isinstance(done.get("error"), FormatError) and "s3://b/p" in str(done["error"])
+        assert served["pages"] <= 1100  # a bounded walk: what is kept is bounded with it
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        forget_stores(retry=Retry())
