@@ -42,6 +42,14 @@ PIECE = 1024 * 1024
 #: the smallest chunk of a body obstore hands over at once (it gathers smaller network reads)
 CHUNK = 64 * 1024
 _OFF = Profiler(enabled=False)
+#: objects asked for per page of a listing (S3's own most)
+LIST_PAGE = 1000
+#: pages a prefix's listing may take, restarts past sub-prefixes included
+MAX_LIST_PAGES = 1000
+#: objects directly inside a prefix that a listing keeps at most
+MAX_LISTED = 100_000
+# after a sub-prefix's name: sorts after every key under it (keys are compared as UTF-8 bytes)
+_PAST_ALL = "/\U0010ffff"
 
 
 @dataclass(frozen=True)
@@ -87,17 +95,55 @@ class Store:
 
     def listing(self, loc: Location) -> list[str] | None:
         """The names directly inside prefix ``loc`` (objects, not sub-prefixes); None where the
-        store cannot list (plain HTTP)."""
+        store cannot list (plain HTTP).
+
+        Read a page at a time, and at most :data:`MAX_LIST_PAGES` pages: a store whose listing
+        is always truncated (a new continuation token each page) would otherwise be asked for
+        pages forever, each one kept. Sub-prefixes are stepped over (the next page starts past
+        all they hold), so their objects cost a request each sub-prefix, not a page each
+        thousand. FormatError naming the prefix past the bound."""
         if self._scheme != "s3":
             return None
         import obstore
 
         prefix = loc.key if not loc.key or loc.key.endswith("/") else loc.key + "/"
+        names: list[str] = []
+        pages, offset = 0, None
         try:
-            res = obstore.list_with_delimiter(self._store, prefix or None)
+            while True:
+                resume = None
+                for chunk in obstore.list(self._store, prefix or None, offset=offset, chunk_size=LIST_PAGE):
+                    pages += 1
+                    if pages > MAX_LIST_PAGES:
+                        raise FormatError(
+                            f"the prefix lists more than {MAX_LIST_PAGES} pages of objects; name the checkpoint's "
+                            f"file or index",
+                            file=loc.url,
+                        )
+                    for o in chunk:
+                        rest = o["path"][len(prefix) :]
+                        if "/" not in rest:
+                            names.append(rest)
+                            if len(names) > MAX_LISTED:
+                                raise FormatError(
+                                    f"the prefix holds more than {MAX_LISTED} objects; name the checkpoint's file "
+                                    f"or index",
+                                    file=loc.url,
+                                )
+                            continue
+                        after = prefix + rest.split("/", 1)[0] + _PAST_ALL
+                        if offset is None or after > offset:
+                            resume = after  # the first key past every one under that sub-prefix
+                            break
+                    if resume is not None:
+                        break
+                if resume is None:
+                    return sorted(names)
+                offset = resume
+        except WeightliftError:
+            raise
         except Exception as e:  # noqa: BLE001
             raise self.error(e, loc.url, "list the prefix") from None
-        return sorted(o["path"].rsplit("/", 1)[-1] for o in res["objects"])
 
     def put(self, loc: Location, data: bytes) -> None:
         import obstore
