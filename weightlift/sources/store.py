@@ -4,10 +4,13 @@ Every request for tensor bytes carries the ETag seen when the object's header wa
 ``If-Match`` (for a server that states no ETag, its Last-Modified as ``If-Unmodified-Since``), and
 every answer's validators are compared with those: an object replaced while a load reads it
 answers 412 or states another version, and the load stops with a FormatError naming it, as a
-local file changed under a load does; bytes of two versions are never mixed. A server that states
-neither (nor Last-Modified to the second) leaves only the size to compare. A body cut short (a reset connection, a server that stops early) is resumed from the byte
-where it stopped, with backoff, up to :class:`~weightlift.sources.credentials.Retry`'s limit;
-requests that fail before a body (5xx, throttling, refused connections) are retried by obstore.
+local file changed under a load does; bytes of two versions are never mixed. A server that
+states neither (Last-Modified is to the second) leaves only the size to compare.
+
+A body cut short (a reset connection, a server that stops early) is resumed from the byte where
+it stopped, with backoff, up to :class:`~weightlift.sources.credentials.Retry`'s limit, and given
+up once no byte of it has landed for the retry time; requests that fail before a body (5xx,
+throttling, refused connections) are retried by obstore.
 
 The body arrives in chunks of at least :data:`CHUNK` bytes, each copied once into its place in
 the destination while the next is received on obstore's own threads (the GIL is not held while
