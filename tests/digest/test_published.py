@@ -72,6 +72,13 @@ def test_edited_manifest_is_refused(tmp_path):
         read_manifest(tmp_path / "bad.json")
 
 
+@pytest.mark.parametrize("doc", ["[" * 100_000, '{"format": ' * 100_000], ids=["array", "object"])
+def test_a_manifest_nested_past_the_parser_is_refused_naming_it(tmp_path, doc):
+    (tmp_path / "deep.json").write_text(doc)
+    with pytest.raises(IntegrityError, match="deep.json"):
+        read_manifest(tmp_path / "deep.json")
+
+
 def test_flipped_byte_in_file_is_named(tmp_path, capsys):
     ts = _tensors()
     path = write(tmp_path / "m.safetensors", ts)

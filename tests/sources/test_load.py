@@ -196,3 +196,24 @@ def test_profile_shows_the_store_phases(s3, tmp_path):
     assert prof["commands"]["GET first byte"]["count"] == requests
     assert prof["phase_bytes"]["read"] == sum(t.length for t in wl.open(url))
     assert prof["work_s"]["wire"] > 0
+
+
+def test_a_prefix_with_sub_prefixes_resolves_by_its_own_objects(s3, tmp_path):
+    """Objects under sub-prefixes are not the prefix's own: the one .safetensors directly inside
+    is the checkpoint, however many more lie below (the listing steps over each sub-prefix)."""
+    client, _ = s3
+    local = write(tmp_path / "w.safetensors", _big(2))
+    _upload(client, local, "nested/weights.safetensors")
+    for sub in ("a", "b", "b0", "z"):
+        for k in range(3):
+            _upload(client, local, f"nested/{sub}/{k}/other.safetensors")
+    client.put_object(Bucket=BUCKET, Key="nested/b0", Body=b"a direct object named like a sub-prefix")
+    _same(wl.load(f"s3://{BUCKET}/nested/"), wl.load(local))
+
+
+def test_a_prefix_whose_names_need_escaping_lists_its_own_objects(s3, tmp_path):
+    client, _ = s3
+    local = write(tmp_path / "w.safetensors", _big(2))
+    _upload(client, local, "odd names %41 +é/weights.safetensors")
+    _upload(client, local, "odd names %41 +é/sub dir %/other.safetensors")
+    _same(wl.load(f"s3://{BUCKET}/odd names %41 +é/"), wl.load(local))

@@ -130,8 +130,8 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
         raise NotFoundError("no manifest here (write one with `weightlift manifest`)", file=p) from None
     except OSError as e:
         raise FileError(f"cannot read manifest: {e.strerror}", file=p, errno=e.errno) from None
-    except ValueError as e:
-        raise IntegrityError(f"{p}: manifest is not JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # nested past the parser's depth: not a manifest either
+        raise IntegrityError(f"{p}: manifest is not JSON: {type(e).__name__}: {e}") from None
     try:
         if doc["format"] != FORMAT or doc["version"] != VERSION:
             raise IntegrityError(f"{p}: not a {FORMAT} version {VERSION}")

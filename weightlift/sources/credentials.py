@@ -43,6 +43,8 @@ class Retry:
     init_backoff_s: float = 0.1
     max_backoff_s: float = 15.0
     retry_timeout_s: float = 180.0
+    #: the most one request may take, its body included (a longer one is cut and retried or resumed)
+    timeout_s: float = 30.0
 
     def obstore(self) -> Any:
         td = datetime.timedelta
@@ -155,7 +157,12 @@ def make_store(cfg: StoreConfig, provider: Any, retry: Retry, *, connections: in
         from obstore.store import HTTPStore, S3Store
     except ImportError:
         raise OptionError(f"{cfg.scheme}:// needs obstore: pip install 'weightlift[s3]'") from None
-    client: Any = {"allow_http": True, "pool_max_idle_per_host": str(max(1, connections)), "connect_timeout": "10s"}
+    client: Any = {
+        "allow_http": True,
+        "pool_max_idle_per_host": str(max(1, connections)),
+        "connect_timeout": "10s",
+        "timeout": datetime.timedelta(seconds=retry.timeout_s),
+    }
     if cfg.scheme != "s3":
         return HTTPStore(cfg.root, client_options=client, retry_config=retry.obstore())
     kw: dict[str, Any] = {"region": cfg.region or "us-east-1"}

@@ -21,13 +21,15 @@ from weightlift.sources.store import ObjectInfo, Store, store_for
 from weightlift.sources.tuning import Tuning, tuning_for
 from weightlift.sources.url import Location, parse
 
-__all__ = ["Objects", "objects_for", "opened", "HEAD_GUESS", "GGUF_FIRST", "MAX_GGUF_HEADER"]
+__all__ = ["Objects", "objects_for", "opened", "HEAD_GUESS", "GGUF_FIRST", "MAX_GGUF_HEADER", "IDENTITY"]
 
 #: bytes read first from a safetensors object: its header in one request, most of the time
 HEAD_GUESS = 256 * 1024
 #: bytes of a GGUF object read first, growing fourfold until the header parses
 GGUF_FIRST = 2 * 1024 * 1024
 MAX_GGUF_HEADER = 512 * 1024 * 1024
+#: the key of a tensor's ``extra`` that holds the :class:`ObjectInfo` its header was read from
+IDENTITY = "identity"
 
 
 class Objects:
@@ -94,8 +96,13 @@ class Objects:
         n = max(0, min(n, info.size - offset))
         return self.store(url).read(info, self.location(url), offset, n) if n else b""
 
-    def read_into(self, url: str, offset: int, dst: memoryview, **kw: Any) -> None:
-        self.store(url).read_into(self.info(url), self.location(url), offset, dst, **kw)
+    def read_into(
+        self, url: str, offset: int, dst: memoryview, *, identity: ObjectInfo | None = None, **kw: Any
+    ) -> None:
+        """Bytes of the object at ``offset`` into ``dst``, of the version ``identity`` names
+        (default: the one these objects read)."""
+        info = identity if identity is not None else self.info(url)
+        self.store(url).read_into(info, self.location(url), offset, dst, **kw)
 
     def read_all(self, url: str, limit: int) -> bytes:
         """The whole object (an index, a manifest), FormatError if over ``limit`` bytes."""
@@ -118,7 +125,8 @@ class Objects:
             header += self.read(url, len(first), end - len(first))
         if len(header) != n:
             raise FormatError("object ended inside its header", file=url)
-        return st.parse_header(header, file=url, file_size=size)
+        tensors, metadata = st.parse_header(header, file=url, file_size=size)
+        return self._stamped(url, tensors), metadata
 
     def gguf_header(self, url: str) -> tuple[list[TensorInfo], dict[str, Any]]:
         """The tensors and metadata of a GGUF object, from a prefix read until the header parses."""
@@ -131,12 +139,21 @@ class Objects:
         while True:
             try:
                 head = gguf.parse_gguf(buf, file=url, file_size=size)
-                return list(head.tensors), dict(head.metadata)
+                return self._stamped(url, list(head.tensors)), dict(head.metadata)
             except FormatError:
                 if len(buf) >= size or len(buf) >= MAX_GGUF_HEADER:
                     raise  # the whole header was there: the error is the file's
             want = min(size, len(buf) * 4, MAX_GGUF_HEADER)
             buf += self.read(url, len(buf), want - len(buf))
+
+    def _stamped(self, url: str, tensors: list[TensorInfo]) -> list[TensorInfo]:
+        """``tensors``, each marked with the version of the object its header was read from:
+        code handed only a tensor (a push's reads, :func:`opened`) reads that version, even
+        where the URL was opened again since as another one."""
+        info = self.info(url)
+        for t in tensors:
+            t.extra[IDENTITY] = info
+        return tensors
 
     def first(self, url: str) -> bytes:
         """The object's first :data:`HEAD_GUESS` bytes (its magic and, usually, its header)."""

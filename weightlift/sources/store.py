@@ -1,11 +1,16 @@
 """One store's client: object identity, small reads, and ranged reads straight into a buffer.
 
 Every request for tensor bytes carries the ETag seen when the object's header was read as
-``If-Match``: an object replaced while a load reads it answers 412, and the load stops with a
-FormatError naming it, as a local file changed under a load does; bytes of two versions are never
-mixed. A body cut short (a reset connection, a server that stops early) is resumed from the byte
-where it stopped, with backoff, up to :class:`~weightlift.sources.credentials.Retry`'s limit;
-requests that fail before a body (5xx, throttling, refused connections) are retried by obstore.
+``If-Match`` (for a server that states no ETag, its Last-Modified as ``If-Unmodified-Since``), and
+every answer's validators are compared with those: an object replaced while a load reads it
+answers 412 or states another version, and the load stops with a FormatError naming it, as a
+local file changed under a load does; bytes of two versions are never mixed. A server that
+states neither (Last-Modified is to the second) leaves only the size to compare.
+
+A body cut short (a reset connection, a server that stops early) is resumed from the byte where
+it stopped, with backoff, up to :class:`~weightlift.sources.credentials.Retry`'s limit, and given
+up once no byte of it has landed for the retry time; requests that fail before a body (5xx,
+throttling, refused connections) are retried by obstore.
 
 The body arrives in chunks of at least :data:`CHUNK` bytes, each copied once into its place in
 the destination while the next is received on obstore's own threads (the GIL is not held while
@@ -25,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from weightlift.errors import FileError, FormatError, NotFoundError, OptionError, TransportError, WeightliftError
@@ -39,6 +45,14 @@ PIECE = 1024 * 1024
 #: the smallest chunk of a body obstore hands over at once (it gathers smaller network reads)
 CHUNK = 64 * 1024
 _OFF = Profiler(enabled=False)
+#: objects asked for per page of a listing (S3's own most)
+LIST_PAGE = 1000
+#: pages a prefix's listing may take, restarts past sub-prefixes included
+MAX_LIST_PAGES = 1000
+#: objects directly inside a prefix that a listing keeps at most
+MAX_LISTED = 100_000
+# after a sub-prefix's name: sorts after every key under it (keys are compared as UTF-8 bytes)
+_PAST_ALL = "/\U0010ffff"
 
 
 @dataclass(frozen=True)
@@ -49,6 +63,8 @@ class ObjectInfo:
     size: int
     etag: str | None
     version: str | None = None
+    #: the Last-Modified it stated: what identifies the version where a server states no ETag
+    last_modified: datetime | None = None
 
 
 class Store:
@@ -71,7 +87,7 @@ class Store:
             meta = obstore.head(self._store, self._key(loc))
         except Exception as e:  # noqa: BLE001 - mapped to weightlift's errors here
             raise self.error(e, loc.url, "read its metadata") from None
-        return ObjectInfo(loc.url, int(meta["size"]), meta.get("e_tag"), meta.get("version"))
+        return ObjectInfo(loc.url, int(meta["size"]), meta.get("e_tag"), meta.get("version"), meta.get("last_modified"))
 
     def exists(self, loc: Location) -> bool:
         try:
@@ -82,17 +98,55 @@ class Store:
 
     def listing(self, loc: Location) -> list[str] | None:
         """The names directly inside prefix ``loc`` (objects, not sub-prefixes); None where the
-        store cannot list (plain HTTP)."""
+        store cannot list (plain HTTP).
+
+        Read a page at a time, and at most :data:`MAX_LIST_PAGES` pages: a store whose listing
+        is always truncated (a new continuation token each page) would otherwise be asked for
+        pages forever, each one kept. Sub-prefixes are stepped over (the next page starts past
+        all they hold), so their objects cost a request each sub-prefix, not a page each
+        thousand. FormatError naming the prefix past the bound."""
         if self._scheme != "s3":
             return None
         import obstore
 
         prefix = loc.key if not loc.key or loc.key.endswith("/") else loc.key + "/"
+        names: list[str] = []
+        pages, offset = 0, None
         try:
-            res = obstore.list_with_delimiter(self._store, prefix or None)
+            while True:
+                resume = None
+                for chunk in obstore.list(self._store, prefix or None, offset=offset, chunk_size=LIST_PAGE):
+                    pages += 1
+                    if pages > MAX_LIST_PAGES:
+                        raise FormatError(
+                            f"the prefix lists more than {MAX_LIST_PAGES} pages of objects; name the checkpoint's "
+                            f"file or index",
+                            file=loc.url,
+                        )
+                    for o in chunk:
+                        rest = o["path"][len(prefix) :]
+                        if "/" not in rest:
+                            names.append(rest)
+                            if len(names) > MAX_LISTED:
+                                raise FormatError(
+                                    f"the prefix holds more than {MAX_LISTED} objects; name the checkpoint's file "
+                                    f"or index",
+                                    file=loc.url,
+                                )
+                            continue
+                        after = prefix + rest.split("/", 1)[0] + _PAST_ALL
+                        if offset is None or after > offset:
+                            resume = after  # the first key past every one under that sub-prefix
+                            break
+                    if resume is not None:
+                        break
+                if resume is None:
+                    return sorted(names)
+                offset = resume
+        except WeightliftError:
+            raise
         except Exception as e:  # noqa: BLE001
             raise self.error(e, loc.url, "list the prefix") from None
-        return sorted(o["path"].rsplit("/", 1)[-1] for o in res["objects"])
 
     def put(self, loc: Location, data: bytes) -> None:
         import obstore
@@ -123,12 +177,23 @@ class Store:
         ``on_piece(start, end)`` is told each range of ``dst`` as it is filled."""
         n = dst.nbytes
         done, attempt = 0, 0
+        moved = time.monotonic()  # when a byte last landed (or the read began)
         while done < n:
             try:
                 done = self._body(obj, loc, offset, dst, done, prof, on_piece)
             except _Interrupted as cut:
+                if cut.done > done:
+                    moved = time.monotonic()
                 done = cut.done
                 attempt += 1
+                # a body that brings nothing (stalled, or trickling under a chunk per request) is
+                # given the retry time once: the client already retried it that long inside
+                if time.monotonic() - moved > self.retry.retry_timeout_s:
+                    raise TransportError(
+                        f"{obj.url}: no byte of the body arrived at byte {offset + done} for "
+                        f"{self.retry.retry_timeout_s:g} s ({cut.reason}); check the connection to "
+                        f"{describe(self.config)}"
+                    ) from None
                 if attempt > self.retry.max_retries:
                     raise TransportError(
                         f"{obj.url}: the body stopped at byte {offset + done} {attempt} times "
@@ -153,6 +218,8 @@ class Store:
         opts: Any = {"range": (offset + done, offset + n)}
         if obj.etag:
             opts["if_match"] = obj.etag
+        elif obj.last_modified is not None:
+            opts["if_unmodified_since"] = obj.last_modified
         if obj.version:
             opts["version"] = obj.version
         try:
@@ -194,8 +261,12 @@ class Store:
         return done
 
     def _same(self, obj: ObjectInfo, meta: Any) -> None:
-        tag = meta.get("e_tag")
+        tag, modified = meta.get("e_tag"), meta.get("last_modified")
         if obj.etag and tag and tag != obj.etag or int(meta.get("size", obj.size)) != obj.size:
+            raise _changed(obj)
+        # without an ETag, the date is the version (a server that ignores If-Unmodified-Since
+        # still states it)
+        if not obj.etag and obj.last_modified is not None and modified is not None and modified != obj.last_modified:
             raise _changed(obj)
 
     def error(self, e: BaseException, url: str, what: str) -> WeightliftError:
@@ -250,7 +321,9 @@ def _changed(obj: ObjectInfo) -> FormatError:
 
 
 def _changed_url(url: str) -> FormatError:
-    return FormatError("changed in the store since its header was read (its ETag differs); open it again", file=url)
+    return FormatError(
+        "changed in the store since its header was read (its ETag or Last-Modified differs); open it again", file=url
+    )
 
 
 _stores: dict[tuple[str, str], Store] = {}

@@ -3,8 +3,9 @@
 For senders that pass bytes on as they come (a push to a tensor server sends one WRITE per
 part): :func:`pieces` keeps ``depth`` ranged reads in flight while the caller sends the part
 before them, so the store's latency hides behind the send, and holds ``depth`` parts of host
-memory, whatever the tensor's size. The object's ETag is the one read when its checkpoint was
-opened (:func:`~weightlift.sources.objects.opened`).
+memory, whatever the tensor's size. The object's version (its ETag) is the one read when the
+tensor's checkpoint was opened, which the tensor carries: a URL opened again since as another
+version is not read in its place.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from weightlift.formats import TensorInfo
 from weightlift.sources.load import plan_budget
-from weightlift.sources.objects import opened
+from weightlift.sources.objects import IDENTITY, opened
 
 __all__ = ["pieces"]
 
@@ -35,7 +36,8 @@ def pieces(t: TensorInfo, *, depth: int = 4) -> Iterator[tuple[int, memoryview]]
             nonlocal nxt
             a = starts[nxt]
             buf = free.pop()[: min(part, t.length - a)]
-            inflight.append((a, buf, ex.submit(objs.read_into, t.file, t.offset + a, buf)))
+            read = ex.submit(objs.read_into, t.file, t.offset + a, buf, identity=t.extra.get(IDENTITY))
+            inflight.append((a, buf, read))
             nxt += 1
 
         try:

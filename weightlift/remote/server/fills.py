@@ -65,7 +65,11 @@ class Fills:
                 p.dest = e.tensor  # already there: publish the same memory again
             else:
                 self._dests.ensure(p, fault=False)
-                with prof.phase("stage", p.nbytes, name="copy " + p.name):
+                # read as a READ reads: an in-place switch of that memory waits for the copy, and
+                # one that came after the entry was chosen made it another entry (other bytes)
+                with store.reading(), prof.phase("stage", p.nbytes, name="copy " + p.name):
+                    if store.get(name) is not e:
+                        continue
                     dst = np.frombuffer(target.host_view(p.dest), dtype=np.uint8)
                     dst[:] = src  # a user-space copy faults fresh pages itself as cheaply as anything
                 if not sealed and hash_buffer(dst) != digest:  # the source changed under the copy: prove what landed

@@ -199,6 +199,35 @@ class _Readers:
                 self._cond.notify_all()
 
 
+class _Rewritten:
+    """Memory changed in place, and the digest of its last change: a proof older than that is void.
+
+    Memory already stored can be published again unchanged (a tensor filled from the same name's
+    memory) with the digest it was proven to hold when it was filled. Another client's in-place
+    switch may have changed it since, before that publication (an update held it meanwhile):
+    what the store knows of that memory now wins, the stored entry's digest or, for memory
+    changed in place and freed since, the digest of its last change. Keyed by identity (arrays
+    do not hash), forgotten with the memory; the store's lock is held."""
+
+    def __init__(self) -> None:
+        self._digests: dict[int, bytes | None] = {}
+
+    def note(self, tensor: Any, digest: bytes | None) -> None:
+        key = id(tensor)
+        if key not in self._digests:
+            try:
+                weakref.finalize(tensor, self._digests.pop, key, None)
+            except TypeError:  # memory without weak references (a device's) is never changed in place
+                return
+        self._digests[key] = digest
+
+    def claim(self, digest: bytes | None, tensor: Any) -> bytes | None:
+        """``digest`` (what the store knows of the memory, else the publisher's proof), or None
+        where ``tensor`` was changed in place to other bytes since."""
+        key = id(tensor)
+        return None if key in self._digests and self._digests[key] != digest else digest
+
+
 class Store:
     """The tensors a server holds, and what they cost; every change goes through these methods."""
 
@@ -215,6 +244,7 @@ class Store:
         self._generation = 1  # one more than the switches so far (a READ naming 0 asks for any)
         self._readers = _Readers()
         self._unowned: dict[int, int] = {}  # id -> cost of held tensors that take no weak references
+        self._rewritten = _Rewritten()
         self._stats = {
             "connections": 0,
             "tensors": 0,
@@ -311,6 +341,10 @@ class Store:
         else:
             self._charge_until_gone(tensor, cost)
         same = old is not None and old.tensor is tensor and (old.dtype, old.shape) == (dtype, shape)
+        if changed:
+            self._rewritten.note(tensor, digest)
+        elif digest is not None:
+            digest = self._rewritten.claim(old.digest if old is not None and old.tensor is tensor else digest, tensor)
         if same and not changed:
             version = old.version  # type: ignore[union-attr]  # the same bytes as the same tensor: a listing still holds
         else:
