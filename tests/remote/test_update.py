@@ -644,12 +644,12 @@ def test_a_delta_whose_base_is_switched_in_place_before_it_applies_goes_whole(mo
     v1, v2 = _step(v0, 0.01, seed=1), _step(v0, 0.01, seed=2)
     real, other = Store.reading, {}
 
-    def switched_first(store):
+    def switched_first(store, *memories):
         if "done" not in other:
             other["done"] = True
             with Client(srv.address) as a:  # the in-place switch of the same tensor, run to its end
                 other["reply"] = a.push(v2, base=v0, in_place=True)
-        return real(store)
+        return real(store, *memories)
 
     with Server() as srv, Client(srv.address, keep_base=True) as b:
         b.push(v0)

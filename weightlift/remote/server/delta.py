@@ -160,7 +160,7 @@ class Deltas:
             charge.grow(codec.scratch_bound(d.encoding, payload.data, d.nbytes, item_size(d.dtype)))
             # read as a READ reads: another client's in-place switch of the base waits for the
             # pass, and one that came first is seen here (the base changed: sent whole instead)
-            with self._store.reading(), self._prof.phase("stage", d.nbytes, name="delta " + d.name):
+            with self._store.reading(base.tensor), self._prof.phase("stage", d.nbytes, name="delta " + d.name):
                 if not self._still(d, base):
                     rx.outcomes.need[d.tensor_id] = None
                     return False

@@ -67,7 +67,7 @@ class Fills:
                 self._dests.ensure(p, fault=False)
                 # read as a READ reads: an in-place switch of that memory waits for the copy, and
                 # one that came after the entry was chosen made it another entry (other bytes)
-                with store.reading(), prof.phase("stage", p.nbytes, name="copy " + p.name):
+                with store.reading(e.tensor), prof.phase("stage", p.nbytes, name="copy " + p.name):
                     if store.get(name) is not e:
                         continue
                     dst = np.frombuffer(target.host_view(p.dest), dtype=np.uint8)

@@ -123,7 +123,7 @@ class Reads:
         want_digest = bool(r.flags & Read.FLAG_DIGEST) and verify_usable(out.minor)
         dest = entry.tensor
         if _is_host(dest):
-            with self._store.reading():  # an in-place update waits until these bytes are out
+            with self._store.reading(dest):  # an in-place update of it waits until these bytes are out
                 if (r.version and self._store.get(r.name) is not entry) or self._switched(r):  # meanwhile
                     out.reply(Error(ErrorCode.STALE, f"{r.name!r} was replaced since it was listed"))
                     return

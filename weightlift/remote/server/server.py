@@ -183,7 +183,12 @@ class Server:
         )
         # touched host memory of released tensors, reused for new ones (a weight update)
         pool = HostPool() if host_target is not None and host_target.memcpy_ok else None
-        store = Store(max_memory=config.max_memory, pool=pool, remember_digests=config.cache_dir is not None)
+        store = Store(
+            max_memory=config.max_memory,
+            pool=pool,
+            remember_digests=config.cache_dir is not None,
+            gate_timeout=config.io_timeout,  # an in-place commit waits for readers of what it changes this long
+        )
         cache = (
             TensorCache(config.cache_dir, max_bytes=config.cache_max_bytes) if config.cache_dir is not None else None
         )
@@ -306,8 +311,8 @@ class Server:
         queued = 0
         # in-place changes held off meanwhile: no switch changes a tensor between its entry read
         # here and its job queued (a switch after drops the jobs of the memory it changes)
-        with self._store.reading():
-            for name, e in self._store.entries(names).items():
+        with self._store.reading_entries(names) as entries:
+            for name, e in entries.items():
                 if e.digest is None or getattr(getattr(e.tensor, "device", None), "type", "cpu") != "cpu":
                     continue
                 if cache.behind.pending(e.digest) or cache.has(e.digest, e.nbytes, wait=False):

@@ -22,8 +22,13 @@ Invariants, and why this module is the only code that changes them:
 * **Switches.** :meth:`Store.switch` publishes a whole set at once under the one lock (an update:
   a reader sees every tensor of it as it was before or every one as it is after, never a mix)
   and counts the store's ``generation``. Memory changed in place (an in-place update) changes
-  under :meth:`Store.exclusive`, which waits for the READs sending host bytes
-  (:meth:`Store.reading`) and holds new ones off until it is done.
+  under :meth:`Store.exclusive` of exactly that memory, which waits for the READs sending its
+  bytes (:meth:`Store.reading` of it) and holds new ones off until it is done; a READ of other
+  memory goes on meanwhile (:mod:`weightlift.remote.server.gates`). A commit that its readers
+  hold past the store's ``gate_timeout`` is refused (:class:`GateTimeout`) with nothing changed.
+  A switch counts the generation while it still holds the memory it changed, so a READ that
+  names the generation it listed, checked once it holds its tensor's gate, is sent bytes of
+  that generation or refused: a reader of a set sees v or v+1 of all of it, never a mix.
 * **Proven digests.** An entry whose bytes were proven to hash to a digest answers HAVE and can
   fill a later ALLOC of that digest; :meth:`Store.distrust` forgets a digest whose bytes have
   changed since (a reader wrote into its tensor).
@@ -37,7 +42,7 @@ from __future__ import annotations
 import heapq
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from operator import itemgetter
@@ -46,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from weightlift.memory.pool import HostPool
+from weightlift.remote.server.gates import Gates, GateTimeout
 
 __all__ = [
     "ENTRY_OVERHEAD",
@@ -53,6 +59,7 @@ __all__ = [
     "DIM_OVERHEAD",
     "Entry",
     "Charge",
+    "GateTimeout",
     "MemoryFull",
     "Store",
     "Staged",
@@ -165,40 +172,6 @@ class Staged:
     digest: bytes | None
 
 
-class _Readers:
-    """READs sending a tensor's bytes share the memory; an in-place update changes it alone."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._readers = 0
-        self._writing = False
-
-    @contextmanager
-    def reading(self) -> Iterator[None]:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._writing)
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._writing)
-            self._writing = True
-            self._cond.wait_for(lambda: self._readers == 0)
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writing = False
-                self._cond.notify_all()
-
-
 class _Rewritten:
     """Memory changed in place, and the digest of its last change: a proof older than that is void.
 
@@ -228,10 +201,20 @@ class _Rewritten:
         return None if key in self._digests and self._digests[key] != digest else digest
 
 
+_READ_AGAIN = 3  # times reading_entries takes its set again when a switch changed it meanwhile
+
+
 class Store:
     """The tensors a server holds, and what they cost; every change goes through these methods."""
 
-    def __init__(self, *, max_memory: int, pool: HostPool | None, remember_digests: bool):
+    def __init__(
+        self,
+        *,
+        max_memory: int,
+        pool: HostPool | None,
+        remember_digests: bool,
+        gate_timeout: float | None = None,
+    ):
         self.max_memory = max_memory
         self.pool = pool  # touched host memory of released tensors, reused for new ones
         self._remember = remember_digests  # digests of held tensors are remembered (the in-memory tier)
@@ -242,7 +225,7 @@ class Store:
         self._used = 0
         self._versions = 0  # the last version number given to a published tensor
         self._generation = 1  # one more than the switches so far (a READ naming 0 asks for any)
-        self._readers = _Readers()
+        self._gates = Gates(gate_timeout)  # how long an in-place change waits for its readers
         self._unowned: dict[int, int] = {}  # id -> cost of held tensors that take no weak references
         self._rewritten = _Rewritten()
         self._stats = {
@@ -386,13 +369,35 @@ class Store:
         """The store's generation: 1, and one more at each update switched in."""
         return self._generation
 
-    def reading(self) -> Any:
-        """Hold off in-place changes while a READ sends a tensor's bytes (a context manager)."""
-        return self._readers.reading()
+    def reading(self, *memories: Any) -> Any:
+        """Hold off in-place changes of ``memories`` while their bytes are read (a READ sending
+        them, a copy from them); a context manager. Waits while an in-place change claims any."""
+        return self._gates.reading(*memories)
 
-    def exclusive(self) -> Any:
-        """Change stored memory in place, alone: READs sending bytes finish first, new ones wait."""
-        return self._readers.exclusive()
+    def exclusive(self, memories: Mapping[str, Any]) -> Any:
+        """Change ``memories`` (name -> the memory stored under it) in place, alone: their READs
+        finish first, new ones wait; READs of other memory go on. A context manager; it raises
+        GateTimeout, holding nothing, when that takes longer than ``gate_timeout``."""
+        return self._gates.exclusive(memories)
+
+    @contextmanager
+    def reading_entries(self, names: Iterable[str] | None = None) -> Iterator[dict[str, Entry]]:
+        """The entries of ``names`` (None: every one) as :meth:`entries` gives them, with their
+        memory held off in-place changes (:meth:`reading` of all of it) until the block ends.
+
+        The entries are read again once their gates are held: one switched in place meanwhile is
+        another entry (other bytes), so the set is taken again, a few times at most, and then
+        only the entries that stayed are given."""
+        names = None if names is None else list(names)
+        for attempt in range(_READ_AGAIN):
+            entries = self.entries(names)
+            with self.reading(*(e.tensor for e in entries.values())):
+                now = self.entries(entries)
+                if attempt + 1 == _READ_AGAIN or (
+                    len(now) == len(entries) and all(now[n] is e for n, e in entries.items())
+                ):
+                    yield {n: e for n, e in entries.items() if now.get(n) is e}
+                    return
 
     def _charge_until_gone(self, tensor: Any, cost: int) -> None:
         # The charge goes back when the array does, not when the entry does: a reply in flight

@@ -18,7 +18,7 @@ tensor the update named, as held right after the switch, for the client to compa
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,10 +111,11 @@ class Switch:
         for s in held:
             if s.digest is None:  # sent without one: hashed here, before anyone can see it
                 s.digest = hash_buffer(as_bytes(s.tensor))
-        # only memory changed in place needs the readers held off; the rest is one pointer swap
-        with store.exclusive() if self._deltas else nullcontext():
+        # only memory changed in place is held off its readers (a commit they hold past the bound is refused)
+        with ExitStack() as gate:
             undo = codec.Undo()
             try:
+                gate.enter_context(store.exclusive({n: d.base.tensor for n, d in self._deltas.items()}))
                 staged = self._apply(undo)
             except Exception as e:  # a bad delta, or no memory for a chunk: every base applied goes back
                 undo.run()

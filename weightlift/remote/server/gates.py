@@ -1,0 +1,127 @@
+"""Read and write gates per tensor memory: who may read a tensor's bytes while who changes them.
+
+Theory of operation. A READ sending host bytes, a fill copying from stored memory and a DELTA
+reading its base hold the *read* side of the gate of exactly the memory they read; an in-place
+commit holds the *write* side of exactly the memory it changes. Memory is known by identity (the
+array object the store's entry holds; every reader and writer goes through that same object), so
+a reader stalled on one tensor holds off only the commits that change that tensor, and only the
+readers of the tensors such a commit changes.
+
+Why nothing deadlocks: a set of gates is taken all at once under one condition, never one after
+another. A writer first *claims* its whole set, only once no other writer claims any of it (so two
+commits of overlapping sets take turns, in the order they came), then waits for the readers of
+it to finish. A claimed gate lets no new reader in (a writer is not starved by a stream of
+readers), and a reader of several tensors enters only when none of them is claimed. No thread
+waits for a gate while it holds one, so no wait can close a cycle.
+
+Why a writer's wait is bounded: a reader may hold its gate as long as its peer takes the reply
+(the I/O timeout plus the size at the minimum rate: hours for a large tensor at a trickle). A
+writer that waits past its bound gives its claim up (the readers that waited on it go in) and
+raises :class:`GateTimeout`, having changed nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["Gates", "GateTimeout"]
+
+
+class GateTimeout(Exception):
+    """An in-place change waited past its bound for the memory it changes; nothing changed."""
+
+
+class Gates:
+    """The gates of every memory read or changed in place right now (``timeout``: how long a
+    writer waits for its gates before it gives up; None: as long as it takes)."""
+
+    def __init__(self, timeout: float | None = None):
+        self.timeout = timeout
+        self._cond = threading.Condition(threading.Lock())
+        self._readers: dict[int, int] = {}  # id(memory) -> READs of it in progress
+        self._claimed: dict[int, str] = {}  # id(memory) -> the name a writer changes it as
+        # the memory of every gate in use, so that no id is reused while it names a gate
+        self._memory: dict[int, Any] = {}
+
+    def _free(self, keys: Iterator[int] | list[int]) -> list[Any]:
+        # forget gates nobody uses any more; the condition is held. The memory is returned, to be
+        # let go outside it: a last reference going may run a finalizer that takes other locks.
+        gone = []
+        for k in keys:
+            if k not in self._readers and k not in self._claimed:
+                gone.append(self._memory.pop(k, None))
+        return gone
+
+    @contextmanager
+    def reading(self, *memories: Any) -> Iterator[None]:
+        """Read ``memories`` (none changes meanwhile); waits while a writer claims any of them."""
+        held = {id(m): m for m in memories}
+        with self._cond:
+            self._cond.wait_for(lambda: not any(k in self._claimed for k in held))
+            for k, m in held.items():
+                self._readers[k] = self._readers.get(k, 0) + 1
+                self._memory[k] = m
+        try:
+            yield
+        finally:
+            with self._cond:
+                for k in held:
+                    n = self._readers[k] - 1
+                    if n:
+                        self._readers[k] = n
+                    else:
+                        del self._readers[k]
+                gone = self._free(list(held))
+                self._cond.notify_all()
+            del gone
+
+    @contextmanager
+    def exclusive(self, memories: Mapping[str, Any]) -> Iterator[None]:
+        """Change ``memories`` (name -> memory) alone: no READ of any of them runs meanwhile.
+
+        Waits for other writers of any of them, then for their readers; GateTimeout past the
+        bound (the claim given up, nothing held)."""
+        held = {id(m): (name, m) for name, m in memories.items()}
+        if not held:
+            yield
+            return
+        why = self._claim(held, None if self.timeout is None else time.monotonic() + self.timeout)
+        if why is not None:
+            raise GateTimeout(why)
+        try:
+            yield
+        finally:
+            with self._cond:
+                for k in held:
+                    del self._claimed[k]
+                gone = self._free(list(held))
+                self._cond.notify_all()
+            del gone
+
+    def _claim(self, held: dict[int, tuple[str, Any]], deadline: float | None) -> str | None:
+        """Claim ``held``, then wait for its readers; None once it is the writer's, else why not
+        (its claim given up, the readers that waited on it let in)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: not any(k in self._claimed for k in held), _left(deadline)):
+                busy = next(self._claimed[k] for k in held if k in self._claimed)
+                return f"another in-place update of {busy!r} held it for longer than {self.timeout:g} s"
+            for k, (name, m) in held.items():
+                self._claimed[k] = name
+                self._memory[k] = m
+            if self._cond.wait_for(lambda: not any(k in self._readers for k in held), _left(deadline)):
+                return None
+            busy = next(held[k][0] for k in held if k in self._readers)
+            for k in held:
+                del self._claimed[k]
+            gone = self._free(list(held))
+            self._cond.notify_all()
+        del gone
+        return f"a READ of {busy!r} was still sending its bytes after {self.timeout:g} s"
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
