@@ -102,6 +102,11 @@ class Gates:
                 self._cond.notify_all()
             del gone
 
+    def busy(self) -> tuple[int, int]:
+        """(memories being read, memories claimed by a writer) right now."""
+        with self._cond:
+            return len(self._readers), len(self._claimed)
+
     def _claim(self, held: dict[int, tuple[str, Any]], deadline: float | None) -> str | None:
         """Claim ``held``, then wait for its readers; None once it is the writer's, else why not
         (its claim given up, the readers that waited on it let in)."""

@@ -1,0 +1,197 @@
+"""The store's read and write gates per tensor memory (weightlift.remote.server.gates), in process:
+what waits for what, the bound on a writer's wait, and no deadlock between overlapping sets."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from weightlift.remote.server.gates import Gates, GateTimeout
+from weightlift.remote.server.store import Store
+
+JOIN = 30  # seconds a thread that must finish is given (a hang fails instead of blocking the run)
+
+
+def _memories(n: int) -> list[np.ndarray]:
+    return [np.zeros(16, np.uint8) for _ in range(n)]
+
+
+def _in_thread(fn) -> tuple[threading.Thread, threading.Event]:
+    """``fn`` run in a thread; the event is set once it returned."""
+    done = threading.Event()
+
+    def run() -> None:
+        fn()
+        done.set()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, done
+
+
+def _until(held) -> None:
+    """Wait (at most JOIN seconds) until ``held()`` is true of the gates."""
+    done = threading.Event()
+    for _ in range(JOIN * 1000):
+        if held():
+            return
+        done.wait(0.001)
+    raise AssertionError("the gates never reached the state waited for")
+
+
+def test_a_writer_waits_for_the_reader_of_its_memory_and_holds_new_ones_off_but_not_readers_of_other_memory():
+    gates = Gates()
+    a, b = _memories(2)
+    reader_out, written = threading.Event(), []
+
+    def reader() -> None:
+        with gates.reading(a):
+            reader_out.wait(JOIN)
+
+    def writer() -> None:
+        with gates.exclusive({"a": a}):
+            written.append("a")
+
+    r, _ = _in_thread(reader)
+    _until(lambda: gates.busy()[0])
+    w, wrote = _in_thread(writer)
+    _until(lambda: gates.busy()[1])  # the writer claimed a and waits for its reader
+    assert not wrote.is_set()
+    with gates.reading(b):  # other memory: read at once, the writer waiting or not
+        pass
+    late, late_in = _in_thread(lambda: gates.reading(a).__enter__())
+    assert not late_in.wait(0.2), "a new reader of claimed memory went in before the waiting writer"
+    reader_out.set()
+    assert wrote.wait(JOIN) and written == ["a"]
+    assert late_in.wait(JOIN)  # the writer done, the reader that waited on it goes in
+    r.join(JOIN), w.join(JOIN), late.join(JOIN)
+
+
+def test_a_writer_whose_reader_never_finishes_is_refused_after_its_bound_and_holds_nothing():
+    gates = Gates(timeout=0.2)
+    a, b = _memories(2)
+    reader_out = threading.Event()
+
+    def reader() -> None:
+        with gates.reading(a):
+            reader_out.wait(JOIN)
+
+    r, _ = _in_thread(reader)
+    _until(lambda: gates.busy()[0])
+    changed = []
+    with pytest.raises(GateTimeout, match=r"a READ of 'a' was still sending its bytes after 0.2 s"):
+        with gates.exclusive({"b": b, "a": a}):
+            changed.append(True)
+    assert not changed  # the block never ran
+    assert gates.busy() == (1, 0)  # only the stalled reader: the claim on a and b was given up
+    with gates.reading(a), gates.reading(b):  # and new readers of both go in
+        pass
+    with gates.exclusive({"b": b}):  # as does a writer of b
+        pass
+    reader_out.set()
+    r.join(JOIN)
+    with gates.exclusive({"a": a}):  # the reader gone, a writer of a goes in
+        pass
+    assert gates.busy() == (0, 0)
+
+
+def test_a_writer_waits_its_bound_for_another_writer_of_the_same_memory():
+    gates = Gates(timeout=0.2)
+    (a,) = _memories(1)
+    out = threading.Event()
+
+    def first() -> None:
+        with gates.exclusive({"a": a}):
+            out.wait(JOIN)
+
+    t, _ = _in_thread(first)
+    _until(lambda: gates.busy()[1])
+    with pytest.raises(GateTimeout, match=r"another in-place update of 'a' held it"):
+        with gates.exclusive({"a": a}):
+            pass
+    out.set()
+    t.join(JOIN)
+    assert gates.busy() == (0, 0)
+
+
+def test_a_reader_of_several_waits_while_a_writer_claims_any_of_them():
+    gates = Gates()
+    a, b, c = _memories(3)
+    hold, inside = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with gates.exclusive({"b": b}):
+            inside.set()
+            hold.wait(JOIN)
+
+    w, _ = _in_thread(writer)
+    assert inside.wait(JOIN)
+    several, entered = _in_thread(lambda: gates.reading(a, b, c).__enter__())
+    assert not entered.wait(0.2), "a reader of several went in while one of them was being changed"
+    with gates.reading(a, c):  # a set without b is read at once
+        pass
+    hold.set()
+    assert entered.wait(JOIN)
+    w.join(JOIN), several.join(JOIN)
+
+
+def test_writers_and_readers_of_overlapping_sets_never_deadlock_and_never_overlap():
+    """Many threads take random overlapping sets (writers, readers of several) in every order:
+    all finish, and no memory is ever read and written, or written twice, at once."""
+    gates = Gates()
+    mems = _memories(5)
+    state = [0] * len(mems)  # readers inside (> 0) or a writer inside (-1), per memory
+    lock, errors = threading.Lock(), []
+
+    def enter(ix: list[int], writer: bool) -> None:
+        with lock:
+            for i in ix:
+                if state[i] < 0 or (writer and state[i] > 0):
+                    errors.append((ix, writer, list(state)))
+                state[i] = -1 if writer else state[i] + 1
+
+    def leave(ix: list[int], writer: bool) -> None:
+        with lock:
+            for i in ix:
+                state[i] = 0 if writer else state[i] - 1
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(200):
+            ix = rng.sample(range(len(mems)), rng.randint(1, 3))
+            writer = rng.random() < 0.5
+            gate = gates.exclusive({str(i): mems[i] for i in ix}) if writer else gates.reading(*(mems[i] for i in ix))
+            with gate:
+                enter(ix, writer)
+                leave(ix, writer)
+
+    threads = [threading.Thread(target=worker, args=(s,), daemon=True) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(JOIN)
+    assert not any(t.is_alive() for t in threads), "gates deadlocked"
+    assert not errors
+    assert gates.busy() == (0, 0)
+
+
+def test_reading_entries_holds_off_an_in_place_change_of_what_it_gives():
+    """The store's reader of a set: every entry it gives is current, and none changes in place
+    until its block ends (a writer of one waits), while a writer of memory outside it goes on."""
+    store = Store(max_memory=1 << 20, pool=None, remember_digests=False, gate_timeout=0.2)
+    for name in ("a", "b"):
+        store.publish(name, "U8", (16,), 16, np.zeros(16, np.uint8), store.charge(16), None)
+    other = np.zeros(16, np.uint8)
+    with store.reading_entries(["a", "b"]) as entries:
+        assert sorted(entries) == ["a", "b"]
+        assert all(store.get(n) is e for n, e in entries.items())
+        with pytest.raises(GateTimeout, match="'b'"):
+            with store.exclusive({"b": entries["b"].tensor}):
+                pass
+        with store.exclusive({"other": other}):
+            pass
+    with store.exclusive({"a": store.get("a").tensor, "b": store.get("b").tensor}):  # all given back
+        pass
