@@ -1,0 +1,178 @@
+"""In-place updates against readers, over real sockets: a READ holds off only the commits that
+change the tensor it sends, a commit its readers hold past the I/O timeout is refused with the
+old version intact, overlapping commits take turns, and a reader of a set never sees a mix."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from tests.remote.rawclient import Raw, _f32, _stalled_reader
+from weightlift.errors import RemoteProtocolError
+from weightlift.remote.client.client import Client
+from weightlift.remote.protocol import Error, ErrorCode, ListReply, ListRequest, Read, ReadReply
+from weightlift.remote.server.server import Server
+
+JOIN = 30  # seconds a thread that must finish is given
+BIG = 4 << 20  # F32 elements: 16 MiB, far more than a stalled reader's socket buffers take
+
+
+def _changed(a: np.ndarray, seed: int) -> np.ndarray:
+    """``a`` with one element changed: an in-place update sends it as a small delta."""
+    new = a.copy()
+    new[seed % a.size] += 1.0
+    return new
+
+
+def _read(address, name: str, nbytes: int, generation: int = 0):
+    """One READ of a whole tensor on a fresh connection: its bytes, or the ERROR that came."""
+    raw = Raw.connected(address)
+    raw.sock.settimeout(JOIN)
+    try:
+        raw.send(Read(name, 0, nbytes, generation=generation))
+        reply = raw.recv()
+        if isinstance(reply, ReadReply):
+            return raw.read_payload(nbytes)
+        return reply
+    finally:
+        raw.close()
+
+
+def _generation(address) -> int:
+    raw = Raw.connected(address)
+    try:
+        raw.send(ListRequest())
+        reply = raw.recv()
+        assert isinstance(reply, ListReply)
+        return reply.generation
+    finally:
+        raw.close()
+
+
+class _Trickle:
+    """A client inside a READ that takes the reply slowly (about 2 MB/s): the server's send keeps
+    making progress (a sender waits for a third of its socket buffer, some MB, to drain, well
+    inside the I/O timeout), so the READ holds its tensor for as long as this takes, some seconds
+    for a 16 MiB tensor: past the I/O timeout."""
+
+    def __init__(self, address, name: str, nbytes: int):
+        self.raw = Raw(address)
+        self.raw.hello()
+        self.raw.send(Read(name, 0, nbytes))
+        assert self.raw.sock.recv(1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._take, daemon=True)
+        self._thread.start()
+
+    def _take(self) -> None:
+        while not self._stop.wait(0.03):
+            if not self.raw.sock.recv(65536):
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(JOIN)
+        self.raw.close()
+
+
+def _update(address, new, base, out: dict) -> threading.Thread:
+    """An in-place update pushed in a thread; ``out`` gets its result or the error it raised."""
+
+    def run() -> None:
+        try:
+            with Client(address) as c:
+                out["result"] = c.push(new, base=base, in_place=True)
+        except Exception as e:  # the test looks at it
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_an_in_place_commit_waits_for_the_reader_of_its_tensor_while_a_read_of_another_is_answered():
+    v0 = {"a": _f32(BIG, seed=1), "b": _f32(1 << 16, seed=2)}
+    v1 = {"a": _changed(v0["a"], 7)}
+    with Server() as srv:
+        with Client(srv.address) as c:
+            c.push(v0)
+        stalled = _stalled_reader(srv.address, "a", v0["a"].nbytes)
+        out: dict = {}
+        try:
+            t = _update(srv.address, v1, {"a": v0["a"]}, out)
+            t.join(1)
+            assert t.is_alive(), "an in-place commit changed a tensor while a READ was sending it"
+            assert _read(srv.address, "b", v0["b"].nbytes) == v0["b"].tobytes()  # while the commit waits
+            assert srv.tensors()["a"].tobytes() == v0["a"].tobytes()
+        finally:
+            stalled.close()
+        t.join(JOIN)
+        assert not t.is_alive() and "error" not in out, out
+        assert out["result"].deltas == 1
+        assert _read(srv.address, "a", v0["a"].nbytes) == v1["a"].tobytes()
+
+
+def test_an_in_place_commit_whose_reader_outlasts_the_io_timeout_is_refused_with_v_intact_and_the_gate_given_back():
+    v0 = {"a": _f32(BIG, seed=3)}
+    v1, v2 = {"a": _changed(v0["a"], 1)}, {"a": _changed(v0["a"], 2)}
+    with Server(io_timeout=3.0) as srv:
+        with Client(srv.address) as c:
+            c.push(v0)
+        generation = _generation(srv.address)
+        slow = _Trickle(srv.address, "a", v0["a"].nbytes)
+        try:
+            with Client(srv.address) as c:
+                with pytest.raises(RemoteProtocolError, match=r"not switched: .*a READ of 'a' was still sending"):
+                    c.push(v1, base=v0, in_place=True)
+            assert srv.tensors()["a"].tobytes() == v0["a"].tobytes()
+            assert _generation(srv.address) == generation  # nothing switched
+            # the commit's claim was given back: a new reader of v goes in beside the slow one
+            assert _read(srv.address, "a", v0["a"].nbytes, generation) == v0["a"].tobytes()
+        finally:
+            slow.close()
+        with Client(srv.address) as c:  # the reader gone, the next in-place update switches in
+            assert c.push(v2, base=v0, in_place=True).deltas == 1
+        assert srv.tensors()["a"].tobytes() == v2["a"].tobytes()
+
+
+def test_in_place_commits_of_overlapping_sets_take_turns_and_a_reader_of_the_set_never_sees_a_mix():
+    """Two in-place updates, of {a, b} and {b, c}, both wait on a READ of b. A READ of d (in
+    neither) is answered meanwhile. Once the reader goes, one switches in and the other, whose
+    base of b is gone, is refused with nothing of it changed; neither hangs. A READ of c that
+    names the generation listed before the switch is refused (STALE), not answered with a set
+    that mixes generations."""
+    n = 1 << 16
+    v0 = {k: _f32(BIG if k == "b" else n, seed=s) for s, k in enumerate("abcd")}
+    first = {"a": _changed(v0["a"], 1), "b": _changed(v0["b"], 1)}
+    second = {"b": _changed(v0["b"], 2), "c": _changed(v0["c"], 2)}
+    with Server() as srv:
+        with Client(srv.address) as c:
+            c.push(v0)
+        generation = _generation(srv.address)
+        stalled = _stalled_reader(srv.address, "b", v0["b"].nbytes)
+        outs: list[dict] = [{}, {}]
+        try:
+            threads = [
+                _update(srv.address, first, {k: v0[k] for k in first}, outs[0]),
+                _update(srv.address, second, {k: v0[k] for k in second}, outs[1]),
+            ]
+            threads[0].join(1), threads[1].join(1)
+            assert all(t.is_alive() for t in threads)
+            assert _read(srv.address, "d", v0["d"].nbytes) == v0["d"].tobytes()
+        finally:
+            stalled.close()
+        for t in threads:
+            t.join(JOIN)
+        assert not any(t.is_alive() for t in threads), "overlapping in-place commits deadlocked"
+        ok = [i for i, o in enumerate(outs) if "result" in o]
+        assert len(ok) == 1, outs
+        won = (first, second)[ok[0]]
+        lost = outs[1 - ok[0]]["error"]
+        assert isinstance(lost, RemoteProtocolError) and "not switched" in str(lost)
+        held = srv.tensors()
+        for k in "abcd":
+            assert held[k].tobytes() == (won[k] if k in won else v0[k]).tobytes(), k
+        got = _read(srv.address, "c", n * 4, generation)
+        assert isinstance(got, Error) and got.code == ErrorCode.STALE
