@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["Gates", "GateTimeout"]
+__all__ = ["Gates", "GateTimeout", "READ_AGAIN"]
+
+READ_AGAIN = 3  # times a reader of a set takes it again when a switch changed it meanwhile
 
 
 class GateTimeout(Exception):
@@ -78,6 +80,23 @@ class Gates:
                 gone = self._free(list(held))
                 self._cond.notify_all()
             del gone
+
+    @contextmanager
+    def reading_current(self, snapshot: Callable[[], Mapping[str, Any]]) -> Iterator[dict[str, Any]]:
+        """Read the memory (``.tensor``) of the entries ``snapshot()`` gives, and give the entries.
+
+        The snapshot is taken again once the gates are held: an entry switched meanwhile is
+        another entry (other bytes, or other memory), so the whole set is taken again, a few
+        times at most, then only the entries that stayed are given."""
+        for attempt in range(READ_AGAIN):
+            entries = dict(snapshot())
+            with self.reading(*(e.tensor for e in entries.values())):
+                now = snapshot()
+                stayed = {n: e for n, e in entries.items() if now.get(n) is e}
+                if len(stayed) == len(entries) or attempt + 1 == READ_AGAIN:
+                    yield stayed
+                    return
+        raise AssertionError("unreachable")  # pragma: no cover
 
     @contextmanager
     def exclusive(self, memories: Mapping[str, Any]) -> Iterator[None]:

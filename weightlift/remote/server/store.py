@@ -42,8 +42,7 @@ from __future__ import annotations
 import heapq
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
@@ -199,9 +198,6 @@ class _Rewritten:
         where ``tensor`` was changed in place to other bytes since."""
         key = id(tensor)
         return None if key in self._digests and self._digests[key] != digest else digest
-
-
-_READ_AGAIN = 3  # times reading_entries takes its set again when a switch changed it meanwhile
 
 
 class Store:
@@ -380,24 +376,12 @@ class Store:
         GateTimeout, holding nothing, when that takes longer than ``gate_timeout``."""
         return self._gates.exclusive(memories)
 
-    @contextmanager
-    def reading_entries(self, names: Iterable[str] | None = None) -> Iterator[dict[str, Entry]]:
-        """The entries of ``names`` (None: every one) as :meth:`entries` gives them, with their
-        memory held off in-place changes (:meth:`reading` of all of it) until the block ends.
-
-        The entries are read again once their gates are held: one switched in place meanwhile is
-        another entry (other bytes), so the set is taken again, a few times at most, and then
-        only the entries that stayed are given."""
+    def reading_entries(self, names: Iterable[str] | None = None) -> Any:
+        """A context manager giving the entries of ``names`` (None: every one), their memory held
+        off in-place changes (:meth:`reading` of all of it) until it ends; an entry switched in
+        place before its gate was held is left out (:meth:`Gates.reading_current`)."""
         names = None if names is None else list(names)
-        for attempt in range(_READ_AGAIN):
-            entries = self.entries(names)
-            with self.reading(*(e.tensor for e in entries.values())):
-                now = self.entries(entries)
-                if attempt + 1 == _READ_AGAIN or (
-                    len(now) == len(entries) and all(now[n] is e for n, e in entries.items())
-                ):
-                    yield {n: e for n, e in entries.items() if now.get(n) is e}
-                    return
+        return self._gates.reading_current(lambda: self.entries(names))
 
     def _charge_until_gone(self, tensor: Any, cost: int) -> None:
         # The charge goes back when the array does, not when the entry does: a reply in flight
