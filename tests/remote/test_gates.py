@@ -195,3 +195,28 @@ def test_reading_entries_holds_off_an_in_place_change_of_what_it_gives():
             pass
     with store.exclusive({"a": store.get("a").tensor, "b": store.get("b").tensor}):  # all given back
         pass
+
+
+class _E:
+    """An entry as the gates see one: its memory."""
+
+    def __init__(self, tensor: np.ndarray):
+        self.tensor = tensor
+
+
+def test_a_reader_of_a_set_takes_it_again_when_an_entry_was_switched_before_its_gates_were_held():
+    from weightlift.remote.server.gates import READ_AGAIN
+
+    gates = Gates()
+    a, b = _memories(2)
+    old, new, kept = _E(a), _E(a), _E(b)  # a switched in place: another entry, the same memory
+    snaps = iter([{"a": old, "b": kept}, {"a": new, "b": kept}, {"a": new, "b": kept}, {"a": new, "b": kept}])
+    with gates.reading_current(lambda: next(snaps)) as got:
+        assert got == {"a": new, "b": kept}  # taken again: the current entries, all of them
+        assert gates.busy() == (2, 0)
+    # a set that changes every time it is taken: after READ_AGAIN takes, only what stayed
+    taken = []
+    with gates.reading_current(lambda: taken.append(1) or {"a": _E(a), "b": kept}) as got:
+        pass
+    assert len(taken) == 2 * READ_AGAIN
+    assert set(got) == {"b"} and gates.busy() == (0, 0)

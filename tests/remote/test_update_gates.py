@@ -176,3 +176,56 @@ def test_in_place_commits_of_overlapping_sets_take_turns_and_a_reader_of_the_set
             assert held[k].tobytes() == (won[k] if k in won else v0[k]).tobytes(), k
         got = _read(srv.address, "c", n * 4, generation)
         assert isinstance(got, Error) and got.code == ErrorCode.STALE
+
+
+def test_a_reader_of_a_set_naming_its_generation_never_sees_a_mix_while_in_place_updates_switch():
+    """A soak: version v fills every tensor with the byte v and switches in place, each READ
+    holding only its own tensor's gate. A reader that lists, then reads every tensor naming the
+    generation it listed (as a pull does), either reads one version of all of them or is told
+    STALE; never two versions in one set."""
+    import time
+
+    names = [f"t{i}" for i in range(6)]
+    n = 1 << 16
+
+    def version(v: int) -> dict[str, np.ndarray]:
+        return {name: np.full(n, v, np.uint8) for name in names}
+
+    with Server() as srv, Client(srv.address, keep_base=True) as writer:
+        writer.push(version(0))
+        stop = threading.Event()
+        seen: list[str] = []
+
+        def reader() -> None:
+            raw = Raw.connected(srv.address)
+            raw.sock.settimeout(JOIN)
+            while not stop.is_set():
+                raw.send(ListRequest())
+                generation = raw.recv().generation
+                values = set()
+                for name in names:
+                    raw.send(Read(name, 0, n, generation=generation))
+                    reply = raw.recv()
+                    if isinstance(reply, Error):
+                        assert reply.code == ErrorCode.STALE, reply
+                        break
+                    got = np.frombuffer(raw.read_payload(n), np.uint8)
+                    values |= {int(got.min()), int(got.max())}
+                else:
+                    if len(values) != 1:
+                        seen.append(f"one set read at generation {generation} held versions {sorted(values)}")
+            raw.close()
+
+        threads = [threading.Thread(target=reader, daemon=True) for _ in range(2)]
+        for t in threads:
+            t.start()
+        v, end = 0, time.monotonic() + 2.0
+        while time.monotonic() < end:
+            v = (v + 1) % 250
+            assert writer.push(version(v), in_place=True).deltas == len(names)
+        stop.set()
+        for t in threads:
+            t.join(JOIN)
+        assert not any(t.is_alive() for t in threads)
+        assert not seen, seen[:3]
+        assert all(srv.tensors()[name].tobytes() == version(v)[name].tobytes() for name in names)
