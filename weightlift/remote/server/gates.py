@@ -9,7 +9,7 @@ readers of the tensors such a commit changes.
 
 Why nothing deadlocks: a set of gates is taken all at once under one condition, never one after
 another. A writer first *claims* its whole set, only once no other writer claims any of it (so two
-commits of overlapping sets take turns, in the order they came), then waits for the readers of
+commits of overlapping sets take turns), then waits for the readers of
 it to finish. A claimed gate lets no new reader in (a writer is not starved by a stream of
 readers), and a reader of several tensors enters only when none of them is claimed. No thread
 waits for a gate while it holds one, so no wait can close a cycle.
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -49,7 +49,14 @@ class Gates:
         # the memory of every gate in use, so that no id is reused while it names a gate
         self._memory: dict[int, Any] = {}
 
-    def _free(self, keys: Iterator[int] | list[int]) -> list[Any]:
+    def _unclaim(self, held: dict[int, tuple[str, Any]]) -> list[Any]:
+        # give a writer's claim up and wake who waits on it; the condition is held
+        for k in held:
+            del self._claimed[k]
+        self._cond.notify_all()
+        return self._free(held)
+
+    def _free(self, keys: Iterable[int]) -> list[Any]:
         # forget gates nobody uses any more; the condition is held. The memory is returned, to be
         # let go outside it: a last reference going may run a finalizer that takes other locks.
         gone = []
@@ -77,7 +84,7 @@ class Gates:
                         self._readers[k] = n
                     else:
                         del self._readers[k]
-                gone = self._free(list(held))
+                gone = self._free(held)
                 self._cond.notify_all()
             del gone
 
@@ -115,10 +122,7 @@ class Gates:
             yield
         finally:
             with self._cond:
-                for k in held:
-                    del self._claimed[k]
-                gone = self._free(list(held))
-                self._cond.notify_all()
+                gone = self._unclaim(held)
             del gone
 
     def busy(self) -> tuple[int, int]:
@@ -136,13 +140,14 @@ class Gates:
             for k, (name, m) in held.items():
                 self._claimed[k] = name
                 self._memory[k] = m
-            if self._cond.wait_for(lambda: not any(k in self._readers for k in held), _left(deadline)):
-                return None
+            try:
+                if self._cond.wait_for(lambda: not any(k in self._readers for k in held), _left(deadline)):
+                    return None
+            except BaseException:  # interrupted while waiting: the claim must not outlive it
+                gone = self._unclaim(held)
+                raise
             busy = next(held[k][0] for k in held if k in self._readers)
-            for k in held:
-                del self._claimed[k]
-            gone = self._free(list(held))
-            self._cond.notify_all()
+            gone = self._unclaim(held)
         del gone
         return f"a READ of {busy!r} was still sending its bytes after {self.timeout:g} s"
 
