@@ -7,12 +7,13 @@ array object the store's entry holds; every reader and writer goes through that 
 a reader stalled on one tensor holds off only the commits that change that tensor, and only the
 readers of the tensors such a commit changes.
 
-Why nothing deadlocks: a set of gates is taken all at once under one condition, never one after
-another. A writer first *claims* its whole set, only once no other writer claims any of it (so two
-commits of overlapping sets take turns), then waits for the readers of
-it to finish. A claimed gate lets no new reader in (a writer is not starved by a stream of
-readers), and a reader of several tensors enters only when none of them is claimed. No thread
-waits for a gate while it holds one, so no wait can close a cycle.
+Why nothing deadlocks: a set of gates is taken all at once under one condition, never one
+after another (what a fixed order of taking them would guarantee, without the order). A writer
+first *claims* its whole set, only once no other writer claims any of it (so two commits of
+overlapping sets take turns), then waits for the readers of it to finish. A claimed gate lets no
+new reader in (a writer is not starved by a stream of readers), and a reader of several tensors
+enters only when none of them is claimed. The only wait made while holding anything is a
+writer's, for readers already inside, and those wait for no gate: no wait can close a cycle.
 
 Why a writer's wait is bounded: a reader may hold its gate as long as its peer takes the reply
 (the I/O timeout plus the size at the minimum rate: hours for a large tensor at a trickle). A
