@@ -229,3 +229,26 @@ def test_a_reader_of_a_set_naming_its_generation_never_sees_a_mix_while_in_place
         assert not any(t.is_alive() for t in threads)
         assert not seen, seen[:3]
         assert all(srv.tensors()[name].tobytes() == version(v)[name].tobytes() for name in names)
+
+
+def test_a_process_reading_the_servers_tensors_holds_off_an_in_place_switch_until_it_is_done():
+    """``Server.reading()`` (what a vLLM engine copies its update from): while the block runs an
+    in-place update of those tensors waits, and the tensors read stay v's bytes throughout."""
+    v0 = {"a": _f32(1 << 16, seed=5), "b": _f32(1 << 16, seed=6)}
+    v1 = {"a": _changed(v0["a"], 3)}
+    with Server() as srv:
+        with Client(srv.address) as c:
+            c.push(v0)
+        out: dict = {}
+        with srv.reading() as held:
+            assert sorted(held) == ["a", "b"] and not held["a"].flags.writeable
+            t = _update(srv.address, v1, {"a": v0["a"]}, out)
+            t.join(1)
+            assert t.is_alive(), "an in-place switch changed tensors a reader held"
+            assert held["a"].tobytes() == v0["a"].tobytes()
+        t.join(JOIN)
+        assert not t.is_alive() and "error" not in out, out
+        assert out["result"].deltas == 1
+        assert srv.tensors()["a"].tobytes() == v1["a"].tobytes()
+        with srv.reading(["b"]) as held:  # a named subset, and the gate free again after
+            assert list(held) == ["b"] and held["b"].tobytes() == v0["b"].tobytes()

@@ -139,18 +139,20 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: WeightliftUpdateInfo) -> None:
-        held = self._server().tensors()
-        names = sorted(held) if update_info.names is None else list(update_info.names)
-        try:
-            weights = checked(held, names, self._expected)
-        except BaseException:
-            self._undo()
-            raise
-        self._release = update_info.release
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
-        with disable_mtp_completeness_check():
-            self.model.load_weights(weights)
+        # the server's tensors held off in-place pushes while they are checked and copied: the
+        # model gets one version of each, never bytes another client's switch is changing
+        with self._server().reading() as held:
+            names = sorted(held) if update_info.names is None else list(update_info.names)
+            try:
+                weights = checked(held, names, self._expected)
+            except BaseException:
+                self._undo()
+                raise
+            self._release = update_info.release
+            with disable_mtp_completeness_check():
+                self.model.load_weights(weights)
 
     def _undo(self) -> None:
         """Put every layer back as it was before ``start`` (none got weights yet)."""

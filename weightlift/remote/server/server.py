@@ -45,7 +45,8 @@ from __future__ import annotations
 import os
 import ssl
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 from weightlift.digest.blake import hash_buffer
@@ -290,6 +291,16 @@ class Server:
         instant: an update switched in (a client's push from memory) is in it whole or not at
         all; an in-place update changes the arrays handed out earlier at its switch."""
         return self._store.tensors(writable=writable)
+
+    @contextmanager
+    def reading(self, names: Iterable[str] | None = None) -> Iterator[dict[str, Array]]:
+        """The complete tensors of ``names`` (None: every one held), as :meth:`tensors` gives
+        them, held off in-place updates until the block ends: a caller that copies them out (a
+        vLLM engine loading them into its model) gets one version of each, never bytes a switch
+        is changing. Keep the block short: an in-place update waits for it, at most the server's
+        I/O timeout, and is then refused."""
+        with self._store.reading_entries(names) as entries:
+            yield self._store.handed_out(entries)
 
     def free(self, names: Iterable[str] | None = None) -> int:
         """Drop the named tensors (None: every one held), as a client's FREE does; returns how

@@ -425,16 +425,22 @@ class Store:
         """The complete tensors by name; never a partial one. numpy tensors come as read-only
         views unless ``writable``; a tensor handed out writable (a torch tensor always is) is
         marked exposed, and its digest is proven again before it is trusted."""
-        out = {}
         with self._lock:
-            for name, entry in self._entries.items():
-                ro = None if writable else entry.readonly()
-                if ro is None:
-                    entry.exposed = True
-                    out[name] = entry.tensor
-                else:
-                    out[name] = ro
-        return out
+            return {name: self._hand_out(entry, writable) for name, entry in self._entries.items()}
+
+    def handed_out(self, entries: dict[str, Entry], *, writable: bool = False) -> dict[str, Any]:
+        """``entries``' tensors as :meth:`tensors` gives them out."""
+        with self._lock:
+            return {name: self._hand_out(entry, writable) for name, entry in entries.items()}
+
+    @staticmethod
+    def _hand_out(entry: Entry, writable: bool) -> Any:
+        # the lock is held
+        ro = None if writable else entry.readonly()
+        if ro is None:
+            entry.exposed = True
+            return entry.tensor
+        return ro
 
     def listing(self, after: str, limit: int) -> tuple[list[tuple[str, Entry]], bool]:
         """Up to ``limit`` entries whose names sort after ``after``, in name order, and whether
