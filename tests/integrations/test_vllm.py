@@ -124,6 +124,39 @@ def test_load_format_from_a_tensor_server(models, default_tokens, tmp_path):
     assert got == default_tokens(("llama", 0))
 
 
+def _tensor_parallel(monkeypatch, ranks: int) -> dict:
+    """The engine arguments for ``ranks`` tensor-parallel ranks, or a skip where this machine has
+    too few cores (or devices). vLLM's CPU build binds each rank's OpenMP threads to cores of its
+    own, and its automatic binding wants a NUMA node per rank: on a machine of one node the cores
+    are given here, split in ``ranks`` contiguous groups."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < ranks:
+            pytest.skip(f"{ranks} tensor-parallel ranks need {ranks} cores; this process may use {len(cpus)}")
+        groups = [cpus[i * len(cpus) // ranks : (i + 1) * len(cpus) // ranks] for i in range(ranks)]
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, g)) for g in groups))
+    elif torch.cuda.device_count() < ranks:
+        pytest.skip(f"{ranks} tensor-parallel ranks need {ranks} devices; there are {torch.cuda.device_count()}")
+    return dict(tensor_parallel_size=ranks, distributed_executor_backend="mp")
+
+
+def test_tensor_parallel_load_gives_the_default_loaders_tokens(models, default_tokens, monkeypatch, capfd):
+    # two ranks, each loading the whole checkpoint through its own weight loaders and keeping its
+    # slices (the rows of the fused QKV and gate-up, the columns of o_proj and down_proj; the one
+    # KV head replicated), from views of the files that nothing reads ahead
+    tp = _tensor_parallel(monkeypatch, 2)
+    path = models[("llama", 0)]
+    try:
+        want = _run(path, **tp)
+    except RuntimeError:
+        errors = [ln for ln in "".join(capfd.readouterr()).splitlines() if "Error" in ln]
+        pytest.skip(f"vLLM here cannot run two tensor-parallel ranks: {errors[-1] if errors else 'no reason logged'}")
+    assert _run(path, load_format="weightlift", **tp) == want
+    assert want == default_tokens(("llama", 0))  # and the tokens of one rank
+
+
 def test_verify_stops_the_engine_naming_the_corrupted_tensor(models, tmp_path, capfd):
     src = models[("qwen2", 0)]
     bad = tmp_path / "qwen2-bad"

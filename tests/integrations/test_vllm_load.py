@@ -104,3 +104,36 @@ def test_the_loaders_copies_see_the_files_bytes_and_leave_them_alone(tmp_path):
         if t.numel():
             t.view(torch.uint8).fill_(0)  # a private mapping: the file is not written
     assert {f: open(f, "rb").read() for f in ck.files} == before
+
+
+def test_a_large_mappings_residency_is_judged_from_windows_spread_over_it(monkeypatch):
+    asked = []
+    base, n = 1 << 30, 1000 * streamed.PROBES * streamed.PROBE + 12345
+    half = base + n // 2
+
+    def fraction(addr, size):
+        asked.append((addr, size))
+        return 1.0 if addr < half else 0.0  # read in up to the middle
+
+    monkeypatch.setattr(streamed, "mapping_fraction", fraction)
+    assert abs(streamed.resident_fraction(base, n) - 0.5) <= 1 / streamed.PROBES  # within one window
+    assert len(asked) == streamed.PROBES
+    assert all(size == streamed.PROBE and (addr - base) % streamed.PAGE == 0 for addr, size in asked)
+    assert asked[0][0] == base and asked[-1][0] + streamed.PROBE <= base + n
+    gaps = {b - a for (a, _), (b, _) in zip(asked[:-1], asked[1:], strict=True)}
+    assert len(gaps) == 1 and gaps.pop() >= n // streamed.PROBES - streamed.PAGE
+
+
+def test_a_small_mapping_is_asked_about_every_page(monkeypatch):
+    asked = []
+    monkeypatch.setattr(streamed, "mapping_fraction", lambda addr, size: asked.append((addr, size)) or 0.25)
+    assert streamed.resident_fraction(4096, streamed.PROBES * streamed.PROBE) == 0.25
+    assert asked == [(4096, streamed.PROBES * streamed.PROBE)]
+
+
+def test_a_file_just_written_is_judged_resident(tmp_path):
+    path = tmp_path / "blob"
+    n = 3 * streamed.PROBES * streamed.PROBE + 100
+    path.write_bytes(bytes(range(256)) * (n // 256) + b"x" * (n % 256))
+    st = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=n)
+    assert streamed.resident_fraction(st.data_ptr(), n) == 1.0

@@ -10,8 +10,11 @@ takes about the longer of the two instead of their sum.
 A file mostly in the page cache already (a warm start; a busy machine's cache loses pages here
 and there) gets no pass of its own: the loaders' copies map resident pages faster than a second
 pass would, and the pages missing are asked for with ``POSIX_FADV_WILLNEED`` (read ahead in the
-background, nothing mapped). In a file mostly cold, each piece is asked the same (``mincore``)
-as the reads reach it, and only the cold pieces are mapped in.
+background, nothing mapped). How much of a file is resident is judged from a few windows spread
+over it (:func:`resident_fraction`): asking ``mincore`` about every page walks the page cache
+page by page, a visible part of a warm load, where the choice needs only whether most pages are
+there. In a file mostly cold, each piece is asked whole as the reads reach it (on the reading
+thread), and only the cold pieces are mapped in.
 
 With ``touch=False`` (tensor parallelism: each rank keeps a slice of most tensors) nothing is
 read ahead: each rank's loaders fault in only the pages under the slices they copy.
@@ -25,21 +28,34 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from weightlift.checkpoint import Checkpoint
-from weightlift.disk.residency import mapping_fraction
+from weightlift.disk.residency import PAGE, mapping_fraction
 from weightlift.disk.source import MAX_WARMERS
 from weightlift.hf.mapped import private_mapping
 from weightlift.local.prefetch import await_prefetches
 from weightlift.memory.fresh import MAP_IN_PIECE, map_in
 
-__all__ = ["streamed_tensors", "file_order", "RESIDENT"]
+__all__ = ["streamed_tensors", "file_order", "resident_fraction", "RESIDENT"]
 
 #: a piece with at least this fraction of its pages in the page cache is left to the loaders
 RESIDENT = 0.5
+#: a file's residency is judged from this many windows of ``PROBE`` bytes, spread evenly over it
+PROBES = 64
+PROBE = 16 * PAGE
 
 
 def file_order(ck: Checkpoint) -> list[str]:
     """The names of ``ck``'s tensors in the order :func:`streamed_tensors` hands them out."""
     return [t.name for t in sorted(ck.tensors, key=lambda t: (ck.files.index(t.file), t.offset))]
+
+
+def resident_fraction(addr: int, n: int) -> float:
+    """About the fraction of the ``n`` mapped bytes at ``addr`` that are in the page cache: every
+    page asked where ``n`` is at most ``PROBES`` windows, else ``PROBES`` windows spread evenly
+    (pages dropped here and there, or a file read in up to some point, show in proportion)."""
+    if n <= PROBES * PROBE:
+        return mapping_fraction(addr, n)
+    stride = n // PROBES // PAGE * PAGE
+    return sum(mapping_fraction(addr + i * stride, PROBE) for i in range(PROBES)) / PROBES
 
 
 def _read_ahead(fd: int, offset: int, n: int) -> None:
@@ -71,7 +87,7 @@ def streamed_tensors(ck: Checkpoint, *, threads: int | None = None, touch: bool 
         ready: dict[str, list[Future[int]]] = {f: [] for f in storages}
         for f, st in storages.items() if touch else ():
             base, n, fd = st.data_ptr(), st.nbytes(), ck.mapped(f).fileno()
-            if mapping_fraction(base, n) >= RESIDENT:
+            if resident_fraction(base, n) >= RESIDENT:
                 # no pass of our own: another thread running beside the loaders' copy threads
                 # slows them more than the few missing pages cost
                 _read_ahead(fd, 0, n)
