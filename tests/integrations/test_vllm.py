@@ -114,6 +114,7 @@ def test_load_format_gives_the_default_loaders_tokens(models, default_tokens, ar
 def test_load_format_from_a_tensor_server(models, default_tokens, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
     with Server(token=TOKEN) as server:
         server.start()
         host, port = server.address

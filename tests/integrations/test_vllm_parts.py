@@ -45,11 +45,22 @@ def test_an_unknown_option_lists_every_known_one():
 
 
 def test_token_file(tmp_path):
+    """Read as the CLI's --token-file is: only its owner may read it, and a short token is refused."""
+    from weightlift.errors import FileError
+
     f = tmp_path / "token"
     f.write_text(TOKEN + "\n")
+    f.chmod(0o600)
     assert LoaderOptions.parse({"server": "h:1", "token_file": str(f)}).token() == TOKEN.encode()
-    with pytest.raises(OptionError, match="cannot read token_file"):
+    with pytest.raises(FileError, match="cannot read token file"):
         LoaderOptions.parse({"server": "h:1", "token_file": str(tmp_path / "missing")}).token()
+    f.chmod(0o644)
+    with pytest.raises(OptionError, match="accessible by others"):
+        LoaderOptions.parse({"server": "h:1", "token_file": str(f)}).token()
+    f.write_text("short\n")
+    f.chmod(0o600)
+    with pytest.raises(OptionError, match="at least 16"):
+        LoaderOptions.parse({"server": "h:1", "token_file": str(f)}).token()
 
 
 def test_pull_tensors_gives_every_tensor_the_server_holds(tmp_path):

@@ -62,6 +62,8 @@ def test_an_update_is_checked_against_the_checkpoint():
         checked({}, [], EXPECTED)
     with pytest.raises(OptionError, match="not on the server: model.norm.weight"):
         checked({}, ["model.norm.weight"], EXPECTED)
+    with pytest.raises(OptionError, match=r"names must be strings, not \['int'\]"):
+        checked({"model.norm.weight": np.zeros(4, np.float32)}, [3], EXPECTED)
     with pytest.raises(OptionError, match="not in the model's checkpoint: extra"):
         checked({"extra": np.zeros(1)}, ["extra"], EXPECTED)
     wrong = {"model.norm.weight": np.zeros(5, np.float32)}

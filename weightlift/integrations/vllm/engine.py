@@ -58,6 +58,7 @@ from weightlift import libc
 from weightlift.errors import StateError
 from weightlift.integrations.vllm.updates import checked, checkpoint_shapes
 from weightlift.remote.server import Server
+from weightlift.remote.token import read_token
 
 __all__ = ["WeightliftInitInfo", "WeightliftUpdateInfo", "WeightliftWeightTransferEngine"]
 
@@ -104,10 +105,9 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
     def init_transfer_engine(self, init_info: WeightliftInitInfo) -> None:
         if self.server is not None:
             raise StateError("the weightlift weight-transfer engine is already initialised")
-        token = init_info.token
+        token: str | bytes | None = init_info.token
         if init_info.token_file is not None:
-            with open(init_info.token_file, "rb") as f:
-                token = f.read().strip().decode()
+            token = read_token(init_info.token_file)
         port = init_info.port + self.rank if init_info.port else 0
         self._cache = tempfile.TemporaryDirectory(prefix="weightlift-vllm-")
         self.server = Server(

@@ -14,6 +14,7 @@ from typing import Any
 
 from weightlift.errors import OptionError
 from weightlift.options import PAGE_CACHE
+from weightlift.remote.token import read_token
 
 __all__ = ["LoaderOptions", "KEYS"]
 
@@ -86,13 +87,6 @@ class LoaderOptions:
         return opts
 
     def token(self) -> bytes | None:
-        """The server's token, read from ``token_file`` (surrounding whitespace dropped)."""
-        if self.token_file is None:
-            return None
-        try:
-            with open(self.token_file, "rb") as f:
-                return f.read().strip()
-        except OSError as e:
-            raise OptionError(
-                f"load format 'weightlift': cannot read token_file {self.token_file}: {e.strerror}"
-            ) from None
+        """The server's token, read from ``token_file`` as the CLI's ``--token-file`` is: a file only
+        its owner may read, holding at least 16 bytes (surrounding whitespace dropped)."""
+        return read_token(self.token_file)

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from weightlift import libc
 from weightlift.checkpoint import Checkpoint
 from weightlift.disk.residency import PAGE, mapping_fraction
 from weightlift.disk.source import MAX_WARMERS
@@ -60,7 +61,7 @@ def resident_fraction(addr: int, n: int) -> float:
 
 def _read_ahead(fd: int, offset: int, n: int) -> None:
     """Ask for the pages of a file's range that are not in the page cache, in the background."""
-    os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
+    libc.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
 
 
 def _make_ready(addr: int, n: int, file: str, offset: int, fd: int, threads: int) -> int:

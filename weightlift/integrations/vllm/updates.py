@@ -71,6 +71,10 @@ def checked(held: dict[str, Any], names: list[str], expected: Shapes | None) -> 
     the server holds of it), or (any of the layers' tensors) of another shape there."""
     if not names:
         raise OptionError("weight update refused: the server holds no tensors (push them first)")
+    if not all(isinstance(n, str) for n in names):
+        raise OptionError(
+            f"weight update refused: names must be strings, not {sorted({type(n).__name__ for n in names})}"
+        )
     missing = [n for n in names if n not in held]
     if missing:
         raise OptionError(f"weight update refused: not on the server: {_some(missing)}")
