@@ -98,34 +98,30 @@ __all__ = [
 class Server:
     """A tensor server. ``start()`` serves on a background thread; ``serve_forever()`` in this one.
 
-    Binds 127.0.0.1 by default; any other address needs a ``token`` (clients must prove they hold
-    it) or ``insecure=True``. ``max_memory`` caps the bytes allocated across all clients, each
-    tensor counted as its bytes plus its name plus ENTRY_OVERHEAD; None (the default) means
-    :func:`default_max_memory`: 90 % of physical RAM for ``cpu``, the device's total memory for
-    ``cuda``. ``max_connections`` READY (authenticated) connections are served at once (more are closed
-    at accept); connections still in their handshake take one of ``max_handshakes`` slots of
-    their own, so peers without the token never lock authenticated clients out; one peer
-    address holds at most ``max_per_address`` connections of both kinds. Each connection must
-    finish HELLO (and AUTH) within ``handshake_timeout`` seconds or is closed. After
-    that a connection that sends no request for ``idle_timeout`` seconds is closed, and so is one
-    that stalls for ``io_timeout`` seconds inside a frame or payload, or while a reply is sent
-    (None: no limit), and one whose frame of N bytes (payload included) has not arrived within
-    ``io_timeout + N / min_frame_rate`` seconds of its first byte (``min_frame_rate`` in bytes
-    per second, default :data:`MIN_FRAME_RATE`; None: no such deadline). For
-    ``max_per_address`` the whole loopback range (127.0.0.0/8, ::1) is one address, and so is an
-    IPv6 /64.
-    ``cache_max_bytes`` caps the disk cache, counted in whole 4 KiB blocks per entry, the least
-    recently used evicted first; "auto" (the default): half the space the cache's file system
-    had free for it when the server started; None: no cap.
-    ``tls``: a server ``ssl.SSLContext`` (:func:`~weightlift.remote.transport.server_tls_context`):
-    every connection speaks TLS, its handshake bounded by ``handshake_timeout``. TLS gives
-    confidentiality; clients are still authenticated by the token.
+    Binds 127.0.0.1 by default; any other address needs a ``token`` (clients must prove they hold it) or
+    ``insecure=True``. ``max_memory`` caps the bytes allocated across all clients, each tensor counted as its
+    bytes plus its name plus ENTRY_OVERHEAD; None (the default) means :func:`default_max_memory`: 90 % of
+    physical RAM for ``cpu``, the device's total memory for ``cuda``. ``max_connections`` READY (authenticated)
+    connections are served at once (more are closed at accept); connections still in their handshake take one of
+    ``max_handshakes`` slots of their own, so peers without the token never lock authenticated clients out; one
+    peer address holds at most ``max_per_address`` connections of both kinds. Each connection must finish HELLO
+    (and AUTH) within ``handshake_timeout`` seconds or is closed. After that a connection that sends no request
+    for ``idle_timeout`` seconds is closed, and so is one that stalls for ``io_timeout`` seconds inside a frame
+    or payload, or while a reply is sent (None: no limit), and one whose frame of N bytes (payload included) has
+    not arrived within ``io_timeout + N / min_frame_rate`` seconds of its first byte (``min_frame_rate`` in
+    bytes per second, default :data:`MIN_FRAME_RATE`; None: no such deadline). For ``max_per_address`` the whole
+    loopback range (127.0.0.0/8, ::1) is one address, and so is an IPv6 /64.
+    ``cache_max_bytes`` caps the disk cache, counted in whole 4 KiB blocks per entry, the least recently used
+    evicted first; "auto" (the default): half the space the cache's file system had free for it when the server
+    started; None: no cap.
+    ``tls``: a server ``ssl.SSLContext`` (:func:`~weightlift.remote.transport.server_tls_context`): every
+    connection speaks TLS, its handshake bounded by ``handshake_timeout``. TLS gives confidentiality; clients
+    are still authenticated by the token.
     ``protocol_minor`` makes the server speak an older minor version (compatibility tests).
-    ``profile`` None reads WEIGHTLIFT_LOADPROF; with it on, each connection's report is printed
-    to stderr when the connection closes. ``reserve`` (host memory only) faults that many bytes
-    in on a background thread from ``start()`` on, while the process does its other start-up
-    work, so the first push lands in memory already backed; the reserve counts against
-    ``max_memory`` and gives way to tensors that need the room.
+    ``profile`` None reads WEIGHTLIFT_LOADPROF; with it on, each connection's report is printed to stderr when
+    the connection closes. ``reserve`` (host memory only) faults that many bytes in on a background thread from
+    ``start()`` on, while the process does its other start-up work, so the first push lands in memory already
+    backed; the reserve counts against ``max_memory`` and gives way to tensors that need the room.
     """
 
     def __init__(
@@ -184,11 +180,9 @@ class Server:
         )
         # touched host memory of released tensors, reused for new ones (a weight update)
         pool = HostPool() if host_target is not None and host_target.memcpy_ok else None
+        remember = config.cache_dir is not None  # gate_timeout: an in-place commit's wait for readers
         store = Store(
-            max_memory=config.max_memory,
-            pool=pool,
-            remember_digests=config.cache_dir is not None,
-            gate_timeout=config.io_timeout,  # an in-place commit waits for readers of what it changes this long
+            max_memory=config.max_memory, pool=pool, remember_digests=remember, gate_timeout=config.io_timeout
         )
         cache = (
             TensorCache(config.cache_dir, max_bytes=config.cache_max_bytes) if config.cache_dir is not None else None
@@ -294,11 +288,9 @@ class Server:
 
     @contextmanager
     def reading(self, names: Iterable[str] | None = None) -> Iterator[dict[str, Array]]:
-        """The complete tensors of ``names`` (None: every one held), as :meth:`tensors` gives
-        them, held off in-place updates until the block ends: a caller that copies them out (a
-        vLLM engine loading them into its model) gets one version of each, never bytes a switch
-        is changing. Keep the block short: an in-place update waits for it, at most the server's
-        I/O timeout, and is then refused."""
+        """The tensors of ``names`` (None: all) as :meth:`tensors` gives them, held off in-place
+        updates until the block ends, so a caller copying them out gets one version of each. Keep
+        it short: an in-place update waits for it (at most ``io_timeout``, then it is refused)."""
         with self._store.reading_entries(names) as entries:
             yield self._store.handed_out(entries)
 

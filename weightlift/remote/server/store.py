@@ -426,21 +426,12 @@ class Store:
         views unless ``writable``; a tensor handed out writable (a torch tensor always is) is
         marked exposed, and its digest is proven again before it is trusted."""
         with self._lock:
-            return {name: self._hand_out(entry, writable) for name, entry in self._entries.items()}
+            return {name: _hand_out(entry, writable) for name, entry in self._entries.items()}
 
     def handed_out(self, entries: dict[str, Entry], *, writable: bool = False) -> dict[str, Any]:
         """``entries``' tensors as :meth:`tensors` gives them out."""
         with self._lock:
-            return {name: self._hand_out(entry, writable) for name, entry in entries.items()}
-
-    @staticmethod
-    def _hand_out(entry: Entry, writable: bool) -> Any:
-        # the lock is held
-        ro = None if writable else entry.readonly()
-        if ro is None:
-            entry.exposed = True
-            return entry.tensor
-        return ro
+            return {name: _hand_out(entry, writable) for name, entry in entries.items()}
 
     def listing(self, after: str, limit: int) -> tuple[list[tuple[str, Entry]], bool]:
         """Up to ``limit`` entries whose names sort after ``after``, in name order, and whether
@@ -504,3 +495,13 @@ class Store:
             out = dict(self._stats)
         out["pooled"] = self.pool.reused if self.pool is not None else 0
         return out
+
+
+def _hand_out(entry: Entry, writable: bool) -> Any:
+    """An entry's tensor as the store gives it out: read-only where it can be, else marked
+    exposed (its digest proven again before it is trusted). The store's lock is held."""
+    ro = None if writable else entry.readonly()
+    if ro is None:
+        entry.exposed = True
+        return entry.tensor
+    return ro
