@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A cache hit against a warm local load of the same bytes, on loopback, arms interleaved.
+"""A cache hit against a warm local load, a first push with and without a cache, on loopback.
 
 The question asked of a caching server: a push of a checkpoint whose every tensor the server's
 cache holds should cost about what loading the same file from the page cache costs
@@ -12,13 +12,17 @@ Arms, each a fresh process per run (seconds as each measures itself):
   whose cache holds every tensor of FILE (filled once by an earlier server), entries in the
   page cache; the client's seconds, connect to the last acknowledgement.
 * ``load.warm``: ``weightlift.load(FILE)`` in a fresh process, FILE in the page cache.
-* ``hit.old`` (with ``--old DIR``): ``hit`` with the server run from another checkout.
+* ``push.fresh``, ``push.cache``: a first push of FILE into a fresh server without a cache, and
+  into one with an empty ``--cache-dir`` (what the cache costs a first push; its entries are
+  written behind, after the push).
+* ``hit.old``, ``push.fresh.old``, ``push.cache.old`` (with ``--old DIR``, for each of those
+  arms asked for): the same with the server run from another checkout.
 * ``hash``: blake3 of FILE's bytes, single-threaded, read from the page cache into one fresh
   buffer (what a hit adds to a load at the least, when nothing overlaps).
 
 Each arm's CPU seconds (all threads, user and system) are printed beside its wall time: on a
 machine shared with other work the wall time swings with the load, the CPU a run needs much
-less (the server's CPU during the push for ``hit``, the load call's for ``load.warm``).
+less (the server's CPU during the push for the push arms, the load call's for ``load.warm``).
 
 Runs in a seeded shuffled order per round, ``--settle`` seconds before each; medians and the
 median of per-round ratios. ``--profile`` runs one more hit with ``WEIGHTLIFT_LOADPROF=1`` on
@@ -49,6 +53,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "weightlift.cli"]
 MIB = 1 << 20
+SERVER_ARMS = ("hit", "push.fresh", "push.cache")  # the arms whose server --old can run from another tree
 
 
 def _env(tree: str | Path = ROOT, **extra: str) -> dict[str, str]:
@@ -58,9 +63,12 @@ def _env(tree: str | Path = ROOT, **extra: str) -> dict[str, str]:
     return env
 
 
-def serve(cache: str, tree: str | Path = ROOT, **env: str) -> tuple[subprocess.Popen[str], str]:
+def serve(cache: str | None, tree: str | Path = ROOT, **env: str) -> tuple[subprocess.Popen[str], str]:
+    """A fresh ``weightlift serve`` on loopback (run from ``tree``), with ``cache`` as its
+    ``--cache-dir`` (None: no cache); the process and its address."""
+    cached = ["--cache-dir", cache, "--cache-max", "none"] if cache is not None else []
     proc = subprocess.Popen(
-        [*CLI, "serve", "--port", "0", "--cache-dir", cache, "--cache-max", "none"],
+        [*CLI, "serve", "--port", "0", *cached],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -173,6 +181,29 @@ def arm_hit(path: str, cache: str, tree: str | Path = ROOT) -> tuple[float, floa
     return float(r["seconds"]), cpu
 
 
+def arm_push(path: str, tmp: str, cached: bool, tree: str | Path = ROOT) -> tuple[float, float]:
+    """A first push into a fresh server, with an empty cache (``cached``) or none: the
+    client's seconds, and the CPU seconds the server spent on the push (the entries it writes
+    behind afterwards not counted)."""
+    cache = tempfile.mkdtemp(prefix="cache-", dir=tmp) if cached else None
+    proc, to = serve(cache, tree)
+    try:
+        c0 = _cpu_of(proc.pid)
+        r = push(path, to)
+        cpu = _cpu_of(proc.pid) - c0
+    finally:
+        stop(proc)
+        if cache is not None:
+            shutil.rmtree(cache, ignore_errors=True)
+    return float(r["seconds"]), cpu
+
+
+def _ratios(runs: dict[str, list[float]], a: str, b: str) -> None:
+    if a in runs and b in runs:
+        ratios = [x / y for x, y in zip(runs[a], runs[b], strict=True)]
+        print(f"{a}/{b} per round: {' '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mib", type=int, default=768)
@@ -180,7 +211,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--settle", type=float, default=1.0)
     ap.add_argument("--arms", default="hit,load.warm,hash")
-    ap.add_argument("--old", metavar="DIR", help="also arm hit.old: the server run from this checkout")
+    ap.add_argument("--old", metavar="DIR", help="also the server arms as NAME.old, the server run from this checkout")
     ap.add_argument("--profile", action="store_true", help="one more hit with the server's profile printed")
     ap.add_argument("--json", metavar="FILE")
     a = ap.parse_args()
@@ -192,7 +223,8 @@ def main() -> None:
         path = os.path.join(bench_dir(), f"update-{a.size_mib}m-f1.safetensors")
         if not os.path.exists(path):
             raise SystemExit(f"{path} is missing: make it with bench/update.py (see this script's --help)")
-    arms = a.arms.split(",") + (["hit.old"] if a.old else [])
+    arms = a.arms.split(",")
+    arms += [f"{x}.old" for x in arms if x in SERVER_ARMS] if a.old else []
     load0 = os.getloadavg()
     tmp = tempfile.mkdtemp(prefix="wl-cache-hit-")
     try:
@@ -202,7 +234,12 @@ def main() -> None:
         cpus: dict[str, list[float]] = {k: [] for k in arms}
         fns = {"hit": lambda: arm_hit(path, cache), "load.warm": lambda: child("load", path)}
         fns["hash"] = lambda: child("hash", path)
-        fns["hit.old"] = lambda: arm_hit(path, cache, a.old)
+        fns["push.fresh"] = lambda: arm_push(path, tmp, False)
+        fns["push.cache"] = lambda: arm_push(path, tmp, True)
+        if a.old:
+            fns["hit.old"] = lambda: arm_hit(path, cache, a.old)
+            fns["push.fresh.old"] = lambda: arm_push(path, tmp, False, a.old)
+            fns["push.cache.old"] = lambda: arm_push(path, tmp, True, a.old)
         for rnd in range(-1, a.runs):  # round -1: uncounted warm-up
             order = list(arms)
             random.Random(rnd).shuffle(order)
@@ -225,11 +262,11 @@ def main() -> None:
     for arm, xs in runs.items():
         cpu = statistics.median(cpus[arm])
         print(f"{arm:12} {statistics.median(xs):9.3f} {min(xs):7.3f} {max(xs):7.3f} {cpu:7.3f}")
-    if "hit" in runs and "load.warm" in runs:
-        ratios = [h / w for h, w in zip(runs["hit"], runs["load.warm"], strict=True)]
-        print(
-            f"hit/load.warm per round: {' '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f}"
-        )
+    _ratios(runs, "hit", "load.warm")
+    _ratios(runs, "push.cache", "push.fresh")
+    _ratios(runs, "push.cache.old", "push.fresh.old")
+    for x in ("hit", "push.cache"):
+        _ratios(runs, x, f"{x}.old")
     print(f"load average before {load0}, after {os.getloadavg()}")
     if a.json:
         with open(a.json, "w") as f:
