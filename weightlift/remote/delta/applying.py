@@ -203,6 +203,20 @@ def _apply_sparse(
     """The chunk's changes over ``base`` into ``out`` (the same memory where ``in_place``); with
     ``hasher``, block by block: copied, changed and hashed while the block is in cache."""
     pos, vals = _sparse_decode(frame, base.nbytes, item)
+    _scatter(pos, vals, base, out, item, in_place, undo, hasher)
+
+
+def _scatter(
+    pos: np.ndarray,
+    vals: np.ndarray,
+    base: np.ndarray,
+    out: np.ndarray,
+    item: int,
+    in_place: bool,
+    undo: Undo | None,
+    hasher: Any,
+) -> None:
+    """A decoded SPARSE chunk applied (:func:`_apply_sparse`)."""
     dest = elements(out, item)
     if in_place and undo is not None:
         undo.keep(pos.nbytes + len(pos) * item)  # charged before the old elements are copied out
@@ -288,22 +302,21 @@ def apply(
         raise errors[0]
 
 
-def _in_order(starts: range, work: Callable[[int], None], done: Callable[[int], object], ahead: int) -> None:
-    """``work(start)`` on the codec's workers, at most ``ahead`` at once, and ``done(start)`` on
-    this thread in the order of ``starts``, each as soon as its work is finished. On an error,
-    the work not started is cancelled and the work running waited for, then the error raised."""
-    jobs: deque[tuple[int, Future[None]]] = deque()
+def _in_order(starts: range, work: Callable[[int], Any], done: Callable[[int, Any], object], ahead: int) -> None:
+    """``work(start)`` on the codec's workers, at most ``ahead`` at once, and ``done(start, what
+    work returned)`` on this thread in the order of ``starts``, each as soon as its work is
+    finished. On an error, the work not started is cancelled and the work running waited for,
+    then the error raised."""
+    jobs: deque[tuple[int, Future[Any]]] = deque()
     try:
         for s in starts:
             if len(jobs) >= ahead:
                 t, j = jobs.popleft()
-                j.result()
-                done(t)
+                done(t, j.result())
             jobs.append((s, workers().submit(work, s)))
         while jobs:
             t, j = jobs.popleft()
-            j.result()
-            done(t)
+            done(t, j.result())
     except BaseException:
         for _, j in jobs:
             j.cancel()
@@ -318,8 +331,10 @@ def apply_hashed(
 
     The chunks are applied on the codec's workers and hashed on this thread in order, each
     right after it is written, while it is in the last-level cache (no second pass over the
-    tensor from memory to prove it); a tensor of one chunk is applied and hashed here, a block
-    at a time. On an error nothing writes into ``out`` any more once it is raised; in place,
+    tensor from memory to prove it). SPARSE into fresh memory is only decoded on the workers:
+    the copy of the base and the few changes cost about what the hash does, and this thread
+    does all three a block at a time while the block is in the core's cache. A tensor of one
+    chunk is applied and hashed here, a block at a time. On an error nothing writes into ``out`` any more once it is raised; in place,
     ``undo`` takes back every chunk applied."""
     _check_encoding(encoding, payload, item)
     hasher: Any = blake3.blake3(max_threads=1)
@@ -333,11 +348,23 @@ def apply_hashed(
     if len(starts) == 1:
         one(0, hasher)
         return hasher.digest()
-    in_place, named = out is base, {s for s, _, _ in frames}
+    in_place, named = out is base, {s: (offset, clen) for s, offset, clen in frames}
+    decode_only = encoding == SPARSE and not in_place
 
-    def work(s: int) -> None:
+    def work(s: int) -> Any:
+        if decode_only and s in named:  # the copy and the few changes are cheap: done in cache below
+            offset, clen = named[s]
+            return _sparse_decode(payload[offset : offset + clen], min(chunk, nbytes - s), item)
         if s in named or not in_place:  # an unchanged chunk in place: nothing to write
             one(s, None)
+        return None
 
-    _in_order(starts, work, lambda s: hasher.update(out[s : s + chunk]), _in_flight(nbytes, chunk))
+    def done(s: int, decoded: Any) -> None:
+        if decoded is None:
+            hasher.update(out[s : s + chunk])
+        else:
+            pos, vals = decoded
+            _scatter(pos, vals, base[s : s + chunk], out[s : s + chunk], item, False, None, hasher)
+
+    _in_order(starts, work, done, _in_flight(nbytes, chunk))
     return hasher.digest()
