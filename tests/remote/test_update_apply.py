@@ -137,6 +137,27 @@ def test_the_undo_is_charged_before_it_is_taken(many_chunks):
     assert work.tobytes() == old.tobytes()
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_many_chunks_decode_within_the_scratch_charged(many_chunks, in_place):
+    """Every chunk of a SPARSE payload changes every element (the largest frames a payload can
+    decode to): what applying holds at once, on every worker and waiting for the hash, stays
+    within scratch_bound, and in place what the undo keeps within Undo.nbytes."""
+    nbytes = 16 * CHUNK
+    base = np.full(nbytes, 0xAB, np.uint8)
+    payload = memoryview(_encoded(D.SPARSE, np.zeros_like(base), base, 1))
+    bound = D.scratch_bound(D.SPARSE, payload, nbytes, 1)
+    assert bound < 4 * 10 * CHUNK  # four chunks out at once, each about ten times its size decoded
+    out, undo = (base, D.Undo()) if in_place else (np.empty_like(base), None)
+    tracemalloc.start()
+    try:
+        digest = D.apply_hashed(D.SPARSE, payload, base, out, 1, undo=undo)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert digest == blake3.blake3(bytes(nbytes)).digest() and not out.any()
+    assert peak <= bound + (undo.nbytes if undo is not None else 0) + (64 << 10)
+
+
 def test_the_scratch_charged_covers_the_chunks_out_at_once(monkeypatch):
     monkeypatch.setattr(D.applying, "APPLY_AHEAD", 4)
     payload = memoryview(struct.pack("<II", 1 << 20, 16) + bytes(64))

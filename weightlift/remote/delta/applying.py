@@ -308,15 +308,18 @@ def _in_order(starts: range, work: Callable[[int], Any], done: Callable[[int, An
     finished. On an error, the work not started is cancelled and the work running waited for,
     then the error raised."""
     jobs: deque[tuple[int, Future[Any]]] = deque()
+
+    def finish() -> None:  # the finished work's result dies here: no more than ``ahead`` are held
+        t, j = jobs.popleft()
+        done(t, j.result())
+
     try:
         for s in starts:
             if len(jobs) >= ahead:
-                t, j = jobs.popleft()
-                done(t, j.result())
+                finish()
             jobs.append((s, workers().submit(work, s)))
         while jobs:
-            t, j = jobs.popleft()
-            done(t, j.result())
+            finish()
     except BaseException:
         for _, j in jobs:
             j.cancel()
