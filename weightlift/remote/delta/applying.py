@@ -3,21 +3,22 @@ checked, each chunk's frame decoded onto its base, into fresh memory or in place
 hashed.
 
 Threads. :func:`apply_hashed` hands a tensor's chunks to the codec's worker pool (one thread per
-core, shared by every connection of the process) and hashes the result on the calling thread,
-chunk after chunk in order, each as soon as it is applied. The digest is one sequential pass
-(the BLAKE3 binding offers no subtree values to combine), but decoding a chunk (zstd, the XOR
-or the scatter, and the copy of the base into fresh memory) costs a few times hashing it, so
-one hashing thread keeps pace with several decoding ones. At most :data:`APPLY_AHEAD` chunks are out at once: that bounds the decoded frames
-held (what :func:`scratch_bound` charges) and keeps the chunks waiting for the hash in the
-last-level cache. A tensor of one chunk is applied and hashed on the calling thread, a block at
-a time while it is in the core's cache (no hand-off). An error in any chunk waits for the chunks
-still being applied before it is raised: afterwards nothing writes into the output, and an
-in-place application's :class:`Undo` holds every chunk that was applied.
+core this process may run on, shared by all its connections) and hashes the result on the
+calling thread, chunk after chunk in order, each as soon as it is applied. The digest is one
+sequential pass (the BLAKE3 binding offers no subtree values to combine), but decoding a chunk
+(zstd, the XOR or the scatter, and the copy of the base into fresh memory) costs a few times
+hashing it, so one hashing thread keeps pace with several decoding ones. At most
+:data:`APPLY_AHEAD` chunks are out at once: that bounds the decoded frames held (what
+:func:`scratch_bound` charges) and keeps the chunks waiting for the hash in the last-level
+cache. A tensor of one chunk, or a process pinned to one core, is applied and hashed on the
+calling thread, a block at a time while it is in the core's cache (no hand-off). An error in
+any chunk waits for the chunks still being applied before it is raised: afterwards nothing
+writes into the output, and an in-place application's :class:`Undo` holds every chunk that
+was applied.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from weightlift.remote.delta.chunks import (
     XOR,
     DeltaError,
     block_size,
+    cores,
     elements,
     whole_pass,
     workers,
@@ -47,7 +49,7 @@ __all__ = ["APPLY_AHEAD", "Undo", "apply", "apply_hashed", "scratch_bound"]
 
 # chunks of one application out to the workers at once: enough to keep every core decoding while
 # one thread hashes, few enough that they wait for the hash in the last-level cache
-APPLY_AHEAD = min(8, (os.cpu_count() or 2) + 1)
+APPLY_AHEAD = min(8, cores() + 1)
 
 
 class Undo:
@@ -337,7 +339,8 @@ def apply_hashed(
     tensor from memory to prove it). SPARSE into fresh memory is only decoded on the workers:
     the copy of the base and the few changes cost about what the hash does, and this thread
     does all three a block at a time while the block is in the core's cache. A tensor of one
-    chunk is applied and hashed here, a block at a time. On an error nothing writes into ``out`` any more once it is raised; in place,
+    chunk, or a process that may run on one core only, applies and hashes here, a block at a
+    time. On an error nothing writes into ``out`` any more once it is raised; in place,
     ``undo`` takes back every chunk applied."""
     _check_encoding(encoding, payload, item)
     hasher: Any = blake3.blake3(max_threads=1)
@@ -348,8 +351,9 @@ def apply_hashed(
     chunk, frames = _table(payload, nbytes, item)
     one = _chunk_applier(encoding, payload, base, out, item, undo, chunk, frames)
     starts = range(0, nbytes, chunk)
-    if len(starts) == 1:
-        one(0, hasher)
+    if len(starts) == 1 or cores() == 1:  # nothing to share out: every pass in cache, on this thread
+        for s in starts:
+            one(s, hasher)
         return hasher.digest()
     in_place, named = out is base, {s: (offset, clen) for s, offset, clen in frames}
     decode_only = encoding == SPARSE and not in_place

@@ -32,6 +32,7 @@ __all__ = [
     "U32",
     "DeltaError",
     "available",
+    "cores",
     "workers",
     "zstd",
     "elements",
@@ -76,11 +77,19 @@ _pool_lock = threading.Lock()
 _local = threading.local()
 
 
+def cores() -> int:
+    """The cores this process may run on (fewer than the machine's where it is pinned)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 2
+
+
 def workers() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="weightlift-delta")
+            _pool = ThreadPoolExecutor(max_workers=cores(), thread_name_prefix="weightlift-delta")
         return _pool
 
 
