@@ -7,8 +7,9 @@ prints the payload's size and rates in GB/s of tensor: ``encode`` (:func:`~weigh
 every core, no hash), ``scan`` (the client's one pass: hash, compare, encode and refresh the kept
 base, one thread), ``apply`` into fresh memory and ``inplace`` (every core, no hash), ``+hash``
 (apply, then a BLAKE3 pass over the result), and ``fused`` / ``fusedip`` (the server's
-:func:`~weightlift.remote.delta.apply_hashed`: applied and hashed in one pass, one thread, fresh
-memory and in place). ``--json`` for one JSON object.
+:func:`~weightlift.remote.delta.apply_hashed`: the chunks applied on every core and hashed in
+order on the calling thread as each is applied, fresh memory and in place). ``--json`` for one
+JSON object.
 
     PYTHONPATH=. python bench/delta_codec.py --mib 128
 """

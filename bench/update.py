@@ -32,7 +32,8 @@ Arms (seconds are the client's: connect to the last acknowledgement):
   from memory before (the earlier versions over the link, untimed), then v+1 timed; each
   tensor goes as what changed where that pays. Also prints the first step (v+1 right after v, into fresh server
   memory) and the CPU seconds client and server used in the timed step (client and server share
-  this machine's cores).
+  this machine's cores, unless ``--server-cpus`` and ``--client-cpus`` pin each to its own, as
+  two machines would have them).
 * ``delta.given``: ``push(v+1, base=v)`` after a push of v: the caller's v as the base.
 
 Ratios: ``update/tcp`` (goal >= 0.95 as tcp/update), ``cache/fresh`` (goal <= 1.15),
@@ -187,7 +188,20 @@ def _cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def child_push_delta(to: str, base_path: str, path: str, server_pid: str, how: str) -> None:
+def _pin(pid: int, cpus: str) -> None:
+    """Every thread of ``pid`` onto the cores ``cpus`` ("0", "1-3", "0,2"); the threads it starts
+    later inherit them. Empty: left where the scheduler puts it."""
+    if not cpus:
+        return
+    cores: set[int] = set()
+    for part in cpus.split(","):
+        lo, _, hi = part.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    for task in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(task), cores)
+
+
+def child_push_delta(to: str, base_path: str, path: str, server_pid: str, how: str, cpus: str = "") -> None:
     """A trainer's steps. ``kept``: ``Client(keep_base=True)`` pushes v from memory (the server
     then holds v, the client a copy of it and its digests), then v+1 (the first step: timed as
     ``first``), v and v+1 again: the last is timed as the steady state, where the server's pool
@@ -198,6 +212,7 @@ def child_push_delta(to: str, base_path: str, path: str, server_pid: str, how: s
     import weightlift as wl
     from weightlift.remote.client import Client
 
+    _pin(os.getpid(), cpus)
     base, tensors = wl.load(base_path), wl.load(path)
     host, port = to.rsplit(":", 1)
     kw = {"base": base} if how == "given" else {}
@@ -235,6 +250,7 @@ class Ctx:
     def __init__(self, net: Any, ends: list[tuple[str, str, str]], base: str, versions: dict[float, str], tmp: str):
         (self.ns_c, _, _), (self.ns_s, _, self.addr) = ends
         self.net, self.base, self.versions, self.tmp = net, base, versions, tmp
+        self.server_cpus = self.client_cpus = ""  # delta arms: the cores each side is pinned to
         self.full = versions[max(versions)]  # the v+1 every whole-push arm sends
         # delta arms: (client CPU s, server CPU s, bytes sent, first step s)
         self.cpu: dict[str, list[tuple[float, float, int, float]]] = {}
@@ -338,7 +354,8 @@ def arm_load(c: Ctx, frac: float) -> float:
 def _delta(c: Ctx, frac: float, how: str) -> float:
     server, to = c.serve()
     try:
-        out = c.client_child("push_delta", to, c.base, c.versions[frac], server.pid, how)
+        _pin(server.pid, c.server_cpus)
+        out = c.client_child("push_delta", to, c.base, c.versions[frac], server.pid, how, c.client_cpus)
         first = f", first step {out['first']:.3f} s" if out["first"] is not None else ""
         print(
             f"  delta.{how} {frac}: {out['bytes']} bytes sent, {out['deltas']} deltas, CPU s client "
@@ -393,6 +410,7 @@ def _run_rate(net: Any, k: int, rate: str, args: Any, base: str, versions: dict[
     times: dict[str, list[float]] = {label[n]: [] for n in names}
     with tempfile.TemporaryDirectory(prefix="wl-update-", dir=args.tmp) as tmp:
         c = Ctx(net, ends, base, versions, tmp)
+        c.server_cpus, c.client_cpus = args.server_cpus, args.client_cpus
         if any(a == "hit" for a, _ in names):
             _filled_cache(c)
         for rnd in range(args.runs):
@@ -427,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tmp", default=None, help="where cache folders go (default: the system's temporary folder)")
     p.add_argument("--check-fractions", action="store_true", help="measure the changed fraction of each v+1")
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
+    p.add_argument("--server-cpus", default="", help="delta arms: pin the server to these cores (taskset notation)")
+    p.add_argument("--client-cpus", default="", help="delta arms: pin the client to these cores")
     args = p.parse_args(argv)
 
     from tests.net.netns import Net, unavailable
@@ -440,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in (base, *versions.values()):
         subprocess.run([*CLI, "manifest", path, "-o", "-"], check=True, capture_output=True)  # the sidecar
     result: dict[str, Any] = {"bytes": os.path.getsize(base), "runs": args.runs, "rates": {}}
+    result["pinned"] = {"server": args.server_cpus, "client": args.client_cpus}
     if args.check_fractions:
         result["changed"] = {f: changed_fraction(base, v) for f, v in versions.items()}
         print(f"changed fractions: {result['changed']}")
@@ -469,6 +490,9 @@ def _print(result: dict[str, Any]) -> None:
         for a, (cli, srv, sent, first) in sorted(result["rates"][r].get("cpu", {}).items()):
             step = f"; first step {first:.3f} s" if first else ""
             print(f"{r} {a}: median CPU s client {cli:.3f}, server {srv:.3f}; {sent / 1e6:.1f} MB sent{step}")
+    pinned = result["pinned"]
+    if pinned["server"] or pinned["client"]:
+        print(f"delta arms pinned: server to cores {pinned['server'] or 'any'}, client to {pinned['client'] or 'any'}")
     print(f"load average before {result['load_before']}, after {result['load_after']}")
 
 

@@ -51,12 +51,12 @@ def test_every_encoding_gives_the_new_bytes_back(encoding, item, frac):
     base, new = _pair(item, 300_001, frac)  # an odd count: the last chunk is short
     size = _roundtrip(encoding, base, new, item)
     if frac == 0.0:
-        chunks = -(-base.nbytes // max(item, D.CHUNK_BYTES - D.CHUNK_BYTES % item))
+        chunks = -(-base.nbytes // max(item, D.chunks.CHUNK_BYTES - D.chunks.CHUNK_BYTES % item))
         assert size == 8 + 4 * chunks  # nothing changed: the head and an empty table
 
 
 def test_chunks_across_many_cores_and_an_unaligned_tail(monkeypatch):
-    monkeypatch.setattr(D, "CHUNK_BYTES", D.MIN_CHUNK_BYTES)  # the smallest chunks a payload may have
+    monkeypatch.setattr(D.chunks, "CHUNK_BYTES", D.MIN_CHUNK_BYTES)  # the smallest chunks a payload may have
     base, new = _pair(2, 300_007, 0.02, seed=3)
     _roundtrip(D.SPARSE, base, new, 2)
     _roundtrip(D.XOR, base, new, 2)
@@ -186,8 +186,8 @@ def test_set_digest_binds_each_digest_to_its_name():
 @pytest.mark.parametrize("item", [1, 2, 3, 4, 8, 16])
 @pytest.mark.parametrize("frac", [0.0, 0.002, 0.3, 1.0])
 def test_a_scan_is_encode_and_hash_and_refreshes_a_kept_base(monkeypatch, encoding, item, frac):
-    monkeypatch.setattr(D, "CHUNK_BYTES", 1 << 16)  # several chunks, each of several blocks
-    monkeypatch.setattr(D, "BLOCK_BYTES", 1 << 12)
+    monkeypatch.setattr(D.chunks, "CHUNK_BYTES", 1 << 16)  # several chunks, each of several blocks
+    monkeypatch.setattr(D.chunks, "BLOCK_BYTES", 1 << 12)
     base, new = _pair(item, 50_003, frac, seed=item)  # an odd count: a tail of less than a word
     kept = base.copy()
     parts, digest = D.scan(encoding, new, kept, item, limit=1 << 40, update=True)
@@ -203,8 +203,8 @@ def test_a_scan_is_encode_and_hash_and_refreshes_a_kept_base(monkeypatch, encodi
 @pytest.mark.parametrize("encoding", [D.SPARSE, D.XOR])
 @pytest.mark.parametrize("item", [1, 2, 4, 8, 16])
 def test_the_fused_apply_gives_the_bytes_and_their_digest(monkeypatch, encoding, item):
-    monkeypatch.setattr(D, "CHUNK_BYTES", 1 << 16)
-    monkeypatch.setattr(D, "BLOCK_BYTES", 1 << 12)
+    monkeypatch.setattr(D.chunks, "CHUNK_BYTES", 1 << 16)
+    monkeypatch.setattr(D.chunks, "BLOCK_BYTES", 1 << 12)
     base, new = _pair(item, 70_001, 0.01, seed=5)
     new[: 1 << 17] = base[: 1 << 17]  # the first chunks unchanged: no frame, the base's bytes
     payload = memoryview(b"".join(D.encode(encoding, new, base, item, limit=1 << 40)))
@@ -223,7 +223,7 @@ def test_the_fused_apply_gives_the_bytes_and_their_digest(monkeypatch, encoding,
 
 
 def test_a_scan_past_its_limit_still_hashes_and_refreshes(monkeypatch):
-    monkeypatch.setattr(D, "CHUNK_BYTES", 1 << 14)  # the limit passed a few chunks in
+    monkeypatch.setattr(D.chunks, "CHUNK_BYTES", 1 << 14)  # the limit passed a few chunks in
     base = np.zeros(1 << 18, np.uint8)
     noise = np.random.default_rng(0).integers(0, 256, base.nbytes, dtype=np.uint8)
     kept = base.copy()
@@ -303,12 +303,12 @@ def test_chunks_below_the_minimum_are_refused_before_the_table_is_read(fused):
     new = small.copy()
     new[7] = 1
     whole = memoryview(b"".join(D.encode(D.SPARSE, new, small, 1, limit=1 << 30)))
-    assert struct.unpack_from("<II", whole) == (D.CHUNK_BYTES, 1)
+    assert struct.unpack_from("<II", whole) == (D.chunks.CHUNK_BYTES, 1)
     out = np.empty_like(small)
     apply(D.SPARSE, whole, small, out, 1)
     assert out.tobytes() == new.tobytes()
     for item in (1, 2, 3, 8, 16, 3 << 20, 5 << 20):
-        assert D._chunk_size(item) >= D.MIN_CHUNK_BYTES
+        assert D.chunk_size(item) >= D.MIN_CHUNK_BYTES
 
 
 def _every_element_changed(nbytes: int, item: int) -> memoryview:

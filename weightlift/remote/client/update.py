@@ -138,9 +138,11 @@ class UpdateSpec:
         return {p.info.name for p in plans if self.base_of(p) is not None}
 
 
-#: Threads that scan tensors against their bases (hash, compare, encode) ahead of the sender:
-#: half the cores, the rest for the sender and, on a shared machine, the peer.
-SCAN_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
+#: Threads that scan tensors against their bases (hash, compare, encode) ahead of the sender: one
+#: per core up to four. The sender mostly waits on the socket and the compression runs on the
+#: codec's workers; fewer scan threads leave cores idle while one tensor's scan, a sequential
+#: pass, holds up the sends, also on a machine whose cores the server shares.
+SCAN_THREADS = max(1, min(4, os.cpu_count() or 2))
 #: Tensor bytes scanned ahead of the one being sent (at least one tensor): what bounds the
 #: payloads held at once.
 SCAN_AHEAD_BYTES = 256 << 20

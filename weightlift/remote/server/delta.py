@@ -9,8 +9,9 @@ before anything uses it. Then:
   (an entry handed out writable is hashed again first). If not, the tensor is allocated as an
   ALLOC would, and its id goes into the next BARRIER_REPLY's need: the client sends it whole;
 * in an in-place update the payload is kept until COMMIT (:mod:`.switch`);
-* otherwise the result is written into fresh memory and hashed in the same pass (base, changes
-  and hash a cache-sized block at a time: :func:`weightlift.remote.delta.apply_hashed`), the
+* otherwise the result is written into fresh memory and hashed as it is written (the chunks
+  applied on the codec's workers, one per core, and hashed in order on this connection's thread
+  while they are in cache: :func:`weightlift.remote.delta.apply_hashed`), the
   base read under :meth:`Store.reading <weightlift.remote.server.store.Store.reading>` as a READ
   reads it, and completes like a tensor whose WRITEs all arrived: published, or held
   by the open update. A result that does not hash to the DELTA's digest fails the tensor; the
@@ -156,7 +157,8 @@ class Deltas:
             rx.dests.ensure(p, fault=False)
             rx.dests.unfault(p)  # the delta writes every byte: no helper faults it in meanwhile
             out = as_bytes(p.dest)
-            # what applying takes besides the payload (a chunk's decoded frame), charged with it
+            # what applying takes besides the payload (the decoded frames of the chunks out to the
+            # workers at once), charged with it before anything is decoded
             charge.grow(codec.scratch_bound(d.encoding, payload.data, d.nbytes, item_size(d.dtype)))
             # read as a READ reads: another client's in-place switch of the base waits for the
             # pass, and one that came first is seen here (the base changed: sent whole instead)

@@ -6,7 +6,8 @@ version they had (the double-buffered way: the new bytes live in memory of their
 in an in-place update is kept encoded (:meth:`Switch.in_place`): its payload is small, and the
 tensor it changes stays as it was. COMMIT then, under :meth:`Store.exclusive
 <weightlift.remote.server.store.Store.exclusive>` (no READ sends bytes meanwhile), applies the
-in-place deltas into their bases' memory, proves every result against the digest its DELTA
+in-place deltas into their bases' memory (each a chunk per core, hashed as it is applied; what
+an undo keeps is charged before it is taken), proves every result against the digest its DELTA
 named, and publishes everything held with one :meth:`Store.switch
 <weightlift.remote.server.store.Store.switch>`. Whatever fails undoes every in-place change and
 switches nothing: readers see the old set or the new one, never a mix. A connection that ends
@@ -113,20 +114,24 @@ class Switch:
                 s.digest = hash_buffer(as_bytes(s.tensor))
         # only memory changed in place is held off its readers (a commit they hold past the bound is refused)
         with ExitStack() as gate:
-            undo = codec.Undo()
+            kept = store.charge(0)  # what the undo keeps, charged before each part is taken
+            undo = codec.Undo(reserve=kept.grow)
             try:
                 gate.enter_context(store.exclusive({n: d.base.tensor for n, d in self._deltas.items()}))
                 staged = self._apply(undo)
             except Exception as e:  # a bad delta, or no memory for a chunk: every base applied goes back
                 undo.run()
+                kept.release()
                 self.abort()
                 why = e if isinstance(e, (codec.DeltaError, _Failed)) else f"{type(e).__name__}: {e}"
                 return CommitReply(False, 0, store.generation, bytes(32), f"update not switched: {why}")
             except BaseException:
                 undo.run()
+                kept.release()
                 self.abort()
                 raise
             generation, digests = store.switch(staged + held, list(self._names))
+        kept.release()
         for d in self._deltas.values():
             d.charge.release()
         self._held, self._deltas, self._names = {}, {}, {}
@@ -145,9 +150,8 @@ class Switch:
             if self._cache is not None:  # no entry may be written from this memory as it changes
                 self._cache.behind.drop(d.base.tensor, wait=True)
             raw = as_bytes(d.base.tensor)
-            kept = undo.nbytes
-            # what applying takes (a chunk's decoded frame) is charged while it applies; what the
-            # undo keeps, with the payload, until the switch is done
+            # what applying takes (the chunks' decoded frames) is charged while it applies; what
+            # the undo keeps, as it is taken, until the switch is done
             scratch = self._store.charge(codec.scratch_bound(d.encoding, d.payload.data, raw.nbytes, d.item))
             try:
                 got = codec.apply_hashed(d.encoding, d.payload.data, raw, raw, d.item, undo=undo)
@@ -157,7 +161,6 @@ class Switch:
                 raise _Failed(f"DELTA of {d.name!r}: {type(e).__name__}: {e}") from e
             finally:
                 scratch.release()
-            d.charge.grow(undo.nbytes - kept)
             if got != d.digest:
                 raise _Failed(f"{d.name!r}: the delta applied does not give the digest the client sent")
             b = d.base
