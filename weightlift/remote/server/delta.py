@@ -143,7 +143,9 @@ class Deltas:
                 rx.outcomes.add_verified(d.tensor_id, d.base)
             rx.outcomes.done_tensors += 1
             return False
-        if base is not None and switch is not None and switch.in_place_mode:
+        # kept to change the store's memory at the switch; a base this update holds (sent whole
+        # earlier in it) is applied now into new memory, as any second version in an update is
+        if base is not None and switch is not None and switch.in_place_mode and self._store.get(d.name) is base:
             switch.in_place(InPlace(d.name, base, d.encoding, item_size(d.dtype), payload, charge, d.digest))
             return True
         rx.guard(d.tensor_id, rx.alloc, Alloc(d.tensor_id, d.name, d.dtype, d.shape, d.nbytes, d.digest, d.verify))
