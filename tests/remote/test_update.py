@@ -441,6 +441,15 @@ def test_an_update_with_both_profilers_on():
         _holds(srv, _step(v0, 0.3, seed=2))
 
 
+def test_a_verified_in_place_update_counts_the_deltas_its_set_digest_proves():
+    v0 = _model()
+    with Server() as srv, Client(srv.address, keep_base=True) as c:
+        c.push(v0)
+        for in_place in (False, True):
+            r = c.push(_step(v0, 0.01, seed=3 + in_place), verify=True, in_place=in_place)
+            assert r.deltas == len(v0) and r.verified == len(v0), (in_place, r)
+
+
 def test_a_delta_under_an_id_in_flight_or_a_same_that_changes_is_refused():
     v0 = np.arange(256, dtype=np.float32)
     d0 = blake3.blake3(v0.tobytes()).digest()

@@ -264,4 +264,6 @@ class UpdatePusher(Pusher):
                 f"update: the server's set digest {reply.root.hex()[:16]} is not the client's {want.hex()[:16]}"
                 + (f" ({reply.message})" if reply.message else "")
             )
+        if self.verify and self.spec.in_place:  # each DELTA kept for the switch is proven by the set digest
+            self.tally.add(verified=self.tally.deltas)
         self.spec.root, self.spec.generation = reply.root, reply.generation
