@@ -5,7 +5,7 @@ each tensor that completes to :meth:`Switch.hold` instead of publishing it, so r
 version they had (the double-buffered way: the new bytes live in memory of their own). A DELTA
 in an in-place update is kept encoded (:meth:`Switch.in_place`): its payload is small, and the
 tensor it changes stays as it was. COMMIT then, under :meth:`Store.exclusive
-<weightlift.remote.server.store.Store.exclusive>` (no READ sends bytes meanwhile), applies the
+<weightlift.remote.server.store.Store.exclusive>` (no READ sends bytes of that memory meanwhile), applies the
 in-place deltas into their bases' memory (each a chunk per core, hashed as it is applied; what
 an undo keeps is charged before it is taken), proves every result against the digest its DELTA
 named, and publishes everything held with one :meth:`Store.switch
