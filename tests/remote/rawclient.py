@@ -193,3 +193,19 @@ def _serves(s: Server) -> None:
     _put(ok, 0, "ok", _f32(4))
     assert _barrier(ok).tensors == 1
     ok.close()
+
+
+def _commit_traced(raw: Raw) -> tuple[object, int]:
+    """COMMIT an open update: the reply, and the peak of the memory Python traced meanwhile (what
+    the server allocated to apply and undo it, in this process)."""
+    import tracemalloc
+
+    from weightlift.remote.protocol import Commit
+
+    tracemalloc.start()
+    try:
+        raw.send(Commit())
+        reply = raw.recv()
+        return reply, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()

@@ -9,7 +9,7 @@ import blake3
 import numpy as np
 import pytest
 
-from tests.remote.rawclient import Raw, _barrier, _f32
+from tests.remote.rawclient import Raw, _barrier, _commit_traced, _f32
 from weightlift.remote import delta as D
 from weightlift.remote.protocol import Alloc, Commit, CommitReply, Delta, DeltaEncoding, Update, WriteHeader
 from weightlift.remote.server.server import Server
@@ -136,7 +136,6 @@ def test_an_in_place_sparse_delta_charges_what_its_undo_keeps_before_it_takes_it
     the undo keeps each changed element's old value and position: five times a U8 tensor. That
     memory must be charged before the server takes it (or chunk by chunk as it grows), so the
     server never holds much more than ``max_memory`` at any moment, and the update is refused."""
-    import tracemalloc
 
     import zstandard
 
@@ -164,13 +163,7 @@ def test_an_in_place_sparse_delta_charges_what_its_undo_keeps_before_it_takes_it
             Delta(1, "w", "U8", (nbytes,), nbytes, DeltaEncoding.SPARSE, _digest(v0), bytes(32), len(payload)), payload
         )
         assert _barrier(raw).errors == ()  # kept for the switch
-        tracemalloc.start()
-        try:
-            raw.send(Commit())
-            commit = raw.recv()
-            peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
+        commit, peak = _commit_traced(raw)
         assert isinstance(commit, CommitReply) and not commit.ok
         assert srv.tensors()["w"].tobytes() == v0.tobytes()
         # what the commit took: within what the limit had left, and one chunk's undo besides

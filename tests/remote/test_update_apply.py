@@ -14,9 +14,9 @@ import pytest
 import zstandard
 
 import weightlift.remote.protocol as P
-from tests.remote.rawclient import Raw, _barrier
+from tests.remote.rawclient import Raw, _barrier, _commit_traced
 from tests.remote.test_update import _holds, _model, _step
-from tests.remote.test_update_delta import _every_element_changed, _pair
+from tests.remote.test_update_delta import _applies_both_ways, _every_element_changed, _pair
 from weightlift.remote import delta as D
 from weightlift.remote.client.client import Client
 from weightlift.remote.protocol import Commit, CommitReply, Delta, DeltaEncoding, Update
@@ -74,15 +74,7 @@ def test_many_chunks_on_the_workers_give_the_bytes_and_their_digest(many_chunks,
     new[5 * CHUNK : 9 * CHUNK] = base[5 * CHUNK : 9 * CHUNK]
     payload = memoryview(_encoded(encoding, new, base, item))
     assert len(_frames(bytes(payload))[1]) == 41 and not _frames(bytes(payload))[1][6]  # unchanged chunks
-    want = blake3.blake3(new).digest()
-    out = np.full_like(base, 0x5A)
-    assert D.apply_hashed(encoding, payload, base, out, item) == want
-    assert out.tobytes() == new.tobytes()
-    inplace, undo = base.copy(), D.Undo()
-    assert D.apply_hashed(encoding, payload, inplace, inplace, item, undo=undo) == want
-    assert inplace.tobytes() == new.tobytes()
-    undo.run()
-    assert inplace.tobytes() == base.tobytes()
+    _applies_both_ways(encoding, payload, base, new, item)
 
 
 @pytest.mark.parametrize("encoding", [D.SPARSE, D.XOR])
@@ -259,13 +251,7 @@ def test_an_in_place_switch_whose_undo_does_not_fit_is_refused_within_its_charge
             Delta(1, "w", "U8", (nbytes,), nbytes, DeltaEncoding.SPARSE, d0, bytes(32), len(payload)), bytes(payload)
         )
         assert _barrier(raw).errors == ()
-        tracemalloc.start()
-        try:
-            raw.send(Commit())
-            commit = raw.recv()
-            peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
+        commit, peak = _commit_traced(raw)
         assert isinstance(commit, CommitReply) and not commit.ok and "memory limit" in commit.message
         assert peak <= scratch + (256 << 10)  # the old elements (4 MiB) were never copied out
         _holds(srv, v0)

@@ -208,15 +208,7 @@ def test_the_fused_apply_gives_the_bytes_and_their_digest(monkeypatch, encoding,
     base, new = _pair(item, 70_001, 0.01, seed=5)
     new[: 1 << 17] = base[: 1 << 17]  # the first chunks unchanged: no frame, the base's bytes
     payload = memoryview(b"".join(D.encode(encoding, new, base, item, limit=1 << 40)))
-    want = blake3.blake3(new).digest()
-    out = np.full_like(base, 0x5A)
-    assert D.apply_hashed(encoding, payload, base, out, item) == want
-    assert out.tobytes() == new.tobytes()
-    inplace, undo = base.copy(), D.Undo()
-    assert D.apply_hashed(encoding, payload, inplace, inplace, item, undo=undo) == want
-    assert inplace.tobytes() == new.tobytes()
-    undo.run()
-    assert inplace.tobytes() == base.tobytes()
+    _applies_both_ways(encoding, payload, base, new, item)
     same = np.empty_like(base)
     assert D.apply_hashed(D.SAME, memoryview(b""), base, same, item) == blake3.blake3(base).digest()
     assert same.tobytes() == base.tobytes()
@@ -350,3 +342,17 @@ def test_a_sparse_frame_decodes_within_its_stated_scratch(item, in_place):
         assert kept == (4 + item) * (nbytes // item)  # the old elements and their positions
         undo.run()
         assert (base == 0xAB).all()
+
+
+def _applies_both_ways(encoding: int, payload: memoryview, base: np.ndarray, new: np.ndarray, item: int) -> None:
+    """``payload`` applied to ``base`` gives ``new`` and its digest, into fresh memory and in place,
+    and the in-place undo gives ``base`` back."""
+    want = blake3.blake3(new).digest()
+    out = np.full_like(base, 0x5A)
+    assert D.apply_hashed(encoding, payload, base, out, item) == want
+    assert out.tobytes() == new.tobytes()
+    inplace, undo = base.copy(), D.Undo()
+    assert D.apply_hashed(encoding, payload, inplace, inplace, item, undo=undo) == want
+    assert inplace.tobytes() == new.tobytes()
+    undo.run()
+    assert inplace.tobytes() == base.tobytes()
