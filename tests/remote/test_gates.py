@@ -220,3 +220,37 @@ def test_a_reader_of_a_set_takes_it_again_when_an_entry_was_switched_before_its_
         pass
     assert len(taken) == 2 * READ_AGAIN
     assert set(got) == {"b"} and gates.busy() == (0, 0)
+
+
+def _waiting(gates: Gates) -> int:
+    """Threads waiting on the gates' condition right now (a reader held off, a writer queued)."""
+    with gates._cond:
+        return len(gates._cond._waiters)  # type: ignore[attr-defined]
+
+
+def test_a_reader_of_several_goes_in_before_a_writer_that_came_after_it():
+    """A reader of {a, b} waits for a writer of ``a``. A writer of ``b`` that comes after it
+    waits for it in turn: otherwise writers of a and b taking turns (each claim made while the
+    other's is still held) keep a reader of both out for as long as they go on (a vLLM engine's
+    ``Server.reading`` of every tensor, starved by two clients pushing in place)."""
+    gates = Gates(timeout=JOIN)
+    a, b = _memories(2)
+    order: list[str] = []
+    first = gates.exclusive({"a": a})
+    first.__enter__()
+
+    def read() -> None:
+        with gates.reading(a, b):
+            order.append("reader")
+
+    def write() -> None:
+        with gates.exclusive({"b": b}):
+            order.append("writer of b")
+
+    r, _ = _in_thread(read)
+    _until(lambda: _waiting(gates) == 1)  # the reader waits for the writer of a
+    w, wrote = _in_thread(write)
+    _until(lambda: wrote.is_set() or _waiting(gates) == 2)  # in, or queued behind the reader
+    first.__exit__(None, None, None)
+    r.join(JOIN), w.join(JOIN)
+    assert order == ["reader", "writer of b"]
