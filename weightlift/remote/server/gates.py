@@ -15,6 +15,12 @@ new reader in (a writer is not starved by a stream of readers), and a reader of 
 enters only when none of them is claimed. The only wait made while holding anything is a
 writer's, for readers already inside, and those wait for no gate: no wait can close a cycle.
 
+Why a reader is not starved either: each caller draws a ticket as it comes, and a writer does not
+claim memory that a reader with an earlier ticket is waiting to read. Otherwise writers of ``a``
+and of ``b`` taking turns (each claim made while the other's is still held) would keep a reader
+of both out for as long as they went on. A waiting reader waits only for claims made before it
+came, whose writers wait only for readers already inside: still no cycle.
+
 Why a writer's wait is bounded: a reader may hold its gate as long as its peer takes the reply
 (the I/O timeout plus the size at the minimum rate: hours for a large tensor at a trickle). A
 writer that waits past its bound gives its claim up (the readers that waited on it go in) and
@@ -47,6 +53,8 @@ class Gates:
         self._cond = threading.Condition(threading.Lock())
         self._readers: dict[int, int] = {}  # id(memory) -> READs of it in progress
         self._claimed: dict[int, str] = {}  # id(memory) -> the name a writer changes it as
+        self._ticket = 0  # the last ticket drawn, in the order callers came
+        self._queued: dict[int, tuple[int, ...]] = {}  # ticket -> ids a reader waits to read
         # the memory of every gate in use, so that no id is reused while it names a gate
         self._memory: dict[int, Any] = {}
 
@@ -71,7 +79,15 @@ class Gates:
         """Read ``memories`` (none changes meanwhile); waits while a writer claims any of them."""
         held = {id(m): m for m in memories}
         with self._cond:
-            self._cond.wait_for(lambda: not any(k in self._claimed for k in held))
+            if any(k in self._claimed for k in held):  # queued: later writers of it wait for it
+                self._ticket += 1
+                ticket = self._ticket
+                self._queued[ticket] = tuple(held)
+                try:
+                    self._cond.wait_for(lambda: not any(k in self._claimed for k in held))
+                finally:
+                    del self._queued[ticket]
+                    self._cond.notify_all()
             for k, m in held.items():
                 self._readers[k] = self._readers.get(k, 0) + 1
                 self._memory[k] = m
@@ -131,12 +147,22 @@ class Gates:
         with self._cond:
             return len(self._readers), len(self._claimed)
 
+    def _free_to_claim(self, held: dict[int, tuple[str, Any]], ticket: int) -> bool:
+        # no other writer claims any of ``held``, nor does a reader that came first wait for any
+        if any(k in self._claimed for k in held):
+            return False
+        return not any(t < ticket and any(k in held for k in keys) for t, keys in self._queued.items())
+
     def _claim(self, held: dict[int, tuple[str, Any]], deadline: float | None) -> str | None:
         """Claim ``held``, then wait for its readers; None once it is the writer's, else why not
         (its claim given up, the readers that waited on it let in)."""
         with self._cond:
-            if not self._cond.wait_for(lambda: not any(k in self._claimed for k in held), _left(deadline)):
-                busy = next(self._claimed[k] for k in held if k in self._claimed)
+            self._ticket += 1
+            ticket = self._ticket
+            if not self._cond.wait_for(lambda: self._free_to_claim(held, ticket), _left(deadline)):
+                busy = next((self._claimed[k] for k in held if k in self._claimed), None)
+                if busy is None:
+                    return f"a READ that came first waited for longer than {self.timeout:g} s"
                 return f"another in-place update of {busy!r} held it for longer than {self.timeout:g} s"
             for k, (name, m) in held.items():
                 self._claimed[k] = name
