@@ -254,3 +254,33 @@ def test_a_reader_of_several_goes_in_before_a_writer_that_came_after_it():
     first.__exit__(None, None, None)
     r.join(JOIN), w.join(JOIN)
     assert order == ["reader", "writer of b"]
+
+
+def test_a_writer_does_not_queue_behind_a_reader_that_waits_for_a_claim_its_readers_hold():
+    """A reader stalls inside ``a`` (a peer taking a READ's reply slowly); a writer of ``a``
+    claims it and waits for that reader; a reader of {a, b} waits for that claim. A writer of
+    ``b`` must not wait behind that reader: it would wait for the stalled reader of ``a``
+    (a commit of one tensor held off by a READ of another, and refused after its bound)."""
+    gates = Gates(timeout=JOIN)
+    a, b = _memories(2)
+    order: list[str] = []
+    stalled = gates.reading(a)
+    stalled.__enter__()
+
+    def write_a() -> None:
+        with gates.exclusive({"a": a}):
+            order.append("writer of a")
+
+    def read() -> None:
+        with gates.reading(a, b):
+            order.append("reader")
+
+    wa, _ = _in_thread(write_a)
+    _until(lambda: gates.busy() == (1, 1) and _waiting(gates) == 1)  # claimed, waiting for the stalled reader
+    r, _ = _in_thread(read)
+    _until(lambda: _waiting(gates) == 2)
+    with gates.exclusive({"b": b}):  # at once: the stalled reader holds nothing of b
+        order.append("writer of b")
+    stalled.__exit__(None, None, None)
+    wa.join(JOIN), r.join(JOIN)
+    assert order == ["writer of b", "writer of a", "reader"]
