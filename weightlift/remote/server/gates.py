@@ -16,10 +16,13 @@ enters only when none of them is claimed. The only wait made while holding anyth
 writer's, for readers already inside, and those wait for no gate: no wait can close a cycle.
 
 Why a reader is not starved either: each caller draws a ticket as it comes, and a writer does not
-claim memory that a reader with an earlier ticket is waiting to read. Otherwise writers of ``a``
-and of ``b`` taking turns (each claim made while the other's is still held) would keep a reader
-of both out for as long as they went on. A waiting reader waits only for claims made before it
-came, whose writers wait only for readers already inside: still no cycle.
+claim memory that a reader with an earlier ticket is waiting to read while that reader waits
+only for writers already changing their memory (their readers gone: they finish at the speed of
+memory). Otherwise writers of ``a`` and of ``b`` taking turns (each claim made while the other's
+is still held) would keep a reader of both out for as long as they went on. A reader that waits
+for a writer still waiting for its own readers (which may be a stalled peer's READ) is not
+waited for: a writer of ``b`` would then wait on a READ of ``a``. Such a waiting writer only
+waits on writers that wait for nothing: still no cycle.
 
 Why a writer's wait is bounded: a reader may hold its gate as long as its peer takes the reply
 (the I/O timeout plus the size at the minimum rate: hours for a large tensor at a trickle). A
@@ -53,6 +56,7 @@ class Gates:
         self._cond = threading.Condition(threading.Lock())
         self._readers: dict[int, int] = {}  # id(memory) -> READs of it in progress
         self._claimed: dict[int, str] = {}  # id(memory) -> the name a writer changes it as
+        self._changing: set[int] = set()  # claimed ids whose writer's readers are gone
         self._ticket = 0  # the last ticket drawn, in the order callers came
         self._queued: dict[int, tuple[int, ...]] = {}  # ticket -> ids a reader waits to read
         # the memory of every gate in use, so that no id is reused while it names a gate
@@ -62,6 +66,7 @@ class Gates:
         # give a writer's claim up and wake who waits on it; the condition is held
         for k in held:
             del self._claimed[k]
+            self._changing.discard(k)
         self._cond.notify_all()
         return self._free(held)
 
@@ -148,10 +153,14 @@ class Gates:
             return len(self._readers), len(self._claimed)
 
     def _free_to_claim(self, held: dict[int, tuple[str, Any]], ticket: int) -> bool:
-        # no other writer claims any of ``held``, nor does a reader that came first wait for any
+        # no other writer claims any of ``held``, nor does a reader that came first, and that
+        # waits only for writers changing their memory now, wait to read any of it
         if any(k in self._claimed for k in held):
             return False
-        return not any(t < ticket and any(k in held for k in keys) for t, keys in self._queued.items())
+        return not any(
+            t < ticket and any(k in held for k in keys) and all(k in self._changing for k in keys if k in self._claimed)
+            for t, keys in self._queued.items()
+        )
 
     def _claim(self, held: dict[int, tuple[str, Any]], deadline: float | None) -> str | None:
         """Claim ``held``, then wait for its readers; None once it is the writer's, else why not
@@ -169,6 +178,7 @@ class Gates:
                 self._memory[k] = m
             try:
                 if self._cond.wait_for(lambda: not any(k in self._readers for k in held), _left(deadline)):
+                    self._changing.update(held)
                     return None
             except BaseException:  # interrupted while waiting: the claim must not outlive it
                 gone = self._unclaim(held)
