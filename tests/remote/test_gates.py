@@ -284,3 +284,23 @@ def test_a_writer_does_not_queue_behind_a_reader_that_waits_for_a_claim_its_read
     stalled.__exit__(None, None, None)
     wa.join(JOIN), r.join(JOIN)
     assert order == ["writer of b", "writer of a", "reader"]
+
+
+def test_a_reader_of_a_set_switched_in_place_every_time_it_is_taken_gets_all_of_it_as_it_is_now():
+    """An in-place switch publishes another entry over the same memory, and a reader holding
+    that memory's gate has it as it is now. A reader each of whose takes overlaps such a switch
+    (a ``Server.reading`` of every tensor while clients push in place) must still get every
+    tensor: left out, a vLLM engine loading "every tensor held" would load only some of them,
+    and keep its old weights for the rest without a word."""
+    gates = Gates()
+    a, b = _memories(2)
+    kept = _E(b)
+    latest: list[_E] = []
+
+    def snapshot() -> dict:
+        latest.append(_E(a))  # a switched in place again: another entry, the same memory
+        return {"a": latest[-1], "b": kept}
+
+    with gates.reading_current(snapshot) as got:
+        assert got == {"a": latest[-1], "b": kept}
+        assert gates.busy() == (2, 0)
