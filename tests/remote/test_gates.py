@@ -212,11 +212,12 @@ def test_a_reader_of_a_set_takes_it_again_when_an_entry_was_switched_before_its_
     old, new, kept = _E(a), _E(a), _E(b)  # a switched in place: another entry, the same memory
     snaps = iter([{"a": old, "b": kept}, {"a": new, "b": kept}, {"a": new, "b": kept}, {"a": new, "b": kept}])
     with gates.reading_current(lambda: next(snaps)) as got:
-        assert got == {"a": new, "b": kept}  # taken again: the current entries, all of them
+        assert got == {"a": new, "b": kept}  # the current entries, all of them
         assert gates.busy() == (2, 0)
-    # a set that changes every time it is taken: after READ_AGAIN takes, only what stayed
+    # a set whose ``a`` holds other memory every time it is taken (replaced, not switched in
+    # place): after READ_AGAIN takes, only what stayed
     taken = []
-    with gates.reading_current(lambda: taken.append(1) or {"a": _E(a), "b": kept}) as got:
+    with gates.reading_current(lambda: taken.append(1) or {"a": _E(np.zeros(16, np.uint8)), "b": kept}) as got:
         pass
     assert len(taken) == 2 * READ_AGAIN
     assert set(got) == {"b"} and gates.busy() == (0, 0)

@@ -114,16 +114,18 @@ class Gates:
     def reading_current(self, snapshot: Callable[[], Mapping[str, Any]]) -> Iterator[dict[str, Any]]:
         """Read the memory (``.tensor``) of the entries ``snapshot()`` gives, and give the entries.
 
-        The snapshot is taken again once the gates are held: an entry switched meanwhile is
-        another entry (other bytes, or other memory), so the whole set is taken again, a few
-        times at most, then only the entries that stayed are given."""
+        The snapshot is taken again once the gates are held, and its entries are given: one
+        switched in place meanwhile is another entry over the same memory, held, and so is given
+        as it is now. One that came to hold other memory (or went) is not held, so the whole
+        set is taken again, a few times at most, then only the entries whose memory is held
+        are given."""
         for attempt in range(READ_AGAIN):
             entries = dict(snapshot())
             with self.reading(*(e.tensor for e in entries.values())):
                 now = snapshot()
-                stayed = {n: e for n, e in entries.items() if now.get(n) is e}
-                if len(stayed) == len(entries) or attempt + 1 == READ_AGAIN:
-                    yield stayed
+                held = {n: e for n, e in now.items() if n in entries and e.tensor is entries[n].tensor}
+                if len(held) == len(entries) or attempt + 1 == READ_AGAIN:
+                    yield held
                     return
         raise AssertionError("unreachable")  # pragma: no cover
 
