@@ -254,6 +254,17 @@ def test_a_process_reading_the_servers_tensors_holds_off_an_in_place_switch_unti
             assert list(held) == ["b"] and held["b"].tobytes() == v0["b"].tobytes()
 
 
+def _not_whole(held: dict, sets) -> str | None:
+    """Why ``held`` is not every tensor of ``sets`` with one version of each set, or None."""
+    if not {k for names in sets for k in names} <= set(held):
+        return f"a block of every tensor was given only {sorted(held)}"
+    for names in sets:
+        values = {int(held[k].min()) for k in names} | {int(held[k].max()) for k in names}
+        if len(values) != 1:
+            return f"a block saw versions {sorted(values)} of one update's set"
+    return None
+
+
 def test_server_reading_in_place_writers_of_disjoint_sets_and_fills_together_never_deadlock_or_mix(tmp_path):
     """A soak of everything that takes gates at once: two clients switch disjoint sets in place
     (version v: every byte v), a process copies every tensor out in ``Server.reading()`` blocks,
@@ -291,13 +302,9 @@ def test_server_reading_in_place_writers_of_disjoint_sets_and_fills_together_nev
             while not stop.is_set():
                 with srv.reading() as held:
                     blocks["in"] += 1
-                    if not {*sets[0], *sets[1]} <= set(held):
-                        problems.append(f"a block of every tensor was given only {sorted(held)}")
-                        continue
-                    for names in sets:
-                        values = {int(held[k].min()) for k in names} | {int(held[k].max()) for k in names}
-                        if len(values) != 1:
-                            problems.append(f"a block saw versions {sorted(values)} of one update's set")
+                    why = _not_whole(held, sets)
+                    if why is not None:
+                        problems.append(why)
 
         def filler() -> None:
             with Client(srv.address) as f:
