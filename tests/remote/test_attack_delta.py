@@ -254,3 +254,43 @@ def test_a_reader_stalled_on_one_tensor_holds_no_in_place_switch_or_read_of_anot
         finally:
             stalled.close()
             t.join(30)
+
+
+def test_an_in_place_switch_never_publishes_memory_another_client_replaced_meanwhile(monkeypatch):
+    """A's in-place update of ``w`` checks that ``w`` is still the memory its DELTA applies to,
+    then applies it there. B's plain update replaces ``w`` (new memory: a pointer swap, which
+    holds no gate) after that check and before A's switch. A's switch must then be refused:
+    publishing the memory it changed would put back v0 + A's delta over B's v2, which B was
+    told it switched in (a lost update: in no serial order is A's DELTA against v0 applied
+    after B's switch, its base is gone)."""
+    import threading
+
+    from weightlift.remote.client.client import Client
+    from weightlift.remote.server import switch as switch_mod
+
+    v0 = {"w": _f32(N, seed=1)}
+    v1 = {"w": _sparse(v0["w"], 3)[0]}
+    v2 = {"w": _f32(N, seed=9)}
+    real = switch_mod.codec.apply_hashed
+    fired = threading.Event()
+
+    with Server() as srv:
+
+        def apply_then_replaced(*args, **kw):
+            got = real(*args, **kw)
+            if not fired.is_set():  # B's whole push lands between A's check and A's switch
+                fired.set()
+                with Client(srv.address) as b:
+                    b.push(v2)
+            return got
+
+        with Client(srv.address) as c:
+            c.push(v0)
+        monkeypatch.setattr(switch_mod.codec, "apply_hashed", apply_then_replaced)
+        with Client(srv.address) as a:
+            try:
+                a.push(v1, base=v0, in_place=True)
+            except Exception:  # noqa: BLE001 - refused: what is asserted is what the server holds
+                pass
+        assert fired.is_set()
+        assert _digest(srv.tensors()["w"]) == _digest(v2["w"]), "A's switch put its stale base back over B's update"

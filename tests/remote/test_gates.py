@@ -212,11 +212,96 @@ def test_a_reader_of_a_set_takes_it_again_when_an_entry_was_switched_before_its_
     old, new, kept = _E(a), _E(a), _E(b)  # a switched in place: another entry, the same memory
     snaps = iter([{"a": old, "b": kept}, {"a": new, "b": kept}, {"a": new, "b": kept}, {"a": new, "b": kept}])
     with gates.reading_current(lambda: next(snaps)) as got:
-        assert got == {"a": new, "b": kept}  # taken again: the current entries, all of them
+        assert got == {"a": new, "b": kept}  # the current entries, all of them
         assert gates.busy() == (2, 0)
-    # a set that changes every time it is taken: after READ_AGAIN takes, only what stayed
+    # a set whose ``a`` holds other memory every time it is taken (replaced, not switched in
+    # place): after READ_AGAIN takes, only what stayed
     taken = []
-    with gates.reading_current(lambda: taken.append(1) or {"a": _E(a), "b": kept}) as got:
+    with gates.reading_current(lambda: taken.append(1) or {"a": _E(np.zeros(16, np.uint8)), "b": kept}) as got:
         pass
     assert len(taken) == 2 * READ_AGAIN
     assert set(got) == {"b"} and gates.busy() == (0, 0)
+
+
+def _waiting(gates: Gates) -> int:
+    """Threads waiting on the gates' condition right now (a reader held off, a writer queued)."""
+    with gates._cond:
+        return len(gates._cond._waiters)  # type: ignore[attr-defined]
+
+
+def test_a_reader_of_several_goes_in_before_a_writer_that_came_after_it():
+    """A reader of {a, b} waits for a writer of ``a``. A writer of ``b`` that comes after it
+    waits for it in turn: otherwise writers of a and b taking turns (each claim made while the
+    other's is still held) keep a reader of both out for as long as they go on (a vLLM engine's
+    ``Server.reading`` of every tensor, starved by two clients pushing in place)."""
+    gates = Gates(timeout=JOIN)
+    a, b = _memories(2)
+    order: list[str] = []
+    first = gates.exclusive({"a": a})
+    first.__enter__()
+
+    def read() -> None:
+        with gates.reading(a, b):
+            order.append("reader")
+
+    def write() -> None:
+        with gates.exclusive({"b": b}):
+            order.append("writer of b")
+
+    r, _ = _in_thread(read)
+    _until(lambda: _waiting(gates) == 1)  # the reader waits for the writer of a
+    w, wrote = _in_thread(write)
+    _until(lambda: wrote.is_set() or _waiting(gates) == 2)  # in, or queued behind the reader
+    first.__exit__(None, None, None)
+    r.join(JOIN), w.join(JOIN)
+    assert order == ["reader", "writer of b"]
+
+
+def test_a_writer_does_not_queue_behind_a_reader_that_waits_for_a_claim_its_readers_hold():
+    """A reader stalls inside ``a`` (a peer taking a READ's reply slowly); a writer of ``a``
+    claims it and waits for that reader; a reader of {a, b} waits for that claim. A writer of
+    ``b`` must not wait behind that reader: it would wait for the stalled reader of ``a``
+    (a commit of one tensor held off by a READ of another, and refused after its bound)."""
+    gates = Gates(timeout=JOIN)
+    a, b = _memories(2)
+    order: list[str] = []
+    stalled = gates.reading(a)
+    stalled.__enter__()
+
+    def write_a() -> None:
+        with gates.exclusive({"a": a}):
+            order.append("writer of a")
+
+    def read() -> None:
+        with gates.reading(a, b):
+            order.append("reader")
+
+    wa, _ = _in_thread(write_a)
+    _until(lambda: gates.busy() == (1, 1) and _waiting(gates) == 1)  # claimed, waiting for the stalled reader
+    r, _ = _in_thread(read)
+    _until(lambda: _waiting(gates) == 2)
+    with gates.exclusive({"b": b}):  # at once: the stalled reader holds nothing of b
+        order.append("writer of b")
+    stalled.__exit__(None, None, None)
+    wa.join(JOIN), r.join(JOIN)
+    assert order == ["writer of b", "writer of a", "reader"]
+
+
+def test_a_reader_of_a_set_switched_in_place_every_time_it_is_taken_gets_all_of_it_as_it_is_now():
+    """An in-place switch publishes another entry over the same memory, and a reader holding
+    that memory's gate has it as it is now. A reader each of whose takes overlaps such a switch
+    (a ``Server.reading`` of every tensor while clients push in place) must still get every
+    tensor: left out, a vLLM engine loading "every tensor held" would load only some of them,
+    and keep its old weights for the rest without a word."""
+    gates = Gates()
+    a, b = _memories(2)
+    kept = _E(b)
+    latest: list[_E] = []
+
+    def snapshot() -> dict:
+        latest.append(_E(a))  # a switched in place again: another entry, the same memory
+        return {"a": latest[-1], "b": kept}
+
+    with gates.reading_current(snapshot) as got:
+        assert got == {"a": latest[-1], "b": kept}
+        assert gates.busy() == (2, 0)

@@ -252,3 +252,78 @@ def test_a_process_reading_the_servers_tensors_holds_off_an_in_place_switch_unti
         assert srv.tensors()["a"].tobytes() == v1["a"].tobytes()
         with srv.reading(["b"]) as held:  # a named subset, and the gate free again after
             assert list(held) == ["b"] and held["b"].tobytes() == v0["b"].tobytes()
+
+
+def _not_whole(held: dict, sets) -> str | None:
+    """Why ``held`` is not every tensor of ``sets`` with one version of each set, or None."""
+    if not {k for names in sets for k in names} <= set(held):
+        return f"a block of every tensor was given only {sorted(held)}"
+    for names in sets:
+        values = {int(held[k].min()) for k in names} | {int(held[k].max()) for k in names}
+        if len(values) != 1:
+            return f"a block saw versions {sorted(values)} of one update's set"
+    return None
+
+
+def test_server_reading_in_place_writers_of_disjoint_sets_and_fills_together_never_deadlock_or_mix(tmp_path):
+    """A soak of everything that takes gates at once: two clients switch disjoint sets in place
+    (version v: every byte v), a process copies every tensor out in ``Server.reading()`` blocks,
+    and a third client pushes copies of the tensors that the server fills from their memory.
+    Nothing hangs; each block sees one version of each writer's set (an update is switched in
+    whole) and gets in while the writers go on; each copy holds bytes some version had."""
+    import time
+
+    n = 1 << 16
+    sets = (["a0", "a1", "a2"], ["b0", "b1", "b2"])
+
+    def version(names: list[str], v: int) -> dict[str, np.ndarray]:
+        return {name: np.full(n, v, np.uint8) for name in names}
+
+    with Server(cache_dir=tmp_path / "cache") as srv:
+        with Client(srv.address) as c:
+            c.push({**version(sets[0], 0), **version(sets[1], 0)})
+        stop = threading.Event()
+        problems: list[str] = []
+        blocks = {"in": 0}
+
+        def writer(names: list[str]) -> None:
+            with Client(srv.address, keep_base=True) as w:
+                w.push(version(names, 0))
+                v = 0
+                while not stop.is_set():
+                    v = v % 250 + 1
+                    try:
+                        w.push(version(names, v), in_place=True)
+                    except RemoteProtocolError as e:  # refused as a whole is allowed; a hang is not
+                        if "not switched" not in str(e):
+                            problems.append(f"writer: {e}")
+
+        def engine() -> None:
+            while not stop.is_set():
+                with srv.reading() as held:
+                    blocks["in"] += 1
+                    why = _not_whole(held, sets)
+                    if why is not None:
+                        problems.append(why)
+
+        def filler() -> None:
+            with Client(srv.address) as f:
+                while not stop.is_set():
+                    got = srv.tensors()["a0"].copy()  # bytes the server holds: sent, it fills from memory
+                    f.push({"copy": got}, hash_threshold=0)
+                    held = srv.tensors()["copy"]
+                    if held.min() != held.max():
+                        problems.append("a copy filled from memory holds bytes of two versions")
+
+        threads = [threading.Thread(target=writer, args=(s,), daemon=True) for s in sets]
+        threads += [threading.Thread(target=fn, daemon=True) for fn in (engine, filler)]
+        for t in threads:
+            t.start()
+        time.sleep(2.0)
+        stop.set()
+        for t in threads:
+            t.join(JOIN)
+        assert not any(t.is_alive() for t in threads), "a gate deadlocked"
+        assert not problems, problems[:3]
+        assert blocks["in"] > 0
+        assert srv.stats().memory_hits > 0  # some copy was filled from another name's memory

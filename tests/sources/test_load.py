@@ -217,3 +217,31 @@ def test_a_prefix_whose_names_need_escaping_lists_its_own_objects(s3, tmp_path):
     _upload(client, local, "odd names %41 +é/weights.safetensors")
     _upload(client, local, "odd names %41 +é/sub dir %/other.safetensors")
     _same(wl.load(f"s3://{BUCKET}/odd names %41 +é/"), wl.load(local))
+
+
+def test_a_prefix_beside_many_small_sub_prefixes_is_listed_in_a_page_not_a_request_each(s3, tmp_path, monkeypatch):
+    """A training run's folder: the weights, and a sub-prefix for each saved step, a few
+    objects each. Their keys fit in one listing page; asking again past each sub-prefix
+    made it a request each (seconds before a load began), and past the page bound (a thousand
+    steps) a FormatError for a well-behaved store."""
+    import obstore
+
+    from weightlift.sources import store as store_mod
+
+    client, _ = s3
+    local = write(tmp_path / "w.safetensors", _big(2))
+    _upload(client, local, "run/model.safetensors")
+    for step in range(40):
+        for part in ("optimizer.pt", "trainer_state.json"):
+            client.put_object(Bucket=BUCKET, Key=f"run/checkpoint-{step:03d}/{part}", Body=b"x")
+    calls = []
+    real = obstore.list
+
+    def counted(*a, **kw):
+        calls.append(kw.get("offset"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(obstore, "list", counted)
+    monkeypatch.setattr(store_mod, "MAX_LIST_PAGES", 10)
+    _same(wl.load(f"s3://{BUCKET}/run/"), wl.load(local))
+    assert len(calls) <= 2, f"{len(calls)} listing requests for {40 * 2 + 1} keys"

@@ -102,9 +102,10 @@ class Store:
 
         Read a page at a time, and at most :data:`MAX_LIST_PAGES` pages: a store whose listing
         is always truncated (a new continuation token each page) would otherwise be asked for
-        pages forever, each one kept. Sub-prefixes are stepped over (the next page starts past
-        all they hold), so their objects cost a request each sub-prefix, not a page each
-        thousand. FormatError naming the prefix past the bound."""
+        pages forever, each one kept. A page that ends inside a sub-prefix is followed by one that
+        starts past all it holds: a sub-prefix of many objects costs one request, not a page each
+        thousand, and small ones (a folder per saved step) are read through in the page they
+        came in, not a request each. FormatError naming the prefix past the bound."""
         if self._scheme != "s3":
             return None
         import obstore
@@ -123,21 +124,7 @@ class Store:
                             f"file or index",
                             file=loc.url,
                         )
-                    for o in chunk:
-                        rest = o["path"][len(prefix) :]
-                        if "/" not in rest:
-                            names.append(rest)
-                            if len(names) > MAX_LISTED:
-                                raise FormatError(
-                                    f"the prefix holds more than {MAX_LISTED} objects; name the checkpoint's file "
-                                    f"or index",
-                                    file=loc.url,
-                                )
-                            continue
-                        after = prefix + rest.split("/", 1)[0] + _PAST_ALL
-                        if offset is None or after > offset:
-                            resume = after  # the first key past every one under that sub-prefix
-                            break
+                    resume = _page(chunk, prefix, offset, names, loc.url)
                     if resume is not None:
                         break
                 if resume is None:
@@ -314,6 +301,28 @@ def _first_line(e: BaseException) -> str:
     # obstore's message starts with the status line; its debug dump after that may be long
     text = str(e).split("\n", 1)[0]
     return text[:300]
+
+
+def _page(chunk: Any, prefix: str, offset: str | None, names: list[str], url: str) -> str | None:
+    """Take the names of a listing page's objects directly inside ``prefix`` into ``names``;
+    returns where the next page should start when the page ended inside a sub-prefix (past every
+    key under it), else None (the listing goes on as it is). Only the page's end matters: the
+    page is already here, and a sub-prefix of a few keys costs nothing more to read through than
+    it would to step over, while one that runs past the page is stepped over in one request."""
+    resume = None
+    for o in chunk:
+        rest = o["path"][len(prefix) :]
+        if "/" not in rest:
+            names.append(rest)
+            if len(names) > MAX_LISTED:
+                raise FormatError(
+                    f"the prefix holds more than {MAX_LISTED} objects; name the checkpoint's file or index", file=url
+                )
+            resume = None
+            continue
+        after = prefix + rest.split("/", 1)[0] + _PAST_ALL
+        resume = after if offset is None or after > offset else None  # past every key under it
+    return resume
 
 
 def _changed(obj: ObjectInfo) -> FormatError:

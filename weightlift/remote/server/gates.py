@@ -15,6 +15,15 @@ new reader in (a writer is not starved by a stream of readers), and a reader of 
 enters only when none of them is claimed. The only wait made while holding anything is a
 writer's, for readers already inside, and those wait for no gate: no wait can close a cycle.
 
+Why a reader is not starved either: each caller draws a ticket as it comes, and a writer does not
+claim memory that a reader with an earlier ticket is waiting to read while that reader waits
+only for writers already changing their memory (their readers gone: they finish at the speed of
+memory). Otherwise writers of ``a`` and of ``b`` taking turns (each claim made while the other's
+is still held) would keep a reader of both out for as long as they went on. A reader that waits
+for a writer still waiting for its own readers (which may be a stalled peer's READ) is not
+waited for: a writer of ``b`` would then wait on a READ of ``a``. Such a waiting writer only
+waits on writers that wait for nothing: still no cycle.
+
 Why a writer's wait is bounded: a reader may hold its gate as long as its peer takes the reply
 (the I/O timeout plus the size at the minimum rate: hours for a large tensor at a trickle). A
 writer that waits past its bound gives its claim up (the readers that waited on it go in) and
@@ -47,6 +56,9 @@ class Gates:
         self._cond = threading.Condition(threading.Lock())
         self._readers: dict[int, int] = {}  # id(memory) -> READs of it in progress
         self._claimed: dict[int, str] = {}  # id(memory) -> the name a writer changes it as
+        self._changing: set[int] = set()  # claimed ids whose writer's readers are gone
+        self._ticket = 0  # the last ticket drawn, in the order callers came
+        self._queued: dict[int, tuple[int, ...]] = {}  # ticket -> ids a reader waits to read
         # the memory of every gate in use, so that no id is reused while it names a gate
         self._memory: dict[int, Any] = {}
 
@@ -54,6 +66,7 @@ class Gates:
         # give a writer's claim up and wake who waits on it; the condition is held
         for k in held:
             del self._claimed[k]
+            self._changing.discard(k)
         self._cond.notify_all()
         return self._free(held)
 
@@ -71,7 +84,15 @@ class Gates:
         """Read ``memories`` (none changes meanwhile); waits while a writer claims any of them."""
         held = {id(m): m for m in memories}
         with self._cond:
-            self._cond.wait_for(lambda: not any(k in self._claimed for k in held))
+            if any(k in self._claimed for k in held):  # queued: later writers of it wait for it
+                self._ticket += 1
+                ticket = self._ticket
+                self._queued[ticket] = tuple(held)
+                try:
+                    self._cond.wait_for(lambda: not any(k in self._claimed for k in held))
+                finally:
+                    del self._queued[ticket]
+                    self._cond.notify_all()
             for k, m in held.items():
                 self._readers[k] = self._readers.get(k, 0) + 1
                 self._memory[k] = m
@@ -93,16 +114,18 @@ class Gates:
     def reading_current(self, snapshot: Callable[[], Mapping[str, Any]]) -> Iterator[dict[str, Any]]:
         """Read the memory (``.tensor``) of the entries ``snapshot()`` gives, and give the entries.
 
-        The snapshot is taken again once the gates are held: an entry switched meanwhile is
-        another entry (other bytes, or other memory), so the whole set is taken again, a few
-        times at most, then only the entries that stayed are given."""
+        The snapshot is taken again once the gates are held, and its entries are given: one
+        switched in place meanwhile is another entry over the same memory, held, and so is given
+        as it is now. One that came to hold other memory (or went) is not held, so the whole
+        set is taken again, a few times at most, then only the entries whose memory is held
+        are given."""
         for attempt in range(READ_AGAIN):
             entries = dict(snapshot())
             with self.reading(*(e.tensor for e in entries.values())):
                 now = snapshot()
-                stayed = {n: e for n, e in entries.items() if now.get(n) is e}
-                if len(stayed) == len(entries) or attempt + 1 == READ_AGAIN:
-                    yield stayed
+                held = {n: e for n, e in now.items() if n in entries and e.tensor is entries[n].tensor}
+                if len(held) == len(entries) or attempt + 1 == READ_AGAIN:
+                    yield held
                     return
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -131,18 +154,33 @@ class Gates:
         with self._cond:
             return len(self._readers), len(self._claimed)
 
+    def _free_to_claim(self, held: dict[int, tuple[str, Any]], ticket: int) -> bool:
+        # no other writer claims any of ``held``, nor does a reader that came first, and that
+        # waits only for writers changing their memory now, wait to read any of it
+        if any(k in self._claimed for k in held):
+            return False
+        return not any(
+            t < ticket and any(k in held for k in keys) and all(k in self._changing for k in keys if k in self._claimed)
+            for t, keys in self._queued.items()
+        )
+
     def _claim(self, held: dict[int, tuple[str, Any]], deadline: float | None) -> str | None:
         """Claim ``held``, then wait for its readers; None once it is the writer's, else why not
         (its claim given up, the readers that waited on it let in)."""
         with self._cond:
-            if not self._cond.wait_for(lambda: not any(k in self._claimed for k in held), _left(deadline)):
-                busy = next(self._claimed[k] for k in held if k in self._claimed)
+            self._ticket += 1
+            ticket = self._ticket
+            if not self._cond.wait_for(lambda: self._free_to_claim(held, ticket), _left(deadline)):
+                busy = next((self._claimed[k] for k in held if k in self._claimed), None)
+                if busy is None:
+                    return f"a READ that came first waited for longer than {self.timeout:g} s"
                 return f"another in-place update of {busy!r} held it for longer than {self.timeout:g} s"
             for k, (name, m) in held.items():
                 self._claimed[k] = name
                 self._memory[k] = m
             try:
                 if self._cond.wait_for(lambda: not any(k in self._readers for k in held), _left(deadline)):
+                    self._changing.update(held)
                     return None
             except BaseException:  # interrupted while waiting: the claim must not outlive it
                 gone = self._unclaim(held)

@@ -378,8 +378,9 @@ class Store:
 
     def reading_entries(self, names: Iterable[str] | None = None) -> Any:
         """A context manager giving the entries of ``names`` (None: every one), their memory held
-        off in-place changes (:meth:`reading` of all of it) until it ends. A set switched before
-        its gates were held is taken again; after a few tries what changed is left out
+        off in-place changes (:meth:`reading` of all of it) until it ends. An entry switched in
+        place before its gates were held is given as it is now; a set where one came to hold
+        other memory is taken again, and after a few tries that one is left out
         (:meth:`Gates.reading_current <weightlift.remote.server.gates.Gates.reading_current>`)."""
         names = None if names is None else list(names)
         return self._gates.reading_current(lambda: self.entries(names))
