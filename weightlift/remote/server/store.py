@@ -157,6 +157,11 @@ class Charge:
         return self.nbytes
 
 
+class Replaced(Exception):
+    """An in-place change's memory is no longer what its name holds at the switch: another
+    client's update replaced it meanwhile (nothing was published)."""
+
+
 @dataclass
 class Staged:
     """A tensor an update publishes at its switch: as :meth:`Store.publish` takes one. ``charge``
@@ -344,9 +349,13 @@ class Store:
     def switch(self, staged: list[Staged], names: list[str]) -> tuple[int, dict[str, bytes | None]]:
         """Publish every staged tensor at once; returns the new generation and the digest of every
         tensor in ``names`` as held right after the switch (None: not held, or no digest known)."""
-        costs = [s.charge._hand_over() if s.charge is not None else 0 for s in staged]
         replaced = []
         with self._lock:
+            for s in staged:  # memory changed in place must still be what its name holds
+                now = self._entries.get(s.name) if s.charge is None else None
+                if s.charge is None and (now is None or now.tensor is not s.tensor):
+                    raise Replaced(f"{s.name!r} was replaced by another client during the update")
+            costs = [s.charge._hand_over() if s.charge is not None else 0 for s in staged]
             for s, cost in zip(staged, costs, strict=True):
                 changed = s.charge is None  # changed in place: the same memory, other bytes
                 entry = (s.name, s.dtype, s.shape, s.nbytes, s.tensor, cost, s.digest)

@@ -31,7 +31,7 @@ from weightlift.memory.targets import as_bytes
 from weightlift.remote import delta as codec
 from weightlift.remote.protocol import CommitReply
 from weightlift.remote.server.cache import TensorCache
-from weightlift.remote.server.store import Charge, Entry, Staged, Store
+from weightlift.remote.server.store import Charge, Entry, Replaced, Staged, Store
 
 __all__ = ["Switch", "InPlace"]
 
@@ -119,18 +119,19 @@ class Switch:
             try:
                 gate.enter_context(store.exclusive({n: d.base.tensor for n, d in self._deltas.items()}))
                 staged = self._apply(undo)
+                # refused, nothing published, where another client replaced a base since _apply
+                generation, digests = store.switch(staged + held, list(self._names))
             except Exception as e:  # a bad delta, or no memory for a chunk: every base applied goes back
                 undo.run()
                 kept.release()
                 self.abort()
-                why = e if isinstance(e, (codec.DeltaError, _Failed)) else f"{type(e).__name__}: {e}"
+                why = e if isinstance(e, (codec.DeltaError, _Failed, Replaced)) else f"{type(e).__name__}: {e}"
                 return CommitReply(False, 0, store.generation, bytes(32), f"update not switched: {why}")
             except BaseException:
                 undo.run()
                 kept.release()
                 self.abort()
                 raise
-            generation, digests = store.switch(staged + held, list(self._names))
         kept.release()
         for d in self._deltas.values():
             d.charge.release()
