@@ -4,6 +4,8 @@ keeps to undo itself charged before it is taken. Codec-level first, then on loop
 
 from __future__ import annotations
 
+import os
+import signal
 import struct
 import time
 import tracemalloc
@@ -90,6 +92,28 @@ def test_a_bad_chunk_among_good_ones_is_refused_and_undone(many_chunks, encoding
     undo.run()
     time.sleep(0.05)  # a worker still writing after the error was raised would show here
     assert inplace.tobytes() == base.tobytes()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX only")
+def test_a_forked_child_applies_on_workers_of_its_own(many_chunks, monkeypatch):
+    """A process forked after the codec's workers started (a trainer that pushed, then forked an
+    inference engine's workers that serve) has none of their threads: its DELTAs apply on a pool
+    of its own instead of waiting forever for workers that do not exist in it."""
+    monkeypatch.setattr(D.applying, "cores", lambda: 4)  # the chunks go to the workers, whatever this machine
+    base, new = _pair(2, 12 * CHUNK // 2, 0.05, seed=3)
+    payload = memoryview(_encoded(D.XOR, new, base, 2))  # the parent's workers run and go idle
+    want = blake3.blake3(new).digest()
+    pid = os.fork()
+    if pid == 0:  # the child: never back into pytest
+        code = 3
+        try:
+            signal.alarm(10)  # a child waiting for workers that do not exist ends here, killed
+            out = np.empty_like(base)
+            code = 0 if D.apply_hashed(D.XOR, payload, base, out, 2) == want and out.tobytes() == new.tobytes() else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child ended with status {status}"
 
 
 def test_the_undo_is_charged_before_it_is_taken(many_chunks):

@@ -85,6 +85,17 @@ def cores() -> int:
         return os.cpu_count() or 2
 
 
+def _forget_workers() -> None:
+    """In a forked child: the parent's pool has none of its threads here (a job handed to it would
+    wait forever), and its lock may have been held at the fork. The child makes its own."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_workers)
+
+
 def workers() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
