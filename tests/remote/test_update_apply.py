@@ -116,6 +116,19 @@ def test_a_forked_child_applies_on_workers_of_its_own(many_chunks, monkeypatch):
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child ended with status {status}"
 
 
+def test_cores_where_the_affinity_cannot_be_read(monkeypatch):
+    """A sandbox that refuses sched_getaffinity (EPERM, EINVAL) still gives the pool its cores:
+    the count of them is taken when the codec is imported, and an error there would leave
+    DELTAs unusable."""
+
+    def refused(pid: int) -> set[int]:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_getaffinity", refused, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    assert D.chunks.cores() == 3
+
+
 def test_the_undo_is_charged_before_it_is_taken(many_chunks):
     """A reserve that refuses stops the chunk before it copies its old elements out or changes
     any; the chunks applied before it are undone exactly."""

@@ -81,7 +81,7 @@ def cores() -> int:
     """The cores this process may run on (fewer than the machine's where it is pinned)."""
     try:
         return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
+    except (AttributeError, OSError):  # not on Linux, or a sandbox that refuses the call
         return os.cpu_count() or 2
 
 
