@@ -3,7 +3,9 @@ would not send, each ending in a refusal that changes nothing and leaves the acc
 
 from __future__ import annotations
 
+import contextlib
 import struct
+import time
 
 import blake3
 import numpy as np
@@ -11,6 +13,7 @@ import pytest
 
 from tests.remote.rawclient import Raw, _barrier, _commit_traced, _f32
 from weightlift.remote import delta as D
+from weightlift.remote.client.client import Client
 from weightlift.remote.protocol import Alloc, Commit, CommitReply, Delta, DeltaEncoding, Update, WriteHeader
 from weightlift.remote.server.server import Server
 
@@ -294,3 +297,38 @@ def test_an_in_place_switch_never_publishes_memory_another_client_replaced_meanw
                 pass
         assert fired.is_set()
         assert _digest(srv.tensors()["w"]) == _digest(v2["w"]), "A's switch put its stale base back over B's update"
+
+
+def test_a_delta_payload_without_host_memory_gives_its_charge_back(monkeypatch):
+    """The payload's buffer cannot be made (ENOMEM, an address-space limit below max_memory): the
+    bytes charged for it go back. Kept, each such DELTA would shrink what the server may hold
+    for good, and a client repeating it would leave no room for anyone."""
+    import weightlift.remote.server.delta as server_delta
+
+    a = _f32(N, seed=1)
+    new, payload = _sparse(a, 1)
+
+    class _NoMemory:  # numpy as the handler sees it, except a buffer of the payload's size
+        def __getattr__(self, name: str):
+            return getattr(np, name)
+
+        def empty(self, shape, *args, **kw):
+            if shape == len(payload):
+                raise MemoryError(f"cannot allocate {shape} bytes")
+            return np.empty(shape, *args, **kw)
+
+    with Server() as srv:
+        with Client(srv.address) as c:
+            c.push({"w": a})
+        used = srv.memory_used
+        monkeypatch.setattr(server_delta, "np", _NoMemory())
+        raw = Raw.connected(srv.address)
+        d = Delta(1, "w", "F32", a.shape, a.nbytes, DeltaEncoding.SPARSE, _digest(a), _digest(new), len(payload))
+        with contextlib.suppress(OSError):  # the server may close before it reads the payload
+            raw.send(d, payload)
+        deadline = time.monotonic() + 10
+        while srv.stats().open_connections and time.monotonic() < deadline:  # the handler gave up on it
+            time.sleep(0.01)
+        raw.close()
+        assert srv.memory_used == used
+        assert srv.tensors()["w"].tobytes() == a.tobytes()

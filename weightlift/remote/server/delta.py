@@ -94,8 +94,8 @@ class Deltas:
             rx.outcomes.error(why)
             rx.outcomes.mark_failed(d.tensor_id)
             return None
-        payload = np.empty(d.length, np.uint8)
         try:
+            payload = np.empty(d.length, np.uint8)  # no memory for it after all: the charge goes back
             with self._prof.phase("wire", d.length, name=d.name):
                 self._frames.payload(payload.data)
             self._frames.frame_end()  # proven before any of it is used
