@@ -4,6 +4,8 @@ keeps to undo itself charged before it is taken. Codec-level first, then on loop
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import signal
 import struct
@@ -293,3 +295,60 @@ def test_an_in_place_switch_whose_undo_does_not_fit_is_refused_within_its_charge
         assert peak <= scratch + (256 << 10)  # the old elements (4 MiB) were never copied out
         _holds(srv, v0)
         raw.close()
+
+
+def test_an_undo_step_that_fails_leaves_the_others_run():
+    """Taking an in-place application back goes on past a step that raises (a chunk's frame
+    decoded again without memory for it): every other chunk is put back, then the error is
+    raised."""
+    a = np.zeros(4, np.uint8)
+    undo = D.Undo()
+    undo.add(lambda: a.__setitem__(0, 1))
+
+    def fails() -> None:
+        raise MemoryError("no memory to decode the frame again")
+
+    undo.add(fails)
+    undo.add(lambda: a.__setitem__(1, 1))
+    with pytest.raises(MemoryError):
+        undo.run()
+    assert a.tolist() == [1, 1, 0, 0] and not undo.steps and undo.nbytes == 0
+
+
+def test_a_switch_whose_undo_fails_gives_every_charge_back(many_chunks, monkeypatch):
+    """An in-place switch refused (a digest that does not match) whose undo then fails: what
+    the update held (the kept DELTAs' payloads, what the undo kept) is given back all the same,
+    also after the connection ends; it was leaked for good."""
+    v0 = _model()
+    v1 = _step(v0, 0.2, seed=5)
+    undoing = D.applying._apply_xor
+
+    def xor(frame, base, out, hasher=None):  # the undo decodes a chunk's frame again: the first fails
+        if hasher is None and base is out and not failed:
+            failed.append(1)
+            raise MemoryError("no memory to decode the frame again")
+        return undoing(frame, base, out, hasher)
+
+    failed: list[int] = []
+    with Server() as srv, Client(srv.address) as c:
+        c.push(v0)
+        used = srv.memory_used
+        raw = _raw_update(srv, Update.FLAG_IN_PLACE)
+        for tid, name in enumerate(("layer.0", "layer.1"), 1):
+            old, new = v0[name].view(np.uint8), v1[name].view(np.uint8)
+            payload = _encoded(D.XOR, new, old, 2)
+            d = _delta_of(name, v0[name], v1[name], payload, tid)
+            if tid == 2:  # the switch applies both, then refuses: the second does not give its digest
+                d = dataclasses.replace(d, digest=bytes(32))
+            raw.send(d, payload)
+        assert _barrier(raw).errors == ()  # both kept for the switch
+        monkeypatch.setattr(D.applying, "_apply_xor", xor)
+        with contextlib.suppress(Exception):
+            raw.send(Commit())
+            raw.recv()
+        raw.close()
+        deadline = time.monotonic() + 10
+        while srv.stats().open_connections > 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert failed
+        assert srv.memory_used == used

@@ -76,10 +76,18 @@ class Undo:
             self.steps.append(step)
 
     def run(self) -> None:
+        """Take every step back, the last first. One that raises (a frame decoded again without
+        memory for it) does not stop the others; the first error is raised once all have run."""
+        error: BaseException | None = None
         for step in reversed(self.steps):
-            step()
+            try:
+                step()
+            except BaseException as e:  # raised below, after the other steps
+                error = error or e
         self.steps = []
         self.nbytes = 0
+        if error is not None:
+            raise error
 
 
 def _in_flight(nbytes: int, chunk: int) -> int:

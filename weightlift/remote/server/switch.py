@@ -122,15 +122,11 @@ class Switch:
                 # refused, nothing published, where another client replaced a base since _apply
                 generation, digests = store.switch(staged + held, list(self._names))
             except Exception as e:  # a bad delta, or no memory for a chunk: every base applied goes back
-                undo.run()
-                kept.release()
-                self.abort()
+                self._undo(undo, kept)
                 why = e if isinstance(e, (codec.DeltaError, _Failed, Replaced)) else f"{type(e).__name__}: {e}"
                 return CommitReply(False, 0, store.generation, bytes(32), f"update not switched: {why}")
             except BaseException:
-                undo.run()
-                kept.release()
-                self.abort()
+                self._undo(undo, kept)
                 raise
         kept.release()
         for d in self._deltas.values():
@@ -140,6 +136,15 @@ class Switch:
         if missing:
             return CommitReply(True, len(staged) + len(held), generation, bytes(32), f"no digest for {missing[0]!r}")
         return CommitReply(True, len(staged) + len(held), generation, set_digest(digests))  # type: ignore[arg-type]
+
+    def _undo(self, undo: codec.Undo, kept: Charge) -> None:
+        """Every in-place change taken back, and what the update held given back: also where the
+        undo fails (the connection that calls this no longer has the update to drop)."""
+        try:
+            undo.run()
+        finally:
+            kept.release()
+            self.abort()
 
     def _apply(self, undo: codec.Undo) -> list[Staged]:
         """The in-place deltas applied (each proven), as entries to publish."""
