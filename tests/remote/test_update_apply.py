@@ -97,6 +97,7 @@ def test_a_bad_chunk_among_good_ones_is_refused_and_undone(many_chunks, encoding
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX only")
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")  # what the test is about
 def test_a_forked_child_applies_on_workers_of_its_own(many_chunks, monkeypatch):
     """A process forked after the codec's workers started (a trainer that pushed, then forked an
     inference engine's workers that serve) has none of their threads: its DELTAs apply on a pool
