@@ -386,11 +386,9 @@ class Store:
         return self._gates.exclusive(memories)
 
     def reading_entries(self, names: Iterable[str] | None = None) -> Any:
-        """A context manager giving the entries of ``names`` (None: every one), their memory held
-        off in-place changes (:meth:`reading` of all of it) until it ends. An entry switched in
-        place before its gates were held is given as it is now; a set where one came to hold
-        other memory is taken again, and after a few tries that one is left out
-        (:meth:`Gates.reading_current <weightlift.remote.server.gates.Gates.reading_current>`)."""
+        """A context manager giving the entries of ``names`` (None: all), their memory held off
+        in-place changes until it ends (:meth:`Gates.reading_current
+        <weightlift.remote.server.gates.Gates.reading_current>`: what a switch meanwhile gives)."""
         names = None if names is None else list(names)
         return self._gates.reading_current(lambda: self.entries(names))
 
@@ -408,11 +406,13 @@ class Store:
         if cost is not None:
             self._used -= cost
 
-    def free(self, names: tuple[str, ...]) -> int:
-        """Drop the named tensors; returns how many there were."""
+    def free(self, names: tuple[str, ...], *, holding: dict[str, Any] | None = None) -> int:
+        """Drop the named tensors (``holding``: only those still holding that memory); how many."""
         dropped = []  # released outside the lock's bookkeeping: their finalizers may run at once
         with self._lock:
             for n in names:
+                if holding is not None and getattr(self._entries.get(n), "tensor", None) is not holding.get(n):
+                    continue
                 entry = self._entries.pop(n, None)
                 if entry is not None:
                     self._unhold(n, entry)
