@@ -357,3 +357,27 @@ def test_a_switch_whose_undo_fails_gives_every_charge_back(many_chunks, monkeypa
         assert (
             srv.memory_used <= used
         )  # nothing the update held is still charged  # nothing leaked: the same tensors cost what they did
+
+
+def test_a_chunked_copy_that_fails_raises_only_once_no_chunk_writes(monkeypatch):
+    """``copy`` (a kept base refreshed a chunk per core) raises after every chunk is done: a
+    chunk still writing after it raised could change the caller's memory behind its back."""
+    import threading
+
+    chunk = D.chunks.CHUNK_BYTES
+    src = np.arange(3 * chunk, dtype=np.uint8)
+    dest = np.zeros_like(src)
+    real, first = np.copyto, threading.Event()
+
+    def copyto(d, s):
+        if not first.is_set():
+            first.set()
+            raise MemoryError("the first chunk fails at once")
+        time.sleep(0.2)  # the others are still writing when it does
+        real(d, s)
+
+    monkeypatch.setattr(D.chunks.np, "copyto", copyto)
+    with pytest.raises(MemoryError):
+        D.chunks.copy(dest, src)
+    done = [bool((dest[s : s + chunk] == src[s : s + chunk]).all()) for s in range(0, src.nbytes, chunk)]
+    assert done.count(True) == 2  # both other chunks had landed when it raised

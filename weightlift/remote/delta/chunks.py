@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -132,6 +132,7 @@ def copy(dest: np.ndarray, src: np.ndarray) -> None:
         workers().submit(np.copyto, dest[s : s + CHUNK_BYTES], src[s : s + CHUNK_BYTES])
         for s in range(0, src.nbytes, CHUNK_BYTES)
     ]
+    wait(jobs)  # every chunk done before an error is raised: none writes into ``dest`` after
     for j in jobs:
         j.result()
 
