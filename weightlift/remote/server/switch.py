@@ -140,7 +140,7 @@ class Switch:
     def _undo(self, undo: codec.Undo, kept: Charge) -> None:
         """Every in-place change taken back, and what the update held given back: also where the
         undo fails (the connection that calls this no longer has the update to drop). Where it
-        fails, the tensors it changed are dropped: their bytes may be neither v nor v+1."""
+        fails, every tensor the update changes in place is dropped: its bytes may be neither v nor v+1."""
         try:
             undo.run()
         except BaseException:
