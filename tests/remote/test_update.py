@@ -328,16 +328,22 @@ def test_an_aborted_update_changes_nothing():
         assert srv.tensors()["x"].tobytes() == bytes([1] * 8)
 
 
-@pytest.mark.parametrize("in_place", [False, True])
-def test_readers_never_see_a_mix_of_two_versions(in_place):
-    """Each version v fills every tensor with the byte v: a reader that finds two values in one
-    snapshot (tensors()) or in one READ saw a mix."""
-    names = [f"t{i}" for i in range(6)]
-    n = 1 << 16
+def _uniform_versions(count: int = 6, n: int = 1 << 16):
+    """Tensor names, their length, and version v of them: every tensor filled with the byte v (a
+    reader that finds two values in one set saw a mix)."""
+    names = [f"t{i}" for i in range(count)]
 
     def version(v: int) -> dict[str, np.ndarray]:
         return {name: np.full(n, v, np.uint8) for name in names}
 
+    return names, n, version
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_readers_never_see_a_mix_of_two_versions(in_place):
+    """Each version v fills every tensor with the byte v: a reader that finds two values in one
+    snapshot (tensors()) or in one READ saw a mix."""
+    names, n, version = _uniform_versions()
     with Server() as srv, Client(srv.address, keep_base=True) as writer:
         writer.push(version(0))
         stop = threading.Event()

@@ -254,6 +254,13 @@ def test_a_bad_chunk_in_the_middle_of_a_delta_changes_nothing(many_chunks, flags
         raw.close()
 
 
+def _xor_deltas(v0: dict, v1: dict, names: tuple[str, ...]):
+    """``(tensor id, DELTA, payload)`` taking each of ``names`` from v0 to v1 as XOR."""
+    for tid, name in enumerate(names, 1):
+        payload = _encoded(D.XOR, v1[name].view(np.uint8), v0[name].view(np.uint8), 2)
+        yield tid, _delta_of(name, v0[name], v1[name], payload, tid), payload
+
+
 def test_a_client_killed_mid_delta_leaves_the_old_version(many_chunks):
     v0 = _model()
     v1 = _step(v0, 0.2, seed=4)
@@ -261,10 +268,7 @@ def test_a_client_killed_mid_delta_leaves_the_old_version(many_chunks):
         first = c.push(v0)
         gen = srv.generation
         raw = _raw_update(srv, Update.FLAG_IN_PLACE)
-        for tid, name in enumerate(("layer.0", "layer.1"), 1):
-            old, new = v0[name].view(np.uint8), v1[name].view(np.uint8)
-            payload = _encoded(D.XOR, new, old, 2)
-            d = _delta_of(name, v0[name], v1[name], payload, tid)
+        for tid, d, payload in _xor_deltas(v0, v1, ("layer.0", "layer.1")):
             if tid == 1:
                 raw.send(d, payload)  # whole: kept for the switch
             else:
@@ -337,10 +341,7 @@ def test_a_switch_whose_undo_fails_gives_every_charge_back(many_chunks, monkeypa
         c.push(v0)
         used = srv.memory_used
         raw = _raw_update(srv, Update.FLAG_IN_PLACE)
-        for tid, name in enumerate(("layer.0", "layer.1"), 1):
-            old, new = v0[name].view(np.uint8), v1[name].view(np.uint8)
-            payload = _encoded(D.XOR, new, old, 2)
-            d = _delta_of(name, v0[name], v1[name], payload, tid)
+        for tid, d, payload in _xor_deltas(v0, v1, ("layer.0", "layer.1")):
             if tid == 2:  # the switch applies both, then refuses: the second does not give its digest
                 d = dataclasses.replace(d, digest=bytes(32))
             raw.send(d, payload)

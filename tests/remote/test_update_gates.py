@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tests.remote.rawclient import Raw, _f32, _stalled_reader
+from tests.remote.test_update import _uniform_versions
 from weightlift.errors import RemoteProtocolError
 from weightlift.remote.client.client import Client
 from weightlift.remote.protocol import Error, ErrorCode, ListReply, ListRequest, Read, ReadReply
@@ -185,12 +186,7 @@ def test_a_reader_of_a_set_naming_its_generation_never_sees_a_mix_while_in_place
     STALE; never two versions in one set."""
     import time
 
-    names = [f"t{i}" for i in range(6)]
-    n = 1 << 16
-
-    def version(v: int) -> dict[str, np.ndarray]:
-        return {name: np.full(n, v, np.uint8) for name in names}
-
+    names, n, version = _uniform_versions()
     with Server() as srv, Client(srv.address, keep_base=True) as writer:
         writer.push(version(0))
         stop = threading.Event()
