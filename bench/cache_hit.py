@@ -167,15 +167,21 @@ def warm(path: str) -> None:
             pass
 
 
-def arm_hit(path: str, cache: str, tree: str | Path = ROOT) -> tuple[float, float]:
-    """The client's seconds, and the CPU seconds the server spent on the push."""
+def _served_push(path: str, cache: str | None, tree: str | Path) -> tuple[dict[str, Any], float]:
+    """One push of ``path`` into a fresh server (``cache`` its cache folder, or none): the push's
+    report, and the CPU seconds the server spent on it."""
     proc, to = serve(cache, tree)
     try:
         c0 = _cpu_of(proc.pid)
         r = push(path, to)
-        cpu = _cpu_of(proc.pid) - c0
+        return r, _cpu_of(proc.pid) - c0
     finally:
         stop(proc)
+
+
+def arm_hit(path: str, cache: str, tree: str | Path = ROOT) -> tuple[float, float]:
+    """The client's seconds, and the CPU seconds the server spent on the push."""
+    r, cpu = _served_push(path, cache, tree)
     if r.get("cached", 0) == 0:
         raise RuntimeError(f"the cache-hit push filled nothing from the cache: {r}")
     return float(r["seconds"]), cpu
@@ -186,13 +192,9 @@ def arm_push(path: str, tmp: str, cached: bool, tree: str | Path = ROOT) -> tupl
     client's seconds, and the CPU seconds the server spent on the push (the entries it writes
     behind afterwards not counted)."""
     cache = tempfile.mkdtemp(prefix="cache-", dir=tmp) if cached else None
-    proc, to = serve(cache, tree)
     try:
-        c0 = _cpu_of(proc.pid)
-        r = push(path, to)
-        cpu = _cpu_of(proc.pid) - c0
+        r, cpu = _served_push(path, cache, tree)
     finally:
-        stop(proc)
         if cache is not None:
             shutil.rmtree(cache, ignore_errors=True)
     return float(r["seconds"]), cpu
