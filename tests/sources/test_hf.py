@@ -13,18 +13,11 @@ transformers = pytest.importorskip(
 )
 
 from tests.sources.conftest import BUCKET  # noqa: E402
+from tests.test_hf import one_thread  # noqa: E402, F401  (autouse here too: one intra-op thread)
 from weightlift import hf  # noqa: E402
 from weightlift.errors import NotFoundError  # noqa: E402
 
 PROMPT = torch.tensor([[1, 8, 15, 22, 29, 36, 43, 50]])
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
