@@ -724,16 +724,22 @@ def test_another_user_can_neither_read_nor_list_the_cache():
         shutil.rmtree(base)
 
 
+def _one_entry(root, seed: int):
+    """A cache at ``root`` holding one entry of 5000 bytes: the cache, the bytes, their digest and
+    the entry's path."""
+    cache = TensorCache(root)
+    data = _data(5000, seed=seed)
+    d = _digest(data)
+    _put(cache, data)
+    return cache, data, d, cache.path_for(d)
+
+
 def test_a_read_moves_an_entrys_mtime_only_past_the_grain(tmp_path):
     # The mtime carries the order across a restart; a hit on an entry used within the grain
     # leaves the inode alone, one on an older entry makes it the most recent.
     from weightlift.remote.server.cache import TOUCH_GRAIN_NS
 
-    cache = TensorCache(tmp_path)
-    data = _data(5000, seed=21)
-    d = _digest(data)
-    _put(cache, data)
-    path = cache.path_for(d)
+    cache, data, d, path = _one_entry(tmp_path, seed=21)
     recent = time.time_ns() - TOUCH_GRAIN_NS // 2
     os.utime(path, ns=(recent, recent))
     cache.read_into(d, bytearray(len(data)))
@@ -748,11 +754,7 @@ def test_a_read_moves_an_entrys_mtime_only_past_the_grain(tmp_path):
 def test_a_read_brings_an_entrys_mtime_from_the_future_back_to_now(tmp_path):
     # An mtime ahead of the clock (a clock set back, a cache copied from another machine) would
     # rank the entry newer than any after a restart for as long as it is ahead: a read sets it.
-    cache = TensorCache(tmp_path)
-    data = _data(5000, seed=22)
-    d = _digest(data)
-    _put(cache, data)
-    path = cache.path_for(d)
+    cache, data, d, path = _one_entry(tmp_path, seed=22)
     ahead = time.time_ns() + 24 * 3600 * 10**9
     os.utime(path, ns=(ahead, ahead))
     cache.read_into(d, bytearray(len(data)))
