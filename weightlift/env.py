@@ -1,4 +1,5 @@
-"""Every ``WEIGHTLIFT_*`` switch, and the cache folder, read in one place.
+"""Every ``WEIGHTLIFT_*`` switch, the cache folder and the cores this process may use, read in
+one place.
 
 Each switch is read when it is used (not at import), so a test or a long-lived worker that
 changes the environment sees the change; callers that want a value to stay put memoize it
@@ -29,6 +30,7 @@ import os
 from weightlift.errors import OptionError
 
 __all__ = [
+    "cpus",
     "ON",
     "OFF",
     "flag",
@@ -51,6 +53,16 @@ __all__ = [
 
 ON = frozenset({"1", "true", "yes", "on"})
 OFF = frozenset({"0", "false", "no", "off"})
+
+
+def cpus() -> int:
+    """The cores this process may run on: fewer than the machine's where it is pinned
+    (``taskset``, a container's cpuset); the machine's where the affinity cannot be read (not
+    Linux, or a sandbox that refuses the call)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _get(name: str) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from weightlift.env import cpus as cores
 from weightlift.errors import WeightliftError
 
 __all__ = [
@@ -75,14 +76,6 @@ def available() -> bool:
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 _local = threading.local()
-
-
-def cores() -> int:
-    """The cores this process may run on (fewer than the machine's where it is pinned)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux, or a sandbox that refuses the call
-        return os.cpu_count() or 2
 
 
 def _forget_workers() -> None:

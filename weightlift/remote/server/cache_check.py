@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import hmac
-import os
 
 import blake3
 
 from weightlift.digest.blake import PARALLEL_HASH_MIN, byte_view
+from weightlift.env import cpus
 from weightlift.errors import CacheError
 
 __all__ = ["PARALLEL_PIECE_MIN", "PARALLEL_HASH_CPUS", "entry_hasher", "parallel_pays", "DigestCheck"]
@@ -35,8 +35,7 @@ def parallel_pays(length: int, piece: int) -> bool:
     server's receive or cache-read path are being received or read by the other core meanwhile,
     and the pool's threads then wait for the cores instead of sharing the work (profiled: several
     times the single-threaded hash's CPU time)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cpus >= PARALLEL_HASH_CPUS and length >= PARALLEL_HASH_MIN and piece >= PARALLEL_PIECE_MIN
+    return cpus() >= PARALLEL_HASH_CPUS and length >= PARALLEL_HASH_MIN and piece >= PARALLEL_PIECE_MIN
 
 
 class DigestCheck:
