@@ -196,6 +196,61 @@ def test_an_unknown_option_stops_the_engine_naming_it(models, capfd):
     assert "no option 'prefetch_all'" in "".join(capfd.readouterr())
 
 
+def _evicted_copy(model: str, folder) -> str:
+    """A copy of ``model``'s folder whose safetensors are out of the page cache (skips where the
+    file system keeps them)."""
+    import shutil
+
+    from weightlift.disk import source
+
+    path = shutil.copytree(model, folder / "cold")
+    for n in os.listdir(path):
+        if n.endswith(".safetensors"):
+            f = os.path.join(path, n)
+            with open(f, "rb+") as fh:
+                os.fsync(fh.fileno())
+            source.evict(f)
+            if source._probe(source.MappedFile(f)) > 0.5:
+                pytest.skip("this file system keeps files in the page cache after POSIX_FADV_DONTNEED")
+    return str(path)
+
+
+def _resident(path: str) -> float:
+    from weightlift.disk import source
+
+    files = [os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors")]
+    return min(source._probe(source.MappedFile(f)) for f in files)
+
+
+def test_the_checkpoint_is_read_ahead_as_soon_as_the_engines_configuration_exists(
+    models, default_tokens, tmp_path, monkeypatch
+):
+    """register() makes vLLM's create_engine_config start reading a cold checkpoint into the page
+    cache for load format weightlift (not for another format, nor with page_cache 'evict'), on a
+    thread that holds no mapping of the files when it is done; the engine then loads as before."""
+    from weightlift.integrations.vllm import early, register
+
+    register()
+    started: list = []
+    real = early.start
+    monkeypatch.setattr(early, "start", lambda cfg: started.append(real(cfg)) or started[-1])
+    path = _evicted_copy(models[("llama", 0)], tmp_path)
+    args = dict(skip_tokenizer_init=True, enforce_eager=True, max_model_len=128)
+    vllm.EngineArgs(model=path, load_format="auto", **args).create_engine_config()
+    evicted = dict(page_cache="evict")
+    vllm.EngineArgs(
+        model=path, load_format="weightlift", model_loader_extra_config=evicted, **args
+    ).create_engine_config()
+    assert started == [None, None] and _resident(path) < 0.5
+    vllm.EngineArgs(model=path, load_format="weightlift", **args).create_engine_config()
+    assert started[-1] is not None
+    started[-1].join(30)
+    assert not started[-1].is_alive() and _resident(path) >= 0.9
+    with open("/proc/self/maps") as f:
+        assert not any(os.path.realpath(path) in line for line in f)
+    assert _run(path, load_format="weightlift") == default_tokens(("llama", 0))
+
+
 def _step(weights: dict, seed: int) -> dict:
     """A sparse training step on ``weights``: about 1 % of the elements of each matrix moved, and
     the final norm negated (so that greedy tokens surely change); the rest the same bytes."""

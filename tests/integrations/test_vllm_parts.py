@@ -19,10 +19,29 @@ def test_options_default_and_given():
 
 
 @pytest.mark.parametrize(
+    ("extra", "reads"),
+    [
+        ({}, True),
+        ({"prefetch": None}, True),
+        ({"prefetch": False}, False),
+        ({"prefetch": True}, True),
+        ({"page_cache": "keep"}, True),
+        ({"page_cache": "evict"}, False),  # the page cache competes with the destination
+        ({"page_cache": "evict", "prefetch": True}, True),
+        ({"server": "h:1"}, False),  # no files to read
+    ],
+)
+def test_the_files_are_read_ahead_by_default_where_the_page_cache_is_kept(extra, reads):
+    assert LoaderOptions.parse(extra).reads_ahead() is reads
+
+
+@pytest.mark.parametrize(
     ("extra", "match"),
     [
         ({"prefetch_all": True}, "no option 'prefetch_all'"),
         ({"verify": "yes"}, "verify must be true or false"),
+        ({"prefetch": "yes"}, "prefetch must be true or false"),
+        ({"verify": None}, "verify must be true or false"),
         ({"threads": 0}, "threads must be a positive integer"),
         ({"threads": True}, "threads must be a positive integer"),
         ({"page_cache": "drop"}, "page_cache must be"),

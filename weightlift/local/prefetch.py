@@ -13,8 +13,10 @@ import threading
 from collections.abc import Callable
 
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
+from weightlift.disk.residency import mapping_fraction
 from weightlift.disk.source import MAX_WARMERS, RESIDENT_THRESHOLD, MappedFile, resident_fraction
 from weightlift.disk.source import prefetch as read_in
+from weightlift.errors import FormatError
 from weightlift.formats import TensorInfo
 from weightlift.memory.fresh import map_in
 from weightlift.plan import make_runs
@@ -27,10 +29,12 @@ class Prefetch:
     """Files of a checkpoint being read into the page cache on a thread of their own (see
     :func:`prefetch`). A load of the same files waits for it instead of reading them again."""
 
-    def __init__(self, files: list[str], thread: threading.Thread | None):
+    def __init__(self, files: list[str], thread: threading.Thread | None, *, awaited: bool = True):
         self.files = files
         self._thread = thread
         self.error: BaseException | None = None
+        #: whether a load of the same files waits for it (not for one through mappings of its own)
+        self.awaited = awaited
 
     @property
     def done(self) -> bool:
@@ -48,7 +52,7 @@ _prefetches: dict[str, Prefetch] = {}  # by file: the prefetch reading it now
 _prefetch_lock = threading.Lock()
 
 
-def prefetch(path: str | os.PathLike[str] | Checkpoint, *, select: Select = None) -> Prefetch:
+def prefetch(path: str | os.PathLike[str] | Checkpoint, *, select: Select = None, keep: bool = True) -> Prefetch:
     """Start reading the selected bytes of a checkpoint's cold files into the page cache, on a
     background thread, and return at once.
 
@@ -62,17 +66,27 @@ def prefetch(path: str | os.PathLike[str] | Checkpoint, *, select: Select = None
 
     A store URL is opened (headers read, credentials and endpoint resolved) and nothing more:
     it has no page cache to fill, and reading ahead would hold the checkpoint in host memory,
-    outside the load's budget."""
+    outside the load's budget.
+
+    Files another prefetch of this process is reading are left to it. ``keep=False`` reads
+    through mappings of the prefetch's own, unmapped when it ends, instead of the process's one
+    mapping of each file: for a process that will not read the files itself (vLLM's front end,
+    whose engine loads in another process) or a loader that maps them its own way. The page
+    cache keeps the pages, touched once (on a VM the first touch of a page just read in is a
+    fault of its own), and the process keeps no mapping of them. A load does not wait for such
+    a prefetch (:func:`await_prefetches`): it reads what is still cold itself, the page cache
+    sharing the reads between them; :meth:`Prefetch.wait` does."""
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     infos = ckpt.select(select)
     if ckpt.source is not None:
         return Prefetch([], None)
-    files = list(dict.fromkeys(t.file for t in infos))
-    maps = {f: ckpt.mapped(f) for f in files}
-    cold = [f for f in files if resident_fraction(f, refresh=True) < RESIDENT_THRESHOLD]
+    with _prefetch_lock:  # a file another prefetch is reading now: its read is this one's
+        files = [f for f in dict.fromkeys(t.file for t in infos) if f not in _prefetches]
+    maps = {f: ckpt.mapped(f) if keep else _own_mapping(ckpt, f) for f in files}
+    cold = [f for f in files if _resident(f, maps[f], keep) < RESIDENT_THRESHOLD]
     if not cold:
         return Prefetch([], None)
-    job = Prefetch(cold, None)
+    job = Prefetch(cold, None, awaited=keep)
 
     regions = [(maps[r.file].address() + r.offset, r.length, r.file) for r in make_runs(infos) if r.file in cold]
     from weightlift.disk.storage import readers_for
@@ -87,7 +101,7 @@ def prefetch(path: str | os.PathLike[str] | Checkpoint, *, select: Select = None
         except BaseException as e:  # noqa: BLE001 - kept for wait() and the load
             job.error = e
         finally:
-            for f in cold:
+            for f in cold if keep else ():
                 resident_fraction(f, refresh=True)  # what the load will see
             with _prefetch_lock:
                 for f in cold:
@@ -102,6 +116,24 @@ def prefetch(path: str | os.PathLike[str] | Checkpoint, *, select: Select = None
     return job
 
 
+def _own_mapping(ckpt: Checkpoint, file: str) -> MappedFile:
+    """A mapping of ``file`` apart from the process's one (gone with its last reference),
+    refused as :meth:`Checkpoint.mapped` refuses a file changed since its header was read."""
+    m = MappedFile(file)
+    seen, i = ckpt.identity.get(file), m.identity
+    if seen is not None and seen != (i.dev, i.ino, i.size, i.mtime_ns):
+        raise FormatError("changed on disk since its header was read; open it again", file=file)
+    return m
+
+
+def _resident(file: str, m: MappedFile, keep: bool) -> float:
+    """The fraction of ``file`` (mapped at ``m``) in the page cache, through the process's memo
+    where ``m`` is the process's mapping."""
+    if keep:
+        return resident_fraction(file, refresh=True)
+    return 1.0 if m.size == 0 else mapping_fraction(m.address(), m.size)
+
+
 def _prefetch_threads() -> int:
     """One core fewer than the machine has, at most MAX_WARMERS: a prefetch runs beside the
     imports it hides under, which take a core of their own."""
@@ -111,7 +143,7 @@ def _prefetch_threads() -> int:
 def await_prefetches(files: list[str]) -> None:
     """Wait for prefetches still reading any of ``files`` (their reads are this load's)."""
     with _prefetch_lock:
-        jobs = {id(j): j for f in files if (j := _prefetches.get(f)) is not None}
+        jobs = {id(j): j for f in files if (j := _prefetches.get(f)) is not None and j.awaited}
     for j in jobs.values():
         j.wait()
 

@@ -88,10 +88,13 @@ class WeightliftModelLoader(BaseModelLoader):
         return open_checkpoint(path)
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
-        if self.options.prefetch and self.options.server is None:
+        # by default the files were asked for when the engine's configuration was built
+        # (:mod:`.early`), and the load reads what is still cold as it goes; asked for, the
+        # load waits for a read of its own, which runs while vLLM builds the model
+        if self.options.prefetch is True:
             ck = self.checkpoint(model_config)
-            if ck is not None:  # the reads run while vLLM builds the model
-                self._prefetch = prefetch(ck)
+            if ck is not None:
+                self._prefetch = prefetch(ck, keep=False)
         return super().load_model(vllm_config, model_config, prefix)
 
     def tensors(self, model_config: ModelConfig) -> Iterable[tuple[str, torch.Tensor]] | None:

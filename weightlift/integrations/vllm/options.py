@@ -22,7 +22,7 @@ __all__ = ["LoaderOptions", "KEYS"]
 KEYS = {
     "verify": "check every tensor against the manifest (or the files' own digests) as it lands",
     "manifest": "the published manifest to verify against (a path)",
-    "prefetch": "read the checkpoint into the page cache while vLLM builds the model",
+    "prefetch": "read a cold checkpoint into the page cache while vLLM starts (default: unless page_cache is 'evict')",
     "page_cache": "'keep' or 'evict' the page cache after the load",
     "threads": "readers for a cold checkpoint",
     "copy": "read into fresh memory instead of handing out views of the file's mapping",
@@ -39,7 +39,7 @@ class LoaderOptions:
 
     verify: bool = False
     manifest: str | None = None
-    prefetch: bool = False
+    prefetch: bool | None = None
     page_cache: str | None = None
     threads: int | None = None
     copy: bool = False
@@ -57,7 +57,7 @@ class LoaderOptions:
             known = "; ".join(f"{k}: {v}" for k, v in KEYS.items())
             raise OptionError(f"load format 'weightlift' has no option {unknown[0]!r} (it takes {known})")
         for key in ("verify", "prefetch", "copy"):
-            if not isinstance(extra.get(key, False), bool):
+            if not isinstance(extra.get(key, False), bool) and not (key == "prefetch" and extra[key] is None):
                 raise OptionError(f"load format 'weightlift': {key} must be true or false, not {extra[key]!r}")
         threads = extra.get("threads")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
@@ -75,7 +75,7 @@ class LoaderOptions:
         opts = cls(**{k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in extra.items()})
         if opts.server is None and (opts.token_file is not None or opts.tls):
             raise OptionError("load format 'weightlift': token_file and tls are for a server; set server too")
-        if opts.server is not None and (opts.manifest is not None or opts.prefetch or opts.copy):
+        if opts.server is not None and (opts.manifest is not None or opts.prefetch is True or opts.copy):
             raise OptionError(
                 "load format 'weightlift': manifest, prefetch and copy are for the files; "
                 "with server, verify checks the digests the server states"
@@ -85,6 +85,14 @@ class LoaderOptions:
         if not isinstance(opts.timeout, int | float) or opts.timeout <= 0:
             raise OptionError(f"load format 'weightlift': timeout must be a positive number, not {opts.timeout!r}")
         return opts
+
+    def reads_ahead(self) -> bool:
+        """Whether the files are read into the page cache ahead of the load: asked for, or by
+        default where the tensors come from files and the page cache is kept (with
+        ``page_cache: "evict"`` it competes with the destination, and is not filled early)."""
+        if self.prefetch is not None:
+            return self.prefetch
+        return self.server is None and self.page_cache != "evict"
 
     def token(self) -> bytes | None:
         """The server's token, read from ``token_file`` as the CLI's ``--token-file`` is: a file only

@@ -1,0 +1,122 @@
+"""weightlift.local.prefetch: reading a checkpoint into the page cache ahead of its load."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import weightlift as wl
+from tests.checkpoints import raw_bytes, write
+from weightlift.disk import source
+from weightlift.errors import FormatError
+from weightlift.local import prefetch
+
+
+def _cold_file(tmp_path, name="m.safetensors"):
+    rng = np.random.default_rng(11)
+    tensors = [(f"t{i}", "U8", (1 << 20,), rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()) for i in range(3)]
+    path = write(tmp_path / name, tensors)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+    source.evict(path)
+    m = source.MappedFile(str(path))
+    if source._probe(m) > 0.5:
+        pytest.skip("this file system keeps the file in the page cache after POSIX_FADV_DONTNEED")
+    return path, tensors
+
+
+def _mapped_here(path) -> bool:
+    real = os.path.realpath(path)
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip().endswith(real) for line in f)
+
+
+def test_a_prefetch_of_its_own_mappings_fills_the_page_cache_and_keeps_no_mapping(tmp_path):
+    """keep=False: the cold file ends up in the page cache, while this process holds no mapping
+    of it afterwards (not the process's one either), and a load of it gives its bytes."""
+    path, tensors = _cold_file(tmp_path)
+    source._maps.pop(os.path.realpath(path), None)
+    job = wl.prefetch(path, keep=False)
+    assert job.files == [str(path)] and not job.awaited
+    job.wait()
+    gc.collect()
+    assert os.path.realpath(path) not in source._maps
+    assert not _mapped_here(path)
+    m = source.MappedFile(str(path))
+    assert source._probe(m) >= source.RESIDENT_THRESHOLD
+    del m
+    out = wl.load(path)
+    for name, _, _, raw in tensors:
+        assert raw_bytes(out[name]) == raw
+
+
+def test_the_process_mapping_prefetch_is_awaited_the_own_one_is_not(tmp_path, monkeypatch):
+    """A load waits for a prefetch through the process's mapping (it reads nothing twice), not
+    for one through mappings of its own (it reads what is still cold itself)."""
+    path, _ = _cold_file(tmp_path)
+    gate, started = threading.Event(), threading.Event()
+    real = prefetch.map_in
+
+    def held(regions, *, threads):
+        started.set()
+        gate.wait(10)
+        return real(regions, threads=threads)
+
+    monkeypatch.setattr(prefetch, "map_in", held)
+    own = wl.prefetch(path, keep=False)
+    started.wait(10)
+    try:
+        waiter = threading.Thread(target=prefetch.await_prefetches, args=([str(path)],))
+        waiter.start()
+        waiter.join(5)
+        assert not waiter.is_alive() and not own.done  # returned while the read is held
+    finally:
+        gate.set()
+    own.wait()
+    source.evict(path)
+    gate.clear()
+    started.clear()
+    kept = wl.prefetch(path)
+    assert kept.awaited and kept.files == [str(path)]
+    started.wait(10)
+    waiter = threading.Thread(target=prefetch.await_prefetches, args=([str(path)],))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # held by the read
+    gate.set()
+    waiter.join(10)
+    assert not waiter.is_alive() and kept.done
+
+
+def test_a_file_another_prefetch_is_reading_is_left_to_it(tmp_path, monkeypatch):
+    path, _ = _cold_file(tmp_path)
+    gate = threading.Event()
+    real = prefetch.map_in
+    calls = []
+
+    def held(regions, *, threads):
+        calls.append(sorted({f for _, _, f in regions}))
+        gate.wait(10)
+        return real(regions, threads=threads)
+
+    monkeypatch.setattr(prefetch, "map_in", held)
+    first = wl.prefetch(path, keep=False)
+    try:
+        second = wl.prefetch(path)
+        assert second.files == [] and second.done
+    finally:
+        gate.set()
+    first.wait()
+    assert calls == [[str(path)]]
+
+
+def test_a_prefetch_of_its_own_refuses_a_file_changed_since_its_header(tmp_path):
+    path, tensors = _cold_file(tmp_path)
+    ck = wl.open(path)
+    write(path, tensors[:2])  # replaced: another identity
+    with pytest.raises(FormatError, match="changed on disk"):
+        wl.prefetch(ck, keep=False)
