@@ -3,12 +3,15 @@
 
     python bench/vllm_start.py --python VENV/bin/python [--model DIR] [--runs 3] [--mode warm|cold|both]
                                [--settle 5] [--arms auto,weightlift,runai_streamer,fastsafetensors] [--json FILE]
+                               [--engine-process]
 
 ``--python`` is an interpreter with vLLM installed (vLLM's CPU build pins a transformers of its
 own, so it usually lives in a venv apart from weightlift's). Each run is a fresh process of it
 that starts ``vllm.LLM(model, load_format=ARM)`` (the engine in that process) and generates one
 greedy token from a fixed prompt; the window runs from the spawn to the line the child prints
-then. The weight loading is timed the same way for every arm: the wall time of the format's
+then (``--engine-process``: the engine core in a process of its own, vLLM's default, timed by
+vLLM's own figure only). An arm ``FORMAT:STRATEGY`` is a format with vLLM's
+``safetensors_load_strategy`` (``auto:prefetch``: vLLM's own read ahead, which starts in its loader). The weight loading is timed the same way for every arm: the wall time of the format's
 loader's ``load_weights`` (finding the files, reading them and ``model.load_weights``), which
 is the span vLLM's own "Loading weights took N seconds" covers; that line is read from the
 output too where the format logs it (the default loader, ``weightlift``; not
@@ -60,7 +63,8 @@ transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(sys.argv[1
 CHILD = r"""
 import json, sys, time
 def main():
-    arm, path = sys.argv[1], sys.argv[2]
+    arm, path, own_process = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    fmt, _, strategy = arm.partition(":")  # "auto:prefetch": vLLM's loader with that safetensors strategy
     if arm == "runai_streamer":
         try:
             import runai_model_streamer  # noqa: F401
@@ -73,21 +77,23 @@ def main():
             print("WL_VLLM_SKIP vLLM's fastsafetensors iterator places tensors on a CUDA device; there is none", flush=True)
             return
     import os
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its loader can be timed
+    if not own_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its loader can be timed
     from vllm import LLM, SamplingParams
     from vllm.model_executor import model_loader
     from weightlift.integrations.vllm import register
     register()
     timed = {}
-    cls = model_loader.get_model_loader(model_loader.LoadConfig(load_format=arm)).__class__
+    cls = model_loader.get_model_loader(model_loader.LoadConfig(load_format=fmt)).__class__
     inner = cls.load_weights
     def load_weights(self, model, model_config):
         t = time.perf_counter()
         inner(self, model, model_config)
         timed["load_weights_s"] = time.perf_counter() - t
     cls.load_weights = load_weights
-    llm = LLM(model=path, load_format=arm, skip_tokenizer_init=True, enforce_eager=True,
-              gpu_memory_utilization=0.05, max_model_len=128)
+    extra = {"safetensors_load_strategy": strategy} if strategy else {}
+    llm = LLM(model=path, load_format=fmt, skip_tokenizer_init=True, enforce_eager=True,
+              gpu_memory_utilization=0.05, max_model_len=128, **extra)
     prompt = [{"prompt_token_ids": [1, 8, 15, 22, 29, 36, 43, 50]}]
     first = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     print("WL_VLLM_READY", time.time_ns(), json.dumps({"first": list(first[0].outputs[0].token_ids), **timed}), flush=True)
@@ -114,12 +120,18 @@ def model_files(path: str) -> list[str]:
     return sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith((".safetensors", ".json")))
 
 
-def run_child(python: str, arm: str, path: str, timeout: float) -> dict[str, Any]:
-    """One fresh engine: its window to the first token, vLLM's loading figure, its tokens."""
+def run_child(python: str, arm: str, path: str, timeout: float, own_process: bool = False) -> dict[str, Any]:
+    """One fresh engine: its window to the first token, vLLM's loading figure, its tokens. With
+    ``own_process`` the engine core runs in a process of its own, as vLLM's default is; its
+    loader cannot be timed from here, so the loading figure is vLLM's own line."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     t0 = time.time_ns()
     proc = subprocess.run(
-        [python, "-c", CHILD, arm, path], capture_output=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL
+        [python, "-c", CHILD, arm, path, "1" if own_process else "0"],
+        capture_output=True,
+        timeout=timeout,
+        env=env,
+        stdin=subprocess.DEVNULL,
     )
     out = proc.stdout + proc.stderr
     skip = re.search(rb"WL_VLLM_SKIP (.*)", out)
@@ -132,9 +144,12 @@ def run_child(python: str, arm: str, path: str, timeout: float) -> dict[str, Any
         tail = out.decode(errors="replace").strip().splitlines()[-8:]
         raise SystemExit(f"vllm_start: the {arm} arm failed (exit {proc.returncode}): " + " | ".join(tail))
     info = json.loads(ready.group(2))
+    timed = info.get("load_weights_s", float(loading[-1]) if loading else None)
+    if timed is None:
+        return {"skipped": "its engine runs in a process of its own and it logs no loading figure"}
     return {
         "window_s": (int(ready.group(1)) - t0) / 1e9,
-        "loading_s": info["load_weights_s"],
+        "loading_s": timed,
         "vllm_loading_s": float(loading[-1]) if loading else None,
         "tokens": json.loads(tokens.group(1)),
     }
@@ -150,7 +165,9 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def run_mode(python: str, path: str, arms: tuple[str, ...], *, cold: bool, runs: int, settle: float) -> dict[str, Any]:
+def run_mode(
+    python: str, path: str, arms: tuple[str, ...], *, cold: bool, runs: int, settle: float, own_process: bool = False
+) -> dict[str, Any]:
     files = model_files(path)
     res: dict[str, dict[str, Any]] = {
         a: {"window_s": [], "loading_s": [], "vllm_loading_s": [], "tokens": [], "resident_before": []} for a in arms
@@ -166,7 +183,7 @@ def run_mode(python: str, path: str, arms: tuple[str, ...], *, cold: bool, runs:
             if cold:
                 evict_files(files)
                 resident = max_resident(files)
-            s = run_child(python, arm, path, timeout=900)
+            s = run_child(python, arm, path, timeout=900, own_process=own_process)
             if "skipped" in s:
                 skipped[arm] = s["skipped"]
                 print(f"  {arm}: skipped ({s['skipped']})", file=sys.stderr)
@@ -227,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=float, default=5.0, help="seconds to pause before each run")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--json", help="write the result here")
+    ap.add_argument(
+        "--engine-process", action="store_true", help="the engine core in a process of its own (vLLM's default)"
+    )
     args = ap.parse_args(argv)
     arms = tuple(a for a in args.arms.split(",") if a)
     path = args.model or ensure_model(args.python)
@@ -235,12 +255,22 @@ def main(argv: list[str] | None = None) -> int:
         "model": path,
         "bytes": sum(os.path.getsize(f) for f in model_files(path) if f.endswith(".safetensors")),
         "runs": args.runs,
+        "engine_process": args.engine_process,
         "settle_s": args.settle,
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs",
         "loadavg": os.getloadavg()[0],
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "modes": [
-            run_mode(args.python, path, arms, cold=m == "cold", runs=args.runs, settle=args.settle) for m in modes
+            run_mode(
+                args.python,
+                path,
+                arms,
+                cold=m == "cold",
+                runs=args.runs,
+                settle=args.settle,
+                own_process=args.engine_process,
+            )
+            for m in modes
         ],
     }
     print(format_table(result))
