@@ -673,3 +673,29 @@ def test_a_delta_whose_base_is_switched_in_place_before_it_applies_goes_whole(mo
         assert other["reply"].deltas == 1  # a's update switched in while b's delta waited
         assert r.deltas == 0 and r.set_digest == set_digest(_digests(v1))  # refused, then sent whole
         _holds(srv, v1)
+
+
+def test_the_scan_runs_on_the_cores_this_process_may_use_not_the_machines(monkeypatch):
+    """A process pinned to one core of a large machine (``taskset``, a container's cpuset)
+    scans its tensors on one thread: a thread per core of the machine would fight over that one."""
+    import os
+
+    from weightlift.remote.client import update
+
+    workers: list[int] = []
+    real = update.ThreadPoolExecutor
+
+    def pool(n: int, **kw):
+        workers.append(n)
+        return real(n, **kw)
+
+    monkeypatch.setattr(update, "ThreadPoolExecutor", pool)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    v0 = _model()
+    with Server() as srv, Client(srv.address, keep_base=True) as c:
+        c.push(v0)
+        assert c.push(_step(v0, 0.01, seed=1)).deltas > 0
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(3)), raising=False)
+        c.push(_step(v0, 0.02, seed=2))
+    assert workers == [1, 1, 3]  # every update, the first (nothing to scan) too
