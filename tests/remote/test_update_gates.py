@@ -138,6 +138,35 @@ def test_an_in_place_commit_whose_reader_outlasts_the_io_timeout_is_refused_with
         assert srv.tensors()["a"].tobytes() == v2["a"].tobytes()
 
 
+def test_without_an_io_timeout_a_commit_that_a_stalled_reader_holds_is_still_refused_after_the_gate_bound(
+    monkeypatch,
+):
+    """``io_timeout=None`` puts no deadline on a READ's reply, so a reader that stops taking it
+    holds its tensor for good. An in-place commit of that tensor still waits only GATE_TIMEOUT,
+    then is refused with v intact and its claim given back: neither the pushing client nor the
+    READs that its claim holds off wait forever."""
+    from weightlift.remote.server import config
+
+    monkeypatch.setattr(config, "GATE_TIMEOUT", 1.0)
+    v0 = {"a": _f32(BIG, seed=4)}
+    v1 = {"a": _changed(v0["a"], 5)}
+    with Server(io_timeout=None) as srv:
+        with Client(srv.address) as c:
+            c.push(v0)
+        stalled = _stalled_reader(srv.address, "a", v0["a"].nbytes)
+        out: dict = {}
+        try:
+            t = _update(srv.address, v1, {"a": v0["a"]}, out)
+            t.join(JOIN)
+            assert not t.is_alive(), "an in-place commit waited for a stalled reader for good"
+            assert isinstance(out.get("error"), RemoteProtocolError), out
+            assert "a READ of 'a' was still sending its bytes after 1 s" in str(out["error"])
+            assert srv.tensors()["a"].tobytes() == v0["a"].tobytes()
+            assert _read(srv.address, "a", v0["a"].nbytes) == v0["a"].tobytes()  # the claim was given back
+        finally:
+            stalled.close()
+
+
 def test_in_place_commits_of_overlapping_sets_take_turns_and_a_reader_of_the_set_never_sees_a_mix():
     """Two in-place updates, of {a, b} and {b, c}, both wait on a READ of b. A READ of d (in
     neither) is answered meanwhile. Once the reader goes, one switches in and the other, whose
