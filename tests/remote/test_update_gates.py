@@ -279,6 +279,29 @@ def test_a_process_reading_the_servers_tensors_holds_off_an_in_place_switch_unti
             assert list(held) == ["b"] and held["b"].tobytes() == v0["b"].tobytes()
 
 
+def test_a_process_reading_again_inside_its_reading_block_goes_in_while_an_update_waits_for_it():
+    """A nested ``Server.reading()`` (a helper that takes the tensors it copies, called inside
+    the caller's block) while an in-place update of them waits for the outer block: the inner
+    block goes in at once, not after the update's bound (which would refuse the update), and the
+    update switches in once the outer block ends."""
+    v0 = {"a": _f32(1 << 16, seed=7), "b": _f32(1 << 16, seed=8)}
+    v1 = {"a": _changed(v0["a"], 4)}
+    with Server(io_timeout=5.0) as srv:
+        with Client(srv.address) as c:
+            c.push(v0)
+        out: dict = {}
+        with srv.reading() as held:
+            t = _update(srv.address, v1, {"a": v0["a"]}, out)
+            t.join(1)  # the update waits for this block
+            with srv.reading(["a"]) as again, srv.reading(["b"]):
+                assert again["a"].tobytes() == held["a"].tobytes() == v0["a"].tobytes()
+            assert t.is_alive() and not out, out
+        t.join(JOIN)
+        assert not t.is_alive() and "error" not in out, out
+        assert out["result"].deltas == 1
+        assert srv.tensors()["a"].tobytes() == v1["a"].tobytes()
+
+
 def _not_whole(held: dict, sets) -> str | None:
     """Why ``held`` is not every tensor of ``sets`` with one version of each set, or None."""
     if not {k for names in sets for k in names} <= set(held):

@@ -289,7 +289,8 @@ class Server:
     def reading(self, names: Iterable[str] | None = None) -> Iterator[dict[str, Array]]:
         """The tensors of ``names`` (None: all) as :meth:`tensors` gives them, held off in-place
         updates until the block ends, so a caller copying them out gets one version of each. Keep
-        it short: an in-place update waits for it (at most ``config.gate_timeout``, then it is refused)."""
+        it short: an in-place update waits for it (at most ``config.gate_timeout``, then it is refused). A
+        block may take tensors again inside it, in the same thread, without waiting for that update."""
         with self._store.reading_entries(names) as entries:
             yield self._store.handed_out(entries)
 
