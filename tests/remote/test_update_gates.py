@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.remote.rawclient import Raw, _f32, _stalled_reader
-from tests.remote.test_update import _uniform_versions
+from tests.remote.test_update import _mix_soak
 from weightlift.errors import RemoteProtocolError
 from weightlift.remote.client.client import Client
 from weightlift.remote.protocol import Error, ErrorCode, ListReply, ListRequest, Read, ReadReply
@@ -213,16 +213,11 @@ def test_a_reader_of_a_set_naming_its_generation_never_sees_a_mix_while_in_place
     holding only its own tensor's gate. A reader that lists, then reads every tensor naming the
     generation it listed (as a pull does), either reads one version of all of them or is told
     STALE; never two versions in one set."""
-    import time
-
-    names, n, version = _uniform_versions()
-    with Server() as srv, Client(srv.address, keep_base=True) as writer:
-        writer.push(version(0))
-        stop = threading.Event()
-        seen: list[str] = []
+    with _mix_soak() as soak:
+        names, n, stop, seen = soak.names, soak.n, soak.stop, soak.seen
 
         def reader() -> None:
-            raw = Raw.connected(srv.address)
+            raw = Raw.connected(soak.srv.address)
             raw.sock.settimeout(JOIN)
             while not stop.is_set():
                 raw.send(ListRequest())
@@ -241,19 +236,7 @@ def test_a_reader_of_a_set_naming_its_generation_never_sees_a_mix_while_in_place
                         seen.append(f"one set read at generation {generation} held versions {sorted(values)}")
             raw.close()
 
-        threads = [threading.Thread(target=reader, daemon=True) for _ in range(2)]
-        for t in threads:
-            t.start()
-        v, end = 0, time.monotonic() + 2.0
-        while time.monotonic() < end:
-            v = (v + 1) % 250
-            assert writer.push(version(v), in_place=True).deltas == len(names)
-        stop.set()
-        for t in threads:
-            t.join(JOIN)
-        assert not any(t.is_alive() for t in threads)
-        assert not seen, seen[:3]
-        assert all(srv.tensors()[name].tobytes() == version(v)[name].tobytes() for name in names)
+        soak.run((reader, reader), in_place=True)
 
 
 def test_a_process_reading_the_servers_tensors_holds_off_an_in_place_switch_until_it_is_done():
