@@ -13,7 +13,8 @@ first *claims* its whole set, only once no other writer claims any of it (so two
 overlapping sets take turns), then waits for the readers of it to finish. A claimed gate lets no
 new reader in (a writer is not starved by a stream of readers), and a reader of several tensors
 enters only when none of them is claimed. The only wait made while holding anything is a
-writer's, for readers already inside, and those wait for no gate: no wait can close a cycle.
+writer's, for readers already inside, and those wait for no gate (or, reading again inside a
+read, only for a writer that waits for nothing: see below): no wait can close a cycle.
 
 Why a reader is not starved either: each caller draws a ticket as it comes, and a writer does not
 claim memory that a reader with an earlier ticket is waiting to read while that reader waits
