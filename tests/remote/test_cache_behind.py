@@ -249,3 +249,50 @@ def test_an_in_place_update_waits_for_the_entry_being_written_from_its_base(tmp_
         assert r.deltas == 1 and np.array_equal(s.tensors()["w"], v1)
         assert s.cache.flush(10)
         assert _entry(tmp_path / "c", d0).read_bytes() == v0.tobytes()
+
+
+def test_an_in_place_switch_between_a_publish_and_its_entry_queued_leaves_no_entry_under_the_old_digest(
+    tmp_path, monkeypatch
+):
+    # v0 is published and visible, its entry not queued yet, when another client switches v1 in
+    # place into v0's memory. The entry is then written unhashed (the bytes were proven as they
+    # arrived) from memory that holds v1: filed under v0's digest, it would be a wrong entry that
+    # HAVE offers and every FILL of v0 reads, refuses and removes. The switch must drop the
+    # entry's job, or the job must write v0's bytes.
+    from weightlift.remote.client import Client
+    from weightlift.remote.server import receive
+
+    rng = np.random.default_rng(9)
+    v0 = rng.standard_normal(1 << 20).astype(np.float32)
+    v1 = v0.copy()
+    v1[rng.choice(v1.size, v1.size // 100, replace=False)] += 1.0
+    d0 = hash_buffer(v0)
+    published, switched = threading.Event(), threading.Event()
+    real = receive.sealed_since
+
+    def between(store, name, tensor, **kw):  # runs after the publish, before the job is queued
+        if published.is_set():
+            return real(store, name, tensor, **kw)
+        published.set()
+        # until the switch is done, or waits for this receive (its claim taken, nothing changed)
+        for _ in range(30_000):
+            if switched.is_set() or store._gates.busy()[1]:
+                break
+            switched.wait(0.001)
+        return real(store, name, tensor, **kw)
+
+    monkeypatch.setattr(receive, "sealed_since", between)
+    with Server(cache_dir=tmp_path / "c") as s:
+        raw = Raw(s.address)
+        raw.hello()
+        first = threading.Thread(target=lambda: (_cache_push(raw, v0, 0, "w", d0), _barrier(raw)), daemon=True)
+        first.start()  # a push of v0 outside an update: visible once published
+        assert published.wait(30)
+        with Client(s.address) as c:
+            assert c.push({"w": v1}, base={"w": v0}, in_place=True).deltas == 1
+        switched.set()
+        first.join(30)
+        assert not first.is_alive() and np.array_equal(s.tensors()["w"], v1)
+        assert s.cache is not None and s.cache.flush(10)
+        entry = _entry(tmp_path / "c", d0)
+        assert not entry.exists() or entry.read_bytes() == v0.tobytes()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -138,9 +139,11 @@ def test_a_reader_of_several_waits_while_a_writer_claims_any_of_them():
     w.join(JOIN), several.join(JOIN)
 
 
-def test_writers_and_readers_of_overlapping_sets_never_deadlock_and_never_overlap():
+@pytest.mark.parametrize("nested", [False, True])
+def test_writers_and_readers_of_overlapping_sets_never_deadlock_and_never_overlap(nested):
     """Many threads take random overlapping sets (writers, readers of several) in every order:
-    all finish, and no memory is ever read and written, or written twice, at once."""
+    all finish, and no memory is ever read and written, or written twice, at once. ``nested``:
+    a reader often reads another set (its own memory too, at times) before its first read ends."""
     gates = Gates()
     mems = _memories(5)
     state = [0] * len(mems)  # readers inside (> 0) or a writer inside (-1), per memory
@@ -166,13 +169,19 @@ def test_writers_and_readers_of_overlapping_sets_never_deadlock_and_never_overla
             gate = gates.exclusive({str(i): mems[i] for i in ix}) if writer else gates.reading(*(mems[i] for i in ix))
             with gate:
                 enter(ix, writer)
+                if nested and not writer and rng.random() < 0.5:
+                    again = rng.sample(range(len(mems)), rng.randint(1, 3))
+                    with gates.reading(*(mems[i] for i in again)):
+                        enter(again, False)
+                        leave(again, False)
                 leave(ix, writer)
 
     threads = [threading.Thread(target=worker, args=(s,), daemon=True) for s in range(8)]
     for t in threads:
         t.start()
+    end = time.monotonic() + JOIN
     for t in threads:
-        t.join(JOIN)
+        t.join(max(0.0, end - time.monotonic()))
     assert not any(t.is_alive() for t in threads), "gates deadlocked"
     assert not errors
     assert gates.busy() == (0, 0)
@@ -305,3 +314,66 @@ def test_a_reader_of_a_set_switched_in_place_every_time_it_is_taken_gets_all_of_
     with gates.reading_current(snapshot) as got:
         assert got == {"a": latest[-1], "b": kept}
         assert gates.busy() == (2, 0)
+
+
+def _recorded(fn, errors: list) -> None:
+    try:
+        fn()
+    except Exception as e:  # the test looks at it
+        errors.append(e)
+
+
+def test_a_thread_inside_a_read_reads_again_at_once_while_a_writer_waits_for_its_first_read():
+    """A thread reading ``a`` reads ``a`` again, and ``b``, before its first read ends (a nested
+    ``Server.reading``), while a writer of {a, b} waits for that first read: the writer waits
+    for this thread, so this thread must not wait for the writer's claim (it would until the
+    writer's bound ran out, the commit refused). The writer goes in once both reads end."""
+    gates = Gates(timeout=5.0)
+    a, b = _memories(2)
+    order: list[str] = []
+    errors: list[Exception] = []
+
+    def write() -> None:
+        with gates.exclusive({"a": a, "b": b}):
+            order.append("writer")
+
+    def read() -> None:
+        with gates.reading(a):
+            w, _ = _in_thread(lambda: _recorded(write, errors))
+            _until(lambda: gates.busy() == (1, 2) and _waiting(gates) == 1)  # claimed, waiting for this read
+            with gates.reading(a):
+                order.append("a again")
+            with gates.reading(b), gates.reading(a, b):
+                order.append("b, and both")
+        w.join(JOIN)
+
+    r, done = _in_thread(lambda: _recorded(read, errors))
+    assert done.wait(JOIN)
+    assert not errors, errors
+    assert order == ["a again", "b, and both", "writer"]
+    assert gates.busy() == (0, 0)
+
+
+def test_a_thread_inside_a_read_still_waits_for_a_writer_changing_the_memory_it_reads_next():
+    """Reading again without waiting is only for writers that wait for their readers: memory a
+    writer is changing now is not read by anyone, nested or not, until the writer is done."""
+    gates = Gates()
+    a, x = _memories(2)
+    order: list[str] = []
+    inside, nested_in = threading.Event(), threading.Event()
+
+    def read() -> None:
+        with gates.reading(x):
+            inside.set()
+            with gates.reading(a):
+                order.append("reader of a")
+                nested_in.set()
+
+    with gates.exclusive({"a": a}):
+        r, _ = _in_thread(read)
+        assert inside.wait(JOIN)
+        assert not nested_in.wait(0.2), "a nested read went into memory a writer was changing"
+        order.append("writer")
+    assert nested_in.wait(JOIN)
+    r.join(JOIN)
+    assert order == ["writer", "reader of a"]

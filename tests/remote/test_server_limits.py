@@ -328,3 +328,12 @@ def test_what_applying_a_delta_takes_is_charged_before_it_is_decoded():
                 assert isinstance(commit, CommitReply) and not commit.ok and "memory limit" in commit.message
             assert s.tensors()["w"].tobytes() == base.tobytes() and s.memory_used <= limit
         raw.close()
+
+
+def test_an_in_place_commits_wait_for_readers_is_bounded_also_without_an_io_timeout():
+    from weightlift.remote.server.config import GATE_TIMEOUT
+
+    assert ServerConfig(max_memory=0, io_timeout=5.0).gate_timeout == 5.0
+    assert ServerConfig(max_memory=0, io_timeout=None).gate_timeout == GATE_TIMEOUT == 60.0
+    with Server(io_timeout=None) as s:  # a server without an I/O deadline: the config it runs with
+        assert s.config.io_timeout is None and s.config.gate_timeout == GATE_TIMEOUT

@@ -3,9 +3,11 @@ sets switched in at once and proven by the set digest, and peers of the previous
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import threading
 import time
+from collections.abc import Iterator
 
 import blake3
 import ml_dtypes
@@ -328,36 +330,64 @@ def test_an_aborted_update_changes_nothing():
         assert srv.tensors()["x"].tobytes() == bytes([1] * 8)
 
 
-def _uniform_versions(count: int = 6, n: int = 1 << 16):
-    """Tensor names, their length, and version v of them: every tensor filled with the byte v (a
-    reader that finds two values in one set saw a mix)."""
-    names = [f"t{i}" for i in range(count)]
+class _MixSoak:
+    """A server holding version 0 of ``count`` tensors of ``n`` bytes, version v
+    being every byte v (a reader that finds two values in one set saw a mix), and the client
+    that pushed it, keeping its base. Readers run until ``stop`` and add what they saw to
+    ``seen``."""
 
-    def version(v: int) -> dict[str, np.ndarray]:
-        return {name: np.full(n, v, np.uint8) for name in names}
+    def __init__(self, srv: Server, writer: Client, count: int = 6, n: int = 1 << 16):
+        self.srv, self.writer, self.n = srv, writer, n
+        self.names = [f"t{i}" for i in range(count)]
+        self.stop = threading.Event()
+        self.seen: list[str] = []
 
-    return names, n, version
+    def version(self, v: int) -> dict[str, np.ndarray]:
+        return {name: np.full(self.n, v, np.uint8) for name in self.names}
+
+    def run(self, readers, *, in_place: bool) -> None:
+        """``readers`` on threads while the writer switches versions in for two seconds; then
+        every reader has ended, none saw a mix, and the server holds the last version."""
+        threads = [threading.Thread(target=f, daemon=True) for f in readers]
+        for t in threads:
+            t.start()
+        v, end = 0, time.monotonic() + 2.0
+        while time.monotonic() < end:
+            v = (v + 1) % 250
+            assert self.writer.push(self.version(v), in_place=in_place).deltas == len(self.names)
+        self.stop.set()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads)
+        assert not self.seen, self.seen[:3]
+        _holds(self.srv, self.version(v))
+
+
+@contextlib.contextmanager
+def _mix_soak() -> Iterator[_MixSoak]:
+    """The set-up of a soak of readers against a writer of :class:`_MixSoak`'s versions."""
+    with Server() as srv, Client(srv.address, keep_base=True) as writer:
+        soak = _MixSoak(srv, writer)
+        writer.push(soak.version(0))
+        yield soak
 
 
 @pytest.mark.parametrize("in_place", [False, True])
 def test_readers_never_see_a_mix_of_two_versions(in_place):
     """Each version v fills every tensor with the byte v: a reader that finds two values in one
     snapshot (tensors()) or in one READ saw a mix."""
-    names, n, version = _uniform_versions()
-    with Server() as srv, Client(srv.address, keep_base=True) as writer:
-        writer.push(version(0))
-        stop = threading.Event()
-        seen: list[str] = []
+    with _mix_soak() as soak:
+        names, n, stop, seen = soak.names, soak.n, soak.stop, soak.seen
 
         def snapshots() -> None:
             while not stop.is_set():
-                got = srv.tensors()
+                got = soak.srv.tensors()
                 values = {int(got[name][0]) for name in names} | {int(got[name][-1]) for name in names}
                 if len(values) != 1:
                     seen.append(f"tensors() saw versions {sorted(values)}")
 
         def reads() -> None:
-            with Client(srv.address) as reader:
+            with Client(soak.srv.address) as reader:
                 conn = reader.connections[0]
                 buf = np.empty(n, np.uint8)
                 while not stop.is_set():
@@ -368,19 +398,7 @@ def test_readers_never_see_a_mix_of_two_versions(in_place):
                         if buf.min() != buf.max():
                             seen.append(f"READ of {name} saw a torn tensor")
 
-        threads = [threading.Thread(target=f, daemon=True) for f in ((reads,) if in_place else (snapshots, reads))]
-        for t in threads:
-            t.start()
-        v, end = 0, time.monotonic() + 2.0
-        while time.monotonic() < end:
-            v = (v + 1) % 250
-            r = writer.push(version(v), in_place=in_place)
-            assert r.deltas == len(names)
-        stop.set()
-        for t in threads:
-            t.join(10)
-        assert not seen, seen[:3]
-        _holds(srv, version(v))
+        soak.run((reads,) if in_place else (snapshots, reads), in_place=in_place)
 
 
 def test_the_set_digest_matches_the_servers_own():
@@ -673,3 +691,29 @@ def test_a_delta_whose_base_is_switched_in_place_before_it_applies_goes_whole(mo
         assert other["reply"].deltas == 1  # a's update switched in while b's delta waited
         assert r.deltas == 0 and r.set_digest == set_digest(_digests(v1))  # refused, then sent whole
         _holds(srv, v1)
+
+
+def test_the_scan_runs_on_the_cores_this_process_may_use_not_the_machines(monkeypatch):
+    """A process pinned to one core of a large machine (``taskset``, a container's cpuset)
+    scans its tensors on one thread: a thread per core of the machine would fight over that one."""
+    import os
+
+    from weightlift.remote.client import update
+
+    workers: list[int] = []
+    real = update.ThreadPoolExecutor
+
+    def pool(n: int, **kw):
+        workers.append(n)
+        return real(n, **kw)
+
+    monkeypatch.setattr(update, "ThreadPoolExecutor", pool)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    v0 = _model()
+    with Server() as srv, Client(srv.address, keep_base=True) as c:
+        c.push(v0)
+        assert c.push(_step(v0, 0.01, seed=1)).deltas > 0
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(3)), raising=False)
+        c.push(_step(v0, 0.02, seed=2))
+    assert workers == [1, 1, 3]  # every update, the first (nothing to scan) too

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.remote.rawclient import Raw, _f32, _stalled_reader
-from tests.remote.test_update import _uniform_versions
+from tests.remote.test_update import _mix_soak
 from weightlift.errors import RemoteProtocolError
 from weightlift.remote.client.client import Client
 from weightlift.remote.protocol import Error, ErrorCode, ListReply, ListRequest, Read, ReadReply
@@ -138,6 +138,35 @@ def test_an_in_place_commit_whose_reader_outlasts_the_io_timeout_is_refused_with
         assert srv.tensors()["a"].tobytes() == v2["a"].tobytes()
 
 
+def test_without_an_io_timeout_a_commit_that_a_stalled_reader_holds_is_still_refused_after_the_gate_bound(
+    monkeypatch,
+):
+    """``io_timeout=None`` puts no deadline on a READ's reply, so a reader that stops taking it
+    holds its tensor for good. An in-place commit of that tensor still waits only GATE_TIMEOUT,
+    then is refused with v intact and its claim given back: neither the pushing client nor the
+    READs that its claim holds off wait forever."""
+    from weightlift.remote.server import config
+
+    monkeypatch.setattr(config, "GATE_TIMEOUT", 1.0)
+    v0 = {"a": _f32(BIG, seed=4)}
+    v1 = {"a": _changed(v0["a"], 5)}
+    with Server(io_timeout=None) as srv:
+        with Client(srv.address) as c:
+            c.push(v0)
+        stalled = _stalled_reader(srv.address, "a", v0["a"].nbytes)
+        out: dict = {}
+        try:
+            t = _update(srv.address, v1, {"a": v0["a"]}, out)
+            t.join(JOIN)
+            assert not t.is_alive(), "an in-place commit waited for a stalled reader for good"
+            assert isinstance(out.get("error"), RemoteProtocolError), out
+            assert "a READ of 'a' was still sending its bytes after 1 s" in str(out["error"])
+            assert srv.tensors()["a"].tobytes() == v0["a"].tobytes()
+            assert _read(srv.address, "a", v0["a"].nbytes) == v0["a"].tobytes()  # the claim was given back
+        finally:
+            stalled.close()
+
+
 def test_in_place_commits_of_overlapping_sets_take_turns_and_a_reader_of_the_set_never_sees_a_mix():
     """Two in-place updates, of {a, b} and {b, c}, both wait on a READ of b. A READ of d (in
     neither) is answered meanwhile. Once the reader goes, one switches in and the other, whose
@@ -184,16 +213,11 @@ def test_a_reader_of_a_set_naming_its_generation_never_sees_a_mix_while_in_place
     holding only its own tensor's gate. A reader that lists, then reads every tensor naming the
     generation it listed (as a pull does), either reads one version of all of them or is told
     STALE; never two versions in one set."""
-    import time
-
-    names, n, version = _uniform_versions()
-    with Server() as srv, Client(srv.address, keep_base=True) as writer:
-        writer.push(version(0))
-        stop = threading.Event()
-        seen: list[str] = []
+    with _mix_soak() as soak:
+        names, n, stop, seen = soak.names, soak.n, soak.stop, soak.seen
 
         def reader() -> None:
-            raw = Raw.connected(srv.address)
+            raw = Raw.connected(soak.srv.address)
             raw.sock.settimeout(JOIN)
             while not stop.is_set():
                 raw.send(ListRequest())
@@ -212,19 +236,7 @@ def test_a_reader_of_a_set_naming_its_generation_never_sees_a_mix_while_in_place
                         seen.append(f"one set read at generation {generation} held versions {sorted(values)}")
             raw.close()
 
-        threads = [threading.Thread(target=reader, daemon=True) for _ in range(2)]
-        for t in threads:
-            t.start()
-        v, end = 0, time.monotonic() + 2.0
-        while time.monotonic() < end:
-            v = (v + 1) % 250
-            assert writer.push(version(v), in_place=True).deltas == len(names)
-        stop.set()
-        for t in threads:
-            t.join(JOIN)
-        assert not any(t.is_alive() for t in threads)
-        assert not seen, seen[:3]
-        assert all(srv.tensors()[name].tobytes() == version(v)[name].tobytes() for name in names)
+        soak.run((reader, reader), in_place=True)
 
 
 def test_a_process_reading_the_servers_tensors_holds_off_an_in_place_switch_until_it_is_done():
@@ -248,6 +260,29 @@ def test_a_process_reading_the_servers_tensors_holds_off_an_in_place_switch_unti
         assert srv.tensors()["a"].tobytes() == v1["a"].tobytes()
         with srv.reading(["b"]) as held:  # a named subset, and the gate free again after
             assert list(held) == ["b"] and held["b"].tobytes() == v0["b"].tobytes()
+
+
+def test_a_process_reading_again_inside_its_reading_block_goes_in_while_an_update_waits_for_it():
+    """A nested ``Server.reading()`` (a helper that takes the tensors it copies, called inside
+    the caller's block) while an in-place update of them waits for the outer block: the inner
+    block goes in at once, not after the update's bound (which would refuse the update), and the
+    update switches in once the outer block ends."""
+    v0 = {"a": _f32(1 << 16, seed=7), "b": _f32(1 << 16, seed=8)}
+    v1 = {"a": _changed(v0["a"], 4)}
+    with Server(io_timeout=5.0) as srv:
+        with Client(srv.address) as c:
+            c.push(v0)
+        out: dict = {}
+        with srv.reading() as held:
+            t = _update(srv.address, v1, {"a": v0["a"]}, out)
+            t.join(1)  # the update waits for this block
+            with srv.reading(["a"]) as again, srv.reading(["b"]):
+                assert again["a"].tobytes() == held["a"].tobytes() == v0["a"].tobytes()
+            assert t.is_alive() and not out, out
+        t.join(JOIN)
+        assert not t.is_alive() and "error" not in out, out
+        assert out["result"].deltas == 1
+        assert srv.tensors()["a"].tobytes() == v1["a"].tobytes()
 
 
 def _not_whole(held: dict, sets) -> str | None:

@@ -33,7 +33,6 @@ to name them.
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,6 +44,7 @@ import numpy as np
 from weightlift.digest.blake import hash_buffer
 from weightlift.digest.setdigest import set_digest
 from weightlift.dtypes import dtype_info
+from weightlift.env import cpus
 from weightlift.errors import IntegrityError, RemoteProtocolError
 from weightlift.remote import delta as codec
 from weightlift.remote.client.memory import host_bytes, memory_tensors
@@ -138,14 +138,20 @@ class UpdateSpec:
         return {p.info.name for p in plans if self.base_of(p) is not None}
 
 
-#: Threads that scan tensors against their bases (hash, compare, encode) ahead of the sender: one
-#: per core up to four. The sender mostly waits on the socket and the compression runs on the
-#: codec's workers; fewer scan threads leave cores idle while one tensor's scan, a sequential
-#: pass, holds up the sends, also on a machine whose cores the server shares.
-SCAN_THREADS = max(1, min(4, os.cpu_count() or 2))
+#: The most threads that scan tensors against their bases (hash, compare, encode) ahead of the
+#: sender. The sender mostly waits on the socket and the compression runs on the codec's workers;
+#: fewer scan threads leave cores idle while one tensor's scan, a sequential pass, holds up the
+#: sends, also on a machine whose cores the server shares.
+MAX_SCAN_THREADS = 4
 #: Tensor bytes scanned ahead of the one being sent (at least one tensor): what bounds the
 #: payloads held at once.
 SCAN_AHEAD_BYTES = 256 << 20
+
+
+def scan_threads() -> int:
+    """Scan threads for an update: one per core this process may run on
+    (:func:`weightlift.env.cpus`, read at each update), at most :data:`MAX_SCAN_THREADS`."""
+    return max(1, min(MAX_SCAN_THREADS, cpus()))
 
 
 class Scanned(NamedTuple):
@@ -163,7 +169,7 @@ class UpdatePusher(Pusher):
     COMMIT and sends each it has a base for as a DELTA.
 
     The tensors with a base are scanned (:func:`weightlift.remote.delta.scan`: hashed, compared
-    and encoded in one pass) on :data:`SCAN_THREADS` threads, in order and a few ahead, while
+    and encoded in one pass) on :func:`scan_threads` threads, in order and a few ahead, while
     this thread sends the ones scanned before; a kept base is refreshed by the same pass."""
 
     spec: UpdateSpec
@@ -173,7 +179,7 @@ class UpdatePusher(Pusher):
         self._command(Update(Update.FLAG_IN_PLACE if self.spec.in_place else 0))
         todo = [p for p in plans if self.spec.base_of(p) is not None]
         whole = [p for p in plans if self.spec.base_of(p) is None]
-        with ThreadPoolExecutor(SCAN_THREADS, thread_name_prefix="weightlift-scan") as pool:
+        with ThreadPoolExecutor(scan_threads(), thread_name_prefix="weightlift-scan") as pool:
             ahead: deque[tuple[Plan, Future[Scanned]]] = deque()
             ahead_bytes = 0
             try:

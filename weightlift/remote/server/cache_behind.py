@@ -16,6 +16,10 @@ What the writer holds, and why it is safe:
   before its turn is dropped from the queue (:meth:`WriteBehind.drop`): an old version is worth
   nothing to the cache and its memory goes back at once. At most the one tensor being written is
   held past its replacement.
+* **Not changed under it.** An in-place switch of a tensor's memory drops its queued jobs and
+  waits for the one being written from it before it changes a byte (:class:`~.switch.Switch`),
+  and the receiver holds the tensor's read gate from its publish until its job is queued, so no
+  switch falls between the two: the bytes written are those the digest was proven for.
 * **Bytes still proven.** The bytes were proven to hash to the digest when they arrived. They
   still do unless someone wrote into the tensor since, which only a holder of a writable handle
   can do; the store marks an entry ``exposed`` before it hands one out. A job asks ``sealed()``

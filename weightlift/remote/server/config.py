@@ -35,6 +35,7 @@ __all__ = [
     "HANDSHAKE_TIMEOUT",
     "IDLE_TIMEOUT",
     "IO_TIMEOUT",
+    "GATE_TIMEOUT",
     "MIN_FRAME_RATE",
     "MEMORY_FRACTION",
 ]
@@ -45,6 +46,9 @@ MAX_PER_ADDRESS = 32  # connections from one peer address (loopback: all of it; 
 HANDSHAKE_TIMEOUT = 10.0  # seconds from accept for a connection to become READY (HELLO, AUTH)
 IDLE_TIMEOUT = 300.0  # seconds a READY connection may wait between requests before it is closed
 IO_TIMEOUT = 60.0  # seconds one receive inside a frame or payload, or one send, may wait
+# seconds an in-place commit waits for the READs of what it changes where there is no io_timeout:
+# a reader that stops taking its reply then holds its tensor for good, and so would the commit
+GATE_TIMEOUT = 60.0
 MIN_FRAME_RATE = 64 * 1024  # bytes per second: a frame of N bytes must arrive within IO_TIMEOUT + N / this
 MEMORY_FRACTION = 0.9  # of physical RAM: a cpu server's max_memory when none is given
 
@@ -149,6 +153,12 @@ class ServerConfig:
             check_token(self.token)
         if not 0 <= self.reserve <= self.max_memory:
             raise OptionError(f"reserve must be between 0 and max_memory ({self.max_memory}), got {self.reserve}")
+
+    @property
+    def gate_timeout(self) -> float:
+        """How long an in-place commit waits for the READs sending what it changes, then is
+        refused with nothing changed: ``io_timeout``, or :data:`GATE_TIMEOUT` without one."""
+        return self.io_timeout if self.io_timeout is not None else GATE_TIMEOUT
 
 
 def configure(

@@ -13,7 +13,8 @@ first *claims* its whole set, only once no other writer claims any of it (so two
 overlapping sets take turns), then waits for the readers of it to finish. A claimed gate lets no
 new reader in (a writer is not starved by a stream of readers), and a reader of several tensors
 enters only when none of them is claimed. The only wait made while holding anything is a
-writer's, for readers already inside, and those wait for no gate: no wait can close a cycle.
+writer's, for readers already inside, and those wait for no gate (or, reading again inside a
+read, only for a writer that waits for nothing: see below): no wait can close a cycle.
 
 Why a reader is not starved either: each caller draws a ticket as it comes, and a writer does not
 claim memory that a reader with an earlier ticket is waiting to read while that reader waits
@@ -23,6 +24,13 @@ is still held) would keep a reader of both out for as long as they went on. A re
 for a writer still waiting for its own readers (which may be a stalled peer's READ) is not
 waited for: a writer of ``b`` would then wait on a READ of ``a``. Such a waiting writer only
 waits on writers that wait for nothing: still no cycle.
+
+Why a thread may read again inside its own read (a nested ``Server.reading``): a writer that
+claimed memory waits for its readers, who may include this thread; had the thread's second read
+waited for that claim, each would wait for the other. So a thread already inside a read waits
+only for writers changing their memory now, which wait for nothing; it goes in beside a claim
+still waiting for readers, which then waits for this read too. Memory is still never read while
+it changes, and the only waits made while holding a read are for writers that wait for nothing.
 
 Why a writer's wait is bounded: a reader may hold its gate as long as its peer takes the reply
 (the I/O timeout plus the size at the minimum rate: hours for a large tensor at a trickle). A
@@ -59,6 +67,7 @@ class Gates:
         self._changing: set[int] = set()  # claimed ids whose writer's readers are gone
         self._ticket = 0  # the last ticket drawn, in the order callers came
         self._queued: dict[int, tuple[int, ...]] = {}  # ticket -> ids a reader waits to read
+        self._inside: dict[int, int] = {}  # threading.get_ident() -> reads the thread is inside now
         # the memory of every gate in use, so that no id is reused while it names a gate
         self._memory: dict[int, Any] = {}
 
@@ -81,25 +90,34 @@ class Gates:
 
     @contextmanager
     def reading(self, *memories: Any) -> Iterator[None]:
-        """Read ``memories`` (none changes meanwhile); waits while a writer claims any of them."""
+        """Read ``memories`` (none changes meanwhile); waits while a writer claims any of them
+        (inside another read of this thread: only while a writer changes any of them now)."""
         held = {id(m): m for m in memories}
+        me = threading.get_ident()
         with self._cond:
-            if any(k in self._claimed for k in held):  # queued: later writers of it wait for it
+            # a claim still waiting for its readers may be waiting for this thread's other read
+            barred = self._changing if me in self._inside else self._claimed
+            if any(k in barred for k in held):  # queued: later writers of it wait for it
                 self._ticket += 1
                 ticket = self._ticket
                 self._queued[ticket] = tuple(held)
                 try:
-                    self._cond.wait_for(lambda: not any(k in self._claimed for k in held))
+                    self._cond.wait_for(lambda: not any(k in barred for k in held))
                 finally:
                     del self._queued[ticket]
                     self._cond.notify_all()
             for k, m in held.items():
                 self._readers[k] = self._readers.get(k, 0) + 1
                 self._memory[k] = m
+            self._inside[me] = self._inside.get(me, 0) + 1
         try:
             yield
         finally:
             with self._cond:
+                if self._inside[me] > 1:
+                    self._inside[me] -= 1
+                else:
+                    del self._inside[me]
                 for k in held:
                     n = self._readers[k] - 1
                     if n:

@@ -283,14 +283,18 @@ class Receiver:
         if cache is not None and old is not None and old.tensor is not dest:
             cache.behind.drop(old.tensor)  # replaced: an old version's entry is not worth its memory
         del old
-        # a verified tensor's digest is of the bytes stored: the base a later DELTA names
-        self.publish(p.name, p.dtype, p.shape, p.nbytes, dest, p.charge, p.digest if p.proven else streamed)
-        p.charge = None
-        if p.behind and p.proven and cache is not None and p.digest is not None:
-            sealed = sealed_since(self.store, p.name, dest, staged=self.publish != self.store.publish)
-            if sealed is not None:  # not replaced already by another connection
-                cache.behind.on_error = self.cache_failed
-                cache.behind.submit(p.digest, dest, target.host_view(dest), sealed)
+        # Read from the publish until its entry's job is queued: an in-place switch of this memory
+        # (another client's, once it is visible) waits, then drops the job before it changes a
+        # byte. Switched in between, the job would write the new bytes unhashed under p.digest.
+        with self.store.reading(dest):
+            # a verified tensor's digest is of the bytes stored: the base a later DELTA names
+            self.publish(p.name, p.dtype, p.shape, p.nbytes, dest, p.charge, p.digest if p.proven else streamed)
+            p.charge = None
+            if p.behind and p.proven and cache is not None and p.digest is not None:
+                sealed = sealed_since(self.store, p.name, dest, staged=self.publish != self.store.publish)
+                if sealed is not None:  # not replaced already by another connection
+                    cache.behind.on_error = self.cache_failed
+                    cache.behind.submit(p.digest, dest, target.host_view(dest), sealed)
         self.outcomes.done_tensors += 1
         self.prof.count(tensors=1, nbytes=p.nbytes)
 

@@ -110,7 +110,8 @@ class Server:
     or payload, or while a reply is sent (None: no limit), and one whose frame of N bytes (payload included) has
     not arrived within ``io_timeout + N / min_frame_rate`` seconds of its first byte (``min_frame_rate`` in
     bytes per second, default :data:`MIN_FRAME_RATE`; None: no such deadline). For ``max_per_address`` the whole
-    loopback range (127.0.0.0/8, ::1) is one address, and so is an IPv6 /64.
+    loopback range (127.0.0.0/8, ::1) is one address, and so is an IPv6 /64. An in-place commit waits for the READs
+    sending what it changes at most ``io_timeout`` (:data:`~.config.GATE_TIMEOUT` without one), then is refused.
     ``cache_max_bytes`` caps the disk cache, counted in whole 4 KiB blocks per entry, the least recently used
     evicted first; "auto" (the default): half the space the cache's file system had free for it when the server
     started; None: no cap.
@@ -180,10 +181,8 @@ class Server:
         )
         # touched host memory of released tensors, reused for new ones (a weight update)
         pool = HostPool() if host_target is not None and host_target.memcpy_ok else None
-        remember = config.cache_dir is not None  # gate_timeout: an in-place commit's wait for readers
-        store = Store(
-            max_memory=config.max_memory, pool=pool, remember_digests=remember, gate_timeout=config.io_timeout
-        )
+        remember, gate = config.cache_dir is not None, config.gate_timeout  # gate: a commit's wait for readers
+        store = Store(max_memory=config.max_memory, pool=pool, remember_digests=remember, gate_timeout=gate)
         cache = (
             TensorCache(config.cache_dir, max_bytes=config.cache_max_bytes) if config.cache_dir is not None else None
         )
@@ -290,7 +289,8 @@ class Server:
     def reading(self, names: Iterable[str] | None = None) -> Iterator[dict[str, Array]]:
         """The tensors of ``names`` (None: all) as :meth:`tensors` gives them, held off in-place
         updates until the block ends, so a caller copying them out gets one version of each. Keep
-        it short: an in-place update waits for it (at most ``io_timeout``, then it is refused)."""
+        it short: an in-place update waits for it (at most ``config.gate_timeout``, then it is refused). A
+        block may take tensors again inside it, in the same thread, without waiting for that update."""
         with self._store.reading_entries(names) as entries:
             yield self._store.handed_out(entries)
 
