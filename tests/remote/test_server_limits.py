@@ -331,9 +331,15 @@ def test_what_applying_a_delta_takes_is_charged_before_it_is_decoded():
 
 
 def test_an_in_place_commits_wait_for_readers_is_bounded_also_without_an_io_timeout():
+    import inspect
+
+    from weightlift.remote.client import Client
     from weightlift.remote.server.config import GATE_TIMEOUT
 
+    client_default = inspect.signature(Client).parameters["timeout"].default
     assert ServerConfig(max_memory=0, io_timeout=5.0).gate_timeout == 5.0
-    assert ServerConfig(max_memory=0, io_timeout=None).gate_timeout == GATE_TIMEOUT == 60.0
+    # below the client's default timeout: a client waiting for its COMMIT hears the refusal
+    assert ServerConfig(max_memory=0, io_timeout=60.0).gate_timeout == GATE_TIMEOUT == 20.0 < client_default
+    assert ServerConfig(max_memory=0, io_timeout=None).gate_timeout == GATE_TIMEOUT
     with Server(io_timeout=None) as s:  # a server without an I/O deadline: the config it runs with
         assert s.config.io_timeout is None and s.config.gate_timeout == GATE_TIMEOUT

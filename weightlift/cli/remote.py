@@ -86,7 +86,7 @@ def _register_serve(sub: Any) -> None:
         default=60.0,
         metavar="S",
         help="close a connection stalled S seconds inside a message or a reply (default 60; 0: never), and "
-        "refuse an in-place commit that READs of its tensors hold up as long (with 0: 60 s)",
+        "refuse an in-place commit that READs of its tensors hold up as long, at most 20 s",
     )
     s.add_argument(
         "--max-per-address",

@@ -46,9 +46,12 @@ MAX_PER_ADDRESS = 32  # connections from one peer address (loopback: all of it; 
 HANDSHAKE_TIMEOUT = 10.0  # seconds from accept for a connection to become READY (HELLO, AUTH)
 IDLE_TIMEOUT = 300.0  # seconds a READY connection may wait between requests before it is closed
 IO_TIMEOUT = 60.0  # seconds one receive inside a frame or payload, or one send, may wait
-# seconds an in-place commit waits for the READs of what it changes where there is no io_timeout:
-# a reader that stops taking its reply then holds its tensor for good, and so would the commit
-GATE_TIMEOUT = 60.0
+# the most seconds an in-place commit waits for the READs of what it changes (less where
+# io_timeout is less): without a bound a reader that stops taking its reply holds its tensor,
+# and the commit, for good; and it is below a client's default timeout (30 s), so that a client
+# waiting for its COMMIT's reply hears the refusal instead of giving up while the server may
+# still switch the update in
+GATE_TIMEOUT = 20.0
 MIN_FRAME_RATE = 64 * 1024  # bytes per second: a frame of N bytes must arrive within IO_TIMEOUT + N / this
 MEMORY_FRACTION = 0.9  # of physical RAM: a cpu server's max_memory when none is given
 
@@ -157,8 +160,8 @@ class ServerConfig:
     @property
     def gate_timeout(self) -> float:
         """How long an in-place commit waits for the READs sending what it changes, then is
-        refused with nothing changed: ``io_timeout``, or :data:`GATE_TIMEOUT` without one."""
-        return self.io_timeout if self.io_timeout is not None else GATE_TIMEOUT
+        refused with nothing changed: ``io_timeout``, at most :data:`GATE_TIMEOUT`."""
+        return GATE_TIMEOUT if self.io_timeout is None else min(self.io_timeout, GATE_TIMEOUT)
 
 
 def configure(

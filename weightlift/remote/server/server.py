@@ -111,7 +111,7 @@ class Server:
     not arrived within ``io_timeout + N / min_frame_rate`` seconds of its first byte (``min_frame_rate`` in
     bytes per second, default :data:`MIN_FRAME_RATE`; None: no such deadline). For ``max_per_address`` the whole
     loopback range (127.0.0.0/8, ::1) is one address, and so is an IPv6 /64. An in-place commit waits for the READs
-    sending what it changes at most ``io_timeout`` (:data:`~.config.GATE_TIMEOUT` without one), then is refused.
+    sending what it changes at most ``io_timeout``, and at most :data:`~.config.GATE_TIMEOUT`, then is refused.
     ``cache_max_bytes`` caps the disk cache, counted in whole 4 KiB blocks per entry, the least recently used
     evicted first; "auto" (the default): half the space the cache's file system had free for it when the server
     started; None: no cap.
