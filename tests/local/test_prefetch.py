@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -120,3 +121,43 @@ def test_a_prefetch_of_its_own_refuses_a_file_changed_since_its_header(tmp_path)
     write(path, tensors[:2])  # replaced: another identity
     with pytest.raises(FormatError, match="changed on disk"):
         wl.prefetch(ck, keep=False)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_does_not_wait_for_or_skip_files_for_its_parents_prefetch(tmp_path, monkeypatch):
+    """A child forked while a prefetch runs (and holds the registry's lock) neither hangs on the
+    lock nor leaves the file to a read that is not running in it: its own prefetch reads it."""
+    path, _ = _cold_file(tmp_path)
+    gate = threading.Event()
+    real = prefetch.map_in
+
+    def held(regions, *, threads):
+        gate.wait(10)
+        return real(regions, threads=threads)
+
+    monkeypatch.setattr(prefetch, "map_in", held)
+    job = wl.prefetch(path)
+    prefetch._prefetch_lock.acquire()  # as if the prefetch thread held it at the fork
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: must not hang, and must read the file itself
+            ok = False
+            try:
+                prefetch.await_prefetches([str(path)])
+                ok = wl.prefetch(path).files == [str(path)]
+            finally:
+                os._exit(0 if ok else 1)
+    finally:
+        prefetch._prefetch_lock.release()
+        gate.set()
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if not done:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    job.wait()
+    assert done and os.waitstatus_to_exitcode(status) == 0

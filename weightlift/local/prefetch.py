@@ -52,6 +52,19 @@ _prefetches: dict[str, Prefetch] = {}  # by file: the prefetch reading it now
 _prefetch_lock = threading.Lock()
 
 
+def _forget_in_child() -> None:
+    """In a forked child (vLLM forks its engine core while a read ahead may be running): the
+    parent's prefetch threads are not here, so their files are not being read for this process,
+    and the lock may have been held at the fork."""
+    global _prefetch_lock
+    _prefetch_lock = threading.Lock()
+    _prefetches.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def prefetch(path: str | os.PathLike[str] | Checkpoint, *, select: Select = None, keep: bool = True) -> Prefetch:
     """Start reading the selected bytes of a checkpoint's cold files into the page cache, on a
     background thread, and return at once.
