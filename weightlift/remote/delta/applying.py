@@ -100,9 +100,8 @@ def _in_flight(nbytes: int, chunk: int) -> int:
 def scratch_bound(encoding: int, payload: memoryview, nbytes: int, item: int) -> int:
     """The most memory :func:`apply_hashed` takes besides its inputs and its output while it
     applies ``payload`` to a tensor of ``nbytes``: per chunk being applied (at most
-    :data:`APPLY_AHEAD` at once), its decompressed frame
-    (PLANES: and one block to join its planes in), and, for SPARSE, the changes' positions and one
-    block's indices. What an in-place
+    :data:`APPLY_AHEAD` at once), its decompressed frame and, for PLANES, one block to join its
+    planes in, for SPARSE, the changes' positions and one block's indices. What an in-place
     application keeps to be undone comes on top (:attr:`Undo.nbytes`). 0 for a payload refused
     from its head. A server charges it before it applies."""
     if encoding not in (SPARSE, XOR, PLANES) or item < 1 or len(payload) < HEAD.size:
