@@ -2,7 +2,7 @@
 
 A bf16 tensor (``--mib``, default 128) gets an Adam-like step at a learning rate where the given
 fractions of its values change (1 %, 10 %, 100 % by default; a changed value moves by one unit
-in its last place, as small steps do). For each fraction and each encoding (SPARSE, XOR) this
+in its last place, as small steps do). For each fraction and each encoding (SPARSE, XOR, PLANES) this
 prints the payload's size and rates in GB/s of tensor: ``encode`` (:func:`~weightlift.remote.delta.encode`,
 every core, no hash), ``scan`` (the client's one pass: hash, compare, encode and refresh the kept
 base, one thread), ``apply`` into fresh memory and ``inplace`` (every core, no hash), ``+hash``
@@ -109,13 +109,13 @@ def main() -> None:
     for frac in (float(f) for f in args.fractions.split(",")):
         new = step(w, frac, rng).view(np.uint8)
         changed = float((new.view(np.uint16) != base.view(np.uint16)).mean())
-        chosen = D.choose(new, base, 2)
-        for name, enc in (("sparse", D.SPARSE), ("xor", D.XOR)):
+        chosen = D.choose(new, base, 2, planes=True)
+        for name, enc in (("sparse", D.SPARSE), ("xor", D.XOR), ("planes", D.PLANES)):
             row = measure(enc, new, base, out, args.repeat)
             row.update(
                 changed=round(changed, 4),
                 encoding=name,
-                chosen={D.SPARSE: "sparse", D.XOR: "xor", None: "whole"}[chosen],
+                chosen={D.SPARSE: "sparse", D.XOR: "xor", D.PLANES: "planes", None: "whole"}[chosen],
             )
             row["apply_and_hash_gbs"] = round(base.nbytes / (row.pop("apply_s") + hash_s) / 1e9, 2)
             rows.append(row)

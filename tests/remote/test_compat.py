@@ -31,8 +31,8 @@ def _model(tmp_path) -> tuple[str, dict[str, bytes]]:
     return write_u8(tmp_path / "m.safetensors", tensors)
 
 
-# the previous minor's four pairings, and minor 1's with the current one
-PAIRINGS = [(NEW, NEW), (NEW, OLD), (OLD, NEW), (OLD, OLD), (NEW, 1), (1, NEW), (1, OLD)]
+# the previous minor's four pairings, and minor 1's and 2's with the current one
+PAIRINGS = [(NEW, NEW), (NEW, OLD), (OLD, NEW), (OLD, OLD), (NEW, 1), (1, NEW), (1, OLD), (NEW, 2), (2, NEW)]
 
 
 @pytest.mark.parametrize("client_minor,server_minor", PAIRINGS)

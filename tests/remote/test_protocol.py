@@ -66,13 +66,13 @@ def test_command_values_are_pinned():
     assert int(Capability.CACHE) == 1 and int(Capability.AUTH) == 2
     assert int(Capability.VERIFY) == 4 and int(Capability.MAC) == 8 and int(Capability.DELTA) == 16
     assert (P.Delta.FLAG_VERIFY, P.Update.FLAG_IN_PLACE, P.Commit.FLAG_ABORT) == (1, 1, 1)
-    assert [int(e) for e in P.DeltaEncoding] == [0, 1, 2]
+    assert [int(e) for e in P.DeltaEncoding] == [0, 1, 2, 3]
     assert (Alloc.FLAG_DIGEST, Alloc.FLAG_VERIFY, Barrier.FLAG_DIGESTS, Read.FLAG_DIGEST) == (1, 2, 1, 1)
     assert [int(c) for c in P.ErrorCode] == [1, 2, 3, 4, 5, 6, 7]
 
 
 def test_versions_and_limits_are_pinned():
-    assert (P.PROTOCOL_MAJOR, P.PROTOCOL_MINOR, P.PREVIOUS_MINOR) == (1, 3, 2)
+    assert (P.PROTOCOL_MAJOR, P.PROTOCOL_MINOR, P.PREVIOUS_MINOR) == (1, 4, 3)
     assert (P.MAX_DIGESTS, P.MAC_SIZE) == (4096, 32)
     assert P.MAX_FRAME == 16 << 20
     assert (P.MAX_NAME, P.MAX_DIMS, P.MAX_TENSORS) == (4096, 64, 65536)
@@ -158,6 +158,20 @@ GOLDEN = [
         + "0100770400000000000000",
     ),
     (
+        P.Delta(7, "w", "F32", (2,), 8, P.DeltaEncoding.PLANES, D1, D2, 12),
+        "0c00000064000000"
+        + "07000000"
+        + "0b00"
+        + "01"
+        + "03"  # PLANES
+        + "00"
+        + "0800000000000000"
+        + "0c00000000000000"
+        + D1.hex()
+        + D2.hex()
+        + "0100770200000000000000",
+    ),
+    (
         P.Delta(6, "w", "F32", (), 4, P.DeltaEncoding.SAME, D2, D2, 0),
         "0c0000005c000000"
         + "06000000"
@@ -223,6 +237,15 @@ def test_minor_two_layouts_are_unchanged(msg, hexbytes):
     assert dec.next_event() == msg  # the generation absent: 0
     with pytest.raises(LocalProtocolError, match="minor 3"):
         send(Read("w", 0, 4, 0, 0, 1), minor=2)
+
+
+def test_planes_needs_minor_four_and_the_rest_of_delta_does_not():
+    planes = P.Delta(7, "w", "F32", (2,), 8, P.DeltaEncoding.PLANES, D1, D2, 12)
+    with pytest.raises(LocalProtocolError, match="PLANES encoding requires minor 4"):
+        send(planes, minor=3)
+    xor = P.Delta(7, "w", "F32", (2,), 8, P.DeltaEncoding.XOR, D1, D2, 12)
+    assert send(xor, minor=3) == send(xor)  # minor 4 changed no layout
+    assert [P.planes_usable(m) for m in range(6)] == [False] * 4 + [True] * 2
 
 
 def test_every_command_has_a_message_type_and_golden_case():

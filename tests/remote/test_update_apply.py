@@ -65,7 +65,7 @@ def _bad_middle(encoding: int, payload: bytes) -> bytes:
     """The payload with its middle chunk's frame replaced by one a byte short of the chunk."""
     chunk, frames = _frames(payload)
     mid = len(frames) // 2
-    short = bytes(chunk - 1) if encoding == D.XOR else struct.pack("<I", 1) + bytes(4)  # SPARSE: no element
+    short = bytes(chunk - 1) if encoding != D.SPARSE else struct.pack("<I", 1) + bytes(4)  # SPARSE: no element
     frames[mid] = zstandard.ZstdCompressor(level=1).compress(short)
     return _payload(chunk, frames)
 
@@ -73,8 +73,9 @@ def _bad_middle(encoding: int, payload: bytes) -> bytes:
 # -- the codec ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("encoding", [D.SPARSE, D.XOR])
-@pytest.mark.parametrize("item", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize(
+    "encoding,item", [(e, i) for e in (D.SPARSE, D.XOR, D.PLANES) for i in (1, 2, 3, 4, 8) if e != D.PLANES or i > 1]
+)
 def test_many_chunks_on_the_workers_give_the_bytes_and_their_digest(many_chunks, encoding, item):
     base, new = _pair(item, (40 * CHUNK) // item + 7, 0.01, seed=item)  # 41 chunks, a short last one
     new[5 * CHUNK : 9 * CHUNK] = base[5 * CHUNK : 9 * CHUNK]
@@ -83,7 +84,7 @@ def test_many_chunks_on_the_workers_give_the_bytes_and_their_digest(many_chunks,
     _applies_both_ways(encoding, payload, base, new, item)
 
 
-@pytest.mark.parametrize("encoding", [D.SPARSE, D.XOR])
+@pytest.mark.parametrize("encoding", [D.SPARSE, D.XOR, D.PLANES])
 def test_a_bad_chunk_among_good_ones_is_refused_and_undone(many_chunks, encoding):
     base, new = _pair(2, 30 * CHUNK // 2, 0.05, seed=7)
     bad = memoryview(_bad_middle(encoding, _encoded(encoding, new, base, 2)))
@@ -207,7 +208,7 @@ def test_the_scratch_charged_covers_the_chunks_out_at_once(monkeypatch):
 def test_deltas_of_many_chunks_apply_byte_for_byte(many_chunks, in_place):
     v0 = _model()
     v1 = _step(v0, 0.01, seed=1)
-    v2 = _step(v1, 0.2, seed=2)  # XOR
+    v2 = _step(v1, 0.2, seed=2)  # PLANES (XOR to a server of minor 3)
     with Server() as srv, Client(srv.address, keep_base=True) as c:
         c.push(v0)
         for v in (v1, v2):

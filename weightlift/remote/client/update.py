@@ -49,7 +49,7 @@ from weightlift.errors import IntegrityError, RemoteProtocolError
 from weightlift.remote import delta as codec
 from weightlift.remote.client.memory import host_bytes, memory_tensors
 from weightlift.remote.client.push import Plan, Pusher
-from weightlift.remote.protocol import Commit, CommitReply, Delta, DeltaEncoding, Update
+from weightlift.remote.protocol import Commit, CommitReply, Delta, DeltaEncoding, Update, planes_usable
 
 __all__ = ["Bases", "Base", "UpdateSpec", "UpdatePusher"]
 
@@ -213,7 +213,7 @@ class UpdatePusher(Pusher):
         item = item_size(p.dtype)
         new, was = host_bytes(t), base.digest
         with self.prof.phase("stage", t.length, name="delta " + t.name, background=True):
-            encoding = codec.choose(new, base.data, item)
+            encoding = codec.choose(new, base.data, item, planes=planes_usable(self.conn.minor))
             parts, digest = codec.scan(encoding, new, base.data, item, update=self.spec.kept)
         if self.spec.kept:
             base.digest = digest  # the kept copy holds the new bytes now

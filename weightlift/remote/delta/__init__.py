@@ -13,13 +13,19 @@ and what a chunk's frame holds, by the DELTA's encoding:
 
 * ``XOR``: the chunk's new bytes XOR its base's (exactly the chunk's length): dense changes, where
   the sign and exponent of most values stay put and compress well;
+* ``PLANES`` (elements of two bytes or more): XOR's bytes regrouped into planes, byte ``k`` of
+  every element of the chunk in plane ``k`` (``k`` from 0, the byte's place in memory), the
+  planes one after another in one frame (exactly the chunk's length): the bytes that hold
+  signs and exponents, which rarely change, lie together and compress far better than
+  interleaved with the mantissas' (smaller and faster to compress than ``XOR``);
 * ``SPARSE``: ``count:u32``, ``gap:u32 * count`` (the changed elements' indices within the
   chunk as differences: the first from 0, the others from the one before, never 0), then the
   ``count`` new elements: a few changed values, applied in time proportional to them rather
   than to the tensor.
 
 Which one a tensor gets is decided by :func:`choose` from a sample of its elements: SPARSE
-where at most :data:`SPARSE_MAX` of them changed, XOR where the sample compresses to at most
+where at most :data:`SPARSE_MAX` of them changed, XOR (PLANES where the receiver applies it and
+elements have two bytes or more) where the sample compresses to at most
 :data:`DENSE_RATIO_MAX` of its size, else none (the tensor is sent whole, and the attempt cost
 only the sample). Sub-byte dtypes (packed 4-bit and smaller) always travel whole.
 
@@ -47,6 +53,7 @@ from weightlift.remote.delta.applying import Undo, apply, apply_hashed, scratch_
 from weightlift.remote.delta.chunks import (
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
+    PLANES,
     SAME,
     SPARSE,
     XOR,
@@ -69,6 +76,7 @@ __all__ = [
     "SAME",
     "SPARSE",
     "XOR",
+    "PLANES",
     "DeltaError",
     "Undo",
     "available",

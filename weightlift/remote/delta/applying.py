@@ -32,6 +32,7 @@ from weightlift.remote.delta.chunks import (
     HEAD,
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
+    PLANES,
     SAME,
     SPARSE,
     U32,
@@ -40,6 +41,7 @@ from weightlift.remote.delta.chunks import (
     block_size,
     cores,
     elements,
+    join_planes,
     whole_pass,
     workers,
     zstd,
@@ -98,17 +100,19 @@ def _in_flight(nbytes: int, chunk: int) -> int:
 def scratch_bound(encoding: int, payload: memoryview, nbytes: int, item: int) -> int:
     """The most memory :func:`apply_hashed` takes besides its inputs and its output while it
     applies ``payload`` to a tensor of ``nbytes``: per chunk being applied (at most
-    :data:`APPLY_AHEAD` at once), its decompressed frame
-    and, for SPARSE, the changes' positions and one block's indices. What an in-place
+    :data:`APPLY_AHEAD` at once), its decompressed frame and, for PLANES, one block to join its
+    planes in, for SPARSE, the changes' positions and one block's indices. What an in-place
     application keeps to be undone comes on top (:attr:`Undo.nbytes`). 0 for a payload refused
     from its head. A server charges it before it applies."""
-    if encoding not in (SPARSE, XOR) or item < 1 or len(payload) < HEAD.size:
+    if encoding not in (SPARSE, XOR, PLANES) or item < 1 or len(payload) < HEAD.size:
         return 0
     stated = HEAD.unpack_from(payload)[0]
     chunk = min(stated, MAX_CHUNK_BYTES, nbytes)
     times = _in_flight(nbytes, max(stated, 1))
     if encoding == XOR:
         return chunk * times
+    if encoding == PLANES:
+        return (chunk + min(block_size(item), chunk)) * times
     n = chunk // item
     return times * (_sparse_raw_bound(n, item) + U32.size * n + 8 * (block_size(item) // item + 1))
 
@@ -179,6 +183,27 @@ def _apply_xor(frame: memoryview, base: np.ndarray, out: np.ndarray, hasher: Any
         ob = out[o : o + step]
         np.bitwise_xor(base[o : o + step], x[o : o + step], out=ob)
         hasher.update(ob)
+
+
+def _apply_planes(frame: memoryview, base: np.ndarray, out: np.ndarray, item: int, hasher: Any = None) -> None:
+    """A PLANES chunk over ``base`` into ``out`` (which may be ``base``): a block at a time, its
+    elements joined from the planes into a block of scratch, XORed onto the base and hashed."""
+    n = base.nbytes
+    if n % item:
+        raise DeltaError(f"PLANES chunk of {n} bytes is not a whole number of {item}-byte elements")
+    raw = _decompress(frame, n)
+    if len(raw) != n:
+        raise DeltaError(f"PLANES chunk decompresses to {len(raw)} bytes, not the chunk's {n}")
+    planes = np.frombuffer(raw, np.uint8).reshape(item, n // item)
+    block = block_size(item)
+    x = np.empty(min(block, n), np.uint8)
+    for o in range(0, n, block):
+        ob = out[o : o + block]
+        xb = x[: ob.nbytes]
+        join_planes(planes, o // item, xb, item)
+        np.bitwise_xor(base[o : o + block], xb, out=ob)
+        if hasher is not None:
+            hasher.update(ob)
 
 
 def _sparse_decode(frame: memoryview, nbytes: int, item: int) -> tuple[np.ndarray, np.ndarray]:
@@ -256,7 +281,7 @@ def _scatter(
 def _check_encoding(encoding: int, payload: memoryview, item: int) -> None:
     if encoding == SAME and len(payload):
         raise DeltaError("a SAME delta carries no payload")
-    if encoding not in (SAME, SPARSE, XOR) or item < 1:
+    if encoding not in (SAME, SPARSE, XOR, PLANES) or item < (2 if encoding == PLANES else 1):
         raise DeltaError(f"DELTA encoding {encoding} for {item}-byte elements is not one this server applies")
 
 
@@ -285,6 +310,10 @@ def _chunk_applier(
             _apply_xor(f, b, o, hasher)
             if undo is not None and in_place:
                 undo.add(lambda: _apply_xor(f, o, o))
+        elif encoding == PLANES:
+            _apply_planes(f, b, o, item, hasher)
+            if undo is not None and in_place:  # XOR again: the frame is decoded again, nothing kept
+                undo.add(lambda: _apply_planes(f, o, o, item))
         else:
             _apply_sparse(f, b, o, item, in_place, undo, hasher)
 

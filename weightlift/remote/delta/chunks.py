@@ -29,6 +29,7 @@ __all__ = [
     "SAME",
     "SPARSE",
     "XOR",
+    "PLANES",
     "HEAD",
     "U32",
     "DeltaError",
@@ -38,6 +39,8 @@ __all__ = [
     "zstd",
     "elements",
     "block_size",
+    "split_planes",
+    "join_planes",
     "chunk_size",
     "whole_pass",
     "payload_bound",
@@ -54,7 +57,7 @@ MAX_CHUNK_BYTES = 64 << 20  # the largest chunk a payload may state (what one wo
 MIN_CHUNK_BYTES = 64 << 10
 LEVEL = 1  # zstd's fastest standard level: deltas are cut on the sender's critical path
 
-SAME, SPARSE, XOR = 0, 1, 2  # DeltaEncoding values (the protocol's enum; kept numeric here)
+SAME, SPARSE, XOR, PLANES = 0, 1, 2, 3  # DeltaEncoding values (the protocol's enum; kept numeric here)
 HEAD = struct.Struct("<II")
 U32 = struct.Struct("<I")
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -111,6 +114,20 @@ def elements(buf: np.ndarray, item: int) -> np.ndarray:
     """``buf`` (uint8) as one row per element: an unsigned integer where one is that wide."""
     kind = UINT.get(item)
     return buf.view(kind) if kind is not None else buf.reshape(-1, item)
+
+
+def split_planes(x: np.ndarray, planes: np.ndarray, at: int, item: int) -> None:
+    """Byte ``k`` of each ``item``-byte element of ``x`` into row ``k`` of ``planes``, from column ``at``."""
+    rows = x.reshape(-1, item)
+    for k in range(item):  # a strided copy a plane: numpy's one 2-D transposed copy is slower, joining far slower
+        np.copyto(planes[k, at : at + len(rows)], rows[:, k])
+
+
+def join_planes(planes: np.ndarray, at: int, x: np.ndarray, item: int) -> None:
+    """:func:`split_planes` undone: ``x``'s elements from ``planes``' columns from ``at``."""
+    rows = x.reshape(-1, item)
+    for k in range(item):
+        np.copyto(rows[:, k], planes[k, at : at + len(rows)])
 
 
 def payload_bound(nbytes: int) -> int:

@@ -20,6 +20,7 @@ from weightlift.remote.protocol.session import (
     SessionState,
     cache_usable,
     mac_usable,
+    planes_usable,
     update_usable,
     verify_usable,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "SessionState",
     "cache_usable",
     "mac_usable",
+    "planes_usable",
     "update_usable",
     "verify_usable",
     "client_mac",

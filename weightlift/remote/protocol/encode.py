@@ -45,6 +45,7 @@ from weightlift.remote.protocol.messages import (
     Commit,
     CommitReply,
     Delta,
+    DeltaEncoding,
     Error,
     FillFromCache,
     Free,
@@ -214,6 +215,8 @@ def _enc_delta(m: Delta, minor: int) -> bytes:
     if any(d < 0 for d in m.shape) or m.nbytes < 0 or m.length < 0:
         raise LocalProtocolError(f"DELTA {m.name!r}: negative shape {m.shape}, size or length")
     name = _name(m.name, "tensor name")
+    if m.encoding == DeltaEncoding.PLANES:
+        _since(minor, 4, "DELTA's PLANES encoding")
     flags = Delta.FLAG_VERIFY if m.verify else 0
     head = (m.tensor_id, _code(m.dtype), len(m.shape), m.encoding, flags, m.nbytes, m.length)
     digests = (_digest(m.base, "DELTA base digest"), _digest(m.digest, "DELTA digest"))

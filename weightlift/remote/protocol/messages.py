@@ -100,20 +100,19 @@ __all__ = [
 ]
 
 PROTOCOL_MAJOR = 1
-# Minor 1 added the content cache (HAVE, FILL_FROM_CACHE, the CACHE flag, BARRIER_REPLY's need
-# list) and HELLO's max_memory. Minor 2 added verification (ALLOC's VERIFY flag, BARRIER's flags
-# and BARRIER_REPLY's digests, READ's flags and READ_REPLY's digest) and, on a connection with a
-# token, a MAC after every frame (see ``weightlift.remote.protocol.mac``). Minor 3 added weight
-# updates: DELTA (a tensor sent as what changed against a base the server holds, the DELTA flag),
-# UPDATE and COMMIT (a set of tensors made visible at once) and COMMIT_REPLY (the set's digest).
-PROTOCOL_MINOR = 3
-PREVIOUS_MINOR = 2
+# Minor 1 added the content cache (HAVE, FILL_FROM_CACHE, the CACHE flag, BARRIER_REPLY's need list) and
+# HELLO's max_memory. Minor 2 added verification (ALLOC's VERIFY flag, BARRIER's flags and BARRIER_REPLY's
+# digests, READ's flags and READ_REPLY's digest) and, on a connection with a token, a MAC after every frame
+# (see ``weightlift.remote.protocol.mac``). Minor 3 added weight updates: DELTA (a tensor sent as what changed
+# against a base the server holds, the DELTA flag), UPDATE and COMMIT (a set of tensors made visible at once)
+# and COMMIT_REPLY (the set's digest). Minor 4 added DELTA's PLANES encoding; no message changed.
+PROTOCOL_MINOR = 4
+PREVIOUS_MINOR = 3
 
 # Limits checked by the decoder before anything is allocated from a length on the wire.
 MAX_FRAME = 16 * 1024 * 1024  # body bytes of one frame (payloads are not frames)
-# The smallest max_frame a client may state in HELLO (0 means "not stated", i.e. MAX_FRAME):
-# every reply a server can send fits in it, the largest being a BARRIER_REPLY with MAX_ERRORS
-# errors of MAX_MESSAGE bytes and a need list of MAX_TENSORS ids (about 513 KiB).
+# The smallest max_frame a client may state in HELLO (0: not stated, MAX_FRAME): every reply a server sends fits
+# in it, the largest a BARRIER_REPLY with MAX_ERRORS errors of MAX_MESSAGE bytes and MAX_TENSORS need ids (513 KiB).
 MIN_FRAME = 1024 * 1024
 # Until a session is READY (HELLO, and AUTH where wanted) a server takes frames of at most this
 # many body bytes: enough for HELLO and AUTH with room for later minors to append fields, and
@@ -501,6 +500,7 @@ class DeltaEncoding(IntEnum):
     SAME = 0  # the tensor is its base: no payload
     SPARSE = 1  # per chunk: the changed elements' positions and new values, zstd-compressed
     XOR = 2  # per chunk: the new bytes XOR the base's, zstd-compressed
+    PLANES = 3  # per chunk: XOR's bytes as byte planes (byte k of every element together), zstd-compressed; minor 4
 
 
 @dataclass(frozen=True, slots=True)

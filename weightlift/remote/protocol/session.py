@@ -9,7 +9,7 @@ no I/O: the caller moves the bytes (:mod:`weightlift.remote.transport`), so the 
 runs over any stream and back to back in memory in the tests.
 
 What a minor version enables is said once, here (:func:`cache_usable`, :func:`verify_usable`,
-:func:`mac_usable`, :func:`update_usable`), and both ends ask.
+:func:`mac_usable`, :func:`update_usable`, :func:`planes_usable`), and both ends ask.
 """
 
 from __future__ import annotations
@@ -41,16 +41,23 @@ __all__ = [
     "verify_usable",
     "mac_usable",
     "update_usable",
+    "planes_usable",
 ]
 
 VERIFY_SINCE = 2  # ALLOC's VERIFY flag, BARRIER_REPLY's digests, READ_REPLY's digest
 MAC_SINCE = 2  # a MAC after every frame once a token was proven
 UPDATE_SINCE = 3  # DELTA, UPDATE, COMMIT
+PLANES_SINCE = 4  # DELTA's PLANES encoding
 
 
 def update_usable(minor: int) -> bool:
     """Whether a connection that speaks ``minor`` can send DELTA, UPDATE and COMMIT."""
     return minor >= UPDATE_SINCE
+
+
+def planes_usable(minor: int) -> bool:
+    """Whether a connection that speaks ``minor`` can send a DELTA in the PLANES encoding."""
+    return minor >= PLANES_SINCE
 
 
 def cache_usable(minor: int) -> bool:

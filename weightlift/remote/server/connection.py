@@ -60,6 +60,7 @@ from weightlift.remote.protocol import (
     frame_keys,
     mac_usable,
     new_nonce,
+    planes_usable,
     send,
     server_mac,
     update_usable,
@@ -121,7 +122,13 @@ class Connection:
         self._done = False  # set by a handler when the connection is to end
         self.switch: Switch | None = None  # the open update (UPDATE to COMMIT)
         self.deltas = Deltas(
-            self.store, self.rx, self.frames, lambda: self.switch, self.prof, enabled=self._deltas_usable()
+            self.store,
+            self.rx,
+            self.frames,
+            lambda: self.switch,
+            self.prof,
+            enabled=self._deltas_usable(),
+            planes=lambda: planes_usable(self.minor),
         )
         rx = self.rx
         self._handlers: dict[type[Message], Callable[[Any], None]] = {

@@ -56,6 +56,7 @@ class Deltas:
         prof: Profiler,
         *,
         enabled: bool,
+        planes: Callable[[], bool],
     ):
         self._store = store
         self._rx = rx
@@ -63,6 +64,7 @@ class Deltas:
         self._switch = switch
         self._prof = prof
         self._enabled = enabled  # host memory and the codec: else every DELTA is answered "need"
+        self._planes = planes  # whether the minor negotiated knows PLANES (known once HELLO came)
 
     def delta(self, d: Delta) -> None:
         got = self._receive(d)
@@ -134,6 +136,11 @@ class Deltas:
         if d.tensor_id in rx.pending or (d.encoding == DeltaEncoding.SAME and (payload.nbytes or d.digest != d.base)):
             why = f"DELTA of {d.name!r}: tensor id {d.tensor_id} is in flight, or a SAME delta that changes something"
             rx.outcomes.error(why)
+            return False
+        if d.encoding == DeltaEncoding.PLANES and not self._planes():
+            # as a server of that minor would answer: an encoding it does not know
+            rx.outcomes.error(f"DELTA of {d.name!r}: encoding PLANES needs protocol minor 4")
+            rx.outcomes.mark_failed(d.tensor_id)
             return False
         if base is not None and d.encoding == DeltaEncoding.SAME:
             # the tensor is its base, already there: it stays (and belongs to the open update)
