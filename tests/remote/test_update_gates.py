@@ -340,7 +340,8 @@ def test_server_reading_in_place_writers_of_disjoint_sets_and_fills_together_nev
         def filler() -> None:
             with Client(srv.address) as f:
                 while not stop.is_set():
-                    got = srv.tensors()["a0"].copy()  # bytes the server holds: sent, it fills from memory
+                    with srv.reading(["a0"]) as now:  # one version: a plain copy could straddle a switch
+                        got = now["a0"].copy()  # bytes the server holds: sent, it fills from memory
                     f.push({"copy": got}, hash_threshold=0)
                     held = srv.tensors()["copy"]
                     if held.min() != held.max():
