@@ -149,15 +149,17 @@ def test_a_forked_child_does_not_wait_for_or_skip_files_for_its_parents_prefetch
                 os._exit(0 if ok else 1)
     finally:
         prefetch._prefetch_lock.release()
+    try:  # the parent's read stays held until the child is done: it would make the file resident
+        deadline = time.monotonic() + 30
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if not done:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+    finally:
         gate.set()
-    deadline = time.monotonic() + 30
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    if not done:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
     job.wait()
     assert done and os.waitstatus_to_exitcode(status) == 0
