@@ -107,7 +107,7 @@ def test_a_file_another_prefetch_is_reading_is_left_to_it(tmp_path, monkeypatch)
     first = wl.prefetch(path, keep=False)
     try:
         second = wl.prefetch(path)
-        assert second.files == [] and second.done
+        assert second.files == []  # read by the first (whose read its wait() waits for)
     finally:
         gate.set()
     first.wait()
@@ -120,3 +120,31 @@ def test_a_prefetch_of_its_own_refuses_a_file_changed_since_its_header(tmp_path)
     write(path, tensors[:2])  # replaced: another identity
     with pytest.raises(FormatError, match="changed on disk"):
         wl.prefetch(ck, keep=False)
+
+
+def test_a_prefetch_left_a_file_another_is_reading_waits_for_that_read(tmp_path, monkeypatch):
+    """wait() waits until the files are read in, also those another prefetch was reading when
+    this one started (left to it): a caller's wait does not return on a cold file."""
+    path, _ = _cold_file(tmp_path)
+    gate, started = threading.Event(), threading.Event()
+    real = prefetch.map_in
+
+    def held(regions, *, threads):
+        started.set()
+        gate.wait(10)
+        return real(regions, threads=threads)
+
+    monkeypatch.setattr(prefetch, "map_in", held)
+    first = wl.prefetch(path, keep=False)
+    started.wait(10)
+    try:
+        second = wl.prefetch(path)
+        assert not second.done
+        waiter = threading.Thread(target=second.wait)
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive()  # held by the first one's read
+    finally:
+        gate.set()
+    waiter.join(10)
+    assert not waiter.is_alive() and first.done and second.done

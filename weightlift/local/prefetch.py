@@ -29,21 +29,32 @@ class Prefetch:
     """Files of a checkpoint being read into the page cache on a thread of their own (see
     :func:`prefetch`). A load of the same files waits for it instead of reading them again."""
 
-    def __init__(self, files: list[str], thread: threading.Thread | None, *, awaited: bool = True):
+    def __init__(
+        self,
+        files: list[str],
+        thread: threading.Thread | None,
+        *,
+        awaited: bool = True,
+        after: list[Prefetch] | None = None,
+    ):
         self.files = files
         self._thread = thread
         self.error: BaseException | None = None
         #: whether a load of the same files waits for it (not for one through mappings of its own)
         self.awaited = awaited
+        self._after = after or []  # the prefetches reading the selected files it left to them
 
     @property
     def done(self) -> bool:
-        return self._thread is None or not self._thread.is_alive()
+        return (self._thread is None or not self._thread.is_alive()) and all(j.done for j in self._after)
 
     def wait(self) -> None:
-        """Wait until the files are read in; a read error is raised here (and by the load)."""
+        """Wait until the files are read in (also those left to another prefetch already reading
+        them); a read error is raised here (and by the load)."""
         if self._thread is not None:
             self._thread.join()
+        for j in self._after:
+            j.wait()
         if self.error is not None:
             raise self.error
 
@@ -81,12 +92,14 @@ def prefetch(path: str | os.PathLike[str] | Checkpoint, *, select: Select = None
     if ckpt.source is not None:
         return Prefetch([], None)
     with _prefetch_lock:  # a file another prefetch is reading now: its read is this one's
-        files = [f for f in dict.fromkeys(t.file for t in infos) if f not in _prefetches]
+        selected = list(dict.fromkeys(t.file for t in infos))
+        files = [f for f in selected if f not in _prefetches]
+        after = list({id(j): j for f in selected if (j := _prefetches.get(f)) is not None}.values())
     maps = {f: ckpt.mapped(f) if keep else _own_mapping(ckpt, f) for f in files}
     cold = [f for f in files if _resident(f, maps[f], keep) < RESIDENT_THRESHOLD]
     if not cold:
-        return Prefetch([], None)
-    job = Prefetch(cold, None, awaited=keep)
+        return Prefetch([], None, after=after)
+    job = Prefetch(cold, None, awaited=keep, after=after)
 
     regions = [(maps[r.file].address() + r.offset, r.length, r.file) for r in make_runs(infos) if r.file in cold]
     from weightlift.disk.storage import readers_for
