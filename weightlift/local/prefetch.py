@@ -8,6 +8,7 @@ foreground read a ``copy=False`` load does before it hands out views of the mapp
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable
@@ -43,6 +44,7 @@ class Prefetch:
         #: whether a load of the same files waits for it (not for one through mappings of its own)
         self.awaited = awaited
         self._after = after or []  # the prefetches reading the selected files it left to them
+        self._own: dict[str, MappedFile] = {}  # keep=False: its own mappings, while it reads
 
     @property
     def done(self) -> bool:
@@ -100,6 +102,7 @@ def prefetch(path: str | os.PathLike[str] | Checkpoint, *, select: Select = None
     if not cold:
         return Prefetch([], None, after=after)
     job = Prefetch(cold, None, awaited=keep, after=after)
+    job._own = {} if keep else maps
 
     regions = [(maps[r.file].address() + r.offset, r.length, r.file) for r in make_runs(infos) if r.file in cold]
     from weightlift.disk.storage import readers_for
@@ -117,6 +120,7 @@ def prefetch(path: str | os.PathLike[str] | Checkpoint, *, select: Select = None
             for f in cold if keep else ():
                 resident_fraction(f, refresh=True)  # what the load will see
             with _prefetch_lock:
+                job._own = {}
                 for f in cold:
                     if _prefetches.get(f) is job:
                         del _prefetches[f]
@@ -127,6 +131,27 @@ def prefetch(path: str | os.PathLike[str] | Checkpoint, *, select: Select = None
             _prefetches[f] = job
     job._thread.start()
     return job
+
+
+def _forget_in_child() -> None:
+    """In a child forked while prefetches ran: their threads are gone there, so are their
+    reads. Their files are no longer taken as being read, the lock (which one of them may have
+    held at the fork) is made anew, and their own mappings (keep=False) are let go, which the
+    threads' frames would otherwise hold for the child's life (vLLM forks its engine core from
+    the process reading ahead)."""
+    global _prefetch_lock
+    jobs = list({id(j): j for j in _prefetches.values()}.values())
+    _prefetches.clear()
+    _prefetch_lock = threading.Lock()
+    for j in jobs:
+        own, j._own = j._own, {}
+        for m in own.values():
+            with contextlib.suppress(BufferError):  # nothing here borrows from them; if so, it stays
+                m.close()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _own_mapping(ckpt: Checkpoint, file: str) -> MappedFile:
