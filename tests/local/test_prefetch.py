@@ -150,42 +150,60 @@ def test_a_prefetch_left_a_file_another_is_reading_waits_for_that_read(tmp_path,
     assert not waiter.is_alive() and first.done and second.done
 
 
-def test_a_process_forked_during_a_prefetch_of_its_own_keeps_neither_its_mappings_nor_its_jobs(tmp_path, monkeypatch):
+# Run in a fresh interpreter (a fork of the test process would leave its memory copy-on-write
+# for the tests after it): a prefetch of its own held inside its read, then a fork; the child
+# says by its exit code what it still has of it.
+_FORKED = r"""
+import gc, os, sys, threading
+from weightlift.local import prefetch
+
+path = sys.argv[1]
+gate, started = threading.Event(), threading.Event()
+real = prefetch.map_in
+
+def held(regions, *, threads):
+    started.set()
+    gate.wait(30)
+    return real(regions, threads=threads)
+
+def mapped_here():
+    real_path = os.path.realpath(path)
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip().endswith(real_path) for line in f)
+
+prefetch.map_in = held
+first = prefetch.prefetch(path, keep=False)
+assert started.wait(30) and mapped_here()
+with prefetch._prefetch_lock:  # held at the fork, as the reading thread may hold it
+    pid = os.fork()
+if pid == 0:
+    code = 3
+    try:
+        gc.collect()
+        code = 1 if mapped_here() else 2 if prefetch._prefetches else 0
+        if code == 0:
+            got = threading.Thread(target=prefetch.await_prefetches, args=([path],), daemon=True)
+            got.start()
+            got.join(5)
+            code = 4 if got.is_alive() else 0
+    finally:
+        os._exit(code)
+code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+gate.set()
+first.wait()
+sys.exit(code)
+"""
+
+
+def test_a_process_forked_during_a_prefetch_of_its_own_keeps_neither_its_mappings_nor_its_jobs(tmp_path):
     """vLLM forks its engine core while the read ahead runs: in the child the reading threads
     are gone, so their mappings are let go there, the prefetch's lock is free and the file is
-    no longer taken as being read (a prefetch in the child reads it itself)."""
+    no longer taken as being read."""
+    import subprocess
+    import sys
+
     path, _ = _cold_file(tmp_path)
-    gate, started = threading.Event(), threading.Event()
-    real = prefetch.map_in
-
-    def held(regions, *, threads):
-        started.set()
-        gate.wait(10)
-        return real(regions, threads=threads)
-
-    monkeypatch.setattr(prefetch, "map_in", held)
-    first = wl.prefetch(path, keep=False)
-    started.wait(10)
-    try:
-        assert _mapped_here(path)
-        with prefetch._prefetch_lock:  # held at the fork, as the reading thread may hold it
-            pid = os.fork()
-        if pid == 0:  # the child: no pytest machinery from here on, only _exit
-            code = 3
-            try:
-                gc.collect()
-                code = 1 if _mapped_here(path) else 2 if prefetch._prefetches else 0
-                if code == 0:
-                    got = threading.Thread(target=lambda: prefetch.await_prefetches([str(path)]), daemon=True)
-                    got.start()
-                    got.join(5)
-                    code = 4 if got.is_alive() else 0
-            finally:
-                os._exit(code)
-        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    finally:
-        gate.set()
-    first.wait()
-    assert code == 0, {1: "the child still maps the file", 2: "the child holds the job", 4: "the lock is held"}.get(
-        code
-    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    code = subprocess.run([sys.executable, "-c", _FORKED, str(path)], env=env, timeout=120).returncode
+    why = {1: "the child still maps the file", 2: "the child holds the job", 4: "the lock is held in the child"}
+    assert code == 0, why.get(code, f"exit {code}")
