@@ -213,15 +213,19 @@ def test_an_explicit_base_is_used_and_a_wrong_one_refused():
         assert r.set_digest == set_digest(_digests(_step(v1, 0.01, seed=2)))
 
 
-def test_a_base_replaced_by_another_client_is_refused_and_resent_whole():
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_base_replaced_by_another_client_is_refused_and_resent_whole(in_place):
+    # in place too: the tensor sent whole keeps the allocation its DELTA made, without a digest
+    # due in the BARRIER (the set digest proves it, as it proves the DELTAs)
     v0 = _model()
     with Server() as srv, Client(srv.address, keep_base=True) as a, Client(srv.address) as b:
         a.push(v0)
         other = dict(v0, **{"layer.0": _step(v0, 0.2, seed=5)["layer.0"]})
         b.push({"layer.0": other["layer.0"]})  # replaced behind a's back
         v1 = _step(v0, 0.01, seed=1)
-        r = a.push(v1)
+        r = a.push(v1, in_place=in_place)
         assert r.deltas == len(v1) - 1  # layer.0 came back in the need list and went whole
+        assert r.verified == len(v1)
         _holds(srv, v1)
         assert r.set_digest == set_digest(_digests(v1))
 

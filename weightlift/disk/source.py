@@ -86,7 +86,7 @@ class MappedFile:
             raise os_error(e, path, "cannot open") from None
         # the descriptor lives as long as this object (arrays borrowing the mapping keep the
         # mmap itself alive, which does not need it)
-        weakref.finalize(self, os.close, self._fd)
+        self._close_fd = weakref.finalize(self, os.close, self._fd)
         st = os.fstat(self._fd)  # the identity of what was opened, not of what the path names now
         self.identity = _Identity(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         self.size = st.st_size
@@ -99,6 +99,20 @@ class MappedFile:
 
     def fileno(self) -> int:
         return self._fd
+
+    def close(self) -> None:
+        """Unmap the file and close its descriptor now, not at the last reference: for a mapping
+        that nothing borrows from any more but something still references (BufferError where a
+        view of it is still alive: it stays mapped)."""
+        if self._mmap is not None:
+            self.buffer.release()
+            try:
+                self._mmap.close()
+            except BufferError:
+                self.buffer = memoryview(self._mmap)
+                raise
+            self._mmap, self.buffer = None, memoryview(b"")
+        self._close_fd()
 
     def view(self, offset: int, length: int) -> memoryview:
         """A borrowed slice of the mapping: no copy. An empty range may start anywhere (a GGUF

@@ -8,6 +8,7 @@ foreground read a ``copy=False`` load does before it hands out views of the mapp
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable
@@ -29,40 +30,39 @@ class Prefetch:
     """Files of a checkpoint being read into the page cache on a thread of their own (see
     :func:`prefetch`). A load of the same files waits for it instead of reading them again."""
 
-    def __init__(self, files: list[str], thread: threading.Thread | None, *, awaited: bool = True):
+    def __init__(
+        self,
+        files: list[str],
+        thread: threading.Thread | None,
+        *,
+        awaited: bool = True,
+        after: list[Prefetch] | None = None,
+    ):
         self.files = files
         self._thread = thread
         self.error: BaseException | None = None
         #: whether a load of the same files waits for it (not for one through mappings of its own)
         self.awaited = awaited
+        self._after = after or []  # the prefetches reading the selected files it left to them
+        self._own: dict[str, MappedFile] = {}  # keep=False: its own mappings, while it reads
 
     @property
     def done(self) -> bool:
-        return self._thread is None or not self._thread.is_alive()
+        return (self._thread is None or not self._thread.is_alive()) and all(j.done for j in self._after)
 
     def wait(self) -> None:
-        """Wait until the files are read in; a read error is raised here (and by the load)."""
+        """Wait until the files are read in (also those left to another prefetch already reading
+        them); a read error is raised here (and by the load)."""
         if self._thread is not None:
             self._thread.join()
+        for j in self._after:
+            j.wait()
         if self.error is not None:
             raise self.error
 
 
 _prefetches: dict[str, Prefetch] = {}  # by file: the prefetch reading it now
 _prefetch_lock = threading.Lock()
-
-
-def _forget_in_child() -> None:
-    """In a forked child (vLLM forks its engine core while a read ahead may be running): the
-    parent's prefetch threads are not here, so their files are not being read for this process,
-    and the lock may have been held at the fork."""
-    global _prefetch_lock
-    _prefetch_lock = threading.Lock()
-    _prefetches.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def prefetch(path: str | os.PathLike[str] | Checkpoint, *, select: Select = None, keep: bool = True) -> Prefetch:
@@ -94,12 +94,15 @@ def prefetch(path: str | os.PathLike[str] | Checkpoint, *, select: Select = None
     if ckpt.source is not None:
         return Prefetch([], None)
     with _prefetch_lock:  # a file another prefetch is reading now: its read is this one's
-        files = [f for f in dict.fromkeys(t.file for t in infos) if f not in _prefetches]
+        selected = list(dict.fromkeys(t.file for t in infos))
+        files = [f for f in selected if f not in _prefetches]
+        after = list({id(j): j for f in selected if (j := _prefetches.get(f)) is not None}.values())
     maps = {f: ckpt.mapped(f) if keep else _own_mapping(ckpt, f) for f in files}
     cold = [f for f in files if _resident(f, maps[f], keep) < RESIDENT_THRESHOLD]
     if not cold:
-        return Prefetch([], None)
-    job = Prefetch(cold, None, awaited=keep)
+        return Prefetch([], None, after=after)
+    job = Prefetch(cold, None, awaited=keep, after=after)
+    job._own = {} if keep else maps
 
     regions = [(maps[r.file].address() + r.offset, r.length, r.file) for r in make_runs(infos) if r.file in cold]
     from weightlift.disk.storage import readers_for
@@ -117,6 +120,7 @@ def prefetch(path: str | os.PathLike[str] | Checkpoint, *, select: Select = None
             for f in cold if keep else ():
                 resident_fraction(f, refresh=True)  # what the load will see
             with _prefetch_lock:
+                job._own = {}
                 for f in cold:
                     if _prefetches.get(f) is job:
                         del _prefetches[f]
@@ -127,6 +131,27 @@ def prefetch(path: str | os.PathLike[str] | Checkpoint, *, select: Select = None
             _prefetches[f] = job
     job._thread.start()
     return job
+
+
+def _forget_in_child() -> None:
+    """In a child forked while prefetches ran: their threads are gone there, so are their
+    reads. Their files are no longer taken as being read, the lock (which one of them may have
+    held at the fork) is made anew, and their own mappings (keep=False) are let go, which the
+    threads' frames would otherwise hold for the child's life (vLLM forks its engine core from
+    the process reading ahead)."""
+    global _prefetch_lock
+    jobs = list({id(j): j for j in _prefetches.values()}.values())
+    _prefetches.clear()
+    _prefetch_lock = threading.Lock()
+    for j in jobs:
+        own, j._own = j._own, {}
+        for m in own.values():
+            with contextlib.suppress(BufferError):  # nothing here borrows from them; if so, it stays
+                m.close()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _own_mapping(ckpt: Checkpoint, file: str) -> MappedFile:
