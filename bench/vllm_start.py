@@ -65,13 +65,13 @@ import json, sys, time
 def main():
     arm, path, own_process = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
     fmt, _, strategy = arm.partition(":")  # "auto:prefetch": vLLM's loader with that safetensors strategy
-    if arm == "runai_streamer":
+    if fmt == "runai_streamer":
         try:
             import runai_model_streamer  # noqa: F401
         except ImportError:
             print("WL_VLLM_SKIP runai-model-streamer is not installed", flush=True)
             return
-    if arm == "fastsafetensors":
+    if fmt == "fastsafetensors":
         import torch
         if not torch.cuda.is_available():
             print("WL_VLLM_SKIP vLLM's fastsafetensors iterator places tensors on a CUDA device; there is none", flush=True)

@@ -13,6 +13,7 @@ import os
 import threading
 from collections.abc import Callable
 
+from weightlift import env
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
 from weightlift.disk.residency import mapping_fraction
 from weightlift.disk.source import MAX_WARMERS, RESIDENT_THRESHOLD, MappedFile, resident_fraction
@@ -173,9 +174,9 @@ def _resident(file: str, m: MappedFile, keep: bool) -> float:
 
 
 def _prefetch_threads() -> int:
-    """One core fewer than the machine has, at most MAX_WARMERS: a prefetch runs beside the
+    """One core fewer than the process may run on, at most MAX_WARMERS: a prefetch runs beside the
     imports it hides under, which take a core of their own."""
-    return max(1, min((os.cpu_count() or 1) - 1, MAX_WARMERS))
+    return max(1, min(env.cpus() - 1, MAX_WARMERS))
 
 
 def await_prefetches(files: list[str]) -> None:

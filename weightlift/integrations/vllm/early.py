@@ -2,8 +2,8 @@
 
 vLLM builds its configuration (``EngineArgs.create_engine_config``) in the process the user
 started, ``LLM(...)`` or ``vllm serve``, a second or more before any worker asks a load format
-for weights: the engine core is set up (by default in a process of its own, which imports vLLM
-again), then the platform, the workers and the model. A load format is only called at the end
+for weights: the engine core is set up (by default in a process of its own: spawned, as on
+vLLM's CPU build, it imports vLLM again), then the platform, the workers and the model. A load format is only called at the end
 of that, so a cold checkpoint's read would start there. :func:`install` (run by the plugin's
 ``register``) makes vLLM's ``create_engine_config`` start :func:`start` on the configuration it
 has just built: where the load format is ``weightlift``, its options read ahead

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from weightlift import libc
+from weightlift import env, libc
 from weightlift.checkpoint import Checkpoint
 from weightlift.disk.residency import PAGE, mapping_fraction
 from weightlift.disk.source import MAX_WARMERS
@@ -78,7 +78,7 @@ def streamed_tensors(ck: Checkpoint, *, threads: int | None = None, touch: bool 
     """``(name, torch.Tensor)`` for every tensor of ``ck`` in file order, each once its bytes are
     ready to read (at once with ``touch=False``). The mappings stay alive as long as a tensor
     views them."""
-    threads = threads or min(os.cpu_count() or 1, MAX_WARMERS)
+    threads = threads or min(env.cpus(), MAX_WARMERS)
     await_prefetches(ck.files)  # a prefetch still reading these files: its reads are ours
     sizes = {f: ck.mapped(f).size for f in ck.files}  # FormatError if a file changed since its header
     storages, out = private_mapping(ck, sizes)

@@ -46,11 +46,11 @@ MAX_PER_ADDRESS = 32  # connections from one peer address (loopback: all of it; 
 HANDSHAKE_TIMEOUT = 10.0  # seconds from accept for a connection to become READY (HELLO, AUTH)
 IDLE_TIMEOUT = 300.0  # seconds a READY connection may wait between requests before it is closed
 IO_TIMEOUT = 60.0  # seconds one receive inside a frame or payload, or one send, may wait
-# the most seconds an in-place commit waits for the READs of what it changes (less where
-# io_timeout is less): without a bound a reader that stops taking its reply holds its tensor,
-# and the commit, for good; and it is below a client's default timeout (30 s), so that a client
-# waiting for its COMMIT's reply hears the refusal instead of giving up while the server may
-# still switch the update in
+# the most seconds an in-place commit waits for the READs (and other in-place commits) of what
+# it changes (less where io_timeout is less): without a bound a reader that stops taking its
+# reply holds its tensor, and the commit, for good; and it is below a client's default timeout
+# (30 s), so that a client waiting for its COMMIT's reply hears the refusal instead of giving up
+# while the server may still switch the update in
 GATE_TIMEOUT = 20.0
 MIN_FRAME_RATE = 64 * 1024  # bytes per second: a frame of N bytes must arrive within IO_TIMEOUT + N / this
 MEMORY_FRACTION = 0.9  # of physical RAM: a cpu server's max_memory when none is given
