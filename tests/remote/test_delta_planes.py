@@ -149,7 +149,7 @@ def test_malformed_planes_frames_are_refused_and_change_nothing(fused):
     cases = [
         (_one_frame(64, bytes(63)), 2, "not the chunk"),  # a plane a byte short
         (_one_frame(64, bytes(65)), 2, "more than"),  # a byte more than the chunk
-        (_one_frame(64, bytes(1 << 20), write_content_size=False), 2, "decompress"),  # size not stated: bounded
+        (_one_frame(64, bytes(1 << 20), write_content_size=False), 2, "not state"),  # size not stated: refused
         (_one_frame(64, bytes(64)), 3, "whole number"),  # a chunk of 64 is no whole number of 3-byte elements
         (memoryview(struct.pack("<III", 64, 1, 5) + b"\x00" * 5), 2, "decompress"),
     ]

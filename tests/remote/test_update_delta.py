@@ -271,6 +271,43 @@ def test_a_frame_without_its_size_is_bounded_as_it_inflates():
         D.apply(D.XOR, payload, base, np.empty_like(base), 1)
 
 
+def _unsized(payload: memoryview) -> memoryview:
+    """``payload`` with every frame compressed again as a hostile client may: no content size in
+    its header and the largest window zstd decodes by default (128 MiB)."""
+    import zstandard
+
+    chunk, count = struct.unpack_from("<II", payload)
+    lengths = struct.unpack_from(f"<{count}I", payload, 8)
+    params = zstandard.ZstdCompressionParameters.from_level(1, window_log=27, write_content_size=False)
+    pos, frames = 8 + 4 * count, []
+    for n in lengths:
+        raw = zstandard.ZstdDecompressor().decompress(payload[pos : pos + n]) if n else b""
+        frames.append(zstandard.ZstdCompressor(compression_params=params).compress(raw) if n else b"")
+        pos += n
+    head = struct.pack(f"<II{count}I", chunk, count, *(len(f) for f in frames))
+    return memoryview(head + b"".join(frames))
+
+
+@pytest.mark.parametrize("encoding", [D.SPARSE, D.XOR, D.PLANES])
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_frame_that_does_not_state_its_size_is_refused(encoding, fused):
+    """zstd decodes such a frame through a window buffer of the size its header names, beside the
+    output, and keeps that buffer in the thread's decompressor afterwards: memory no scratch
+    bound charges. Every frame an encoder of ours makes states its size."""
+    base, new = _pair(2, 300_001, 0.01 if encoding == D.SPARSE else 0.3, seed=5)
+    payload = memoryview(b"".join(D.encode(encoding, new, base, 2, limit=1 << 40)))
+    _applies_both_ways(encoding, payload, base, new, 2)  # stated, as the encoder writes them
+    hostile = _unsized(payload)
+    apply = D.apply_hashed if fused else D.apply
+    with pytest.raises(D.DeltaError, match="does not state"):
+        apply(encoding, hostile, base, np.empty_like(base), 2)
+    inplace, undo = base.copy(), D.Undo()
+    with pytest.raises(D.DeltaError, match="does not state"):
+        apply(encoding, hostile, inplace, inplace, 2, undo=undo)
+    undo.run()
+    assert inplace.tobytes() == base.tobytes()
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_chunks_below_the_minimum_are_refused_before_the_table_is_read(fused):
     """A hostile payload of one-byte chunks (a table entry and a zstd call per byte of the tensor):

@@ -155,11 +155,15 @@ def _table(payload: memoryview, nbytes: int, item: int) -> tuple[int, list[tuple
 def _decompress(frame: memoryview, bound: int) -> bytes:
     """The frame's bytes, at most ``bound`` of them. zstd allocates the size a frame's header
     states and ignores ``max_output_size`` then: that size is checked first, so that a small
-    hostile frame cannot make the server allocate and fill gigabytes."""
+    hostile frame cannot make the server allocate and fill gigabytes. A frame must state it:
+    one that does not is decoded through a window buffer as large as its header names (up to
+    128 MiB), beside the output, and that buffer stays in the thread's decompressor after."""
     import zstandard
 
     try:
-        stated = zstandard.frame_content_size(frame)  # -1: not stated, bounded by max_output_size
+        stated = zstandard.frame_content_size(frame)  # -1: not stated
+        if stated < 0:
+            raise DeltaError("DELTA chunk does not state its decompressed size in its frame header")
         if stated > bound:
             raise DeltaError(f"DELTA chunk states {stated} bytes, more than its {bound}")
         raw: bytes = zstd()[1].decompress(frame, max_output_size=bound)
