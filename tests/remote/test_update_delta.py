@@ -308,6 +308,42 @@ def test_a_frame_that_does_not_state_its_size_is_refused(encoding, fused):
     assert inplace.tobytes() == base.tobytes()
 
 
+@pytest.mark.parametrize("encoding", [D.XOR, D.PLANES])
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_undo_that_decodes_its_frames_again_charges_that_before_it_applies(monkeypatch, encoding, fused):
+    """XOR and PLANES are undone by applying each chunk's frame again, a chunk at a time: what one
+    such step takes is reserved (a server's charge, held until the switch is done) before the
+    first chunk changes, and the undo runs within it."""
+    import tracemalloc
+
+    monkeypatch.setattr(D.chunks, "CHUNK_BYTES", 1 << 18)
+    base, new = _pair(2, (4 << 20) // 2 + 7, 1.0, seed=6)  # 17 chunks, the last short
+    payload = memoryview(b"".join(D.encode(encoding, new, base, 2, limit=1 << 40)))
+    reserved: list[int] = []
+    undo, inplace = D.Undo(reserve=reserved.append), base.copy()
+    apply = D.apply_hashed if fused else D.apply
+    apply(encoding, payload, inplace, inplace, 2, undo=undo)
+    assert inplace.tobytes() == new.tobytes()
+    step = (1 << 18) + (D.chunks.block_size(2) if encoding == D.PLANES else 0)
+    assert sum(reserved) == undo.nbytes == step  # the largest step once: they run one at a time
+    tracemalloc.start()
+    try:
+        undo.run()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert inplace.tobytes() == base.tobytes() and undo.nbytes == 0
+    assert peak <= step + (64 << 10)
+
+    def full(nbytes: int) -> None:
+        raise MemoryError("no memory for the undo")
+
+    refused = base.copy()
+    with pytest.raises(MemoryError):
+        apply(encoding, payload, refused, refused, 2, undo=D.Undo(reserve=full))
+    assert refused.tobytes() == base.tobytes()  # refused before any chunk changed
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_chunks_below_the_minimum_are_refused_before_the_table_is_read(fused):
     """A hostile payload of one-byte chunks (a table entry and a zstd call per byte of the tensor):
