@@ -3,7 +3,9 @@ back byte for byte, in place and undone, the estimate's choices, and malformed p
 
 from __future__ import annotations
 
+import os
 import struct
+import threading
 
 import blake3
 import ml_dtypes
@@ -306,6 +308,44 @@ def test_a_frame_that_does_not_state_its_size_is_refused(encoding, fused):
         apply(encoding, hostile, inplace, inplace, 2, undo=undo)
     undo.run()
     assert inplace.tobytes() == base.tobytes()
+
+
+def _resident() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="resident memory read from /proc")
+@pytest.mark.parametrize("encoding", [D.XOR, D.PLANES])
+def test_a_frame_cut_short_leaves_no_window_buffer_behind(encoding):
+    """A frame that states its size but is cut short is not decoded in one pass: zstd decodes it
+    through a window buffer as large as its header names (up to 128 MiB), fills it up to the cut,
+    and keeps it in the thread's decompressor after the error: memory no scratch bound charges."""
+    import zstandard
+
+    nbytes = 32 << 20
+    x = np.random.default_rng(7).integers(0, 4, nbytes, dtype=np.uint8).tobytes()  # compresses, never to nothing
+    params = zstandard.ZstdCompressionParameters.from_level(1, window_log=25)
+    frame = zstandard.ZstdCompressor(compression_params=params).compress(x)[:-1]
+    del x
+    payload = memoryview(struct.pack("<III", nbytes, 1, len(frame)) + frame)
+    base, out = np.zeros(nbytes, np.uint8), np.ones(nbytes, np.uint8)  # resident before it is measured
+    got: list[object] = []
+
+    def on_a_new_thread() -> None:  # its own decompressor, as a worker's first chunk has
+        before = _resident()
+        try:
+            D.apply_hashed(encoding, payload, base, out, 2)  # one chunk: decoded on this thread
+        except D.DeltaError as e:
+            got.append(e)
+        got.append(_resident() - before)
+
+    t = threading.Thread(target=on_a_new_thread)
+    t.start()
+    t.join()
+    error, grown = got
+    assert isinstance(error, D.DeltaError) and "decompress" in str(error)
+    assert isinstance(grown, int) and grown < 8 << 20
 
 
 @pytest.mark.parametrize("encoding", [D.XOR, D.PLANES])
