@@ -16,7 +16,7 @@ import zstandard
 import weightlift.remote.protocol as P
 from tests.remote.rawclient import Raw, _barrier
 from tests.remote.test_update import _holds, _model
-from tests.remote.test_update_delta import _applies_both_ways, _pair, _roundtrip
+from tests.remote.test_update_delta import _applies_both_ways, _pair, _roundtrip, _unsized
 from weightlift.remote import delta as D
 from weightlift.remote.client.client import Client
 from weightlift.remote.protocol import Commit, CommitReply, Delta, DeltaEncoding, Update
@@ -149,7 +149,7 @@ def test_malformed_planes_frames_are_refused_and_change_nothing(fused):
     cases = [
         (_one_frame(64, bytes(63)), 2, "not the chunk"),  # a plane a byte short
         (_one_frame(64, bytes(65)), 2, "more than"),  # a byte more than the chunk
-        (_one_frame(64, bytes(1 << 20), write_content_size=False), 2, "decompress"),  # size not stated: bounded
+        (_one_frame(64, bytes(1 << 20), write_content_size=False), 2, "not state"),  # size not stated: refused
         (_one_frame(64, bytes(64)), 3, "whole number"),  # a chunk of 64 is no whole number of 3-byte elements
         (memoryview(struct.pack("<III", 64, 1, 5) + b"\x00" * 5), 2, "decompress"),
     ]
@@ -205,7 +205,7 @@ def test_a_planes_delta_decodes_within_its_stated_scratch(monkeypatch, item, in_
     assert digest == blake3.blake3(new).digest() and out.tobytes() == new.tobytes()
     assert peak <= bound + (64 << 10)
     if undo is not None:
-        assert undo.nbytes == 0  # XOR again: nothing kept
+        assert undo.nbytes == (1 << 18) + D.chunks.block_size(item)  # nothing kept: one frame decoded again at a time
         undo.run()
         assert base.tobytes() == _pair(item, (4 << 20) // item, 1.0, seed=item)[0].tobytes()
 
@@ -291,6 +291,36 @@ def test_a_server_refuses_planes_on_a_minor_three_connection(flags):
         raw.send(Commit())
         commit = raw.recv()
         assert isinstance(commit, CommitReply) and commit.tensors == 0  # nothing kept to switch in
+        _holds(srv, v0)
+        assert srv.set_digest(v0) == first.set_digest
+        raw.close()
+
+
+@pytest.mark.parametrize("flags", [0, Update.FLAG_IN_PLACE])
+def test_a_server_refuses_frames_that_do_not_state_their_size(flags):
+    """On loopback: a PLANES DELTA whose frame states no size fails before it is decoded; in
+    place, the whole update fails at COMMIT and the delta applied before it is undone."""
+    v0 = _model()
+    with Server() as srv, Client(srv.address) as c:
+        first = c.push(v0)
+        raw = Raw(srv.address)
+        raw.hello()
+        raw.send(Update(flags))
+        for tid, name in enumerate(["layer.0", "layer.1"], 1):
+            old, new = v0[name], v0[name].copy()
+            new.view(np.uint16)[::3] ^= 0x101
+            payload = memoryview(b"".join(D.encode(D.PLANES, new.view(np.uint8), old.view(np.uint8), 2, limit=1 << 40)))
+            body = bytes(_unsized(payload) if tid == 2 else payload)
+            d0, d1 = blake3.blake3(old.tobytes()).digest(), blake3.blake3(new.tobytes()).digest()
+            raw.sock.sendall(
+                P.send(Delta(tid, name, "BF16", old.shape, old.nbytes, DeltaEncoding.PLANES, d0, d1, len(body))) + body
+            )
+        reply = _barrier(raw)
+        raw.send(Commit(0 if flags else Commit.FLAG_ABORT))
+        commit = raw.recv()
+        assert isinstance(commit, CommitReply) and not commit.ok
+        why = commit.message if flags else reply.errors[0]
+        assert "does not state its decompressed size" in why
         _holds(srv, v0)
         assert srv.set_digest(v0) == first.set_digest
         raw.close()

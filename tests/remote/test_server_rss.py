@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -95,6 +96,51 @@ def test_resident_memory_stays_within_the_limit_under_every_attack():
         time.sleep(0.2)
         measure()
         grew = peak[0] - base
+        print(f"resident memory grew {grew >> 20} MiB")
+        assert grew <= LIMIT + SLACK, f"resident memory grew {grew >> 20} MiB; limit {LIMIT >> 20} + {SLACK >> 20} MiB"
+    finally:
+        for r in socks:
+            r.close()
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_resident_memory_stays_within_the_limit_under_delta_frames_cut_short():
+    """DELTAs whose one frame states the chunk's size but is cut short, on connections kept open:
+    zstd decodes such a frame through a window buffer as large as its header names, and kept it
+    in each connection thread's decompressor (24 MiB a connection here) beyond every charge."""
+    import blake3
+    import zstandard
+
+    from weightlift.remote.client.client import Client
+    from weightlift.remote.protocol import Delta, DeltaEncoding
+
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE], stdout=subprocess.PIPE, text=True)
+    socks: list[Raw] = []
+    try:
+        assert proc.stdout is not None
+        address = ("127.0.0.1", int(proc.stdout.readline()))
+        nbytes = 24 << 20  # the base, the result, the payload and the chunk's scratch fit in LIMIT
+        b = np.zeros(nbytes // 2, np.uint16)
+        with Client(address) as c:
+            c.push({"b": b})
+        base = _rss(proc.pid)
+        x = np.random.default_rng(0).integers(0, 4, nbytes, dtype=np.uint8).tobytes()
+        params = zstandard.ZstdCompressionParameters.from_level(1, window_log=27)
+        frame = zstandard.ZstdCompressor(compression_params=params).compress(x)[:-1]
+        payload = struct.pack("<III", nbytes, 1, len(frame)) + frame
+        d0, d1 = blake3.blake3(b.tobytes()).digest(), blake3.blake3(x).digest()
+        delta = Delta(1, "b", "U16", b.shape, nbytes, DeltaEncoding.PLANES, d0, d1, len(payload))
+        peak = base
+        for _ in range(10):
+            raw = Raw(address)
+            raw.hello()
+            socks.append(raw)
+            raw.sock.sendall(send(delta) + payload)
+            reply = _barrier(raw)
+            assert reply.errors and "decompress" in reply.errors[0]
+            peak = max(peak, _rss(proc.pid))
+        grew = peak - base
         print(f"resident memory grew {grew >> 20} MiB")
         assert grew <= LIMIT + SLACK, f"resident memory grew {grew >> 20} MiB; limit {LIMIT >> 20} + {SLACK >> 20} MiB"
     finally:

@@ -3,7 +3,9 @@ back byte for byte, in place and undone, the estimate's choices, and malformed p
 
 from __future__ import annotations
 
+import os
 import struct
+import threading
 
 import blake3
 import ml_dtypes
@@ -269,6 +271,117 @@ def test_a_frame_without_its_size_is_bounded_as_it_inflates():
     payload = memoryview(struct.pack("<III", 64, 1, len(frame)) + frame)
     with pytest.raises(D.DeltaError):
         D.apply(D.XOR, payload, base, np.empty_like(base), 1)
+
+
+def _unsized(payload: memoryview) -> memoryview:
+    """``payload`` with every frame compressed again as a hostile client may: no content size in
+    its header and the largest window zstd decodes by default (128 MiB)."""
+    import zstandard
+
+    chunk, count = struct.unpack_from("<II", payload)
+    lengths = struct.unpack_from(f"<{count}I", payload, 8)
+    params = zstandard.ZstdCompressionParameters.from_level(1, window_log=27, write_content_size=False)
+    pos, frames = 8 + 4 * count, []
+    for n in lengths:
+        raw = zstandard.ZstdDecompressor().decompress(payload[pos : pos + n]) if n else b""
+        frames.append(zstandard.ZstdCompressor(compression_params=params).compress(raw) if n else b"")
+        pos += n
+    head = struct.pack(f"<II{count}I", chunk, count, *(len(f) for f in frames))
+    return memoryview(head + b"".join(frames))
+
+
+@pytest.mark.parametrize("encoding", [D.SPARSE, D.XOR, D.PLANES])
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_frame_that_does_not_state_its_size_is_refused(encoding, fused):
+    """zstd decodes such a frame through a window buffer of the size its header names, beside the
+    output, and keeps that buffer in the thread's decompressor afterwards: memory no scratch
+    bound charges. Every frame an encoder of ours makes states its size."""
+    base, new = _pair(2, 300_001, 0.01 if encoding == D.SPARSE else 0.3, seed=5)
+    payload = memoryview(b"".join(D.encode(encoding, new, base, 2, limit=1 << 40)))
+    _applies_both_ways(encoding, payload, base, new, 2)  # stated, as the encoder writes them
+    hostile = _unsized(payload)
+    apply = D.apply_hashed if fused else D.apply
+    with pytest.raises(D.DeltaError, match="does not state"):
+        apply(encoding, hostile, base, np.empty_like(base), 2)
+    inplace, undo = base.copy(), D.Undo()
+    with pytest.raises(D.DeltaError, match="does not state"):
+        apply(encoding, hostile, inplace, inplace, 2, undo=undo)
+    undo.run()
+    assert inplace.tobytes() == base.tobytes()
+
+
+def _resident() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="resident memory read from /proc")
+@pytest.mark.parametrize("encoding", [D.XOR, D.PLANES])
+def test_a_frame_cut_short_leaves_no_window_buffer_behind(encoding):
+    """A frame that states its size but is cut short is not decoded in one pass: zstd decodes it
+    through a window buffer as large as its header names (up to 128 MiB), fills it up to the cut,
+    and keeps it in the thread's decompressor after the error: memory no scratch bound charges."""
+    import zstandard
+
+    nbytes = 32 << 20
+    x = np.random.default_rng(7).integers(0, 4, nbytes, dtype=np.uint8).tobytes()  # compresses, never to nothing
+    params = zstandard.ZstdCompressionParameters.from_level(1, window_log=25)
+    frame = zstandard.ZstdCompressor(compression_params=params).compress(x)[:-1]
+    del x
+    payload = memoryview(struct.pack("<III", nbytes, 1, len(frame)) + frame)
+    base, out = np.zeros(nbytes, np.uint8), np.ones(nbytes, np.uint8)  # resident before it is measured
+    got: list[object] = []
+
+    def on_a_new_thread() -> None:  # its own decompressor, as a worker's first chunk has
+        before = _resident()
+        try:
+            D.apply_hashed(encoding, payload, base, out, 2)  # one chunk: decoded on this thread
+        except D.DeltaError as e:
+            got.append(e)
+        got.append(_resident() - before)
+
+    t = threading.Thread(target=on_a_new_thread)
+    t.start()
+    t.join()
+    error, grown = got
+    assert isinstance(error, D.DeltaError) and "decompress" in str(error)
+    assert isinstance(grown, int) and grown < 8 << 20
+
+
+@pytest.mark.parametrize("encoding", [D.XOR, D.PLANES])
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_undo_that_decodes_its_frames_again_charges_that_before_it_applies(monkeypatch, encoding, fused):
+    """XOR and PLANES are undone by applying each chunk's frame again, a chunk at a time: what one
+    such step takes is reserved (a server's charge, held until the switch is done) before the
+    first chunk changes, and the undo runs within it."""
+    import tracemalloc
+
+    monkeypatch.setattr(D.chunks, "CHUNK_BYTES", 1 << 18)
+    base, new = _pair(2, (4 << 20) // 2 + 7, 1.0, seed=6)  # 17 chunks, the last short
+    payload = memoryview(b"".join(D.encode(encoding, new, base, 2, limit=1 << 40)))
+    reserved: list[int] = []
+    undo, inplace = D.Undo(reserve=reserved.append), base.copy()
+    apply = D.apply_hashed if fused else D.apply
+    apply(encoding, payload, inplace, inplace, 2, undo=undo)
+    assert inplace.tobytes() == new.tobytes()
+    step = (1 << 18) + (D.chunks.block_size(2) if encoding == D.PLANES else 0)
+    assert sum(reserved) == undo.nbytes == step  # the largest step once: they run one at a time
+    tracemalloc.start()
+    try:
+        undo.run()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert inplace.tobytes() == base.tobytes() and undo.nbytes == 0
+    assert peak <= step + (64 << 10)
+
+    def full(nbytes: int) -> None:
+        raise MemoryError("no memory for the undo")
+
+    refused = base.copy()
+    with pytest.raises(MemoryError):
+        apply(encoding, payload, refused, refused, 2, undo=D.Undo(reserve=full))
+    assert refused.tobytes() == base.tobytes()  # refused before any chunk changed
 
 
 @pytest.mark.parametrize("fused", [False, True])

@@ -55,16 +55,17 @@ APPLY_AHEAD = min(8, cores() + 1)
 
 
 class Undo:
-    """How to take an in-place application back: the elements SPARSE overwrote, or XOR again.
-    ``nbytes``: the memory its steps keep (SPARSE's old elements and their positions), each part
-    passed to ``reserve`` (a server's charge; it raises where the memory is not there) before
-    it is taken."""
+    """How to take an in-place application back: the elements SPARSE overwrote, or XOR (PLANES)
+    again. ``nbytes``: the memory its steps keep (SPARSE's old elements and their positions) and
+    the most one step takes while it runs (a frame decoded again), each part passed to
+    ``reserve`` (a server's charge; it raises where the memory is not there) before it is taken."""
 
     def __init__(self, reserve: Callable[[int], None] | None = None) -> None:
         self.steps: list[Callable[[], None]] = []
         self.nbytes = 0
         self._reserve = reserve
         self._lock = threading.Lock()
+        self._running = 0  # the most one step takes while it runs, counted in nbytes
 
     def keep(self, nbytes: int) -> None:
         """Count (and charge) ``nbytes`` that a step about to be taken will keep."""
@@ -72,6 +73,18 @@ class Undo:
             if self._reserve is not None:
                 self._reserve(nbytes)
             self.nbytes += nbytes
+
+    def running(self, nbytes: int) -> None:
+        """Count (and charge) ``nbytes`` that a step about to be taken needs while it runs: the
+        steps run one at a time, so only the most any one needs."""
+        with self._lock:
+            more = nbytes - self._running
+            if more <= 0:
+                return
+            if self._reserve is not None:
+                self._reserve(more)
+            self._running = nbytes
+            self.nbytes += more
 
     def add(self, step: Callable[[], None]) -> None:
         with self._lock:
@@ -87,7 +100,7 @@ class Undo:
             except BaseException as e:  # raised below, after the other steps
                 error = error or e
         self.steps = []
-        self.nbytes = 0
+        self.nbytes = self._running = 0
         if error is not None:
             raise error
 
@@ -155,11 +168,15 @@ def _table(payload: memoryview, nbytes: int, item: int) -> tuple[int, list[tuple
 def _decompress(frame: memoryview, bound: int) -> bytes:
     """The frame's bytes, at most ``bound`` of them. zstd allocates the size a frame's header
     states and ignores ``max_output_size`` then: that size is checked first, so that a small
-    hostile frame cannot make the server allocate and fill gigabytes."""
+    hostile frame cannot make the server allocate and fill gigabytes. A frame must state it:
+    one that does not is decoded through a window buffer as large as its header names (up to
+    128 MiB), beside the output, and that buffer stays in the thread's decompressor after."""
     import zstandard
 
     try:
-        stated = zstandard.frame_content_size(frame)  # -1: not stated, bounded by max_output_size
+        stated = zstandard.frame_content_size(frame)  # -1: not stated
+        if stated < 0:
+            raise DeltaError("DELTA chunk does not state its decompressed size in its frame header")
         if stated > bound:
             raise DeltaError(f"DELTA chunk states {stated} bytes, more than its {bound}")
         raw: bytes = zstd()[1].decompress(frame, max_output_size=bound)
@@ -307,12 +324,16 @@ def _chunk_applier(
             return
         f = payload[frame[0] : frame[0] + frame[1]]
         if encoding == XOR:
+            if undo is not None and in_place:  # XOR again: the frame decoded again, charged before it changes
+                undo.running(b.nbytes)
             _apply_xor(f, b, o, hasher)
             if undo is not None and in_place:
                 undo.add(lambda: _apply_xor(f, o, o))
         elif encoding == PLANES:
+            if undo is not None and in_place:  # as XOR, and a block to join the planes in
+                undo.running(b.nbytes + min(block_size(item), b.nbytes))
             _apply_planes(f, b, o, item, hasher)
-            if undo is not None and in_place:  # XOR again: the frame is decoded again, nothing kept
+            if undo is not None and in_place:
                 undo.add(lambda: _apply_planes(f, o, o, item))
         else:
             _apply_sparse(f, b, o, item, in_place, undo, hasher)

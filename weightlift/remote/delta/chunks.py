@@ -26,6 +26,7 @@ __all__ = [
     "MAX_CHUNK_BYTES",
     "MIN_CHUNK_BYTES",
     "LEVEL",
+    "WINDOW_MAX",
     "SAME",
     "SPARSE",
     "XOR",
@@ -56,6 +57,11 @@ MAX_CHUNK_BYTES = 64 << 20  # the largest chunk a payload may state (what one wo
 # and bookkeeping. The encoder's chunks are CHUNK_BYTES less a part of an element, never smaller.
 MIN_CHUNK_BYTES = 64 << 10
 LEVEL = 1  # zstd's fastest standard level: deltas are cut on the sender's critical path
+# The largest window a frame may name where it is not decoded in one pass into its stated output
+# (a frame cut short): zstd then decodes through a window buffer of that size, which it keeps
+# in the thread's decompressor afterwards, charged nowhere. A whole frame is decoded in one pass
+# and may name any window (ours name at most 512 KiB, level 1's).
+WINDOW_MAX = 1 << 20
 
 SAME, SPARSE, XOR, PLANES = 0, 1, 2, 3  # DeltaEncoding values (the protocol's enum; kept numeric here)
 HEAD = struct.Struct("<II")
@@ -106,7 +112,10 @@ def zstd() -> tuple[Any, Any]:
     if pair is None:
         import zstandard
 
-        pair = _local.zstd = (zstandard.ZstdCompressor(level=LEVEL), zstandard.ZstdDecompressor())
+        pair = _local.zstd = (
+            zstandard.ZstdCompressor(level=LEVEL),
+            zstandard.ZstdDecompressor(max_window_size=WINDOW_MAX),
+        )
     return pair
 
 
