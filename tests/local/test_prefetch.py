@@ -35,6 +35,23 @@ def _mapped_here(path) -> bool:
         return any(line.rstrip().endswith(real) for line in f)
 
 
+class _Held:
+    """prefetch's map_in held until ``gate`` is set: ``started`` once a read began, ``calls``
+    the files of each read."""
+
+    def __init__(self, monkeypatch):
+        self.gate, self.started, self.calls = threading.Event(), threading.Event(), []
+        real = prefetch.map_in
+
+        def held(regions, *, threads):
+            self.calls.append(sorted({f for _, _, f in regions}))
+            self.started.set()
+            self.gate.wait(10)
+            return real(regions, threads=threads)
+
+        monkeypatch.setattr(prefetch, "map_in", held)
+
+
 def test_a_prefetch_of_its_own_mappings_fills_the_page_cache_and_keeps_no_mapping(tmp_path):
     """keep=False: the cold file ends up in the page cache, while this process holds no mapping
     of it afterwards (not the process's one either), and a load of it gives its bytes."""
@@ -58,15 +75,8 @@ def test_the_process_mapping_prefetch_is_awaited_the_own_one_is_not(tmp_path, mo
     """A load waits for a prefetch through the process's mapping (it reads nothing twice), not
     for one through mappings of its own (it reads what is still cold itself)."""
     path, _ = _cold_file(tmp_path)
-    gate, started = threading.Event(), threading.Event()
-    real = prefetch.map_in
-
-    def held(regions, *, threads):
-        started.set()
-        gate.wait(10)
-        return real(regions, threads=threads)
-
-    monkeypatch.setattr(prefetch, "map_in", held)
+    h = _Held(monkeypatch)
+    gate, started = h.gate, h.started
     own = wl.prefetch(path, keep=False)
     started.wait(10)
     try:
@@ -94,16 +104,8 @@ def test_the_process_mapping_prefetch_is_awaited_the_own_one_is_not(tmp_path, mo
 
 def test_a_file_another_prefetch_is_reading_is_left_to_it(tmp_path, monkeypatch):
     path, _ = _cold_file(tmp_path)
-    gate = threading.Event()
-    real = prefetch.map_in
-    calls = []
-
-    def held(regions, *, threads):
-        calls.append(sorted({f for _, _, f in regions}))
-        gate.wait(10)
-        return real(regions, threads=threads)
-
-    monkeypatch.setattr(prefetch, "map_in", held)
+    h = _Held(monkeypatch)
+    gate, calls = h.gate, h.calls
     first = wl.prefetch(path, keep=False)
     try:
         second = wl.prefetch(path)
@@ -126,15 +128,8 @@ def test_a_prefetch_left_a_file_another_is_reading_waits_for_that_read(tmp_path,
     """wait() waits until the files are read in, also those another prefetch was reading when
     this one started (left to it): a caller's wait does not return on a cold file."""
     path, _ = _cold_file(tmp_path)
-    gate, started = threading.Event(), threading.Event()
-    real = prefetch.map_in
-
-    def held(regions, *, threads):
-        started.set()
-        gate.wait(10)
-        return real(regions, threads=threads)
-
-    monkeypatch.setattr(prefetch, "map_in", held)
+    h = _Held(monkeypatch)
+    gate, started = h.gate, h.started
     first = wl.prefetch(path, keep=False)
     started.wait(10)
     try:
