@@ -91,13 +91,14 @@ class Checkpoint:
     def __len__(self) -> int:
         return len(self.tensors)
 
-    def mapped(self, file: str) -> MappedFile:
-        """``file``'s one mapping, refused (FormatError) if the file is no longer the one whose header was parsed."""
-        from weightlift.disk.source import mapped
+    def mapped(self, file: str, *, own: bool = False) -> MappedFile:
+        """``file``'s one mapping, refused (FormatError) if the file is no longer the one whose header was parsed.
+        ``own``: a mapping apart from the process's one, gone with its last reference."""
+        from weightlift.disk.source import MappedFile, mapped
 
         if self.source is not None:
             raise OptionError(f"{file} is in a store: it has no local mapping")
-        m = mapped(file)
+        m = MappedFile(file) if own else mapped(file)
         seen = self.identity.get(file)
         i = m.identity
         if seen is not None and seen != (i.dev, i.ino, i.size, i.mtime_ns):

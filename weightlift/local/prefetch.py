@@ -18,7 +18,6 @@ from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
 from weightlift.disk.residency import mapping_fraction
 from weightlift.disk.source import MAX_WARMERS, RESIDENT_THRESHOLD, MappedFile, resident_fraction
 from weightlift.disk.source import prefetch as read_in
-from weightlift.errors import FormatError
 from weightlift.formats import TensorInfo
 from weightlift.memory.fresh import map_in
 from weightlift.plan import make_runs
@@ -98,7 +97,7 @@ def prefetch(path: str | os.PathLike[str] | Checkpoint, *, select: Select = None
         selected = list(dict.fromkeys(t.file for t in infos))
         files = [f for f in selected if f not in _prefetches]
         after = list({id(j): j for f in selected if (j := _prefetches.get(f)) is not None}.values())
-    maps = {f: ckpt.mapped(f) if keep else _own_mapping(ckpt, f) for f in files}
+    maps = {f: ckpt.mapped(f, own=not keep) for f in files}
     cold = [f for f in files if _resident(f, maps[f], keep) < RESIDENT_THRESHOLD]
     if not cold:
         return Prefetch([], None, after=after)
@@ -153,16 +152,6 @@ def _forget_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
-
-
-def _own_mapping(ckpt: Checkpoint, file: str) -> MappedFile:
-    """A mapping of ``file`` apart from the process's one (gone with its last reference),
-    refused as :meth:`Checkpoint.mapped` refuses a file changed since its header was read."""
-    m = MappedFile(file)
-    seen, i = ckpt.identity.get(file), m.identity
-    if seen is not None and seen != (i.dev, i.ino, i.size, i.mtime_ns):
-        raise FormatError("changed on disk since its header was read; open it again", file=file)
-    return m
 
 
 def _resident(file: str, m: MappedFile, keep: bool) -> float:
