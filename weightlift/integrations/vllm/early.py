@@ -32,7 +32,7 @@ from weightlift.errors import WeightliftError
 from weightlift.integrations.vllm.options import LoaderOptions
 from weightlift.local.prefetch import prefetch
 
-__all__ = ["install", "start", "local_folder", "MEMORY_SHARE"]
+__all__ = ["install", "check", "start", "local_folder", "MEMORY_SHARE"]
 
 #: a checkpoint is read ahead only where it takes at most this share of the memory available
 #: (the rest is for the engine's own copy of the weights, on a CPU build, and its cache)
@@ -52,6 +52,7 @@ def install() -> None:
     @functools.wraps(inner)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         config = inner(self, *args, **kwargs)
+        check(config)  # a wrong option stops here, before any engine process starts
         try:
             start(config)
         except Exception as e:  # noqa: BLE001 - a read ahead never stops an engine
@@ -60,6 +61,16 @@ def install() -> None:
 
     setattr(create_engine_config, _MARK, True)
     EngineArgs.create_engine_config = create_engine_config
+
+
+def check(config: Any) -> None:
+    """Refuse ``config`` (a ``VllmConfig``) where its load format is ``weightlift`` and its
+    ``model_loader_extra_config`` is wrong: OptionError naming the option (the loader checks the
+    same again, where no plugin ran in the process that built the configuration)."""
+    from weightlift.integrations.vllm import LOAD_FORMAT
+
+    if config.load_config.load_format == LOAD_FORMAT:
+        LoaderOptions.parse(config.load_config.model_loader_extra_config)
 
 
 def start(config: Any) -> threading.Thread | None:
