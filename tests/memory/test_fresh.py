@@ -265,3 +265,46 @@ def test_map_in_of_a_file_cut_short_names_the_file(tmp_path):
     os.truncate(p, 2**20)
     with pytest.raises(FileError, match=r"short\.bin: cannot read its mapped bytes"):
         fresh.map_in([(base, 8 * 2**20, str(p))], threads=2)
+
+
+def test_map_in_without_the_advice_of_a_file_cut_short_names_the_file_and_the_process_lives(tmp_path):
+    """On a kernel without MADV_POPULATE_READ (refused here as one before 5.14 does), a file cut
+    short under its mapping fails with FileError naming it: the pieces are read through
+    /proc/self/mem, where a page past the end is an I/O error instead of SIGBUS. Run in a child
+    process, so that a SIGBUS would fail this test, not end the run."""
+    import subprocess
+    import sys
+    import textwrap
+
+    p = tmp_path / "short.bin"
+    p.write_bytes(os.urandom(8 * 2**20))
+    code = textwrap.dedent(
+        f"""
+        import errno, mmap, os
+        import numpy as np
+        from weightlift import libc
+        from weightlift.errors import FileError
+        from weightlift.memory import fresh
+
+        def refused(addr, n, adv):
+            raise OSError(errno.EINVAL, "madvise failed")
+
+        libc.madvise = refused
+        path = {str(p)!r}
+        with open(path, "rb") as f:
+            m = mmap.mmap(f.fileno(), 8 * 2**20, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+        base = int(np.frombuffer(m, dtype=np.uint8).ctypes.data)
+        whole = open(path, "rb").read()
+        assert fresh.map_in([(base, 8 * 2**20, path)], threads=2) == 8 * 2**20
+        assert m[:] == whole
+        os.truncate(path, 2**20 + 5)
+        try:
+            fresh.map_in([(base + 2**20, 7 * 2**20, path)], threads=2)
+        except FileError as e:
+            print("FileError:", e)
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "FileError:" in out.stdout and "short.bin: cannot read its mapped bytes" in out.stdout

@@ -251,41 +251,22 @@ def map_in(regions: list[tuple[int, int, str]], *, threads: int) -> int:
 
     A read error, or a file shorter than its mapping, fails ``MADV_POPULATE_READ`` with EFAULT
     before any touch: a :class:`FileError` naming the file. A kernel without the advice (before
-    5.14: EINVAL) gets the touch alone, which faults the same pages in one at a time; there a
-    file cut short raises SIGBUS at the touch, as any read of its mapping would.
+    5.14: EINVAL) has each piece read through ``/proc/self/mem`` instead, a slice at a time into
+    a scratch buffer (:func:`_kernel_read`): the kernel faults the pages into this process's
+    page tables as a touch would, and a page it cannot fill (past the end of a file cut short)
+    is an I/O error, the same FileError, where a touch would raise SIGBUS and end the process.
+    Only where that file cannot be read are the pages touched. The read copies every byte once
+    (0.76 GB in the page cache, two threads: 0.18-0.20 s against 0.03 s for the touch here); on
+    a cold file, what map_in is for, the read from storage outweighs it.
     """
-    from weightlift.errors import FileError
-
     step = MAP_IN_PIECE
     pieces = [(a + o, min(step, n - o), f) for a, n, f in regions if n > 0 for o in range(0, n, step)]
-    # one ctypes type for every piece (ctypes keeps a type per length for good); a piece reads
-    # only its own bytes of it
-    piece_type = ctypes.c_uint8 * step
     if not pieces:
         return 0
-    advice = getattr(mmap, "MADV_POPULATE_READ", libc.MADV_POPULATE_READ)
+    ready = _PieceReader(step)
     lock = threading.Lock()
     errors: list[BaseException] = []
-    state = {"next": 0, "advise": True}
-
-    def one(addr: int, n: int, f: str) -> None:
-        lo, hi = addr - addr % PAGE, -(-(addr + n) // PAGE) * PAGE
-        if state["advise"]:
-            try:
-                libc.madvise(lo, hi - lo, advice)
-            except OSError as e:
-                if e.errno not in (errno.EINVAL, errno.ENOSYS):
-                    err = e.errno or 0
-                    why = (
-                        "a read error, or the file is shorter than it was" if err == errno.EFAULT else os.strerror(err)
-                    )
-                    raise FileError(f"cannot read its mapped bytes ({why})", file=f, errno=err) from None
-                state["advise"] = False  # a kernel before 5.14, or a C library without madvise
-        first = -addr % PAGE  # the first page boundary inside the piece
-        arr = np.ctypeslib.as_array(piece_type.from_address(addr))[:n]
-        int(arr[first::PAGE].sum())  # a read of one byte per page; numpy lets go of the GIL
-        if first:
-            int(arr[0])
+    state = {"next": 0}
 
     def run() -> None:
         while not errors:
@@ -295,7 +276,7 @@ def map_in(regions: list[tuple[int, int, str]], *, threads: int) -> int:
                     return
                 state["next"] = i + 1
             try:
-                one(*pieces[i])
+                ready.piece(*pieces[i])
             except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
                 errors.append(e)
 
@@ -303,12 +284,97 @@ def map_in(regions: list[tuple[int, int, str]], *, threads: int) -> int:
     workers = [threading.Thread(target=run, name=f"wl-map-in-{i}", daemon=True) for i in range(k - 1)]
     for w in workers:
         w.start()
-    run()
-    for w in workers:
-        w.join()
+    try:
+        run()
+    finally:
+        for w in workers:
+            w.join()
+        ready.close()
     if errors:
         raise errors[0]
     return sum(n for _, n, _ in pieces)
+
+
+class _PieceReader:
+    """How :func:`map_in` makes one piece ready, shared by its threads: advised, then touched;
+    where the kernel has no such advice, read through ``/proc/self/mem`` (touched only where
+    that cannot be opened)."""
+
+    def __init__(self, step: int) -> None:
+        # one ctypes type for every piece (ctypes keeps a type per length for good); a piece
+        # reads only its own bytes of it
+        self.piece_type = ctypes.c_uint8 * step
+        self.advice = getattr(mmap, "MADV_POPULATE_READ", libc.MADV_POPULATE_READ)
+        self.advise = True
+        self.mem: int | None = None
+        self.lock = threading.Lock()
+        self.local = threading.local()
+
+    def piece(self, addr: int, n: int, f: str) -> None:
+        lo, hi = addr - addr % PAGE, -(-(addr + n) // PAGE) * PAGE
+        if self.advise:
+            try:
+                libc.madvise(lo, hi - lo, self.advice)
+            except OSError as e:
+                if e.errno not in (errno.EINVAL, errno.ENOSYS):
+                    raise _unreadable(e.errno or 0, f) from None
+                with self.lock:  # a kernel before 5.14, or a C library without madvise
+                    if self.advise:
+                        self.mem = _open_own_memory()
+                        self.advise = False
+        if not self.advise and self.mem is not None:
+            if not hasattr(self.local, "scratch"):
+                self.local.scratch = memoryview(bytearray(KERNEL_READ))
+            err = _kernel_read(self.mem, lo, hi - lo, self.local.scratch)
+            if err:
+                raise _unreadable(err, f)
+            return
+        first = -addr % PAGE  # the first page boundary inside the piece
+        arr = np.ctypeslib.as_array(self.piece_type.from_address(addr))[:n]
+        int(arr[first::PAGE].sum())  # a read of one byte per page; numpy lets go of the GIL
+        if first:
+            int(arr[0])
+
+    def close(self) -> None:
+        if self.mem is not None:
+            os.close(self.mem)
+            self.mem = None
+
+
+def _unreadable(err: int, file: str) -> Exception:
+    from weightlift.errors import FileError
+
+    why = "a read error, or the file is shorter than it was" if err in (errno.EFAULT, errno.EIO) else None
+    return FileError(f"cannot read its mapped bytes ({why or os.strerror(err)})", file=file, errno=err)
+
+
+#: bytes of this process's memory :func:`_kernel_read` reads per call, into a scratch buffer of this size
+KERNEL_READ = 1 << 20
+
+
+def _open_own_memory() -> int | None:
+    """A descriptor of ``/proc/self/mem`` for reading, or None where it cannot be opened."""
+    try:
+        return os.open("/proc/self/mem", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+def _kernel_read(mem: int, addr: int, n: int, scratch: memoryview) -> int:
+    """Read ``n`` bytes of this process's memory at ``addr`` through ``mem`` (``/proc/self/mem``)
+    into ``scratch``, a slice at a time: the kernel faults every page in as a read of it would.
+    Returns 0, or the errno where a page cannot be read (EIO past the end of a file cut short)."""
+    done = 0
+    while done < n:
+        k = min(len(scratch), n - done)
+        try:
+            got = os.preadv(mem, [scratch[:k]], addr + done)
+        except OSError as e:
+            return e.errno or errno.EIO
+        if got <= 0:
+            return errno.EIO
+        done += got
+    return 0
 
 
 # -- calibration ---------------------------------------------------------------------------------
