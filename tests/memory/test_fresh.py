@@ -280,7 +280,7 @@ def test_map_in_without_the_advice_of_a_file_cut_short_names_the_file_and_the_pr
     p.write_bytes(os.urandom(8 * 2**20))
     code = textwrap.dedent(
         f"""
-        import errno, mmap, os
+        import errno, mmap, os, threading
         import numpy as np
         from weightlift import libc
         from weightlift.errors import FileError
@@ -290,12 +290,23 @@ def test_map_in_without_the_advice_of_a_file_cut_short_names_the_file_and_the_pr
             raise OSError(errno.EINVAL, "madvise failed")
 
         libc.madvise = refused
+        fresh.MAP_IN_PIECE = 2**20  # eight pieces: both threads meet the refusal
+        readers, real, both = set(), fresh._kernel_read, threading.Event()
+
+        def counted(*a):  # each reader waits for the other's first piece (a reader left out fails)
+            readers.add(threading.get_ident())
+            if len(readers) == 2:
+                both.set()
+            both.wait(10)
+            return real(*a)
+
+        fresh._kernel_read = counted
         path = {str(p)!r}
         with open(path, "rb") as f:
             m = mmap.mmap(f.fileno(), 8 * 2**20, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
         base = int(np.frombuffer(m, dtype=np.uint8).ctypes.data)
         whole = open(path, "rb").read()
-        assert fresh.map_in([(base, 8 * 2**20, path)], threads=2) == 8 * 2**20
+        assert fresh.map_in([(base, 8 * 2**20, path)], threads=2) == 8 * 2**20 and len(readers) == 2
         assert m[:] == whole
         os.truncate(path, 2**20 + 5)
         try:

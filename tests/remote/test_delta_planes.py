@@ -324,3 +324,37 @@ def test_a_server_refuses_frames_that_do_not_state_their_size(flags):
         _holds(srv, v0)
         assert srv.set_digest(v0) == first.set_digest
         raw.close()
+
+
+@pytest.mark.parametrize("flags", [0, Update.FLAG_IN_PLACE])
+@pytest.mark.parametrize("bad", ["one-byte planes", "short table"])
+def test_a_delta_that_cannot_apply_is_refused_as_it_arrives_in_place_too(flags, bad):
+    """PLANES of one-byte elements, or a payload whose chunk table does not fit its tensor, is
+    refused at the BARRIER that follows it, in place too (where it was kept for the switch and
+    failed only at COMMIT): the tensor fails, nothing is kept to switch in, v0 stays."""
+    v0 = _model()
+    v0["bytes"] = np.arange(1 << 16, dtype=np.uint8)
+    name, dtype = ("bytes", "U8") if bad == "one-byte planes" else ("layer.1", "BF16")
+    old, new = v0[name], v0[name].copy()
+    new.view(np.uint8)[::5] ^= 1
+    encoding = DeltaEncoding.PLANES if bad == "one-byte planes" else DeltaEncoding.XOR
+    payload = b"".join(D.encode(D.XOR, new.view(np.uint8), old.view(np.uint8), 1, limit=1 << 40))
+    if bad == "short table":
+        payload = payload[:-1]
+    d0, d1 = blake3.blake3(old.tobytes()).digest(), blake3.blake3(new.tobytes()).digest()
+    delta = Delta(1, name, dtype, old.shape, old.nbytes, encoding, d0, d1, len(payload))
+    with Server() as srv, Client(srv.address) as c:
+        first = c.push(v0)
+        raw = Raw(srv.address)
+        raw.hello()
+        raw.send(Update(flags))
+        raw.sock.sendall(P.send(delta) + payload)
+        reply = _barrier(raw)
+        assert reply.errors and name in reply.errors[0]
+        assert ("PLANES" in reply.errors[0]) == (bad == "one-byte planes")
+        raw.send(Commit())
+        commit = raw.recv()
+        assert isinstance(commit, CommitReply) and commit.tensors == 0
+        _holds(srv, v0)
+        assert srv.set_digest(v0) == first.set_digest
+        raw.close()

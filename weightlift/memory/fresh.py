@@ -286,6 +286,9 @@ def map_in(regions: list[tuple[int, int, str]], *, threads: int) -> int:
         w.start()
     try:
         run()
+    except BaseException as e:  # interrupted between pieces: the workers stop after theirs
+        errors.append(e)
+        raise
     finally:
         for w in workers:
             w.join()

@@ -49,7 +49,7 @@ benchmark sets them: ``chunks.CHUNK_BYTES``, ``chunks.BLOCK_BYTES``, ``chunks.LE
 from __future__ import annotations
 
 from weightlift.remote.delta import applying, chunks
-from weightlift.remote.delta.applying import Undo, apply, apply_hashed, scratch_bound
+from weightlift.remote.delta.applying import Undo, apply, apply_hashed, check, scratch_bound
 from weightlift.remote.delta.chunks import (
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
@@ -86,6 +86,7 @@ __all__ = [
     "scan",
     "apply",
     "apply_hashed",
+    "check",
     "payload_bound",
     "scratch_bound",
     "copy",

@@ -47,7 +47,7 @@ from weightlift.remote.delta.chunks import (
     zstd,
 )
 
-__all__ = ["APPLY_AHEAD", "Undo", "apply", "apply_hashed", "scratch_bound"]
+__all__ = ["APPLY_AHEAD", "Undo", "apply", "apply_hashed", "check", "scratch_bound"]
 
 # chunks of one application out to the workers at once: enough to keep every core decoding while
 # one thread hashes, few enough that they wait for the hash in the last-level cache
@@ -295,11 +295,22 @@ def _scatter(
         lo = hi
 
 
+def check(encoding: int, payload: memoryview, nbytes: int, item: int) -> None:
+    """DeltaError where ``payload`` cannot be a DELTA in ``encoding`` of a tensor of ``nbytes``
+    in ``item``-byte elements: an encoding not applied to such elements, or a head or chunk
+    table that does not fit; nothing is decompressed. A server checks this as the DELTA arrives,
+    before it keeps one to apply in place at the switch."""
+    _check_encoding(encoding, payload, item)
+    if encoding != SAME:
+        _table(payload, nbytes, item)
+
+
 def _check_encoding(encoding: int, payload: memoryview, item: int) -> None:
     if encoding == SAME and len(payload):
         raise DeltaError("a SAME delta carries no payload")
     if encoding not in (SAME, SPARSE, XOR, PLANES) or item < (2 if encoding == PLANES else 1):
-        raise DeltaError(f"DELTA encoding {encoding} for {item}-byte elements is not one this server applies")
+        name = {SAME: "SAME", SPARSE: "SPARSE", XOR: "XOR", PLANES: "PLANES"}.get(encoding, str(encoding))
+        raise DeltaError(f"DELTA encoding {name} for {item}-byte elements is not one this server applies")
 
 
 def _chunk_applier(

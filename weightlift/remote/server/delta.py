@@ -142,6 +142,13 @@ class Deltas:
             rx.outcomes.error(f"DELTA of {d.name!r}: encoding PLANES needs protocol minor 4")
             rx.outcomes.mark_failed(d.tensor_id)
             return False
+        try:  # refused as it arrives, not only at the switch that would apply it in place
+            if base is not None:  # (without it the client is asked for the tensor whole)
+                codec.check(d.encoding, payload.data, d.nbytes, item_size(d.dtype))
+        except codec.DeltaError as e:
+            rx.outcomes.error(f"DELTA of {d.name!r}: {e}")
+            rx.outcomes.mark_failed(d.tensor_id)
+            return False
         if base is not None and d.encoding == DeltaEncoding.SAME:
             # the tensor is its base, already there: it stays (and belongs to the open update)
             if switch is not None:
