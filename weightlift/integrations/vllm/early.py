@@ -32,7 +32,7 @@ from weightlift.errors import WeightliftError
 from weightlift.integrations.vllm.options import LoaderOptions
 from weightlift.local.prefetch import prefetch
 
-__all__ = ["install", "check", "start", "local_folder", "MEMORY_SHARE"]
+__all__ = ["install", "check", "start", "local_folder", "has_safetensors", "MEMORY_SHARE"]
 
 #: a checkpoint is read ahead only where it takes at most this share of the memory available
 #: (the rest is for the engine's own copy of the weights, on a CPU build, and its cache)
@@ -113,7 +113,12 @@ def local_folder(model: str, revision: str | None, download_dir: str | None) -> 
             )
         except Exception:  # noqa: BLE001 - not in the cache, or not a hub name
             return None
-    return folder if any(n.endswith(".safetensors") for n in os.listdir(folder)) else None
+    return folder if has_safetensors(folder) else None
+
+
+def has_safetensors(folder: str) -> bool:
+    """Whether ``folder`` holds a safetensors file (else the default loader reads what it has)."""
+    return any(n.endswith(".safetensors") for n in os.listdir(folder))
 
 
 def _read_ahead(folder: str) -> None:

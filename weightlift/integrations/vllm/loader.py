@@ -43,6 +43,7 @@ from weightlift.api import load, prefetch
 from weightlift.checkpoint import Checkpoint, open_checkpoint
 from weightlift.errors import IntegrityError
 from weightlift.hf.mapped import read_and_map
+from weightlift.integrations.vllm import early
 from weightlift.integrations.vllm.options import LoaderOptions
 from weightlift.integrations.vllm.pulled import pull_tensors, tls_context
 from weightlift.integrations.vllm.streamed import streamed_tensors
@@ -83,7 +84,7 @@ class WeightliftModelLoader(BaseModelLoader):
         path = model_config.model
         if not os.path.isdir(path):
             path = self._default()._prepare_weights(model_config.model, None, model_config.revision, True, None)[0]
-        if not any(n.endswith(".safetensors") for n in os.listdir(path)):
+        if not early.has_safetensors(path):
             return None
         return open_checkpoint(path)
 
