@@ -3,12 +3,14 @@ within max_memory plus a documented constant (SECURITY.md), measured from /proc.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -38,12 +40,29 @@ def _rss(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def test_resident_memory_stays_within_the_limit_under_every_attack():
+@contextlib.contextmanager
+def _serving() -> Iterator[tuple[subprocess.Popen, tuple[str, int], list[Raw]]]:
+    """A server process under LIMIT, its address, and a list of raw connections to close after."""
     proc = subprocess.Popen([sys.executable, "-c", _SERVE], stdout=subprocess.PIPE, text=True)
     socks: list[Raw] = []
     try:
         assert proc.stdout is not None
-        address = ("127.0.0.1", int(proc.stdout.readline()))
+        yield proc, ("127.0.0.1", int(proc.stdout.readline())), socks
+    finally:
+        for r in socks:
+            r.close()
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _within_limit(base: int, peak: int) -> None:
+    grew = peak - base
+    print(f"resident memory grew {grew >> 20} MiB")
+    assert grew <= LIMIT + SLACK, f"resident memory grew {grew >> 20} MiB; limit {LIMIT >> 20} + {SLACK >> 20} MiB"
+
+
+def test_resident_memory_stays_within_the_limit_under_every_attack():
+    with _serving() as (proc, address, socks):
 
         def client() -> Raw:
             raw = Raw(address)
@@ -95,14 +114,7 @@ def test_resident_memory_stays_within_the_limit_under_every_attack():
             c.sock.sendall(frame[: len(frame) - 1])
         time.sleep(0.2)
         measure()
-        grew = peak[0] - base
-        print(f"resident memory grew {grew >> 20} MiB")
-        assert grew <= LIMIT + SLACK, f"resident memory grew {grew >> 20} MiB; limit {LIMIT >> 20} + {SLACK >> 20} MiB"
-    finally:
-        for r in socks:
-            r.close()
-        proc.terminate()
-        proc.wait(timeout=10)
+        _within_limit(base, peak[0])
 
 
 def test_resident_memory_stays_within_the_limit_under_delta_frames_cut_short():
@@ -115,11 +127,7 @@ def test_resident_memory_stays_within_the_limit_under_delta_frames_cut_short():
     from weightlift.remote.client.client import Client
     from weightlift.remote.protocol import Delta, DeltaEncoding
 
-    proc = subprocess.Popen([sys.executable, "-c", _SERVE], stdout=subprocess.PIPE, text=True)
-    socks: list[Raw] = []
-    try:
-        assert proc.stdout is not None
-        address = ("127.0.0.1", int(proc.stdout.readline()))
+    with _serving() as (proc, address, socks):
         nbytes = 24 << 20  # the base, the result, the payload and the chunk's scratch fit in LIMIT
         b = np.zeros(nbytes // 2, np.uint16)
         with Client(address) as c:
@@ -140,14 +148,7 @@ def test_resident_memory_stays_within_the_limit_under_delta_frames_cut_short():
             reply = _barrier(raw)
             assert reply.errors and "decompress" in reply.errors[0]
             peak = max(peak, _rss(proc.pid))
-        grew = peak - base
-        print(f"resident memory grew {grew >> 20} MiB")
-        assert grew <= LIMIT + SLACK, f"resident memory grew {grew >> 20} MiB; limit {LIMIT >> 20} + {SLACK >> 20} MiB"
-    finally:
-        for r in socks:
-            r.close()
-        proc.terminate()
-        proc.wait(timeout=10)
+        _within_limit(base, peak)
 
 
 def test_entry_cost_covers_a_long_name():
