@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from weightlift import env, libc
+from weightlift.errors import FileError
 
 __all__ = [
     "FillPolicy",
@@ -344,9 +345,7 @@ class _PieceReader:
             self.mem = None
 
 
-def _unreadable(err: int, file: str) -> Exception:
-    from weightlift.errors import FileError
-
+def _unreadable(err: int, file: str) -> FileError:
     why = "a read error, or the file is shorter than it was" if err in (errno.EFAULT, errno.EIO) else None
     return FileError(f"cannot read its mapped bytes ({why or os.strerror(err)})", file=file, errno=err)
 
