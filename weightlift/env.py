@@ -31,6 +31,7 @@ from weightlift.errors import OptionError
 
 __all__ = [
     "cpus",
+    "available_memory",
     "ON",
     "OFF",
     "flag",
@@ -63,6 +64,18 @@ def cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def available_memory() -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo``, in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _get(name: str) -> str:

@@ -127,9 +127,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2"])
-def test_load_format_gives_the_default_loaders_tokens(models, default_tokens, arch):
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen2"])
+def test_load_format_gives_the_default_loaders_tokens(models, default_tokens, arch, monkeypatch):
+    """Every parameter moved into the memory faulted in while the engine started (these models'
+    are all under the size that moves by default), and the tokens are the default loader's."""
+    from tests.waiting import wait_for
+    from weightlift.integrations.vllm import prefault
+
+    placed: list[int] = []
+    real = prefault.place
+
+    def place(model):
+        wait_for(lambda: prefault._memory is not None and prefault._memory.ready == prefault._memory.nbytes)
+        every = sum({p.data_ptr(): p.nbytes for p in model.parameters()}.values())
+        placed.append(real(model))
+        assert placed[-1] == every  # each parameter owns its storage and fits
+        return placed[-1]
+
+    monkeypatch.setattr(prefault, "MIN_PARAMETER", 1)
+    monkeypatch.setattr(prefault, "place", place)
     assert _run(models[(arch, 0)], load_format="weightlift") == default_tokens((arch, 0))
+    assert len(placed) == 1
 
 
 def test_load_format_from_a_tensor_server(models, default_tokens, tmp_path):

@@ -25,7 +25,7 @@ def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.model_executor import model_loader
 
-    from weightlift.integrations.vllm import early
+    from weightlift.integrations.vllm import early, prefault
     from weightlift.integrations.vllm.loader import WeightliftModelLoader
 
     # vLLM runs the plugin in each process, and a caller may have registered already: its
@@ -38,3 +38,4 @@ def register() -> None:
             BACKEND, "weightlift.integrations.vllm.engine", "WeightliftWeightTransferEngine"
         )
     early.install()  # a cold checkpoint read from the moment the engine's configuration exists
+    prefault.from_environment()  # in an engine-core process: the parameters' memory, faulted in ahead

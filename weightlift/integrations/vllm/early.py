@@ -27,8 +27,10 @@ import os
 import threading
 from typing import Any
 
+from weightlift import env
 from weightlift.checkpoint import open_checkpoint
 from weightlift.errors import WeightliftError
+from weightlift.integrations.vllm import prefault
 from weightlift.integrations.vllm.options import LoaderOptions
 from weightlift.local.prefetch import prefetch
 
@@ -75,20 +77,23 @@ def check(config: Any) -> None:
 
 def start(config: Any) -> threading.Thread | None:
     """Start reading ``config``'s checkpoint (a ``VllmConfig``) into the page cache, where the
-    module's rules say so; the thread doing it, or None."""
+    module's rules say so, and have its parameters' memory faulted in ahead where
+    :mod:`.prefault`'s do; the thread reading, or None."""
     from weightlift.integrations.vllm import LOAD_FORMAT
 
     load, model, parallel = config.load_config, config.model_config, config.parallel_config
+    os.environ.pop(prefault.ENV, None)  # what an earlier configuration asked of its engine
     if load.load_format != LOAD_FORMAT:
         return None
     try:
         options = LoaderOptions.parse(load.model_loader_extra_config)
     except WeightliftError:
         return None  # the loader stops the engine naming the option
-    if not options.reads_ahead() or parallel.pipeline_parallel_size > 1 or getattr(parallel, "nnodes", 1) > 1:
-        return None
-    folder = local_folder(model.model, model.revision, load.download_dir)
+    folder = local_folder(model.model, model.revision, load.download_dir) if options.server is None else None
     if folder is None:
+        return None
+    prefault.arrange(config, folder, options.prefault)
+    if not options.reads_ahead() or parallel.pipeline_parallel_size > 1 or getattr(parallel, "nnodes", 1) > 1:
         return None
     thread = threading.Thread(target=_read_ahead, args=(folder,), name="wl-vllm-read-ahead", daemon=True)
     thread.start()
@@ -124,7 +129,7 @@ def has_safetensors(folder: str) -> bool:
 def _read_ahead(folder: str) -> None:
     try:
         ck = open_checkpoint(folder)
-        available = _available_memory()
+        available = env.available_memory()
         if available is not None and ck.nbytes > MEMORY_SHARE * available:
             _logger().info(
                 "weightlift: %.1f GB checkpoint, %.1f GB of memory available: not read ahead",
@@ -135,18 +140,6 @@ def _read_ahead(folder: str) -> None:
         prefetch(ck, keep=False).wait()
     except Exception as e:  # noqa: BLE001 - the loader reads (and reports) what this could not
         _logger().debug("weightlift: read ahead of %s stopped: %s", folder, e)
-
-
-def _available_memory() -> int | None:
-    """``MemAvailable`` from ``/proc/meminfo``, in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def _logger() -> Any:

@@ -43,7 +43,7 @@ from weightlift.api import load, prefetch
 from weightlift.checkpoint import Checkpoint, open_checkpoint
 from weightlift.errors import IntegrityError
 from weightlift.hf.mapped import read_and_map
-from weightlift.integrations.vllm import early
+from weightlift.integrations.vllm import early, prefault
 from weightlift.integrations.vllm.options import LoaderOptions
 from weightlift.integrations.vllm.pulled import pull_tensors, tls_context
 from weightlift.integrations.vllm.streamed import streamed_tensors
@@ -124,6 +124,7 @@ class WeightliftModelLoader(BaseModelLoader):
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         t0 = time.perf_counter()
+        self.report["prefaulted"] = prefault.place(model)  # the parameters into memory faulted in ahead
         tensors = self.tensors(model_config)
         if tensors is None:
             logger.info("weightlift: no safetensors checkpoint; vLLM's default loader reads these files")
@@ -141,7 +142,12 @@ class WeightliftModelLoader(BaseModelLoader):
         elapsed = time.perf_counter() - t0
         self.report.update(tensors=count[0], bytes=count[1], seconds=elapsed, source=self.options.server or "files")
         logger.info(
-            "Loading weights took %.2f seconds (weightlift: %d tensors, %.2f GB)", elapsed, count[0], count[1] / 1e9
+            "Loading weights took %.2f seconds (weightlift: %d tensors, %.2f GB; parameters moved into memory "
+            "faulted in ahead: %.2f GB)",
+            elapsed,
+            count[0],
+            count[1] / 1e9,
+            self.report["prefaulted"] / 1e9,
         )
 
 

@@ -24,6 +24,7 @@ KEYS = {
     "manifest": "the published manifest to verify against (a path)",
     "prefetch": "read a cold checkpoint into the page cache while vLLM starts (default: unless page_cache is 'evict')",
     "page_cache": "'keep' or 'evict' the page cache after the load",
+    "prefault": "fault the parameters' memory in while vLLM starts (default: where it is host memory)",
     "threads": "readers for a cold checkpoint",
     "copy": "read into fresh memory instead of handing out views of the file's mapping",
     "server": "take the tensors from a weightlift tensor server ('host:port') instead of the files",
@@ -40,6 +41,7 @@ class LoaderOptions:
     verify: bool = False
     manifest: str | None = None
     prefetch: bool | None = None
+    prefault: bool | None = None
     page_cache: str | None = None
     threads: int | None = None
     copy: bool = False
@@ -56,8 +58,10 @@ class LoaderOptions:
         if unknown:
             known = "; ".join(f"{k}: {v}" for k, v in KEYS.items())
             raise OptionError(f"load format 'weightlift' has no option {unknown[0]!r} (it takes {known})")
-        for key in ("verify", "prefetch", "copy"):
-            if not isinstance(extra.get(key, False), bool) and not (key == "prefetch" and extra[key] is None):
+        for key in ("verify", "prefetch", "prefault", "copy"):
+            if not isinstance(extra.get(key, False), bool) and not (
+                key in ("prefetch", "prefault") and extra[key] is None
+            ):
                 raise OptionError(f"load format 'weightlift': {key} must be true or false, not {extra[key]!r}")
         threads = extra.get("threads")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
@@ -75,9 +79,9 @@ class LoaderOptions:
         opts = cls(**{k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in extra.items()})
         if opts.server is None and (opts.token_file is not None or opts.tls):
             raise OptionError("load format 'weightlift': token_file and tls are for a server; set server too")
-        if opts.server is not None and (opts.manifest is not None or opts.prefetch is True or opts.copy):
+        if opts.server is not None and (opts.manifest is not None or True in (opts.prefetch, opts.prefault, opts.copy)):
             raise OptionError(
-                "load format 'weightlift': manifest, prefetch and copy are for the files; "
+                "load format 'weightlift': manifest, prefetch, prefault and copy are for the files; "
                 "with server, verify checks the digests the server states"
             )
         if opts.manifest is not None and not opts.verify:

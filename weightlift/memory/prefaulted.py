@@ -1,0 +1,182 @@
+"""Fresh memory faulted in ahead, before anyone knows how it will be cut up.
+
+A process that is about to allocate many tensors and fill them at once (vLLM's parameters,
+built empty and then copied into by the weight loaders) pays for the first touch of every page
+inside the fill: on these machines that fault costs more than the copy itself. Where there is
+time before the fill, and a core with nothing to do (an engine's start-up is mostly one thread
+importing and building), :class:`Prefaulted` faults in one mapping of about the right size on
+background threads, piece by piece from its start; when the fill begins, :meth:`Prefaulted.take`
+hands the part already done out in page-aligned pieces, each the sole owner of its pages: a
+piece is unmapped on its own when the last array (or tensor) viewing it dies, so memory that a
+consumer frees or replaces later (vLLM repacks linear weights after loading on its CPU build) is
+given back as it would have been from the allocator. What is not handed out, the pieces still
+unfaulted included, is unmapped by :meth:`Prefaulted.close`, which also runs by itself when
+nobody has taken anything ``expires`` seconds after the faulting finished.
+
+The memory reads as zeros, as fresh memory does: a consumer that moves a tensor's contents into
+a piece copies only what the tensor's own memory holds (:func:`resident_pages`).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from weightlift import libc
+from weightlift.memory.fresh import fault_in, policy
+
+__all__ = ["Prefaulted", "PAGE", "resident_pages", "swapped_out", "move_into"]
+
+PAGE = mmap.PAGESIZE
+PIECE = 64 << 20  # faulted at a time, so that stop() waits for at most one such piece a thread
+
+
+class _Pages:
+    """An array interface over ``n`` bytes at ``addr``; ``owned``: unmap ``span`` bytes there when
+    the last array viewing it is gone."""
+
+    def __init__(self, addr: int, n: int, span: int = 0):
+        self.__array_interface__ = {"data": (addr, False), "shape": (n,), "typestr": "|u1", "version": 3}
+        self._addr, self._span = addr, span
+
+    def __del__(self) -> None:
+        if self._span:
+            libc.unmap(self._addr, self._span)
+
+
+def _array(addr: int, n: int, span: int = 0) -> np.ndarray:
+    return np.asarray(_Pages(addr, n, span))
+
+
+class Prefaulted:
+    """``nbytes`` (rounded up to pages) of fresh private memory, faulted in from its start on
+    ``threads`` background threads as soon as it is made (the fill policy's way: populated, or
+    touched a page at a time)."""
+
+    def __init__(self, nbytes: int, *, threads: int = 1, expires: float | None = 120.0, piece: int = PIECE):
+        if nbytes < 1 or threads < 1 or piece < PAGE:
+            raise ValueError("need nbytes >= 1, threads >= 1 and piece >= a page")
+        self.nbytes = -(-nbytes // PAGE) * PAGE
+        self._piece = -(-piece // PAGE) * PAGE
+        self._addr = libc.map_file(
+            -1, self.nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        )
+        try:
+            libc.madvise(self._addr, self.nbytes, mmap.MADV_HUGEPAGE if policy().huge else mmap.MADV_NOHUGEPAGE)
+        except (AttributeError, OSError):
+            pass  # no THP here
+        npieces = -(-self.nbytes // self._piece)
+        self._done = bytearray(npieces)
+        self._next = 0  # the next piece to fault
+        self._ready = 0  # bytes faulted in, contiguous from the start
+        self._cursor = 0  # bytes handed out (take) or given back (close), from the start
+        self._stopped = self._closed = False
+        self._cond = threading.Condition()
+        self._expires = expires
+        self._threads = [
+            threading.Thread(target=self._work, name=f"wl-prefault-{i}", daemon=True) for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def ready(self) -> int:
+        """Bytes faulted in so far, contiguous from the start (what :meth:`take` can hand out)."""
+        with self._cond:
+            return self._ready
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                if self._stopped or self._next == len(self._done):
+                    break
+                i = self._next
+                self._next += 1
+            lo = i * self._piece
+            fault_in(_array(self._addr + lo, min(self._piece, self.nbytes - lo)))
+            with self._cond:
+                self._done[i] = 1
+                while self._ready < self.nbytes and self._done[self._ready // self._piece]:
+                    self._ready = min(self._ready + self._piece, self.nbytes)
+                self._cond.notify_all()
+        if self._expires is None or threading.current_thread() is not self._threads[0]:
+            return
+        with self._cond:  # nobody took anything in time: the memory goes back
+            if not self._cond.wait_for(lambda: self._stopped, timeout=self._expires):
+                self._stopped = True
+            else:
+                return
+        self.close()
+
+    def stop(self) -> int:
+        """Stop faulting (waiting for the pieces being faulted now); returns :attr:`ready`."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: all(self._done[i] for i in range(self._next)))
+            return self._ready
+
+    def take(self, n: int) -> np.ndarray | None:
+        """The next ``n`` bytes as a uint8 array that owns its pages (the rest of the last page
+        too); None where fewer than that are faulted in. Stops the faulting."""
+        self.stop()
+        span = -(-n // PAGE) * PAGE
+        with self._cond:
+            if self._closed or n < 1 or self._cursor + span > self._ready:
+                return None
+            addr = self._addr + self._cursor
+            self._cursor += span
+        return _array(addr, n, span)
+
+    def close(self) -> None:
+        """Unmap everything not handed out (idempotent); pieces handed out unmap themselves."""
+        self.stop()
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            lo, self._cursor = self._cursor, self.nbytes
+        if lo < self.nbytes:
+            libc.unmap(self._addr + lo, self.nbytes - lo)
+
+
+def resident_pages(addr: int, n: int) -> list[tuple[int, int]]:
+    """The ``(offset, length)`` runs of ``[addr, addr + n)`` on pages this process has in memory:
+    the rest of anonymous memory, never written (or swapped out: :func:`swapped_out`), reads as
+    zeros."""
+    if n < 1:
+        return []
+    lo = addr // PAGE * PAGE
+    vec = np.frombuffer(libc.mincore(lo, addr + n - lo), dtype=np.uint8) & 1
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], vec, [0])).astype(np.int8)))
+    out = []
+    for a, b in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
+        begin, end = max(lo + a * PAGE, addr), min(lo + b * PAGE, addr + n)
+        out.append((begin - addr, end - begin))
+    return out
+
+
+def swapped_out() -> bool:
+    """Whether any of this process's memory is in swap (``VmSwap`` above zero), where a page
+    missing from memory may still hold data; True where that cannot be told."""
+    try:
+        with open(f"/proc/{os.getpid()}/status") as f:
+            for line in f:
+                if line.startswith("VmSwap:"):
+                    return int(line.split()[1]) > 0
+    except (OSError, ValueError, IndexError):
+        return True
+    return True
+
+
+def move_into(src_addr: int, n: int, dst: Any, *, whole: bool = False) -> None:
+    """Copy what the ``n`` bytes at ``src_addr`` hold into ``dst`` (a fresh uint8 array of at
+    least ``n`` bytes): only their resident pages, or all of them with ``whole`` (where some
+    memory is in swap, :func:`swapped_out`)."""
+    runs = [(0, n)] if whole else resident_pages(src_addr, n)
+    for off, length in runs:
+        dst[off : off + length] = _array(src_addr + off, length)
