@@ -94,6 +94,8 @@ def main():
         timed["load_weights_s"] = time.perf_counter() - t
     cls.load_weights = load_weights
     if fmt == "weightlift":  # "weightlift:noprefault": a boolean option of the format turned off
+        if strategy and not strategy.startswith("no"):
+            raise SystemExit(f"arm {arm!r}: weightlift takes weightlift:noOPTION")
         extra = {"model_loader_extra_config": {strategy[2:]: False}} if strategy else {}
     else:
         extra = {"safetensors_load_strategy": strategy} if strategy else {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import socket
 
 import pytest
@@ -36,7 +37,7 @@ TOKEN = "a token long enough for the weightlift server 0123456789"
 ENGINE = dict(skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=0.05, max_model_len=128)
 
 
-def _write(folder, arch: str, seed: int) -> str:
+def _write(folder, arch: str, seed: int, **sizes) -> str:
     torch.manual_seed(seed)
     common = dict(
         vocab_size=256,
@@ -48,6 +49,7 @@ def _write(folder, arch: str, seed: int) -> str:
         max_position_embeddings=128,
         initializer_range=0.2,
     )
+    common.update(sizes)
     if arch == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(tie_word_embeddings=True, **common))
     elif arch == "mixtral":
@@ -55,7 +57,7 @@ def _write(folder, arch: str, seed: int) -> str:
         model = transformers.MixtralForCausalLM(cfg)
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(tie_word_embeddings=False, **common))
-    path = os.path.join(folder, f"{arch}-{seed}")
+    path = os.path.join(folder, f"{arch}-{seed}" + "".join(f"-{k}{v}" for k, v in sorted(sizes.items())))
     model.to(torch.bfloat16).save_pretrained(path)
     return path
 
@@ -137,10 +139,10 @@ def test_load_format_gives_the_default_loaders_tokens(models, default_tokens, ar
     placed: list[int] = []
     real = prefault.place
 
-    def place(model):
+    def place(model, report=None, use=True):
         wait_for(lambda: prefault._memory is not None and prefault._memory.ready == prefault._memory.nbytes)
         every = sum({p.data_ptr(): p.nbytes for p in model.parameters()}.values())
-        placed.append(real(model))
+        placed.append(real(model, report, use=use))
         assert placed[-1] == every  # each parameter owns its storage and fits
         return placed[-1]
 
@@ -228,6 +230,20 @@ def test_verify_stops_the_engine_naming_the_corrupted_tensor(models, tmp_path, c
     err = "".join(capfd.readouterr())
     assert "IntegrityError" in err and "model.layers.1.mlp.down_proj.weight" in err
     assert str(bad / "model.safetensors") in err
+
+
+def test_the_cpu_builds_worker_process_loads_into_memory_faulted_in_ahead(tmp_path, capfd):
+    """As vLLM runs by default on the CPU build: the engine core in a process of its own, and even
+    one worker in another. That worker faults the parameters' memory in as it starts and the load
+    moves them into it (parameters of 256 KiB and more: a wider model), with the default
+    loader's tokens."""
+    path = _write(str(tmp_path), "llama", 2, hidden_size=512, intermediate_size=1024, vocab_size=1024)
+    want = _run(path)
+    capfd.readouterr()
+    assert _run(path, own_process=True, load_format="weightlift") == want
+    out = "".join(capfd.readouterr())
+    moved = re.search(r"; ([0-9.]+) MB of parameters moved into memory faulted in ahead", out)
+    assert moved is not None and float(moved.group(1)) > 0, out[-3000:]
 
 
 def test_verify_passes_an_intact_checkpoint(models, default_tokens, tmp_path):

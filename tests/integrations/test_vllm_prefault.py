@@ -7,6 +7,7 @@ import errno
 import gc
 import multiprocessing
 import os
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -122,9 +123,10 @@ def test_a_checkpoint_too_large_for_the_memory_available_gets_none(tmp_path, mon
     assert prefault._memory is None
 
 
-def _config(device="cpu", tp=1, pp=1, backend="uni"):
+def _config(device="cpu", tp=1, pp=1, backend="uni", dtype=None):
     return SimpleNamespace(
         device_config=SimpleNamespace(device_type=device),
+        model_config=SimpleNamespace(dtype=dtype),
         parallel_config=SimpleNamespace(
             tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend=backend
         ),
@@ -163,7 +165,7 @@ def test_the_process_that_builds_the_model_faults_in_what_was_arranged(tmp_path,
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     prefault.arrange(_config(backend=backend), folder, None)
     assert prefault._memory is None  # not in the process that built the configuration
-    assert os.environ[prefault.ENV].endswith(folder)
+    assert os.environ[prefault.ENV] == f"{builder.split('_')[0]}:0:{folder}"
     me = multiprocessing.current_process()
     for other in ("MainProcess", "ApiServer_0", "EngineCore" if backend == "mp" else "VllmWorker-0"):
         monkeypatch.setattr(me, "name", other)
@@ -174,13 +176,113 @@ def test_the_process_that_builds_the_model_faults_in_what_was_arranged(tmp_path,
     assert thread is not None
     thread.join()
     assert prefault._memory is not None and prefault.ENV not in os.environ
-    monkeypatch.setenv(prefault.ENV, f"{prefault.ENGINE_CORE}:{folder}")
+    monkeypatch.setenv(prefault.ENV, f"{prefault.ENGINE_CORE}:0:{folder}")
     prefault.arrange(_config(tp=2, backend="mp"), folder, None)  # a later configuration clears it
     assert prefault.ENV not in os.environ
+
+
+LLM_CLASS = SimpleNamespace(name="LLM_CLASS")  # vLLM's UsageContext.LLM_CLASS, as LLM(...) passes it
 
 
 def test_an_engine_in_this_process_has_the_memory_faulted_in_here(tmp_path, monkeypatch):
     monkeypatch.setattr(prefault, "_one_memory_node", lambda: True)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    prefault.arrange(_config(), _checkpoint(tmp_path, BIG), None)
+    prefault.arrange(_config(), _checkpoint(tmp_path, BIG), None, LLM_CLASS)
     wait_for(lambda: prefault._memory is not None)
+    assert prefault.ENV not in os.environ
+
+
+def test_a_server_without_multiprocessing_still_has_its_engine_core_apart(tmp_path, monkeypatch):
+    """vllm serve (AsyncLLM) runs its engine core in a process of its own whatever
+    VLLM_ENABLE_V1_MULTIPROCESSING says: the memory is not faulted in by the server."""
+    monkeypatch.setattr(prefault, "_one_memory_node", lambda: True)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    folder = _checkpoint(tmp_path, BIG)
+    for context in (None, SimpleNamespace(name="OPENAI_API_SERVER"), SimpleNamespace(name="ENGINE_CONTEXT")):
+        prefault.arrange(_config(), folder, None, context)
+        assert os.environ[prefault.ENV] == f"{prefault.ENGINE_CORE}:0:{folder}"
+    assert prefault._memory is None
+
+
+def test_floating_point_tensors_are_sized_at_the_models_dtype(tmp_path, monkeypatch):
+    """An F32 checkpoint loaded as bfloat16 needs half its size; integer tensors keep theirs."""
+    n = 1 << 18
+    write(tmp_path / "model.safetensors", [("f", "F32", (n,), bytes(4 * n)), ("q", "I32", (n,), bytes(4 * n))])
+    prefault.begin(str(tmp_path), 2).join()
+    memory = prefault._memory
+    assert memory is not None
+    assert 6 * n <= memory.nbytes <= 6 * n * 1.03 + 4096 * 70
+    monkeypatch.setattr(prefault, "_one_memory_node", lambda: True)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    prefault.arrange(_config(backend="mp", dtype=torch.bfloat16), str(tmp_path), None)
+    assert os.environ[prefault.ENV] == f"{prefault.WORKER}:2:{tmp_path}"
+
+
+class _Aliased(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        w = torch.empty(BIG // 4)
+        self.a = torch.nn.Parameter(w, requires_grad=False)
+        self.b = torch.nn.Parameter(w, requires_grad=False)  # a second parameter on a's storage
+        self.c = torch.nn.Parameter(torch.empty(BIG // 4), requires_grad=False)
+        self.c_t = self.c.data.view(256, 1024).t()  # a plain tensor viewing c
+
+
+def test_a_parameter_that_shares_its_storage_stays_where_it_is(tmp_path):
+    _faulted_in(tmp_path, 4 * BIG)
+    m = _Aliased()
+    ptrs = (m.a.data_ptr(), m.c.data_ptr())
+    assert prefault.place(m) == 0
+    assert (m.a.data_ptr(), m.b.data_ptr(), m.c.data_ptr()) == (ptrs[0], ptrs[0], ptrs[1])
+    m.c.data.fill_(2.0)
+    assert bool((m.c_t == 2.0).all())
+
+
+def test_memory_faulted_in_after_the_load_began_is_not_held(tmp_path, monkeypatch):
+    folder = _checkpoint(tmp_path, 4 * BIG)
+    real = prefault.open_checkpoint
+    opened = threading.Event()
+    go = threading.Event()
+
+    def slow(f):
+        opened.set()
+        go.wait(10)
+        return real(f)
+
+    monkeypatch.setattr(prefault, "open_checkpoint", slow)
+    thread = prefault.begin(folder)
+    opened.wait(10)
+    assert prefault.place(_Model()) == 0  # the load begins before the memory exists
+    go.set()
+    thread.join()
+    assert prefault._memory is None
+
+
+def test_with_the_option_off_the_memory_goes_back_unused(tmp_path):
+    memory = _faulted_in(tmp_path, 4 * BIG)
+    model = _Model()
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    assert prefault.place(model, use=False) == 0
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+    assert not _mapped(memory._addr) and prefault._memory is None
+
+
+def test_a_parameter_whose_memory_cannot_be_read_stays(tmp_path, monkeypatch):
+    _faulted_in(tmp_path, 4 * BIG)
+
+    def refuse(*a):
+        raise OSError(11, "try again")
+
+    monkeypatch.setattr(prefault, "move_into", refuse)
+    model = _Model()
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    assert prefault.place(model) == 0
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+    assert bool((model.ones == 1).all())
+
+
+def test_the_report_says_when_the_faulting_ran(tmp_path):
+    _faulted_in(tmp_path, 4 * BIG)
+    report: dict = {}
+    prefault.place(_Model(), report)
+    assert report["prefault_s"] >= 0 and report["prefault_lead_s"] >= 0

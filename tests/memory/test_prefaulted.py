@@ -5,13 +5,14 @@ from __future__ import annotations
 import errno
 import gc
 import mmap
+import threading
 
 import numpy as np
 import pytest
 
 from tests.waiting import wait_for
 from weightlift import libc
-from weightlift.memory.prefaulted import PAGE, Prefaulted, move_into, resident_pages
+from weightlift.memory.prefaulted import PAGE, Prefaulted, move_into, written_pages
 
 
 def _mapped(addr: int, n: int = PAGE) -> bool:
@@ -97,30 +98,62 @@ def test_the_sizes_are_checked():
             Prefaulted(**bad)
 
 
-def _fresh(n: int) -> np.ndarray:
-    return np.frombuffer(mmap.mmap(-1, n), dtype=np.uint8)
+def _fresh(n: int, flags: int = mmap.MAP_PRIVATE) -> np.ndarray:
+    return np.frombuffer(mmap.mmap(-1, n, flags=flags), dtype=np.uint8)
 
 
-def test_resident_pages_are_those_written():
+def test_written_pages_are_those_touched():
     src = _fresh(16 * PAGE)
     src[PAGE + 5] = 1
     src[2 * PAGE] = 2
     src[9 * PAGE : 11 * PAGE] = 3
     base = src.ctypes.data
-    assert resident_pages(base, 16 * PAGE) == [(PAGE, 2 * PAGE), (9 * PAGE, 2 * PAGE)]
+    assert written_pages(base, 16 * PAGE) == [(PAGE, 2 * PAGE), (9 * PAGE, 2 * PAGE)]
     # a range that starts and ends inside pages: clipped to it, offsets from its start
-    assert resident_pages(base + PAGE + 100, 10 * PAGE) == [(0, 2 * PAGE - 100), (8 * PAGE - 100, 2 * PAGE)]
-    assert resident_pages(base, 0) == []
+    assert written_pages(base + PAGE + 100, 10 * PAGE) == [(0, 2 * PAGE - 100), (8 * PAGE - 100, 2 * PAGE)]
+    assert written_pages(base, 0) == []
 
 
-@pytest.mark.parametrize("whole", [False, True])
-def test_move_into_copies_exactly_what_the_memory_holds(whole):
+def test_memory_that_is_not_private_and_anonymous_cannot_be_told(tmp_path):
+    shared = _fresh(4 * PAGE, mmap.MAP_SHARED)  # shared memory: its pages may be elsewhere
+    assert written_pages(shared.ctypes.data, 4 * PAGE) is None
+    f = tmp_path / "f"
+    f.write_bytes(b"x" * 4 * PAGE)
+    with open(f, "rb") as fh:
+        m = mmap.mmap(fh.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+    fileview = np.frombuffer(m, dtype=np.uint8)  # never read: no page present, yet it holds x's
+    assert written_pages(fileview.ctypes.data, 4 * PAGE) is None
+    dst = _fresh(4 * PAGE)
+    move_into(fileview.ctypes.data, 4 * PAGE, dst)
+    assert dst.tobytes() == b"x" * 4 * PAGE
+
+
+def test_move_into_copies_exactly_what_the_memory_holds():
     rng = np.random.default_rng(1)
     src = _fresh(32 * PAGE)
     for at in rng.choice(32 * PAGE - 64, 20, replace=False):
         src[at : at + 64] = rng.integers(1, 256, 64, dtype=np.uint8)
     n = 32 * PAGE - 777
     dst = _fresh(32 * PAGE)
-    move_into(src.ctypes.data + 777, n, dst, whole=whole)
+    move_into(src.ctypes.data + 777, n, dst)
     assert dst[:n].tobytes() == src[777:].tobytes()
     assert not dst[n:].any()
+
+
+def test_a_piece_that_fails_to_fault_in_stops_the_faulting_and_never_hangs(monkeypatch):
+    import weightlift.memory.prefaulted as prefaulted
+
+    calls = []
+
+    def fault_in(arr):
+        calls.append(arr.size)
+        if len(calls) == 2:
+            raise MemoryError("no more")
+        arr[::PAGE] = 0
+
+    monkeypatch.setattr(prefaulted, "fault_in", fault_in)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the thread's error, expected
+    p = Prefaulted(8 * PAGE, expires=None, piece=PAGE)
+    assert p.stop() == PAGE  # the first piece; nothing after the one that failed
+    assert p.take(PAGE) is not None and p.take(1) is None
+    p.close()

@@ -14,7 +14,8 @@ unfaulted included, is unmapped by :meth:`Prefaulted.close`, which also runs by 
 nobody has taken anything ``expires`` seconds after the faulting finished.
 
 The memory reads as zeros, as fresh memory does: a consumer that moves a tensor's contents into
-a piece copies only what the tensor's own memory holds (:func:`resident_pages`).
+a piece copies only the pages of the tensor's own memory that were ever touched
+(:func:`move_into`), so that moving memory nobody wrote costs no faults.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -29,10 +31,11 @@ import numpy as np
 from weightlift import libc
 from weightlift.memory.fresh import fault_in, policy
 
-__all__ = ["Prefaulted", "PAGE", "resident_pages", "swapped_out", "move_into"]
+__all__ = ["Prefaulted", "PAGE", "written_pages", "move_into"]
 
 PAGE = mmap.PAGESIZE
 PIECE = 64 << 20  # faulted at a time, so that stop() waits for at most one such piece a thread
+_DONE, _FAILED = 1, 2  # a piece's state once a thread is through with it
 
 
 class _Pages:
@@ -77,6 +80,10 @@ class Prefaulted:
         self._stopped = self._closed = False
         self._cond = threading.Condition()
         self._expires = expires
+        #: ``time.monotonic()`` when the faulting began, and when the last piece was done (None
+        #: until then; stays None where it was stopped first)
+        self.started: float = time.monotonic()
+        self.finished: float | None = None
         self._threads = [
             threading.Thread(target=self._work, name=f"wl-prefault-{i}", daemon=True) for i in range(threads)
         ]
@@ -97,18 +104,26 @@ class Prefaulted:
                 i = self._next
                 self._next += 1
             lo = i * self._piece
-            fault_in(_array(self._addr + lo, min(self._piece, self.nbytes - lo)))
+            try:
+                fault_in(_array(self._addr + lo, min(self._piece, self.nbytes - lo)))
+            except BaseException:
+                with self._cond:  # the pieces before it stay ready; nothing after it becomes so
+                    self._done[i] = _FAILED
+                    self._stopped = True
+                    self._cond.notify_all()
+                raise
             with self._cond:
-                self._done[i] = 1
-                while self._ready < self.nbytes and self._done[self._ready // self._piece]:
+                self._done[i] = _DONE
+                while self._ready < self.nbytes and self._done[self._ready // self._piece] == _DONE:
                     self._ready = min(self._ready + self._piece, self.nbytes)
+                if self._ready == self.nbytes:
+                    self.finished = time.monotonic()
                 self._cond.notify_all()
         if self._expires is None or threading.current_thread() is not self._threads[0]:
             return
-        with self._cond:  # nobody took anything in time: the memory goes back
-            if not self._cond.wait_for(lambda: self._stopped, timeout=self._expires):
-                self._stopped = True
-            else:
+        with self._cond:  # nobody took anything in time after the last piece: the memory goes back
+            self._cond.wait_for(lambda: self._stopped or self.finished is not None)
+            if self._cond.wait_for(lambda: self._stopped, timeout=self._expires):
                 return
         self.close()
 
@@ -144,39 +159,60 @@ class Prefaulted:
             libc.unmap(self._addr + lo, self.nbytes - lo)
 
 
-def resident_pages(addr: int, n: int) -> list[tuple[int, int]]:
-    """The ``(offset, length)`` runs of ``[addr, addr + n)`` on pages this process has in memory:
-    the rest of anonymous memory, never written (or swapped out: :func:`swapped_out`), reads as
-    zeros."""
+def written_pages(addr: int, n: int) -> list[tuple[int, int]] | None:
+    """The ``(offset, length)`` runs of ``[addr, addr + n)`` whose pages this process has written
+    or read, or has in swap (``/proc/self/pagemap``: present or swapped); the rest of private
+    anonymous memory has never been touched and reads as zeros. None where that cannot be told:
+    no pagemap, or memory that is not private and anonymous (a file's pages read as zeros there
+    until faulted in, yet hold the file's bytes)."""
     if n < 1:
         return []
-    lo = addr // PAGE * PAGE
-    vec = np.frombuffer(libc.mincore(lo, addr + n - lo), dtype=np.uint8) & 1
-    edges = np.flatnonzero(np.diff(np.concatenate(([0], vec, [0])).astype(np.int8)))
+    if not _private_anonymous(addr, n):
+        return None
+    lo = addr // PAGE
+    pages = (addr + n - 1) // PAGE - lo + 1
+    try:
+        with open("/proc/self/pagemap", "rb", buffering=0) as f:
+            raw = os.pread(f.fileno(), pages * 8, lo * 8)
+    except OSError:
+        return None
+    if len(raw) != pages * 8:
+        return None
+    held = ((np.frombuffer(raw, dtype="<u8") >> np.uint64(62)) != 0).astype(np.int8)  # bit 63 present, 62 swap
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], held, [0])).astype(np.int8)))
     out = []
     for a, b in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
-        begin, end = max(lo + a * PAGE, addr), min(lo + b * PAGE, addr + n)
+        begin, end = max((lo + a) * PAGE, addr), min((lo + b) * PAGE, addr + n)
         out.append((begin - addr, end - begin))
     return out
 
 
-def swapped_out() -> bool:
-    """Whether any of this process's memory is in swap (``VmSwap`` above zero), where a page
-    missing from memory may still hold data; True where that cannot be told."""
+def _private_anonymous(addr: int, n: int) -> bool:
+    """Whether ``[addr, addr + n)`` lies in private anonymous mappings (``/proc/self/maps``)."""
+    end, covered = addr + n, addr
     try:
-        with open(f"/proc/{os.getpid()}/status") as f:
+        with open("/proc/self/maps") as f:
             for line in f:
-                if line.startswith("VmSwap:"):
-                    return int(line.split()[1]) > 0
+                fields = line.split()
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                if hi <= covered or lo >= end:
+                    continue
+                if lo > covered or fields[1][3] != "p" or fields[4] != "0":
+                    return False  # a hole, a shared mapping, or a file's
+                if len(fields) > 5 and not fields[5].startswith("[heap") and not fields[5].startswith("[anon"):
+                    return False
+                covered = hi
+                if covered >= end:
+                    return True
     except (OSError, ValueError, IndexError):
-        return True
-    return True
+        return False
+    return False
 
 
-def move_into(src_addr: int, n: int, dst: Any, *, whole: bool = False) -> None:
+def move_into(src_addr: int, n: int, dst: Any) -> None:
     """Copy what the ``n`` bytes at ``src_addr`` hold into ``dst`` (a fresh uint8 array of at
-    least ``n`` bytes): only their resident pages, or all of them with ``whole`` (where some
-    memory is in swap, :func:`swapped_out`)."""
-    runs = [(0, n)] if whole else resident_pages(src_addr, n)
-    for off, length in runs:
+    least ``n`` bytes, reading as zeros): the pages ever touched (:func:`written_pages`), or all
+    of them where that cannot be told."""
+    runs = written_pages(src_addr, n)
+    for off, length in [(0, n)] if runs is None else runs:
         dst[off : off + length] = _array(src_addr + off, length)

@@ -56,7 +56,7 @@ def install() -> None:
         config = inner(self, *args, **kwargs)
         check(config)  # a wrong option stops here, before any engine process starts
         try:
-            start(config)
+            start(config, kwargs.get("usage_context", args[0] if args else None))
         except Exception as e:  # noqa: BLE001 - a read ahead never stops an engine
             _logger().debug("weightlift: no read ahead (%s)", e)
         return config
@@ -75,10 +75,11 @@ def check(config: Any) -> None:
         LoaderOptions.parse(config.load_config.model_loader_extra_config)
 
 
-def start(config: Any) -> threading.Thread | None:
+def start(config: Any, usage_context: Any = None) -> threading.Thread | None:
     """Start reading ``config``'s checkpoint (a ``VllmConfig``) into the page cache, where the
     module's rules say so, and have its parameters' memory faulted in ahead where
-    :mod:`.prefault`'s do; the thread reading, or None."""
+    :mod:`.prefault`'s do (``usage_context``: what ``create_engine_config`` was given); the
+    thread reading, or None."""
     from weightlift.integrations.vllm import LOAD_FORMAT
 
     load, model, parallel = config.load_config, config.model_config, config.parallel_config
@@ -92,7 +93,7 @@ def start(config: Any) -> threading.Thread | None:
     folder = local_folder(model.model, model.revision, load.download_dir) if options.server is None else None
     if folder is None:
         return None
-    prefault.arrange(config, folder, options.prefault)
+    prefault.arrange(config, folder, options.prefault, usage_context)
     if not options.reads_ahead() or parallel.pipeline_parallel_size > 1 or getattr(parallel, "nnodes", 1) > 1:
         return None
     thread = threading.Thread(target=_read_ahead, args=(folder,), name="wl-vllm-read-ahead", daemon=True)

@@ -124,7 +124,8 @@ class WeightliftModelLoader(BaseModelLoader):
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         t0 = time.perf_counter()
-        self.report["prefaulted"] = prefault.place(model)  # the parameters into memory faulted in ahead
+        # the parameters into memory faulted in ahead (given back unused where the option is off)
+        self.report["prefaulted"] = prefault.place(model, self.report, use=self.options.prefault is not False)
         tensors = self.tensors(model_config)
         if tensors is None:
             logger.info("weightlift: no safetensors checkpoint; vLLM's default loader reads these files")
@@ -142,13 +143,21 @@ class WeightliftModelLoader(BaseModelLoader):
         elapsed = time.perf_counter() - t0
         self.report.update(tensors=count[0], bytes=count[1], seconds=elapsed, source=self.options.server or "files")
         logger.info(
-            "Loading weights took %.2f seconds (weightlift: %d tensors, %.2f GB; parameters moved into memory "
-            "faulted in ahead: %.2f GB)",
+            "Loading weights took %.2f seconds (weightlift: %d tensors, %.2f GB%s)",
             elapsed,
             count[0],
             count[1] / 1e9,
-            self.report["prefaulted"] / 1e9,
+            _faulted(self.report),
         )
+
+
+def _faulted(report: dict[str, Any]) -> str:
+    """What the parameters' memory faulted in ahead did, for the log line ('' where none moved)."""
+    moved, took, lead = report.get("prefaulted", 0), report.get("prefault_s"), report.get("prefault_lead_s")
+    if not moved:
+        return ""
+    when = "" if took is None else f", faulted in over {took:.2f} s, done {lead:.2f} s before the load"
+    return f"; {moved / 1e6:.1f} MB of parameters moved into memory faulted in ahead{when}"
 
 
 def _tp_size() -> int:
