@@ -302,7 +302,7 @@ def test_the_checkpoint_is_read_ahead_as_soon_as_the_engines_configuration_exist
     register()
     started: list = []
     real = early.start
-    monkeypatch.setattr(early, "start", lambda cfg: started.append(real(cfg)) or started[-1])
+    monkeypatch.setattr(early, "start", lambda cfg, *a: started.append(real(cfg, *a)) or started[-1])
     path = _evicted_copy(models[("llama", 0)], tmp_path)
     args = dict(skip_tokenizer_init=True, enforce_eager=True, max_model_len=128)
     vllm.EngineArgs(model=path, load_format="auto", **args).create_engine_config()

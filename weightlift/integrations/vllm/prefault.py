@@ -4,8 +4,9 @@ vLLM builds a model's parameters empty (``torch.empty``: memory never touched) a
 the load format's ``load_weights``, and every weight loader's copy then pays the first touch of
 the pages it writes, about half of a warm load on these machines (bench/RESULTS.md: 2026-12-02).
 Both loaders pay it alike, so no load format that feeds vLLM's loaders gets under it by reading
-faster. What does: the touch needs no bytes, only the size, and the engine's start-up leaves a
-core idle for seconds before the load (it is mostly one thread importing and building).
+faster. What does: the touch needs no bytes, only the size, so it can run while the engine's
+start-up does the rest of its work, seconds before the load (it is still CPU work: the time to
+first token gains it where the start-up leaves a core free).
 
 So, where the parameters will be in this host's memory and one process loads the whole model
 (tensor and pipeline parallel size 1), on a machine with one memory node (elsewhere the pages
