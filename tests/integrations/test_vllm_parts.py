@@ -14,8 +14,9 @@ TOKEN = "a token long enough for the weightlift server 0123456789"
 
 def test_options_default_and_given():
     assert LoaderOptions.parse(None) == LoaderOptions()
-    o = LoaderOptions.parse({"verify": True, "manifest": "m.json", "prefetch": True, "threads": 2})
-    assert (o.verify, o.manifest, o.prefetch, o.threads) == (True, "m.json", True, 2)
+    o = LoaderOptions.parse({"verify": True, "manifest": "m.json", "prefetch": True, "threads": 2, "prefault": False})
+    assert (o.verify, o.manifest, o.prefetch, o.threads, o.prefault) == (True, "m.json", True, 2, False)
+    assert LoaderOptions.parse({"prefault": None}).prefault is None
 
 
 @pytest.mark.parametrize(
@@ -41,6 +42,7 @@ def test_the_files_are_read_ahead_by_default_where_the_page_cache_is_kept(extra,
         ({"prefetch_all": True}, "no option 'prefetch_all'"),
         ({"verify": "yes"}, "verify must be true or false"),
         ({"prefetch": "yes"}, "prefetch must be true or false"),
+        ({"prefault": 1}, "prefault must be true or false"),
         ({"verify": None}, "verify must be true or false"),
         ({"threads": 0}, "threads must be a positive integer"),
         ({"threads": True}, "threads must be a positive integer"),
@@ -48,6 +50,7 @@ def test_the_files_are_read_ahead_by_default_where_the_page_cache_is_kept(extra,
         ({"manifest": "m.json"}, "set verify too"),
         ({"token_file": "t"}, "set server too"),
         ({"server": "h:1", "prefetch": True}, "are for the files"),
+        ({"server": "h:1", "prefault": True}, "are for the files"),
         ({"server": "h:1", "timeout": 0}, "timeout must be a positive number"),
         ({"tls": 3}, "tls must be"),
     ],

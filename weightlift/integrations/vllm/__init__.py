@@ -38,4 +38,4 @@ def register() -> None:
             BACKEND, "weightlift.integrations.vllm.engine", "WeightliftWeightTransferEngine"
         )
     early.install()  # a cold checkpoint read from the moment the engine's configuration exists
-    prefault.from_environment()  # in an engine-core process: the parameters' memory, faulted in ahead
+    prefault.from_environment()  # in the process spawned to build the model: its memory, faulted in ahead
