@@ -57,8 +57,8 @@ def install() -> None:
         check(config)  # a wrong option stops here, before any engine process starts
         try:
             start(config, kwargs.get("usage_context", args[0] if args else None))
-        except Exception as e:  # noqa: BLE001 - a read ahead never stops an engine
-            _logger().debug("weightlift: no read ahead (%s)", e)
+        except Exception as e:  # noqa: BLE001 - a read ahead never stops an engine; said, not hidden
+            _logger().warning("weightlift: no read ahead, nor memory faulted in ahead (%r)", e)
         return config
 
     setattr(create_engine_config, _MARK, True)
