@@ -66,12 +66,13 @@ def cpus() -> int:
         return os.cpu_count() or 1
 
 
-def available_memory() -> int | None:
-    """``MemAvailable`` from ``/proc/meminfo``, in bytes (None where there is none)."""
+def available_memory(field: str = "MemAvailable") -> int | None:
+    """``MemAvailable`` (or another ``field``, such as ``MemTotal``) from ``/proc/meminfo``, in
+    bytes (None where there is none)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None

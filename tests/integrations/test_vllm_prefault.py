@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import math
 import multiprocessing
 import os
 import threading
@@ -118,9 +119,32 @@ def test_without_faulted_memory_nothing_moves():
 
 
 def test_a_checkpoint_too_large_for_the_memory_available_gets_none(tmp_path, monkeypatch):
-    monkeypatch.setattr(prefault.env, "available_memory", lambda: 1000)
+    monkeypatch.setattr(prefault.env, "available_memory", lambda field="MemAvailable": 1000)
     prefault.begin(_checkpoint(tmp_path, 4096)).join()
     assert prefault._memory is None
+
+
+def test_the_memory_vllms_cpu_worker_wants_available_at_its_start_is_left_alone(tmp_path, monkeypatch):
+    """Without a KV cache size, the CPU worker refuses to start where less than
+    gpu_memory_utilization of the memory is available, before any parameter exists: memory
+    faulted in ahead must leave that much."""
+    folder = _checkpoint(tmp_path, BIG)
+    sizes = {"MemAvailable": 100 * BIG, "MemTotal": 200 * BIG}
+    monkeypatch.setattr(prefault.env, "available_memory", lambda field="MemAvailable": sizes[field])
+    monkeypatch.setattr(prefault, "_one_memory_node", lambda: True)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    config = _config(backend="mp")
+    config.cache_config = SimpleNamespace(kv_cache_memory_bytes=None, gpu_memory_utilization=0.495)
+    prefault.arrange(config, folder, None)
+    reserve = int(os.environ[prefault.ENV].split(":")[2])
+    assert reserve == math.ceil(0.495 * 200 * BIG)
+    prefault.begin(folder, 0, reserve).join()
+    assert prefault._memory is None  # 100 BIG available, 99 BIG wanted: a model of 1.3 BIG won't fit
+    prefault.begin(folder, 0, 90 * BIG).join()
+    assert prefault._memory is not None
+    config.cache_config.kv_cache_memory_bytes = 1 << 30  # the size given: no check at the start
+    prefault.arrange(config, folder, None)
+    assert os.environ[prefault.ENV].split(":")[2] == "0"
 
 
 def _config(device="cpu", tp=1, pp=1, backend="uni", dtype=None):
@@ -165,7 +189,7 @@ def test_the_process_that_builds_the_model_faults_in_what_was_arranged(tmp_path,
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     prefault.arrange(_config(backend=backend), folder, None)
     assert prefault._memory is None  # not in the process that built the configuration
-    assert os.environ[prefault.ENV] == f"{builder.split('_')[0]}:0:{folder}"
+    assert os.environ[prefault.ENV] == f"{builder.split('_')[0]}:0:0:{folder}"
     me = multiprocessing.current_process()
     for other in ("MainProcess", "ApiServer_0", "EngineCore" if backend == "mp" else "VllmWorker-0"):
         monkeypatch.setattr(me, "name", other)
@@ -176,7 +200,7 @@ def test_the_process_that_builds_the_model_faults_in_what_was_arranged(tmp_path,
     assert thread is not None
     thread.join()
     assert prefault._memory is not None and prefault.ENV not in os.environ
-    monkeypatch.setenv(prefault.ENV, f"{prefault.ENGINE_CORE}:0:{folder}")
+    monkeypatch.setenv(prefault.ENV, f"{prefault.ENGINE_CORE}:0:0:{folder}")
     prefault.arrange(_config(tp=2, backend="mp"), folder, None)  # a later configuration clears it
     assert prefault.ENV not in os.environ
 
@@ -200,7 +224,7 @@ def test_a_server_without_multiprocessing_still_has_its_engine_core_apart(tmp_pa
     folder = _checkpoint(tmp_path, BIG)
     for context in (None, SimpleNamespace(name="OPENAI_API_SERVER"), SimpleNamespace(name="ENGINE_CONTEXT")):
         prefault.arrange(_config(), folder, None, context)
-        assert os.environ[prefault.ENV] == f"{prefault.ENGINE_CORE}:0:{folder}"
+        assert os.environ[prefault.ENV] == f"{prefault.ENGINE_CORE}:0:0:{folder}"
     assert prefault._memory is None
 
 
@@ -215,7 +239,7 @@ def test_floating_point_tensors_are_sized_at_the_models_dtype(tmp_path, monkeypa
     monkeypatch.setattr(prefault, "_one_memory_node", lambda: True)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     prefault.arrange(_config(backend="mp", dtype=torch.bfloat16), str(tmp_path), None)
-    assert os.environ[prefault.ENV] == f"{prefault.WORKER}:2:{tmp_path}"
+    assert os.environ[prefault.ENV] == f"{prefault.WORKER}:2:0:{tmp_path}"
 
 
 class _Aliased(torch.nn.Module):

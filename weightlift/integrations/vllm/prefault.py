@@ -60,8 +60,8 @@ __all__ = [
 ]
 
 #: set by the process that built the configuration for the processes vLLM spawns next:
-#: ``ROLE:ITEMSIZE:FOLDER``, the name of the one that builds the model, the model's dtype's
-#: size, and the checkpoint's folder
+#: ``ROLE:ITEMSIZE:RESERVE:FOLDER``, the name of the one that builds the model, the model's
+#: dtype's size, the memory to leave available (:func:`_reserve`), and the checkpoint's folder
 ENV = "WEIGHTLIFT_VLLM_PREFAULT"
 #: parameters smaller than this stay where they are (they come from the allocator's heap,
 #: touched already, and a piece of their own would cost a mapping each)
@@ -105,48 +105,53 @@ def arrange(config: Any, folder: str, prefault: bool | None, usage_context: Any 
     if not wanted(config, prefault):
         return
     itemsize = _itemsize(getattr(config.model_config, "dtype", None))
+    reserve = _reserve(config)
     if config.parallel_config.distributed_executor_backend == "mp":
         role = WORKER  # vLLM's CPU build runs even one worker so, where the engine core is a process
     elif _multiprocessing() or getattr(usage_context, "name", None) != "LLM_CLASS":
         role = ENGINE_CORE
     else:
-        begin(folder, itemsize)
+        begin(folder, itemsize, reserve)
         return
     # the processes vLLM spawns next inherit it; one that is not named so leaves it alone (and
     # an engine core that turns out to run in this process after all gets nothing: no memory held)
-    os.environ[ENV] = f"{role}:{itemsize}:{folder}"
+    os.environ[ENV] = f"{role}:{itemsize}:{reserve}:{folder}"
 
 
 def from_environment() -> threading.Thread | None:
     """In the process that :data:`ENV` names (its parent set it), start :func:`begin`."""
-    role, itemsize, folder = (os.environ.get(ENV, "").split(":", 2) + ["", ""])[:3]
+    role, itemsize, reserve, folder = (os.environ.get(ENV, "").split(":", 3) + ["", "", ""])[:4]
     name = multiprocessing.current_process().name
-    if not folder or not itemsize.isdigit() or not (name == role or name.startswith(role + "_DP")):
+    if not folder or not (itemsize + reserve).isdigit() or not (name == role or name.startswith(role + "_DP")):
         return None  # not the process that builds the model: leave it for that one
     del os.environ[ENV]
-    return begin(folder, int(itemsize))
+    return begin(folder, int(itemsize), int(reserve))
 
 
-def begin(folder: str, itemsize: int = 0) -> threading.Thread:
+def begin(folder: str, itemsize: int = 0, reserve: int = 0) -> threading.Thread:
     """Fault in memory for ``folder``'s parameters on a background thread: its tensors' size,
     floating-point ones at ``itemsize`` bytes an element (the model's dtype; 0: as stored). Best
-    effort: a checkpoint that cannot be opened, or too large for the memory available, gets
-    none, and neither does a load that began before the memory was made."""
+    effort: a checkpoint that cannot be opened, or too large for the memory available (or for
+    leaving ``reserve`` bytes of it available), gets none, and neither does a load that began
+    before the memory was made."""
     with _lock:
         claims = _claims
-    thread = threading.Thread(target=_begin, args=(folder, itemsize, claims), name="wl-vllm-prefault", daemon=True)
+    args = (folder, itemsize, reserve, claims)
+    thread = threading.Thread(target=_begin, args=args, name="wl-vllm-prefault", daemon=True)
     thread.start()
     return thread
 
 
-def _begin(folder: str, itemsize: int, claims: int) -> None:
+def _begin(folder: str, itemsize: int, reserve: int, claims: int) -> None:
     global _memory
     try:
         ck = open_checkpoint(folder)
         size = sum(_size(t, itemsize) for t in ck.tensors)
         size = int(size * _SLACK) + PAGE * (len(ck.tensors) + 64)  # each piece ends on a page
         available = env.available_memory()
-        if (available is not None and size > MEMORY_SHARE * available) or _claims != claims:
+        if available is not None and (size > MEMORY_SHARE * available or available - size < reserve):
+            return
+        if _claims != claims:
             return
         memory = Prefaulted(size, threads=max(1, min(4, env.cpus() - 1)))
     except Exception:  # noqa: BLE001 - the load goes on into the memory vLLM gave it
@@ -159,6 +164,18 @@ def _begin(folder: str, itemsize: int, claims: int) -> None:
             old, _memory = _memory, memory
     if old is not None:
         old.close()
+
+
+def _reserve(config: Any) -> int:
+    """The memory vLLM's CPU worker wants available as it starts, before any parameter exists:
+    ``gpu_memory_utilization`` of the total, where the KV cache's size is not given
+    (``VLLM_CPU_KVCACHE_SPACE``); memory faulted in ahead must not take it, or a start that would
+    pass that check fails it."""
+    cache = getattr(config, "cache_config", None)
+    if cache is None or getattr(cache, "kv_cache_memory_bytes", None) is not None:
+        return 0
+    total = env.available_memory("MemTotal") or 0
+    return math.ceil(total * float(getattr(cache, "gpu_memory_utilization", 0.0) or 0.0))
 
 
 def _size(t: Any, itemsize: int) -> int:
