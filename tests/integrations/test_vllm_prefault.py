@@ -297,7 +297,7 @@ def test_a_parameter_whose_memory_cannot_be_read_stays(tmp_path, monkeypatch):
     def refuse(*a):
         raise OSError(11, "try again")
 
-    monkeypatch.setattr(prefault, "move_into", refuse)
+    monkeypatch.setattr(prefault.PageMap, "move_into", refuse)
     model = _Model()
     ptrs = [p.data_ptr() for p in model.parameters()]
     assert prefault.place(model) == 0

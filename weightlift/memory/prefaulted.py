@@ -15,11 +15,12 @@ nobody has taken anything ``expires`` seconds after the faulting finished.
 
 The memory reads as zeros, as fresh memory does: a consumer that moves a tensor's contents into
 a piece copies only the pages of the tensor's own memory that were ever touched
-(:func:`move_into`), so that moving memory nobody wrote costs no faults.
+(:meth:`PageMap.move_into`), so that moving memory nobody wrote costs no faults.
 """
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import threading
@@ -31,7 +32,7 @@ import numpy as np
 from weightlift import libc
 from weightlift.memory.fresh import fault_in, policy
 
-__all__ = ["Prefaulted", "PAGE", "written_pages", "move_into"]
+__all__ = ["Prefaulted", "PAGE", "PageMap", "written_pages", "move_into"]
 
 PAGE = mmap.PAGESIZE
 PIECE = 64 << 20  # faulted at a time, so that stop() waits for at most one such piece a thread
@@ -159,60 +160,89 @@ class Prefaulted:
             libc.unmap(self._addr + lo, self.nbytes - lo)
 
 
+class PageMap:
+    """This process's private anonymous mappings as ``/proc/self/maps`` lists them now, and its
+    ``/proc/self/pagemap``, for many questions about memory mapped already: one read of the map
+    list and one descriptor, not one of each a question (a vLLM process maps hundreds of ranges)."""
+
+    def __init__(self) -> None:
+        self._ranges: list[tuple[int, int]] = []  # merged, sorted (lo, hi) of private anonymous memory
+        try:
+            with open("/proc/self/maps") as f:
+                for line in f:
+                    fields = line.split()
+                    name = fields[5] if len(fields) > 5 else ""
+                    if fields[1][3] != "p" or fields[4] != "0" or (name and not name.startswith(("[heap", "[anon"))):
+                        continue  # a shared mapping, or a file's
+                    lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                    if self._ranges and self._ranges[-1][1] == lo:
+                        self._ranges[-1] = (self._ranges[-1][0], hi)
+                    else:
+                        self._ranges.append((lo, hi))
+        except (OSError, ValueError, IndexError):
+            self._ranges = []
+        try:
+            self._fd: int | None = os.open("/proc/self/pagemap", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> PageMap:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _private_anonymous(self, addr: int, n: int) -> bool:
+        i = bisect.bisect_right(self._ranges, (addr, float("inf"))) - 1
+        return i >= 0 and self._ranges[i][0] <= addr and addr + n <= self._ranges[i][1]
+
+    def written(self, addr: int, n: int) -> list[tuple[int, int]] | None:
+        """The ``(offset, length)`` runs of ``[addr, addr + n)`` whose pages this process has
+        written or read, or has in swap (pagemap: present or swapped); the rest of private
+        anonymous memory has never been touched and reads as zeros. None where that cannot be
+        told: no pagemap, or memory that is not private and anonymous (a file's pages read as
+        zeros there until faulted in, yet hold the file's bytes)."""
+        if n < 1:
+            return []
+        if self._fd is None or not self._private_anonymous(addr, n):
+            return None
+        lo = addr // PAGE
+        pages = (addr + n - 1) // PAGE - lo + 1
+        try:
+            raw = os.pread(self._fd, pages * 8, lo * 8)
+        except OSError:
+            return None
+        if len(raw) != pages * 8:
+            return None
+        held = ((np.frombuffer(raw, dtype="<u8") >> np.uint64(62)) != 0).astype(np.int8)  # bit 63 present, 62 swap
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], held, [0])).astype(np.int8)))
+        out = []
+        for a, b in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
+            begin, end = max((lo + a) * PAGE, addr), min((lo + b) * PAGE, addr + n)
+            out.append((begin - addr, end - begin))
+        return out
+
+    def move_into(self, src_addr: int, n: int, dst: Any) -> None:
+        """Copy what the ``n`` bytes at ``src_addr`` hold into ``dst`` (a fresh uint8 array of at
+        least ``n`` bytes, reading as zeros): the pages ever touched (:meth:`written`), or all of
+        them where that cannot be told."""
+        runs = self.written(src_addr, n)
+        for off, length in [(0, n)] if runs is None else runs:
+            dst[off : off + length] = _array(src_addr + off, length)
+
+
 def written_pages(addr: int, n: int) -> list[tuple[int, int]] | None:
-    """The ``(offset, length)`` runs of ``[addr, addr + n)`` whose pages this process has written
-    or read, or has in swap (``/proc/self/pagemap``: present or swapped); the rest of private
-    anonymous memory has never been touched and reads as zeros. None where that cannot be told:
-    no pagemap, or memory that is not private and anonymous (a file's pages read as zeros there
-    until faulted in, yet hold the file's bytes)."""
-    if n < 1:
-        return []
-    if not _private_anonymous(addr, n):
-        return None
-    lo = addr // PAGE
-    pages = (addr + n - 1) // PAGE - lo + 1
-    try:
-        with open("/proc/self/pagemap", "rb", buffering=0) as f:
-            raw = os.pread(f.fileno(), pages * 8, lo * 8)
-    except OSError:
-        return None
-    if len(raw) != pages * 8:
-        return None
-    held = ((np.frombuffer(raw, dtype="<u8") >> np.uint64(62)) != 0).astype(np.int8)  # bit 63 present, 62 swap
-    edges = np.flatnonzero(np.diff(np.concatenate(([0], held, [0])).astype(np.int8)))
-    out = []
-    for a, b in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
-        begin, end = max((lo + a) * PAGE, addr), min((lo + b) * PAGE, addr + n)
-        out.append((begin - addr, end - begin))
-    return out
-
-
-def _private_anonymous(addr: int, n: int) -> bool:
-    """Whether ``[addr, addr + n)`` lies in private anonymous mappings (``/proc/self/maps``)."""
-    end, covered = addr + n, addr
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                fields = line.split()
-                lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                if hi <= covered or lo >= end:
-                    continue
-                if lo > covered or fields[1][3] != "p" or fields[4] != "0":
-                    return False  # a hole, a shared mapping, or a file's
-                if len(fields) > 5 and not fields[5].startswith("[heap") and not fields[5].startswith("[anon"):
-                    return False
-                covered = hi
-                if covered >= end:
-                    return True
-    except (OSError, ValueError, IndexError):
-        return False
-    return False
+    """:meth:`PageMap.written` on a map of this process taken now."""
+    with PageMap() as pages:
+        return pages.written(addr, n)
 
 
 def move_into(src_addr: int, n: int, dst: Any) -> None:
-    """Copy what the ``n`` bytes at ``src_addr`` hold into ``dst`` (a fresh uint8 array of at
-    least ``n`` bytes, reading as zeros): the pages ever touched (:func:`written_pages`), or all
-    of them where that cannot be told."""
-    runs = written_pages(src_addr, n)
-    for off, length in [(0, n)] if runs is None else runs:
-        dst[off : off + length] = _array(src_addr + off, length)
+    """:meth:`PageMap.move_into` on a map of this process taken now."""
+    with PageMap() as pages:
+        pages.move_into(src_addr, n, dst)

@@ -44,7 +44,7 @@ from typing import Any
 
 from weightlift import env
 from weightlift.checkpoint import open_checkpoint
-from weightlift.memory.prefaulted import PAGE, Prefaulted, move_into
+from weightlift.memory.prefaulted import PAGE, PageMap, Prefaulted
 
 __all__ = [
     "ENV",
@@ -228,11 +228,18 @@ def place(model: Any, report: dict[str, Any] | None = None, *, use: bool = True)
 
 def _move(model: Any, memory: Prefaulted) -> int:
     import torch
-    from torch.nn.parameter import UninitializedParameter
 
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     if use_count is None:
         return 0  # no way to tell a storage nobody else shares: nothing moves
+    with PageMap() as pages:  # the parameters' memory is mapped already: one map for them all
+        return _move_each(model, memory, pages, use_count)
+
+
+def _move_each(model: Any, memory: Prefaulted, pages: PageMap, use_count: Any) -> int:
+    import torch
+    from torch.nn.parameter import UninitializedParameter
+
     placed = 0
     for p in model.parameters():
         if (
@@ -250,7 +257,7 @@ def _move(model: Any, memory: Prefaulted) -> int:
             break  # the rest was not faulted in by now
         try:
             moved = torch.from_numpy(piece).view(p.dtype).view(p.shape)
-            move_into(p.data_ptr(), p.nbytes, piece)
+            pages.move_into(p.data_ptr(), p.nbytes, piece)
         except (RuntimeError, TypeError, OSError):
             continue  # a dtype no byte view reaches, or memory that could not be read: it stays
         p.data = moved
