@@ -7,6 +7,7 @@ so a CI machine that lost a tool fails instead of passing silently.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import subprocess
@@ -39,33 +40,77 @@ def test_mypy() -> None:
     _run("mypy")  # files and settings: [tool.mypy] in pyproject.toml
 
 
-# Size limits for the installed package: a module holds one concern, a class one object, a
-# function one step. Measured in source lines (a docstring counts: it is part of what a reader reads).
-MAX_FILE_LINES = 600
-MAX_CLASS_LINES = 300
-MAX_FUNCTION_LINES = 80
+# Seams, not sizes: a module is as long as its one concern needs. What a bad cut leaves behind is
+# a module that leans on many of its siblings, or the same helper written out twice.
+
+#: Sibling modules (same package) one module may import from.
+MAX_SIBLINGS = 6
+#: Modules over MAX_SIBLINGS today, pinned at their count so that it only goes down: the server's
+#: receive path is still spread over too many files (its regrouping is open work).
+SIBLING_EXCEPTIONS = {
+    "weightlift/remote/server/connection.py": 11,
+    "weightlift/remote/server/receive.py": 10,
+    "weightlift/remote/server/server.py": 8,
+    "weightlift/api.py": 7,
+}
+#: A definition shorter than this (its AST dump, in characters) is too small to call a copy.
+MIN_DUPLICATE = 200
 
 
-def _oversized() -> list[str]:
-    import ast
+def _modules() -> list[tuple[Path, ast.Module]]:
+    return [(p, ast.parse(p.read_text(), str(p))) for p in sorted((ROOT / "weightlift").rglob("*.py"))]
 
+
+def _siblings(path: Path, tree: ast.Module) -> set[str]:
+    """The modules of ``path``'s own package that it imports from (relative or absolute)."""
+    rel = path.relative_to(ROOT).with_suffix("")
+    package = ".".join(rel.parts[:-1])
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1:
+                out.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
+            elif node.level == 0 and node.module and node.module.startswith(package + "."):
+                out.add(node.module[len(package) + 1 :].split(".")[0])
+        elif isinstance(node, ast.Import):
+            out.update(a.name[len(package) + 1 :].split(".")[0] for a in node.names if a.name.startswith(package + "."))
+    out.discard(rel.name)
+    return out
+
+
+def test_sibling_imports() -> None:
     bad = []
-    for path in sorted((ROOT / "weightlift").rglob("*.py")):
-        rel = path.relative_to(ROOT)
-        text = path.read_text()
-        n = text.count("\n")
-        if n > MAX_FILE_LINES:
-            bad.append(f"{rel}: {n} lines (limit {MAX_FILE_LINES})")
-        for node in ast.walk(ast.parse(text, str(path))):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                size = (node.end_lineno or node.lineno) - node.lineno + 1
-                limit = MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
-                if size > limit:
-                    kind = "class" if isinstance(node, ast.ClassDef) else "function"
-                    bad.append(f"{rel}:{node.lineno}: {kind} {node.name} is {size} lines (limit {limit})")
-    return bad
-
-
-def test_sizes() -> None:
-    bad = _oversized()
+    for path, tree in _modules():
+        rel = str(path.relative_to(ROOT))
+        n = len(_siblings(path, tree))
+        limit = SIBLING_EXCEPTIONS.get(rel, MAX_SIBLINGS)
+        if n > limit:
+            bad.append(f"{rel} imports {n} sibling modules (limit {limit}): {sorted(_siblings(path, tree))}")
     assert not bad, "\n".join(bad)
+
+
+def test_sibling_exceptions_are_current() -> None:
+    """An exception that no longer applies is dropped, so the limit tightens as the code improves."""
+    counts = {str(p.relative_to(ROOT)): len(_siblings(p, t)) for p, t in _modules()}
+    stale = {k: (v, counts.get(k)) for k, v in SIBLING_EXCEPTIONS.items() if counts.get(k, 0) < v}
+    assert not stale, f"lower or drop these exceptions (pinned, now): {stale}"
+
+
+def _body_key(node: ast.AST) -> str:
+    body = list(getattr(node, "body", []))
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring may differ between copies
+    return ast.dump(ast.Module(body=body, type_ignores=[]))
+
+
+def test_no_helper_written_twice() -> None:
+    """The same top-level function or class body in two modules is one helper that wants one home."""
+    seen: dict[str, list[str]] = {}
+    for path, tree in _modules():
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                key = _body_key(node)
+                if len(key) >= MIN_DUPLICATE:
+                    seen.setdefault(key, []).append(f"{path.relative_to(ROOT)}:{node.name}")
+    copies = [places for places in seen.values() if len(places) > 1]
+    assert not copies, "\n".join(", ".join(c) for c in copies)

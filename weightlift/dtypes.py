@@ -16,7 +16,17 @@ import numpy as np
 
 from weightlift.errors import FormatError, OptionError
 
-__all__ = ["DType", "DTYPES", "dtype_info", "numpy_dtype", "torch_dtype", "byte_length", "from_numpy", "from_torch"]
+__all__ = [
+    "DType",
+    "DTYPES",
+    "dtype_info",
+    "item_size",
+    "numpy_dtype",
+    "torch_dtype",
+    "byte_length",
+    "from_numpy",
+    "from_torch",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +75,12 @@ def dtype_info(name: str) -> DType:
         return _BY_NAME[name]
     except KeyError:
         raise OptionError(f"unknown dtype {name!r}") from None
+
+
+def item_size(name: str) -> int:
+    """Bytes per element; 0 for sub-byte dtypes (a delta codec's planes need whole bytes)."""
+    bits = dtype_info(name).bits
+    return bits // 8 if bits % 8 == 0 else 0
 
 
 def byte_length(name: str, shape: tuple[int, ...], *, file: str | None = None, tensor: str | None = None) -> int:

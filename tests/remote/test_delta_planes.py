@@ -17,11 +17,11 @@ import weightlift.remote.protocol as P
 from tests.remote.rawclient import Raw, _barrier
 from tests.remote.test_update import _holds, _model
 from tests.remote.test_update_delta import _applies_both_ways, _pair, _roundtrip, _unsized
+from weightlift.dtypes import item_size
 from weightlift.remote import delta as D
 from weightlift.remote.client.client import Client
 from weightlift.remote.protocol import Commit, CommitReply, Delta, DeltaEncoding, Update
 from weightlift.remote.server import delta as server_delta
-from weightlift.remote.server.delta import item_size
 from weightlift.remote.server.server import Server
 
 # every dtype whose elements have two bytes or more, by its wire name

@@ -43,7 +43,7 @@ import numpy as np
 
 from weightlift.digest.blake import hash_buffer
 from weightlift.digest.setdigest import set_digest
-from weightlift.dtypes import dtype_info
+from weightlift.dtypes import item_size
 from weightlift.env import cpus
 from weightlift.errors import IntegrityError, RemoteProtocolError
 from weightlift.remote import delta as codec
@@ -92,12 +92,6 @@ class Bases:
 
     def forget(self) -> None:
         self._by_name.clear()
-
-
-def item_size(dtype: str) -> int:
-    """Bytes per element; 0 for sub-byte dtypes (always sent whole)."""
-    bits = dtype_info(dtype).bits
-    return bits // 8 if bits % 8 == 0 else 0
 
 
 def given_bases(base: Mapping[str, Any]) -> dict[str, Base]:

@@ -66,7 +66,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Literal, Protocol
+from typing import Literal
 
 import blake3
 
@@ -83,7 +83,7 @@ from weightlift.remote.server.cache_folder import (
     reopen_root,
 )
 from weightlift.remote.server.cache_index import STALE_TEMP_SECONDS, TEMP_PREFIX, LruIndex, charge, scan_entries
-from weightlift.remote.server.cache_read import BadRead, Readers, fill_verified, read_exact, read_piece
+from weightlift.remote.server.cache_read import BadRead, Readable, Readers, fill_verified, read_exact, read_piece
 
 __all__ = [
     "DIGEST_SIZE",
@@ -122,12 +122,7 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
-class _Readable(Protocol):
-    def readinto(self, buf: memoryview, /) -> int | None: ...
-    def fileno(self) -> int: ...
-
-
-_Fill = Callable[[_Readable, "blake3.blake3"], None]
+_Fill = Callable[[Readable, "blake3.blake3"], None]
 
 
 def disk_unusable(exc: BaseException) -> bool:
@@ -342,7 +337,7 @@ class TensorCache:
         n = out.nbytes
         piece = read_piece(n, READ_CHUNK)
 
-        def fill(f: _Readable, hasher: blake3.blake3) -> None:
+        def fill(f: Readable, hasher: blake3.blake3) -> None:
             fill_verified(f, out, piece, hasher, before, readers)
 
         self._verified_read(digest, n, piece, fill)
@@ -366,7 +361,7 @@ class TensorCache:
             raise OptionError("staging must be a writable, non-empty buffer")
         piece = stage.nbytes
 
-        def fill(f: _Readable, hasher: blake3.blake3) -> None:
+        def fill(f: Readable, hasher: blake3.blake3) -> None:
             off = 0
             while off < length:
                 chunk = stage[: min(piece, length - off)]

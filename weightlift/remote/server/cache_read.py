@@ -36,6 +36,7 @@ from weightlift.remote.server.cache_folder import reason
 
 __all__ = [
     "BadRead",
+    "Readable",
     "Readers",
     "read_exact",
     "fill_verified",
@@ -58,7 +59,9 @@ MIN_PIECE = 256 * 1024
 PIECES_PER_READER = 2
 
 
-class _Readable(Protocol):
+class Readable(Protocol):
+    """A file the cache reads an entry from: ``readinto`` and its descriptor."""
+
     def readinto(self, buf: memoryview, /) -> int | None: ...
     def fileno(self) -> int: ...
 
@@ -74,7 +77,7 @@ def read_piece(n: int, largest: int) -> int:
     return max(1, min(largest, max(MIN_PIECE, share), n))
 
 
-def read_exact(f: _Readable, chunk: memoryview) -> None:
+def read_exact(f: Readable, chunk: memoryview) -> None:
     """Fill ``chunk`` from ``f``'s position on; BadRead on an error or an early end."""
     got = 0
     n = len(chunk)
@@ -245,7 +248,7 @@ def reader_pool() -> Readers:
 
 
 def fill_verified(
-    f: _Readable,
+    f: Readable,
     out: memoryview,
     piece: int,
     hasher: Any,

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 from weightlift.digest.blake import hash_buffer
-from weightlift.dtypes import dtype_info
+from weightlift.dtypes import item_size
 from weightlift.memory.targets import as_bytes
 from weightlift.profile import Profiler
 from weightlift.remote import delta as codec
@@ -35,13 +35,7 @@ from weightlift.remote.server.receive import Receiver
 from weightlift.remote.server.store import Charge, Entry, MemoryFull, Store
 from weightlift.remote.server.switch import InPlace, Switch
 
-__all__ = ["Deltas", "item_size"]
-
-
-def item_size(dtype: str) -> int:
-    """Bytes per element; 0 for sub-byte dtypes (their deltas are refused: sent whole)."""
-    bits = dtype_info(dtype).bits
-    return bits // 8 if bits % 8 == 0 else 0
+__all__ = ["Deltas"]
 
 
 class Deltas:
