@@ -390,27 +390,43 @@ def test_check_catches_a_corrupted_tensor_on_the_server(models, tmp_path, capsys
     assert by["logits"]["ok"] is False
 
 
-def test_check_catches_a_file_corrupted_on_disk_by_its_recorded_digests(models, tmp_path, capsys):
-    """Both loaders read the same corrupt bytes, so only digests recorded beforehand can tell."""
-    from weightlift.digest.sidecar import hash_tensors
-
+def test_check_catches_a_file_corrupted_on_disk_by_its_published_manifest(models, tmp_path, capsys):
+    """Both loaders read the same corrupt bytes, so only digests published beforehand can tell."""
     path = _copy(models, "llama", tmp_path)
     name = "model.layers.0.mlp.up_proj.weight"
     _flip(path, name)
-    # no record: weightlift and transformers agree on the corrupt bytes, and check cannot know
+    # nothing published: weightlift and transformers agree on the corrupt bytes, and check cannot know
     assert main(["check", str(path), "--tokens", "2", "--seeds", "1"]) == 0
-    assert "no digest manifest" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "no published manifest" in out and "nothing published to compare with" in out
 
-    path = _copy(models, "llama", tmp_path / "recorded")
-    hash_tensors(list(wl.open(path)), threshold=0)  # weightlift's manifests, taken while the files are intact
+    path = _copy(models, "llama", tmp_path / "published")
+    assert main(["manifest", str(path)]) == 0  # published while the files are intact
+    capsys.readouterr()
     assert main(["check", str(path), "--tokens", "2", "--seeds", "1"]) == 0
-    assert "tensors read from the checkpoint match their recorded BLAKE3" in capsys.readouterr().out
+    assert "tensors read from the checkpoint against the published manifest" in capsys.readouterr().out
     _flip(path, name)
+    # a verified load records the changed file's hashes in weightlift's cache; they are no proof
+    with pytest.raises(wl.IntegrityError):
+        wl.load(path, verify=True)
+    wl.load(path)  # and the cache of hashes follows the file as it is now
     assert main(["check", str(path), "--tokens", "2", "--seeds", "1", "--json"]) == 1
     by = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
     assert by["tensors"]["ok"] is True  # the two loaders agree...
-    assert by["digests"]["ok"] is False and by["digests"]["data"]["differ"] == [name]  # ...the record does not
-    assert len(by["digests"]["data"]["stale_manifests"]) == 1
+    assert by["digests"]["ok"] is False and by["digests"]["data"]["differ"] == [name]  # ...the manifest does not
+    assert by["digests"]["data"]["manifest"] == str(path / "weightlift.manifest.json")
+
+
+def test_check_ignores_weightlifts_own_cache_of_hashes(models, tmp_path, capsys):
+    """Hashes weightlift recorded of a file after it changed say nothing about what was published."""
+    from weightlift.digest.sidecar import hash_tensors
+
+    path = _copy(models, "llama", tmp_path)
+    _flip(path, "model.layers.0.mlp.up_proj.weight")
+    hash_tensors(list(wl.open(path)), threshold=0)  # the cache of hashes, taken of the corrupt file
+    assert main(["check", str(path), "--tokens", "2", "--seeds", "1", "--json"]) == 0
+    by = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert by["digests"]["ok"] is None and "no published manifest" in by["digests"]["detail"]
 
 
 def test_check_with_a_tokenizer(models, tmp_path, capsys):
@@ -472,7 +488,7 @@ def test_demo_ends_with_the_check(tmp_path, monkeypatch, capsys):
     assert set(results) == {"disk", "server"} and all(r["ok"] for r in results.values())
     assert (tmp_path / demo.TINY_NAME / "config.json").exists()
     out = capsys.readouterr().out
-    assert out.count("PASS") == 2 and "match their recorded BLAKE3" in out
+    assert out.count("PASS") == 2 and "against the published manifest" in out
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)
     assert demo._demo_check(push=True) is None
     assert "model check: skipped (this needs transformers" in capsys.readouterr().out

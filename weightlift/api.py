@@ -12,6 +12,7 @@ loader never learns about the remote options.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
 
     from weightlift.digest.published import Manifest
     from weightlift.distributed.shard import Shard
+
+_log = logging.getLogger("weightlift")
 
 __all__ = ["load", "prefetch", "Prefetch", "LoadKind", "KINDS", "kind_for", "run_load"]
 
@@ -63,23 +66,30 @@ def _local(path: Path, opts: LoadOptions) -> dict[str, Any]:
 
 def _verified(path: Path, opts: LoadOptions) -> dict[str, Any]:
     from weightlift.digest.landed import LandedHasher
-    from weightlift.digest.published import expected_digests
+    from weightlift.digest.published import reference
 
     ck = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     infos = ck.select(opts.select)
     # LoadOptions cannot name the manifest's type (it sits in a lower layer); load's signature does
     manifest = cast("str | os.PathLike[str] | Manifest | None", opts.manifest)
-    if manifest is None and ck.source is not None:  # a store has no sidecars: the published manifest
-        manifest = ck.source.find_manifest(ck.path)
-    hasher = LandedHasher(infos, expected_digests(infos, manifest))
+    ref = reference(ck, infos, manifest)
+    hasher = LandedHasher(infos, ref.expected(infos), against=ref.against)
     out = load_local(ck, opts, on_landed=hasher.landed)
     try:
         hasher.check()
     except BaseException:
         out.clear()
         raise
-    if opts.report is not None:
-        opts.report["verified"] = len(infos)
+    said = ref.summary(len(infos))
+    if opts.report is not None:  # the caller shows the line (the CLI, vLLM's log)
+        opts.report["verify"] = said
+        opts.report["manifest"] = ref.manifest
+        if ref.published:
+            opts.report["verified"] = len(infos)
+    elif ref.published:
+        _log.info("%s", said)
+    else:
+        _log.warning("%s", said)
     return out
 
 
@@ -267,10 +277,14 @@ def load(
 
     ``verify=True`` hashes (BLAKE3) the bytes that landed in the destination, as they land, on
     the threads that copied them, and compares each tensor with ``manifest`` (a published
-    manifest's path, see :mod:`weightlift.digest.published`) or, without one, with the digests of the
-    file's own bytes (from the sidecar beside it, hashed once when it has none). A CUDA load
-    hashes the host-side staging bytes it copies to the device; a dtype cast, the bytes it read.
-    A mismatch raises IntegrityError naming the tensors, and nothing is returned.
+    manifest's path, URL or value, see :mod:`weightlift.digest.published`), else with the
+    published manifest found beside the checkpoint (``weightlift manifest``'s output), else only
+    with the files' own bytes as they are now, which proves the copy and not that the files are
+    what was published. One line says which (``report["verify"]``, else logged on the
+    ``weightlift`` logger: a warning when no published manifest was found). A CUDA load hashes
+    the host-side staging bytes it copies to the device; a dtype cast, the bytes it read. A
+    mismatch raises IntegrityError naming the tensors and what they were compared with, and
+    nothing is returned.
 
     An option the kind of load does not support (``dtype`` with ``shard``, ``verify`` with
     ``remote``, ``manifest`` without ``verify``...) is an OptionError naming it (see :data:`KINDS`).

@@ -8,10 +8,11 @@ files through ``safetensors``, not weightlift). The *subject* is the same model 
 holds the weights (``--from``). Then, in order:
 
 1. tensors: every parameter and buffer of the subject is bit-identical to the reference's;
-2. digests: where weightlift's digest manifest beside a checkpoint file records its tensors'
-   BLAKE3, the bytes the subject was built from match the record. This is the only check that
+2. digests: where a published manifest lies beside the checkpoint (``weightlift manifest``'s
+   output), the bytes the subject was built from match its BLAKE3. This is the only check that
    does not trust the file as it is now: a file corrupted on disk is read the same way by both
-   loaders, so only a record taken before the corruption can tell;
+   loaders, so only a record published before the corruption can tell. weightlift's own cache
+   of hashes is not such a record (it follows the file), so without a manifest nothing is checked;
 3. logits on a fixed prompt are bit-identical;
 4. greedy generation gives the same token ids (a BLAKE3 of them is printed);
 5. sampling at a temperature, once per seed, each request with its own ``torch.Generator``
@@ -136,79 +137,37 @@ def _names(names: list[str], k: int = 3) -> str:
 # -- digests ---------------------------------------------------------------------------------------
 
 
-def _recorded_digests(files: list[str]) -> tuple[dict[str, tuple[int, str]], list[str]]:
-    """From the digest manifests beside ``files``: {name: (length, blake3 hex)}, and the files
-    whose manifest was taken before the file last changed (its records are still what the file
-    held then, which is what a check wants to know)."""
-    from .digest.sidecar import SIDECAR_SUFFIX, SIDECAR_VERSION, Sidecar, read_trusted
-
-    records: dict[str, tuple[int, str]] = {}
-    stale = []
-    for f in files:
-        paths = Sidecar(f, {})  # for its two possible locations only
-        for candidate in (f + SIDECAR_SUFFIX, paths.fallback_path):
-            raw = read_trusted(candidate)  # a sidecar someone else could have written says nothing
-            if raw is None:
-                continue
-            try:
-                doc = json.loads(raw)
-                tensors = doc["tensors"] if isinstance(doc, dict) and doc.get("version") == SIDECAR_VERSION else None
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-            if not isinstance(tensors, dict):
-                continue
-            for name, e in tensors.items():
-                if isinstance(e, dict) and type(e.get("length")) is int and isinstance(e.get("blake3"), str):
-                    records[name] = (e["length"], e["blake3"])
-            if len(Sidecar.load(f)) == 0:
-                stale.append(f)
-            break
-    return records, stale
-
-
-def _check_digests(reference_files: list[str], delivered: Any, what: str) -> CheckItem:
-    """The bytes of ``delivered`` (a Checkpoint: the files read, or what the server sent) against the
-    digests recorded for ``reference_files``."""
+def _check_digests(ckpt: Any, delivered: Any, what: str) -> CheckItem:
+    """The bytes of ``delivered`` (a Checkpoint: the files read, or what the server sent) against
+    the published manifest of ``ckpt`` (:func:`~weightlift.digest.published.reference`); the
+    cache of hashes weightlift keeps is never taken for one."""
     from .api import load
     from .digest.blake import hash_buffer
+    from .digest.published import reference
+    from .errors import IntegrityError
 
-    records, stale = _recorded_digests(reference_files)
-    if not records:
+    try:
+        ref = reference(ckpt, ckpt.select(None), None)
+    except IntegrityError as e:  # a published manifest that is damaged or lacks a tensor
+        return CheckItem("digests", False, str(e), {"manifest": None})
+    if ref.digests is None:
         return CheckItem(
             "digests",
             None,
-            "no digest manifest beside the checkpoint: nothing recorded to compare with",
-            {"recorded": 0},
+            f"no published manifest (looked for {' and '.join(ref.tried)}): nothing published to compare with",
+            {"manifest": None},
         )
-    names = [t.name for t in delivered if t.name in records]
-    if not names:
-        return CheckItem(
-            "digests",
-            None,
-            f"none of the {len(records)} tensors recorded is among those {what}",
-            {"recorded": len(records), "checked": 0},
-        )
-    views = load(delivered, copy=False, select=names, progress=False)
-    differ, checked = [], 0
-    for t in delivered:
-        rec = records.get(t.name)
-        if rec is None or rec[0] != t.length:
-            if rec is not None:
-                differ.append(t.name)
-            continue
-        checked += 1
-        if hash_buffer(views[t.name]).hex() != rec[1]:
-            differ.append(t.name)
-    data = {"recorded": len(records), "checked": checked, "differ": differ, "stale_manifests": stale}
-    note = f" (the manifest of {len(stale)} file(s) predates their last change)" if stale else ""
+    names = [t.name for t in delivered if t.name in ref.digests]
+    views = load(delivered, copy=False, select=names, progress=False) if names else {}
+    differ = [
+        t.name for t in delivered if t.name not in ref.digests or hash_buffer(views[t.name]) != ref.digests[t.name]
+    ]
+    data = {"manifest": ref.manifest, "checked": len(names), "differ": differ}
     if differ:
         return CheckItem(
-            "digests",
-            False,
-            f"{len(differ)} tensor(s) {what} differ from their recorded BLAKE3: {_names(differ)}{note}",
-            data,
+            "digests", False, f"{len(differ)} tensor(s) {what} differ from {ref.against}: {_names(differ)}", data
         )
-    return CheckItem("digests", True, f"{checked} tensors {what} match their recorded BLAKE3{note}", data)
+    return CheckItem("digests", True, f"verified {len(names)} tensors {what} against {ref.against}", data)
 
 
 # -- the check ----------------------------------------------------------------------------------------
@@ -301,7 +260,7 @@ def run_check(
             reference = _load_reference(cls, folder, dt, device)
             result["reference_seconds"] = time.perf_counter() - t0
             items.append(_compare_tensors(subject, reference))
-            items.append(_check_digests(ckpt.files, delivered, what))
+            items.append(_check_digests(ckpt, delivered, what))
             items.extend(
                 _run_model_checks(subject, reference, ids, tokens=tokens, seeds=seeds, temperature=temperature)
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import blake3
 import numpy as np
@@ -17,7 +18,7 @@ from weightlift.digest.published import (
     read_manifest,
     verify_checkpoint,
 )
-from weightlift.digest.sidecar import SIDECAR_SUFFIX
+from weightlift.digest.sidecar import SIDECAR_SUFFIX, Sidecar
 from weightlift.errors import IntegrityError, OptionError
 from weightlift.local import mover
 
@@ -59,8 +60,10 @@ def test_manifest_round_trip_and_digests(tmp_path):
         ).hexdigest()
     )
     assert verify_checkpoint(path, back) == []
-    # the sidecar the push client uses was filled: a second manifest hashes nothing new
-    assert (tmp_path / ("m.safetensors" + SIDECAR_SUFFIX)).exists()
+    # the cache of hashes the push client uses was filled (in weightlift's cache folder, not
+    # beside the model): a second manifest hashes nothing new
+    assert not (tmp_path / ("m.safetensors" + SIDECAR_SUFFIX)).exists()
+    assert len(Sidecar.load(path)) == len(ts)
 
 
 def test_edited_manifest_is_refused(tmp_path):
@@ -124,7 +127,7 @@ def test_flipped_byte_in_destination_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(mover.Mover, "_read_into", corrupting)
     with pytest.raises(IntegrityError, match=r"1 tensor\(s\).*: layer\.4$"):
         weightlift.load(path, verify=True, threads=4)
-    assert main(["load", str(path), "--verify"]) == 2
+    assert main(["load", str(path), "--verify"]) == 1
 
 
 def test_verify_options(tmp_path):
@@ -161,7 +164,7 @@ def test_cli_load_verify_with_a_published_manifest(tmp_path, capsys):
     assert main(["load", str(path), "--verify", "--manifest", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["verified"] == len(_tensors(3))
     _flip(path, open_checkpoint(path).select("layer.1")[0].offset)
-    assert main(["load", str(path), "--verify", "--manifest", str(out)]) == 2
+    assert main(["load", str(path), "--verify", "--manifest", str(out)]) == 1
     assert "layer.1" in capsys.readouterr().err
 
 
@@ -190,3 +193,97 @@ def test_manifest_naming_a_tensor_twice_is_refused(tmp_path):
     (tmp_path / "twice.json").write_text(twice.to_json())
     with pytest.raises(IntegrityError, match="more than once"):
         read_manifest(tmp_path / "twice.json")
+
+
+# -- what a verify checks against: the manifest named, else the one published beside, else none --
+
+
+def _folder(tmp_path) -> tuple[str, str]:
+    """A model folder with a published manifest (``weightlift manifest``) and one file; returns
+    the folder and its file."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    path = write(folder / "model.safetensors", _tensors(3))
+    assert main(["manifest", str(folder)]) == 0
+    return str(folder), str(path)
+
+
+def test_a_flipped_byte_after_publishing_fails_a_verified_load(tmp_path, capsys):
+    folder, path = _folder(tmp_path)
+    weightlift.load(folder, verify=True)  # intact: passes (and may record hashes of the file)
+    _flip(path, open_checkpoint(path).select("layer.1")[0].offset + 7)
+    with pytest.raises(IntegrityError, match=r"published manifest .*weightlift\.manifest\.json: layer\.1$"):
+        weightlift.load(folder, verify=True)
+    with pytest.raises(IntegrityError, match="layer.1"):  # a file of the folder finds the folder's manifest
+        weightlift.load(path, verify=True)
+    capsys.readouterr()
+    assert main(["load", folder, "--verify"]) == 1
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err.count("\n") == 1
+    assert "layer.1" in cap.err and "weightlift.manifest.json" in cap.err and "matches" not in cap.err
+    assert main(["verify", folder]) == 1  # and the published manifest agrees
+
+
+def test_a_verified_load_says_what_it_checked_against(tmp_path, capsys):
+    folder, path = _folder(tmp_path)
+    rep: dict = {}
+    weightlift.load(folder, verify=True, report=rep)
+    published = os.path.join(folder, "weightlift.manifest.json")
+    assert rep["manifest"] == published and rep["verified"] == 3 + len(every_dtype())
+    assert rep["verify"] == (
+        f"verified {rep['verified']} tensors against the published manifest {published}: "
+        "every landed byte matches its published BLAKE3"
+    )
+    capsys.readouterr()
+    assert main(["load", path, "--verify"]) == 0
+    assert f"against the published manifest {published}" in capsys.readouterr().out
+    # the manifest named wins over the one beside
+    named = str(tmp_path / "named.json")
+    assert main(["manifest", path, "-o", named]) == 0
+    weightlift.load(path, verify=True, manifest=named, report=rep)
+    assert rep["manifest"] == named and rep["verify"].startswith(
+        f"verified {rep['verified']} tensors against the manifest {named}:"
+    )
+
+
+def test_a_load_with_verify_and_no_manifest_says_so_in_one_line(tmp_path, capsys, caplog):
+    path = write(tmp_path / "m.safetensors", _tensors(2))
+    rep: dict = {}
+    weightlift.load(path, verify=True, report=rep)
+    line = rep["verify"]
+    assert rep["manifest"] is None and "verified" not in rep
+    assert line == (
+        f"no published manifest at {path}.manifest.json or {tmp_path / 'weightlift.manifest.json'}: checked only "
+        f"that the {2 + len(every_dtype())} tensors landed equal to the files as they are now, not that they are "
+        "what was published (write one with `weightlift manifest`)"
+    )
+    assert "verified" not in line and "matches" not in line and "\n" not in line
+    with caplog.at_level("INFO", logger="weightlift"):  # without a report, the line is logged
+        weightlift.load(path, verify=True)
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [("WARNING", line)]
+    capsys.readouterr()
+    assert main(["load", str(path), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == line and "verified" not in out and "matches its BLAKE3" not in out
+
+
+def test_a_verified_load_writes_nothing_into_the_model_folder(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    write(folder / "model.safetensors", _tensors(3))
+    before = sorted(os.listdir(folder))
+    weightlift.load(folder, verify=True)  # no manifest: the files' own digests, hashed
+    weightlift.load(folder, verify=True)
+    assert sorted(os.listdir(folder)) == before
+    assert main(["manifest", str(folder)]) == 0  # asked: the published manifest, and nothing else
+    assert sorted(os.listdir(folder)) == sorted([*before, "weightlift.manifest.json"])
+    weightlift.load(folder, verify=True)
+    assert sorted(os.listdir(folder)) == sorted([*before, "weightlift.manifest.json"])
+
+
+def test_a_damaged_published_manifest_beside_fails_the_load(tmp_path):
+    folder, _ = _folder(tmp_path)
+    with open(os.path.join(folder, "weightlift.manifest.json"), "a") as f:
+        f.write("garbage")
+    with pytest.raises(IntegrityError, match="weightlift.manifest.json"):
+        weightlift.load(folder, verify=True)

@@ -25,7 +25,8 @@ def _data(n: int, seed: int = 0) -> bytes:
 
 @pytest.fixture(autouse=True)
 def _private_home(tmp_path, monkeypatch):
-    # The fallback manifest folder lives under the user's cache; keep it inside the test.
+    # Sidecars live in weightlift's cache folder; keep it inside the test.
+    monkeypatch.setenv("WEIGHTLIFT_CACHE", str(tmp_path / "wl-cache"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
 
@@ -83,6 +84,14 @@ D1 = bytes(range(32))
 D2 = bytes(range(32, 64))
 
 
+def _put_beside(path: str) -> str:
+    """Move ``path``'s saved sidecar beside the file, where an older version wrote them (and where
+    anyone who can write the folder can plant one); returns where it now is."""
+    side = path + SIDECAR_SUFFIX
+    os.replace(Sidecar(path, {}).fallback_path, side)
+    return side
+
+
 def _saved(path: str) -> Sidecar:
     """The sidecar of ``path`` with one digest (D1, of tensor "a"'s bytes 0 to 10), saved."""
     m = Sidecar.load(path)
@@ -98,8 +107,10 @@ def test_manifest_round_trip(tmp_path):
     m.put("a", 0, 10, D1)
     m.put("b", 10, 20, D2)
     m.save()
-    assert os.path.exists(path + SIDECAR_SUFFIX)
-    doc = json.loads(open(path + SIDECAR_SUFFIX).read())
+    # in weightlift's cache folder, never in the model's
+    assert os.listdir(os.path.dirname(path)) == ["model.safetensors"]
+    assert m.fallback_path.startswith(str(tmp_path / "wl-cache" / "manifests"))
+    doc = json.loads(open(m.fallback_path).read())
     assert doc["tensors"]["a"] == {"offset": 0, "length": 10, "blake3": D1.hex()}
     st = os.stat(path)
     assert (doc["file"]["size"], doc["file"]["mtime_ns"], doc["file"]["inode"]) == (
@@ -175,12 +186,14 @@ def test_manifest_invalidated_by_in_place_write_with_mtime_restored(tmp_path):
 )
 def test_manifest_ignores_corrupt_sidecar(tmp_path, content):
     path = _checkpoint(tmp_path)
+    side = Sidecar(path, {}).fallback_path
+    os.makedirs(os.path.dirname(side), mode=0o700, exist_ok=True)
     if content is None:
         _saved(path)
-        doc = json.loads(open(path + SIDECAR_SUFFIX).read())
+        doc = json.loads(open(side).read())
         doc["tensors"]["a"]["blake3"] = "zz" * 32
         content = json.dumps(doc).encode()
-    with open(path + SIDECAR_SUFFIX, "wb") as f:
+    with open(side, "wb") as f:
         f.write(content)
     m = Sidecar.load(path)
     assert len(m) == 0
@@ -206,7 +219,7 @@ def _refuse_in(monkeypatch, folder: str) -> None:
     monkeypatch.setattr(os, "open", guarded)
 
 
-def test_manifest_falls_back_when_folder_read_only(tmp_path, monkeypatch):
+def test_manifest_saved_in_the_cache_when_the_folder_is_read_only(tmp_path, monkeypatch):
     path = _checkpoint(tmp_path)
     _refuse_in(monkeypatch, os.path.dirname(path))
     m = Sidecar.load(path)
@@ -215,7 +228,7 @@ def test_manifest_falls_back_when_folder_read_only(tmp_path, monkeypatch):
         warnings.simplefilter("error")
         m.save()
     assert not os.path.exists(path + SIDECAR_SUFFIX)
-    assert m.fallback_path.startswith(str(tmp_path / "xdg" / "weightlift" / "manifests"))
+    assert m.fallback_path.startswith(str(tmp_path / "wl-cache" / "manifests"))
     assert os.path.exists(m.fallback_path)
     assert Sidecar.load(path).get("a", 0, 10) == D1
     assert [n for n in os.listdir(os.path.dirname(m.fallback_path)) if n.endswith(".tmp")] == []
@@ -241,7 +254,7 @@ def test_manifest_not_saved_if_file_changed_since_load(tmp_path):
     m.put("a", 0, 10, D1)
     with pytest.warns(UserWarning, match="changed"):
         m.save()
-    assert not os.path.exists(path + SIDECAR_SUFFIX)
+    assert not os.path.exists(path + SIDECAR_SUFFIX) and not os.path.exists(m.fallback_path)
 
 
 # -- DigestPool and hash_tensors ----------------------------------------------------------------
@@ -341,6 +354,7 @@ def _planted(tmp_path) -> tuple[str, dict[str, bytes]]:
     for t in open_checkpoint(path).select():
         m.put(t.name, t.offset, t.length, D1)  # what a planter would name
     m.save()
+    _put_beside(path)
     real = {name: blake3.blake3(raw).digest() for name, _, _, raw in ts}
     return path, real
 
@@ -373,8 +387,7 @@ def test_sidecar_of_another_user_is_ignored(tmp_path):
     os.chmod(side, 0o600)
     assert len(Sidecar.load(path)) == 0
     assert _published_digests(path) == real
-    assert os.stat(side).st_uid == 0  # and the next save replaced it with our own
-    os.chown(side, OTHER_UID, OTHER_UID)
+    assert os.stat(side).st_uid == OTHER_UID  # the next save went to the cache, leaving it alone
     assert _expected(path) == real
 
 
@@ -407,8 +420,8 @@ def test_sidecar_link_is_ignored_and_not_written_through(tmp_path):
     os.symlink(elsewhere, side)
     assert len(Sidecar.load(path)) == 0
     assert _published_digests(path) == real
-    assert elsewhere.read_bytes() == before  # the save replaced the link, not what it points at
-    assert not os.path.islink(side)
+    assert elsewhere.read_bytes() == before  # the save wrote neither the link nor what it points at
+    assert os.path.islink(side)
 
 
 def test_sidecar_fifo_does_not_block(tmp_path):
@@ -486,7 +499,7 @@ def test_push_verify_against_a_caching_server_ignores_a_planted_sidecar(tmp_path
     for t in open_checkpoint(path).select():
         planted.put(t.name, t.offset, t.length, blake3.blake3(decoy[t.name]).digest())
     planted.save()
-    os.chmod(path + SIDECAR_SUFFIX, 0o666)
+    os.chmod(_put_beside(path), 0o666)
     with Server(cache_dir=tmp_path / "cache") as s:
         with Client(s.address) as c:
             c.push(decoy_path, hash_threshold=100_000)  # the server's cache now holds the decoy's bytes
@@ -513,6 +526,7 @@ def test_a_sidecar_of_root_is_trusted_by_another_user(tmp_path):
         m = Sidecar.load(path)  # the copy has another identity: record it afresh
         m.put("w0", 0, 10, D1)
         m.save()
+        _put_beside(path)
         os.chmod(path + SIDECAR_SUFFIX, 0o644)
 
         def seen_by(uid: int) -> int:

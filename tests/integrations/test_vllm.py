@@ -232,6 +232,45 @@ def test_verify_stops_the_engine_naming_the_corrupted_tensor(models, tmp_path, c
     assert str(bad / "model.safetensors") in err
 
 
+def test_verify_checks_against_the_manifest_published_beside_the_checkpoint(models, default_tokens, tmp_path, capfd):
+    """A byte flipped after ``weightlift manifest``: the files' own digests would follow it; the
+    published manifest beside them stops the engine, and the log names what was checked against."""
+    from weightlift.checkpoint import open_checkpoint
+    from weightlift.cli.main import main as cli
+
+    src = models[("llama", 0)]
+    folder = tmp_path / "llama-published"
+    folder.mkdir()
+    for name in os.listdir(src):
+        (folder / name).write_bytes(open(os.path.join(src, name), "rb").read())
+    assert cli(["manifest", str(folder)]) == 0
+    published = str(folder / "weightlift.manifest.json")
+    capfd.readouterr()
+    extra = {"verify": True}
+    assert _run(str(folder), load_format="weightlift", model_loader_extra_config=extra) == default_tokens(("llama", 0))
+    out = "".join(capfd.readouterr())
+    assert f"tensors against the published manifest {published}: every landed byte matches" in out
+    victim = open_checkpoint(str(folder))["model.layers.1.mlp.down_proj.weight"]
+    with open(folder / "model.safetensors", "r+b") as f:
+        f.seek(victim.offset + 10)
+        byte = f.read(1)
+        f.seek(victim.offset + 10)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with pytest.raises(IntegrityError, match="model.layers.1.mlp.down_proj.weight") as e:
+        _run(str(folder), load_format="weightlift", model_loader_extra_config=extra)
+    assert published in str(e.value) and "the engine does not start" in str(e.value)
+
+
+def test_verify_without_a_published_manifest_says_so_in_the_log(models, default_tokens, capfd):
+    path = models[("llama", 0)]
+    capfd.readouterr()
+    tokens = _run(path, load_format="weightlift", model_loader_extra_config={"verify": True})
+    assert tokens == default_tokens(("llama", 0))
+    out = "".join(capfd.readouterr())
+    assert "weightlift: no published manifest at " in out and "equal to the files as they are now" in out
+    assert "every landed byte matches" not in out
+
+
 def test_the_cpu_builds_worker_process_loads_into_memory_faulted_in_ahead(tmp_path, capfd):
     """As vLLM runs by default on the CPU build: the engine core in a process of its own, and even
     one worker in another. That worker faults the parameters' memory in as it starts and the load

@@ -125,7 +125,7 @@ def test_second_push_to_a_caching_server_sends_no_large_payload_and_hashes_nothi
     with Server(cache_dir=tmp_path / "cache") as s, Client(s.address) as c:
         first = c.push(path, hash_threshold=THRESHOLD)
         assert first.bytes_hashed == large and first.cached == 0 and first.bytes_sent == large + small
-        assert os.path.exists(path + SIDECAR_SUFFIX)  # digests saved beside the file
+        assert not os.path.exists(path + SIDECAR_SUFFIX)  # digests saved in weightlift's cache, not beside the file
         c.free([n for n in tensors])
         assert s.tensors() == {}
         received = s.stats()["bytes_received"]

@@ -16,6 +16,7 @@ import pytest
 import weightlift.remote.protocol as P
 from tests.checkpoints import write, write_sharded
 from tests.remote.relay import Relay
+from weightlift import open as wl_open
 from weightlift.cli.main import main as cli
 from weightlift.digest.published import Manifest, make_manifest
 from weightlift.errors import IntegrityError, LocalProtocolError, OptionError, PushError, RemoteProtocolError
@@ -161,13 +162,46 @@ def test_cli_push_and_pull_verify(tmp_path, capsys):
     with Server() as s:
         addr = f"{s.address[0]}:{s.address[1]}"
         assert cli(["push", path, "--to", addr, "--verify"]) == 0
-        assert f"{len(tensors)} verified on the server" in capsys.readouterr().out
+        out = capsys.readouterr().out  # no published manifest: nothing is called verified
+        assert f"{len(tensors)} checked on the server against the files as they are now" in out
+        assert "verified" not in out
         assert cli(["pull", "--from", addr, "-o", str(tmp_path / "o.safetensors"), "--verify"]) == 0
-        assert "every tensor verified" in capsys.readouterr().out
+        assert "every tensor equal to what the server holds" in capsys.readouterr().out
+        assert cli(["manifest", path]) == 0
+        capsys.readouterr()
+        assert cli(["push", path, "--to", addr, "--verify"]) == 0
+        assert f"{len(tensors)} verified on the server against the published manifest {path}.manifest.json" in (
+            capsys.readouterr().out
+        )
         with Relay(s.address, tamper=("c2s", tensors["small.3"][100:132], 0)) as relay:
             raddr = f"{relay.address[0]}:{relay.address[1]}"
             assert cli(["push", path, "--to", raddr, "--verify"]) == 1
             assert "'small.3'" in capsys.readouterr().err
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_a_byte_flipped_on_disk_after_publishing_fails_a_verified_push(tmp_path, capsys, cache):
+    """The file's own digests follow the file; only the published manifest beside it can tell."""
+    path, tensors = _model(tmp_path)
+    assert cli(["manifest", path]) == 0
+    with Server(cache_dir=tmp_path / "c" if cache else None) as s, Client(s.address) as c:
+        assert c.push(path, verify=True, hash_threshold=THRESHOLD).manifest == path + ".manifest.json"
+        _flip(path, wl_open(path)["large.1"].offset + 1234)
+        with pytest.raises(IntegrityError, match=r"as published in .*m\.safetensors\.manifest\.json: 'large\.1'"):
+            c.push(path, verify=True, hash_threshold=THRESHOLD)
+        capsys.readouterr()
+        addr = f"{s.address[0]}:{s.address[1]}"
+        assert cli(["push", path, "--to", addr, "--verify"]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "'large.1'" in err and "manifest.json" in err
 
 
 # ----- push(manifest=...): the published digests the server must report ------------------------

@@ -104,6 +104,31 @@ def test_verify_against_the_published_manifest(s3, tmp_path):
         wl.load(url, verify=True, manifest=wrong)
 
 
+def test_a_store_prefix_finds_its_published_manifest_by_the_same_name_as_a_folder(s3, tmp_path):
+    client, _ = s3
+    local = write(tmp_path / "m.safetensors", _big(2))
+    _upload(client, local, "prefix/model.safetensors")
+    prefix = f"s3://{BUCKET}/prefix/"
+    with pytest.raises(NotFoundError, match="no published manifest"):  # a store keeps no hashes of its own
+        wl.load(prefix, verify=True)
+    client.put_object(
+        Bucket=BUCKET, Key="prefix/weightlift.manifest.json", Body=make_manifest(local).to_json().encode()
+    )
+    rep: dict = {}
+    _same(wl.load(prefix, verify=True, report=rep), wl.load(local))
+    assert rep["manifest"] == prefix + "weightlift.manifest.json" and rep["verified"] == 2
+    assert rep["verify"].startswith(
+        f"verified 2 tensors against the published manifest {prefix}weightlift.manifest.json"
+    )
+    # a manifest published for other bytes: the load names the tensor and the manifest
+    other = write(tmp_path / "o.safetensors", _big(1) + [("layer.1.w", "F32", (64, 1024), bytes(262144))])
+    client.put_object(
+        Bucket=BUCKET, Key="prefix/weightlift.manifest.json", Body=make_manifest(other).to_json().encode()
+    )
+    with pytest.raises(IntegrityError, match=r"weightlift\.manifest\.json: layer\.1\.w$"):
+        wl.load(prefix, verify=True)
+
+
 def test_missing_object_names_it(s3):
     with pytest.raises(NotFoundError, match=f"s3://{BUCKET}/nothing/here.safetensors"):
         wl.open(f"s3://{BUCKET}/nothing/here.safetensors")

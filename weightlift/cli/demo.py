@@ -146,12 +146,12 @@ def ensure_tiny_model() -> Path:
         torch.manual_seed(0)
         transformers.LlamaForCausalLM(cfg).save_pretrained(tmp, max_shard_size="200KB")
     os.replace(tmp, d)
-    # digests recorded while the files are as written, so the check has something independent
-    # of the files to compare with
-    from weightlift.checkpoint import open_checkpoint
-    from weightlift.digest.sidecar import hash_tensors
+    # its manifest published while the files are as written, so the check has something
+    # independent of the files to compare with
+    from weightlift.digest.published import default_manifest_path, make_manifest
+    from weightlift.digest.sidecar import write_atomic
 
-    hash_tensors(list(open_checkpoint(d)), threshold=0)
+    write_atomic(default_manifest_path(d), make_manifest(d).to_json().encode())
     return d
 
 

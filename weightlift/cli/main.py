@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from weightlift.errors import WeightliftError
+from weightlift.errors import IntegrityError, WeightliftError
 
 __all__ = ["main"]
 
@@ -122,7 +122,11 @@ def _cmd_load(a: argparse.Namespace) -> int:
 
         kwargs["remote"] = parse_remote(a.remote)
         kwargs["token"] = read_token(a.token_file)
-    load(a.path, select=a.select, **kwargs)
+    try:
+        load(a.path, select=a.select, **kwargs)
+    except IntegrityError as e:  # the load ran; its bytes are not the ones checked against: exit 1, as verify does
+        print(f"weightlift: {e}", file=sys.stderr)
+        return 1
     if prof is not None and a.trace:
         prof.write_trace(a.trace)
     if a.json:
@@ -138,8 +142,8 @@ def _cmd_load(a: argparse.Namespace) -> int:
         f"loaded {report['tensors']} tensors, {report['bytes']:,} bytes in {report['seconds']:.3f} s "
         f"({report['bytes'] / max(report['seconds'], 1e-9) / 1e9:.2f} GB/s) to {a.device}/{a.framework}; {where}"
     )
-    if "verified" in report:
-        print(f"verified {report['verified']} tensors: every landed byte matches its BLAKE3")
+    if "verify" in report:  # what the landed bytes were checked against, in one line
+        print(report["verify"])
     for addr, r in report.get("remote", {}).items():
         print(f"pushed {r['tensors']} tensors, {r['bytes']:,} bytes to {addr} in {r['seconds']:.3f} s")
     if prof is not None:
@@ -240,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument(
         "--verify",
         action="store_true",
-        help="hash the landed bytes as they land and compare with --manifest (or the file's own digests)",
+        help="hash the landed bytes as they land and compare with --manifest, else the published manifest "
+        "beside PATH, else (said so) only with the files as they are now",
     )
     ld.add_argument("--manifest", metavar="FILE", help="with --verify: the published manifest to compare with")
     ld.add_argument("--json", action="store_true")

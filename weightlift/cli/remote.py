@@ -19,7 +19,7 @@ from weightlift.remote.server.config import MIN_FRAME_RATE
 from weightlift.remote.token import read_token
 
 if TYPE_CHECKING:  # the client imports sockets and threads: loaded by the commands that use it
-    from weightlift.remote.client.client import Client
+    from weightlift.remote.client.client import Client, PushResult
 
 __all__ = ["register", "DEFAULT_PORT", "parse_size", "read_token"]
 
@@ -124,7 +124,8 @@ def _register_push(sub: Any) -> None:
     p.add_argument(
         "--verify",
         action="store_true",
-        help="the server reports the digest of every tensor it stored; exit 1 naming each one that differs from the file",
+        help="the server reports the digest of every tensor it stored; exit 1 naming each one that differs from "
+        "--manifest, else the published manifest beside PATH, else (said so) the file as it is now",
     )
     p.add_argument(
         "--manifest",
@@ -232,11 +233,21 @@ def _cmd_push(a: argparse.Namespace) -> int:
     print(
         f"pushed {result.tensors} tensors, {result.bytes:,} bytes to {a.to} in {result.seconds:.3f} s ({rate:.2f} GB/s); "
         f"{result.bytes_sent:,} bytes sent, {result.bytes_hashed:,} hashed, {result.cached} from the server's cache"
-        + (f"; {result.verified} verified on the server" if verify else "")
+        + (_verified(result) if verify else "")
     )
     if a.profile and prof is not None:
         print(prof.format())
     return 0
+
+
+def _verified(result: PushResult) -> str:
+    """What the server's digests were checked against; "verified" only against a published manifest."""
+    if result.manifest is not None:
+        return f"; {result.verified} verified on the server against the published manifest {result.manifest}"
+    return (
+        f"; {result.verified} checked on the server against the files as they are now "
+        "(no published manifest: not proof that they are what was published)"
+    )
 
 
 def _cmd_pull(a: argparse.Namespace) -> int:
@@ -247,7 +258,8 @@ def _cmd_pull(a: argparse.Namespace) -> int:
             print(f"weightlift: {e}", file=sys.stderr)
             return 1
     total = sum(e.nbytes for e in entries)
-    verified = ", every tensor verified" if a.verify else ""
+    # the server's stated digests are of what it holds, not published ones
+    verified = ", every tensor equal to what the server holds (its stated BLAKE3)" if a.verify else ""
     print(f"pulled {len(entries)} tensors, {total:,} bytes from {a.source} into {a.output}{verified}")
     return 0
 

@@ -38,14 +38,16 @@ class LandedHasher:
     """Hashes the bytes a load landed, per tensor, on the threads that landed them.
 
     ``expected`` maps tensor names to digests; :meth:`check` raises IntegrityError naming every
-    tensor whose landed bytes differ (or that did not land completely).
+    tensor whose landed bytes differ (or that did not land completely) and ``against``, what
+    the digests are (a published manifest, or the files as they are now).
     """
 
-    def __init__(self, tensors: Sequence[TensorInfo], expected: dict[str, bytes]):
+    def __init__(self, tensors: Sequence[TensorInfo], expected: dict[str, bytes], *, against: str = "their BLAKE3"):
         missing = [t.name for t in tensors if t.name not in expected]
         if missing:
             raise IntegrityError(f"no digest to verify {len(missing)} tensor(s) against: {', '.join(missing[:3])}")
         self.expected = expected
+        self.against = against
         self._all = list(tensors)
         self._tensors: dict[str, list[TensorInfo]] = {}
         for t in sorted(tensors, key=lambda t: (t.file, t.offset)):
@@ -100,4 +102,4 @@ class LandedHasher:
                 differ.append(t.name)
         if differ:
             shown = ", ".join(differ[:8]) + (f" and {len(differ) - 8} more" if len(differ) > 8 else "")
-            raise IntegrityError(f"{len(differ)} tensor(s) landed with bytes that differ from their BLAKE3: {shown}")
+            raise IntegrityError(f"{len(differ)} tensor(s) landed with bytes that differ from {self.against}: {shown}")

@@ -8,6 +8,14 @@ file is unchanged): a second manifest of an unchanged checkpoint hashes nothing,
 taken first makes the next push hash nothing either.
 
 A verified load hashes what landed against these digests: :mod:`weightlift.digest.landed`.
+
+Which digests a verify checks against is decided here, once, for every caller (a load, a push,
+``weightlift check``, vLLM's loader): :func:`reference`. In order: the manifest the caller names;
+else the published manifest found beside the checkpoint (:func:`find_published`, the names
+``weightlift manifest`` writes: ``<file>.manifest.json`` beside a file, ``weightlift.manifest.json``
+in its folder or store prefix); else none, and the check says so: it can then only show that what
+landed equals the files as they are now. The per-file sidecars are a cache of those hashes, never
+proof: a file changed since it was published hashes afresh and "matches" itself.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import blake3
 
@@ -38,6 +46,9 @@ __all__ = [
     "file_digests",
     "verify_checkpoint",
     "expected_digests",
+    "find_published",
+    "Reference",
+    "reference",
 ]
 
 FORMAT = "weightlift-manifest"
@@ -216,3 +227,86 @@ def expected_digests(
             f"{len(bad)} tensor(s) not in the manifest or of another dtype, shape or size: {', '.join(bad[:8])}"
         )
     return out
+
+
+ManifestSource: TypeAlias = "str | os.PathLike[str] | Manifest"
+
+
+def _published_names(path: str) -> list[str]:
+    """Where a checkpoint file's published manifest may be, in order: beside the file, then in
+    its folder (as ``weightlift manifest`` writes them for a file and for a folder)."""
+    return [path + PUBLISHED_SUFFIX, os.path.join(os.path.dirname(os.path.abspath(path)), FOLDER_MANIFEST)]
+
+
+def find_published(ck: Checkpoint) -> str | None:
+    """The published manifest beside the checkpoint ``ck`` (see the module docstring), or None.
+
+    In a store the object's ``<object>.manifest.json``, else the prefix's
+    ``weightlift.manifest.json`` (:meth:`~weightlift.sources.objects.Objects.find_manifest`)."""
+    if ck.source is not None:
+        try:
+            return ck.source.find_manifest(ck.path)
+        except NotFoundError:
+            return None
+    return next((p for p in _published_names(ck.path) if os.path.isfile(p)), None)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What a verify compares landed bytes with (:func:`reference`), and the honest words for it.
+
+    ``manifest``: the published manifest's path or URL (or a description of a ``Manifest`` passed
+    as a value), None when there is none; ``named``: the caller named it (else it was found beside
+    the checkpoint); ``digests``: the published digest of each tensor, None without a manifest:
+    then the only reference is the files' own bytes as they are now (:meth:`expected`).
+    """
+
+    manifest: str | None
+    named: bool
+    digests: dict[str, bytes] | None
+    #: where a published manifest was looked for, when none was found
+    tried: tuple[str, ...] = ()
+
+    @property
+    def published(self) -> bool:
+        """Whether the check is against a published digest: only then is anything *verified*."""
+        return self.digests is not None
+
+    @property
+    def against(self) -> str:
+        """What the landed bytes are compared with, for a message."""
+        if self.manifest is None:
+            return "the files as they are now (no published manifest)"
+        return f"the manifest {self.manifest}" if self.named else f"the published manifest {self.manifest}"
+
+    def expected(self, tensors: Sequence[TensorInfo]) -> dict[str, bytes]:
+        """The digest each of ``tensors`` must land with: the published one, else the file's own
+        (from the cache of hashes where it is valid, else hashed now)."""
+        return self.digests if self.digests is not None else file_digests(tensors)
+
+    def summary(self, count: int) -> str:
+        """One line saying what was checked against what; "verified" only against a published digest."""
+        if self.published:
+            return f"verified {count} tensors against {self.against}: every landed byte matches its published BLAKE3"
+        where = f" at {' or '.join(self.tried)}" if self.tried else ""
+        return (
+            f"no published manifest{where}: checked only that the {count} tensors landed equal to the files "
+            "as they are now, not that they are what was published (write one with `weightlift manifest`)"
+        )
+
+
+def reference(ck: Checkpoint, tensors: Sequence[TensorInfo], manifest: ManifestSource | None) -> Reference:
+    """The digests a verify of ``tensors`` (of ``ck``) checks against: ``manifest`` if given, else
+    the published manifest beside the checkpoint, else none (the files' own bytes, said so).
+
+    IntegrityError if the manifest is malformed or lacks one of the tensors; NotFoundError for a
+    checkpoint in a store with no manifest beside it (a store keeps no cache of hashes, and
+    hashing the object to compare it with itself would read it twice)."""
+    if manifest is not None:
+        where = f"given (digest {manifest.digest[:16]})" if isinstance(manifest, Manifest) else os.fspath(manifest)
+        return Reference(where, True, expected_digests(tensors, manifest))
+    # in a store: NotFoundError naming both places looked at
+    found = ck.source.find_manifest(ck.path) if ck.source is not None else find_published(ck)
+    if found is not None:
+        return Reference(found, False, expected_digests(tensors, found))
+    return Reference(None, False, None, tuple(_published_names(ck.path)))

@@ -5,7 +5,9 @@ BLAKE3 digest, so the client needs digests for the tensors worth asking about, a
 without a server cache a digest is pure cost.
 
 :class:`Sidecar` remembers the digests of a checkpoint file in a sidecar JSON, so a second push of
-the same file hashes nothing. The server trusts a digest blindly (it cannot see the client's
+the same file hashes nothing. It is a cache of hashes of the file *as it is now*, never proof
+that the file is what was published (that is :mod:`weightlift.digest.published`): a file changed
+since is hashed afresh and its new digests recorded. The server trusts a digest blindly (it cannot see the client's
 bytes), so a stale digest would put wrong weights in the server's memory without any error; that
 is why a manifest's entries count only while the file's size, mtime, ctime, inode and device are
 what they were when the digests were taken. ctime is in the identity because tools such as
@@ -18,9 +20,11 @@ not have been handed it by someone else (:func:`trusted_fd`): it is a regular fi
 owned by the effective user (or by root, who can change the checkpoint itself anyway), and not
 writable by its group or others. These checks are made on the open descriptor, so what is
 checked is what is read. A folder others may write (a sticky shared folder) lets them delete a
-sidecar or put their own in its place, but theirs is ignored and the file is hashed instead. The
-fallback folder under the user's cache is used only when it is the user's and private (0700).
-Sidecars are written to an exclusive temporary file (never through an existing name or link),
+sidecar or put their own in its place, but theirs is ignored and the file is hashed instead.
+Sidecars are written into weightlift's own cache folder (``$WEIGHTLIFT_CACHE/manifests``, by
+default ``~/.cache/weightlift/manifests``), never into the user's model folder, and only when that
+folder is the user's and private (0700); one found beside a file (``<file>.wl-manifest.json``,
+as older versions wrote them) is still read. Sidecars are written to an exclusive temporary file (never through an existing name or link),
 mode 0600, and renamed into place.
 
 :func:`hash_tensors` ties it together for a list of tensors: digests from the manifest where it
@@ -71,7 +75,7 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def _fallback_dir() -> str:
-    return os.path.join(env.cache_home(), "weightlift", "manifests")
+    return os.path.join(env.cache_dir(), "manifests")
 
 
 def _trusted_owner(uid: int) -> bool:
@@ -143,8 +147,8 @@ def read_trusted(path: str) -> bytes | None:
 class Sidecar:
     """Digests of the tensors of one checkpoint file, valid while the file is unchanged.
 
-    Stored as ``<file>.wl-manifest.json`` beside the file, or, where that folder cannot be written,
-    as ``~/.cache/weightlift/manifests/<blake3 of the real path>.json``; read only from a file
+    Stored as ``<blake3 of the real path>.json`` in weightlift's cache folder (see the module
+    docstring), read from there or from ``<file>.wl-manifest.json`` beside the file; read only from a file
     another user could not have written (see the module docstring). Safe to call from several
     threads (digests arrive from pool workers).
     """
@@ -166,8 +170,8 @@ class Sidecar:
         return os.path.join(_fallback_dir(), key.hexdigest() + ".json")
 
     def _candidates(self) -> list[str]:
-        """The places this file's sidecar may be read from: beside it, and in the fallback folder
-        when that folder is private to the user."""
+        """The places this file's sidecar may be read from: beside it (written by an older
+        version, or by the user), and in the cache folder when that folder is private to the user."""
         out = [self.sidecar_path]
         if _private_dir(_fallback_dir(), create=False):
             out.append(self.fallback_path)
@@ -237,17 +241,17 @@ class Sidecar:
             },
         }
         data = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
-        errors: list[str] = []
-        for target in (self.sidecar_path, self.fallback_path):
+        # in weightlift's own cache, never into the user's model folder
+        target = self.fallback_path
+        if not _private_dir(os.path.dirname(target), create=True):
+            why = f"{os.path.dirname(target)}: not a private folder of this user"
+        else:
             try:
-                if target == self.fallback_path and not _private_dir(os.path.dirname(target), create=True):
-                    errors.append(f"{os.path.dirname(target)}: not a private folder of this user")
-                    continue
                 write_atomic(target, data, mode=0o600)
                 return
             except OSError as exc:
-                errors.append(f"{target}: {exc.strerror or exc}")
-        warnings.warn("cannot save digest manifest (" + "; ".join(errors) + ")", stacklevel=2)
+                why = f"{target}: {exc.strerror or exc}"
+        warnings.warn(f"cannot save digest manifest ({why})", stacklevel=2)
 
 
 def write_atomic(target: str, data: bytes, *, mode: int = 0o644) -> None:

@@ -13,9 +13,10 @@ default loader:
   safetensors hands out, with the mapped bytes made ready on parallel threads first (read into
   the page cache where cold, mapped, touched once: :func:`weightlift.hf.mapped.read_and_map`), so
   that the loaders' copies neither wait on storage nor fault page by page. With ``verify`` every
-  tensor is hashed as it lands and compared with the manifest (or the files' own digests)
-  before any reaches the model; a mismatch stops the engine with an error naming the tensors
-  and their files. ``copy`` reads into fresh memory instead (:func:`weightlift.load`).
+  tensor is hashed as it lands and compared with the manifest given, else the one published
+  beside the checkpoint, else only with the files as they are now
+  (:func:`weightlift.digest.published.reference`), before any reaches the model; the log says
+  which, and a mismatch stops the engine with an error naming the tensors and their files. ``copy`` reads into fresh memory instead (:func:`weightlift.load`).
 - from a tensor server (``server``): every tensor it holds, READ over the wire into one block of
   this process's memory (:mod:`weightlift.integrations.vllm.pulled`).
 
@@ -131,6 +132,11 @@ class WeightliftModelLoader(BaseModelLoader):
             logger.info("weightlift: no safetensors checkpoint; vLLM's default loader reads these files")
             self._default("auto").load_weights(model, model_config)
             return
+        said = self.report.get("verify")  # what the files were checked against (weightlift.digest.published.reference)
+        if said is not None:
+            (logger.info if self.report.get("manifest") is not None else logger.warning)("weightlift: %s", said)
+        elif self.options.verify and self.options.server is not None:
+            logger.info("weightlift: every tensor equal to what %s holds (its stated BLAKE3)", self.options.server)
         count = [0, 0]
 
         def counted() -> Iterable[tuple[str, torch.Tensor]]:

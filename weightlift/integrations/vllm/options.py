@@ -20,8 +20,9 @@ __all__ = ["LoaderOptions", "KEYS"]
 
 #: The keys the load format takes, and what each is for (named in the error for an unknown key).
 KEYS = {
-    "verify": "check every tensor against the manifest (or the files' own digests) as it lands",
-    "manifest": "the published manifest to verify against (a path)",
+    "verify": "check every tensor as it lands against the manifest, else the one published beside the "
+    "checkpoint, else (said so in the log) only the files as they are now",
+    "manifest": "the published manifest to verify against (a path; default: the one beside the checkpoint)",
     "prefetch": "read a cold checkpoint into the page cache while vLLM starts (default: unless page_cache is 'evict')",
     "page_cache": "'keep' or 'evict' the page cache after the load",
     "prefault": "fault the parameters' memory in while vLLM starts (default: where it is host memory)",

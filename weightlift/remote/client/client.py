@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, TypeAlias, overload
 
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
 from weightlift.errors import OptionError, StateError
-from weightlift.formats import TensorInfo
 from weightlift.profile import Profiler
 from weightlift.remote.client.connection import Connection
 from weightlift.remote.client.job import PIPELINE, Push, PushResult, strategy
@@ -201,15 +200,17 @@ class Client:
         runs to its end and :class:`~weightlift.errors.PushError` holds each error and result.
 
         ``verify``: the server hashes every tensor as it lands and reports the digests of what it
-        stored; the client compares them with the file's (its sidecar, else hashed while it
-        sends) and raises :class:`~weightlift.errors.IntegrityError` naming every tensor that
-        differs. Needs a server of protocol minor 2 (LocalProtocolError otherwise). Without it a
+        stored; the client compares them with the published manifest (``manifest``, else the one
+        published beside the checkpoint, :func:`~weightlift.digest.published.reference`), else
+        only with the file's bytes as they are now (hashed while it sends, or from the cache of
+        hashes), and raises :class:`~weightlift.errors.IntegrityError` naming every tensor that
+        differs. ``PushResult.manifest`` says which manifest, None for the file's own bytes. Needs a server of protocol minor 2 (LocalProtocolError otherwise). Without it a
         push reports what the server received, not that the bytes are right: on a connection
         without a token, bytes changed in flight are stored and the push succeeds.
 
         ``manifest`` (with ``verify``, as for a load): a published manifest (path, URL or
         ``Manifest``; :mod:`weightlift.digest.published`) whose digests the server must report
-        for a file, a folder or a URL (one without: the manifest beside it); the client hashes
+        (a URL without one: NotFoundError unless one is published beside it); the client hashes
         only what it asks a caching server about, whose fills are then the file's bytes, never
         what the manifest names. IntegrityError before any byte is sent if it lacks a selected
         tensor or gives it another size.
@@ -219,9 +220,11 @@ class Client:
             return self._push_memory(source, select, hash_threshold, verify, base, in_place)
         if to is not None:
             return self._push_to(source, select, to, hash_threshold=hash_threshold, verify=verify, manifest=manifest)
+        from weightlift.digest.published import reference  # a store's manifest: the store clients, on demand
+
         ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
         tensors = ck.select(select)
-        expected = _published(ck, tensors, manifest) if verify else None
+        ref = reference(ck, tensors, manifest) if verify else None
         self._conn()
         while len(self._conns) < self.streams:
             self._conns.append(self._connect())
@@ -235,7 +238,8 @@ class Client:
             profiler=self.profiler,
             hash_threshold=hash_threshold,
             verify=verify,
-            expected=expected,
+            expected=ref.digests if ref is not None else None,
+            manifest=ref.manifest if ref is not None else None,
         )
         try:
             return job.run()
@@ -383,19 +387,3 @@ def _check_push_options(
             raise OptionError("push(manifest=...) takes a checkpoint; tensors from memory are hashed where they are")
     elif base is not None or in_place:
         raise OptionError("push(base=..., in_place=...) apply to tensors pushed from memory")
-
-
-def _published(
-    ck: Checkpoint, tensors: builtins.list[TensorInfo], manifest: ManifestSource | None
-) -> dict[str, bytes] | None:
-    """The digests a published manifest gives the tensors: ``manifest``, else the one published
-    beside a store's checkpoint (a store has no sidecars); what the server must report for each
-    as it lands. None for local files without one (their own digests serve); IntegrityError if
-    the manifest lacks one of the tensors."""
-    from weightlift.digest.published import expected_digests
-
-    if manifest is None:
-        if ck.source is None:
-            return None
-        manifest = ck.source.find_manifest(ck.path)
-    return expected_digests(tensors, manifest)

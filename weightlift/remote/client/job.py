@@ -49,7 +49,9 @@ class PushResult:
     """What a push did. ``bytes``: tensor bytes now on the server; ``bytes_sent``: payload that
     crossed the wire; ``bytes_hashed``: bytes hashed by this push; ``cached``: tensors the server
     filled from its cache; ``profile``: the profiler report when profiling was on; ``verified``:
-    tensors proven to be on the server as they are in the file (``verify=True``); ``deltas``:
+    tensors whose digest the server reported and the client matched (``verify=True``): with
+    ``manifest`` (the published manifest they were checked against) they are verified, without
+    one they are only the files' bytes as they are now; ``deltas``:
     tensors of an update sent as what changed; ``set_digest``: the digest over the whole set an
     update switched in (:func:`weightlift.digest.setdigest.set_digest`), the server's and the
     client's alike."""
@@ -64,6 +66,7 @@ class PushResult:
     verified: int = 0  # tensors whose digest the server reported and the client matched (verify=True)
     deltas: int = 0  # tensors sent as a DELTA against the version the server held (an update)
     set_digest: builtins.bytes | None = None  # an update's set digest, stated by the server and matched by the client
+    manifest: str | None = None  # the published manifest the server's digests were checked against (verify=True)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,6 +113,7 @@ class Push:
         verify: bool = False,
         update: UpdateSpec | None = None,
         expected: Mapping[str, bytes] | None = None,
+        manifest: str | None = None,
     ):
         if verify and not all(c.verify for c in conns):
             raise LocalProtocolError(
@@ -128,7 +132,8 @@ class Push:
             self.conns = conns[:1]
         self.tally = Tally()
         self.senders: list[Pusher] = []
-        self.expected = expected  # with verify: digests published for the tensors (a store's manifest)
+        self.expected = expected  # with verify: digests published for the tensors
+        self.manifest = manifest  # where ``expected`` was published
 
     @property
     def settled(self) -> bool:
@@ -165,8 +170,9 @@ class Push:
         tally = self.tally
         if tally.differ:
             raise IntegrityError(
-                f"push to {self.where}: {len(tally.differ)} of {len(self.plans)} tensors are not on "
-                "the server as they are in the file: " + ", ".join(tally.differ)
+                f"push to {self.where}: {len(tally.differ)} of {len(self.plans)} tensors are not on the server "
+                + (f"as published in {self.manifest}: " if self.manifest else "as they are in the file: ")
+                + ", ".join(tally.differ)
             )
         return PushResult(
             tally.tensors,
@@ -179,6 +185,7 @@ class Push:
             tally.verified,
             tally.deltas,
             self.update.root if self.update is not None else None,
+            self.manifest if self.verify else None,
         )
 
     def _send(self, groups: list[list[Plan]]) -> None:
