@@ -415,6 +415,28 @@ def test_check_catches_a_file_corrupted_on_disk_by_its_published_manifest(models
     assert by["tensors"]["ok"] is True  # the two loaders agree...
     assert by["digests"]["ok"] is False and by["digests"]["data"]["differ"] == [name]  # ...the manifest does not
     assert by["digests"]["data"]["manifest"] == str(path / "weightlift.manifest.json")
+    # a manifest named is checked against instead: one of the corrupt files passes it
+    corrupt = str(tmp_path / "corrupt.json")
+    assert main(["manifest", str(path), "-o", corrupt]) == 0
+    capsys.readouterr()
+    assert main(["check", str(path), "--tokens", "2", "--seeds", "1", "--manifest", corrupt]) == 0
+    assert f"against the manifest {corrupt}" in capsys.readouterr().out
+
+
+def test_from_pretrained_with_verify_says_what_it_checked_against(models, tmp_path, caplog):
+    path = _copy(models, "llama", tmp_path)
+    with caplog.at_level("INFO", logger="weightlift"):
+        _, info = hf.from_pretrained(path, verify=True, output_loading_info=True)
+    said = info["weightlift"]["load"]["verify"]
+    assert said.startswith("no published manifest") and "verified" not in said
+    assert [(r.name, r.levelname, r.getMessage()) for r in caplog.records] == [("weightlift.hf", "WARNING", said)]
+    assert main(["manifest", str(path)]) == 0
+    caplog.clear()
+    with caplog.at_level("INFO", logger="weightlift"):
+        _, info = hf.from_pretrained(path, verify=True, output_loading_info=True)
+    said = info["weightlift"]["load"]["verify"]
+    assert said.startswith(f"verified {info['weightlift']['load']['verified']} tensors against the published manifest")
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [("INFO", said)]
 
 
 def test_check_ignores_weightlifts_own_cache_of_hashes(models, tmp_path, capsys):

@@ -66,7 +66,7 @@ def _local(path: Path, opts: LoadOptions) -> dict[str, Any]:
 
 def _verified(path: Path, opts: LoadOptions) -> dict[str, Any]:
     from weightlift.digest.landed import LandedHasher
-    from weightlift.digest.published import reference
+    from weightlift.digest.published import announce, reference
 
     ck = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     infos = ck.select(opts.select)
@@ -80,16 +80,13 @@ def _verified(path: Path, opts: LoadOptions) -> dict[str, Any]:
     except BaseException:
         out.clear()
         raise
-    said = ref.summary(len(infos))
-    if opts.report is not None:  # the caller shows the line (the CLI, vLLM's log)
-        opts.report["verify"] = said
-        opts.report["manifest"] = ref.manifest
-        if ref.published:
-            opts.report["verified"] = len(infos)
-    elif ref.published:
-        _log.info("%s", said)
+    said: dict[str, Any] = {"verify": ref.summary(len(infos)), "manifest": ref.manifest}
+    if ref.published:
+        said["verified"] = len(infos)
+    if opts.report is not None:  # the caller shows the line (the CLI, vLLM's log, from_pretrained's)
+        opts.report.update(said)
     else:
-        _log.warning("%s", said)
+        announce(said, _log)
     return out
 
 

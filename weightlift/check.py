@@ -8,8 +8,8 @@ files through ``safetensors``, not weightlift). The *subject* is the same model 
 holds the weights (``--from``). Then, in order:
 
 1. tensors: every parameter and buffer of the subject is bit-identical to the reference's;
-2. digests: where a published manifest lies beside the checkpoint (``weightlift manifest``'s
-   output), the bytes the subject was built from match its BLAKE3. This is the only check that
+2. digests: against the published manifest named (``--manifest``) or lying beside the
+   checkpoint (``weightlift manifest``'s output), the bytes the subject was built from match its BLAKE3. This is the only check that
    does not trust the file as it is now: a file corrupted on disk is read the same way by both
    loaders, so only a record published before the corruption can tell. weightlift's own cache
    of hashes is not such a record (it follows the file), so without a manifest nothing is checked;
@@ -137,9 +137,9 @@ def _names(names: list[str], k: int = 3) -> str:
 # -- digests ---------------------------------------------------------------------------------------
 
 
-def _check_digests(ckpt: Any, delivered: Any, what: str) -> CheckItem:
+def _check_digests(ckpt: Any, delivered: Any, what: str, manifest: str | None) -> CheckItem:
     """The bytes of ``delivered`` (a Checkpoint: the files read, or what the server sent) against
-    the published manifest of ``ckpt`` (:func:`~weightlift.digest.published.reference`); the
+    ``manifest``, else the one published beside ``ckpt`` (:func:`~weightlift.digest.published.reference`); the
     cache of hashes weightlift keeps is never taken for one."""
     from .api import load
     from .digest.blake import hash_buffer
@@ -147,7 +147,7 @@ def _check_digests(ckpt: Any, delivered: Any, what: str) -> CheckItem:
     from .errors import IntegrityError
 
     try:
-        ref = reference(ckpt, ckpt.select(None), None)
+        ref = reference(ckpt, ckpt.select(None), manifest)
     except IntegrityError as e:  # a published manifest that is damaged or lacks a tensor
         return CheckItem("digests", False, str(e), {"manifest": None})
     if ref.digests is None:
@@ -220,8 +220,11 @@ def run_check(
     device: str = "cpu",
     dtype: Any = None,
     token: bytes | str | None = None,
+    manifest: str | None = None,
 ) -> dict[str, Any]:
-    """Run the checks of the module docstring; returns the verdict (``result["ok"]``) and every figure."""
+    """Run the checks of the module docstring; returns the verdict (``result["ok"]``) and every
+    figure. ``manifest``: the published manifest the digests check compares with (default: the
+    one beside the checkpoint)."""
     from . import hf
 
     hf.require_transformers()
@@ -260,7 +263,7 @@ def run_check(
             reference = _load_reference(cls, folder, dt, device)
             result["reference_seconds"] = time.perf_counter() - t0
             items.append(_compare_tensors(subject, reference))
-            items.append(_check_digests(ckpt, delivered, what))
+            items.append(_check_digests(ckpt, delivered, what, manifest))
             items.extend(
                 _run_model_checks(subject, reference, ids, tokens=tokens, seeds=seeds, temperature=temperature)
             )
@@ -454,6 +457,7 @@ def _cmd_check(a: argparse.Namespace) -> int:
         device=a.device,
         dtype=a.dtype,
         token=token,
+        manifest=a.manifest,
     )
     print(json.dumps(r, indent=1, default=str) if a.json else format_result(r))
     return 0 if r["ok"] else 1
@@ -475,5 +479,8 @@ def register(sub: Any) -> None:
     c.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     c.add_argument("--device", default="cpu", help="cpu or cuda[:N], for both models")
     c.add_argument("--dtype", help="load both in this dtype (default: the checkpoint's, as transformers' dtype='auto')")
+    c.add_argument(
+        "--manifest", metavar="FILE", help="the published manifest to check the digests against (default: beside PATH)"
+    )
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=_cmd_check)

@@ -222,6 +222,8 @@ def test_a_flipped_byte_after_publishing_fails_a_verified_load(tmp_path, capsys)
     assert cap.out == "" and cap.err.count("\n") == 1
     assert "layer.1" in cap.err and "weightlift.manifest.json" in cap.err and "matches" not in cap.err
     assert main(["verify", folder]) == 1  # and the published manifest agrees
+    assert main(["verify", path]) == 1  # found for a file of the folder as a load finds it
+    assert "weightlift.manifest.json" in capsys.readouterr().out
 
 
 def test_a_verified_load_says_what_it_checked_against(tmp_path, capsys):

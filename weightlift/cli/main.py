@@ -178,11 +178,14 @@ def _cmd_manifest(a: argparse.Namespace) -> int:
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
-    from weightlift.digest.published import default_manifest_path, read_manifest, verify_checkpoint
+    from weightlift.checkpoint import open_checkpoint
+    from weightlift.digest.published import default_manifest_path, find_published, read_manifest, verify_checkpoint
 
-    path = a.manifest or default_manifest_path(a.path)
+    ck = open_checkpoint(a.path)
+    # where every verify looks: beside the checkpoint's file, then in its folder or prefix
+    path = a.manifest or find_published(ck) or default_manifest_path(a.path)
     m = read_manifest(path)
-    differ = verify_checkpoint(a.path, m, select=a.select)
+    differ = verify_checkpoint(ck, m, select=a.select)
     if a.json:
         print(json.dumps({"manifest": path, "digest": m.digest, "ok": not differ, "differ": differ}, indent=1))
     else:
@@ -260,7 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
     vf = sub.add_parser("verify", help="hash a checkpoint afresh and compare with its manifest; exit 1 if any differs")
     vf.add_argument("path")
     _add_select(vf)
-    vf.add_argument("--manifest", metavar="FILE", help="the manifest (default: the one `manifest` writes beside PATH)")
+    vf.add_argument(
+        "--manifest",
+        metavar="FILE",
+        help="the manifest (default: the one published beside PATH, as `manifest` writes it)",
+    )
     vf.add_argument("--json", action="store_true")
     vf.set_defaults(func=_cmd_verify)
 

@@ -21,8 +21,9 @@ proof: a file changed since it was published hashes afresh and "matches" itself.
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -49,6 +50,7 @@ __all__ = [
     "find_published",
     "Reference",
     "reference",
+    "announce",
 ]
 
 FORMAT = "weightlift-manifest"
@@ -310,3 +312,13 @@ def reference(ck: Checkpoint, tensors: Sequence[TensorInfo], manifest: ManifestS
     if found is not None:
         return Reference(found, False, expected_digests(tensors, found))
     return Reference(None, False, None, tuple(_published_names(ck.path)))
+
+
+def announce(report: Mapping[str, Any], logger: logging.Logger, prefix: str = "") -> None:
+    """Log the line a verified load left in ``report`` (``report["verify"]``, see
+    :meth:`Reference.summary`): at INFO when it was checked against a published manifest, as a
+    warning when there was none to check against; nothing for a load that did not verify."""
+    said = report.get("verify")
+    if said is not None:
+        level = logging.INFO if report.get("manifest") is not None else logging.WARNING
+        logger.log(level, "%s%s", prefix, said)

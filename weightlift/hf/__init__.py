@@ -37,6 +37,7 @@ with what a remote server holds, pulled over the wire.
 from __future__ import annotations
 
 import copy as _copy
+import logging
 import os
 import tempfile
 import threading
@@ -328,7 +329,13 @@ def from_pretrained(
                 cast = None  # nothing to cast: plain copies (or, with copy=False, views of the mapping)
             sd = run_load(ckpt, replace(opts, copy=copy is not False, dtype=cast))
         model, info = _assemble(model, sd, plan, folder=folder)
-        info["weightlift"]["load"] = {k: report[k] for k in ("tensors", "bytes", "seconds") if k in report}
+        info["weightlift"]["load"] = {
+            k: report[k] for k in ("tensors", "bytes", "seconds", "verify", "manifest", "verified") if k in report
+        }
+        if "verify" in report:  # what a verify checked against: no one else sees this report
+            from weightlift.digest.published import announce
+
+            announce(report, logging.getLogger("weightlift.hf"))
         borrowed = copy is False and ckpt.source is None
         info["weightlift"]["storage"] = "private mapping" if mapped else "read-only mapping" if borrowed else "copies"
         return (model, info) if output_loading_info else model

@@ -42,6 +42,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from weightlift.api import load, prefetch
 from weightlift.checkpoint import Checkpoint, open_checkpoint
+from weightlift.digest.published import announce
 from weightlift.errors import IntegrityError
 from weightlift.hf.mapped import read_and_map
 from weightlift.integrations.vllm import early, prefault
@@ -132,10 +133,8 @@ class WeightliftModelLoader(BaseModelLoader):
             logger.info("weightlift: no safetensors checkpoint; vLLM's default loader reads these files")
             self._default("auto").load_weights(model, model_config)
             return
-        said = self.report.get("verify")  # what the files were checked against (weightlift.digest.published.reference)
-        if said is not None:
-            (logger.info if self.report.get("manifest") is not None else logger.warning)("weightlift: %s", said)
-        elif self.options.verify and self.options.server is not None:
+        announce(self.report, logger, "weightlift: ")  # what a verify checked the files against
+        if self.options.verify and self.options.server is not None:
             logger.info("weightlift: every tensor equal to what %s holds (its stated BLAKE3)", self.options.server)
         count = [0, 0]
 
