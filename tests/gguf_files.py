@@ -82,6 +82,11 @@ def write_sample(
         w.add_custom_alignment(alignment)
     for key, (vtype, sub, value) in SAMPLE_METADATA.items():
         w.add_key_value(key, value, vtype, sub_type=sub)
+    _finish(w, tensors)
+    return tensors
+
+
+def _finish(w: GGUFWriter, tensors: dict[str, tuple[Q, np.ndarray]]) -> None:
     for name, (qtype, arr) in tensors.items():
         raw = qtype not in (Q.F32, Q.F16, Q.F64, Q.I8, Q.I16, Q.I32, Q.I64)
         w.add_tensor(name, arr, raw_dtype=qtype if raw else None)
@@ -89,7 +94,28 @@ def write_sample(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return tensors
+
+
+def write_split_sample(path: Path, *, max_tensors: int = 4, seed: int = 0) -> list[Path]:
+    """The sample model split by gguf-py's writer, ``max_tensors`` tensors a file, as
+    ``<stem>-00001-of-0000N.gguf`` and on beside ``path``; returns those files in order."""
+    w = GGUFWriter(path, arch="llama", split_max_tensors=max_tensors)
+    w.add_key_value("test.string", "héllo", V.STRING)
+    _finish(w, _sample_tensors(np.random.default_rng(seed)))
+    return sorted(path.parent.glob(f"{path.stem}-*-of-*.gguf"))
+
+
+def write_split_file(path: Path, names: list[str], split: dict[str, int], *, seed: int = 0) -> None:
+    """One file of a split model whose split keys (``split.no`` and so on, each an integer) the
+    caller chooses, holding the named sample tensors: for broken sets."""
+    sample = _sample_tensors(np.random.default_rng(seed))
+    w = GGUFWriter(path, arch="llama")
+    for key, value in split.items():
+        w.add_key_value(key, value, V.INT32 if key == "split.tensors.count" else V.UINT16)
+    _finish(w, {n: sample[n] for n in names})
+
+
+SAMPLE_NAMES = list(_sample_tensors(np.random.default_rng(0)))
 
 
 # ---- hand packing, independent of GGUFWriter ----

@@ -216,3 +216,126 @@ def test_folder_resolution(tmp_path):
     (d / "third.safetensors.index.json").write_text("{}")
     with pytest.raises(FormatError, match="other.safetensors.index.json, third.safetensors.index.json"):
         wl.open(d)
+
+
+# -- split GGUF models, cross-checked with gguf's reader over every split -------------------------
+
+
+def _reader_tensors(files: list[Path]) -> list[tuple[str, int, tuple[int, ...], bytes]]:
+    from gguf import GGUFReader
+
+    out = []
+    for f in files:
+        for rt in GGUFReader(f).tensors:
+            shape = tuple(reversed(rt.shape.tolist()))
+            out.append((rt.name, int(rt.tensor_type), shape, np.ascontiguousarray(rt.data).tobytes()))
+    return out
+
+
+def test_split_gguf_loads_as_one_model_from_its_first_file_or_folder(tmp_path, capsys):
+    pytest.importorskip("gguf")
+    from tests.checkpoints import raw_bytes
+    from tests.gguf_files import SAMPLE_NAMES, write_split_sample
+    from weightlift.cli import main
+    from weightlift.digest.published import make_manifest, verify_checkpoint
+
+    d = tmp_path / "model"
+    d.mkdir()
+    files = write_split_sample(d / "m.gguf", max_tensors=4)
+    assert [f.name for f in files] == [f"m-0000{i}-of-00004.gguf" for i in range(1, 5)]
+    expected = _reader_tensors(files)
+    assert sorted(n for n, *_ in expected) == sorted(SAMPLE_NAMES)
+    for path in (files[0], d):
+        ck = wl.open(path)
+        assert ck.path == str(files[0]) and ck.files == [str(f) for f in files]
+        assert [(t.name, t.ggml_type, t.shape) for t in ck] == [e[:3] for e in expected]
+        assert ck.metadata["test.string"] == "héllo"
+        got = wl.load(path)
+        assert list(got) == [e[0] for e in expected]
+        for name, _type, _shape, raw in expected:
+            assert raw_bytes(got[name]) == raw, name
+    assert main(["inspect", str(d), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert [t["name"] for t in shown["tensors"]] == [e[0] for e in expected]
+    manifest = make_manifest(files[0])
+    assert [e.name for e in manifest.entries] == [e[0] for e in expected]
+    assert verify_checkpoint(d, manifest) == []
+    last = wl.open(files[0]).tensors[-1]
+    with open(last.file, "r+b") as f:  # a byte of the last split changes: verify sees it
+        f.seek(last.offset)
+        b = f.read(1)
+        f.seek(last.offset)
+        f.write(bytes([b[0] ^ 1]))
+    assert verify_checkpoint(files[0], manifest) == [f"{last.name} (BLAKE3 differs)"]
+
+
+def _broken_set(d: Path, *, count: int = 3, nos: tuple[int, ...] = (0, 1, 2), total: int | None = None,
+                counts: tuple[int, ...] | None = None, extra: str | None = None) -> list[Path]:  # fmt: skip
+    """``count`` splits of the sample model written by hand, their split keys as given."""
+    from tests.gguf_files import SAMPLE_NAMES, write_split_file
+
+    groups = [SAMPLE_NAMES[i::count] for i in range(count)]
+    if extra is not None:
+        groups[-1] = [*groups[-1], extra]
+    files = []
+    for i, names in enumerate(groups):
+        keys = {
+            "split.no": nos[i],
+            "split.count": count if counts is None else counts[i],
+            "split.tensors.count": len(SAMPLE_NAMES) if total is None else total,
+        }
+        files.append(d / f"m-{i + 1:05d}-of-{count:05d}.gguf")
+        write_split_file(files[-1], names, keys)
+    return files
+
+
+def test_a_split_gguf_set_written_by_hand_loads_whole(tmp_path):
+    pytest.importorskip("gguf")
+    files = _broken_set(tmp_path)
+    assert [t.name for t in wl.open(files[0])] == [e[0] for e in _reader_tensors(files)]
+
+
+@pytest.mark.parametrize(
+    "broken, error, match, culprit",
+    [
+        ({"counts": (3, 4, 3)}, FormatError, "split.count is 4, but m-00001-of-00003.gguf says 3", 1),
+        ({"nos": (0, 2, 2)}, FormatError, "split.no is 2, but its name makes it split 1", 1),
+        ({"total": 13}, FormatError, "split.tensors.count is 13, but its 3 splits hold 14 tensors", 0),
+        ({"extra": "token_embd.weight"}, FormatError, "in two splits, m-00001-of-00003.gguf and m-00003", 2),
+    ],
+)
+def test_a_broken_split_gguf_set_is_refused(tmp_path, broken, error, match, culprit):
+    pytest.importorskip("gguf")
+    files = _broken_set(tmp_path, **broken)
+    for path in (files[0], tmp_path):
+        with pytest.raises(error, match=match) as e:
+            wl.open(path)
+        assert e.value.file == str(files[culprit])
+        with pytest.raises(error, match=match):
+            wl.load(path)
+
+
+def test_a_split_gguf_set_missing_a_split_is_refused(tmp_path):
+    pytest.importorskip("gguf")
+    files = _broken_set(tmp_path)
+    files[1].unlink()
+    for path in (files[0], tmp_path):
+        with pytest.raises(NotFoundError, match="split 2 of 3, m-00002-of-00003.gguf, does not exist") as e:
+            wl.open(path)
+        assert e.value.file == str(files[0])
+    other = tmp_path / "other"
+    other.mkdir()
+    _broken_set(other)[0].unlink()
+    with pytest.raises(NotFoundError, match="not its first split, m-00001-of-00003.gguf"):
+        wl.open(other)
+
+
+def test_a_later_split_names_the_first(tmp_path):
+    pytest.importorskip("gguf")
+    files = _broken_set(tmp_path)
+    with pytest.raises(FormatError, match=r"split 2 of 3 .* open its first split \(here m-00001-of-00003.gguf\)"):
+        wl.open(files[1])
+    renamed = tmp_path / "first.gguf"
+    files[0].rename(renamed)
+    with pytest.raises(FormatError, match="not named <prefix>-00001-of-00003.gguf"):
+        wl.open(renamed)

@@ -8,9 +8,16 @@ bytes are not touched until a load asks for them.
 A folder is resolved as transformers' ``from_pretrained`` resolves it, so both load the same
 weights: ``model.safetensors`` if present (even beside an index), else
 ``model.safetensors.index.json``, else the one ``*.safetensors.index.json``, else the one
-``.safetensors`` file, else the one ``.gguf`` file. Several candidates of the kind that decides
-(two indexes, two ``.safetensors`` files without an index, two ``.gguf`` files) are refused with
-their names: picking one would be a guess.
+``.safetensors`` file, else the one ``.gguf`` file or split GGUF set. Several candidates of the
+kind that decides (two indexes, two ``.safetensors`` files without an index, two ``.gguf`` files
+that are not one split set) are refused with their names: picking one would be a guess.
+
+A split GGUF model (gguf-split's ``<prefix>-00001-of-0000N.gguf`` and on) opens as one
+checkpoint from its first file, or from the folder holding it, as llama.cpp loads it: the
+first file names the count, the others are found by name, and each must say it is that split
+of that count, no tensor may repeat, and together they must hold ``split.tensors.count``
+tensors (a FormatError or NotFoundError naming the file otherwise). Naming a later split is
+refused with the first split's name, as llama.cpp refuses it.
 
 A URL (``s3://bucket/prefix/...``, ``http(s)://...``) opens the same way from an object store
 or a web server (:mod:`weightlift.sources`): headers by small ranged reads, a prefix resolved as
@@ -37,7 +44,7 @@ import fnmatch
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -206,15 +213,32 @@ def _pick(d: str, names: list[str], join: Any) -> str:
     """The checkpoint among ``names`` in folder (or prefix) ``d``, after PREFERRED."""
     indexes = [n for n in names if n.endswith(".safetensors.index.json")]
     st_files = [n for n in names if n.endswith(".safetensors")]
-    gguf = [n for n in names if n.lower().endswith(".gguf")]
+    ggufs = _first_split(d, [n for n in names if n.lower().endswith(".gguf")])
     found = (
         _one(d, indexes, "shard indexes")
         or _one(d, st_files, ".safetensors files and no index")
-        or _one(d, gguf, ".gguf files")
+        or _one(d, ggufs, ".gguf files")
     )
     if found is None:
         raise NotFoundError("holds no .safetensors, shard index or .gguf file", file=d)
     return str(join(d, found))
+
+
+def _first_split(d: str, names: list[str]) -> list[str]:
+    """``names``, or the first split's alone where they are all splits of one set."""
+    if len(names) < 2:
+        return names
+    from weightlift.formats import gguf  # the gguf package is slow to import: only for GGUF
+
+    parts = [gguf.split_parts(n) for n in names]
+    sets = {(p[0], p[2]) for p in parts if p is not None}
+    if None in parts or len(sets) != 1:
+        return names
+    ((prefix, count),) = sets
+    first = gguf.split_name(prefix, 0, count)
+    if first not in names:
+        raise NotFoundError(f"holds splits of a GGUF model but not its first split, {first}", file=d)
+    return [first]
 
 
 def _read_safetensors(path: str) -> tuple[list[TensorInfo], dict[str, str], tuple[int, int, int, int]]:
@@ -237,11 +261,76 @@ def _open_gguf(path: str) -> Checkpoint:
     from weightlift.disk.source import mapped
     from weightlift.formats import gguf
 
-    m = mapped(path)
-    head = gguf.parse_gguf(m.buffer, file=path, file_size=m.size)
-    meta = dict(head.metadata)
-    i = m.identity
-    return Checkpoint(path, "gguf", [path], list(head.tensors), meta, {path: (i.dev, i.ino, i.size, i.mtime_ns)})
+    identity: dict[str, tuple[int, int, int, int]] = {}
+
+    def header(p: str) -> tuple[list[TensorInfo], dict[str, Any]]:
+        m = mapped(p)
+        head = gguf.parse_gguf(m.buffer, file=p, file_size=m.size)
+        i = m.identity
+        identity[p] = (i.dev, i.ino, i.size, i.mtime_ns)
+        return list(head.tensors), dict(head.metadata)
+
+    def beside(p: str, name: str) -> str:
+        return os.path.join(os.path.dirname(p), name)
+
+    files, tensors, meta = _gguf_set(path, header, os.path.isfile, beside)
+    return Checkpoint(path, "gguf", files, tensors, meta, identity)
+
+
+_Header = Callable[[str], tuple[list[TensorInfo], dict[str, Any]]]
+
+
+def _gguf_set(
+    path: str, header: _Header, exists: Callable[[str], bool], sibling: Callable[[str, str], str]
+) -> tuple[list[str], list[TensorInfo], dict[str, Any]]:
+    """The files, tensors and metadata of the GGUF model at ``path``: its one file, or every
+    split of a split model (see the module docstring), the metadata being the first split's."""
+    from weightlift.formats import gguf
+
+    tensors, meta = header(path)
+    first = gguf.split_of(meta, file=path)
+    if first is None:
+        return [path], tensors, meta
+    name, count = os.path.basename(path), first.count
+    parts = gguf.split_parts(name)
+    prefix = parts[0] if parts is not None and parts[1:] == (first.no, count) else None
+    if first.no != 0:
+        hint = f" (here {gguf.split_name(prefix, 0, count)})" if prefix is not None else ""
+        msg = f"is split {first.no + 1} of {count} of a GGUF model; open its first split{hint}, which names them all"
+        raise FormatError(msg, file=path)
+    if prefix is None:
+        expected = f"<prefix>-00001-of-{count:05d}.gguf"
+        raise FormatError(
+            f"is the first of {count} GGUF splits, but not named {expected}: its others cannot be found", file=path
+        )
+    files, out = [path], list(tensors)
+    found = {t.name: name for t in tensors}
+    for no in range(1, count):
+        sname = gguf.split_name(prefix, no, count)
+        sp = sibling(path, sname)
+        if not exists(sp):
+            raise NotFoundError(f"split {no + 1} of {count}, {sname}, does not exist", file=path)
+        infos, smeta = header(sp)
+        if smeta.get(gguf.SPLIT_COUNT) != count:
+            got = smeta.get(gguf.SPLIT_COUNT, "missing")
+            raise FormatError(f"{gguf.SPLIT_COUNT} is {got}, but {name} says {count}", file=sp)
+        split = gguf.split_of(smeta, file=sp)
+        assert split is not None  # its count is the first's, over 1
+        if split.no != no:
+            raise FormatError(f"{gguf.SPLIT_NO} is {split.no}, but its name makes it split {no} (from 0)", file=sp)
+        if split.tensors != first.tensors:
+            msg = f"{gguf.SPLIT_TENSORS} is {split.tensors}, but {name} says {first.tensors}"
+            raise FormatError(msg, file=sp)
+        for t in infos:
+            if t.name in found:
+                raise FormatError(f"tensor is in two splits, {found[t.name]} and {sname}", file=sp, tensor=t.name)
+            found[t.name] = sname
+        files.append(sp)
+        out.extend(infos)
+    if len(out) != first.tensors:
+        msg = f"{gguf.SPLIT_TENSORS} is {first.tensors}, but its {count} splits hold {len(out)} tensors"
+        raise FormatError(msg, file=path)
+    return files, out, meta
 
 
 def _read_index(path: str) -> dict[str, Any]:
@@ -329,8 +418,8 @@ def _open_url(url: str) -> Checkpoint:
     if p.endswith(".json"):
         return _open_index(p, src)
     if src.magic(p) == b"GGUF" or p.lower().endswith(".gguf"):
-        tensors, meta = src.gguf_header(p)
-        return Checkpoint(p, "gguf", [p], tensors, meta, source=src)
+        files, tensors, meta = _gguf_set(p, src.gguf_header, src.exists, src.sibling)
+        return Checkpoint(p, "gguf", files, tensors, meta, source=src)
     tensors, smeta = src.safetensors_header(p)
     return Checkpoint(p, "safetensors", [p], tensors, dict(smeta), source=src)
 

@@ -83,6 +83,11 @@ def _get(name: str) -> str:
     return os.environ.get(name, "").strip()
 
 
+def _digits(v: str) -> bool:
+    """Whether ``v`` is a whole number in ASCII digits (``str.isdigit`` takes '³', which ``int`` refuses)."""
+    return v.isascii() and v.isdigit()
+
+
 def flag(name: str) -> bool | None:
     """True or False where ``name`` says so (1/true/yes/on, 0/false/no/off); None otherwise."""
     v = _get(name).lower()
@@ -128,7 +133,7 @@ def page_eviction() -> bool | None:
 def cold_readers() -> int | None:
     """``WEIGHTLIFT_COLD_READERS``: a pinned reader count (a positive integer), else None."""
     v = _get("WEIGHTLIFT_COLD_READERS")
-    return int(v) if v.isdigit() and int(v) > 0 else None
+    return int(v) if _digits(v) and int(v) > 0 else None
 
 
 def row_read_min(default: int) -> int:
@@ -164,7 +169,7 @@ def fault_method() -> str | None:
 def fault_helpers() -> int | None:
     """``WEIGHTLIFT_FAULT_HELPERS``: helper threads per server connection; None: not set."""
     v = _get("WEIGHTLIFT_FAULT_HELPERS")
-    return int(v) if v.isdigit() else None
+    return int(v) if _digits(v) else None
 
 
 def load_opt() -> bool:

@@ -26,9 +26,13 @@ from weightlift.formats.gguf import (
     MAX_STRING,
     MAX_TENSORS,
     GGUFHeader,
+    Split,
     dequantize,
     numpy_dtype_and_shape,
     parse_gguf,
+    split_name,
+    split_of,
+    split_parts,
 )
 
 F32 = int(Q.F32)
@@ -621,3 +625,37 @@ def test_each_deliberate_refusal_is_one_the_reader_accepts(tmp_path: Path) -> No
         for _ in range(MAX_NESTING + 1):
             nested += struct.pack("<IQ", V.ARRAY, 1)
         parse(pack([nested + struct.pack("<IQ", V.UINT8, 0)], []))
+
+
+# ---- split models: the keys and the names ----
+
+
+def test_split_keys() -> None:
+    keys = {"split.no": 1, "split.count": 3, "split.tensors.count": 40}
+    assert split_of(keys, file="m.gguf") == Split(1, 3, 40)
+    assert split_of({}, file="m.gguf") is None
+    assert split_of({"split.count": 1}, file="m.gguf") is None  # one file: llama.cpp ignores the rest
+    for bad, match in [
+        ({**keys, "split.count": 0}, "split.count is 0, not an integer from 1 to 65535"),
+        ({**keys, "split.count": True}, "split.count is True"),
+        ({**keys, "split.no": 3}, "split.no is 3, not an integer from 0 to 2"),
+        ({"split.count": 3, "split.tensors.count": 40}, "split.no is missing"),
+        ({**keys, "split.tensors.count": -1}, "split.tensors.count is -1"),
+        ({**keys, "split.tensors.count": "40"}, "split.tensors.count is '40'"),
+    ]:
+        with pytest.raises(FormatError, match=match) as e:
+            split_of(bad, file="m.gguf")
+        assert e.value.file == "m.gguf"
+
+
+def test_split_names_follow_llama_cpp() -> None:
+    assert split_name("dir-x/model", 0, 4) == "dir-x/model-00001-of-00004.gguf"
+    assert split_parts("model-Q4-00002-of-00004.gguf") == ("model-Q4", 1, 4)
+    for other in (
+        "model.gguf",
+        "-00001-of-00004.gguf",
+        "m-00000-of-00004.gguf",
+        "m-1-of-4.gguf",
+        "m-00001-of-00004.GGUF",
+    ):
+        assert split_parts(other) is None, other

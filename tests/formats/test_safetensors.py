@@ -312,3 +312,17 @@ def test_inspect_of_a_lone_surrogate_is_a_format_error(tmp_path, capsys):
     assert main(["inspect", str(path)]) == 2
     err = capsys.readouterr().err
     assert "s.safetensors: tensor '\\ud800'" in err and "surrogate" in err
+
+
+def test_build_header_refuses_a_header_the_reader_refuses():
+    # each entry is 100,000 bytes of JSON (its name, quotes and fields): 1000 of them, the braces
+    # and the padding pass the limit by 8 bytes, 999 stay under it
+    entries = [(f"{i:04d}" + "x" * 99_945, "U8", (0,), 0) for i in range(1000)]
+    with pytest.raises(
+        FormatError, match=f"of 1000 tensors would be 100000008 bytes, which exceeds the limit of {MAX_HEADER_SIZE}"
+    ) as e:
+        build_header(entries, file="out.safetensors")
+    assert e.value.file == "out.safetensors"
+    fits = entries[:999]
+    header, _ = build_header(fits)
+    assert header_length(header[:8], file="x", file_size=len(header)) == len(header) - 8 <= MAX_HEADER_SIZE

@@ -52,6 +52,10 @@ def test_the_files_are_read_ahead_by_default_where_the_page_cache_is_kept(extra,
         ({"server": "h:1", "prefetch": True}, "are for the files"),
         ({"server": "h:1", "prefault": True}, "are for the files"),
         ({"server": "h:1", "timeout": 0}, "timeout must be a positive number"),
+        ({"server": "h:1", "timeout": float("inf")}, "timeout must be a positive number of seconds up to"),
+        ({"server": "h:1", "timeout": float("nan")}, "timeout must be a positive number .* not nan"),
+        ({"server": "h:1", "timeout": 1e300}, "timeout must be a positive number"),
+        ({"server": "h:1", "timeout": True}, "timeout must be a positive number"),
         ({"tls": 3}, "tls must be"),
     ],
 )
@@ -111,3 +115,60 @@ def test_pull_tensors_gives_every_tensor_the_server_holds(tmp_path):
         np.testing.assert_array_equal(got[name].numpy(), want)
         if got[name].numel():
             assert got[name].data_ptr() % ALIGN == 0
+
+
+def test_timeouts_vllm_json_takes_are_refused_by_the_client():
+    # vLLM parses its options as JSON with Infinity and NaN; the client's socket would raise
+    # OverflowError or ValueError at connect
+    import json
+
+    extra = json.loads('{"server": "h:1", "timeout": Infinity}')
+    with pytest.raises(OptionError, match="timeout"):
+        LoaderOptions.parse(extra)
+    for bad in (float("inf"), float("nan"), -1.0, 0, True, 1e12):
+        with pytest.raises(OptionError, match="timeout must be None or a number of seconds"):
+            Client("127.0.0.1:1", timeout=bad)
+
+
+def test_a_malformed_prefault_variable_is_a_warning_in_the_plugin_hook(tmp_path, monkeypatch, caplog):
+    import multiprocessing
+    import os
+
+    from weightlift.integrations.vllm import prefault
+
+    monkeypatch.setattr(multiprocessing.current_process(), "name", prefault.ENGINE_CORE)
+    for value in ("\u00b3", "\u0663", "1\u00b2"):  # superscript three, Arabic-Indic three, 1 and a superscript
+        monkeypatch.setenv(prefault.ENV, f"{prefault.ENGINE_CORE}:{value}:0:{tmp_path}")
+        caplog.clear()
+        assert prefault.from_environment() is None
+        assert prefault.ENV not in os.environ
+        assert [r.levelname for r in caplog.records] == ["WARNING"]
+        assert "malformed" in caplog.records[0].getMessage()
+
+
+def test_unicode_digits_in_numeric_environment_values_are_ignored(monkeypatch):
+    from weightlift import env
+
+    for value in ("\u00b3", "\u0663"):
+        monkeypatch.setenv("WEIGHTLIFT_COLD_READERS", value)
+        monkeypatch.setenv("WEIGHTLIFT_FAULT_HELPERS", value)
+        assert env.cold_readers() is None and env.fault_helpers() is None
+    monkeypatch.setenv("WEIGHTLIFT_COLD_READERS", "3")
+    assert env.cold_readers() == 3
+
+
+def test_a_server_listing_more_than_memory_holds_is_refused_before_mapping():
+    pytest.importorskip("torch")
+    from tests.remote.test_client_timeouts import FakeServer, _serve_listing
+    from weightlift.errors import DeviceError
+    from weightlift.integrations.vllm.pulled import pull_tensors
+    from weightlift.remote.protocol import ListEntry
+
+    tib = 1 << 40
+    entries = [ListEntry(f"t.{i:03d}", "U8", (tib,), tib) for i in range(256)]
+    s = FakeServer(_serve_listing(entries))
+    try:
+        with pytest.raises(DeviceError, match=f"server at {s.address}: its 256 tensors take {256 * tib:,} bytes"):
+            pull_tensors(s.address, timeout=10)
+    finally:
+        s.close()

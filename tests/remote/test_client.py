@@ -503,6 +503,24 @@ def test_gguf_quantized_tensors_travel_as_raw_bytes(tmp_path):
             assert listed[t.name].dtype == "U8" and listed[t.name].shape == (t.length,)
 
 
+def test_a_split_gguf_model_is_pushed_whole(tmp_path):
+    pytest.importorskip("gguf")
+    import weightlift
+    from tests import gguf_files
+
+    files = gguf_files.write_split_sample(tmp_path / "m.gguf", max_tensors=5)
+    ck = weightlift.open(files[0])
+    assert len(ck.files) == len(files) > 1
+    with Server() as s, Client(s.address) as c:
+        c.push(str(files[0]))
+        got = s.tensors()
+    assert sorted(got) == sorted(gguf_files.SAMPLE_NAMES)
+    for t in ck.tensors:
+        with open(t.file, "rb") as f:
+            f.seek(t.offset)
+            assert _host_bytes(got[t.name]) == f.read(t.length), t.name
+
+
 # -- the CLI verbs -------------------------------------------------------------------------------
 
 

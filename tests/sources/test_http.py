@@ -66,6 +66,20 @@ def test_gguf(www, tmp_path):
     _same(wl.load(f"{server.url}/m.gguf"), wl.load(root / "m.gguf"))
 
 
+def test_split_gguf(www, tmp_path):
+    pytest.importorskip("gguf")
+    from tests.gguf_files import write_split_sample
+
+    server, root = www
+    files = write_split_sample(tmp_path / "m.gguf", max_tensors=5)
+    (root / "split").mkdir()
+    for f in files:
+        shutil.copy(f, root / "split" / f.name)
+    ck = wl.open(f"{server.url}/split/{files[0].name}")
+    assert ck.files == [f"{server.url}/split/{f.name}" for f in files]
+    _same(wl.load(ck), wl.load(files[0]))
+
+
 def test_missing(www):
     server, _ = www
     with pytest.raises(NotFoundError, match="nope.safetensors"):

@@ -57,19 +57,24 @@ elements may name any offset, even one past the end of the file.
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
+from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType, Keys
 
 from weightlift.errors import FormatError, OptionError
 from weightlift.formats import TensorInfo, check_extent, check_layout
 
 __all__ = [
     "GGUFHeader",
+    "Split",
     "parse_gguf",
+    "split_of",
+    "split_name",
+    "split_parts",
     "numpy_dtype_and_shape",
     "dequantize",
     "MAGIC",
@@ -80,6 +85,10 @@ __all__ = [
     "MAX_ARRAY",
     "MAX_DIMS",
     "MAX_NESTING",
+    "MAX_SPLITS",
+    "SPLIT_NO",
+    "SPLIT_COUNT",
+    "SPLIT_TENSORS",
 ]
 
 MAGIC = b"GGUF"
@@ -94,6 +103,13 @@ _MAX_ELEMENTS = (1 << 63) - 1  # ggml keeps element counts in int64
 _WINDOW = 1 << 20  # bytes copied at a time when decoding string arrays
 
 _ALIGNMENT_KEY = "general.alignment"
+
+SPLIT_NO = Keys.Split.LLM_KV_SPLIT_NO
+SPLIT_COUNT = Keys.Split.LLM_KV_SPLIT_COUNT
+SPLIT_TENSORS = Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT
+MAX_SPLITS = (1 << 16) - 1  # llama.cpp keeps split.count in a u16
+# llama_split_path's "%s-%05d-of-%05d.gguf"; the numbers are 1-based, split.no 0-based
+_SPLIT_NAME = re.compile(r"(.+)-([0-9]{5})-of-([0-9]{5})\.gguf")
 
 # The little-endian struct format and numpy dtype of each fixed-size value type.
 _SCALARS: dict[int, tuple[str, str]] = {
@@ -140,6 +156,54 @@ class GGUFHeader:
     data_start: int
     metadata: dict[str, Any]
     tensors: list[TensorInfo]
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """One file's place in a split model: split ``no`` (0-based) of ``count``, which hold
+    ``tensors`` tensors in all."""
+
+    no: int
+    count: int
+    tensors: int
+
+
+def split_of(metadata: dict[str, Any], *, file: str) -> Split | None:
+    """The split keys of a file's metadata; None for a model in one file (no ``split.count``, or 1).
+
+    Like llama.cpp, a ``split.count`` over 1 requires ``split.no`` and ``split.tensors.count``;
+    both writers (gguf-split, gguf-py) put all three in every split, and each must be an integer
+    in range (FormatError naming the key otherwise). llama.cpp also wants their exact integer types
+    (u16, u16, i32); any integer type is taken here.
+    """
+    if SPLIT_COUNT not in metadata:
+        return None
+    count = _split_key(metadata, SPLIT_COUNT, 1, MAX_SPLITS, file=file)
+    if count == 1:
+        return None
+    no = _split_key(metadata, SPLIT_NO, 0, count - 1, file=file)
+    return Split(no, count, _split_key(metadata, SPLIT_TENSORS, 0, MAX_SPLITS * MAX_TENSORS, file=file))
+
+
+def _split_key(metadata: dict[str, Any], key: str, low: int, high: int, *, file: str) -> int:
+    v = metadata.get(key)
+    if type(v) is not int or not low <= v <= high:
+        got = "is missing" if v is None else f"is {v!r}"
+        raise FormatError(f"{key} {got}, not an integer from {low} to {high}", file=file)
+    return v
+
+
+def split_name(prefix: str, no: int, count: int) -> str:
+    """The file name of split ``no`` (0-based) of ``count``, as llama.cpp's ``llama_split_path``."""
+    return f"{prefix}-{no + 1:05d}-of-{count:05d}.gguf"
+
+
+def split_parts(name: str) -> tuple[str, int, int] | None:
+    """``(prefix, no, count)`` of a split's file name (``no`` 0-based); None for other names."""
+    m = _SPLIT_NAME.fullmatch(name)
+    if m is None or int(m[2]) < 1:
+        return None
+    return m[1], int(m[2]) - 1, int(m[3])
 
 
 class _Cursor:

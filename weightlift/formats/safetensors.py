@@ -265,13 +265,18 @@ def _check_tiling(tensors: list[TensorInfo], *, file: str, data_start: int, file
 
 
 def build_header(
-    entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None = None
+    entries: list[tuple[str, str, tuple[int, ...], int]],
+    metadata: dict[str, str] | None = None,
+    *,
+    file: str | None = None,
 ) -> tuple[bytes, list[int]]:
     """The 8-byte prefix and padded JSON header for tensors laid back to back in this order.
 
     ``entries`` are (name, dtype, shape, nbytes). Returns the header bytes and the offset of each
     tensor relative to the data region. Writers (pull, the demo) use this; it is the inverse of
-    :func:`parse_header`.
+    :func:`parse_header`. A header over :data:`MAX_HEADER_SIZE` is refused (FormatError naming
+    ``file``), as :func:`header_length` and the reference reader refuse it: no file that could
+    not be opened again is written.
     """
     obj: dict[str, Any] = {}
     if metadata:
@@ -284,4 +289,10 @@ def build_header(
         pos += nbytes
     raw = json.dumps(obj, separators=(",", ":")).encode()
     raw += b" " * (-(len(raw) + PREFIX_SIZE) % 8)
+    if len(raw) > MAX_HEADER_SIZE:
+        raise FormatError(
+            f"the header of {len(entries)} tensors would be {len(raw)} bytes, which exceeds the limit of "
+            f"{MAX_HEADER_SIZE} bytes that safetensors readers accept; nothing written",
+            file=file,
+        )
     return struct.pack("<Q", len(raw)) + raw, offsets

@@ -14,6 +14,7 @@ from typing import Any
 
 from weightlift.errors import OptionError
 from weightlift.options import PAGE_CACHE
+from weightlift.remote.client.connection import MAX_TIMEOUT
 from weightlift.remote.token import read_token
 
 __all__ = ["LoaderOptions", "KEYS"]
@@ -87,8 +88,12 @@ class LoaderOptions:
             )
         if opts.manifest is not None and not opts.verify:
             raise OptionError("load format 'weightlift': manifest is what verify checks against; set verify too")
-        if not isinstance(opts.timeout, int | float) or opts.timeout <= 0:
-            raise OptionError(f"load format 'weightlift': timeout must be a positive number, not {opts.timeout!r}")
+        t = opts.timeout
+        # vLLM's JSON takes Infinity and NaN: both fail the range (NaN every comparison)
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t <= MAX_TIMEOUT:
+            raise OptionError(
+                f"load format 'weightlift': timeout must be a positive number of seconds up to {MAX_TIMEOUT:.0f}, not {t!r}"
+            )
         return opts
 
     def reads_ahead(self) -> bool:

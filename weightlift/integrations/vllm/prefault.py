@@ -35,6 +35,7 @@ was faulted in. ``prefault: false`` in the load format's options turns all of it
 
 from __future__ import annotations
 
+import logging
 import math
 import multiprocessing
 import os
@@ -120,11 +121,19 @@ def arrange(config: Any, folder: str, prefault: bool | None, usage_context: Any 
 
 def from_environment() -> threading.Thread | None:
     """In the process that :data:`ENV` names (its parent set it), start :func:`begin`."""
-    role, itemsize, reserve, folder = (os.environ.get(ENV, "").split(":", 3) + ["", "", ""])[:4]
+    value = os.environ.get(ENV, "")
+    role, itemsize, reserve, folder = (value.split(":", 3) + ["", "", ""])[:4]
     name = multiprocessing.current_process().name
-    if not folder or not (itemsize + reserve).isdigit() or not (name == role or name.startswith(role + "_DP")):
+    if not folder or not (name == role or name.startswith(role + "_DP")):
         return None  # not the process that builds the model: leave it for that one
     del os.environ[ENV]
+    # ASCII digits only: str.isdigit() takes '³', which int() refuses, and this runs in vLLM's
+    # plugin hook, where nothing may raise
+    if not all(n.isascii() and n.isdigit() for n in (itemsize, reserve)):
+        logging.getLogger("vllm.weightlift").warning(
+            "weightlift: %s=%r is malformed; no memory faulted in ahead", ENV, value
+        )
+        return None
     return begin(folder, int(itemsize), int(reserve))
 
 

@@ -14,8 +14,9 @@ import mmap
 import ssl
 from typing import Any
 
+from weightlift import env
 from weightlift.dtypes import torch_dtype
-from weightlift.errors import IntegrityError, StateError
+from weightlift.errors import DeviceError, IntegrityError, StateError
 from weightlift.remote.client import Client
 from weightlift.remote.client.pull import listing, read_tensors
 from weightlift.remote.transport import client_tls_context
@@ -52,7 +53,7 @@ def pull_tensors(
         for e in listed:
             starts.append(pos)
             pos += -(-e.nbytes // ALIGN) * ALIGN
-        block = mmap.mmap(-1, max(pos, 1))
+        block = _block(address, len(listed), pos)
         differ, replaced = read_tensors(conn, listed, starts, block, verify)
     if differ:
         raise IntegrityError(
@@ -69,3 +70,17 @@ def pull_tensors(
     for e, start in zip(listed, starts, strict=True):
         out[e.name] = raw[start : start + e.nbytes].view(torch_dtype(e.dtype)).reshape(e.shape)
     return out
+
+
+def _block(address: str, count: int, size: int) -> mmap.mmap:
+    """Anonymous memory for ``size`` bytes of tensors, refused (DeviceError naming the server and
+    the size) where this host's available memory cannot hold them: a server's listing is not to
+    be mapped, and then faulted in, blindly."""
+    available = env.available_memory()
+    what = f"from the server at {address}: its {count} tensors take {size:,} bytes"
+    if available is not None and size > available:
+        raise DeviceError(f"{what}, more than the {available:,} bytes of memory available here")
+    try:
+        return mmap.mmap(-1, max(size, 1))
+    except (OSError, OverflowError, ValueError) as e:
+        raise DeviceError(f"{what}, which cannot be mapped here: {e}") from None

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, overload
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
 from weightlift.errors import OptionError, StateError
 from weightlift.profile import Profiler
-from weightlift.remote.client.connection import Connection
+from weightlift.remote.client.connection import MAX_TIMEOUT, Connection
 from weightlift.remote.client.job import PIPELINE, Push, PushResult, strategy
 from weightlift.remote.client.memory import host_bytes, memory_tensors
 from weightlift.remote.client.pull import MAX_LIST_BYTES, MAX_LIST_ENTRIES, Pull, RemoteTensor, listing
@@ -76,6 +76,12 @@ class Client:
             backend = TlsBackend(tls)
         if not isinstance(streams, int) or streams < 1:
             raise OptionError(f"streams must be a positive integer, got {streams!r}")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= MAX_TIMEOUT
+        ):  # NaN and infinity too: the socket would raise ValueError or OverflowError at connect
+            raise OptionError(
+                f"timeout must be None or a number of seconds over 0, up to {MAX_TIMEOUT:.0f}; got {timeout!r}"
+            )
         if not 0 <= protocol_minor <= PROTOCOL_MINOR:
             raise OptionError(f"protocol_minor must be between 0 and {PROTOCOL_MINOR}")
         self.address = address

@@ -45,11 +45,14 @@ from weightlift.remote.protocol import (
 )
 from weightlift.remote.transport import Buffer, Stream, receive_message, receive_payload, receive_tag
 
-__all__ = ["Connection", "Late", "Replaced", "remote_error", "printable", "MIN_PAYLOAD_RATE"]
+__all__ = ["Connection", "Late", "Replaced", "remote_error", "printable", "MIN_PAYLOAD_RATE", "MAX_TIMEOUT"]
 
 #: Bytes per second below which a payload (a READ reply's bytes) runs out of time: a payload of
 #: n bytes must arrive within the client's timeout plus n / MIN_PAYLOAD_RATE seconds.
 MIN_PAYLOAD_RATE = 64 << 10
+#: the longest timeout a client takes (a year; None waits for ever): sockets and clocks refuse
+#: far longer ones with ValueError or OverflowError
+MAX_TIMEOUT = 365 * 86400.0
 
 
 M = TypeVar("M", bound=Message)

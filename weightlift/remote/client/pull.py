@@ -28,13 +28,12 @@ import blake3
 
 from weightlift.errors import (
     FileError,
-    FormatError,
     IntegrityError,
     LocalProtocolError,
     RemoteProtocolError,
     StateError,
 )
-from weightlift.formats.safetensors import MAX_HEADER_SIZE, PREFIX_SIZE, build_header
+from weightlift.formats.safetensors import build_header
 from weightlift.remote.client.connection import Connection, Replaced
 from weightlift.remote.protocol import ListEntry, ListReply, ListRequest, Read, ReadReply
 
@@ -146,14 +145,8 @@ class Pull:
             raise Replaced("an update was switched in while the tensors were listed")
         self.generation = gens[0] if gens else 0  # minor 3: every READ names it
         entries = [RemoteTensor(e.name, e.dtype, e.shape, e.nbytes) for e in listed]
-        header, offsets = build_header([(e.name, e.dtype, e.shape, e.nbytes) for e in entries])
-        if len(header) - PREFIX_SIZE > MAX_HEADER_SIZE:  # neither weightlift nor safetensors would open it
-            raise FormatError(
-                f"pull from {self.where}: the header of {len(entries)} tensors would be "
-                f"{len(header) - PREFIX_SIZE} bytes, which exceeds the limit of {MAX_HEADER_SIZE} bytes that "
-                "safetensors readers accept; nothing written",
-                file=self.path,
-            )
+        # a header no loader would open is refused before anything is written
+        header, offsets = build_header([(e.name, e.dtype, e.shape, e.nbytes) for e in entries], file=self.path)
         tmp: str | None = None
         try:
             # a fresh name nobody could have made or linked ahead (O_EXCL, O_NOFOLLOW, mode 0600),
