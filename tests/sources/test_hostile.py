@@ -38,7 +38,10 @@ class Served:
         self.last_modified: str | None = LAST_MODIFIED
         self.replace: tuple[int, bytes, str] | None = None
         self.lie: str | None = None
+        #: whether ranged answers state the validators (False: only HEAD and whole GETs do)
+        self.ranged_validators = True
         self.gets = 0
+        self.heads = 0
         self.lock = threading.Lock()
 
     def headers(self) -> dict[str, str]:
@@ -53,8 +56,11 @@ class Served:
         with self.lock:
             data, validators = self.data, self.headers()
             m = re.fullmatch(r"bytes=(\d+)-(\d+)", h.headers.get("Range", ""))
+            self.heads += head
             if m and not head:
                 self.gets += 1
+                if not self.ranged_validators:
+                    validators = {}
                 if self.replace is not None and self.gets == self.replace[0]:
                     _, self.data, self.last_modified = self.replace
                     self.etag = self.etag and '"v1"'
@@ -174,6 +180,54 @@ def test_an_object_replaced_mid_load_at_the_same_size_is_an_error(served, valida
     with pytest.raises(FormatError, match="changed in the store") as e:
         wl.load(ck, threads=1)
     assert url in str(e.value)
+
+
+@pytest.mark.parametrize("validators", ["etag", "last_modified"])
+def test_validators_on_head_only_and_if_match_ignored_never_yield_a_mix(served, validators):
+    """A server that states the object's ETag (or Last-Modified) on HEAD but on no ranged
+    answer, and ignores If-Match: the object is replaced after the second ranged read. The
+    answers prove nothing, so the object is asked again after each read: the load stops with
+    the FormatError naming it, never returning tensors of both versions."""
+    s, url, _, v1 = served
+    if validators == "last_modified":
+        s.etag = None
+    s.ranged_validators = False
+    ck = wl.open(url)
+    s.replace = (2, v1, "Tue, 01 Dec 2026 12:00:00 GMT")
+    with pytest.raises(FormatError, match="changed in the store") as e:
+        wl.load(ck, threads=1)
+    assert url in str(e.value)
+
+
+def test_validators_on_head_only_cost_a_head_per_read(served):
+    """The same server, the object left alone: the load is exact, at one HEAD per ranged read."""
+    s, url, local, _ = served
+    s.ranged_validators = False
+    ck = wl.open(url)
+    heads, gets = s.heads, s.gets
+    _same(wl.load(ck, threads=2), local)
+    assert s.heads - heads == s.gets - gets > 1
+
+
+def test_an_object_without_validators_is_read_only_by_a_verified_load(served, tmp_path):
+    """No ETag and no Last-Modified anywhere, and the object replaced mid-load: an unverified
+    load refuses it before reading a tensor byte (nothing could tell two versions apart); a load
+    verified against the published manifest reads it, and its mix is an IntegrityError."""
+    from weightlift.digest.published import make_manifest
+    from weightlift.errors import IntegrityError
+
+    s, url, local, v1 = served
+    s.etag = s.last_modified = None
+    manifest = make_manifest(tmp_path / "v0.safetensors")
+    ck = wl.open(url)
+    gets = s.gets
+    with pytest.raises(FileError, match="neither an ETag nor a Last-Modified") as e:
+        wl.load(ck, threads=1)
+    assert url in str(e.value) and s.gets == gets
+    _same(wl.load(ck, threads=1, verify=True, manifest=manifest), local)
+    s.replace = (s.gets + 2, v1, None)
+    with pytest.raises(IntegrityError):
+        wl.load(ck, threads=1, verify=True, manifest=manifest)
 
 
 def test_an_honest_server_without_etag_loads_exactly(served):
