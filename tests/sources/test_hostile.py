@@ -86,6 +86,13 @@ class Served:
             h.end_headers()
             h.wfile.write(data)
             return
+        if self.lie in ("400", "416"):  # a refusal whose message reads like a cut connection
+            msg = b"<Error><Message>connection reset: the body stopped, connection closed</Message></Error>"
+            h.send_response(int(self.lie))
+            h.send_header("Content-Length", str(len(msg)))
+            h.end_headers()
+            h.wfile.write(msg)
+            return
         if self.lie == "range":  # states and sends bytes from the object's start
             body, start = data[: len(body)], 0
         elif self.lie == "longer":  # more body than the range asked for
@@ -245,6 +252,22 @@ def test_a_body_that_is_not_the_range_asked_for_is_refused(served, lie):
     s.lie = lie
     with pytest.raises((FileError, TransportError), match=re.escape(url)):
         wl.load(ck, threads=1)
+
+
+@pytest.mark.parametrize(("status", "error"), [("400", TransportError), ("416", FormatError)])
+def test_a_refusal_is_not_retried_whatever_its_body_says(served, status, error):
+    """A 400 or 416 whose body speaks of a connection reset and a body that stopped is a
+    refusal, decided by its status: one request, and the error for that status naming the
+    object (not eleven resumes and "the body stopped at byte 0")."""
+    s, url, _, _ = served
+    forget_stores(retry=Retry(max_retries=10, init_backoff_s=0.01, max_backoff_s=0.02, retry_timeout_s=30))
+    ck = wl.open(url)
+    s.lie = status
+    gets = s.gets
+    with pytest.raises(error, match=re.escape(url)) as e:
+        wl.load(ck, threads=1)
+    assert s.gets - gets == 1
+    assert "times (" not in str(e.value) and (status in str(e.value) or "Range Not Satisfiable" in str(e.value))
 
 
 def test_a_push_reads_the_version_its_checkpoint_opened_when_the_url_was_opened_again(served):

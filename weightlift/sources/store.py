@@ -30,6 +30,7 @@ check, and never a credential.
 from __future__ import annotations
 
 import errno
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -296,11 +297,18 @@ class Store:
         import obstore.exceptions as ox
 
         cfg = describe(self.config)
-        if isinstance(e, (ox.NotFoundError, FileNotFoundError)):
+        status = _status(e)
+        if isinstance(e, (ox.NotFoundError, FileNotFoundError)) or status in (404, 410):
             return NotFoundError(f"no such object (check the bucket, the key and the endpoint: {cfg})", file=url)
-        if isinstance(e, ox.PreconditionError):
+        if isinstance(e, ox.PreconditionError) or status == 412:
             return _changed_url(url)
-        if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError, PermissionError)):
+        if status == 416:  # a range inside the size seen at open, refused: the object is shorter now
+            return FormatError(
+                f"the store refused to {what} as past the object's end (416 Range Not Satisfiable): it is "
+                "shorter than when its header was read; open it again",
+                file=url,
+            )
+        if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError, PermissionError)) or status in (401, 403):
             check = (
                 "the credentials, AWS_PROFILE, the bucket policy"
                 if self._scheme == "s3"
@@ -319,17 +327,41 @@ class _Interrupted(Exception):
 
 
 def _interrupted(e: BaseException) -> bool:
-    """Whether ``e`` is a body cut short (worth resuming), not a refusal."""
+    """Whether ``e`` is a body cut short (worth resuming), not a refusal. An answer with a
+    status is never one, whatever its body says (a 400 whose message mentions a connection is
+    still a 400): obstore has already retried the statuses worth retrying (5xx, 429)."""
     import obstore.exceptions as ox
 
-    if isinstance(e, (ox.NotFoundError, ox.PreconditionError, ox.PermissionDeniedError, ox.UnauthenticatedError)):
+    if isinstance(
+        e,
+        (
+            ox.NotFoundError,
+            ox.PreconditionError,
+            ox.PermissionDeniedError,
+            ox.UnauthenticatedError,
+            ox.NotSupportedError,
+        ),
+    ):
         return False
     if isinstance(e, (ConnectionError, TimeoutError)):
         return True
+    if _status(e) is not None:
+        return False
     text = str(e)
     return any(
         s in text for s in ("body", "Body", "connection", "Connection", "reset", "closed", "timed out", "Decode")
     )
+
+
+# obstore's message of an answer with an error status: "... status code: 416 Range Not Satisfiable: <body>"
+_STATUS = re.compile(r"(?:status code: |\bstatus: )([45]\d\d)\b")
+
+
+def _status(e: BaseException) -> int | None:
+    """The HTTP status of the answer ``e`` reports, from obstore's message (its only carrier);
+    None for an error without one (a cut body, a refused connection)."""
+    m = _STATUS.search(str(e))
+    return int(m[1]) if m else None
 
 
 def _modified(meta: Any) -> datetime | None:
