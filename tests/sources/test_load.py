@@ -245,3 +245,13 @@ def test_a_prefix_beside_many_small_sub_prefixes_is_listed_in_a_page_not_a_reque
     monkeypatch.setattr(store_mod, "MAX_LIST_PAGES", 10)
     _same(wl.load(f"s3://{BUCKET}/run/"), wl.load(local))
     assert len(calls) <= 2, f"{len(calls)} listing requests for {40 * 2 + 1} keys"
+
+
+@pytest.mark.parametrize("key", ["", "prefix/", "prefix/model.safetensors"])
+def test_a_missing_bucket_is_not_found(s3, key):
+    """A bucket that does not exist, asked for an object or listed as a prefix: NotFoundError
+    naming the URL and the bucket (not a TransportError, as if the network had failed)."""
+    url = f"s3://wl-no-such-bucket/{key}"
+    with pytest.raises(NotFoundError, match="no such bucket 'wl-no-such-bucket'") as e:
+        wl.open(url)
+    assert url in str(e.value)

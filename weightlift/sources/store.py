@@ -299,6 +299,10 @@ class Store:
         cfg = describe(self.config)
         status = _status(e)
         if isinstance(e, (ox.NotFoundError, FileNotFoundError)) or status in (404, 410):
+            if "NoSuchBucket" in str(e):  # S3's code for it, in the answer's body
+                return NotFoundError(
+                    f"no such bucket {self.config.root!r} (check its name and the endpoint: {cfg})", file=url
+                )
             return NotFoundError(f"no such object (check the bucket, the key and the endpoint: {cfg})", file=url)
         if isinstance(e, ox.PreconditionError) or status == 412:
             return _changed_url(url)
