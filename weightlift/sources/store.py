@@ -303,6 +303,8 @@ class Store:
                 return NotFoundError(
                     f"no such bucket {self.config.root!r} (check its name and the endpoint: {cfg})", file=url
                 )
+            if self._scheme != "s3":
+                return NotFoundError("no such file (the server answered 404; name a folder with its '/')", file=url)
             return NotFoundError(f"no such object (check the bucket, the key and the endpoint: {cfg})", file=url)
         if isinstance(e, ox.PreconditionError) or status == 412:
             return _changed_url(url)
