@@ -25,3 +25,15 @@ def test_refused_without_echoing_secrets(url):
     with pytest.raises(OptionError) as e:
         parse(url)
     assert "secret" not in str(e.value)
+
+
+def test_an_http_url_is_decoded_once():
+    """``%20`` in an http(s) URL is a space in the file's name: the key holds it decoded (the
+    client encodes it on the wire), and the URL shown encodes it back."""
+    loc = parse("https://h/a%20b/m%2B%25.safetensors")
+    assert loc.key == "a b/m+%.safetensors"
+    assert loc.url == "https://h/a%20b/m+%25.safetensors"
+    assert parse(loc.url) == loc
+    assert loc.sibling("x y.json").url == "https://h/a%20b/x%20y.json"
+    with pytest.raises(OptionError):
+        parse("https://h/a/%2E%2E/k")

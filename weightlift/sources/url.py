@@ -2,8 +2,11 @@
 
 A *location* names one object or one prefix (a folder) of objects. Names beside it (the shards
 of an index, the published manifest) are joined with ``/`` as in the store, never with the local
-path separator. A URL with a query string or a fragment is refused: a signed query belongs to one
-object and one moment, and would not survive being joined with a shard's name.
+path separator. An http(s) URL with a query string or a fragment is refused: a signed query
+belongs to one object and one moment, and would not survive being joined with a shard's name.
+
+An http(s) URL is percent-encoded: its key is the decoded path (``a%20b`` is the file ``a b``),
+which the client encodes once again on the wire, and :attr:`Location.url` encodes it back.
 """
 
 from __future__ import annotations
@@ -11,13 +14,15 @@ from __future__ import annotations
 import os
 import posixpath
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from weightlift.errors import OptionError
 
 __all__ = ["SCHEMES", "Location", "is_url", "parse"]
 
 SCHEMES = ("s3", "http", "https")
+# what stays as it is in an http(s) URL's path when a key is encoded back (RFC 3986's pchar)
+_PATH_SAFE = "/!$&'()*+,;=:@~"
 
 
 def is_url(path: object) -> bool:
@@ -41,7 +46,7 @@ class Location:
     def url(self) -> str:
         if self.scheme == "s3":
             return f"s3://{self.root}/{self.key}"
-        return f"{self.root}/{self.key}"
+        return f"{self.root}/{quote(self.key, safe=_PATH_SAFE)}"
 
     @property
     def name(self) -> str:
@@ -70,6 +75,8 @@ def parse(url: str) -> Location:
     if parts.username or parts.password:
         raise OptionError(f"credentials in a URL are not supported (use the AWS configuration): {_shown(url)}")
     key = parts.path.lstrip("/")
+    if scheme != "s3":
+        key = unquote(key)  # the client encodes the key on the wire: decoded once here, not twice there
     if ".." in key.split("/"):
         raise OptionError(f"a key with '..' is not supported: {_shown(url)}")
     if scheme == "s3":
