@@ -80,19 +80,8 @@ class Served:
             return
         a, z = int(m[1]), int(m[2])
         body, start, encoding = data[a : z + 1], a, None
-        if self.lie == "whole":  # Range ignored: 200 and the whole object
-            h.send_response(200)
-            h.send_header("Content-Length", str(len(data)))
-            h.end_headers()
-            h.wfile.write(data)
-            return
-        if self.lie in ("400", "416"):  # a refusal whose message reads like a cut connection
-            msg = b"<Error><Message>connection reset: the body stopped, connection closed</Message></Error>"
-            h.send_response(int(self.lie))
-            h.send_header("Content-Length", str(len(msg)))
-            h.end_headers()
-            h.wfile.write(msg)
-            return
+        if self.lie in ("whole", "400", "416", "200-range"):
+            return self._not_partial(h, validators, data, a, z)
         if self.lie == "range":  # states and sends bytes from the object's start
             body, start = data[: len(body)], 0
         elif self.lie == "longer":  # more body than the range asked for
@@ -102,6 +91,28 @@ class Served:
         elif self.lie == "trickle":
             return self._trickle(h, f"bytes {a}-{z}/{len(data)}", body, validators)
         self._partial(h, validators, f"bytes {start}-{start + (z - a)}/{len(data)}", body, encoding)
+
+    def _not_partial(self, h: BaseHTTPRequestHandler, validators: dict[str, str], data: bytes, a: int, z: int) -> None:
+        """Answers to a ranged GET that are not a 206."""
+        if self.lie == "whole":  # Range ignored: 200 and the whole object
+            h.send_response(200)
+            h.send_header("Content-Length", str(len(data)))
+            h.end_headers()
+            h.wfile.write(data)
+        elif self.lie in ("400", "416"):  # a refusal whose message reads like a cut connection
+            msg = b"<Error><Message>connection reset: the body stopped, connection closed</Message></Error>"
+            h.send_response(int(self.lie))
+            h.send_header("Content-Length", str(len(msg)))
+            h.end_headers()
+            h.wfile.write(msg)
+        else:  # the range asked for, and a Content-Range saying so, but 200
+            h.send_response(200)
+            for k, v in validators.items():
+                h.send_header(k, v)
+            h.send_header("Content-Range", f"bytes {a}-{z}/{len(data)}")
+            h.send_header("Content-Length", str(z + 1 - a))
+            h.end_headers()
+            h.wfile.write(data[a : z + 1])
 
     @staticmethod
     def _trickle(h: BaseHTTPRequestHandler, span: str, body: bytes, validators: dict[str, str]) -> None:
@@ -268,6 +279,20 @@ def test_a_refusal_is_not_retried_whatever_its_body_says(served, status, error):
         wl.load(ck, threads=1)
     assert s.gets - gets == 1
     assert "times (" not in str(e.value) and (status in str(e.value) or "Range Not Satisfiable" in str(e.value))
+
+
+@pytest.mark.parametrize("lie", ["200-range", "whole"])
+def test_a_ranged_get_answered_200_is_refused_naming_it(served, lie):
+    """A ranged GET answered 200, with a Content-Range of exactly the range asked (rclone's
+    ``serve s3``, lakeFS) or with the whole object: the error says so, naming the object, after
+    one request (a 200 does not become a 206 by asking again)."""
+    s, url, _, _ = served
+    ck = wl.open(url)
+    s.lie = lie
+    gets = s.gets
+    with pytest.raises(TransportError, match="answered the ranged GET with 200 OK instead of 206") as e:
+        wl.load(ck, threads=1)
+    assert url in str(e.value) and s.gets - gets == 1
 
 
 def test_a_push_reads_the_version_its_checkpoint_opened_when_the_url_was_opened_again(served):

@@ -321,6 +321,14 @@ class Store:
                 else "the server's permissions"
             )
             return FileError(f"access denied: cannot {what} (check {check}; {cfg})", file=url, errno=errno.EACCES)
+        if isinstance(e, ox.NotSupportedError) and "Range request not supported" in str(e):
+            # obstore's word for a ranged GET answered 200: it gives no body of such an answer
+            return TransportError(
+                f"{url}: cannot {what}: the server answered the ranged GET with 200 OK instead of "
+                "206 Partial Content (some S3 gateways do so even with a Content-Range of exactly the "
+                "range asked: rclone's serve s3, lakeFS); weightlift reads objects only by ranges "
+                f"answered 206 ({cfg})"
+            )
         if isinstance(e, ox.UnknownConfigurationKeyError):
             return OptionError(f"{url}: store configuration: {_first_line(e)}")
         return TransportError(f"{url}: cannot {what}: {_first_line(e)} ({cfg})")
