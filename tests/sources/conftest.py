@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.sources.servers import KEYS, FaultProxy, Moto, Nginx
+from tests.sources.servers import KEYS, FaultProxy, Moto, Nginx, Recorder
 
 BUCKET = "wl-test"
 
@@ -68,3 +68,21 @@ def nginx(tmp_path_factory) -> Iterator[tuple[Nginx, object]]:
         pytest.skip(f"no web server to test against: {why}")
     yield n, root
     n.stop()
+
+
+@pytest.fixture
+def recorder(aws_env) -> Iterator[Recorder]:
+    """Every request of the store client sent to a :class:`Recorder` as its proxy, with few retries."""
+    from weightlift.sources.credentials import Retry
+    from weightlift.sources.store import forget_stores
+
+    pytest.importorskip("obstore", reason="store URLs need obstore (the s3 extra)")
+    r = Recorder()
+    for k in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy", "http_proxy", "https_proxy"):
+        aws_env.delenv(k, raising=False)
+    aws_env.setenv("HTTP_PROXY", r.url)
+    aws_env.setenv("HTTPS_PROXY", r.url)
+    forget_stores(retry=Retry(max_retries=0, init_backoff_s=0.01, max_backoff_s=0.01, retry_timeout_s=2))
+    yield r
+    forget_stores(retry=Retry())
+    r.close()

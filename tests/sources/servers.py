@@ -270,3 +270,47 @@ class FaultProxy:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class Recorder:
+    """A forward proxy (``HTTP_PROXY``/``HTTPS_PROXY``) that forwards nothing: it records where
+    each request was going (``http://host/path`` for plain HTTP, ``host:port`` for a CONNECT) and
+    answers 404 NoSuchKey, or 403 to a CONNECT. It shows which host and path a client chose for
+    hosts that do not resolve here (a virtual-hosted bucket, AWS itself)."""
+
+    def __init__(self) -> None:
+        self.targets: list[str] = []
+        rec = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a: object) -> None:
+                pass
+
+            def _answer(self, code: int, body: bytes) -> None:
+                rec.targets.append(self.path)
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                self._answer(404, b"<Error><Code>NoSuchKey</Code></Error>")
+
+            def do_HEAD(self) -> None:
+                self._answer(404, b"")
+
+            def do_CONNECT(self) -> None:
+                self.close_connection = True
+                self._answer(403, b"")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
