@@ -255,3 +255,12 @@ def test_a_missing_bucket_is_not_found(s3, key):
     with pytest.raises(NotFoundError, match="no such bucket 'wl-no-such-bucket'") as e:
         wl.open(url)
     assert url in str(e.value)
+
+
+def test_keys_with_a_hash_or_a_question_mark_can_be_named(s3, tmp_path):
+    """S3 keys may hold ``#`` and ``?``; in an s3:// URL everything after the bucket is the key."""
+    client, _ = s3
+    local = write(tmp_path / "w.safetensors", _big(2))
+    url = _upload(client, local, "odd#dir?/model#1?v=2.safetensors")
+    _same(wl.load(url), wl.load(local))
+    _same(wl.load(f"s3://{BUCKET}/odd#dir?/"), wl.load(local))
