@@ -321,8 +321,7 @@ class Store:
                 else "the server's permissions"
             )
             return FileError(f"access denied: cannot {what} (check {check}; {cfg})", file=url, errno=errno.EACCES)
-        if isinstance(e, ox.NotSupportedError) and "Range request not supported" in str(e):
-            # obstore's word for a ranged GET answered 200: it gives no body of such an answer
+        if _not_partial(e):  # obstore gives no body of a 200 to a ranged GET
             return TransportError(
                 f"{url}: cannot {what}: the server answered the ranged GET with 200 OK instead of "
                 "206 Partial Content (some S3 gateways do so even with a Content-Range of exactly the "
@@ -359,12 +358,19 @@ def _interrupted(e: BaseException) -> bool:
         return False
     if isinstance(e, (ConnectionError, TimeoutError)):
         return True
-    if _status(e) is not None:
+    if _status(e) is not None or _not_partial(e):
         return False
     text = str(e)
     return any(
         s in text for s in ("body", "Body", "connection", "Connection", "reset", "closed", "timed out", "Decode")
     )
+
+
+def _not_partial(e: BaseException) -> bool:
+    """Whether ``e`` is obstore's refusal of a ranged GET answered 200 (its HTTP and its S3
+    client word it differently)."""
+    text = str(e)
+    return "Range request not supported" in text or "non-partial response when range requested" in text
 
 
 # obstore's message of an answer with an error status: "... status code: 416 Range Not Satisfiable: <body>"
