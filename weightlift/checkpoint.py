@@ -413,7 +413,11 @@ def _open_url(url: str) -> Checkpoint:
 
     src = Objects(url)
     p = url
-    if url.endswith("/") or not src.exists(url):
+    if url.endswith("/"):
+        p = _pick_url(src, url)
+    elif src.root.scheme != "s3":  # HTTP: a folder is named with its '/'; a missing file is its 404
+        src.info(url)
+    elif not src.exists(url):  # a prefix named without its '/'
         p = _pick_url(src, url)
     if p.endswith(".json"):
         return _open_index(p, src)

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.sources.servers import KEYS, FaultProxy, Moto, Nginx
+from tests.sources.servers import KEYS, FaultProxy, Moto, Nginx, RcloneS3, Recorder, SeaweedFS
 
 BUCKET = "wl-test"
 
@@ -68,3 +68,49 @@ def nginx(tmp_path_factory) -> Iterator[tuple[Nginx, object]]:
         pytest.skip(f"no web server to test against: {why}")
     yield n, root
     n.stop()
+
+
+@pytest.fixture
+def recorder(aws_env) -> Iterator[Recorder]:
+    """Every request of the store client sent to a :class:`Recorder` as its proxy, with few retries."""
+    from weightlift.sources.credentials import Retry
+    from weightlift.sources.store import forget_stores
+
+    pytest.importorskip("obstore", reason="store URLs need obstore (the s3 extra)")
+    r = Recorder()
+    for k in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy", "http_proxy", "https_proxy"):
+        aws_env.delenv(k, raising=False)
+    aws_env.setenv("HTTP_PROXY", r.url)
+    aws_env.setenv("HTTPS_PROXY", r.url)
+    forget_stores(retry=Retry(max_retries=0, init_backoff_s=0.01, max_backoff_s=0.01, retry_timeout_s=2))
+    yield r
+    forget_stores(retry=Retry())
+    r.close()
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory) -> Iterator[SeaweedFS]:
+    """SeaweedFS's S3 gateway, a second S3 implementation beside moto (skips where not installed)."""
+    pytest.importorskip("obstore", reason="store URLs need obstore (the s3 extra)")
+    pytest.importorskip("boto3", reason="the test writes objects with boto3")
+    w = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"))
+    why = w.start()
+    if why is not None:
+        pytest.skip(f"no SeaweedFS to test against: {why}")
+    w.client().create_bucket(Bucket=BUCKET)
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="session")
+def rclone_s3(tmp_path_factory) -> Iterator[tuple[RcloneS3, object]]:
+    """``rclone serve s3`` over a folder holding the bucket's folder (skips where not installed)."""
+    pytest.importorskip("obstore", reason="store URLs need obstore (the s3 extra)")
+    root = tmp_path_factory.mktemp("rclone")
+    (root / BUCKET).mkdir()
+    r = RcloneS3(root)
+    why = r.start()
+    if why is not None:
+        pytest.skip(f"no rclone S3 gateway to test against: {why}")
+    yield r, root / BUCKET
+    r.stop()

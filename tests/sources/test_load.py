@@ -55,6 +55,8 @@ def test_header_in_one_request_and_tensors_in_parts(s3, tmp_path):
     nbytes = sum(t.length for t in ck)
     assert rep["source"]["requests"] == -(-nbytes // (256 * 1024))  # contiguous tensors share requests
     assert f.gets == 1 + rep["source"]["requests"]
+    # S3 states the ETag on every ranged answer: no HEAD besides the one at open re-checks it
+    assert len(f.authorization) == f.gets + 1
 
 
 def test_sharded_prefix_and_selection(s3, tmp_path):
@@ -270,3 +272,22 @@ def test_a_prefix_beside_many_small_sub_prefixes_is_listed_in_a_page_not_a_reque
     monkeypatch.setattr(store_mod, "MAX_LIST_PAGES", 10)
     _same(wl.load(f"s3://{BUCKET}/run/"), wl.load(local))
     assert len(calls) <= 2, f"{len(calls)} listing requests for {40 * 2 + 1} keys"
+
+
+@pytest.mark.parametrize("key", ["", "prefix/", "prefix/model.safetensors"])
+def test_a_missing_bucket_is_not_found(s3, key):
+    """A bucket that does not exist, asked for an object or listed as a prefix: NotFoundError
+    naming the URL and the bucket (not a TransportError, as if the network had failed)."""
+    url = f"s3://wl-no-such-bucket/{key}"
+    with pytest.raises(NotFoundError, match="no such bucket 'wl-no-such-bucket'") as e:
+        wl.open(url)
+    assert url in str(e.value)
+
+
+def test_keys_with_a_hash_or_a_question_mark_can_be_named(s3, tmp_path):
+    """S3 keys may hold ``#`` and ``?``; in an s3:// URL everything after the bucket is the key."""
+    client, _ = s3
+    local = write(tmp_path / "w.safetensors", _big(2))
+    url = _upload(client, local, "odd#dir?/model#1?v=2.safetensors")
+    _same(wl.load(url), wl.load(local))
+    _same(wl.load(f"s3://{BUCKET}/odd#dir?/"), wl.load(local))

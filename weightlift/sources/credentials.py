@@ -4,7 +4,11 @@ For ``s3://`` botocore resolves everything an AWS tool would: the environment
 (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``), ``AWS_PROFILE`` and the
 shared files (``AWS_CONFIG_FILE``, ``AWS_SHARED_CREDENTIALS_FILE``), SSO, container and instance
 roles, the region, and the endpoint (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, a profile's
-``endpoint_url``). Bytes then move through obstore (Rust's ``object_store``), which signs each
+``endpoint_url``; none of them where ``AWS_IGNORE_CONFIGURED_ENDPOINT_URLS`` or the profile's
+``ignore_configured_endpoint_urls`` is true), and the profile's ``s3 = addressing_style``.
+obstore's client is given every one of these explicitly, AWS's own endpoint included: left
+without one, it reads ``AWS_ENDPOINT_URL`` from the environment itself, past what botocore
+decided. Bytes then move through obstore (Rust's ``object_store``), which signs each
 request with credentials botocore refreshes (see :class:`_Credentials`). Where botocore finds
 no credentials, or ``AWS_NO_SIGN_REQUEST``/``AWS_SKIP_SIGNATURE`` is true, requests go unsigned:
 a public bucket needs nothing more.
@@ -21,6 +25,7 @@ import os
 import threading
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from weightlift.errors import OptionError
 from weightlift.sources.url import Location
@@ -71,6 +76,9 @@ class StoreConfig:
     region: str | None
     profile: str | None
     signed: bool
+    #: virtual-hosted addressing (``bucket.endpoint/key``), as a profile's ``s3 = addressing_style
+    #: = virtual`` asks; else path-style (``endpoint/bucket/key``)
+    virtual: bool = False
 
     @property
     def endpoint_key(self) -> str:
@@ -120,11 +128,13 @@ def resolve(loc: Location) -> tuple[StoreConfig, Any]:
         session = botocore.session.get_session()
         region, endpoint = _region_and_endpoint(session)
         creds = None if _flag("AWS_NO_SIGN_REQUEST") or _flag("AWS_SKIP_SIGNATURE") else session.get_credentials()
+        s3 = session.get_scoped_config().get("s3")
     except BotoCoreError as e:  # a broken profile or config file: botocore's message names the file
         raise OptionError(f"AWS configuration: {type(e).__name__}: {e}") from None
     profile = session.get_config_variable("profile")
     provider = _Credentials(creds) if creds is not None else None
-    return StoreConfig("s3", loc.root, endpoint, region, profile, provider is not None), provider
+    virtual = isinstance(s3, dict) and str(s3.get("addressing_style", "")).strip().lower() == "virtual"
+    return StoreConfig("s3", loc.root, endpoint, region, profile, provider is not None, virtual), provider
 
 
 def _region_and_endpoint(session: Any) -> tuple[str | None, str | None]:
@@ -165,10 +175,14 @@ def make_store(cfg: StoreConfig, provider: Any, retry: Retry, *, connections: in
     }
     if cfg.scheme != "s3":
         return HTTPStore(cfg.root, client_options=client, retry_config=retry.obstore())
-    kw: dict[str, Any] = {"region": cfg.region or "us-east-1"}
-    if cfg.endpoint is not None:
-        kw["endpoint"] = cfg.endpoint
-        kw["virtual_hosted_style_request"] = False  # S3-compatible stores answer path-style
+    region = cfg.region or "us-east-1"
+    # always an endpoint and a style: obstore would otherwise take AWS_ENDPOINT_URL (and
+    # AWS_VIRTUAL_HOSTED_STYLE_REQUEST) from the environment, where botocore was told to ignore it
+    endpoint = cfg.endpoint or f"https://s3.{region}.amazonaws.com"
+    if cfg.virtual:  # the bucket in the host name: obstore expects it in the endpoint given
+        u = urlsplit(endpoint)
+        endpoint = f"{u.scheme}://{cfg.root}.{u.netloc}{u.path}"
+    kw: dict[str, Any] = {"region": region, "endpoint": endpoint, "virtual_hosted_style_request": cfg.virtual}
     if provider is not None:
         kw["credential_provider"] = provider
     else:
@@ -182,4 +196,7 @@ def describe(cfg: StoreConfig) -> str:
         return cfg.root
     where = cfg.endpoint or "AWS"
     prof = f", profile {cfg.profile!r}" if cfg.profile else ""
-    return f"endpoint {where}, region {cfg.region or 'us-east-1'}{prof}, {'signed' if cfg.signed else 'anonymous'}"
+    style = ", virtual-hosted" if cfg.virtual else ""
+    return (
+        f"endpoint {where}{style}, region {cfg.region or 'us-east-1'}{prof}, {'signed' if cfg.signed else 'anonymous'}"
+    )

@@ -4,8 +4,12 @@ Every request for tensor bytes carries the ETag seen when the object's header wa
 ``If-Match`` (for a server that states no ETag, its Last-Modified as ``If-Unmodified-Since``), and
 every answer's validators are compared with those: an object replaced while a load reads it
 answers 412 or states another version, and the load stops with a FormatError naming it, as a
-local file changed under a load does; bytes of two versions are never mixed. A server that
-states neither (Last-Modified is to the second) leaves only the size to compare.
+local file changed under a load does; bytes of two versions are never mixed. An answer that
+states no validator proves nothing (a server may ignore ``If-Match`` as well), so once such a
+read has landed the object's validators are asked again (a HEAD) and must still be the ones
+seen at open. An object that states neither validator at open cannot be re-checked: its bytes
+are read only by a caller that checks them itself (a load verified against a published
+manifest, a header parser, a calibration's timing), and anyone else gets a FileError naming it.
 
 A body cut short (a reset connection, a server that stops early) is resumed from the byte where
 it stopped, with backoff, up to :class:`~weightlift.sources.credentials.Retry`'s limit, and given
@@ -26,6 +30,7 @@ check, and never a credential.
 from __future__ import annotations
 
 import errno
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -87,7 +92,7 @@ class Store:
             meta = obstore.head(self._store, self._key(loc))
         except Exception as e:  # noqa: BLE001 - mapped to weightlift's errors here
             raise self.error(e, loc.url, "read its metadata") from None
-        return ObjectInfo(loc.url, int(meta["size"]), meta.get("e_tag"), meta.get("version"), meta.get("last_modified"))
+        return ObjectInfo(loc.url, int(meta["size"]), meta.get("e_tag"), meta.get("version"), _modified(meta))
 
     def exists(self, loc: Location) -> bool:
         try:
@@ -146,7 +151,8 @@ class Store:
     def read(self, obj: ObjectInfo, loc: Location, offset: int, n: int) -> bytes:
         """``n`` bytes of the object at ``offset`` (a header: small), as bytes."""
         buf = bytearray(n)
-        self.read_into(obj, loc, offset, memoryview(buf))
+        # a header is parsed, and the tensors it places are read under the rules above
+        self.read_into(obj, loc, offset, memoryview(buf), unvalidated_ok=True)
         return bytes(buf)
 
     def read_into(
@@ -158,16 +164,28 @@ class Store:
         *,
         prof: Profiler = _OFF,
         on_piece: Callable[[int, int], None] | None = None,
+        unvalidated_ok: bool = False,
     ) -> None:
         """Bytes [offset, offset + len(dst)) of ``obj`` into ``dst``, resumed where a body stops.
 
-        ``on_piece(start, end)`` is told each range of ``dst`` as it is filled."""
+        ``on_piece(start, end)`` is told each range of ``dst`` as it is filled. An object without
+        a validator (no ETag, no Last-Modified) is read only with ``unvalidated_ok``: the caller
+        checks the bytes itself (a verified load), since nothing here could tell two versions
+        apart."""
+        if not (obj.etag or obj.last_modified or obj.version or unvalidated_ok):
+            raise FileError(
+                "the store states neither an ETag nor a Last-Modified for it, so a replacement during "
+                "a load could not be detected; load it with verify=True (against its published "
+                "manifest), or serve it from a store that states either",
+                file=obj.url,
+            )
         n = dst.nbytes
         done, attempt = 0, 0
+        unproven: list[bool] = []  # one entry per answer that did not state the version read
         moved = time.monotonic()  # when a byte last landed (or the read began)
         while done < n:
             try:
-                done = self._body(obj, loc, offset, dst, done, prof, on_piece)
+                done = self._body(obj, loc, offset, dst, done, prof, on_piece, unproven)
             except _Interrupted as cut:
                 if cut.done > done:
                     moved = time.monotonic()
@@ -187,6 +205,15 @@ class Store:
                         f"({cut.reason}); check the connection to {describe(self.config)}"
                     ) from None
                 time.sleep(self.retry.backoff(attempt))
+        if unproven and (obj.etag or obj.last_modified):
+            self._recheck(obj, loc)
+
+    def _recheck(self, obj: ObjectInfo, loc: Location) -> None:
+        """After bytes came in answers that stated no validator: the object must still be the
+        version seen at open (if it was replaced since, what landed may be of either)."""
+        now = self.head(loc)
+        if now.size != obj.size or (now.etag != obj.etag if obj.etag else now.last_modified != obj.last_modified):
+            raise _changed(obj)
 
     def _body(
         self,
@@ -197,6 +224,7 @@ class Store:
         done: int,
         prof: Profiler,
         on_piece: Callable[[int, int], None] | None,
+        unproven: list[bool],
     ) -> int:
         """One request for what is left; returns how much of ``dst`` is filled when its body ends."""
         import obstore
@@ -214,7 +242,8 @@ class Store:
             with prof.phase("wire", name="request"):  # until the response's headers: the store's latency
                 res = obstore.get(self._store, self._key(loc), options=opts)
             prof.command("GET headers", t0, prof.clock())
-            self._same(obj, res.meta)
+            if not self._same(obj, res.meta):
+                unproven.append(True)
             first = prof.enabled
             told = done  # on_piece has been told of dst[:told]
             with prof.phase("read", n - done, name="body"):
@@ -247,31 +276,58 @@ class Store:
             raise _Interrupted(done, f"the body ended {n - done} bytes short")
         return done
 
-    def _same(self, obj: ObjectInfo, meta: Any) -> None:
-        tag, modified = meta.get("e_tag"), meta.get("last_modified")
+    def _same(self, obj: ObjectInfo, meta: Any) -> bool:
+        """Raise if an answer states another version than ``obj``; whether it stated ``obj``'s
+        (an answer without its validator proves nothing: the server may ignore ``If-Match``)."""
+        tag, modified = meta.get("e_tag"), _modified(meta)
         if obj.etag and tag and tag != obj.etag or int(meta.get("size", obj.size)) != obj.size:
             raise _changed(obj)
+        if obj.version:  # a read of one version of a versioned object: that version or nothing
+            return True
+        if obj.etag:
+            return tag == obj.etag
         # without an ETag, the date is the version (a server that ignores If-Unmodified-Since
         # still states it)
-        if not obj.etag and obj.last_modified is not None and modified is not None and modified != obj.last_modified:
+        if obj.last_modified is not None and modified is not None and modified != obj.last_modified:
             raise _changed(obj)
+        return obj.last_modified is not None and modified == obj.last_modified
 
     def error(self, e: BaseException, url: str, what: str) -> WeightliftError:
         """``e`` (obstore's) as weightlift's error, naming the object and what to check."""
         import obstore.exceptions as ox
 
         cfg = describe(self.config)
-        if isinstance(e, (ox.NotFoundError, FileNotFoundError)):
+        status = _status(e)
+        if isinstance(e, (ox.NotFoundError, FileNotFoundError)) or status in (404, 410):
+            if "NoSuchBucket" in str(e):  # S3's code for it, in the answer's body
+                return NotFoundError(
+                    f"no such bucket {self.config.root!r} (check its name and the endpoint: {cfg})", file=url
+                )
+            if self._scheme != "s3":
+                return NotFoundError("no such file (the server answered 404; name a folder with its '/')", file=url)
             return NotFoundError(f"no such object (check the bucket, the key and the endpoint: {cfg})", file=url)
-        if isinstance(e, ox.PreconditionError):
+        if isinstance(e, ox.PreconditionError) or status == 412:
             return _changed_url(url)
-        if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError, PermissionError)):
+        if status == 416:  # a range inside the size seen at open, refused: the object is shorter now
+            return FormatError(
+                f"the store refused to {what} as past the object's end (416 Range Not Satisfiable): it is "
+                "shorter than when its header was read; open it again",
+                file=url,
+            )
+        if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError, PermissionError)) or status in (401, 403):
             check = (
                 "the credentials, AWS_PROFILE, the bucket policy"
                 if self._scheme == "s3"
                 else "the server's permissions"
             )
             return FileError(f"access denied: cannot {what} (check {check}; {cfg})", file=url, errno=errno.EACCES)
+        if _not_partial(e):  # obstore gives no body of a 200 to a ranged GET
+            return TransportError(
+                f"{url}: cannot {what}: the server answered the ranged GET with 200 OK instead of "
+                "206 Partial Content (some S3 gateways do so even with a Content-Range of exactly the "
+                "range asked: rclone's serve s3, lakeFS); weightlift reads objects only by ranges "
+                f"answered 206 ({cfg})"
+            )
         if isinstance(e, ox.UnknownConfigurationKeyError):
             return OptionError(f"{url}: store configuration: {_first_line(e)}")
         return TransportError(f"{url}: cannot {what}: {_first_line(e)} ({cfg})")
@@ -284,17 +340,54 @@ class _Interrupted(Exception):
 
 
 def _interrupted(e: BaseException) -> bool:
-    """Whether ``e`` is a body cut short (worth resuming), not a refusal."""
+    """Whether ``e`` is a body cut short (worth resuming), not a refusal. An answer with a
+    status is never one, whatever its body says (a 400 whose message mentions a connection is
+    still a 400): obstore has already retried the statuses worth retrying (5xx, 429)."""
     import obstore.exceptions as ox
 
-    if isinstance(e, (ox.NotFoundError, ox.PreconditionError, ox.PermissionDeniedError, ox.UnauthenticatedError)):
+    if isinstance(
+        e,
+        (
+            ox.NotFoundError,
+            ox.PreconditionError,
+            ox.PermissionDeniedError,
+            ox.UnauthenticatedError,
+            ox.NotSupportedError,
+        ),
+    ):
         return False
     if isinstance(e, (ConnectionError, TimeoutError)):
         return True
+    if _status(e) is not None or _not_partial(e):
+        return False
     text = str(e)
     return any(
         s in text for s in ("body", "Body", "connection", "Connection", "reset", "closed", "timed out", "Decode")
     )
+
+
+def _not_partial(e: BaseException) -> bool:
+    """Whether ``e`` is obstore's refusal of a ranged GET answered 200 (its HTTP and its S3
+    client word it differently)."""
+    text = str(e)
+    return "Range request not supported" in text or "non-partial response when range requested" in text
+
+
+# obstore's message of an answer with an error status: "... status code: 416 Range Not Satisfiable: <body>"
+_STATUS = re.compile(r"(?:status code: |\bstatus: )([45]\d\d)\b")
+
+
+def _status(e: BaseException) -> int | None:
+    """The HTTP status of the answer ``e`` reports, from obstore's message (its only carrier);
+    None for an error without one (a cut body, a refused connection)."""
+    m = _STATUS.search(str(e))
+    return int(m[1]) if m else None
+
+
+def _modified(meta: Any) -> datetime | None:
+    """The Last-Modified an answer stated; None where it stated none (obstore then says 1970)."""
+    got: datetime | None = meta.get("last_modified")
+    return got if got is not None and got.timestamp() > 0 else None
 
 
 def _first_line(e: BaseException) -> str:

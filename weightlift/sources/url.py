@@ -2,8 +2,13 @@
 
 A *location* names one object or one prefix (a folder) of objects. Names beside it (the shards
 of an index, the published manifest) are joined with ``/`` as in the store, never with the local
-path separator. A URL with a query string or a fragment is refused: a signed query belongs to one
-object and one moment, and would not survive being joined with a shard's name.
+path separator. An http(s) URL with a query string or a fragment is refused: a signed query
+belongs to one object and one moment, and would not survive being joined with a shard's name.
+
+An ``s3://`` URL is not an http URL: everything after ``s3://bucket/`` is the key, as it is,
+as the AWS CLI reads it (a key may hold ``#``, ``?``, ``%`` or a space; nothing is decoded).
+An http(s) URL is percent-encoded: its key is the decoded path (``a%20b`` is the file ``a b``),
+which the client encodes once again on the wire, and :attr:`Location.url` encodes it back.
 """
 
 from __future__ import annotations
@@ -11,13 +16,15 @@ from __future__ import annotations
 import os
 import posixpath
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from weightlift.errors import OptionError
 
 __all__ = ["SCHEMES", "Location", "is_url", "parse"]
 
 SCHEMES = ("s3", "http", "https")
+# what stays as it is in an http(s) URL's path when a key is encoded back (RFC 3986's pchar)
+_PATH_SAFE = "/!$&'()*+,;=:@~"
 
 
 def is_url(path: object) -> bool:
@@ -41,7 +48,7 @@ class Location:
     def url(self) -> str:
         if self.scheme == "s3":
             return f"s3://{self.root}/{self.key}"
-        return f"{self.root}/{self.key}"
+        return f"{self.root}/{quote(self.key, safe=_PATH_SAFE)}"
 
     @property
     def name(self) -> str:
@@ -59,6 +66,8 @@ class Location:
 
 def parse(url: str) -> Location:
     """The location ``url`` names; OptionError for what is not a store URL weightlift reads."""
+    if url[:5].lower() == "s3://":
+        return _parse_s3(url)
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in SCHEMES:
@@ -69,12 +78,23 @@ def parse(url: str) -> Location:
         raise OptionError(f"{url!r} names no {'bucket' if scheme == 's3' else 'host'}")
     if parts.username or parts.password:
         raise OptionError(f"credentials in a URL are not supported (use the AWS configuration): {_shown(url)}")
-    key = parts.path.lstrip("/")
+    key = unquote(parts.path.lstrip("/"))  # the client encodes the key on the wire: decoded once here
     if ".." in key.split("/"):
         raise OptionError(f"a key with '..' is not supported: {_shown(url)}")
-    if scheme == "s3":
-        return Location("s3", parts.netloc, key)
     return Location(scheme, f"{scheme}://{parts.netloc}", key)
+
+
+def _parse_s3(url: str) -> Location:
+    """``s3://bucket/key``: the key is everything after the bucket's ``/``, as it is."""
+    bucket, _, key = url[5:].partition("/")
+    if not bucket:
+        raise OptionError(f"{url!r} names no bucket")
+    if "@" in bucket or ":" in bucket:  # no bucket name holds either: credentials, or a port
+        raise OptionError(f"not a bucket name (credentials in a URL are not supported): {bucket.rsplit('@', 1)[-1]!r}")
+    key = key.lstrip("/")
+    if ".." in key.split("/"):
+        raise OptionError(f"a key with '..' is not supported: s3://{bucket}/...")
+    return Location("s3", bucket, key)
 
 
 def _shown(url: str) -> str:
