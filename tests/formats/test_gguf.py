@@ -27,6 +27,7 @@ from weightlift.formats.gguf import (
     MAX_TENSORS,
     GGUFHeader,
     Split,
+    Truncated,
     dequantize,
     numpy_dtype_and_shape,
     parse_gguf,
@@ -659,3 +660,38 @@ def test_split_names_follow_llama_cpp() -> None:
         "m-00001-of-00004.GGUF",
     ):
         assert split_parts(other) is None, other
+
+
+# ---- a prefix that ends inside the header, and a header that is broken ----
+
+
+def test_a_short_prefix_says_how_much_more_it_needs(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    write_sample(path)
+    data = path.read_bytes()
+    n, steps = 16, 0
+    while True:  # each Truncated names a longer prefix that gets further; the last parses
+        try:
+            header = parse_gguf(data[:n], file="m.gguf", file_size=len(data))
+            break
+        except Truncated as e:
+            assert isinstance(e, FormatError) and e.file == "m.gguf"
+            assert n < e.needed <= len(data)
+            n, steps = e.needed, steps + 1
+    assert steps > 3 and header.tensors == parse(data).tensors
+
+
+def test_a_broken_header_is_not_truncated_whatever_the_prefix() -> None:
+    broken = header_with(s("k") + struct.pack("<I", 99) + bytes(64), alignment=1)  # an unknown value type
+    for cut in (len(broken), broken.index(s("k") + struct.pack("<I", 99)) + 13):  # ends at the type
+        with pytest.raises(FormatError, match="unknown value type 99") as e:
+            parse_gguf(broken[:cut], file="m.gguf", file_size=1 << 30)
+        assert not isinstance(e.value, Truncated)
+    # a count past the end of the file is the file's fault, however short the prefix
+    huge = header_with(s("k") + struct.pack("<IQ", V.STRING, 1 << 27), alignment=1)
+    with pytest.raises(FormatError, match="past the end of the file") as e:
+        parse_gguf(huge, file="m.gguf", file_size=1 << 20)
+    assert not isinstance(e.value, Truncated)
+    with pytest.raises(Truncated) as t:
+        parse_gguf(huge, file="m.gguf", file_size=1 << 30)
+    assert t.value.needed == len(huge) + (1 << 27)

@@ -168,6 +168,84 @@ def test_a_listing_pages_in_name_order():
     assert [n for n, _ in page] == names[900:] and not more
 
 
+def _oracle(store: Store, after: str, limit: int) -> tuple[list[str], bool]:
+    # what a page was before names were kept in order: every name after the cursor, sorted
+    later = sorted(n for n in store.entries() if n > after)
+    return later[:limit], len(later) > limit
+
+
+def test_listing_pages_match_a_sort_of_every_name_through_any_changes():
+    import random
+
+    from weightlift.remote.server.store import Staged
+
+    rng = random.Random(7)
+    store = Store(max_memory=1 << 40, pool=None, remember_digests=False)
+    one = np.zeros(1, dtype=np.uint8)
+
+    def put(name: str) -> None:
+        store.publish(name, "U8", (1,), 1, one, store.charge(10), None)
+
+    def check(after: str, limit: int) -> None:
+        page, more = store.listing(after, limit)
+        names, oracle_more = _oracle(store, after, limit)
+        assert [n for n, _ in page] == names and more == oracle_more, (after, limit)
+        held = store.entries()
+        assert all(e is held[n] for n, e in page)
+
+    names = [f"a{i:05d}" for i in range(3000)]
+    for n in rng.sample(names, len(names)):
+        put(n)
+    check("", 100)
+    # many names into one chunk, a few at a time with pages between: chunks split, firsts move
+    for k in range(1200):
+        put(f"a00100.{k:04d}")
+        if k % 50 == 0:
+            check("a00099", 30)
+    put("")  # the empty name sorts first of all
+    check("", 3)
+    held = sorted(store.entries())
+    for start in range(8):  # every name dropped and brought back, the firsts and lasts of chunks
+        store.free(tuple(held[start::8]))  # among them, an eighth at a time: taken in one by one
+        check("", 10_000)
+        for n in held[start::8]:
+            put(n)
+        check("", 10_000)
+    pool = sorted(store.entries())
+    for step in range(400):
+        op = rng.random()
+        if op < 0.35:
+            put(rng.choice(["a", "b", "z", "a00100.", "a02999~"]) + str(rng.randrange(10_000)))
+        elif op < 0.6:
+            store.free(tuple(rng.sample(pool, 3)))
+        elif op < 0.7:
+            name = rng.choice(pool)  # replaced, or brought back: its name stays or returns
+            put(name)
+        elif op < 0.75:
+            staged = [Staged(f"s{step}.{i}", "U8", (1,), 1, one, store.charge(10), None) for i in range(3)]
+            store.switch(staged, [])
+        else:
+            pool = sorted(store.entries()) or [""]
+        cursor = rng.choice([*pool, "", "a00100.05", "zzzz", "a00050~"])
+        check(cursor, rng.choice([1, 7, 100, 10_000]))
+    # paging a whole store with names added and removed between pages: each page is what a sort
+    # of the names held then gives after the cursor
+    after, seen = "", []
+    while True:
+        check(after, 500)
+        page, more = store.listing(after, 500)
+        seen += [n for n, _ in page]
+        if not more:
+            break
+        after = page[-1][0]
+        put(after + "~new")  # after the cursor: the next page holds it
+        store.free((seen[0],))  # before it: nothing changes
+    assert seen == sorted(seen) and len(seen) == len(set(seen))
+    store.free(tuple(store.entries()))
+    check("", 10)
+    assert store.listing("", 10) == ([], False)
+
+
 def test_cache_held_writes_no_entry_from_memory_an_in_place_switch_changes(tmp_path):
     import blake3
 

@@ -89,6 +89,66 @@ def test_split_gguf(www, tmp_path):
     _same(wl.load(ck), wl.load(files[0]))
 
 
+class _Ranges:
+    """A proxy before the web server that adds up the bytes each ranged GET asks for."""
+
+    def __init__(self, port: int):
+        from tests.sources.servers import FaultProxy
+
+        ranges = self.ranges = []
+
+        class Counting(FaultProxy):
+            def _decide(self, h, method):  # type: ignore[no-untyped-def]
+                if method == "GET" and "Range" in h.headers:
+                    first, last = h.headers["Range"].removeprefix("bytes=").split("-")
+                    ranges.append(int(last) - int(first) + 1)
+                return super()._decide(h, method)
+
+        self.proxy = Counting(port)
+        self.url = self.proxy.url
+
+    def close(self) -> None:
+        self.proxy.close()
+
+
+def _sparse_gguf(path, head: bytes, size: int) -> None:
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(size)  # the rest reads as zeros and takes no disk
+
+
+@pytest.mark.parametrize(
+    ("head", "size", "match"),
+    [
+        # an unknown value type 70 bytes in: the file's fault, whatever follows it
+        ("bad_type", 64 << 20, "unknown value type 99"),
+        # an array of 400 MiB inside a 450 MiB object: more than a header may take here
+        ("huge_array", 450 << 20, "needs more than"),
+    ],
+)
+def test_a_broken_gguf_header_fails_after_a_small_prefix(www, tmp_path, head, size, match):
+    pytest.importorskip("gguf")
+    import struct
+
+    from gguf.constants import GGUFValueType as V
+
+    from tests.gguf_files import kv_str, pack, s
+    from weightlift.errors import FormatError
+    from weightlift.sources.objects import GGUF_FIRST
+
+    kv = s("k") + (struct.pack("<I", 99) if head == "bad_type" else struct.pack("<IIQ", V.ARRAY, V.UINT64, 50 << 20))
+    server, root = www
+    _sparse_gguf(root / f"{head}.gguf", pack([kv_str("general.architecture", "x"), kv], []), size)
+    counted = _Ranges(server.port)
+    try:
+        with pytest.raises(FormatError, match=match) as e:
+            wl.open(f"{counted.url}/{head}.gguf")
+        assert e.value.file == f"{counted.url}/{head}.gguf"
+        assert sum(counted.ranges) <= GGUF_FIRST  # not the object, nor a prefix grown to the limit
+    finally:
+        counted.close()
+
+
 def test_missing(www):
     server, _ = www
     for name in ("nope.safetensors", "nope"):  # a file: its 404, not an empty folder

@@ -71,6 +71,7 @@ from weightlift.formats import TensorInfo, check_extent, check_layout
 __all__ = [
     "GGUFHeader",
     "Split",
+    "Truncated",
     "parse_gguf",
     "split_of",
     "split_name",
@@ -158,6 +159,16 @@ class GGUFHeader:
     tensors: list[TensorInfo]
 
 
+class Truncated(FormatError):
+    """The buffer ends where the header goes on inside the file: a prefix too short, not a broken
+    file. ``needed`` is the fewest bytes from the file's start that would get the parse past
+    this point (it may stop again further on); any other FormatError is the file's for sure."""
+
+    def __init__(self, message: str, *, file: str, needed: int):
+        super().__init__(message, file=file)
+        self.needed = needed
+
+
 @dataclass(frozen=True, slots=True)
 class Split:
     """One file's place in a split model: split ``no`` (0-based) of ``count``, which hold
@@ -224,9 +235,12 @@ class _Cursor:
     def check(self, n: int, what: str) -> None:
         end = self.pos + n
         if end > len(self.mv):
-            where = "file" if end > self.file_size else f"{len(self.mv)}-byte buffer"
-            msg = f"header runs past the end of the {where} reading {what} at byte {self.pos}"
-            raise FormatError(msg, file=self.file)
+            if end > self.file_size:
+                raise FormatError(
+                    f"header runs past the end of the file reading {what} at byte {self.pos}", file=self.file
+                )
+            msg = f"header runs past the end of the {len(self.mv)}-byte buffer reading {what} at byte {self.pos}"
+            raise Truncated(msg, file=self.file, needed=end)
 
     def count(self, what: str, limit: int, min_size: int) -> int:
         """A u64 count, checked against ``limit`` and, at ``min_size`` bytes each, the bytes left.
@@ -313,7 +327,9 @@ def parse_gguf(buf: Any, *, file: str, file_size: int) -> GGUFHeader:
     """Parse the GGUF header at the start of ``buf`` (bytes-like, at least the whole header).
 
     ``file_size`` is the size of the whole file, against which every tensor is checked; ``buf``
-    may be the whole file (a memoryview of an mmap is never copied) or just a prefix of it.
+    may be the whole file (a memoryview of an mmap is never copied) or just a prefix of it. A
+    prefix that ends inside the header raises :class:`Truncated`, saying how much more is needed;
+    every other FormatError holds whatever follows.
     """
     try:
         mv = memoryview(buf)

@@ -25,8 +25,9 @@ __all__ = ["Objects", "objects_for", "opened", "HEAD_GUESS", "GGUF_FIRST", "MAX_
 
 #: bytes read first from a safetensors object: its header in one request, most of the time
 HEAD_GUESS = 256 * 1024
-#: bytes of a GGUF object read first, growing fourfold until the header parses
+#: bytes of a GGUF object read first, growing fourfold while the header runs past them
 GGUF_FIRST = 2 * 1024 * 1024
+#: the most of a GGUF object read for its header (less where the store's memory budget is less)
 MAX_GGUF_HEADER = 512 * 1024 * 1024
 #: the key of a tensor's ``extra`` that holds the :class:`ObjectInfo` its header was read from
 IDENTITY = "identity"
@@ -129,10 +130,16 @@ class Objects:
         return self._stamped(url, tensors), metadata
 
     def gguf_header(self, url: str) -> tuple[list[TensorInfo], dict[str, Any]]:
-        """The tensors and metadata of a GGUF object, from a prefix read until the header parses."""
+        """The tensors and metadata of a GGUF object, from a prefix read until the header parses.
+
+        The prefix grows (fourfold, or to what the parser says it needs) only while the parse
+        stops at its end (:class:`~weightlift.formats.gguf.Truncated`), and never past the
+        store's memory budget or :data:`MAX_GGUF_HEADER`: any other error is the file's, raised
+        at once."""
         from weightlift.formats import gguf
 
         size = self.info(url).size
+        limit = min(size, MAX_GGUF_HEADER, self.tuning().budget)
         buf = self.first(url)
         if len(buf) < min(size, GGUF_FIRST):
             buf += self.read(url, len(buf), min(size, GGUF_FIRST) - len(buf))
@@ -140,11 +147,18 @@ class Objects:
             try:
                 head = gguf.parse_gguf(buf, file=url, file_size=size)
                 return self._stamped(url, list(head.tensors)), dict(head.metadata)
-            except FormatError:
-                if len(buf) >= size or len(buf) >= MAX_GGUF_HEADER:
-                    raise  # the whole header was there: the error is the file's
-            want = min(size, len(buf) * 4, MAX_GGUF_HEADER)
-            buf += self.read(url, len(buf), want - len(buf))
+            except gguf.Truncated as e:
+                if e.needed > limit:
+                    raise FormatError(
+                        f"GGUF header needs more than {limit} bytes, the most read for a header here "
+                        f"(the store's memory budget): {e.reason}",
+                        file=url,
+                    ) from None
+                want = min(limit, max(e.needed, len(buf) * 4))
+            more = self.read(url, len(buf), want - len(buf))
+            if not more:
+                raise FormatError("object ended inside its header", file=url)
+            buf += more
 
     def _stamped(self, url: str, tensors: list[TensorInfo]) -> list[TensorInfo]:
         """``tensors``, each marked with the version of the object its header was read from:

@@ -33,18 +33,20 @@ Invariants, and why this module is the only code that changes them:
   fill a later ALLOC of that digest; :meth:`Store.distrust` forgets a digest whose bytes have
   changed since (a reader wrote into its tensor).
 
-One lock guards all of it, held only for bookkeeping (never a sort or a hash); connections never
-touch the dictionaries themselves.
+One lock guards all of it, held only for bookkeeping (never a sort, a comparison of names or a
+hash); connections never touch the dictionaries themselves. The names in name order, which LIST
+pages through, are kept apart (:class:`_Order`), under a lock of their own taken before the
+store's, so that a page costs its own length and not the store's.
 """
 
 from __future__ import annotations
 
-import heapq
+import itertools
 import threading
 import weakref
-from collections.abc import Iterable, Mapping
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -205,6 +207,81 @@ class _Rewritten:
         return None if key in self._digests and self._digests[key] != digest else digest
 
 
+class _Order:
+    """The store's names in name order, for LIST.
+
+    The store notes each name it adds or drops in a set (no comparison under its lock); a page
+    takes those in first (:meth:`Store.listing`), and so does a publish or free once they
+    outnumber the names held. Names lie in sorted chunks of at most ``2 * _CHUNK``, found by
+    bisecting the chunks' first names: taking a name in moves at most a chunk's pointers, and
+    a page starts with two bisections. Many changes at once (a whole model pushed) are taken in
+    by one sort instead. Only the holder of :attr:`lock` reads or changes it.
+    """
+
+    _CHUNK = 512
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # taken before the store's lock, never while holding it
+        self._chunks: list[list[str]] = []
+        self._firsts: list[str] = []  # each chunk's first name
+        self.size = 0
+
+    def rebuild(self, names: list[str]) -> None:
+        names.sort()
+        self._chunks = [names[i : i + self._CHUNK] for i in range(0, len(names), self._CHUNK)]
+        self._firsts = [c[0] for c in self._chunks]
+        self.size = len(names)
+
+    def apply(self, changes: list[tuple[str, bool]]) -> None:
+        """Take in each (name, whether the store holds it now)."""
+        for name, present in changes:
+            if present:
+                self._put(name)
+            else:
+                self._drop(name)
+
+    def _put(self, name: str) -> None:
+        if not self._chunks:
+            self._chunks, self._firsts, self.size = [[name]], [name], 1
+            return
+        i = max(0, bisect_right(self._firsts, name) - 1)
+        c = self._chunks[i]
+        j = bisect_left(c, name)
+        if j < len(c) and c[j] == name:
+            return
+        c.insert(j, name)
+        self.size += 1
+        if j == 0:
+            self._firsts[i] = name
+        if len(c) > 2 * self._CHUNK:
+            self._chunks.insert(i + 1, c[self._CHUNK :])
+            self._firsts.insert(i + 1, c[self._CHUNK])
+            del c[self._CHUNK :]
+
+    def _drop(self, name: str) -> None:
+        i = bisect_right(self._firsts, name) - 1
+        if i < 0:
+            return
+        c = self._chunks[i]
+        j = bisect_left(c, name)
+        if j == len(c) or c[j] != name:
+            return
+        del c[j]
+        self.size -= 1
+        if not c:
+            del self._chunks[i], self._firsts[i]
+        elif j == 0:
+            self._firsts[i] = c[0]
+
+    def after(self, after: str) -> Iterator[str]:
+        """The names that sort after ``after``, in order (read while the lock is held)."""
+        i = max(0, bisect_right(self._firsts, after) - 1)
+        j = bisect_right(self._chunks[i], after) if self._chunks else 0
+        for c in self._chunks[i:]:
+            yield from c[j:]
+            j = 0
+
+
 class Store:
     """The tensors a server holds, and what they cost; every change goes through these methods."""
 
@@ -222,6 +299,8 @@ class Store:
         # reentrant: a finalizer giving a charge back may run in any thread, also one holding it
         self._lock = threading.RLock()
         self._entries: dict[str, Entry] = {}
+        self._order = _Order()  # the names in name order, for LIST
+        self._renamed: set[str] = set()  # names added or dropped since _order took them in
         self._held: dict[bytes, str] = {}  # digest -> name of a stored tensor proven to hold those bytes
         self._used = 0
         self._versions = 0  # the last version number given to a published tensor
@@ -301,6 +380,7 @@ class Store:
         with self._lock:
             old = self._publish(name, dtype, shape, nbytes, tensor, cost, digest, changed=False)
         del old  # the last reference to a replaced tensor: its memory goes back to the pool now
+        self._tidy()
 
     def _publish(
         self,
@@ -341,6 +421,8 @@ class Store:
             self._unhold(name, old)
             if old.tensor is not tensor:
                 self._drop(old)
+        else:
+            self._renamed.add(name)
         if digest is not None and self._remember:
             self._held[digest] = name
         self._stats["tensors"] += 1
@@ -367,6 +449,7 @@ class Store:
                 e = self._entries.get(n)
                 digests[n] = e.digest if e is not None else None
         del replaced  # replaced tensors' memory goes back once nobody holds it
+        self._tidy()
         return generation, digests
 
     @property
@@ -415,11 +498,13 @@ class Store:
                     continue
                 entry = self._entries.pop(n, None)
                 if entry is not None:
+                    self._renamed.add(n)
                     self._unhold(n, entry)
                     self._drop(entry)
                     dropped.append(entry)
         freed = len(dropped)
         del dropped
+        self._tidy()
         return freed
 
     def _unhold(self, name: str, entry: Entry) -> None:
@@ -447,16 +532,40 @@ class Store:
         """Up to ``limit`` entries whose names sort after ``after``, in name order, and whether
         more follow them.
 
-        Only a snapshot of the entries is taken under the lock (one copy of the dictionary's
-        items, no comparison of names); filtering and ordering run outside it, so listing a
-        large store never holds up another client's push or read."""
+        The names come in order from :class:`_Order` (the names added or dropped since the last
+        page taken in first), and the page's entries from the store by name: the store's lock
+        is held for dictionary lookups only, never a comparison of names, so listing a large
+        store never holds up another client's push or read, and a page costs its own length."""
+        out: list[tuple[str, Entry]] = []
+        with self._order.lock:
+            self._take_in()
+            names = self._order.after(after)
+            while len(out) <= limit and (batch := list(itertools.islice(names, limit + 1 - len(out)))):
+                with self._lock:  # a name dropped since it was taken in is passed over
+                    found = [(n, self._entries.get(n)) for n in batch]
+                out += [(n, e) for n, e in found if e is not None]
+        return out[:limit], len(out) > limit
+
+    def _take_in(self) -> None:
+        """Bring :attr:`_order` up to the names held now (its lock held): the names changed
+        since, or all of them where that is fewer comparisons."""
         with self._lock:
-            items = list(self._entries.items())
-        later = [kv for kv in items if kv[0] > after]
-        if len(later) > limit:
-            return heapq.nsmallest(limit, later, key=itemgetter(0)), True
-        later.sort(key=itemgetter(0))
-        return later, False
+            renamed, self._renamed = self._renamed, set()
+            whole = len(renamed) * 4 > self._order.size
+            keys = list(self._entries) if whole else [n for n in renamed if n in self._entries]
+        if whole:
+            self._order.rebuild(keys)
+        else:
+            held = set(keys)
+            self._order.apply([(n, n in held) for n in renamed])
+
+    def _tidy(self) -> None:
+        """Take in the changed names where they outnumber those held (no page was asked for
+        since): what the set of them holds stays within the store's own size. Called without the
+        store's lock."""
+        if len(self._renamed) > max(4 * _Order._CHUNK, len(self._entries)):
+            with self._order.lock:
+                self._take_in()
 
     # -- proven digests --------------------------------------------------------------------------
 
