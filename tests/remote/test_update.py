@@ -16,6 +16,7 @@ import pytest
 
 import weightlift.remote.protocol as P
 from tests.checkpoints import write
+from tests.devices import needs_cuda
 from tests.remote.rawclient import Raw, _barrier
 from weightlift.digest.setdigest import set_digest
 from weightlift.dtypes import DTYPES, numpy_dtype
@@ -118,10 +119,10 @@ def test_every_dtype_from_torch_arrives_byte_for_byte():
         assert _bytes(srv.tensors()["t.F32"]) == _bytes(again["t.F32"])
 
 
+@needs_cuda
 def test_a_cuda_tensor_goes_through_a_staging_copy():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+    import torch
+
     t = torch.arange(1 << 16, dtype=torch.bfloat16, device="cuda")
     with Server() as srv, Client(srv.address, keep_base=True) as c:
         c.push({"w": t})
