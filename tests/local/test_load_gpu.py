@@ -38,3 +38,15 @@ def test_cuda_large_multi_chunk_and_cast(tmp_path):
     rep: dict = {}
     wl.load(path, device="cuda", framework="torch", profile=True, report=rep)
     assert rep["profile"]["phases_s"]["device"] > 0
+
+
+def test_cuda_tensors_start_on_device_align(tmp_path):
+    """every_dtype's file packs tensors at odd offsets: on the device each starts on DEVICE_ALIGN."""
+    from weightlift.memory.targets import DEVICE_ALIGN
+
+    tensors = every_dtype()
+    path = write(tmp_path / "m.safetensors", tensors)
+    out = wl.load(path, device="cuda", framework="torch")
+    for name, _dtype, _shape, raw in tensors:
+        assert out[name].data_ptr() % DEVICE_ALIGN == 0, name
+        assert raw_bytes(out[name]) == raw, name

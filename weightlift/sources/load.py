@@ -136,8 +136,8 @@ class _Mover:
         """Tensors in their own dtype: runs laid out in one arena, each tensor a view of it."""
         staged = not target.memcpy_ok
         b = plan_budget(self.objs, threads=threads, staged=staged, budget=budget)
-        runs = make_runs(infos)
-        starts, total = layout(runs)
+        runs = make_runs(infos, align=target.align)  # a device's tensors start on its alignment
+        starts, total = layout(runs, align=target.align)
         parts = make_parts(runs, starts, b.part)
         used.append((b, len(parts)))
         arena = target.arena(total)
