@@ -159,3 +159,40 @@ def test_a_bare_cuda_is_resolved_once_from_the_callers_current_device():
         cuda_device("cpu", never)
     with pytest.raises(OptionError):
         cuda_device("cuda:x", never)
+
+
+def test_empty_device_cache_frees_the_named_devices_cache_and_says_how_much():
+    from weightlift.memory.targets import empty_device_cache
+
+    calls: list[str] = []
+
+    class Cuda:
+        reserved = {"cuda:1": 5 << 20}
+        current = "cuda:0"
+
+        @classmethod
+        def memory_reserved(cls, device: str) -> int:
+            return cls.reserved[device]
+
+        @classmethod
+        def empty_cache(cls) -> None:
+            calls.append(cls.current)
+            cls.reserved[cls.current] = 1 << 20
+
+        @classmethod
+        def device(cls, device: str):
+            import contextlib
+
+            @contextlib.contextmanager
+            def on():
+                was, cls.current = cls.current, device
+                yield
+                cls.current = was
+
+            return on()
+
+    class Torch:
+        cuda = Cuda
+
+    assert empty_device_cache("cuda:1", torch=Torch) == 4 << 20
+    assert calls == ["cuda:1"]

@@ -19,6 +19,7 @@ from tests.remote.rawclient import Raw, _barrier, _cache_push, _cost, _f32, _fil
 from tests.waiting import wait_for
 from weightlift.digest.blake import hash_buffer
 from weightlift.errors import DeviceError, OptionError, StateError
+from weightlift.remote.client.client import Client
 from weightlift.remote.protocol import (
     Alloc,
     Auth,
@@ -415,3 +416,14 @@ def test_stats_tell_what_the_server_holds_without_reading_its_insides():
         wait_for(lambda: s.stats().open_connections == 0)
         assert s.stats().ready == 0
     assert s.config.max_memory == 64 << 20 and s.cache is None
+
+
+@needs_cuda
+def test_trim_gives_a_cuda_servers_dropped_tensors_back(tmp_path):
+    import torch
+
+    with Server(device="cuda", framework="torch") as s, Client(s.address) as c:
+        c.push({"w": torch.ones(64 << 20, dtype=torch.uint8)})
+        c.push({"w": torch.zeros(64 << 20, dtype=torch.uint8)})  # the first version is dropped
+        assert s.trim() >= 64 << 20
+        assert bool((s.tensors()["w"] == 0).all())

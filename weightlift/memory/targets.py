@@ -43,6 +43,7 @@ __all__ = [
     "WORKER_SLOT",
     "DEVICE_ALIGN",
     "cuda_device",
+    "empty_device_cache",
 ]
 
 STAGING_SLOT = 64 * 1024 * 1024
@@ -611,6 +612,17 @@ class CudaTarget(Target):
             return bool(getattr(props, "is_integrated", False))
         except Exception:  # noqa: BLE001 - a property query that fails means a discrete device
             return False
+
+
+def empty_device_cache(device: str, torch: Any = None) -> int:
+    """Give the blocks torch's caching allocator holds unused on ``device`` back to the driver;
+    returns the bytes given back. A dropped tensor's memory stays cached for torch's next
+    allocation otherwise: counted as used by nvidia-smi and out of other processes' reach."""
+    torch = torch if torch is not None else _import_torch()
+    before = int(torch.cuda.memory_reserved(device))
+    with torch.cuda.device(device):  # empty_cache() frees the current device's cache
+        torch.cuda.empty_cache()
+    return max(0, before - int(torch.cuda.memory_reserved(device)))
 
 
 def make_target(device: str = "cpu", framework: str = "numpy", dtype: str | None = None) -> Target:
