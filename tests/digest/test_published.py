@@ -190,3 +190,29 @@ def test_manifest_naming_a_tensor_twice_is_refused(tmp_path):
     (tmp_path / "twice.json").write_text(twice.to_json())
     with pytest.raises(IntegrityError, match="more than once"):
         read_manifest(tmp_path / "twice.json")
+
+
+def test_a_verified_device_load_proves_the_bytes_that_landed_not_its_staging(tmp_path, monkeypatch):
+    """A target a memcpy cannot fill (a device) gets its bytes through staging; a copy that then
+    lands wrong (a race on the device) must fail the verified load. The loader's real path, with
+    a host target that fills through staging as a CUDA target does."""
+    import weightlift.local.loader as loader_mod
+    from weightlift.memory.targets import HostTarget
+
+    class Device(HostTarget):
+        memcpy_ok = False  # staged, as a CUDA target is
+        racy = False
+
+        def write(self, dest, offset, data):
+            super().write(dest, offset, data)
+            if self.racy:  # the staging was right; one byte of what landed is not
+                dest.reshape(-1).view(np.uint8)[offset] ^= 1
+
+    ts = _tensors()
+    path = write(tmp_path / "m.safetensors", ts)
+    monkeypatch.setattr(loader_mod, "make_target", lambda device, framework, dtype: Device(framework))
+    out = weightlift.load(path, verify=True, threads=2)
+    assert {k: v.tobytes() for k, v in out.items()} == {n: raw for n, _, _, raw in ts}
+    monkeypatch.setattr(Device, "racy", True)
+    with pytest.raises(IntegrityError, match="BLAKE3|differ"):
+        weightlift.load(path, verify=True, threads=2)

@@ -50,3 +50,26 @@ def test_cuda_tensors_start_on_device_align(tmp_path):
     for name, _dtype, _shape, raw in tensors:
         assert out[name].data_ptr() % DEVICE_ALIGN == 0, name
         assert raw_bytes(out[name]) == raw, name
+
+
+def test_a_verified_cuda_load_proves_the_device_bytes(tmp_path, monkeypatch):
+    """A byte changed on the device after its copy (a race there), the host staging right: the
+    verified load hashes what is on the device, so it is caught."""
+    from weightlift.errors import IntegrityError
+    from weightlift.memory import targets
+
+    tensors = every_dtype()
+    path = write(tmp_path / "m.safetensors", tensors)
+    out = wl.load(path, device="cuda", framework="torch", verify=True)
+    for name, _dtype, _shape, raw in tensors:
+        assert raw_bytes(out[name]) == raw, name
+    real = targets._PinnedStager.land
+
+    def land_then_race(self, dest, offset):
+        real(self, dest, offset)
+        with torch.cuda.stream(self.slots.stream):  # after the copy, on the device only
+            dest.reshape(-1).view(torch.uint8)[offset] += 1
+
+    monkeypatch.setattr(targets._PinnedStager, "land", land_then_race)
+    with pytest.raises(IntegrityError):
+        wl.load(path, device="cuda", framework="torch", verify=True)
