@@ -73,3 +73,18 @@ def test_a_verified_cuda_load_proves_the_device_bytes(tmp_path, monkeypatch):
     monkeypatch.setattr(targets._PinnedStager, "land", land_then_race)
     with pytest.raises(IntegrityError):
         wl.load(path, device="cuda", framework="torch", verify=True)
+
+
+def test_a_kernel_queued_on_recycled_memory_does_not_overwrite_a_load(tmp_path):
+    """Memory freed with a kernel still queued on the current stream is reused by the load's
+    arena; the workers' copy streams are ordered after that kernel, so the load's bytes stay."""
+    n = 64 << 20
+    path = write(tmp_path / "ones.safetensors", [("w", "U8", (n,), b"\x01" * n)])
+    for _ in range(3):
+        x = torch.empty(n, dtype=torch.uint8, device="cuda")
+        torch.cuda._sleep(400_000_000)  # the current stream is busy ...
+        x.fill_(7)  # ... and this write into memory about to be freed waits behind it
+        del x
+        out = wl.load(path, device="cuda", framework="torch", threads=4)
+        torch.cuda.synchronize()
+        assert int((out["w"] != 1).sum()) == 0

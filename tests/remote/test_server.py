@@ -427,3 +427,19 @@ def test_trim_gives_a_cuda_servers_dropped_tensors_back(tmp_path):
         c.push({"w": torch.zeros(64 << 20, dtype=torch.uint8)})  # the first version is dropped
         assert s.trim() >= 64 << 20
         assert bool((s.tensors()["w"] == 0).all())
+
+
+@needs_cuda
+def test_a_memory_push_to_a_cuda_server_commits_and_states_its_set_digest():
+    import blake3
+    import torch
+
+    from weightlift.digest.setdigest import set_digest
+
+    tensors = {f"w{i}": torch.randn(1000 + i) for i in range(3)}
+    with Server(device="cuda", framework="torch") as s, Client(s.address) as c:
+        c.push(tensors)
+        got = s.tensors()
+        assert all(torch.equal(got[n].cpu(), t) for n, t in tensors.items())
+        want = set_digest({n: blake3.blake3(t.numpy().tobytes()).digest() for n, t in tensors.items()})
+        assert s.set_digest() == want
