@@ -306,6 +306,41 @@ def test_a_workers_copy_stream_waits_for_the_stream_that_allocated_its_destinati
     assert (block == 1).all(), "a kernel queued before the allocation ran after the load's copy"
 
 
+def test_finish_waits_for_its_tensors_last_copy_not_the_whole_stream():
+    """A connection may have the next tensor's copies queued behind this one's: finishing this
+    one waits for the event behind its own last copy, never for the whole stream."""
+    n = 1 << 10
+    alloc = Allocator()
+
+    class Counting(FakeStream):
+        syncs = 0
+
+        def synchronize(self) -> None:
+            Counting.syncs += 1
+            super().synchronize()
+
+    target = _target(n, stream=Counting("copies"))
+    dest = DeviceTensor(alloc, alloc.alloc(2 * n))
+    dest.reshape = lambda *_a: dest  # type: ignore[attr-defined]
+    dest.view = lambda *_a: dest  # type: ignore[attr-defined]
+    target.write(dest, 0, bytes([5]) * (2 * n))
+    assert target.finish(dest) is dest
+    assert Counting.syncs == 0
+    assert (dest.block == 5).all()  # its copies landed
+
+
+def test_a_slots_event_is_waited_for_by_sleeping_not_spinning():
+    """torch.cuda.Event() busy-spins a core in synchronize(); a loader has a dozen threads
+    waiting for slots, so the slot events are made blocking."""
+    from weightlift.memory.targets import PinnedSlots
+
+    alloc = Allocator()
+    slots = PinnedSlots(FakeTorch, FakeStream("copies"), [np.zeros(64, dtype=np.uint8)])
+    i, _ = slots.slot()
+    slots.upload(i, DeviceTensor(alloc, alloc.alloc(64)), 64)
+    assert slots.events[i].blocking
+
+
 @needs_cuda
 def test_on_a_device_a_tensor_dropped_mid_copy_does_not_write_into_the_next_one():
     import torch

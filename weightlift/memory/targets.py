@@ -563,6 +563,8 @@ class CudaTarget(Target):
         ev = self._landed.pop(id(dest), None)
         if ev is not None:
             ev.synchronize()  # the stream's copies run in order: this one landed, all before it did
+        else:  # copies not seen by copied() (upload() called directly): all of them
+            self._stream.synchronize()
         return dest
 
     def arena(self, nbytes: int) -> Any:
