@@ -74,18 +74,26 @@ finish() {
 note "## GPU check ($(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
 note
 
-# 0 setup: this tree's weightlift, torch as installed
-where=$("$py" -c 'import os, weightlift; print(os.path.dirname(os.path.dirname(weightlift.__file__)))' 2>/dev/null || true)
+# 0 setup: this tree's weightlift, torch as installed (never replaced: --no-deps, and only what is missing)
+where=$(cd / && PYTHONPATH= "$py" -c 'import os, weightlift; print(os.path.dirname(os.path.dirname(weightlift.__file__)))' 2>/dev/null || true)
 if [[ "$where" != "$repo" ]]; then
     echo "== setup: pip install -e . --no-deps (weightlift from this tree; torch kept as installed)"
-    timeout 120 "$py" -m pip install -q -e . --no-deps
-fi
-for mod in pytest:pytest blake3:blake3 safetensors:safetensors; do
-    if ! "$py" -c "import ${mod%%:*}" 2>/dev/null; then
-        timeout 120 "$py" -m pip install -q "${mod##*:}"
+    if ! timeout 120 "$py" -m pip install -q --no-build-isolation --no-deps -e . > "$out/setup.txt" 2>&1; then
+        note "- setup: the editable install failed (see setup.txt); this tree is used through PYTHONPATH"
     fi
+fi
+missing=()
+for mod in numpy ml_dtypes gguf blake3 zstandard pytest hypothesis safetensors; do
+    "$py" -c "import $mod" 2>/dev/null || missing+=("$mod")
 done
-"$py" -c 'import torch' 2>/dev/null || { note "FAIL: torch is not installed (a CUDA build is needed)"; exit 1; }
+if [[ ${#missing[@]} -gt 0 ]]; then
+    echo "== setup: pip install ${missing[*]} (missing; torch is not touched)"
+    timeout 180 "$py" -m pip install -q "${missing[@]}" >> "$out/setup.txt" 2>&1 || true
+    for mod in "${missing[@]}"; do
+        "$py" -c "import $mod" 2>/dev/null || note "- setup: $mod is missing and could not be installed"
+    done
+fi
+"$py" -c 'import torch, pytest' 2>/dev/null || { note "- FAIL: torch (a CUDA build) and pytest are needed"; exit 1; }
 
 # 1 preflight
 echo "== preflight"
@@ -100,9 +108,17 @@ if ! "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() and to
     note "- FAIL: no CUDA device (torch.cuda.is_available() is False; torch ${py} sees no GPU)"
     pre=1
 fi
-collected=$("$py" -m pytest --collect-only -q -m gpu -p no:cacheprovider "$tests" 2> "$out/collect.err" \
-    | grep -c '::' || true)
+crc=0
+"$py" -m pytest --collect-only -q -m gpu -p no:cacheprovider --continue-on-collection-errors "$tests" \
+    > "$out/collect.txt" 2>&1 || crc=$?
+collected=$(grep -c '::' "$out/collect.txt" || true)
 note "- $collected gpu tests collected (pytest --collect-only -m gpu $tests)"
+if [[ $crc -ne 0 && $crc -ne 5 ]]; then  # a module that does not import: its tests are not run
+    note "- FAIL: collecting the tests had errors (exit $crc, see collect.txt):"
+    grep -E '^ERROR' "$out/collect.txt" | head -n 5 | sed 's/^/  - /' | tee -a "$summary" || true
+    results+=("| collect | FAIL (exit $crc) | - |")
+    failed+=(collect)
+fi
 if [[ "$collected" -eq 0 ]]; then
     note "- FAIL: 0 gpu tests collected"
     pre=1
@@ -115,22 +131,22 @@ fi
 results+=("| preflight | PASS | - |")
 
 # 2 every gpu-marked test, and only those; a skip on a GPU machine is a failure too
-stage gpu_tests 270 "$py" -m pytest -q -p no:cacheprovider -m gpu -rs "$tests"
+stage gpu_tests 240 "$py" -m pytest -q -p no:cacheprovider -m gpu -rs --continue-on-collection-errors "$tests"
 passed=$(grep -Eo '[0-9]+ passed' "$out/gpu_tests.txt" | tail -n 1 | grep -Eo '[0-9]+' || echo 0)
-skipped=$(grep -Eo '[0-9]+ skipped' "$out/gpu_tests.txt" | tail -n 1 | grep -Eo '[0-9]+' || echo 0)
-note "- gpu tests: $passed passed, $skipped skipped, of $collected collected"
-if [[ "$passed" -eq 0 || "$skipped" -ne 0 ]]; then
-    note "- FAIL: the gpu tests ran $passed and skipped $skipped (every one must run here)"
-    failed+=(gpu_tests_ran)
+note "- gpu tests: $passed passed of $collected collected"
+if [[ "$passed" -ne "$collected" ]]; then  # a gpu test skipped on a GPU machine did not run
+    note "- FAIL: $((collected - passed)) gpu tests did not pass (skipped or failed):"
+    grep -E '^(FAILED|ERROR|SKIPPED)' "$out/gpu_tests.txt" | head -n 10 | sed 's/^/  - /' | tee -a "$summary" || true
+    failed+=(gpu_tests_all_ran)
 fi
 
 # 3 a repro of each CUDA finding
-stage findings 90 "$py" bench/gpu_findings.py
+stage findings 75 "$py" bench/gpu_findings.py
 grep -E '^(PASS|FAIL|UNTESTED)' "$out/findings.txt" | sed 's/^/- /' >> "$summary" || true
 
 # 4 host-to-device: in-process variants against pinned copies, then fresh-process arms
-stage h2d_variants 100 "$py" bench/gpu_variants.py --size-gib 2 --rounds 2 --json "$out/gpu_variants.json"
-stage h2d_load 130 "$py" bench/load.py --size-gib 2 --runs 3 --settle 2 --no-profile \
+stage h2d_variants 80 "$py" bench/gpu_variants.py --size-gib 2 --rounds 2 --json "$out/gpu_variants.json"
+stage h2d_load 120 "$py" bench/load.py --size-gib 2 --runs 3 --settle 2 --no-profile \
     --arms wl.cuda,safetensors.cuda --baseline safetensors.cuda --json "$out/load_cuda.json"
 {
     echo
