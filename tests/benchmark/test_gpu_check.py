@@ -26,6 +26,12 @@ CUDA_TESTS = [
     "tests/memory/test_targets.py::test_cuda_target_double_buffered_writes",
     "tests/local/test_load_gpu.py::test_cuda_every_dtype",
     "tests/test_hf.py::test_cuda_load_and_check",
+    "tests/local/test_load_gpu.py::test_cuda_tensors_start_on_device_align",
+    "tests/local/test_load_gpu.py::test_a_verified_cuda_load_proves_the_device_bytes",
+    "tests/local/test_load_gpu.py::test_a_kernel_queued_on_recycled_memory_does_not_overwrite_a_load",
+    "tests/remote/test_server.py::test_trim_gives_a_cuda_servers_dropped_tensors_back",
+    "tests/remote/test_server.py::test_a_memory_push_to_a_cuda_server_commits_and_states_its_set_digest",
+    "tests/remote/test_update.py::test_a_cuda_tensor_written_on_a_side_stream_is_pushed_as_written",
 ]
 
 
