@@ -51,3 +51,24 @@ def test_chunks_cover_runs_exactly():
         (0, 90, 10),
         (1, 0, 7),
     ]
+
+
+def test_a_device_layout_starts_every_tensor_on_its_alignment():
+    """safetensors packs at 8 bytes: data starting at 8 mod 16 puts every tensor of a mirrored
+    layout at 8 mod 16. A device layout starts each on ``align``, and keeps runs where it can."""
+    base = 8 + 128  # the header's end: 8 mod 16
+    sizes = [("a", 4096), ("b", 4096), ("c", 24), ("d", 8192), ("e", 8)]
+    ts, off = [], base
+    for name, n in sizes:
+        ts.append(T(name, off, n, "F32" if n % 4 == 0 else "U8"))
+        off += n
+    mirrored = layout(make_runs(ts))[0]
+    assert mirrored[0] % 16 == 8  # the host layout: as aligned as the file, no more
+    runs = make_runs(ts, align=256)
+    starts, total = layout(runs, align=256)
+    at = {t.name: s + t.offset - r.offset for r, s in zip(runs, starts, strict=True) for t in r.tensors}
+    assert all(a % 256 == 0 for a in at.values()), at
+    # a run goes on where the next tensor is a multiple of 256 bytes on (most weights' sizes)
+    assert [[t.name for t in r.tensors] for r in runs] == [["a", "b", "c"], ["d", "e"]]
+    ends = sorted((at[t.name], at[t.name] + t.length) for t in ts)
+    assert all(e1 <= s2 for (_, e1), (s2, _) in zip(ends, ends[1:], strict=False)) and ends[-1][1] <= total

@@ -289,3 +289,29 @@ def test_a_damaged_published_manifest_beside_fails_the_load(tmp_path):
         f.write("garbage")
     with pytest.raises(IntegrityError, match="weightlift.manifest.json"):
         weightlift.load(folder, verify=True)
+
+
+def test_a_verified_device_load_proves_the_bytes_that_landed_not_its_staging(tmp_path, monkeypatch):
+    """A target a memcpy cannot fill (a device) gets its bytes through staging; a copy that then
+    lands wrong (a race on the device) must fail the verified load. The loader's real path, with
+    a host target that fills through staging as a CUDA target does."""
+    import weightlift.local.loader as loader_mod
+    from weightlift.memory.targets import HostTarget
+
+    class Device(HostTarget):
+        memcpy_ok = False  # staged, as a CUDA target is
+        racy = False
+
+        def write(self, dest, offset, data):
+            super().write(dest, offset, data)
+            if self.racy:  # the staging was right; one byte of what landed is not
+                dest.reshape(-1).view(np.uint8)[offset] ^= 1
+
+    ts = _tensors()
+    path = write(tmp_path / "m.safetensors", ts)
+    monkeypatch.setattr(loader_mod, "make_target", lambda device, framework, dtype: Device(framework))
+    out = weightlift.load(path, verify=True, threads=2)
+    assert {k: v.tobytes() for k, v in out.items()} == {n: raw for n, _, _, raw in ts}
+    monkeypatch.setattr(Device, "racy", True)
+    with pytest.raises(IntegrityError, match="BLAKE3|differ"):
+        weightlift.load(path, verify=True, threads=2)

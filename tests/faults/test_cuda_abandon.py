@@ -14,11 +14,12 @@ test does the same on a device.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 import numpy as np
-import pytest
 
+import weightlift.memory.targets as targets_mod
 from tests.devices import needs_cuda, needs_torch
 from weightlift.memory.targets import CudaTarget
 
@@ -32,6 +33,8 @@ class FakeStream:
         self.waited: list[FakeStream] = []
 
     def finish(self) -> None:
+        for other in self.waited:  # what this stream was ordered after runs first
+            other.finish()
         work, self.queued = self.queued, []
         for job in work:
             job()
@@ -41,6 +44,9 @@ class FakeStream:
 
     def wait_stream(self, other: FakeStream) -> None:
         self.waited.append(other)
+
+    def wait_event(self, ev: Any) -> None:
+        self.waited.append(ev.stream)
 
 
 class Allocator:
@@ -102,6 +108,16 @@ class DeviceTensor:
 
 DEFAULT = FakeStream("default")
 CURRENT = [DEFAULT]
+THREAD = threading.local()  # torch's current device is per thread: 0 in a thread that set none
+
+
+class _MadeStream(FakeStream):
+    made: list[_MadeStream] = []
+
+    def __init__(self, device: Any = None):
+        super().__init__(f"worker on {device}")
+        self.device = device
+        _MadeStream.made.append(self)
 
 
 class _Cuda:
@@ -122,7 +138,16 @@ class _Cuda:
         finally:
             CURRENT.pop()
 
+    Stream = _MadeStream
+
+    @staticmethod
+    def current_device() -> int:
+        return getattr(THREAD, "device", 0)
+
     class Event:
+        def __init__(self, blocking: bool = False):
+            self.blocking = blocking
+
         def record(self, stream: FakeStream) -> None:
             self.stream = stream
 
@@ -225,8 +250,98 @@ def test_a_stager_lands_through_the_pinned_slots():
     assert [int(dest.block[k * n]) for k in range(3)] == [1, 2, 3]
 
 
+def _in_a_thread(fn: Any) -> Any:
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def test_a_bare_cuda_is_the_callers_device_in_every_worker_thread(monkeypatch):
+    """After ``set_device(1)`` a bare "cuda" is cuda:1 for the caller; a loader worker's thread
+    has device 0 current. The worker's copy stream must be on the device the arena is on."""
+    monkeypatch.setattr(targets_mod, "_worker_slots", {})
+    _MadeStream.made.clear()
+    THREAD.device = 1
+    try:
+        target = _target(1 << 10)
+    finally:
+        del THREAD.device
+    assert target.device == "cuda:1"
+    stager = _in_a_thread(lambda: target.stager(private=True))
+    assert [s.device for s in _MadeStream.made] == ["cuda:1"]
+    stager.close()
+    assert list(targets_mod._worker_slots) == ["cuda:1"]  # kept for that device, not "cuda"
+
+
+def test_a_workers_copy_stream_waits_for_the_stream_that_allocated_its_destination(monkeypatch):
+    """The arena may be memory freed with a kernel still queued on the allocating (current) stream;
+    a loader worker copies on a private stream, which must be ordered after that kernel, or the
+    kernel overwrites the loaded bytes when it runs."""
+    monkeypatch.setattr(targets_mod, "_worker_slots", {})
+    n = 1 << 10
+    alloc = Allocator()
+    block = alloc.alloc(n)
+    DEFAULT.queued.append(lambda: block.__setitem__(slice(None), 7))  # a kernel still queued on it
+
+    def empty(nbytes: int, **_k: Any) -> DeviceTensor:  # the arena: that block, on the current stream
+        t = DeviceTensor(alloc, block)
+        t.reshape = lambda *_a: t  # type: ignore[attr-defined]
+        t.view = lambda *_a: t  # type: ignore[attr-defined]
+        return t
+
+    monkeypatch.setattr(FakeTorch, "empty", staticmethod(empty), raising=False)
+    target = _target(n)
+    arena = target.arena(n)
+
+    def load() -> None:
+        with target.stager(private=True) as st:
+            st.take(n)[:] = 1
+            st.land(arena, 0)
+        # close() waited for the copy: it ran, and what it was ordered after ran first
+
+    _in_a_thread(load)
+    DEFAULT.finish()  # the device runs whatever is left
+    assert (block == 1).all(), "a kernel queued before the allocation ran after the load's copy"
+
+
+def test_finish_waits_for_its_tensors_last_copy_not_the_whole_stream():
+    """A connection may have the next tensor's copies queued behind this one's: finishing this
+    one waits for the event behind its own last copy, never for the whole stream."""
+    n = 1 << 10
+    alloc = Allocator()
+
+    class Counting(FakeStream):
+        syncs = 0
+
+        def synchronize(self) -> None:
+            Counting.syncs += 1
+            super().synchronize()
+
+    target = _target(n, stream=Counting("copies"))
+    dest = DeviceTensor(alloc, alloc.alloc(2 * n))
+    dest.reshape = lambda *_a: dest  # type: ignore[attr-defined]
+    dest.view = lambda *_a: dest  # type: ignore[attr-defined]
+    target.write(dest, 0, bytes([5]) * (2 * n))
+    assert target.finish(dest) is dest
+    assert Counting.syncs == 0
+    assert (dest.block == 5).all()  # its copies landed
+
+
+def test_a_slots_event_is_waited_for_by_sleeping_not_spinning():
+    """torch.cuda.Event() busy-spins a core in synchronize(); a loader has a dozen threads
+    waiting for slots, so the slot events are made blocking."""
+    from weightlift.memory.targets import PinnedSlots
+
+    alloc = Allocator()
+    slots = PinnedSlots(FakeTorch, FakeStream("copies"), [np.zeros(64, dtype=np.uint8)])
+    i, _ = slots.slot()
+    slots.upload(i, DeviceTensor(alloc, alloc.alloc(64)), 64)
+    assert slots.events[i].blocking
+
+
 @needs_cuda
-@pytest.mark.gpu
 def test_on_a_device_a_tensor_dropped_mid_copy_does_not_write_into_the_next_one():
     import torch
 

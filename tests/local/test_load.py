@@ -563,3 +563,38 @@ def test_the_mover_stages_through_the_target_seam(tmp_path):
         assert raw_bytes(out[name]) == raw
     assert stagers and all(s.closed for s in stagers)
     assert sum(s.landed for s in stagers) == len(seen) >= 3 and not any(seen)
+
+
+def test_a_target_that_asks_for_alignment_gets_every_tensor_on_it(tmp_path, monkeypatch):
+    """A device target asks that every tensor start on DEVICE_ALIGN, where the file (data at 8
+    mod 16, as safetensors makes half of its files) would put them at 8 mod 16. The loader's
+    real path, with a host target asking what a CUDA target asks."""
+    from safetensors.numpy import load_file, save_file
+
+    import weightlift.local.loader as loader_mod
+    from weightlift.memory.targets import DEVICE_ALIGN, HostTarget
+
+    rng = np.random.default_rng(0)
+    tensors = {"w": rng.random((64, 64), dtype=np.float32), "b": rng.random(6, dtype=np.float32)}
+    tensors["n"] = np.arange(1000, dtype=np.float16)
+    for k in range(1, 40):
+        path = tmp_path / "odd.safetensors"
+        save_file({**tensors, "x" * k: np.ones(3, np.float64)}, str(path))
+        if (8 + int.from_bytes(path.read_bytes()[:8], "little")) % 16 == 8:
+            break
+
+    class Aligned(HostTarget):
+        align = DEVICE_ALIGN
+
+        def arena(self, nbytes: int) -> np.ndarray:  # on DEVICE_ALIGN, as torch's allocator gives
+            raw = super().arena(nbytes + DEVICE_ALIGN)
+            skip = -raw.ctypes.data % DEVICE_ALIGN
+            return raw[skip : skip + nbytes]
+
+    monkeypatch.setattr(loader_mod, "make_target", lambda device, framework, dtype: Aligned(framework))
+    got = wl.load(path)
+    want = load_file(str(path))
+    assert sorted(got) == sorted(want)
+    for name, arr in got.items():
+        assert arr.ctypes.data % DEVICE_ALIGN == 0, (name, arr.ctypes.data % DEVICE_ALIGN)
+        assert arr.tobytes() == want[name].tobytes(), name

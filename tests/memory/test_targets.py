@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from tests.checkpoints import raw_bytes
-from tests.devices import has_cuda, needs_cuda, needs_torch
+from tests.devices import FakeDeviceTensor, has_cuda, needs_cuda, needs_torch
 from weightlift.errors import DeviceError, OptionError
-from weightlift.memory.targets import CastTarget, HostTarget, fresh_host, make_target
+from weightlift.memory.targets import CastTarget, HostTarget, as_bytes, fresh_host, make_target
 
 FRAMEWORKS = ["numpy", pytest.param("torch", marks=needs_torch)]
 
@@ -63,7 +63,6 @@ def test_cuda_refused_without_device():
         make_target("cuda", "torch")
 
 
-@pytest.mark.gpu
 @needs_cuda
 def test_cuda_target_double_buffered_writes():
     t = make_target("cuda", "torch")
@@ -115,3 +114,85 @@ def test_the_seam_on_host_targets(framework):
             pos += len(buf)
     out = cast.finish(dest)
     np.testing.assert_array_equal(out if framework == "numpy" else out.numpy(), src.astype(np.float16))
+
+
+@needs_torch
+def test_as_bytes_of_host_memory_is_a_view():
+    import torch
+
+    a = np.arange(6, dtype=np.float32)
+    t = torch.arange(6, dtype=torch.bfloat16)
+    assert np.shares_memory(as_bytes(a), a) and as_bytes(a).tobytes() == a.tobytes()
+    assert as_bytes(t).tobytes() == t.view(torch.uint8).numpy().tobytes()
+    assert as_bytes(t).ctypes.data == t.data_ptr()  # no copy
+
+
+@needs_torch
+def test_as_bytes_of_a_device_tensor_copies_it_to_host_after_the_writers_event():
+    """A device tensor's ``.numpy()`` raises: its bytes are read through a host copy, after the
+    event recorded where they were written has completed."""
+    import torch
+
+    t = torch.arange(1000, dtype=torch.float32)
+    order: list[str] = []
+    dev = FakeDeviceTensor(t, order)
+
+    class Written:
+        def synchronize(self) -> None:
+            order.append("event")
+
+    got = as_bytes(dev, after=Written())
+    assert got.tobytes() == t.numpy().tobytes()
+    assert order == ["event", "cpu"]
+    assert as_bytes(dev).tobytes() == t.numpy().tobytes()
+
+
+def test_a_bare_cuda_is_resolved_once_from_the_callers_current_device():
+    from weightlift.memory.targets import cuda_device
+
+    def never() -> int:
+        raise AssertionError("an explicit index needs no current device")
+
+    assert cuda_device("cuda", lambda: 1) == "cuda:1"
+    assert cuda_device("cuda:3", never) == "cuda:3"
+    with pytest.raises(OptionError):
+        cuda_device("cpu", never)
+    with pytest.raises(OptionError):
+        cuda_device("cuda:x", never)
+
+
+def test_empty_device_cache_frees_the_named_devices_cache_and_says_how_much():
+    from weightlift.memory.targets import empty_device_cache
+
+    calls: list[str] = []
+
+    class Cuda:
+        reserved = {"cuda:1": 5 << 20}
+        current = "cuda:0"
+
+        @classmethod
+        def memory_reserved(cls, device: str) -> int:
+            return cls.reserved[device]
+
+        @classmethod
+        def empty_cache(cls) -> None:
+            calls.append(cls.current)
+            cls.reserved[cls.current] = 1 << 20
+
+        @classmethod
+        def device(cls, device: str):
+            import contextlib
+
+            @contextlib.contextmanager
+            def on():
+                was, cls.current = cls.current, device
+                yield
+                cls.current = was
+
+            return on()
+
+    class Torch:
+        cuda = Cuda
+
+    assert empty_device_cache("cuda:1", torch=Torch) == 4 << 20
+    assert calls == ["cuda:1"]

@@ -19,6 +19,7 @@ from tests.remote.rawclient import Raw, _barrier, _cache_push, _cost, _f32, _fil
 from tests.waiting import wait_for
 from weightlift.digest.blake import hash_buffer
 from weightlift.errors import DeviceError, OptionError, StateError
+from weightlift.remote.client.client import Client
 from weightlift.remote.protocol import (
     Alloc,
     Auth,
@@ -200,7 +201,6 @@ def test_close_ends_connections_and_drops_partial_tensors():
         s.start()
 
 
-@pytest.mark.gpu
 @needs_cuda
 def test_cuda_server_round_trip(tmp_path):
     import torch
@@ -310,7 +310,6 @@ def test_a_cuda_server_is_checked_without_allocating(monkeypatch):
     assert made == []  # none of that made a target
 
 
-@pytest.mark.gpu
 @needs_cuda
 def test_cuda_target_is_made_at_the_first_alloc_not_at_connect(monkeypatch):
     import torch
@@ -324,7 +323,9 @@ def test_cuda_target_is_made_at_the_first_alloc_not_at_connect(monkeypatch):
     with pytest.raises(DeviceError, match="CUDA devices"):
         Server(device=f"cuda:{torch.cuda.device_count()}", framework="torch")
     with Server(device="cuda", framework="torch") as s:
-        assert s.max_memory == torch.cuda.get_device_properties(0).total_memory
+        _, total = torch.cuda.mem_get_info(0)
+        assert s.device == f"cuda:{torch.cuda.current_device()}"  # resolved here, not in each connection
+        assert 0 < s.max_memory <= total - (1 << 30)  # what is free, less headroom; not the total
         idle = [Raw(s.address) for _ in range(3)]
         for r in idle:
             r.hello()
@@ -415,3 +416,30 @@ def test_stats_tell_what_the_server_holds_without_reading_its_insides():
         wait_for(lambda: s.stats().open_connections == 0)
         assert s.stats().ready == 0
     assert s.config.max_memory == 64 << 20 and s.cache is None
+
+
+@needs_cuda
+def test_trim_gives_a_cuda_servers_dropped_tensors_back(tmp_path):
+    import torch
+
+    with Server(device="cuda", framework="torch") as s, Client(s.address) as c:
+        c.push({"w": torch.ones(64 << 20, dtype=torch.uint8)})
+        c.push({"w": torch.zeros(64 << 20, dtype=torch.uint8)})  # the first version is dropped
+        assert s.trim() >= 64 << 20
+        assert bool((s.tensors()["w"] == 0).all())
+
+
+@needs_cuda
+def test_a_memory_push_to_a_cuda_server_commits_and_states_its_set_digest():
+    import blake3
+    import torch
+
+    from weightlift.digest.setdigest import set_digest
+
+    tensors = {f"w{i}": torch.randn(1000 + i) for i in range(3)}
+    with Server(device="cuda", framework="torch") as s, Client(s.address) as c:
+        c.push(tensors)
+        got = s.tensors()
+        assert all(torch.equal(got[n].cpu(), t) for n, t in tensors.items())
+        want = set_digest({n: blake3.blake3(t.numpy().tobytes()).digest() for n, t in tensors.items()})
+        assert s.set_digest() == want

@@ -12,6 +12,7 @@ import threading
 import tracemalloc
 
 import numpy as np
+import pytest
 
 from tests.remote.rawclient import Raw, _barrier, _fill, _put, _stalled_reader
 from tests.waiting import wait_for
@@ -27,7 +28,7 @@ from weightlift.remote.protocol import (
     WriteHeader,
     send,
 )
-from weightlift.remote.server.config import ServerConfig
+from weightlift.remote.server.config import ServerConfig, cuda_budget
 from weightlift.remote.server.connection import Connection
 from weightlift.remote.server.context import Context
 from weightlift.remote.server.device import PINNED_STAGING
@@ -343,3 +344,34 @@ def test_an_in_place_commits_wait_for_readers_is_bounded_also_without_an_io_time
     assert ServerConfig(max_memory=0, io_timeout=None).gate_timeout == GATE_TIMEOUT
     with Server(io_timeout=None) as s:  # a server without an I/O deadline: the config it runs with
         assert s.config.io_timeout is None and s.config.gate_timeout == GATE_TIMEOUT
+
+
+def test_a_cuda_budget_is_what_is_free_less_headroom():
+    gib = 1 << 30
+    assert cuda_budget(free=100 * gib, total=141 * gib) == 100 * gib - int(141 * gib * 0.05)
+    assert cuda_budget(free=10 * gib, total=16 * gib) == 9 * gib  # at least 1 GiB of headroom
+    assert cuda_budget(free=gib // 2, total=16 * gib) == 0
+
+
+def test_a_bare_cuda_server_names_the_callers_device_and_what_is_free_there(monkeypatch):
+    """``Server(device="cuda")`` after ``set_device(1)``: every connection's target is on cuda:1
+    (the connection threads' own current device is 0), and the default cap is what cuda:1 has free."""
+    torch = pytest.importorskip("torch")
+    gib = 1 << 30
+    asked = []
+
+    def mem_get_info(dev):
+        asked.append(str(dev))
+        return 60 * gib, 80 * gib
+
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(cuda, "memory_reserved", lambda dev=None: 2 * gib)
+    monkeypatch.setattr(cuda, "memory_allocated", lambda dev=None: gib)
+    with Server(device="cuda", framework="torch") as s:
+        assert s.device == "cuda:1"
+        assert asked == ["cuda:1"]
+        assert s.max_memory == cuda_budget(61 * gib, 80 * gib) < 80 * gib

@@ -16,6 +16,7 @@ import pytest
 
 import weightlift.remote.protocol as P
 from tests.checkpoints import write
+from tests.devices import needs_cuda
 from tests.remote.rawclient import Raw, _barrier
 from weightlift.digest.setdigest import set_digest
 from weightlift.dtypes import DTYPES, numpy_dtype
@@ -118,10 +119,10 @@ def test_every_dtype_from_torch_arrives_byte_for_byte():
         assert _bytes(srv.tensors()["t.F32"]) == _bytes(again["t.F32"])
 
 
+@needs_cuda
 def test_a_cuda_tensor_goes_through_a_staging_copy():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+    import torch
+
     t = torch.arange(1 << 16, dtype=torch.bfloat16, device="cuda")
     with Server() as srv, Client(srv.address, keep_base=True) as c:
         c.push({"w": t})
@@ -721,3 +722,19 @@ def test_the_scan_runs_on_the_cores_this_process_may_use_not_the_machines(monkey
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(3)), raising=False)
         c.push(_step(v0, 0.02, seed=2))
     assert workers == [1, 1, 3]  # every update, the first (nothing to scan) too
+
+
+@needs_cuda
+def test_a_cuda_tensor_written_on_a_side_stream_is_pushed_as_written():
+    """The caller queued the write on a side stream and pushed without synchronising: the push
+    reads the tensor after what the caller's stream had queued, not before."""
+    import torch
+
+    t = torch.zeros(16 << 20, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with Server() as srv, Client(srv.address) as c, torch.cuda.stream(side):
+        torch.cuda._sleep(400_000_000)  # the side stream is busy for a while ...
+        t.fill_(3)  # ... before this write runs
+        c.push({"w": t})
+        assert (srv.tensors()["w"] == 3).all()

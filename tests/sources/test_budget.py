@@ -129,3 +129,29 @@ def test_a_staged_load_is_verified_as_it_lands(s3, tmp_path):
     load_objects(ck.source, ck.tensors, LoadOptions(threads=3), target=target, on_landed=wrong.landed)
     with pytest.raises(wl.IntegrityError, match="w2"):
         wrong.check()
+
+
+def test_a_staged_load_proves_what_landed_not_its_staging(s3, tmp_path):
+    """A target a memcpy cannot fill (a device) where a copy lands wrong after its staging was
+    right (a race on the device): the bytes proven are read back from the target, so it fails."""
+    from weightlift.digest.landed import LandedHasher
+    from weightlift.digest.published import make_manifest
+
+    class Racy(MappedFileTarget):
+        def write(self, dest, offset: int, data) -> None:
+            super().write(dest, offset, data)
+            dest[offset] ^= 1  # one byte of what landed is not what was staged
+
+    client, _ = s3
+    rng = np.random.default_rng(7)
+    tensors = [(f"w{i}", "U8", (MiB,), rng.integers(0, 256, MiB, dtype=np.uint8).tobytes()) for i in range(3)]
+    local = write(tmp_path / "m.safetensors", tensors)
+    client.upload_file(str(local), BUCKET, "budget/racy.safetensors")
+    ck = wl.open(f"s3://{BUCKET}/budget/racy.safetensors")
+    expected = {e.name: bytes.fromhex(e.blake3) for e in make_manifest(local).entries}
+    hasher = LandedHasher(ck.tensors, expected)
+    load_objects(
+        ck.source, ck.tensors, LoadOptions(threads=2), target=Racy(tmp_path / "d.bin"), on_landed=hasher.landed
+    )
+    with pytest.raises(wl.IntegrityError):
+        hasher.check()

@@ -73,6 +73,15 @@ class Comm:
             raise OptionError("a gloo group moves host memory here: load with device='cpu', or pass an NCCL group")
         self.device = str(device)
 
+    def landed(self) -> None:
+        """Return once the collectives queued so far have run. An NCCL ``wait()`` only orders the
+        current stream after the collective: a clock read without this times the bytes enqueued,
+        not the bytes landed."""
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
     def global_rank(self, r: int) -> int:
         if self.group is self.dist.group.WORLD:
             return r

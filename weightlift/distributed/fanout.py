@@ -95,6 +95,7 @@ def broadcast_load(
             faulter.close()
     out = {t.name: arena.view(off, whole(t), framework) for t, off in zip(infos, offs, strict=False)}
     if report is not None:
+        comm.landed()  # the time of the bytes on the device, not of the collectives queued
         report.update(
             tensors=len(out),
             bytes=sum(t.length for t in infos),

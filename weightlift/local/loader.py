@@ -42,7 +42,7 @@ from weightlift.disk.source import RESIDENT_THRESHOLD, MappedFile, page_eviction
 from weightlift.formats import TensorInfo
 from weightlift.local.mover import Landed, Mover
 from weightlift.local.prefetch import Prefetch, await_prefetches, prefetch, read_in_views
-from weightlift.memory.targets import Target, make_target, quantized, tensor_view
+from weightlift.memory.targets import Target, as_bytes, make_target, quantized, tensor_view
 from weightlift.options import LoadOptions
 from weightlift.profile import Profiler
 
@@ -66,9 +66,9 @@ def load_local(
 
     ``on_landed(file, offset, data, stable=...)`` is called by the worker that landed them with
     the bytes of ``file`` at ``offset`` as they now are in the destination, right after the copy
-    (a verified load hashes them there, while they are in the cache). For a CUDA destination
-    ``data`` is the host-side pinned staging buffer, reused after the call (``stable=False``);
-    for a dtype cast it is the source bytes the conversion read; for ``copy=False`` the views.
+    (a verified load hashes them there, while they are in the cache). For a CUDA destination it
+    is called once per tensor after the load, with the tensor's bytes read back from the device;
+    for a dtype cast ``data`` is the source bytes the conversion read; for ``copy=False`` the views.
     """
     opts = opts if opts is not None else LoadOptions()
     t_start = time.perf_counter()
@@ -92,6 +92,10 @@ def load_local(
         out = _views(infos, maps, resident, opts, prof, on_landed)
     else:
         target = make_target(opts.device, opts.framework, None)
+        # device memory (no memcpy, no cast): what is proven is read back from the device after
+        # the load, since the host staging the bytes passed through would prove a copy that then
+        # landed wrong (a race on the device); it costs a read back, one tensor at a time
+        on_device = on_landed if on_landed is not None and not target.memcpy_ok and opts.cast is None else None
         mover = Mover(
             infos,
             target,
@@ -104,9 +108,12 @@ def load_local(
             warm=opts.warm,
             prof=prof,
             progress=_progress(opts.progress, nbytes),
-            on_landed=on_landed,
+            on_landed=on_landed if on_device is None else None,
         )
         out = mover.run()
+        if on_device is not None:
+            for t in infos:
+                on_device(t.file, t.offset, as_bytes(out[t.name]))
         if opts.dequantize:
             out = _dequantize_all(infos, out, opts.framework)
     if opts.report is not None:

@@ -109,8 +109,8 @@ class Mover:
 
     # Copies of runs, through one arena whose layout mirrors the files.
     def _move(self, infos: list[TensorInfo]) -> dict[str, Any]:
-        runs = make_runs(infos)
-        starts, total = layout(runs)
+        runs = make_runs(infos, align=self.target.align)  # a device's tensors start on its alignment
+        starts, total = layout(runs, align=self.target.align)
         host = self.target.memcpy_ok
         chunks = make_chunks(runs, chunk=CHUNK if host else WORKER_SLOT)
         arena = self.target.arena(total)

@@ -35,26 +35,47 @@ __all__ = [
     "make_target",
     "fresh_host",
     "populate",
+    "as_bytes",
     "view_as",
     "tensor_view",
     "quantized",
     "STAGING_SLOT",
     "WORKER_SLOT",
+    "DEVICE_ALIGN",
+    "cuda_device",
+    "empty_device_cache",
 ]
 
 STAGING_SLOT = 64 * 1024 * 1024
+#: Where a tensor loaded into device memory starts, in bytes: what cudaMalloc guarantees, so a
+#: loaded tensor is as aligned as one torch allocated on its own. cuBLASLt needs 16 for its fast
+#: kernels (and fp8 ``_scaled_mm`` refuses less); a tensor at 8 mod 16 gets other kernels, and
+#: other logits, than the same weights loaded by another loader.
+DEVICE_ALIGN = 256
 #: A caller's host buffer for a :class:`Stager`, or a function that makes one when first needed.
 Spare: TypeAlias = "np.ndarray | memoryview | Callable[[], np.ndarray | memoryview] | None"
 _PLAIN = {d.name for d in DTYPES}
 
 
-def as_bytes(arr: Any) -> np.ndarray:
-    """A flat uint8 numpy view of a contiguous numpy array or CPU torch tensor."""
+def as_bytes(arr: Any, *, after: Any = None) -> np.ndarray:
+    """A contiguous array's or tensor's bytes as a flat uint8 numpy array: the one way weightlift
+    reads a tensor's bytes (to hash them, send them, compare them), on any device.
+
+    A numpy array or a CPU tensor gives a view of its own memory. A tensor on a device (whose
+    ``.numpy()`` refuses) gives a host copy, made on the calling thread's current stream of the
+    tensor's device, which waits only for work queued on that stream: ``after`` (an event recorded
+    where the bytes were written, on another thread's or a side stream) is waited for first.
+    """
     if isinstance(arr, np.ndarray):
         return arr.reshape(-1).view(np.uint8)
     import torch
 
-    return arr.reshape(-1).view(torch.uint8).numpy()
+    flat = arr.reshape(-1).view(torch.uint8)
+    if flat.device.type == "cpu":
+        return flat.numpy()
+    if after is not None:
+        after.synchronize()
+    return flat.cpu().numpy()
 
 
 def view_as(raw: np.ndarray, dtype: str, shape: tuple[int, ...], framework: str) -> Any:
@@ -115,6 +136,9 @@ class Target:
     framework: str = "numpy"
     memcpy_ok: bool = True
     dtype: str | None = None
+    #: where each tensor of an arena starts (:func:`weightlift.plan.layout`): 0 keeps a host
+    #: tensor at its file offset modulo the plan's ALIGN (no copy cut at a tensor boundary)
+    align: int = 0
 
     def empty(self, dtype: str, shape: tuple[int, ...]) -> Any:
         raise NotImplementedError
@@ -301,15 +325,16 @@ class PinnedSlots:
             ev.synchronize()
         return i, self.host[i]
 
-    def upload(self, i: int, dest_bytes: Any, n: int) -> None:
-        """Copy the first ``n`` bytes of slot ``i`` into ``dest_bytes`` (a uint8 device view)."""
+    def upload(self, i: int, dest_bytes: Any, n: int) -> Any:
+        """Copy the first ``n`` bytes of slot ``i`` into ``dest_bytes`` (a uint8 device view);
+        returns the event behind the copy."""
         torch = self.torch
         with torch.cuda.stream(self.stream):
             dest_bytes.copy_(self.buffers[i][:n], non_blocking=True)
             dest_bytes.record_stream(self.stream)  # freed only after the copy
-            self._recorded(i)
+            return self._recorded(i)
 
-    def cast_upload(self, i: int, dest: Any, src_dtype: str, offset: int, n: int, device: Any) -> None:
+    def cast_upload(self, i: int, dest: Any, src_dtype: str, offset: int, n: int, device: Any) -> Any:
         """Convert the first ``n`` bytes of slot ``i`` (``src_dtype`` elements) into the elements of
         ``dest`` from source byte ``offset`` on."""
         size = dtype_info(src_dtype).bits // 8
@@ -319,12 +344,15 @@ class PinnedSlots:
             src = self.buffers[i][:n].view(torch_dtype(src_dtype)).to(device, non_blocking=True)
             dest.reshape(-1)[offset // size : offset // size + src.numel()].copy_(src)
             dest.record_stream(self.stream)  # src was allocated on this stream; dest was not
-            self._recorded(i)
+            return self._recorded(i)
 
-    def _recorded(self, i: int) -> None:
-        ev = self.torch.cuda.Event()
+    def _recorded(self, i: int) -> Any:
+        # blocking: a host thread that waits for a slot sleeps instead of spinning a core (a
+        # loader has a dozen such threads, a server one per connection)
+        ev = self.torch.cuda.Event(blocking=True)
         ev.record(self.stream)
         self.events[i] = ev
+        return ev
 
     def wait(self) -> None:
         """Wait for every copy out of the slots."""
@@ -342,6 +370,7 @@ class _PinnedStager(Stager):
         self._release = release
         self._slot = 0
         self._n = 0
+        self._waited = 0  # the target's allocations this stager's stream has been ordered after
 
     def take(self, n: int) -> np.ndarray:
         self._slot, buf = self.slots.slot()
@@ -349,8 +378,10 @@ class _PinnedStager(Stager):
         return buf[: self._n]
 
     def land(self, dest: Any, offset: int) -> None:
+        target: CudaTarget = self.target  # type: ignore[assignment]
+        self._waited = target.order_after_allocs(self.slots.stream, self._waited)
         flat = dest.reshape(-1).view(self.slots.torch.uint8)
-        self.slots.upload(self._slot, flat[offset : offset + self._n], self._n)
+        target.copied(dest, self.slots.upload(self._slot, flat[offset : offset + self._n], self._n))
 
     def close(self) -> None:
         if self._release is not None:
@@ -370,6 +401,21 @@ def _import_torch() -> Any:
     return torch
 
 
+def cuda_device(device: str, current: Callable[[], int]) -> str:
+    """``device`` (``cuda`` or ``cuda:N``) as the one device it names: ``cuda:N``. A bare ``cuda``
+    is ``current()``, torch's current device, which is per thread: it must be asked once, in the
+    caller's thread, and the answer carried as a value (a loader or server thread asking again
+    gets device 0 whatever the caller set)."""
+    name, _, index = str(device).partition(":")
+    if name != "cuda":
+        raise OptionError(f"not a CUDA device: {device!r}")
+    if not index:
+        return f"cuda:{int(current())}"
+    if not index.isdigit():
+        raise OptionError(f"unknown device {device!r}: expected cuda or cuda:N")
+    return f"cuda:{int(index)}"
+
+
 class CudaTarget(Target):
     """torch CUDA tensors, filled through pinned staging slots and asynchronous copies.
 
@@ -377,8 +423,14 @@ class CudaTarget(Target):
     other. A slot is reused only after the event recorded behind its copy has completed, so the
     caller may reuse its own buffer as soon as :meth:`write` returns.
 
-    The copies run on the target's own stream, and the destination was allocated on the current
-    one, so each destination is marked as in use by the copy stream (``record_stream``): a tensor
+    The device is resolved once, when the target is made, in the caller's thread (see
+    :func:`cuda_device`): every stream and tensor of the target is on that one device.
+
+    The copies run on the target's own stream (or a loader worker's), and the destination was
+    allocated on the caller's current one: memory torch's caching allocator may have freed with
+    kernels still queued on that stream. Every copy stream is ordered after an event recorded on
+    the allocating stream behind each allocation, before its first copy into it. Each destination
+    is also marked as in use by the copy stream (``record_stream``): a tensor
     dropped while its copies are still in flight (a client gone mid-tensor, a digest that did not
     match) goes back to torch's caching allocator, which hands its memory to no other tensor
     until the copies queued on that stream have finished. Without the mark the memory could be
@@ -390,6 +442,7 @@ class CudaTarget(Target):
 
     memcpy_ok = False
     framework = "torch"
+    align = DEVICE_ALIGN
 
     def __init__(
         self,
@@ -407,9 +460,9 @@ class CudaTarget(Target):
         if not torch.cuda.is_available():
             raise DeviceError(f"device {device!r} asked for, but torch sees no CUDA device")
         self._torch = torch
-        self.device = str(torch.device(device))
+        self.device = cuda_device(device, lambda: torch.cuda.current_device())
         self.dtype = dtype
-        self._dev = torch.device(device)
+        self._dev = torch.device(self.device)
         self._stream = stream if stream is not None else torch.cuda.Stream(device=self._dev)
         self._pinned = pinned if pinned is not None else self._pin
         self._slot_bytes = slot_bytes
@@ -419,6 +472,10 @@ class CudaTarget(Target):
         self._own: PinnedSlots | None = None
         self._lock = threading.Lock()
         self._src: dict[int, str] = {}
+        # per allocating stream, the event behind its latest allocation; and how many allocations
+        self._allocated: dict[Any, Any] = {}
+        self._allocs = 0
+        self._landed: dict[int, Any] = {}  # id(dest) -> the event behind its latest copy
 
     def _pin(self, n: int) -> Any:
         return self._torch.empty(n, dtype=self._torch.uint8, pin_memory=True)
@@ -444,9 +501,30 @@ class CudaTarget(Target):
 
     def _after_alloc(self) -> None:
         # Memory is allocated on the current stream and may be a block freed with kernels still
-        # queued there; the copies into it run on this target's stream, which must not start
-        # before that work is done.
-        self._stream.wait_stream(self._torch.cuda.current_stream(self._dev))
+        # queued there; the copies into it run on this target's stream, or a worker's, which must
+        # not start before that work is done.
+        current = self._torch.cuda.current_stream(self._dev)
+        ev = self._torch.cuda.Event()
+        ev.record(current)
+        with self._lock:
+            self._allocated[current] = ev
+            self._allocs += 1
+        self._stream.wait_stream(current)
+
+    def order_after_allocs(self, stream: Any, waited: int) -> int:
+        """Order ``stream`` (a copy stream) after every allocation of this target since the
+        ``waited`` th; returns the count to pass next time. Cheap when nothing was allocated."""
+        with self._lock:
+            if self._allocs == waited:
+                return waited
+            events, n = list(self._allocated.values()), self._allocs
+        for ev in events:
+            stream.wait_event(ev)
+        return n
+
+    def copied(self, dest: Any, event: Any) -> None:
+        """``event`` is behind the latest copy into ``dest``: :meth:`finish` waits for it alone."""
+        self._landed[id(dest)] = event
 
     def slot(self) -> tuple[int, np.ndarray]:
         """A free pinned slot (index, uint8 numpy view), waiting for its last copy if needed."""
@@ -468,17 +546,25 @@ class CudaTarget(Target):
                 i, buf = slots.slot()
                 buf[:n] = src[pos : pos + n]
                 if flat is not None:
-                    slots.upload(i, flat[offset + pos : offset + pos + n], n)
+                    ev = slots.upload(i, flat[offset + pos : offset + pos + n], n)
                 else:
-                    slots.cast_upload(i, dest, src_dtype, offset + pos, n, self._dev)  # type: ignore[arg-type]
+                    ev = slots.cast_upload(i, dest, src_dtype, offset + pos, n, self._dev)  # type: ignore[arg-type]
+                self.copied(dest, ev)
                 pos += n
 
     def synchronize(self) -> None:
         self._stream.synchronize()
+        self._landed.clear()  # every copy on the stream landed (a tensor dropped unfinished too)
 
     def finish(self, dest: Any) -> Any:
+        """``dest`` once every copy into it has landed: its own last copy waited for, not the
+        copies of other tensors queued behind it on the stream."""
         self._src.pop(id(dest), None)
-        self.synchronize()
+        ev = self._landed.pop(id(dest), None)
+        if ev is not None:
+            ev.synchronize()  # the stream's copies run in order: this one landed, all before it did
+        else:  # copies not seen by copied() (upload() called directly): all of them
+            self._stream.synchronize()
         return dest
 
     def arena(self, nbytes: int) -> Any:
@@ -528,6 +614,17 @@ class CudaTarget(Target):
             return bool(getattr(props, "is_integrated", False))
         except Exception:  # noqa: BLE001 - a property query that fails means a discrete device
             return False
+
+
+def empty_device_cache(device: str, torch: Any = None) -> int:
+    """Give the blocks torch's caching allocator holds unused on ``device`` back to the driver;
+    returns the bytes given back. A dropped tensor's memory stays cached for torch's next
+    allocation otherwise: counted as used by nvidia-smi and out of other processes' reach."""
+    torch = torch if torch is not None else _import_torch()
+    before = int(torch.cuda.memory_reserved(device))
+    with torch.cuda.device(device):  # empty_cache() frees the current device's cache
+        torch.cuda.empty_cache()
+    return max(0, before - int(torch.cuda.memory_reserved(device)))
 
 
 def make_target(device: str = "cpu", framework: str = "numpy", dtype: str | None = None) -> Target:

@@ -24,7 +24,7 @@ from weightlift import env
 from weightlift.dtypes import DTYPES, dtype_info
 from weightlift.formats import TensorInfo
 from weightlift.memory.faulter import REGION, Faulter
-from weightlift.memory.targets import Stager, Target, make_target
+from weightlift.memory.targets import Stager, Target, as_bytes, make_target
 from weightlift.options import LoadOptions
 from weightlift.profile import Profiler
 from weightlift.sources.engine import Budget, Part, layout, make_parts, make_runs, run_parts
@@ -89,7 +89,13 @@ def load_objects(
     mover = _Mover(objs, prof, progress, on_landed, checked=opts.verify and on_landed is not None)
     out: dict[str, Any] = {}
     used: list[tuple[Budget, int]] = []  # (budget, requests) of each pass
-    if direct:
+    if direct and on_landed is not None and not target.memcpy_ok:
+        # device memory: what is proven is read back from the device after the load, as a local
+        # load does (the staging the bytes passed through would prove a copy that landed wrong)
+        out.update(_Mover(objs, prof, progress, None).direct(direct, target, opts.threads, budget, used))
+        for t in direct:
+            on_landed(t.file, t.offset, as_bytes(out[t.name]))
+    elif direct:
         out.update(mover.direct(direct, target, opts.threads, budget, used))
     if casted:
         assert opts.cast is not None
@@ -141,8 +147,8 @@ class _Mover:
         """Tensors in their own dtype: runs laid out in one arena, each tensor a view of it."""
         staged = not target.memcpy_ok
         b = plan_budget(self.objs, threads=threads, staged=staged, budget=budget)
-        runs = make_runs(infos)
-        starts, total = layout(runs)
+        runs = make_runs(infos, align=target.align)  # a device's tensors start on its alignment
+        starts, total = layout(runs, align=target.align)
         parts = make_parts(runs, starts, b.part)
         used.append((b, len(parts)))
         arena = target.arena(total)

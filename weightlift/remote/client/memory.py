@@ -5,7 +5,9 @@ Each becomes a :class:`~weightlift.formats.TensorInfo` with no file, whose bytes
 array or torch CPU tensor, so the sender hands the tensor's memory itself to ``sendmsg``. A
 non-contiguous tensor is made contiguous once (a copy); a torch tensor on a device is copied to
 host memory each time its bytes are needed (hashed, then sent: the staging copy), one tensor at
-a time, so a push never holds more than a tensor or two of staging.
+a time, so a push never holds more than a tensor or two of staging. A device tensor is read as
+it stands after the work queued on the caller's current stream when ``push`` was called: work
+queued later, or on another stream the caller did not wait for, is not waited for.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from weightlift.checkpoint import Select, matcher
 from weightlift.dtypes import from_numpy, from_torch
 from weightlift.errors import NotFoundError, OptionError
 from weightlift.formats import TensorInfo
+from weightlift.memory.targets import as_bytes
 
 __all__ = ["memory_tensors", "host_bytes", "is_memory"]
 
@@ -36,10 +39,16 @@ def _torch(t: Any) -> tuple[str, tuple[int, ...], Callable[[], np.ndarray]]:
     t = t.detach()
     name, shape = from_torch(t.dtype), tuple(int(d) for d in t.shape)
     if t.device.type == "cpu":
-        flat = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+        flat = as_bytes(t.contiguous())
         return name, shape, lambda: flat
-    # device memory: staged through host memory whenever the bytes are needed
-    return name, shape, lambda: t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+    # Device memory, staged through host memory whenever the bytes are needed, on a push thread:
+    # its stream knows nothing of the caller's, where the bytes may still be being written (a
+    # trainer's side stream). The push sends the tensor as it is once the work the caller queued
+    # before push() has run: an event recorded now, on the caller's current stream.
+    t = t.contiguous()
+    ready = torch.cuda.Event(blocking=True)  # blocking: the push thread sleeps, it does not spin
+    ready.record(torch.cuda.current_stream(t.device))
+    return name, shape, lambda: as_bytes(t, after=ready)
 
 
 def _describe(value: Any) -> tuple[str, tuple[int, ...], Callable[[], np.ndarray]]:

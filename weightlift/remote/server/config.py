@@ -18,7 +18,7 @@ from typing import Literal
 
 from weightlift import env
 from weightlift.errors import DeviceError, OptionError
-from weightlift.memory.targets import Target, make_target
+from weightlift.memory.targets import Target, cuda_device, make_target
 from weightlift.options import Placement
 from weightlift.remote.protocol import PROTOCOL_MINOR
 from weightlift.remote.token import check_token
@@ -38,6 +38,8 @@ __all__ = [
     "GATE_TIMEOUT",
     "MIN_FRAME_RATE",
     "MEMORY_FRACTION",
+    "CUDA_HEADROOM",
+    "cuda_budget",
 ]
 
 MAX_CONNECTIONS = 64  # READY (authenticated) connections served at once; more are closed at accept
@@ -54,6 +56,11 @@ IO_TIMEOUT = 60.0  # seconds one receive inside a frame or payload, or one send,
 GATE_TIMEOUT = 20.0
 MIN_FRAME_RATE = 64 * 1024  # bytes per second: a frame of N bytes must arrive within IO_TIMEOUT + N / this
 MEMORY_FRACTION = 0.9  # of physical RAM: a cpu server's max_memory when none is given
+# of a device's total memory (at least 1 GiB), left free under a CUDA server's default max_memory:
+# the caching allocator rounds every block up and fragments, and kernels (a reader's copies, a
+# commit's delta) allocate workspaces beside the tensors
+CUDA_HEADROOM = 0.05
+_CUDA_HEADROOM_MIN = 1 << 30
 
 
 def is_loopback(host: str) -> bool:
@@ -66,15 +73,27 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def cuda_budget(free: int, total: int) -> int:
+    """A CUDA server's default max_memory on a device with ``free`` of ``total`` bytes free: what
+    is free, less :data:`CUDA_HEADROOM`. Not the total: the CUDA context, other processes and
+    what torch already holds are not the server's to fill. The pinned host staging of the
+    connections is charged to the same cap (it is memory the server makes), so the tensors get
+    less, never more, than the device has."""
+    return max(0, free - max(_CUDA_HEADROOM_MIN, int(total * CUDA_HEADROOM)))
+
+
 def default_max_memory(device: str = "cpu") -> int:
-    """The memory cap a server uses when given none: 90 % of physical RAM for ``cpu``, the
-    device's total memory for ``cuda[:N]``. OptionError where the amount cannot be found."""
+    """The memory cap a server uses when given none: 90 % of physical RAM for ``cpu``, for
+    ``cuda[:N]`` what is free on the device now less headroom (:func:`cuda_budget`). OptionError
+    where the amount cannot be found."""
     dev = str(device)
     if dev.startswith("cuda"):
         import torch
 
         try:
-            return int(torch.cuda.get_device_properties(torch.device(dev)).total_memory)
+            free, total = torch.cuda.mem_get_info(torch.device(dev))
+            cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)  # torch's to reuse
+            return cuda_budget(int(free) + int(cached), int(total))
         except (RuntimeError, AssertionError, ValueError) as e:
             raise DeviceError(f"cannot read the memory of device {dev!r}: {e}") from None
     try:
@@ -82,6 +101,12 @@ def default_max_memory(device: str = "cpu") -> int:
     except (AttributeError, ValueError, OSError):
         raise OptionError("cannot tell how much memory this machine has: pass max_memory") from None
     return int(total * MEMORY_FRACTION)
+
+
+def _current_device() -> int:
+    import torch
+
+    return int(torch.cuda.current_device())
 
 
 def check_device(device: str, framework: str) -> Target | None:
@@ -210,6 +235,8 @@ def configure(
                 stacklevel=3,
             )
     host_target = check_device(device, framework)  # fails now on a missing device, not per client
+    if host_target is None:  # a CUDA device: a bare "cuda" named once, in the caller's thread
+        device = cuda_device(device, _current_device)
     config = ServerConfig(
         host=host,
         port=port,

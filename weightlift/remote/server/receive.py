@@ -22,6 +22,7 @@ import blake3
 from weightlift.digest.blake import hash_buffer
 from weightlift.errors import CacheError
 from weightlift.memory.pool import held_bytes
+from weightlift.memory.targets import as_bytes
 from weightlift.profile import Profiler
 from weightlift.remote.protocol import MAX_DIGESTS, MAX_TENSORS, Alloc, BarrierReply, FillFromCache, WriteHeader
 from weightlift.remote.server.cache import CacheWriter, DigestCheck, disk_unusable
@@ -348,8 +349,8 @@ def _hash_dest(p: Pending, target: Any) -> bytes:
     target.synchronize()  # the uploads into it run on the target's stream: all of them landed first
     flat = p.dest.reshape(-1).view(torch.uint8)
     h = blake3.blake3()
-    for pos in range(0, p.nbytes, STAGING_BYTES):
-        h.update(flat[pos : pos + STAGING_BYTES].cpu().numpy())
+    for pos in range(0, p.nbytes, STAGING_BYTES):  # a slice at a time: bounded host staging
+        h.update(as_bytes(flat[pos : pos + STAGING_BYTES]).data)
     return h.digest()
 
 

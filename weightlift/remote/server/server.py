@@ -53,7 +53,7 @@ from weightlift.digest.blake import hash_buffer
 from weightlift.digest.setdigest import set_digest
 from weightlift.errors import StateError
 from weightlift.memory.pool import HostPool
-from weightlift.memory.targets import as_bytes
+from weightlift.memory.targets import as_bytes, empty_device_cache
 from weightlift.options import Array
 from weightlift.remote.protocol import PROTOCOL_MINOR
 from weightlift.remote.server.accept import Acceptor
@@ -383,9 +383,13 @@ class Server:
 
     def trim(self, keep: int = 0) -> int:
         """Give idle pooled host memory back to the system until at most ``keep`` bytes stay
-        idle; returns the bytes given back (0 without a pool)."""
+        idle, and on a CUDA device the blocks torch's caching allocator keeps of dropped tensors
+        (held from other processes until then); returns the bytes given back."""
         pool = self._store.pool
-        return pool.trim(keep) if pool is not None else 0
+        given = pool.trim(keep) if pool is not None else 0
+        if self.device.startswith("cuda"):
+            given += empty_device_cache(self.device)
+        return given
 
     @property
     def cache(self) -> TensorCache | None:
