@@ -13,7 +13,7 @@ then (``--engine-process``: the engine core in a process of its own, vLLM's defa
 vLLM's own figure only). An arm ``FORMAT:STRATEGY`` is a format with vLLM's
 ``safetensors_load_strategy`` (``auto:prefetch``: vLLM's own read ahead, which starts in its loader);
 ``weightlift:noOPTION`` is the ``weightlift`` format with that option false
-(``weightlift:noprefault``: the parameters left in the memory vLLM allocated). The weight loading is timed the same way for every arm: the wall time of the format's
+(``weightlift:noprefetch``). The weight loading is timed the same way for every arm: the wall time of the format's
 loader's ``load_weights`` (finding the files, reading them and ``model.load_weights``), which
 is the span vLLM's own "Loading weights took N seconds" covers; that line is read from the
 output too where the format logs it (the default loader, ``weightlift``; not
@@ -93,10 +93,8 @@ def main():
         inner(self, model, model_config)
         timed["load_weights_s"] = time.perf_counter() - t
     cls.load_weights = load_weights
-    if fmt == "weightlift":  # "weightlift:noprefault": a boolean option of the format turned off
-        if strategy and not strategy.startswith("no"):
-            raise SystemExit(f"arm {arm!r}: weightlift takes weightlift:noOPTION")
-        extra = {"model_loader_extra_config": {strategy[2:]: False}} if strategy else {}
+    if fmt == "weightlift" and strategy.startswith("no"):  # "weightlift:noprefetch": an option of the format off
+        extra = {"model_loader_extra_config": {strategy[2:]: False}}
     else:
         extra = {"safetensors_load_strategy": strategy} if strategy else {}
     llm = LLM(model=path, load_format=fmt, skip_tokenizer_init=True, enforce_eager=True,

@@ -16,24 +16,26 @@ def test_options_default_and_given():
     assert LoaderOptions.parse(None) == LoaderOptions()
     o = LoaderOptions.parse({"verify": True, "manifest": "m.json", "prefetch": True, "threads": 2, "prefault": False})
     assert (o.verify, o.manifest, o.prefetch, o.threads, o.prefault) == (True, "m.json", True, 2, False)
-    assert LoaderOptions.parse({"prefault": None}).prefault is None
+    assert LoaderOptions.parse({"prefault": None}).prefault is None  # a removed option, left out or false
 
 
 @pytest.mark.parametrize(
-    ("extra", "reads"),
+    ("extra", "strategy", "reads"),
     [
-        ({}, True),
-        ({"prefetch": None}, True),
-        ({"prefetch": False}, False),
-        ({"prefetch": True}, True),
-        ({"page_cache": "keep"}, True),
-        ({"page_cache": "evict"}, False),  # the page cache competes with the destination
-        ({"page_cache": "evict", "prefetch": True}, True),
-        ({"server": "h:1"}, False),  # no files to read
+        ({}, None, False),  # vLLM's default: the load reads what is cold as it goes
+        ({}, "lazy", False),
+        ({}, "prefetch", True),  # vLLM's documented read ahead, asked for
+        ({"prefetch": None}, "prefetch", True),
+        ({"prefetch": False}, "prefetch", False),
+        ({"prefetch": True}, None, True),
+        ({"page_cache": "keep"}, "prefetch", True),
+        ({"page_cache": "evict"}, "prefetch", False),  # the page cache competes with the destination
+        ({"page_cache": "evict", "prefetch": True}, None, True),
+        ({"server": "h:1"}, "prefetch", False),  # no files to read
     ],
 )
-def test_the_files_are_read_ahead_by_default_where_the_page_cache_is_kept(extra, reads):
-    assert LoaderOptions.parse(extra).reads_ahead() is reads
+def test_the_files_are_read_ahead_where_prefetch_or_vllms_strategy_asks(extra, strategy, reads):
+    assert LoaderOptions.parse(extra).reads_ahead(strategy) is reads
 
 
 @pytest.mark.parametrize(
@@ -50,7 +52,8 @@ def test_the_files_are_read_ahead_by_default_where_the_page_cache_is_kept(extra,
         ({"manifest": "m.json"}, "set verify too"),
         ({"token_file": "t"}, "set server too"),
         ({"server": "h:1", "prefetch": True}, "are for the files"),
-        ({"server": "h:1", "prefault": True}, "are for the files"),
+        ({"prefault": True}, "prefault was removed"),
+        ({"server": "h:1", "copy": True}, "are for the files"),
         ({"server": "h:1", "timeout": 0}, "timeout must be a positive number"),
         ({"server": "h:1", "timeout": float("inf")}, "timeout must be a positive number of seconds up to"),
         ({"server": "h:1", "timeout": float("nan")}, "timeout must be a positive number .* not nan"),
@@ -130,22 +133,6 @@ def test_timeouts_vllm_json_takes_are_refused_by_the_client():
             Client("127.0.0.1:1", timeout=bad)
 
 
-def test_a_malformed_prefault_variable_is_a_warning_in_the_plugin_hook(tmp_path, monkeypatch, caplog):
-    import multiprocessing
-    import os
-
-    from weightlift.integrations.vllm import prefault
-
-    monkeypatch.setattr(multiprocessing.current_process(), "name", prefault.ENGINE_CORE)
-    for value in ("\u00b3", "\u0663", "1\u00b2"):  # superscript three, Arabic-Indic three, 1 and a superscript
-        monkeypatch.setenv(prefault.ENV, f"{prefault.ENGINE_CORE}:{value}:0:{tmp_path}")
-        caplog.clear()
-        assert prefault.from_environment() is None
-        assert prefault.ENV not in os.environ
-        assert [r.levelname for r in caplog.records] == ["WARNING"]
-        assert "malformed" in caplog.records[0].getMessage()
-
-
 def test_unicode_digits_in_numeric_environment_values_are_ignored(monkeypatch):
     from weightlift import env
 
@@ -172,3 +159,48 @@ def test_a_server_listing_more_than_memory_holds_is_refused_before_mapping():
             pull_tensors(s.address, timeout=10)
     finally:
         s.close()
+
+
+@pytest.mark.parametrize(
+    ("version", "inside"),
+    [
+        ("0.29.0", True),
+        ("0.30.1", True),
+        ("0.32.0", True),
+        ("0.32.0+cpu", True),
+        ("0.32.3", True),  # a patch release of the newest tested one
+        ("0.28.5", False),
+        ("0.33.0", False),
+        ("1.0.0", False),
+        ("0.29.0rc1.dev12", True),
+        ("not a version", False),
+    ],
+)
+def test_the_tested_vllm_releases(version, inside):
+    from weightlift.integrations.vllm import compat
+
+    assert compat.within(version, "0.29.0", "0.32.0") is inside
+
+
+def test_an_untested_vllm_is_said_once_and_turns_the_internals_off(monkeypatch):
+    import logging
+
+    from weightlift.integrations.vllm import compat
+
+    monkeypatch.setattr(compat, "_checked", None)
+    monkeypatch.setattr(compat, "version", lambda: "99.0.0")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    log = logging.getLogger("vllm.weightlift")  # vLLM's own loggers do not propagate to caplog's
+    log.addHandler(handler)
+    try:
+        assert compat.tested() is False
+        assert compat.tp_size() is None
+        assert compat.prepared_folder(object(), "org/model", None) is None  # no internal reached
+        assert compat.tested() is False
+    finally:
+        log.removeHandler(handler)
+    lines = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert len(lines) == 1 and "vLLM 99.0.0 is outside the releases it was tested on" in lines[0]
+    assert f"({compat.TESTED[0]} to {compat.TESTED[1]})" in lines[0]

@@ -9,7 +9,8 @@ through :class:`~weightlift.integrations.vllm.loader.WeightliftModelLoader`, and
 how each option maps.
 
 This package imports vLLM only in :func:`register` and the modules it names, so that
-``weightlift`` itself never needs it.
+``weightlift`` itself never needs it; every use of a vLLM internal is in :mod:`.compat`, with
+the vLLM releases it was tested on.
 """
 
 from __future__ import annotations
@@ -20,22 +21,30 @@ LOAD_FORMAT = "weightlift"
 BACKEND = "weightlift"
 
 
-def register() -> None:
-    """Register the load format and the weight-transfer engine with vLLM (idempotent)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-    from vllm.model_executor import model_loader
+_registered = False  # this process registered the load format already
 
-    from weightlift.integrations.vllm import early, prefault
+
+def register() -> None:
+    """Register the load format and, on a vLLM release :mod:`.compat` was tested on, the
+    weight-transfer engine with vLLM (idempotent)."""
+    global _registered
+    from vllm.model_executor.model_loader import register_model_loader
+
+    from weightlift.integrations.vllm import compat
     from weightlift.integrations.vllm.loader import WeightliftModelLoader
 
-    # vLLM runs the plugin in each process, and a caller may have registered already: its
-    # registries are asked first (registering twice is a warning for a loader, an error for an
-    # engine)
-    if getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", {}).get(LOAD_FORMAT) is not WeightliftModelLoader:
-        model_loader.register_model_loader(LOAD_FORMAT)(WeightliftModelLoader)
-    if BACKEND not in WeightTransferEngineFactory._registry:
+    # vLLM runs the plugin in each process, and a caller may have registered already (twice
+    # is a warning in vLLM's log for a loader, an error for an engine)
+    if not _registered:
+        register_model_loader(LOAD_FORMAT)(WeightliftModelLoader)
+        _registered = True
+    if not compat.tested():
+        return  # the engine needs vLLM's layerwise reload: not registered (said once)
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
         WeightTransferEngineFactory.register_engine(
             BACKEND, "weightlift.integrations.vllm.engine", "WeightliftWeightTransferEngine"
         )
-    early.install()  # a cold checkpoint read from the moment the engine's configuration exists
-    prefault.from_environment()  # in the process spawned to build the model: its memory, faulted in ahead
+    except ValueError:
+        pass  # registered already in this process

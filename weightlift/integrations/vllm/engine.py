@@ -56,6 +56,7 @@ from vllm.logger import init_logger
 
 from weightlift import libc
 from weightlift.errors import StateError
+from weightlift.integrations.vllm import compat
 from weightlift.integrations.vllm.updates import checked, checkpoint_shapes
 from weightlift.remote.server import Server
 from weightlift.remote.token import read_token
@@ -133,14 +134,10 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
         return self.server
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         self._server()
-        initialize_layerwise_reload(self.model)
+        compat.reload(self.model, start=True)
 
     def receive_weights(self, update_info: WeightliftUpdateInfo) -> None:
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-
         # the server's tensors held off in-place pushes while they are checked and copied: the
         # model gets one version of each, never bytes another client's switch is changing
         with self._server().reading() as held:
@@ -151,19 +148,15 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
                 self._undo()
                 raise
             self._release = update_info.release
-            with disable_mtp_completeness_check():
+            with compat.mtp_check_off():
                 self.model.load_weights(weights)
 
     def _undo(self) -> None:
         """Put every layer back as it was before ``start`` (none got weights yet)."""
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
+        compat.reload(self.model, self.model_config, start=False)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
+        compat.reload(self.model, self.model_config, start=False)
         _reprocess_tied(self.model)
         release, self._release = self._release, False
         if release:

@@ -20,9 +20,12 @@ default loader:
 - from a tensor server (``server``): every tensor it holds, READ over the wire into one block of
   this process's memory (:mod:`weightlift.integrations.vllm.pulled`).
 
-The files are found as the default loader finds them (a local folder, or what vLLM downloads
-for a hub name); checkpoints that are not safetensors (``.bin``, ``.pt``) are left to the
-default loader, which reads them.
+The files are a local folder, or what vLLM's default loader downloads for a hub name (found in
+the hub's cache; elsewhere, ModelScope, through :func:`.compat.prepared_folder`); checkpoints
+that are not safetensors (``.bin``, ``.pt``) are left to the default loader, which reads them.
+With ``prefetch`` (or vLLM's own ``safetensors_load_strategy="prefetch"``) the cold files are
+read into the page cache from ``load_model`` on, while vLLM builds the model. This module uses
+vLLM's public interfaces only: what needs an internal is in :mod:`.compat`.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from weightlift.checkpoint import Checkpoint, open_checkpoint
 from weightlift.digest.published import announce
 from weightlift.errors import IntegrityError
 from weightlift.hf.mapped import read_and_map
-from weightlift.integrations.vllm import early, prefault
+from weightlift.integrations.vllm import compat
 from weightlift.integrations.vllm.options import LoaderOptions
 from weightlift.integrations.vllm.pulled import pull_tensors, tls_context
 from weightlift.integrations.vllm.streamed import streamed_tensors
@@ -82,19 +85,29 @@ class WeightliftModelLoader(BaseModelLoader):
             self._default().download_model(model_config)
 
     def checkpoint(self, model_config: ModelConfig) -> Checkpoint | None:
-        """The model's safetensors checkpoint, or None where it has none (``.bin``, ``.pt``)."""
+        """The model's safetensors checkpoint, or None where it has none (``.bin``, ``.pt``) or
+        its files cannot be found without a vLLM internal this release was not tested with."""
         path = model_config.model
         if not os.path.isdir(path):
-            path = self._default()._prepare_weights(model_config.model, None, model_config.revision, True, None)[0]
-        if not early.has_safetensors(path):
+            found = local_folder(path, model_config.revision, self.load_config.download_dir)
+            if found is None:
+                found = compat.prepared_folder(self._default(), path, model_config.revision)
+            if found is None:
+                return None
+            path = found
+        if not has_safetensors(path):
             return None
         return open_checkpoint(path)
 
+    def reads_ahead(self) -> bool:
+        """Whether the files are read into the page cache from ``load_model`` on: ``prefetch``
+        as given, else as vLLM's ``safetensors_load_strategy`` asks (``"prefetch"``)."""
+        return self.options.reads_ahead(getattr(self.load_config, "safetensors_load_strategy", None))
+
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
-        # by default the files were asked for when the engine's configuration was built
-        # (:mod:`.early`), and the load reads what is still cold as it goes; asked for, the
-        # load waits for a read of its own, which runs while vLLM builds the model
-        if self.options.prefetch is True:
+        # asked for, the read runs while vLLM builds the model, and the load waits for it;
+        # otherwise the load reads what is cold itself, in parallel pieces as it goes
+        if self.reads_ahead():
             ck = self.checkpoint(model_config)
             if ck is not None:
                 self._prefetch = prefetch(ck, keep=False)
@@ -119,15 +132,13 @@ class WeightliftModelLoader(BaseModelLoader):
             if o.verify or o.page_cache is not None:  # every tensor proven before any reaches the model
                 return read_and_map(ck, LoadOptions(framework="torch", **kw)).items()
             # with tensor parallelism each rank faults in only the pages its loaders slice out
-            return streamed_tensors(ck, threads=o.threads, touch=_tp_size() == 1)
+            return streamed_tensors(ck, threads=o.threads, touch=compat.tp_size() == 1)
         except IntegrityError as e:
             files = sorted({t.file for t in ck.tensors if repr(t.name) in str(e) or t.name in str(e)})
             raise IntegrityError(f"{e} (in {', '.join(files) or ck.path}); the engine does not start") from None
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         t0 = time.perf_counter()
-        # the parameters into memory faulted in ahead (given back unused where the option is off)
-        self.report["prefaulted"] = prefault.place(model, self.report, use=self.options.prefault is not False)
         tensors = self.tensors(model_config)
         if tensors is None:
             logger.info("weightlift: no safetensors checkpoint; vLLM's default loader reads these files")
@@ -148,27 +159,31 @@ class WeightliftModelLoader(BaseModelLoader):
         elapsed = time.perf_counter() - t0
         self.report.update(tensors=count[0], bytes=count[1], seconds=elapsed, source=self.options.server or "files")
         logger.info(
-            "Loading weights took %.2f seconds (weightlift: %d tensors, %.2f GB%s)",
+            "Loading weights took %.2f seconds (weightlift: %d tensors, %.2f GB)",
             elapsed,
             count[0],
             count[1] / 1e9,
-            _faulted(self.report),
         )
 
 
-def _faulted(report: dict[str, Any]) -> str:
-    """What the parameters' memory faulted in ahead did, for the log line ('' where none moved)."""
-    moved, took, lead = report.get("prefaulted", 0), report.get("prefault_s"), report.get("prefault_lead_s")
-    if not moved:
-        return ""
-    when = "" if took is None else f", faulted in over {took:.2f} s, done {lead:.2f} s before the load"
-    return f"; {moved / 1e6:.1f} MB of parameters moved into memory faulted in ahead{when}"
+def local_folder(model: str, revision: str | None, download_dir: str | None) -> str | None:
+    """The folder of hub name ``model``'s safetensors in the local cache (where vLLM's
+    ``download_model`` put them; nothing is downloaded here), or None."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder: str = snapshot_download(
+            model,
+            revision=revision,
+            cache_dir=download_dir,
+            local_files_only=True,
+            allow_patterns=["*.safetensors", "*.safetensors.index.json"],
+        )
+    except Exception:  # noqa: BLE001 - not in the cache, or not a hub name
+        return None
+    return folder if has_safetensors(folder) else None
 
 
-def _tp_size() -> int:
-    """The tensor-parallel world size this rank loads in (1 outside vLLM's distributed set-up)."""
-    from vllm.distributed import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return 1
-    return parallel_state.get_tensor_model_parallel_world_size()
+def has_safetensors(folder: str) -> bool:
+    """Whether ``folder`` holds a safetensors file (else the default loader reads what it has)."""
+    return any(n.endswith(".safetensors") for n in os.listdir(folder))

@@ -24,9 +24,10 @@ KEYS = {
     "verify": "check every tensor as it lands against the manifest, else the one published beside the "
     "checkpoint, else (said so in the log) only the files as they are now",
     "manifest": "the published manifest to verify against (a path; default: the one beside the checkpoint)",
-    "prefetch": "read a cold checkpoint into the page cache while vLLM starts (default: unless page_cache is 'evict')",
+    "prefetch": "read a cold checkpoint into the page cache while vLLM builds the model (default: where "
+    "vLLM's safetensors_load_strategy is 'prefetch')",
     "page_cache": "'keep' or 'evict' the page cache after the load",
-    "prefault": "fault the parameters' memory in while vLLM starts (default: where it is host memory)",
+    "prefault": "removed (it did not shorten the time to first token); false is still taken",
     "threads": "readers for a cold checkpoint",
     "copy": "read into fresh memory instead of handing out views of the file's mapping",
     "server": "take the tensors from a weightlift tensor server ('host:port') instead of the files",
@@ -81,9 +82,14 @@ class LoaderOptions:
         opts = cls(**{k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in extra.items()})
         if opts.server is None and (opts.token_file is not None or opts.tls):
             raise OptionError("load format 'weightlift': token_file and tls are for a server; set server too")
-        if opts.server is not None and (opts.manifest is not None or True in (opts.prefetch, opts.prefault, opts.copy)):
+        if opts.prefault:
             raise OptionError(
-                "load format 'weightlift': manifest, prefetch, prefault and copy are for the files; "
+                "load format 'weightlift': prefault was removed (it did not shorten the time to first token); "
+                "leave it out"
+            )
+        if opts.server is not None and (opts.manifest is not None or True in (opts.prefetch, opts.copy)):
+            raise OptionError(
+                "load format 'weightlift': manifest, prefetch and copy are for the files; "
                 "with server, verify checks the digests the server states"
             )
         if opts.manifest is not None and not opts.verify:
@@ -96,13 +102,14 @@ class LoaderOptions:
             )
         return opts
 
-    def reads_ahead(self) -> bool:
-        """Whether the files are read into the page cache ahead of the load: asked for, or by
-        default where the tensors come from files and the page cache is kept (with
-        ``page_cache: "evict"`` it competes with the destination, and is not filled early)."""
+    def reads_ahead(self, strategy: str | None = None) -> bool:
+        """Whether the files are read into the page cache while vLLM builds the model: as
+        ``prefetch`` says, else where vLLM's ``safetensors_load_strategy`` (``strategy``) is
+        ``"prefetch"``, the tensors come from files and the page cache is kept (with
+        ``page_cache: "evict"`` it competes with the destination)."""
         if self.prefetch is not None:
             return self.prefetch
-        return self.server is None and self.page_cache != "evict"
+        return strategy == "prefetch" and self.server is None and self.page_cache != "evict"
 
     def token(self) -> bytes | None:
         """The server's token, read from ``token_file`` as the CLI's ``--token-file`` is: a file only
