@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import signal
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from weightlift.errors import IntegrityError, OptionError
@@ -104,6 +106,18 @@ def _register_serve(sub: Any) -> None:
         help="a frame of N bytes must arrive within --io-timeout plus N over this rate, so a peer "
         f"trickling bytes cannot hold a connection (default {MIN_FRAME_RATE}; 0: no such deadline)",
     )
+    s.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default="info",
+        help="what the server logs to stderr, one key=value line per event (default info: connections, refusals)",
+    )
+    s.add_argument(
+        "--ready-file",
+        metavar="F",
+        help="write HOST:PORT to this file once the server listens (a supervisor's readiness check); "
+        "removed when the server stops",
+    )
     s.set_defaults(func=_cmd_serve)
 
 
@@ -162,6 +176,26 @@ def _cache_cap(text: str | None) -> int | Literal["auto"] | None:
     return None if text.lower() == "none" else parse_size(text)
 
 
+class _Terminated(BaseException):
+    """SIGTERM: a supervisor's ordinary stop, answered with a clean close and exit status 0."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+def _setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s", "%Y-%m-%dT%H:%M:%S")
+    )
+    for name in ("weightlift.server", "weightlift.remote.server"):
+        logger = logging.getLogger(name)
+        logger.setLevel(level.upper())
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
 def _cmd_serve(a: argparse.Namespace) -> int:
     from weightlift.remote.server.server import Server
     from weightlift.remote.transport import server_tls_context
@@ -192,12 +226,20 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     auth = ", token required" if a.token_file else ""
     auth += ", TLS" if tls is not None else ""
     print(f"weightlift: serving on {host}:{port} (device {a.device}, {framework}{cache}{auth})", flush=True)
-    # SIGTERM ends the server as Ctrl-C does: it closes, writing the cache entries still queued
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    _setup_logging(a.log_level)
+    # SIGTERM closes the server as Ctrl-C does (a push in flight is dropped, never published; the
+    # cache entries still queued are written) but is a clean stop: exit status 0
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    if a.ready_file:
+        Path(a.ready_file).write_text(f"{host}:{port}\n")
     try:
         server.serve_forever()
+    except _Terminated:
+        logging.getLogger("weightlift.server").info("event=stop reason=SIGTERM")
     finally:
         server.close()
+        if a.ready_file:
+            Path(a.ready_file).unlink(missing_ok=True)
     return 0
 
 

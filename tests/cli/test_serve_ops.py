@@ -1,0 +1,58 @@
+"""``weightlift serve`` as a supervisor runs it: a ready file, key=value log lines, SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from tests.checkpoints import every_dtype, write
+from tests.waiting import wait_for
+from weightlift.remote.client.client import Client
+
+
+def _serve(tmp_path, *extra):
+    ready = tmp_path / "ready"
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightlift", "serve", "--port", "0", "--ready-file", str(ready), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        wait_for(lambda: ready.exists() and ready.read_text().endswith("\n"), 30)
+    except AssertionError:
+        proc.kill()
+        raise
+    return proc, ready, ready.read_text().strip()
+
+
+def test_sigterm_is_a_clean_stop_with_status_0(tmp_path):
+    proc, ready, address = _serve(tmp_path)
+    path = write(tmp_path / "m.safetensors", every_dtype())
+    with Client(address) as c:
+        c.push(str(path))
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "interrupted" not in err and "Traceback" not in err
+    assert not ready.exists()  # a supervisor does not see a stopped server as ready
+    lines = [ln for ln in err.splitlines() if "event=" in ln]
+    assert any("event=connection_open peer=127.0.0.1:" in ln and "level=INFO" in ln for ln in lines), err
+    close = [ln for ln in lines if "event=connection_close" in ln]
+    assert close and "seconds=" in close[0], err
+    assert any("event=stop reason=SIGTERM" in ln for ln in lines), err
+
+
+def test_log_level_warning_hides_connection_lines(tmp_path):
+    proc, _, address = _serve(tmp_path, "--log-level", "warning")
+    path = write(tmp_path / "m.safetensors", every_dtype())
+    with Client(address) as c:
+        c.push(str(path))
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "event=connection_open" not in err
