@@ -6,6 +6,9 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
+
+import pytest
 
 from tests.checkpoints import every_dtype, write
 from tests.waiting import wait_for
@@ -56,3 +59,25 @@ def test_log_level_warning_hides_connection_lines(tmp_path):
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "event=connection_open" not in err
+
+
+def test_metrics_are_scraped_over_http_from_a_running_server(tmp_path):
+    pytest.importorskip("prometheus_client")
+    proc, _, address = _serve(tmp_path, "--metrics", "0")
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith("weightlift: metrics on http://127.0.0.1:"), first
+        url = first.split(" on ", 1)[1].strip()
+        path = write(tmp_path / "m.safetensors", every_dtype())
+        with Client(address) as c:
+            c.push(str(path))
+            held = len(c.list())
+        body = urllib.request.urlopen(url, timeout=10).read().decode()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert "# TYPE weightlift_server_connections_total counter" in body
+    assert "# TYPE weightlift_server_memory_used gauge" in body
+    assert f"weightlift_server_tensors_held {float(held)}" in body
+    assert "weightlift_server_connections_total 1.0" in body

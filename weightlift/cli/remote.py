@@ -118,6 +118,12 @@ def _register_serve(sub: Any) -> None:
         help="write HOST:PORT to this file once the server listens (a supervisor's readiness check); "
         "removed when the server stops",
     )
+    s.add_argument(
+        "--metrics",
+        metavar="[HOST:]PORT",
+        help="serve Prometheus metrics (the server's stats) over HTTP here; HOST defaults to 127.0.0.1 "
+        "(needs the metrics extra: pip install 'weightlift[metrics]')",
+    )
     s.set_defaults(func=_cmd_serve)
 
 
@@ -196,6 +202,21 @@ def _setup_logging(level: str) -> None:
         logger.propagate = False
 
 
+def _start_metrics(server: Any, where: str) -> None:
+    host, _, port = where.rpartition(":")
+    if not port.isdigit():
+        raise OptionError(f"--metrics {where!r} is not [HOST:]PORT")
+    try:
+        from weightlift.remote.server.metrics import serve_metrics
+
+        _, bound = serve_metrics(server.stats, host or "127.0.0.1", int(port))
+    except ImportError:
+        raise OptionError("--metrics needs prometheus_client: pip install 'weightlift[metrics]'") from None
+    except OSError as e:
+        raise OptionError(f"--metrics {where}: cannot bind: {e.strerror or e}") from None
+    print(f"weightlift: metrics on http://{host or '127.0.0.1'}:{bound}/metrics", flush=True)
+
+
 def _cmd_serve(a: argparse.Namespace) -> int:
     from weightlift.remote.server.server import Server
     from weightlift.remote.transport import server_tls_context
@@ -222,6 +243,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         tls=tls,
     )
     host, port = server.bind()
+    if a.metrics:
+        _start_metrics(server, a.metrics)
     cache = f", cache {a.cache_dir}" if a.cache_dir else ""
     auth = ", token required" if a.token_file else ""
     auth += ", TLS" if tls is not None else ""
