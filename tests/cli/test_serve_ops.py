@@ -81,3 +81,18 @@ def test_metrics_are_scraped_over_http_from_a_running_server(tmp_path):
     assert "# TYPE weightlift_server_memory_used gauge" in body
     assert f"weightlift_server_tensors_held {float(held)}" in body
     assert "weightlift_server_connections_total 1.0" in body
+
+
+def test_a_token_file_read_in_code_matches_serve_token_file(tmp_path):
+    from weightlift.remote.server.server import Server
+    from weightlift.remote.token import read_token
+
+    tok = tmp_path / "tok"
+    tok.write_text("a-token-of-thirty-two-characters\n")
+    tok.chmod(0o600)
+    path = write(tmp_path / "m.safetensors", every_dtype())
+    with Server(token=read_token(str(tok))) as s:  # as `serve --token-file tok` reads it
+        with Client(s.address, token=open(tok).read()) as c:  # the README's way, newline and all
+            c.push(str(path))
+    with Server(token=open(tok).read()) as s, Client(s.address, token=read_token(str(tok))) as c:
+        assert c.list() == []
