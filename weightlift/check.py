@@ -516,5 +516,5 @@ def register(sub: Any) -> None:
     c.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     c.add_argument("--device", default="cpu", help="cpu or cuda[:N], for both models")
     c.add_argument("--dtype", help="load both in this dtype (default: the checkpoint's, as transformers' dtype='auto')")
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--json", action="store_true", help="print the comparison as JSON")
     c.set_defaults(func=_cmd_check)

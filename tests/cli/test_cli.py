@@ -71,3 +71,27 @@ def test_python_dash_m_weightlift_is_the_cli(ckpt):
         [sys.executable, "-m", "weightlift", "inspect", "/no/such/file"], capture_output=True, text=True
     )
     assert res.returncode == 2 and "Traceback" not in res.stderr
+
+
+def test_weightlift_alone_prints_usage_with_every_command(capsys):
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("usage: weightlift")
+    for command in ("load", "inspect", "serve", "push", "pull", "ls", "bench"):
+        assert command in out
+
+
+def test_every_option_of_every_command_has_help():
+    import argparse
+
+    from weightlift.cli.main import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [
+        f"{name} {'/'.join(action.option_strings)}"
+        for name, p in sub.choices.items()
+        for action in p._actions
+        if action.option_strings and not action.help and not isinstance(action, argparse._HelpAction)
+    ]
+    assert missing == []

@@ -129,7 +129,7 @@ def _register_serve(sub: Any) -> None:
 
 def _connection_args(p: Any) -> None:
     """How a client subcommand reaches a server that wants a token or speaks TLS (see :func:`_client`)."""
-    p.add_argument("--token-file", metavar="F")
+    p.add_argument("--token-file", metavar="F", help="prove to the server that we hold the token in this file")
     p.add_argument("--tls", action="store_true", help="speak TLS to a server started with --tls-cert")
     p.add_argument("--tls-ca", metavar="F", help="trust this CA (PEM) for the server's certificate (implies --tls)")
 
@@ -137,7 +137,7 @@ def _connection_args(p: Any) -> None:
 def _register_push(sub: Any) -> None:
     p = sub.add_parser("push", help="send a checkpoint's tensors to a tensor server")
     p.add_argument("path")
-    p.add_argument("--to", required=True, metavar="HOST:PORT")
+    p.add_argument("--to", required=True, metavar="HOST:PORT", help="the tensor server to push to")
     p.add_argument("--select", action="append", metavar="PATTERN", help="a glob, or re:<regex>; repeat for several")
     p.add_argument("--streams", type=int, default=1, help="connections to spread the tensors over")
     _connection_args(p)
@@ -159,8 +159,8 @@ def _register_push(sub: Any) -> None:
 
 def _register_pull_ls(sub: Any) -> None:
     g = sub.add_parser("pull", help="save everything a tensor server holds as a .safetensors file")
-    g.add_argument("--from", dest="source", required=True, metavar="HOST:PORT")
-    g.add_argument("-o", "--output", required=True, metavar="FILE.safetensors")
+    g.add_argument("--from", dest="source", required=True, metavar="HOST:PORT", help="the tensor server to pull from")
+    g.add_argument("-o", "--output", required=True, metavar="FILE.safetensors", help="the file to write")
     _connection_args(g)
     g.add_argument(
         "--verify",
@@ -170,9 +170,9 @@ def _register_pull_ls(sub: Any) -> None:
     g.set_defaults(func=_cmd_pull)
 
     ls = sub.add_parser("ls", help="list the tensors a tensor server holds")
-    ls.add_argument("--from", dest="source", required=True, metavar="HOST:PORT")
+    ls.add_argument("--from", dest="source", required=True, metavar="HOST:PORT", help="the tensor server to list")
     _connection_args(ls)
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("--json", action="store_true", help="print the list as JSON")
     ls.set_defaults(func=_cmd_ls)
 
 
