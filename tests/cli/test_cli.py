@@ -95,3 +95,18 @@ def test_every_option_of_every_command_has_help():
         if action.option_strings and not action.help and not isinstance(action, argparse._HelpAction)
     ]
     assert missing == []
+
+
+def test_the_cli_and_push_help_import_neither_the_server_nor_ml_dtypes():
+    code = (
+        "import sys\n"
+        "from weightlift.cli.main import main\n"
+        "try:\n"
+        "    main(['push', '--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(sorted(m for m in sys.modules if m.startswith('weightlift.remote.server.server') or m == 'ml_dtypes'))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "[]"
