@@ -79,3 +79,10 @@ def test_a_plaintext_client_at_a_tls_server_is_logged(tmp_path, caplog):
         raw.close()
         wait_for(lambda: _events(caplog, "tls_failed"))
     assert "TLS handshake" in _events(caplog, "tls_failed")[0]
+
+
+def test_a_plaintext_client_at_a_tls_server_is_told_to_use_tls(tmp_path):
+    cert, key = _self_signed(tmp_path)
+    with Server(tls=server_tls_context(cert, key), handshake_timeout=2) as s:
+        with pytest.raises(WeightliftError, match="connect with TLS"):
+            Client(s.address, timeout=5)
