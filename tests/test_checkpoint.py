@@ -216,3 +216,14 @@ def test_folder_resolution(tmp_path):
     (d / "third.safetensors.index.json").write_text("{}")
     with pytest.raises(FormatError, match="other.safetensors.index.json, third.safetensors.index.json"):
         wl.open(d)
+
+
+@pytest.mark.parametrize("select", [3, 2.5, b"w.*", {"a": 1}])
+def test_a_select_of_the_wrong_type_is_an_option_error(tmp_path, select):
+    from tests.checkpoints import every_dtype, write
+    from weightlift.checkpoint import open_checkpoint
+    from weightlift.errors import OptionError
+
+    ck = open_checkpoint(write(tmp_path / "m.safetensors", every_dtype()))
+    with pytest.raises(OptionError, match="select: expected"):
+        ck.select(select)
