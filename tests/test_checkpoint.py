@@ -339,3 +339,14 @@ def test_a_later_split_names_the_first(tmp_path):
     files[0].rename(renamed)
     with pytest.raises(FormatError, match="not named <prefix>-00001-of-00003.gguf"):
         wl.open(renamed)
+
+
+@pytest.mark.parametrize("select", [3, 2.5, b"w.*", {"a": 1}])
+def test_a_select_of_the_wrong_type_is_an_option_error(tmp_path, select):
+    from tests.checkpoints import every_dtype, write
+    from weightlift.checkpoint import open_checkpoint
+    from weightlift.errors import OptionError
+
+    ck = open_checkpoint(write(tmp_path / "m.safetensors", every_dtype()))
+    with pytest.raises(OptionError, match="select: expected"):
+        ck.select(select)

@@ -171,3 +171,14 @@ def test_a_token_stays_out_of_the_options_repr():
     opts = LoadOptions(token=token)
     assert token not in repr(opts) and "device='cpu'" in repr(opts)
     assert opts.token == token
+
+
+@pytest.mark.parametrize("dtype", ["I32", "int8", "U8", "BOOL"])
+def test_a_cast_to_an_integer_dtype_is_refused(tmp_path, dtype):
+    from tests.checkpoints import every_dtype, write
+    from weightlift import load
+    from weightlift.errors import OptionError
+
+    path = write(tmp_path / "m.safetensors", every_dtype())
+    with pytest.raises(OptionError, match="floating-point"):
+        load(path, dtype=dtype)

@@ -482,5 +482,5 @@ def register(sub: Any) -> None:
     c.add_argument(
         "--manifest", metavar="FILE", help="the published manifest to check the digests against (default: beside PATH)"
     )
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--json", action="store_true", help="print the comparison as JSON")
     c.set_defaults(func=_cmd_check)

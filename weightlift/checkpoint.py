@@ -141,8 +141,12 @@ def matcher(select: Select) -> Any:
         return lambda n: n in exact
     if isinstance(select, str):
         select = [select]
+    if not isinstance(select, (list, tuple)):
+        raise OptionError(
+            f"select: expected a glob, a list of globs, a set of names or a compiled regex, got {select!r}"
+        )
     tests = []
-    for s in select:  # type: ignore[union-attr]
+    for s in select:
         if not isinstance(s, str):
             raise OptionError(f"select: expected glob strings or a regex, got {s!r}")
         if s.startswith("re:"):

@@ -151,6 +151,10 @@ class LoadOptions:
             if self.threads < 1:
                 raise OptionError("threads must be at least 1")
         object.__setattr__(self, "cast", dtype_name(self.dtype))
+        if self.cast is not None and not _is_float(self.cast):
+            # only floating-point tensors are cast: a float cast to an integer would lose every
+            # fraction without a word
+            raise OptionError(f"dtype={self.dtype!r}: a cast is to a floating-point dtype (F16, BF16, F32...)")
         if not self.copy and (self.placement.cuda or self.cast is not None):
             raise OptionError("copy=False returns views of the file's mapping: only for device='cpu' without dtype")
 
@@ -161,6 +165,10 @@ class LoadOptions:
             for f in dataclasses.fields(self)
             if f.init and getattr(self, f.name) != f.default and not _off(f.name, getattr(self, f.name))
         ]
+
+
+def _is_float(name: str) -> bool:
+    return next(d for d in DTYPES if d.name == name).numpy.startswith(("float", "bfloat"))
 
 
 def _off(name: str, value: object) -> bool:

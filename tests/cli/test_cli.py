@@ -71,3 +71,42 @@ def test_python_dash_m_weightlift_is_the_cli(ckpt):
         [sys.executable, "-m", "weightlift", "inspect", "/no/such/file"], capture_output=True, text=True
     )
     assert res.returncode == 2 and "Traceback" not in res.stderr
+
+
+def test_weightlift_alone_prints_usage_with_every_command(capsys):
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("usage: weightlift")
+    for command in ("load", "inspect", "serve", "push", "pull", "ls", "bench"):
+        assert command in out
+
+
+def test_every_option_of_every_command_has_help():
+    import argparse
+
+    from weightlift.cli.main import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [
+        f"{name} {'/'.join(action.option_strings)}"
+        for name, p in sub.choices.items()
+        for action in p._actions
+        if action.option_strings and not action.help and not isinstance(action, argparse._HelpAction)
+    ]
+    assert missing == []
+
+
+def test_the_cli_and_push_help_import_neither_the_server_nor_ml_dtypes():
+    code = (
+        "import sys\n"
+        "from weightlift.cli.main import main\n"
+        "try:\n"
+        "    main(['push', '--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(sorted(m for m in sys.modules if m.startswith('weightlift.remote.server.server') or m == 'ml_dtypes'))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "[]"

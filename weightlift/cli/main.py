@@ -210,26 +210,28 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     d = sub.add_parser("demo", help="make (once) and load a ~1 GiB synthetic checkpoint; compare with safetensors")
-    d.add_argument("--rounds", type=int, default=3)
+    d.add_argument("--rounds", type=int, default=3, help="timed rounds of each step (default 3)")
     d.add_argument("--no-push", action="store_true", help="skip the push to a loopback tensor server")
-    d.add_argument("--json", action="store_true")
+    d.add_argument("--json", action="store_true", help="print the figures as JSON")
     d.set_defaults(func=_cmd_demo)
 
     i = sub.add_parser("inspect", help="list a checkpoint's tensors without reading data")
     i.add_argument("path")
     _add_select(i)
-    i.add_argument("--json", action="store_true")
+    i.add_argument("--json", action="store_true", help="print the tensors as JSON")
     i.set_defaults(func=_cmd_inspect)
 
     ld = sub.add_parser("load", help="load a checkpoint into memory and report the time to ready")
     ld.add_argument("path")
     ld.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    ld.add_argument("--framework", default="numpy", choices=["numpy", "torch"])
+    ld.add_argument(
+        "--framework", default="numpy", choices=["numpy", "torch"], help="numpy arrays (default) or torch tensors"
+    )
     _add_select(ld)
     ld.add_argument("--dtype", help="cast floating-point tensors on load (e.g. F16, BF16, F32)")
     ld.add_argument("--no-copy", action="store_true", help="host only: read-only views of the mapping")
     ld.add_argument("--page-cache", choices=["keep", "evict"], help="override the page-cache policy")
-    ld.add_argument("--threads", type=int)
+    ld.add_argument("--threads", type=int, help="reader threads (default: chosen for the storage)")
     ld.add_argument(
         "--dequantize",
         action="store_true",
@@ -251,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
         "beside PATH, else (said so) only with the files as they are now",
     )
     ld.add_argument("--manifest", metavar="FILE", help="with --verify: the published manifest to compare with")
-    ld.add_argument("--json", action="store_true")
+    ld.add_argument("--json", action="store_true", help="print the figures and profile as JSON")
     ld.set_defaults(func=_cmd_load)
 
     mf = sub.add_parser("manifest", help="write a checkpoint's manifest: per tensor dtype, shape, bytes, BLAKE3")
@@ -268,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="the manifest (default: the one published beside PATH, as `manifest` writes it)",
     )
-    vf.add_argument("--json", action="store_true")
+    vf.add_argument("--json", action="store_true", help="print the result as JSON")
     vf.set_defaults(func=_cmd_verify)
 
     from weightlift import check
@@ -300,6 +302,9 @@ def _version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # `weightlift` alone: what it can do, not an error
+        parser.print_help()
+        return 2
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

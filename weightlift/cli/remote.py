@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import signal
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from weightlift.errors import IntegrityError, OptionError
@@ -104,12 +106,30 @@ def _register_serve(sub: Any) -> None:
         help="a frame of N bytes must arrive within --io-timeout plus N over this rate, so a peer "
         f"trickling bytes cannot hold a connection (default {MIN_FRAME_RATE}; 0: no such deadline)",
     )
+    s.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default="info",
+        help="what the server logs to stderr, one key=value line per event (default info: connections, refusals)",
+    )
+    s.add_argument(
+        "--ready-file",
+        metavar="F",
+        help="write HOST:PORT to this file once the server listens (a supervisor's readiness check); "
+        "removed when the server stops",
+    )
+    s.add_argument(
+        "--metrics",
+        metavar="[HOST:]PORT",
+        help="serve Prometheus metrics (the server's stats) over HTTP here; HOST defaults to 127.0.0.1 "
+        "(needs the metrics extra: pip install 'weightlift[metrics]')",
+    )
     s.set_defaults(func=_cmd_serve)
 
 
 def _connection_args(p: Any) -> None:
     """How a client subcommand reaches a server that wants a token or speaks TLS (see :func:`_client`)."""
-    p.add_argument("--token-file", metavar="F")
+    p.add_argument("--token-file", metavar="F", help="prove to the server that we hold the token in this file")
     p.add_argument("--tls", action="store_true", help="speak TLS to a server started with --tls-cert")
     p.add_argument("--tls-ca", metavar="F", help="trust this CA (PEM) for the server's certificate (implies --tls)")
 
@@ -117,7 +137,7 @@ def _connection_args(p: Any) -> None:
 def _register_push(sub: Any) -> None:
     p = sub.add_parser("push", help="send a checkpoint's tensors to a tensor server")
     p.add_argument("path")
-    p.add_argument("--to", required=True, metavar="HOST:PORT")
+    p.add_argument("--to", required=True, metavar="HOST:PORT", help="the tensor server to push to")
     p.add_argument("--select", action="append", metavar="PATTERN", help="a glob, or re:<regex>; repeat for several")
     p.add_argument("--streams", type=int, default=1, help="connections to spread the tensors over")
     _connection_args(p)
@@ -140,8 +160,8 @@ def _register_push(sub: Any) -> None:
 
 def _register_pull_ls(sub: Any) -> None:
     g = sub.add_parser("pull", help="save everything a tensor server holds as a .safetensors file")
-    g.add_argument("--from", dest="source", required=True, metavar="HOST:PORT")
-    g.add_argument("-o", "--output", required=True, metavar="FILE.safetensors")
+    g.add_argument("--from", dest="source", required=True, metavar="HOST:PORT", help="the tensor server to pull from")
+    g.add_argument("-o", "--output", required=True, metavar="FILE.safetensors", help="the file to write")
     _connection_args(g)
     g.add_argument(
         "--verify",
@@ -151,9 +171,9 @@ def _register_pull_ls(sub: Any) -> None:
     g.set_defaults(func=_cmd_pull)
 
     ls = sub.add_parser("ls", help="list the tensors a tensor server holds")
-    ls.add_argument("--from", dest="source", required=True, metavar="HOST:PORT")
+    ls.add_argument("--from", dest="source", required=True, metavar="HOST:PORT", help="the tensor server to list")
     _connection_args(ls)
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("--json", action="store_true", help="print the list as JSON")
     ls.set_defaults(func=_cmd_ls)
 
 
@@ -161,6 +181,41 @@ def _cache_cap(text: str | None) -> int | Literal["auto"] | None:
     if text is None:
         return "auto"
     return None if text.lower() == "none" else parse_size(text)
+
+
+class _Terminated(BaseException):
+    """SIGTERM: a supervisor's ordinary stop, answered with a clean close and exit status 0."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+def _setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s", "%Y-%m-%dT%H:%M:%S")
+    )
+    for name in ("weightlift.server", "weightlift.remote.server"):
+        logger = logging.getLogger(name)
+        logger.setLevel(level.upper())
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
+def _start_metrics(server: Any, where: str) -> None:
+    host, _, port = where.rpartition(":")
+    if not port.isdigit():
+        raise OptionError(f"--metrics {where!r} is not [HOST:]PORT")
+    try:
+        from weightlift.remote.server.metrics import serve_metrics
+
+        _, bound = serve_metrics(server.stats, host or "127.0.0.1", int(port))
+    except ImportError:
+        raise OptionError("--metrics needs prometheus_client: pip install 'weightlift[metrics]'") from None
+    except OSError as e:
+        raise OptionError(f"--metrics {where}: cannot bind: {e.strerror or e}") from None
+    print(f"weightlift: metrics on http://{host or '127.0.0.1'}:{bound}/metrics", flush=True)
 
 
 def _cmd_serve(a: argparse.Namespace) -> int:
@@ -189,16 +244,26 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         tls=tls,
     )
     host, port = server.bind()
+    if a.metrics:
+        _start_metrics(server, a.metrics)
     cache = f", cache {a.cache_dir}" if a.cache_dir else ""
     auth = ", token required" if a.token_file else ""
     auth += ", TLS" if tls is not None else ""
     print(f"weightlift: serving on {host}:{port} (device {a.device}, {framework}{cache}{auth})", flush=True)
-    # SIGTERM ends the server as Ctrl-C does: it closes, writing the cache entries still queued
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    _setup_logging(a.log_level)
+    # SIGTERM closes the server as Ctrl-C does (a push in flight is dropped, never published; the
+    # cache entries still queued are written) but is a clean stop: exit status 0
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    if a.ready_file:
+        Path(a.ready_file).write_text(f"{host}:{port}\n")
     try:
         server.serve_forever()
+    except _Terminated:
+        logging.getLogger("weightlift.server").info("event=stop reason=SIGTERM")
     finally:
         server.close()
+        if a.ready_file:
+            Path(a.ready_file).unlink(missing_ok=True)
     return 0
 
 

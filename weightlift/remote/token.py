@@ -12,7 +12,7 @@ import stat
 
 from weightlift.errors import FileError, OptionError
 
-__all__ = ["read_token", "check_token", "MIN_TOKEN"]
+__all__ = ["read_token", "check_token", "token_bytes", "MIN_TOKEN"]
 
 MIN_TOKEN = 16  # bytes: a token shorter than this is refused
 
@@ -25,6 +25,15 @@ def check_token(token: bytes, what: str = "the token") -> bytes:
             "(e.g. `head -c 32 /dev/urandom | base64 > token && chmod 600 token`)"
         )
     return token
+
+
+def token_bytes(token: str | bytes | None) -> bytes | None:
+    """A token given in code, as bytes with surrounding whitespace removed, as :func:`read_token`
+    reads a token file: ``token=open("tok").read()`` then matches ``serve --token-file tok``
+    whether or not the file ends in a newline."""
+    if token is None:
+        return None
+    return (token.encode() if isinstance(token, str) else bytes(token)).strip()
 
 
 def read_token(path: str | None) -> bytes | None:

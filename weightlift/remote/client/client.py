@@ -26,6 +26,7 @@ from weightlift.remote.client.pull import MAX_LIST_BYTES, MAX_LIST_ENTRIES, Pull
 from weightlift.remote.client.servers import Address, address_key, push_each
 from weightlift.remote.client.update import Bases, UpdateSpec, given_bases
 from weightlift.remote.protocol import MAX_TENSORS, PROTOCOL_MINOR, Free, FreeReply, Hello
+from weightlift.remote.token import token_bytes
 from weightlift.remote.transport import TCP, Backend, TlsBackend
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ class Client:
         if not 0 <= protocol_minor <= PROTOCOL_MINOR:
             raise OptionError(f"protocol_minor must be between 0 and {PROTOCOL_MINOR}")
         self.address = address
-        self._token = token.encode() if isinstance(token, str) else token
+        self._token = token_bytes(token)  # as read_token reads a token file: whitespace around it dropped
         self.streams = streams
         self._minor = protocol_minor
         self._timeout = timeout

@@ -43,7 +43,7 @@ from weightlift.remote.protocol import (
     Message,
     send,
 )
-from weightlift.remote.transport import Buffer, Stream, receive_message, receive_payload, receive_tag
+from weightlift.remote.transport import Buffer, Stream, TlsStream, receive_message, receive_payload, receive_tag
 
 __all__ = ["Connection", "Late", "Replaced", "remote_error", "printable", "MIN_PAYLOAD_RATE", "MAX_TIMEOUT"]
 
@@ -152,7 +152,17 @@ class Connection:
 
     def _handshake(self) -> None:
         self.send(send(self.session.start()))
-        auth = self.session.server_hello(self.expect(Hello))
+        try:
+            hello = self.expect(Hello)
+        except (TransportError, RemoteProtocolError) as e:
+            if isinstance(self.stream, TlsStream):
+                raise
+            # a TLS server resets a plaintext HELLO or answers it with a TLS alert: say what to do
+            raise TransportError(
+                f"{self.stream.peer} ended the handshake ({e}); if that server speaks TLS (serve --tls-cert), "
+                "connect with TLS (--tls or --tls-ca; Client(tls=client_tls_context(...)))"
+            ) from None
+        auth = self.session.server_hello(hello)
         assert self.session.server is not None  # set by server_hello
         self.server: Hello = self.session.server
         self.minor = self.session.minor

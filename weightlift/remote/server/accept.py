@@ -9,6 +9,7 @@ so in the log and uses one descriptor kept spare to tell the waiting client why.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import threading
@@ -24,6 +25,8 @@ from weightlift.remote.transport import Listener, Stream
 __all__ = ["Acceptor"]
 
 _log = logging.getLogger("weightlift.remote.server.server")
+# one line per connection, key=value, for an operator's log shipper; never per frame or tensor
+_conn_log = logging.getLogger("weightlift.server.connection")
 
 
 def _spare_descriptor() -> int:
@@ -112,6 +115,7 @@ class Acceptor:
     def _refuse(self, stream: Stream, why: str) -> None:
         """Close a connection over a limit at once, with a best-effort ERROR that cannot block."""
         _log.info("weightlift server: refused %s: %s", stream.peer, why)
+        _conn_log.warning("event=refused peer=%s reason=%s", stream.peer, json.dumps(why))
         try:
             stream.set_timeout(0.0)
             stream.send_parts([send(Error(ErrorCode.LIMIT, why), minor=0)])
@@ -122,11 +126,14 @@ class Acceptor:
         stream.close()
 
     def _serve_one(self, stream: Stream, slot: Slot) -> None:
+        t0 = time.monotonic()
+        _conn_log.info("event=connection_open peer=%s", stream.peer)
         try:
             Connection(self._ctx, stream, slot=slot).run()
         except Exception:  # a last resort: run() answers what it can; nothing may kill the server
             _log.exception("weightlift server: connection %s failed", stream.peer)
         finally:
+            _conn_log.info("event=connection_close peer=%s seconds=%.3f", stream.peer, time.monotonic() - t0)
             stream.close()
             slot.release()
             with self._lock:

@@ -21,7 +21,7 @@ from weightlift.errors import DeviceError, OptionError
 from weightlift.memory.targets import Target, cuda_device, make_target
 from weightlift.options import Placement
 from weightlift.remote.protocol import PROTOCOL_MINOR
-from weightlift.remote.token import check_token
+from weightlift.remote.token import check_token, token_bytes
 from weightlift.remote.transport import TCP, Backend, TlsBackend
 
 __all__ = [
@@ -222,7 +222,7 @@ def configure(
         backend = TlsBackend(tls)
     if max_memory is not None and max_memory < 0:
         raise OptionError(f"max_memory must be >= 0, got {max_memory}")
-    raw_token = token.encode() if isinstance(token, str) else token
+    raw_token = token_bytes(token)
     if raw_token is not None:
         check_token(raw_token)
     if not is_loopback(host):

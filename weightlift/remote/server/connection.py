@@ -21,6 +21,7 @@ proven. A tag that fails ends the connection, and what it had in flight is dropp
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -86,6 +87,8 @@ LINGER_BYTES = 64 * 1024 * 1024  # after an ERROR, how much of the peer's input 
 LINGER_SECONDS = 2.0  # ... and for how long at most, however the peer spaces its bytes
 
 _log = logging.getLogger("weightlift.remote.server")
+# the operator's log: one key=value line per event (a barrier, a commit, a refusal), never per frame
+_events = logging.getLogger("weightlift.server.connection")
 
 
 class Connection:
@@ -137,7 +140,7 @@ class Connection:
             Alloc: lambda m: rx.guard(m.tensor_id, rx.alloc, m),
             FillFromCache: lambda m: rx.guard(m.tensor_id, rx.fill, m),
             Have: self.reads.have,
-            Barrier: lambda m: self.out.reply(rx.barrier(m.flags)),
+            Barrier: self._barrier,
             Read: self.reads.read,
             ListRequest: self.reads.list,
             Free: self.reads.free,
@@ -179,12 +182,18 @@ class Connection:
                     self.prof.command(msg.COMMAND.name, t0, self.prof.clock())
                     self.prof.count(calls=1)
         except RemoteProtocolError as e:
+            self._event(logging.WARNING, "protocol_error", reason=str(e))
             self._fatal(ErrorCode.PROTOCOL, str(e))
         except AuthError as e:
+            self._event(logging.WARNING, "auth_failed", reason=str(e))
             self._fatal(ErrorCode.AUTH, str(e))
         except (FrameTooLarge, _Refused) as e:
+            limit = "frame_size" if isinstance(e, FrameTooLarge) else "ready_connections"
+            self._event(logging.WARNING, "refused", limit=limit, reason=str(e))
             self._fatal(ErrorCode.LIMIT, str(e))
-        except TransportError:
+        except TransportError as e:
+            if "TLS" in str(e):  # a handshake that failed: a plaintext client, a certificate refused
+                self._event(logging.WARNING, "tls_failed", reason=str(e))
             if self.frames.handshake_expired:
                 what = "HELLO and AUTH" if self.ctx.config.token is not None else "HELLO"
                 self._fatal(ErrorCode.PROTOCOL, f"no {what} within {self.ctx.config.handshake_timeout:g} s")
@@ -222,6 +231,19 @@ class Connection:
             raise
         self._handlers[type(msg)](msg)
 
+    def _event(self, level: int, event: str, **fields: object) -> None:
+        if _events.isEnabledFor(level):
+            text = " ".join(f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in fields.items())
+            _events.log(level, "event=%s peer=%s %s", event, self.stream.peer, text)
+
+    def _barrier(self, msg: Barrier) -> None:
+        reply = self.rx.barrier(msg.flags)
+        self.out.reply(reply)
+        # a push ends with a barrier: what it published, and its first refusal (a memory limit...)
+        level = logging.WARNING if reply.errors else logging.INFO
+        first = {"error": reply.errors[0]} if reply.errors else {}
+        self._event(level, "barrier", tensors=reply.tensors, bytes=reply.nbytes, errors=len(reply.errors), **first)
+
     def _bye(self, msg: Bye) -> None:
         self._done = True
 
@@ -251,7 +273,9 @@ class Connection:
             switch.abort()
             self.out.reply(CommitReply(False, 0, self.store.generation, bytes(32), "update aborted"))
             return
-        self.out.reply(switch.commit())
+        reply = switch.commit()
+        self.out.reply(reply)
+        self._event(logging.INFO, "commit", ok=reply.ok, tensors=reply.tensors, generation=reply.generation)
 
     def _fatal(self, code: ErrorCode, message: str) -> None:
         """Reply ERROR, then close without a reset, so the client can read why."""
