@@ -66,7 +66,7 @@ def _cut(arr, t, layout, rank):
         parts.append(arr[tuple(slice(a, b) for a, b in seg.box)])
     if not parts:
         return np.empty(local_shape(t, layout, rank), dtype=arr.dtype)
-    dim = layout.shard.placement(t)
+    dim = layout.placement(t)
     return parts[0] if dim is None else np.concatenate(parts, axis=dim)
 
 
@@ -94,8 +94,8 @@ SENDERS = [
 def test_plan_matches_sharded_load(tmp_path, sname, mk, sw, rw):
     path, arrs, infos = _write(tmp_path)
     senders, receivers = mk(sw), Layout(Shard(RX_RULES), rw)
-    transfers = plan(infos, senders, receivers)
-    assert transfers == plan(infos, senders, receivers)  # deterministic
+    transfers = [tr for tp in plan(infos, senders, receivers) for tr in tp.transfers]
+    assert transfers == [tr for tp in plan(infos, senders, receivers) for tr in tp.transfers]  # deterministic
     src_bufs = {(t.name, s): _cut(arrs[t.name], t, senders, s).tobytes() for t in infos for s in range(sw)}
     dst_bufs = {}
     for t in infos:
@@ -116,7 +116,7 @@ def test_plan_matches_sharded_load(tmp_path, sname, mk, sw, rw):
 
 def test_replicated_senders_spread_the_load(tmp_path):
     _, _, infos = _write(tmp_path)
-    transfers = plan(infos * 1, Layout(Shard(), 4), Layout(Shard(default=None), 4))
+    transfers = [tr for tp in plan(infos, Layout(Shard(), 4), Layout(Shard(default=None), 4)) for tr in tp.transfers]
     assert sorted({tr.sender for tr in transfers}) == [0, 1, 2, 3]
 
 
@@ -128,7 +128,7 @@ def _fused(tmp_path, parts, name, sw, rw, rx_dim=0):
     # reference: the fused receiver slice is each part's torch.chunk, stacked (vLLM's QKV/merged column)
     senders = Layout(Shard(default=0), sw)
     receivers = Layout(Shard(default=rx_dim), rw, parts={name: parts})
-    transfers = plan([t], senders, receivers)
+    transfers = [tr for tp in plan([t], senders, receivers) for tr in tp.transfers]
     src = {(name, s): np.frombuffer(_cut(arr, t, senders, s).tobytes(), np.uint8) for s in range(sw)}
     for r in range(rw):
         n = int(np.prod(local_shape(t, receivers, r))) * 4
@@ -151,14 +151,14 @@ def test_fused_qkv_gqa_and_gate_up(tmp_path, sw, rw):
 
 def _once(t, layout, f):
     """The sum of the ranks' parts; a replicated layout counts one rank."""
-    if layout.shard.placement(t) is None:
+    if layout.placement(t) is None:
         return f(0)
     return sum(f(k) for k in range(layout.world)) % 2**64
 
 
 def _sums(tmp_path, senders, receivers, mutate=None, seed=b"s"):
     _, arrs, infos = _write(tmp_path)
-    transfers = plan(infos, senders, receivers)
+    transfers = [tr for tp in plan(infos, senders, receivers) for tr in tp.transfers]
     ok = True
     for t in infos:
         arr = arrs[t.name]
