@@ -246,3 +246,17 @@ def test_sketch_detects_faults(tmp_path, fault):
 @pytest.mark.parametrize("seed", [b"a", b"b", b"c", b"d"])
 def test_sketch_no_false_alarm(tmp_path, seed):
     assert _sums(tmp_path, Layout(Shard(default=0), 4), Layout(Shard(RX_RULES), 3), seed=seed)
+
+
+def test_bad_input_is_an_option_error():
+    from weightlift.errors import OptionError
+
+    t = TensorInfo("qkv", "F32", (10, 4), "x", 0, 160)
+    with pytest.raises(OptionError, match="fused parts"):
+        plan([t], Layout(Shard(default=0), 2), Layout(Shard(default=0), 2, parts={"qkv": [4, 4]}))
+    with pytest.raises(OptionError, match="bytes do not make"):
+        plan([TensorInfo("w", "F32", (10, 4), "x", 0, 100)], Layout(Shard(default=0), 2), Layout(Shard(), 2))
+    with pytest.raises(OptionError, match="sub-byte"):
+        plan([TensorInfo("w", "F4", (10, 4), "x", 0, 20)], Layout(Shard(default=0), 2), Layout(Shard(), 2))
+    with pytest.raises(OptionError, match="no dimension"):
+        plan([TensorInfo("w", "F32", (10,), "x", 0, 40)], Layout(Shard(default=1), 2), Layout(Shard(), 2))
