@@ -273,7 +273,7 @@ def _open_gguf(path: str) -> Checkpoint:
     def beside(p: str, name: str) -> str:
         return os.path.join(os.path.dirname(p), name)
 
-    files, tensors, meta = _gguf_set(path, header, os.path.isfile, beside)
+    files, tensors, meta = _gguf_set(path, os.path.basename(path), header, os.path.isfile, beside)
     return Checkpoint(path, "gguf", files, tensors, meta, identity)
 
 
@@ -281,17 +281,18 @@ _Header = Callable[[str], tuple[list[TensorInfo], dict[str, Any]]]
 
 
 def _gguf_set(
-    path: str, header: _Header, exists: Callable[[str], bool], sibling: Callable[[str, str], str]
+    path: str, name: str, header: _Header, exists: Callable[[str], bool], sibling: Callable[[str, str], str]
 ) -> tuple[list[str], list[TensorInfo], dict[str, Any]]:
     """The files, tensors and metadata of the GGUF model at ``path``: its one file, or every
-    split of a split model (see the module docstring), the metadata being the first split's."""
+    split of a split model (see the module docstring), the metadata being the first split's.
+    ``name``: the file's name as ``sibling`` takes names (a URL's is decoded, not its last part)."""
     from weightlift.formats import gguf
 
     tensors, meta = header(path)
     first = gguf.split_of(meta, file=path)
     if first is None:
         return [path], tensors, meta
-    name, count = os.path.basename(path), first.count
+    count = first.count
     parts = gguf.split_parts(name)
     prefix = parts[0] if parts is not None and parts[1:] == (first.no, count) else None
     if first.no != 0:
@@ -422,7 +423,7 @@ def _open_url(url: str) -> Checkpoint:
     if p.endswith(".json"):
         return _open_index(p, src)
     if src.magic(p) == b"GGUF" or p.lower().endswith(".gguf"):
-        files, tensors, meta = _gguf_set(p, src.gguf_header, src.exists, src.sibling)
+        files, tensors, meta = _gguf_set(p, src.location(p).name, src.gguf_header, src.exists, src.sibling)
         return Checkpoint(p, "gguf", files, tensors, meta, source=src)
     tensors, smeta = src.safetensors_header(p)
     return Checkpoint(p, "safetensors", [p], tensors, dict(smeta), source=src)
