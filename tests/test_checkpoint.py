@@ -339,3 +339,21 @@ def test_a_later_split_names_the_first(tmp_path):
     files[0].rename(renamed)
     with pytest.raises(FormatError, match="not named <prefix>-00001-of-00003.gguf"):
         wl.open(renamed)
+
+
+def test_a_file_named_as_a_split_without_split_keys_is_refused(tmp_path):
+    # the first split lost its split keys (rewritten by a tool that drops them): alone, it is a
+    # third of the model, which loads "fine" from it or from its folder unless refused
+    pytest.importorskip("gguf")
+    from tests.gguf_files import SAMPLE_NAMES, write_split_file
+
+    files = _broken_set(tmp_path)
+    write_split_file(files[0], SAMPLE_NAMES[0::3], {})
+    for path in (files[0], tmp_path):
+        with pytest.raises(FormatError, match="named as split 1 of 3 of a GGUF model, but its metadata") as e:
+            wl.open(path)
+        assert e.value.file == str(files[0])
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    write_split_file(whole / "m-00001-of-00001.gguf", SAMPLE_NAMES, {})  # one of one: a whole model
+    assert len(wl.open(whole)) == len(SAMPLE_NAMES)

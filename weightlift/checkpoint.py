@@ -17,7 +17,8 @@ checkpoint from its first file, or from the folder holding it, as llama.cpp load
 first file names the count, the others are found by name, and each must say it is that split
 of that count, no tensor may repeat, and together they must hold ``split.tensors.count``
 tensors (a FormatError or NotFoundError naming the file otherwise). Naming a later split is
-refused with the first split's name, as llama.cpp refuses it.
+refused with the first split's name, as llama.cpp refuses it. A file named as a split of several whose
+metadata names no split count is refused too: alone it would load as part of a model.
 
 A URL (``s3://bucket/prefix/...``, ``http(s)://...``) opens the same way from an object store
 or a web server (:mod:`weightlift.sources`): headers by small ranged reads, a prefix resolved as
@@ -290,10 +291,17 @@ def _gguf_set(
 
     tensors, meta = header(path)
     first = gguf.split_of(meta, file=path)
+    parts = gguf.split_parts(name)
     if first is None:
+        if parts is not None and parts[2] > 1:  # loaded alone it would be part of a model, silently
+            raise FormatError(
+                f"is named as split {parts[1] + 1} of {parts[2]} of a GGUF model, but its metadata has no "
+                f"{gguf.SPLIT_COUNT} over 1: it is not known which files make the model (rename it if it "
+                "is a whole model)",
+                file=path,
+            )
         return [path], tensors, meta
     count = first.count
-    parts = gguf.split_parts(name)
     prefix = parts[0] if parts is not None and parts[1:] == (first.no, count) else None
     if first.no != 0:
         hint = f" (here {gguf.split_name(prefix, 0, count)})" if prefix is not None else ""
