@@ -224,9 +224,10 @@ def expected_digests(
             bad.append(t.name)
         else:
             out[t.name] = bytes.fromhex(e.blake3)
-    if bad:
+    if bad:  # named: a manifest found beside the checkpoint is one the caller may not know of
+        where = f"{os.fspath(manifest)}: " if not isinstance(manifest, Manifest) else ""
         raise IntegrityError(
-            f"{len(bad)} tensor(s) not in the manifest or of another dtype, shape or size: {', '.join(bad[:8])}"
+            f"{where}{len(bad)} tensor(s) not in the manifest or of another dtype, shape or size: {', '.join(bad[:8])}"
         )
     return out
 
