@@ -172,3 +172,21 @@ def test_a_server_listing_more_than_memory_holds_is_refused_before_mapping():
             pull_tensors(s.address, timeout=10)
     finally:
         s.close()
+
+
+def test_path_options_holding_a_nul_byte_are_option_errors(tmp_path):
+    # vLLM's JSON takes "\u0000" in a string; open() then raises ValueError, outside the error tree
+    import json
+
+    from weightlift.digest.published import read_manifest
+    from weightlift.integrations.vllm.pulled import tls_context
+
+    bad = json.loads('"ca\\u0000.pem"')
+    opts = LoaderOptions.parse({"server": "h:1", "token_file": bad, "tls": bad})
+    with pytest.raises(OptionError, match="token file 'ca.x00.pem' is not a path"):
+        opts.token()
+    with pytest.raises(OptionError, match="cannot load the TLS CA file 'ca.x00.pem'"):
+        tls_context(opts.tls)
+    opts = LoaderOptions.parse({"verify": True, "manifest": bad})
+    with pytest.raises(OptionError, match="manifest 'ca.x00.pem' is not a path"):
+        read_manifest(opts.manifest)
