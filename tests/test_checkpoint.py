@@ -350,3 +350,21 @@ def test_a_select_of_the_wrong_type_is_an_option_error(tmp_path, select):
     ck = open_checkpoint(write(tmp_path / "m.safetensors", every_dtype()))
     with pytest.raises(OptionError, match="select: expected"):
         ck.select(select)
+
+
+def test_a_file_named_as_a_split_without_split_keys_is_refused(tmp_path):
+    # the first split lost its split keys (rewritten by a tool that drops them): alone, it is a
+    # third of the model, which loads "fine" from it or from its folder unless refused
+    pytest.importorskip("gguf")
+    from tests.gguf_files import SAMPLE_NAMES, write_split_file
+
+    files = _broken_set(tmp_path)
+    write_split_file(files[0], SAMPLE_NAMES[0::3], {})
+    for path in (files[0], tmp_path):
+        with pytest.raises(FormatError, match="named as split 1 of 3 of a GGUF model, but its metadata") as e:
+            wl.open(path)
+        assert e.value.file == str(files[0])
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    write_split_file(whole / "m-00001-of-00001.gguf", SAMPLE_NAMES, {})  # one of one: a whole model
+    assert len(wl.open(whole)) == len(SAMPLE_NAMES)

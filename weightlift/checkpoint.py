@@ -17,7 +17,8 @@ checkpoint from its first file, or from the folder holding it, as llama.cpp load
 first file names the count, the others are found by name, and each must say it is that split
 of that count, no tensor may repeat, and together they must hold ``split.tensors.count``
 tensors (a FormatError or NotFoundError naming the file otherwise). Naming a later split is
-refused with the first split's name, as llama.cpp refuses it.
+refused with the first split's name, as llama.cpp refuses it. A file named as a split of several whose
+metadata names no split count is refused too: alone it would load as part of a model.
 
 A URL (``s3://bucket/prefix/...``, ``http(s)://...``) opens the same way from an object store
 or a web server (:mod:`weightlift.sources`): headers by small ranged reads, a prefix resolved as
@@ -277,7 +278,7 @@ def _open_gguf(path: str) -> Checkpoint:
     def beside(p: str, name: str) -> str:
         return os.path.join(os.path.dirname(p), name)
 
-    files, tensors, meta = _gguf_set(path, header, os.path.isfile, beside)
+    files, tensors, meta = _gguf_set(path, os.path.basename(path), header, os.path.isfile, beside)
     return Checkpoint(path, "gguf", files, tensors, meta, identity)
 
 
@@ -285,18 +286,26 @@ _Header = Callable[[str], tuple[list[TensorInfo], dict[str, Any]]]
 
 
 def _gguf_set(
-    path: str, header: _Header, exists: Callable[[str], bool], sibling: Callable[[str, str], str]
+    path: str, name: str, header: _Header, exists: Callable[[str], bool], sibling: Callable[[str, str], str]
 ) -> tuple[list[str], list[TensorInfo], dict[str, Any]]:
     """The files, tensors and metadata of the GGUF model at ``path``: its one file, or every
-    split of a split model (see the module docstring), the metadata being the first split's."""
+    split of a split model (see the module docstring), the metadata being the first split's.
+    ``name``: the file's name as ``sibling`` takes names (a URL's is decoded, not its last part)."""
     from weightlift.formats import gguf
 
     tensors, meta = header(path)
     first = gguf.split_of(meta, file=path)
-    if first is None:
-        return [path], tensors, meta
-    name, count = os.path.basename(path), first.count
     parts = gguf.split_parts(name)
+    if first is None:
+        if parts is not None and parts[2] > 1:  # loaded alone it would be part of a model, silently
+            raise FormatError(
+                f"is named as split {parts[1] + 1} of {parts[2]} of a GGUF model, but its metadata has no "
+                f"{gguf.SPLIT_COUNT} over 1: it is not known which files make the model (rename it if it "
+                "is a whole model)",
+                file=path,
+            )
+        return [path], tensors, meta
+    count = first.count
     prefix = parts[0] if parts is not None and parts[1:] == (first.no, count) else None
     if first.no != 0:
         hint = f" (here {gguf.split_name(prefix, 0, count)})" if prefix is not None else ""
@@ -426,7 +435,7 @@ def _open_url(url: str) -> Checkpoint:
     if p.endswith(".json"):
         return _open_index(p, src)
     if src.magic(p) == b"GGUF" or p.lower().endswith(".gguf"):
-        files, tensors, meta = _gguf_set(p, src.gguf_header, src.exists, src.sibling)
+        files, tensors, meta = _gguf_set(p, src.location(p).name, src.gguf_header, src.exists, src.sibling)
         return Checkpoint(p, "gguf", files, tensors, meta, source=src)
     tensors, smeta = src.safetensors_header(p)
     return Checkpoint(p, "safetensors", [p], tensors, dict(smeta), source=src)

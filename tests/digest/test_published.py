@@ -315,3 +315,16 @@ def test_a_verified_device_load_proves_the_bytes_that_landed_not_its_staging(tmp
     monkeypatch.setattr(Device, "racy", True)
     with pytest.raises(IntegrityError, match="BLAKE3|differ"):
         weightlift.load(path, verify=True, threads=2)
+
+
+def test_a_published_manifest_found_beside_that_lacks_a_tensor_is_named(tmp_path, capsys):
+    # the model gained a tensor since it was published: the error must say which manifest,
+    # since the caller named none
+    folder, path = _folder(tmp_path)
+    write(path, [*_tensors(3), ("added", "U8", (4,), b"abcd")])
+    published = os.path.join(folder, "weightlift.manifest.json")
+    with pytest.raises(IntegrityError, match=f"^{published}: 1 tensor.* not in the manifest .*: added$"):
+        weightlift.load(folder, verify=True)
+    capsys.readouterr()
+    assert main(["load", folder, "--verify"]) == 1
+    assert published in capsys.readouterr().err

@@ -204,3 +204,21 @@ def test_an_untested_vllm_is_said_once_and_turns_the_internals_off(monkeypatch):
     lines = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert len(lines) == 1 and "vLLM 99.0.0 is outside the releases it was tested on" in lines[0]
     assert f"({compat.TESTED[0]} to {compat.TESTED[1]})" in lines[0]
+
+
+def test_path_options_holding_a_nul_byte_are_option_errors(tmp_path):
+    # vLLM's JSON takes "\u0000" in a string; open() then raises ValueError, outside the error tree
+    import json
+
+    from weightlift.digest.published import read_manifest
+    from weightlift.integrations.vllm.pulled import tls_context
+
+    bad = json.loads('"ca\\u0000.pem"')
+    opts = LoaderOptions.parse({"server": "h:1", "token_file": bad, "tls": bad})
+    with pytest.raises(OptionError, match="token file 'ca.x00.pem' is not a path"):
+        opts.token()
+    with pytest.raises(OptionError, match="cannot load the TLS CA file 'ca.x00.pem'"):
+        tls_context(opts.tls)
+    opts = LoaderOptions.parse({"verify": True, "manifest": bad})
+    with pytest.raises(OptionError, match="manifest 'ca.x00.pem' is not a path"):
+        read_manifest(opts.manifest)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from urllib.parse import quote
 
 import numpy as np
 import pytest
@@ -157,3 +158,19 @@ def test_missing(www):
         assert f"{server.url}/{name}:" in str(e.value) and "cannot be listed" not in str(e.value)
     with pytest.raises(NotFoundError, match="cannot be listed"):
         wl.open(f"{server.url}/empty-folder/")
+
+
+def test_split_gguf_whose_name_is_percent_encoded(www, tmp_path):
+    # the URL names the first split encoded; its siblings are found by the decoded name
+    pytest.importorskip("gguf")
+    from tests.gguf_files import write_split_sample
+
+    server, root = www
+    files = write_split_sample(tmp_path / "my model#1.gguf", max_tensors=5)
+    (root / "spaced").mkdir()
+    for f in files:
+        shutil.copy(f, root / "spaced" / f.name)
+    first = f"{server.url}/spaced/{quote(files[0].name)}"
+    ck = wl.open(first)
+    assert ck.files == [f"{server.url}/spaced/{quote(f.name)}" for f in files]
+    _same(wl.load(ck), wl.load(files[0]))

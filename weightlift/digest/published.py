@@ -32,7 +32,7 @@ import blake3
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
 from weightlift.digest.blake import DIGEST_SIZE, DigestPool
 from weightlift.digest.sidecar import hash_tensors
-from weightlift.errors import FileError, IntegrityError, NotFoundError
+from weightlift.errors import FileError, IntegrityError, NotFoundError, OptionError
 from weightlift.formats import TensorInfo
 from weightlift.sources.digests import digests as store_digests
 from weightlift.sources.url import is_url
@@ -135,14 +135,18 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
         if is_url(p):
             from weightlift.sources.objects import Objects
 
-            doc = json.loads(Objects(p).read_all(p, MAX_MANIFEST_SIZE))
+            raw = Objects(p).read_all(p, MAX_MANIFEST_SIZE)
         else:
             with open(p, "rb") as f:
-                doc = json.loads(f.read())
+                raw = f.read()
     except FileNotFoundError:
         raise NotFoundError("no manifest here (write one with `weightlift manifest`)", file=p) from None
     except OSError as e:
         raise FileError(f"cannot read manifest: {e.strerror}", file=p, errno=e.errno) from None
+    except ValueError as e:  # a NUL byte in the path (a config value): no file is named so
+        raise OptionError(f"manifest {p!r} is not a path: {e}") from None
+    try:
+        doc = json.loads(raw)
     except (ValueError, RecursionError) as e:  # nested past the parser's depth: not a manifest either
         raise IntegrityError(f"{p}: manifest is not JSON: {type(e).__name__}: {e}") from None
     try:
@@ -224,9 +228,10 @@ def expected_digests(
             bad.append(t.name)
         else:
             out[t.name] = bytes.fromhex(e.blake3)
-    if bad:
+    if bad:  # named: a manifest found beside the checkpoint is one the caller may not know of
+        where = f"{os.fspath(manifest)}: " if not isinstance(manifest, Manifest) else ""
         raise IntegrityError(
-            f"{len(bad)} tensor(s) not in the manifest or of another dtype, shape or size: {', '.join(bad[:8])}"
+            f"{where}{len(bad)} tensor(s) not in the manifest or of another dtype, shape or size: {', '.join(bad[:8])}"
         )
     return out
 

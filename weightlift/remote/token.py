@@ -53,6 +53,8 @@ def read_token(path: str | None) -> bytes | None:
             token = f.read(64 * 1024).strip()
     except OSError as e:
         raise FileError(f"cannot read token file {path}: {e.strerror or e}", errno=e.errno) from None
+    except ValueError as e:  # a NUL byte in the path (a config value): open() refuses it so
+        raise OptionError(f"token file {path!r} is not a path: {e}") from None
     if not token:
         raise OptionError(f"token file {path} is empty")
     return check_token(token, f"the token in {path}")

@@ -545,5 +545,5 @@ def client_tls_context(ca: str | os.PathLike[str] | None = None) -> ssl.SSLConte
     or the system's trusted roots, and must name the host connected to."""
     try:
         return ssl.create_default_context(cafile=os.fspath(ca) if ca is not None else None)
-    except (OSError, ssl.SSLError) as e:
-        raise OptionError(f"cannot load the TLS CA file {ca}: {e}") from None
+    except (OSError, ssl.SSLError, ValueError) as e:  # ValueError: a NUL byte in the path
+        raise OptionError(f"cannot load the TLS CA file {ca!r}: {e}") from None
