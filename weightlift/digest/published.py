@@ -51,6 +51,7 @@ __all__ = [
     "Reference",
     "reference",
     "announce",
+    "ManifestSource",
 ]
 
 FORMAT = "weightlift-manifest"
@@ -236,6 +237,7 @@ def expected_digests(
     return out
 
 
+#: A published manifest: its path or URL, or one read.
 ManifestSource: TypeAlias = "str | os.PathLike[str] | Manifest"
 
 

@@ -14,7 +14,7 @@ import builtins
 import os
 import ssl
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias, overload
+from typing import TYPE_CHECKING, Any, overload
 
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
 from weightlift.errors import OptionError, StateError
@@ -30,13 +30,11 @@ from weightlift.remote.token import token_bytes
 from weightlift.remote.transport import TCP, Backend, TlsBackend
 
 if TYPE_CHECKING:
-    from weightlift.digest.published import Manifest
+    from weightlift.digest.published import ManifestSource
 
 __all__ = ["Client", "PushResult", "RemoteTensor", "MAX_LIST_ENTRIES", "MAX_LIST_BYTES"]
 
 Source = str | os.PathLike[str] | Checkpoint
-#: A published manifest: its path or URL, or one read (:class:`~weightlift.digest.published.Manifest`).
-ManifestSource: TypeAlias = "str | os.PathLike[str] | Manifest"
 #: What a push takes from memory: ``{name: numpy array or torch tensor}``.
 Tensors = Mapping[str, Any]
 

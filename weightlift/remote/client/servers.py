@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Protocol
 
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
 from weightlift.errors import OptionError, PushError
@@ -21,13 +21,11 @@ from weightlift.formats import TensorInfo
 from weightlift.remote.client.job import PushResult
 
 if TYPE_CHECKING:
-    from weightlift.digest.published import Manifest
+    from weightlift.digest.published import Manifest, ManifestSource
 
 __all__ = ["Address", "Target", "address_key", "Pushes", "push_each"]
 
 Address = str | tuple[str, int]
-#: A published manifest: its path or URL, or one read.
-ManifestSource: TypeAlias = "str | os.PathLike[str] | Manifest"
 
 
 def address_key(addr: Address) -> str:
