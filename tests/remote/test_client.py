@@ -472,6 +472,35 @@ def test_connection_refused_is_a_transport_error():
         Client(addr, streams=0)
 
 
+def test_clients_keywords_are_written_once():
+    """ClientKw types what ClientOptions defines (the same names, in order); Client's signature
+    shows each with its default; a keyword that is neither is refused as Python refuses it."""
+    import dataclasses
+    import inspect
+    import ssl
+
+    from weightlift.remote.client.client import ClientKw, ClientOptions
+
+    fields = [f for f in dataclasses.fields(ClientOptions) if f.init]
+    assert list(ClientKw.__annotations__) == [f.name for f in fields] and not ClientKw.__required_keys__
+    params = inspect.signature(Client).parameters
+    assert list(params) == ["address"] + [f.name for f in fields]
+    assert {n: p.default for n, p in params.items() if n != "address"} == {f.name: f.default for f in fields}
+    for name in ("tokn", "secret", "transport"):  # derived fields are not keywords
+        with pytest.raises(TypeError, match=rf"^Client.__init__\(\) got an unexpected keyword argument '{name}'$"):
+            Client("127.0.0.1:1", **{name: None})  # type: ignore[arg-type]
+    for bad, match in (
+        ({"streams": 0}, "streams must be"),
+        ({"timeout": float("nan")}, "timeout must be"),
+        ({"protocol_minor": 99}, "protocol_minor must be"),
+        ({"tls": ssl.create_default_context(), "backend": object()}, "tls= or backend="),
+    ):
+        with pytest.raises(OptionError, match=match):
+            ClientOptions(**bad)  # type: ignore[arg-type]
+    o = ClientOptions(token=" a token\n")
+    assert o.secret == b"a token" and "a token" not in repr(o) and o.transport is TCP
+
+
 def test_client_profile_and_trace(tmp_path):
     path, tensors = model(tmp_path)
     prof = Profiler(enabled=True, trace=True)

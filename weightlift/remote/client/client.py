@@ -14,10 +14,12 @@ import builtins
 import os
 import ssl
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, TypedDict, overload
 
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
 from weightlift.errors import OptionError, StateError
+from weightlift.options import check_keywords, keyword_signature
 from weightlift.profile import Profiler
 from weightlift.remote.client.connection import MAX_TIMEOUT, Connection
 from weightlift.remote.client.job import PIPELINE, Push, PushResult, strategy
@@ -30,13 +32,69 @@ from weightlift.remote.token import token_bytes
 from weightlift.remote.transport import TCP, Backend, TlsBackend
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11; only a checker reads it
+
     from weightlift.digest.published import ManifestSource
 
-__all__ = ["Client", "PushResult", "RemoteTensor", "MAX_LIST_ENTRIES", "MAX_LIST_BYTES"]
+__all__ = ["Client", "ClientKw", "ClientOptions", "PushResult", "RemoteTensor", "MAX_LIST_ENTRIES", "MAX_LIST_BYTES"]
 
 Source = str | os.PathLike[str] | Checkpoint
 #: What a push takes from memory: ``{name: numpy array or torch tensor}``.
 Tensors = Mapping[str, Any]
+
+
+class ClientKw(TypedDict, total=False):
+    """The types of :class:`Client`'s keywords besides the address. The keywords themselves,
+    their defaults and checks are :class:`ClientOptions`'s fields; what each means is said once,
+    in :class:`Client`'s docstring."""
+
+    token: str | bytes | None
+    streams: int
+    profile: Profiler | bool | None
+    timeout: float | None
+    protocol_minor: int
+    backend: Backend
+    tls: ssl.SSLContext | None
+    keep_base: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClientOptions:
+    """Everything :class:`Client` takes besides the address (see there), checked once.
+
+    ``secret`` and ``transport`` are derived: the token as bytes, whitespace around it dropped,
+    as :func:`~weightlift.remote.token.read_token` reads a token file; the backend connections
+    are made with (``tls`` made into one). Build a variant with :func:`dataclasses.replace`.
+    """
+
+    token: str | bytes | None = field(default=None, repr=False)  # a secret: never in a log line
+    streams: int = 1
+    profile: Profiler | bool | None = None
+    timeout: float | None = 30.0
+    protocol_minor: int = PROTOCOL_MINOR
+    backend: Backend = TCP
+    tls: ssl.SSLContext | None = None
+    keep_base: bool = False
+
+    secret: bytes | None = field(init=False, repr=False, compare=False)
+    transport: Backend = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.tls is not None and self.backend is not TCP:
+            raise OptionError("pass tls= or backend=, not both")
+        object.__setattr__(self, "transport", TlsBackend(self.tls) if self.tls is not None else self.backend)
+        streams, timeout = self.streams, self.timeout
+        if not isinstance(streams, int) or streams < 1:
+            raise OptionError(f"streams must be a positive integer, got {streams!r}")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= MAX_TIMEOUT
+        ):  # NaN and infinity too: the socket would raise ValueError or OverflowError at connect
+            raise OptionError(
+                f"timeout must be None or a number of seconds over 0, up to {MAX_TIMEOUT:.0f}; got {timeout!r}"
+            )
+        if not 0 <= self.protocol_minor <= PROTOCOL_MINOR:
+            raise OptionError(f"protocol_minor must be between 0 and {PROTOCOL_MINOR}")
+        object.__setattr__(self, "secret", token_bytes(self.token))
 
 
 class Client:
@@ -56,64 +114,42 @@ class Client:
     so that the next push of those tensors sends only what changed (see :meth:`push`).
     """
 
-    def __init__(
-        self,
-        address: Address,
-        *,
-        token: str | bytes | None = None,
-        streams: int = 1,
-        profile: Profiler | bool | None = None,
-        timeout: float | None = 30.0,
-        protocol_minor: int = PROTOCOL_MINOR,
-        backend: Backend = TCP,
-        tls: ssl.SSLContext | None = None,
-        keep_base: bool = False,
-    ):
-        if tls is not None:
-            if backend is not TCP:
-                raise OptionError("pass tls= or backend=, not both")
-            backend = TlsBackend(tls)
-        if not isinstance(streams, int) or streams < 1:
-            raise OptionError(f"streams must be a positive integer, got {streams!r}")
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= MAX_TIMEOUT
-        ):  # NaN and infinity too: the socket would raise ValueError or OverflowError at connect
-            raise OptionError(
-                f"timeout must be None or a number of seconds over 0, up to {MAX_TIMEOUT:.0f}; got {timeout!r}"
-            )
-        if not 0 <= protocol_minor <= PROTOCOL_MINOR:
-            raise OptionError(f"protocol_minor must be between 0 and {PROTOCOL_MINOR}")
+    def __init__(self, address: Address, **options: Unpack[ClientKw]) -> None:
+        check_keywords("Client.__init__", options, ClientOptions)
+        self._open(address, ClientOptions(**options))
+
+    @classmethod
+    def with_options(cls, address: Address, options: ClientOptions) -> Client:
+        """A client of ``address`` with options already built and checked."""
+        client = cls.__new__(cls)
+        client._open(address, options)
+        return client
+
+    def _open(self, address: Address, options: ClientOptions) -> None:
         self.address = address
-        self._token = token_bytes(token)  # as read_token reads a token file: whitespace around it dropped
-        self.streams = streams
-        self._minor = protocol_minor
-        self._timeout = timeout
-        self._backend = backend
+        self.options = options
+        self.streams = options.streams
         self._strategy = strategy()  # how this client's pushes move their tensors, chosen once
+        profile = options.profile
         self.profiler = profile if isinstance(profile, Profiler) else Profiler(profile)
         # A profiler of our own reports one push at a time; one passed in accumulates as its owner wishes.
         self._own_profiler = not isinstance(profile, Profiler)
-        self.bases: Bases | None = Bases() if keep_base else None  # what this client last pushed from memory
+        # what this client last pushed from memory
+        self.bases: Bases | None = Bases() if options.keep_base else None
         self._conns: list[Connection] = [self._connect()]
 
     def _connect(self) -> Connection:
+        o = self.options
         return Connection(
-            self._backend.connect(self.address, timeout=self._timeout),
-            token=self._token,
-            minor=self._minor,
-            timeout=self._timeout,
+            o.transport.connect(self.address, timeout=o.timeout),
+            token=o.secret,
+            minor=o.protocol_minor,
+            timeout=o.timeout,
         )
 
     def _sibling(self, address: Address) -> Client:
         """A client of another server with this one's token, streams, timeout, minor and backend."""
-        return Client(
-            address,
-            token=self._token,
-            streams=self.streams,
-            timeout=self._timeout,
-            protocol_minor=self._minor,
-            backend=self._backend,
-        )
+        return Client.with_options(address, replace(self.options, profile=None, keep_base=False))
 
     @property
     def connections(self) -> tuple[Connection, ...]:
@@ -342,7 +378,11 @@ class Client:
         the limit safetensors readers accept.
         """
         job = Pull(
-            self._conn(), path, where=address_key(self.address), verify=verify, protected=self._token is not None
+            self._conn(),
+            path,
+            where=address_key(self.address),
+            verify=verify,
+            protected=self.options.secret is not None,
         )
         try:
             return job.run()
@@ -350,6 +390,10 @@ class Client:
             if not job.settled:
                 self.close()  # replies may still be in flight: the connection is unusable
             raise
+
+
+# help() and inspect show every keyword with its default, as when __init__ wrote each one out
+Client.__init__.__signature__ = keyword_signature(Client.__init__, ClientOptions, ClientKw)  # type: ignore[attr-defined]
 
 
 def _free(conn: Connection, names: Sequence[str]) -> int:
