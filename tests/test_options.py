@@ -255,3 +255,37 @@ def test_a_cast_to_an_integer_dtype_is_refused(tmp_path, dtype):
     path = write(tmp_path / "m.safetensors", every_dtype())
     with pytest.raises(OptionError, match="floating-point"):
         load(path, dtype=dtype)
+
+
+def test_a_device_is_checked_once_and_travels_as_a_placement():
+    """Below the calls that take a device string from a caller, a device travels as the checked
+    Placement: nothing builds one again from its string, or tests the string for "cuda". (The
+    tensor server is left out here: its regrouping passes its Placement down in its own step.)"""
+    import ast
+    from pathlib import Path
+
+    pkg = Path(wl.__file__).resolve().parent
+    entries = {
+        "Placement": {"options.py", "distributed/fanout.py"},  # load's options; broadcast_load's keywords
+        "make_target": set(),  # the string form, for callers that hold no Placement
+        "startswith": {"options.py", "benchmark/arms.py"},  # the check itself; a benchmark arm's keywords
+    }
+    found: dict[str, set[str]] = {name: set() for name in entries}
+    for path in pkg.rglob("*.py"):
+        rel = path.relative_to(pkg).as_posix()
+        if rel.startswith("remote/server/") or rel == "memory/targets.py":  # targets: make_target itself
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            if name == "startswith" and not any(
+                isinstance(a, ast.Constant) and str(a.value).startswith("cuda") for a in node.args
+            ):
+                continue
+            if name == "Placement" and not (node.args or node.keywords):
+                continue  # the default, host memory: nothing to parse
+            if name in found:
+                found[name].add(rel)
+    assert found == entries

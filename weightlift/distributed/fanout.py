@@ -63,15 +63,14 @@ def broadcast_load(
     t0 = time.perf_counter()
     if not isinstance(chunk, int) or chunk < 1:
         raise OptionError(f"chunk must be a positive number of bytes, got {chunk!r}")
-    place = Placement(device=device, framework=framework)
-    device = place.device
+    place = Placement(device=device, framework=framework)  # checked once: the value travels on
     comm = Comm(group, timeout=timeout)
-    comm.check_device(device)
+    comm.check_device(place)
     if not 0 <= src < comm.world:
         raise OptionError(f"src must be a rank of the group, in [0, {comm.world}), got {src}")
     source = comm.rank == src
     infos, offs, total, reader = _plan(comm, path, select, engine, src, source)
-    arena = Arena(total, device)
+    arena = Arena(total, place)
     at = arena.tensor()
     pending: deque[Any] = deque()
     done = 0
@@ -93,7 +92,7 @@ def broadcast_load(
     finally:
         if faulter is not None:
             faulter.close()
-    out = {t.name: arena.view(off, whole(t), framework) for t, off in zip(infos, offs, strict=False)}
+    out = {t.name: arena.view(off, whole(t), place.framework) for t, off in zip(infos, offs, strict=False)}
     if report is not None:
         comm.landed()  # the time of the bytes on the device, not of the collectives queued
         report.update(

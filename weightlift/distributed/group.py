@@ -41,7 +41,7 @@ from weightlift.distributed.reader import SliceReader, strided
 from weightlift.distributed.shard import Piece, Rows, Shard, slice_piece, whole
 from weightlift.errors import GroupError, OptionError
 from weightlift.formats import TensorInfo
-from weightlift.options import LoadOptions
+from weightlift.options import LoadOptions, Placement
 
 __all__ = ["distributed_load", "STRIPE", "ROUND"]
 
@@ -63,10 +63,10 @@ def distributed_load(
     ``timeout`` (seconds) bounds each wait on a collective.
     """
     t0 = time.perf_counter()
-    group, device, framework = opts.group, opts.placement.device, opts.placement.framework
+    group, place, framework = opts.group, opts.placement, opts.placement.framework
     if opts.shard is not None and not isinstance(opts.shard, Shard):
         raise OptionError(f"shard must be a weightlift.Shard, got {type(opts.shard).__name__}")
-    comm, shard = _comm_and_shard(opts.shard, group, device, timeout)
+    comm, shard = _comm_and_shard(opts.shard, group, place, timeout)
     if comm is not None and not opts.copy:
         raise OptionError("copy=False gives views of this machine's files: not with group=")
     failure: Exception | None = None
@@ -93,10 +93,10 @@ def distributed_load(
         if not opts.copy:
             out = {p.name: _borrowed(maps[p.tensor.file], p, framework) for p in mine}
         else:
-            out = _local(mine, reader, device, framework)
+            out = _local(mine, reader, place)
         paths = {"local": len(mine)}
     else:
-        out, paths = _GroupLoad(infos, pieces, comm, reader, device, framework).run()
+        out, paths = _GroupLoad(infos, pieces, comm, reader, place).run()
     if opts.report is not None:
         if comm is not None:
             comm.landed()  # the time of the bytes on the device, not of the collectives queued
@@ -112,21 +112,21 @@ def distributed_load(
             paths=paths,
             rank=me,
             world=shard.world if shard is not None else (comm.world if comm else 1),
-            device=device,
+            device=place.device,
             framework=framework,
         )
     return out
 
 
 def _comm_and_shard(
-    shard: Shard | None, group: Any, device: str, timeout: float | None
+    shard: Shard | None, group: Any, place: Placement, timeout: float | None
 ) -> tuple[Comm | None, Shard | None]:
     """The group's collectives (None without a group) and the shard with its rank and world
     (taken from the default group where the Shard names none)."""
     comm = None
     if group is not None:
         comm = Comm(group, timeout=timeout)
-        comm.check_device(device)
+        comm.check_device(place)
     elif shard is not None and shard.world is None:
         try:
             comm = Comm(None)
@@ -195,11 +195,11 @@ def _all_pieces(infos: list[TensorInfo], shard: Shard | None) -> list[list[Piece
     return out
 
 
-def _local(pieces: list[Piece], reader: SliceReader, device: str, framework: str) -> dict[str, Any]:
+def _local(pieces: list[Piece], reader: SliceReader, place: Placement) -> dict[str, Any]:
     offs, total = pack([p.nbytes for p in pieces])
-    arena = Arena(total, device)
+    arena = Arena(total, place)
     read_all(arena, reader, [(p.rows, off) for p, off in zip(pieces, offs, strict=False)])
-    return {p.name: arena.view(off, p, framework) for p, off in zip(pieces, offs, strict=False)}
+    return {p.name: arena.view(off, p, place.framework) for p, off in zip(pieces, offs, strict=False)}
 
 
 def read_all(arena: Arena, reader: SliceReader, jobs: list[tuple[Rows, int]]) -> None:
@@ -272,10 +272,9 @@ class _GroupLoad:
         pieces: list[list[Piece] | None],
         comm: Comm,
         reader: SliceReader,
-        device: str,
-        framework: str,
+        place: Placement,
     ):
-        self.comm, self.reader, self.device, self.framework = comm, reader, device, framework
+        self.comm, self.reader, self.place, self.framework = comm, reader, place, place.framework
         w, me = comm.world, comm.rank
         self.rep: list[TensorInfo] = []
         self.direct: list[Piece] = []
@@ -301,7 +300,7 @@ class _GroupLoad:
         x_sizes = [sum(xr.recv_splits(me)) for xr in xplan]
         x_offs, x_end = pack(x_sizes, x_start)
         d_offs, total = pack([p.nbytes for p in self.direct], x_end)
-        arena = Arena(total, self.device)
+        arena = Arena(total, self.place)
         at = arena.tensor()
         pending: deque[Any] = deque()
 
@@ -363,7 +362,7 @@ class _GroupLoad:
         # host memory for gloo; for NCCL a device buffer filled through pinned staging
         if old is not None and old.nbytes >= n:
             return old
-        return Arena(max(n, 1), self.device)
+        return Arena(max(n, 1), self.place)
 
 
 def _stripes(total: int, world: int, stripe: int) -> tuple[list[tuple[int, int]], int]:
