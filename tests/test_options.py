@@ -202,12 +202,16 @@ wl.load("m.safetensors", threads="4")
 Client("h:1", token="t", streams=2, keep_base=True)
 Client("h:1", tokn="t")
 Client("h:1", streams="2")
+c = Client("h:1")
+reveal_type(c.push("m.safetensors", to=["h:2"], verify=True))
+c.push("m.safetensors", to=["h:2"], in_place=True)
+c.push({}, selct="w*")
 """
 
 
 def test_a_checker_types_the_keywords(tmp_path):
-    """mypy, as a user runs it on their code: load's and Client's keywords are checked by name and
-    type, and ``framework`` picks load's result type."""
+    """mypy, as a user runs it on their code: load's, Client's and push's keywords are checked by
+    name and type, ``framework`` picks load's result type and ``to`` push's."""
     import os
     import subprocess
     import sys
@@ -231,12 +235,15 @@ def test_a_checker_types_the_keywords(tmp_path):
         if kind.strip() == "error" or "Revealed" in msg:
             said[int(n)] = said.get(int(n), "") + msg
     out = res.stdout + res.stderr
-    assert sorted(said) == [5, 6, 7, 8, 10, 11], out  # line 9, a right call, says nothing
+    assert sorted(said) == [5, 6, 7, 8, 10, 11, 13, 14, 15], out  # lines 9 and 12, right calls, say nothing
     assert said[5].endswith('"dict[str, numpy.ndarray[tuple[Any, ...], numpy.dtype[numpy.generic[Any]]]]"'), out
     assert said[6].endswith('"dict[str, Any]"'), out  # torch.Tensor, which the project's settings skip
     assert 'Unexpected keyword argument "devce"' in said[7] and "[call-overload]" in said[8], out
     assert 'Unexpected keyword argument "tokn"' in said[10], out
     assert 'Argument "streams" to "Client" has incompatible type "str"; expected "int"' in said[11], out
+    assert said[13].endswith('"dict[str, weightlift.remote.client.job.PushResult]"'), out
+    assert "[call-overload]" in said[14], out  # in_place is for tensors from memory, not with to=
+    assert 'Unexpected keyword argument "selct"' in said[15], out
 
 
 def test_a_token_stays_out_of_the_options_repr():

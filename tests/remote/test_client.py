@@ -501,6 +501,29 @@ def test_clients_keywords_are_written_once():
     assert o.secret == b"a token" and "a token" not in repr(o) and o.transport is TCP
 
 
+def test_pushs_keywords_are_written_once(tmp_path):
+    """PushKw and MemoryPushKw type what PushOptions defines, ``to`` being push's own; push's
+    signature shows each with its default; a keyword that is neither is refused as Python does."""
+    import dataclasses
+    import inspect
+
+    from weightlift.remote.client.client import MemoryPushKw, PushKw, PushOptions
+
+    fields = [f for f in dataclasses.fields(PushOptions) if f.init]
+    assert set(MemoryPushKw.__annotations__) == {f.name for f in fields} - {"to"}
+    assert set(PushKw.__annotations__) == set(MemoryPushKw.__annotations__) - {"base", "in_place"}
+    params = inspect.signature(Client.push).parameters
+    assert list(params) == ["self", "source"] + [f.name for f in fields]
+    assert {n: params[n].default for n in list(params)[2:]} == {f.name: f.default for f in fields}
+    path, _ = model(tmp_path)
+    with Server() as s, Client(s.address) as c:
+        with pytest.raises(TypeError, match=r"^Client.push\(\) got an unexpected keyword argument 'selct'$"):
+            c.push(path, selct="*")  # type: ignore[call-overload]
+        with pytest.raises(OptionError, match=r"push\(base=..., in_place=...\) apply to tensors pushed from memory"):
+            c.push(path, in_place=True)
+        assert c.push(path).tensors == len(c.list())  # the client is still usable
+
+
 def test_client_profile_and_trace(tmp_path):
     path, tensors = model(tmp_path)
     prof = Profiler(enabled=True, trace=True)

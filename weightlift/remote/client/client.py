@@ -36,7 +36,18 @@ if TYPE_CHECKING:
 
     from weightlift.digest.published import ManifestSource
 
-__all__ = ["Client", "ClientKw", "ClientOptions", "PushResult", "RemoteTensor", "MAX_LIST_ENTRIES", "MAX_LIST_BYTES"]
+__all__ = [
+    "Client",
+    "ClientKw",
+    "ClientOptions",
+    "PushKw",
+    "MemoryPushKw",
+    "PushOptions",
+    "PushResult",
+    "RemoteTensor",
+    "MAX_LIST_ENTRIES",
+    "MAX_LIST_BYTES",
+]
 
 Source = str | os.PathLike[str] | Checkpoint
 #: What a push takes from memory: ``{name: numpy array or torch tensor}``.
@@ -95,6 +106,54 @@ class ClientOptions:
         if not 0 <= self.protocol_minor <= PROTOCOL_MINOR:
             raise OptionError(f"protocol_minor must be between 0 and {PROTOCOL_MINOR}")
         object.__setattr__(self, "secret", token_bytes(self.token))
+
+
+class PushKw(TypedDict, total=False):
+    """The types of :meth:`Client.push`'s keywords besides ``to`` (which picks the result's type),
+    for a checkpoint; :class:`MemoryPushKw` adds those of a push from memory. Their defaults and
+    checks are :class:`PushOptions`'s fields; what each means is said in :meth:`Client.push`."""
+
+    select: Select
+    hash_threshold: int | None
+    verify: bool
+    manifest: ManifestSource | None
+
+
+class MemoryPushKw(PushKw, total=False):
+    """:class:`PushKw` and what only a push of tensors from memory takes."""
+
+    base: Tensors | None
+    in_place: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class PushOptions:
+    """Everything :meth:`Client.push` takes besides the source (see there)."""
+
+    select: Select = None
+    hash_threshold: int | None = None
+    verify: bool = False
+    to: Mapping[Address, Select] | Sequence[Address] | None = None
+    base: Tensors | None = None
+    in_place: bool = False
+    manifest: ManifestSource | None = None
+
+    def check(self, source: Source | Tensors) -> None:
+        """OptionError for options that do not go together with each other or with ``source``,
+        before any connection."""
+        if self.manifest is not None and not self.verify:
+            raise OptionError("push(manifest=...) is what verify=True checks against: pass verify=True too")
+        if isinstance(source, Mapping):
+            if self.to is not None:
+                raise OptionError(
+                    "push(to=...) takes a checkpoint; push tensors from memory to each server's own client"
+                )
+            if self.manifest is not None:
+                raise OptionError(
+                    "push(manifest=...) takes a checkpoint; tensors from memory are hashed where they are"
+                )
+        elif self.base is not None or self.in_place:
+            raise OptionError("push(base=..., in_place=...) apply to tensors pushed from memory")
 
 
 class Client:
@@ -181,42 +240,18 @@ class Client:
     # -- push ----------------------------------------------------------------------------------
 
     @overload
-    def push(
-        self,
-        source: Source | Tensors,
-        *,
-        select: Select = None,
-        hash_threshold: int | None = None,
-        verify: bool = False,
-        to: None = None,
-        base: Tensors | None = None,
-        in_place: bool = False,
-        manifest: ManifestSource | None = None,
-    ) -> PushResult: ...
-
+    def push(self, source: Source | Tensors, *, to: None = None, **options: Unpack[MemoryPushKw]) -> PushResult: ...
     @overload
     def push(
-        self,
-        source: Source,
-        *,
-        select: Select = None,
-        hash_threshold: int | None = None,
-        verify: bool = False,
-        to: Mapping[Address, Select] | Sequence[Address],
-        manifest: ManifestSource | None = None,
+        self, source: Source, *, to: Mapping[Address, Select] | Sequence[Address], **options: Unpack[PushKw]
     ) -> dict[str, PushResult]: ...
 
     def push(
         self,
         source: Source | Tensors,
         *,
-        select: Select = None,
-        hash_threshold: int | None = None,
-        verify: bool = False,
         to: Mapping[Address, Select] | Sequence[Address] | None = None,
-        base: Tensors | None = None,
-        in_place: bool = False,
-        manifest: ManifestSource | None = None,
+        **options: Unpack[MemoryPushKw],
     ) -> PushResult | dict[str, PushResult]:
         """Send the selected tensors of a checkpoint, or of ``{name: array or tensor}``, to the
         server; returns when all have landed.
@@ -256,16 +291,18 @@ class Client:
         what the manifest names. IntegrityError before any byte is sent if it lacks a selected
         tensor or gives it another size.
         """
-        _check_push_options(source, to=to, base=base, in_place=in_place, verify=verify, manifest=manifest)
+        check_keywords("Client.push", options, PushOptions)
+        o = PushOptions(to=to, **options)
+        o.check(source)
         if isinstance(source, Mapping):
-            return self._push_memory(source, select, hash_threshold, verify, base, in_place)
-        if to is not None:
-            return self._push_to(source, select, to, hash_threshold=hash_threshold, verify=verify, manifest=manifest)
+            return self._push_memory(source, o)
+        if o.to is not None:
+            return self._push_to(source, o.to, o)
         from weightlift.digest.published import reference  # a store's manifest: the store clients, on demand
 
         ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
-        tensors = ck.select(select)
-        ref = reference(ck, tensors, manifest) if verify else None
+        tensors = ck.select(o.select)
+        ref = reference(ck, tensors, o.manifest) if o.verify else None
         self._conn()
         while len(self._conns) < self.streams:
             self._conns.append(self._connect())
@@ -277,8 +314,8 @@ class Client:
             where=address_key(self.address),
             how=self._strategy,
             profiler=self.profiler,
-            hash_threshold=hash_threshold,
-            verify=verify,
+            hash_threshold=o.hash_threshold,
+            verify=o.verify,
             expected=ref.digests if ref is not None else None,
             manifest=ref.manifest if ref is not None else None,
         )
@@ -291,21 +328,13 @@ class Client:
                 self.close()
             raise
 
-    def _push_memory(
-        self,
-        tensors: Tensors,
-        select: Select,
-        hash_threshold: int | None,
-        verify: bool,
-        base: Tensors | None,
-        in_place: bool,
-    ) -> PushResult:
-        infos = memory_tensors(tensors, select)
+    def _push_memory(self, tensors: Tensors, o: PushOptions) -> PushResult:
+        infos = memory_tensors(tensors, o.select)
         conn = self._conn()
         spec = None
         if conn.session.update:
-            bases = given_bases(base) if base is not None else (self.bases if self.bases is not None else {})
-            spec = UpdateSpec(bases, in_place=in_place, delta=conn.session.delta)
+            bases = given_bases(o.base) if o.base is not None else (self.bases if self.bases is not None else {})
+            spec = UpdateSpec(bases, in_place=o.in_place, delta=conn.session.delta)
         if self._own_profiler:
             self.profiler.reset()
         job = Push(
@@ -314,8 +343,8 @@ class Client:
             where=address_key(self.address),
             how=PIPELINE,  # the naive arm reads files only
             profiler=self.profiler,
-            hash_threshold=hash_threshold,
-            verify=verify,
+            hash_threshold=o.hash_threshold,
+            verify=o.verify,
             update=spec,
         )
         try:
@@ -332,18 +361,11 @@ class Client:
         return result
 
     def _push_to(
-        self,
-        source: Source,
-        select: Select,
-        to: Mapping[Address, Select] | Sequence[Address],
-        *,
-        hash_threshold: int | None,
-        verify: bool,
-        manifest: ManifestSource | None,
+        self, source: Source, to: Mapping[Address, Select] | Sequence[Address], o: PushOptions
     ) -> dict[str, PushResult]:
-        others = dict(to) if isinstance(to, Mapping) else {a: select for a in to}
+        others = dict(to) if isinstance(to, Mapping) else {a: o.select for a in to}
         me = address_key(self.address)
-        targets: dict[Address, Select] = {me: select, **{address_key(a): s for a, s in others.items()}}
+        targets: dict[Address, Select] = {me: o.select, **{address_key(a): s for a, s in others.items()}}
         if len(targets) != len(others) + 1:
             raise OptionError("push(to=...): every server once, this client's own not again")
         return push_each(
@@ -351,9 +373,9 @@ class Client:
             targets,
             connect=self._sibling,
             own={me: self},
-            hash_threshold=hash_threshold,
-            verify=verify,
-            manifest=manifest,
+            hash_threshold=o.hash_threshold,
+            verify=o.verify,
+            manifest=o.manifest,
         )
 
     # -- list / pull / free --------------------------------------------------------------------------
@@ -392,8 +414,9 @@ class Client:
             raise
 
 
-# help() and inspect show every keyword with its default, as when __init__ wrote each one out
+# help() and inspect show every keyword with its default, as when each method wrote each one out
 Client.__init__.__signature__ = keyword_signature(Client.__init__, ClientOptions, ClientKw)  # type: ignore[attr-defined]
+Client.push.__signature__ = keyword_signature(Client.push, PushOptions, MemoryPushKw)  # type: ignore[attr-defined]
 
 
 def _free(conn: Connection, names: Sequence[str]) -> int:
@@ -415,24 +438,3 @@ def _free_batch(conn: Connection, names: builtins.list[str]) -> int:
     conn.send(conn.frame(Free(tuple(names))))
     reply: FreeReply = conn.expect(FreeReply)
     return reply.freed
-
-
-def _check_push_options(
-    source: Source | Tensors,
-    *,
-    to: object,
-    base: Tensors | None,
-    in_place: bool,
-    verify: bool,
-    manifest: ManifestSource | None,
-) -> None:
-    """OptionError for a push's options that do not go together, before any connection."""
-    if manifest is not None and not verify:
-        raise OptionError("push(manifest=...) is what verify=True checks against: pass verify=True too")
-    if isinstance(source, Mapping):
-        if to is not None:
-            raise OptionError("push(to=...) takes a checkpoint; push tensors from memory to each server's own client")
-        if manifest is not None:
-            raise OptionError("push(manifest=...) takes a checkpoint; tensors from memory are hashed where they are")
-    elif base is not None or in_place:
-        raise OptionError("push(base=..., in_place=...) apply to tensors pushed from memory")
