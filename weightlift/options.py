@@ -118,9 +118,11 @@ class Placement:
 class LoadOptions:
     """Everything :func:`weightlift.load` takes besides the path, checked once.
 
-    The fields are ``load``'s keywords, with its defaults and meanings (see there). ``placement``
-    and ``cast`` are derived: the checked device/framework pair and the dtype's name (None: no
-    cast). Build a variant with :func:`dataclasses.replace`, which checks it again.
+    The fields are ``load``'s keywords and their defaults, written here once (``load`` takes them
+    as ``**options`` typed by :class:`weightlift.api.LoadKw`); what each means is said in ``load``'s
+    docstring. ``placement`` and ``cast`` are derived: the checked device/framework pair and the
+    dtype's name (None: no cast). Build a variant with :func:`dataclasses.replace`, which checks
+    it again.
     """
 
     device: str = "cpu"
