@@ -168,6 +168,8 @@ def _cmd_manifest(a: argparse.Namespace) -> int:
             Objects(out).put(out, m.to_json().encode())
         else:
             write_atomic(out, m.to_json().encode())
+    except WeightliftError:  # the store's, already saying what failed (some are OSErrors too)
+        raise
     except OSError as e:
         from weightlift.errors import FileError
 

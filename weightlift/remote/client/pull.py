@@ -32,6 +32,7 @@ from weightlift.errors import (
     LocalProtocolError,
     RemoteProtocolError,
     StateError,
+    WeightliftError,
 )
 from weightlift.formats.safetensors import build_header
 from weightlift.remote.client.connection import Connection, Replaced
@@ -160,12 +161,15 @@ class Pull:
                 self._write(f, header, listed, [len(header) + o for o in offsets])
                 os.fchmod(f.fileno(), pulled_mode(protected=self.protected))
             os.replace(tmp, self.path)
-        except OSError as e:
-            _unlink(tmp)
-            raise FileError(f"cannot write: {e.strerror or e}", file=self.path, errno=e.errno) from None
         except (IntegrityError, Replaced):
             _unlink(tmp)  # every reply was read: the connection is still in step
             raise
+        except OSError as e:
+            _unlink(tmp)
+            if isinstance(e, WeightliftError):  # the connection's (TransportError is an OSError too)
+                self.settled = False
+                raise
+            raise FileError(f"cannot write: {e.strerror or e}", file=self.path, errno=e.errno) from None
         except BaseException:
             _unlink(tmp)
             self.settled = False  # replies may still be in flight
