@@ -116,14 +116,11 @@ def _cmd_load(a: argparse.Namespace) -> int:
     if a.verify or a.manifest:
         kwargs["verify"] = True
         kwargs["manifest"] = a.manifest
-    if a.remote:
-        from weightlift.remote.token import read_token
-        from weightlift.split import parse_remote
-
-        kwargs["remote"] = parse_remote(a.remote)
-        kwargs["token"] = read_token(a.token_file)
     try:
-        load(a.path, select=a.select, **kwargs)
+        if a.remote:
+            _split_load(a, kwargs)
+        else:
+            load(a.path, select=a.select, **kwargs)
     except IntegrityError as e:  # the load ran; its bytes are not the ones checked against: exit 1, as verify does
         print(f"weightlift: {e}", file=sys.stderr)
         return 1
@@ -149,6 +146,23 @@ def _cmd_load(a: argparse.Namespace) -> int:
     if prof is not None:
         print(prof.format())
     return 0
+
+
+def _split_load(a: argparse.Namespace, kwargs: dict[str, Any]) -> None:
+    """``load --remote``: :func:`weightlift.load`'s split kind, reaching the servers as every client
+    command does (token, TLS)."""
+    from weightlift.api import kind_for
+    from weightlift.cli.remote import link
+    from weightlift.options import LoadOptions
+    from weightlift.split import parse_remote, split_load
+
+    token, tls = link(a)
+    opts = LoadOptions(select=a.select, remote=parse_remote(a.remote), token=token, **kwargs)
+    kind_for(opts)  # what a split load does not take (--verify, ...) is refused as load refuses it
+    res = split_load(a.path, opts, tls=tls)
+    if opts.report is not None:
+        opts.report["remote"] = res.remote
+        opts.report["seconds"] = res.seconds
 
 
 def _cmd_manifest(a: argparse.Namespace) -> int:
@@ -245,7 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT=SELECT",
         help="split load: push the tensors matching SELECT to the server at HOST:PORT at the same time",
     )
-    ld.add_argument("--token-file", help="split load: the servers' shared token")
+    from weightlift.cli import remote
+
+    remote.connection_args(ld)  # for --remote's servers
     ld.add_argument("--profile", action="store_true", help="report the load by phase")
     ld.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the load")
     ld.add_argument(
@@ -275,8 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     vf.add_argument("--json", action="store_true", help="print the result as JSON")
     vf.set_defaults(func=_cmd_verify)
 
-    from weightlift import check
-    from weightlift.cli import remote
+    from weightlift.cli import check
 
     remote.register(sub)
     _register_bench(sub)

@@ -21,9 +21,11 @@ from weightlift.remote.server.config import MIN_FRAME_RATE
 from weightlift.remote.token import read_token
 
 if TYPE_CHECKING:  # the client imports sockets and threads: loaded by the commands that use it
+    import ssl
+
     from weightlift.remote.client.client import Client, PushResult
 
-__all__ = ["register", "DEFAULT_PORT", "parse_size", "read_token"]
+__all__ = ["register", "connection_args", "link", "DEFAULT_PORT", "parse_size", "read_token"]
 
 DEFAULT_PORT = 7733
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -127,11 +129,22 @@ def _register_serve(sub: Any) -> None:
     s.set_defaults(func=_cmd_serve)
 
 
-def _connection_args(p: Any) -> None:
-    """How a client subcommand reaches a server that wants a token or speaks TLS (see :func:`_client`)."""
+def connection_args(p: Any) -> None:
+    """How every client subcommand (push, pull, ls, load --remote, check --from) reaches a server
+    that wants a token or speaks TLS; :func:`link` reads them back."""
     p.add_argument("--token-file", metavar="F", help="prove to the server that we hold the token in this file")
     p.add_argument("--tls", action="store_true", help="speak TLS to a server started with --tls-cert")
     p.add_argument("--tls-ca", metavar="F", help="trust this CA (PEM) for the server's certificate (implies --tls)")
+
+
+def link(a: argparse.Namespace) -> tuple[bytes | None, ssl.SSLContext | None]:
+    """The token and the client TLS context (None: plain TCP) that :func:`connection_args` asked for."""
+    tls = None
+    if a.tls or a.tls_ca:
+        from weightlift.remote.transport import client_tls_context
+
+        tls = client_tls_context(a.tls_ca)
+    return read_token(a.token_file), tls
 
 
 def _register_push(sub: Any) -> None:
@@ -140,7 +153,7 @@ def _register_push(sub: Any) -> None:
     p.add_argument("--to", required=True, metavar="HOST:PORT", help="the tensor server to push to")
     p.add_argument("--select", action="append", metavar="PATTERN", help="a glob, or re:<regex>; repeat for several")
     p.add_argument("--streams", type=int, default=1, help="connections to spread the tensors over")
-    _connection_args(p)
+    connection_args(p)
     p.add_argument(
         "--verify",
         action="store_true",
@@ -162,7 +175,7 @@ def _register_pull_ls(sub: Any) -> None:
     g = sub.add_parser("pull", help="save everything a tensor server holds as a .safetensors file")
     g.add_argument("--from", dest="source", required=True, metavar="HOST:PORT", help="the tensor server to pull from")
     g.add_argument("-o", "--output", required=True, metavar="FILE.safetensors", help="the file to write")
-    _connection_args(g)
+    connection_args(g)
     g.add_argument(
         "--verify",
         action="store_true",
@@ -172,7 +185,7 @@ def _register_pull_ls(sub: Any) -> None:
 
     ls = sub.add_parser("ls", help="list the tensors a tensor server holds")
     ls.add_argument("--from", dest="source", required=True, metavar="HOST:PORT", help="the tensor server to list")
-    _connection_args(ls)
+    connection_args(ls)
     ls.add_argument("--json", action="store_true", help="print the list as JSON")
     ls.set_defaults(func=_cmd_ls)
 
@@ -269,10 +282,9 @@ def _cmd_serve(a: argparse.Namespace) -> int:
 
 def _client(a: argparse.Namespace, address: str, **kw: Any) -> Client:
     from weightlift.remote.client.client import Client
-    from weightlift.remote.transport import client_tls_context
 
-    tls = client_tls_context(a.tls_ca) if a.tls or a.tls_ca else None
-    return Client(address, token=read_token(a.token_file), tls=tls, **kw)
+    token, tls = link(a)
+    return Client(address, token=token, tls=tls, **kw)
 
 
 def _cmd_push(a: argparse.Namespace) -> int:
