@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
 
 import pytest
 
+import weightlift.progress as progress
 from tests.checkpoints import every_dtype, write
 from tests.devices import needs_torch
 from weightlift.cli import main
@@ -110,3 +112,42 @@ def test_the_cli_and_push_help_import_neither_the_server_nor_ml_dtypes():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().splitlines()[-1] == "[]"
+
+
+class _FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _model(tmp_path):
+    # 4 MiB in all: a line of "4.00 MiB / 4.00 MiB" at the end
+    return write(
+        tmp_path / "p.safetensors",
+        [("big", "U8", (3 << 20,), b"\x01" * (3 << 20)), ("w", "F32", (1 << 18,), b"\x02" * (1 << 20))],
+    )
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_push_and_pull_draw_progress_on_a_terminal_only(tmp_path, monkeypatch, capsys, tty):
+    from weightlift.remote.server.server import Server
+
+    path = _model(tmp_path)
+    with Server() as s:
+        addr = f"{s.address[0]}:{s.address[1]}"
+        err = _FakeTTY() if tty else io.StringIO()
+        monkeypatch.setattr(sys, "stderr", err)  # after pytest's capture took stderr
+        monkeypatch.setattr(progress, "DELAY", 0.0)
+        assert main(["push", str(path), "--to", addr]) == 0
+        pushed = err.getvalue()
+        assert main(["pull", "--from", addr, "-o", str(tmp_path / "o.safetensors")]) == 0
+        pulled = err.getvalue()[len(pushed) :]
+        assert main(["push", str(path), "--to", addr, "--json"]) == 0
+        assert err.getvalue() == pushed + pulled  # --json: never a line
+    assert json.loads(capsys.readouterr().out.split("\n", 2)[-1])["bytes"] == 4 << 20
+    if not tty:
+        assert pushed == pulled == ""
+        return
+    for text, label in ((pushed, f"pushing to {addr}"), (pulled, f"pulling from {addr}")):
+        last = text.rstrip("\n").split("\r")[-1].replace("\x1b[K", "")
+        assert last.startswith(f"{label}: 100.0%  4.00 MiB / 4.00 MiB  "), text
+        assert text.endswith("\n")

@@ -214,7 +214,7 @@ def _cmd_verify(a: argparse.Namespace) -> int:
 def _cmd_demo(a: argparse.Namespace) -> int:
     from weightlift.cli.demo import run_demo
 
-    out = run_demo(rounds=a.rounds, push=not a.no_push)
+    out = run_demo(rounds=a.rounds, push=not a.no_push, progress=not a.json)
     if a.json:
         print(json.dumps(out, indent=1, default=str))
     return 0

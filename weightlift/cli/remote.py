@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from weightlift.errors import IntegrityError, OptionError
+from weightlift.progress import terminal
 from weightlift.remote.server.config import MIN_FRAME_RATE
 from weightlift.remote.token import read_token
 
@@ -295,9 +296,10 @@ def _cmd_push(a: argparse.Namespace) -> int:
     want = a.profile or a.json or a.trace
     prof = Profiler(enabled=True, trace=bool(a.trace)) if want else None
     verify = a.verify or a.manifest is not None
+    bar = terminal(f"pushing to {a.to}", enabled=not a.json)
     with _client(a, a.to, streams=a.streams, profile=prof) as c:
         try:
-            result = c.push(a.path, select=a.select, verify=verify, manifest=a.manifest)
+            result = c.push(a.path, select=a.select, verify=verify, manifest=a.manifest, progress=bar)
         except IntegrityError as e:  # the push ran; its bytes are wrong: exit 1, as verify does
             print(f"weightlift: {e}", file=sys.stderr)
             return 1
@@ -330,7 +332,7 @@ def _verified(result: PushResult) -> str:
 def _cmd_pull(a: argparse.Namespace) -> int:
     with _client(a, a.source) as c:
         try:
-            entries = c.pull(a.output, verify=a.verify)
+            entries = c.pull(a.output, verify=a.verify, progress=terminal(f"pulling from {a.source}"))
         except IntegrityError as e:
             print(f"weightlift: {e}", file=sys.stderr)
             return 1

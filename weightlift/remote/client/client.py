@@ -20,7 +20,7 @@ from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
 from weightlift.errors import OptionError, StateError
 from weightlift.profile import Profiler
 from weightlift.remote.client.connection import MAX_TIMEOUT, Connection
-from weightlift.remote.client.job import PIPELINE, Push, PushResult, strategy
+from weightlift.remote.client.job import PIPELINE, ProgressCallback, Push, PushResult, strategy
 from weightlift.remote.client.memory import host_bytes, memory_tensors
 from weightlift.remote.client.pull import MAX_LIST_BYTES, MAX_LIST_ENTRIES, Pull, RemoteTensor, listing
 from weightlift.remote.client.servers import Address, address_key, push_each
@@ -156,6 +156,7 @@ class Client:
         base: Tensors | None = None,
         in_place: bool = False,
         manifest: ManifestSource | None = None,
+        progress: ProgressCallback | None = None,
     ) -> PushResult: ...
 
     @overload
@@ -181,6 +182,7 @@ class Client:
         base: Tensors | None = None,
         in_place: bool = False,
         manifest: ManifestSource | None = None,
+        progress: ProgressCallback | None = None,
     ) -> PushResult | dict[str, PushResult]:
         """Send the selected tensors of a checkpoint, or of ``{name: array or tensor}``, to the
         server; returns when all have landed.
@@ -219,10 +221,16 @@ class Client:
         only what it asks a caching server about, whose fills are then the file's bytes, never
         what the manifest names. IntegrityError before any byte is sent if it lacks a selected
         tensor or gives it another size.
+
+        ``progress``: called as ``progress(bytes done, bytes in all)`` after each tensor lands (or
+        is filled from the server's cache), from the sending thread; nothing is drawn otherwise.
+        Not with ``to``.
         """
         _check_push_options(source, to=to, base=base, in_place=in_place, verify=verify, manifest=manifest)
+        if to is not None and progress is not None:
+            raise OptionError("push(progress=...) reports one push: not with to=...")
         if isinstance(source, Mapping):
-            return self._push_memory(source, select, hash_threshold, verify, base, in_place)
+            return self._push_memory(source, select, hash_threshold, verify, base, in_place, progress)
         if to is not None:
             return self._push_to(source, select, to, hash_threshold=hash_threshold, verify=verify, manifest=manifest)
         from weightlift.digest.published import reference  # a store's manifest: the store clients, on demand
@@ -245,6 +253,7 @@ class Client:
             verify=verify,
             expected=ref.digests if ref is not None else None,
             manifest=ref.manifest if ref is not None else None,
+            progress=progress,
         )
         try:
             return job.run()
@@ -263,6 +272,7 @@ class Client:
         verify: bool,
         base: Tensors | None,
         in_place: bool,
+        progress: ProgressCallback | None,
     ) -> PushResult:
         infos = memory_tensors(tensors, select)
         conn = self._conn()
@@ -281,6 +291,7 @@ class Client:
             hash_threshold=hash_threshold,
             verify=verify,
             update=spec,
+            progress=progress,
         )
         try:
             result = job.run()
@@ -330,7 +341,9 @@ class Client:
         """Drop the named tensors on the server; returns how many existed."""
         return _free(self._conn(), [names] if isinstance(names, str) else names)
 
-    def pull(self, path: str | os.PathLike[str], *, verify: bool = False) -> builtins.list[RemoteTensor]:
+    def pull(
+        self, path: str | os.PathLike[str], *, verify: bool = False, progress: ProgressCallback | None = None
+    ) -> builtins.list[RemoteTensor]:
         """Write every tensor the server holds to ``path`` as a .safetensors file; returns them.
 
         The file appears whole or not at all, with the mode the umask allows a new file (0600
@@ -339,10 +352,16 @@ class Client:
         every tensor matches (else :class:`~weightlift.errors.IntegrityError` naming each one
         that differs, and no file). Needs a server of protocol minor 2 (LocalProtocolError
         otherwise). FormatError, before anything is written, if the file's header would pass
-        the limit safetensors readers accept.
+        the limit safetensors readers accept. ``progress``: called as ``progress(bytes done, bytes
+        in all)`` as the tensors arrive.
         """
         job = Pull(
-            self._conn(), path, where=address_key(self.address), verify=verify, protected=self._token is not None
+            self._conn(),
+            path,
+            where=address_key(self.address),
+            verify=verify,
+            protected=self._token is not None,
+            progress=progress,
         )
         try:
             return job.run()
