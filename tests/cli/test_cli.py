@@ -151,3 +151,22 @@ def test_push_and_pull_draw_progress_on_a_terminal_only(tmp_path, monkeypatch, c
         last = text.rstrip("\n").split("\r")[-1].replace("\x1b[K", "")
         assert last.startswith(f"{label}: 100.0%  4.00 MiB / 4.00 MiB  "), text
         assert text.endswith("\n")
+
+
+@needs_torch
+def test_load_reports_imports_apart_from_the_load(ckpt, tmp_path):
+    """In a fresh process: torch (for torch tensors) and ml_dtypes (bfloat16 into numpy) are imported
+    before the load's clock, and said so."""
+
+    def run(*argv):
+        res = subprocess.run([sys.executable, "-m", "weightlift", "load", *argv], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+        return res.stdout
+
+    obj = json.loads(run(str(ckpt), "--framework", "torch", "--json"))
+    assert obj["imported"] == ["torch"] and obj["import_seconds"] > 0 and "seconds" in obj
+    assert run(str(ckpt), "--framework", "torch").startswith("imported torch in ")
+    assert json.loads(run(str(ckpt), "--json"))["imported"] == ["ml_dtypes"]  # every_dtype has BF16
+    f32 = write(tmp_path / "f32.safetensors", [("w", "F32", (4,), b"\x00" * 16)])
+    assert json.loads(run(str(f32), "--json"))["imported"] == []
+    assert run(str(f32)).startswith("loaded 1 tensors")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -96,10 +97,40 @@ def _jsonable(v: Any) -> bool:
         return False
 
 
+#: What a load imports on first use, which the CLI imports before the load's clock starts.
+_HEAVY = ("torch", "ml_dtypes")
+
+
+def _import_first(a: argparse.Namespace) -> tuple[list[str], float]:
+    """Import what the load would import on first use, and time it apart from the load: torch
+    for torch tensors, ml_dtypes for bfloat16 or float8 arrays. Resolving each dtype the load
+    will hand out (the checkpoint's, the cast's) imports exactly what it needs. Returns the
+    modules imported here and the seconds it took; a checkpoint in a store is not opened twice
+    (its dtypes import what they need inside the load)."""
+    from weightlift.checkpoint import open_checkpoint
+    from weightlift.dtypes import numpy_dtype, torch_dtype
+    from weightlift.sources import is_url
+
+    as_torch = a.framework == "torch" or a.device != "cpu"
+    names = set() if is_url(a.path) else {t.dtype for t in open_checkpoint(a.path).select(a.select)}
+    names |= {a.dtype.upper()} if a.dtype else set()
+    before = [m for m in _HEAVY if m not in sys.modules]
+    t0 = time.perf_counter()
+    if as_torch:
+        import torch  # noqa: F401
+    for name in sorted(names):
+        try:
+            torch_dtype(name) if as_torch else numpy_dtype(name)
+        except WeightliftError:  # not a dtype the load takes: the load says so
+            pass
+    return [m for m in before if m in sys.modules], time.perf_counter() - t0
+
+
 def _cmd_load(a: argparse.Namespace) -> int:
     from weightlift.api import load
     from weightlift.profile import Profiler
 
+    imported, import_seconds = _import_first(a)
     prof = Profiler(enabled=True, trace=bool(a.trace)) if (a.profile or a.trace) else None
     report: dict[str, Any] = {}
     kwargs = dict(
@@ -126,9 +157,12 @@ def _cmd_load(a: argparse.Namespace) -> int:
         return 1
     if prof is not None and a.trace:
         prof.write_trace(a.trace)
+    report["imported"], report["import_seconds"] = imported, import_seconds
     if a.json:
         print(json.dumps(report, indent=1))
         return 0
+    if imported:  # not the load's time: said apart
+        print(f"imported {', '.join(imported)} in {import_seconds:.2f} s (before the load, not in its time)")
     src = report.get("source")
     where = (
         f"{src['requests']} ranged reads on {src['connections']} connections"
