@@ -83,20 +83,33 @@ def test_weightlift_alone_prints_usage_with_every_command(capsys):
         assert command in out
 
 
-def test_every_option_of_every_command_has_help():
+def _parsers(parser, prog="weightlift"):
+    """(name, parser) of the main parser and every subcommand's, at any depth."""
+    import argparse
+
+    yield prog, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, f"{prog} {name}")
+
+
+def test_every_option_and_argument_of_every_command_has_help():
     import argparse
 
     from weightlift.cli.main import build_parser
 
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    parsers = dict(_parsers(build_parser()))
+    assert {"weightlift load", "weightlift push", "weightlift check", "weightlift bench"} <= set(parsers)
     missing = [
-        f"{name} {'/'.join(action.option_strings)}"
-        for name, p in sub.choices.items()
+        f"{name} {'/'.join(action.option_strings) or action.dest}"
+        for name, p in parsers.items()
         for action in p._actions
-        if action.option_strings and not action.help and not isinstance(action, argparse._HelpAction)
+        if not action.help and not isinstance(action, argparse._HelpAction | argparse._SubParsersAction)
     ]
     assert missing == []
+    for name, p in parsers.items():  # and each command's --help prints
+        assert p.format_help().startswith(f"usage: {name}")
 
 
 def test_the_cli_and_push_help_import_neither_the_server_nor_ml_dtypes():

@@ -254,6 +254,13 @@ def _cmd_demo(a: argparse.Namespace) -> int:
     return 0
 
 
+#: What a checkpoint argument takes, said once for every command that reads one.
+PATH_HELP = (
+    "the checkpoint: a .safetensors or .gguf file, a shard index, a folder holding one, or an "
+    "s3:// or https:// URL of one"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="weightlift", description="Model weights from disk or another machine into memory, fast.")
     p.add_argument("--version", action="version", version=f"weightlift {_version()}")
@@ -266,13 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_demo)
 
     i = sub.add_parser("inspect", help="list a checkpoint's tensors without reading data")
-    i.add_argument("path")
+    i.add_argument("path", help=PATH_HELP)
     _add_select(i)
     i.add_argument("--json", action="store_true", help="print the tensors as JSON")
     i.set_defaults(func=_cmd_inspect)
 
     ld = sub.add_parser("load", help="load a checkpoint into memory and report the time to ready")
-    ld.add_argument("path")
+    ld.add_argument("path", help=PATH_HELP)
     ld.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ld.add_argument(
         "--framework", default="numpy", choices=["numpy", "torch"], help="numpy arrays (default) or torch tensors"
@@ -309,13 +316,13 @@ def build_parser() -> argparse.ArgumentParser:
     ld.set_defaults(func=_cmd_load)
 
     mf = sub.add_parser("manifest", help="write a checkpoint's manifest: per tensor dtype, shape, bytes, BLAKE3")
-    mf.add_argument("path")
+    mf.add_argument("path", help=PATH_HELP)
     _add_select(mf)
     mf.add_argument("-o", "--output", metavar="FILE", help="where to write it ('-': stdout; default: beside PATH)")
     mf.set_defaults(func=_cmd_manifest)
 
     vf = sub.add_parser("verify", help="hash a checkpoint afresh and compare with its manifest; exit 1 if any differs")
-    vf.add_argument("path")
+    vf.add_argument("path", help=PATH_HELP)
     _add_select(vf)
     vf.add_argument(
         "--manifest",

@@ -149,8 +149,10 @@ def link(a: argparse.Namespace) -> tuple[bytes | None, ssl.SSLContext | None]:
 
 
 def _register_push(sub: Any) -> None:
+    from weightlift.cli.main import PATH_HELP
+
     p = sub.add_parser("push", help="send a checkpoint's tensors to a tensor server")
-    p.add_argument("path")
+    p.add_argument("path", help=PATH_HELP)
     p.add_argument("--to", required=True, metavar="HOST:PORT", help="the tensor server to push to")
     p.add_argument("--select", action="append", metavar="PATTERN", help="a glob, or re:<regex>; repeat for several")
     p.add_argument("--streams", type=int, default=1, help="connections to spread the tensors over")
