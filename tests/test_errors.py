@@ -12,6 +12,7 @@ import pickle
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from weightlift.errors import (
     TransportError,
     TransportTimeout,
     WeightliftError,
+    install_hint,
     os_error,
 )
 from weightlift.remote.client.client import Client
@@ -157,3 +159,28 @@ def test_a_file_that_ends_early_says_so_once(tmp_path):
         m.close()
     # ours, not re-wrapped by the handler of OSError around it
     assert str(got.value) == f"{path}: file ended at byte 100 while reading tensors"
+
+
+def test_install_hints_work_from_a_checkout_and_name_the_index_form():
+    assert (
+        install_hint("s3")
+        == "pip install -e '.[s3]' from a checkout of weightlift (or 'weightlift[s3]' once published)"
+    )
+    # every hint in the package is this one: none says only the index form, which fails until published
+    pkg = Path(weightlift.__file__).parent
+    only_index = [
+        f"{p.relative_to(pkg)}:{i}"
+        for p in sorted(pkg.rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "pip install 'weightlift[" in line or 'pip install "weightlift[' in line
+    ]
+    assert only_index == []
+
+
+def test_a_missing_extra_names_the_line_that_works_today(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "botocore", None)  # as if the s3 extra were not installed
+    monkeypatch.setitem(sys.modules, "botocore.session", None)
+    with pytest.raises(OptionError) as got:
+        weightlift.load("s3://bucket/model.safetensors")
+    assert str(got.value) == f"s3:// needs botocore and obstore: {install_hint('s3')}"
+    assert isinstance(got.value, ValueError)

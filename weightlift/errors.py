@@ -65,6 +65,7 @@ __all__ = [
     "GroupError",
     "PushError",
     "os_error",
+    "install_hint",
 ]
 
 
@@ -137,6 +138,12 @@ def os_error(e: OSError, file: Any, what: str) -> WeightliftError:
     if e.errno == _errno.ENOENT:
         return NotFoundError("no such file", file=str(file))
     return FileError(f"{what}: {e.strerror or e}", file=str(file), errno=e.errno)
+
+
+def install_hint(extra: str) -> str:
+    """How to install one of weightlift's extras, for a message that needs it: the line that works
+    from a checkout today, and the one that will work from a package index once it is published."""
+    return f"pip install -e '.[{extra}]' from a checkout of weightlift (or 'weightlift[{extra}]' once published)"
 
 
 class OptionError(WeightliftError, ValueError):

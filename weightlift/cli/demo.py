@@ -23,7 +23,7 @@ from typing import Any
 
 from weightlift.benchmark.synthetic import demo_dir, demo_tensors, ensure_demo_checkpoint
 from weightlift.dtypes import byte_length
-from weightlift.errors import IntegrityError
+from weightlift.errors import IntegrityError, install_hint
 from weightlift.progress import Progress, terminal
 
 __all__ = ["demo_dir", "ensure_demo_checkpoint", "ensure_tiny_model", "demo_tensors", "run_demo", "written"]
@@ -126,7 +126,7 @@ def run_demo(*, rounds: int = 3, push: bool = True, layers: int = 8, progress: b
     if "safetensors" in med and med["weightlift"] > 0:
         print(f"  speed-up over safetensors: {med['safetensors'] / med['weightlift']:.2f}x")
     elif st_load is None:
-        print("  safetensors: not installed (pip install safetensors), skipped")
+        print(f"  safetensors: not installed ({install_hint('bench')}, or pip install safetensors), skipped")
     print("weightlift's load, by phase (profiler):")
     print(prof.format())
     if push:

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from weightlift.errors import IntegrityError, OptionError
+from weightlift.errors import IntegrityError, OptionError, install_hint
 from weightlift.progress import terminal
 from weightlift.remote.server.config import MIN_FRAME_RATE
 from weightlift.remote.token import read_token
@@ -125,7 +125,7 @@ def _register_serve(sub: Any) -> None:
         "--metrics",
         metavar="[HOST:]PORT",
         help="serve Prometheus metrics (the server's stats) over HTTP here; HOST defaults to 127.0.0.1 "
-        "(needs the metrics extra: pip install 'weightlift[metrics]')",
+        f"(needs the metrics extra: {install_hint('metrics')})",
     )
     s.set_defaults(func=_cmd_serve)
 
@@ -228,7 +228,7 @@ def _start_metrics(server: Any, where: str) -> None:
 
         _, bound = serve_metrics(server.stats, host or "127.0.0.1", int(port))
     except ImportError:
-        raise OptionError("--metrics needs prometheus_client: pip install 'weightlift[metrics]'") from None
+        raise OptionError(f"--metrics needs prometheus_client: {install_hint('metrics')}") from None
     except OSError as e:
         raise OptionError(f"--metrics {where}: cannot bind: {e.strerror or e}") from None
     print(f"weightlift: metrics on http://{host or '127.0.0.1'}:{bound}/metrics", flush=True)
