@@ -116,13 +116,16 @@ def _import_first(a: argparse.Namespace) -> tuple[list[str], float]:
     names |= {a.dtype.upper()} if a.dtype else set()
     before = [m for m in _HEAVY if m not in sys.modules]
     t0 = time.perf_counter()
-    if as_torch:
-        import torch  # noqa: F401
-    for name in sorted(names):
-        try:
-            torch_dtype(name) if as_torch else numpy_dtype(name)
-        except WeightliftError:  # not a dtype the load takes: the load says so
-            pass
+    try:
+        if as_torch:
+            import torch  # noqa: F401
+        for name in sorted(names):
+            try:
+                torch_dtype(name) if as_torch else numpy_dtype(name)
+            except WeightliftError:  # not a dtype the load takes: the load says so
+                pass
+    except ImportError:  # torch is not installed: the load says what to do
+        pass
     return [m for m in before if m in sys.modules], time.perf_counter() - t0
 
 
