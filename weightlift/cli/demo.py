@@ -24,7 +24,7 @@ from typing import Any
 from weightlift.benchmark.synthetic import demo_dir, demo_tensors, ensure_demo_checkpoint
 from weightlift.dtypes import byte_length
 from weightlift.errors import IntegrityError, install_hint
-from weightlift.progress import Progress, terminal
+from weightlift.progress import terminal
 
 __all__ = ["demo_dir", "ensure_demo_checkpoint", "ensure_tiny_model", "demo_tensors", "run_demo", "written"]
 
@@ -48,7 +48,7 @@ def verify(tensors: dict[str, Any], digests: dict[str, str]) -> int:
     return checked
 
 
-def written(layers: int = 8, *, progress: Progress | None = None) -> Path:
+def written(layers: int = 8, *, progress: Callable[[int, int], None] | None = None) -> Path:
     """:func:`ensure_demo_checkpoint`, with ``progress(done, total)`` told how far its first write
     is (the writer reports nothing: the size of its temporary file, sampled ten times a second)."""
     d = demo_dir()
