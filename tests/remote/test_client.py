@@ -663,3 +663,33 @@ def test_cli_serve_refuses_a_public_address_without_token(capsys):
     assert cli.main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2
     assert "token" in capsys.readouterr().err
     assert cli.main(["serve", "--port", "0", "--max-memory", "lots"]) == 2
+
+
+def _recorder() -> tuple[list[tuple[int, int]], Callable[[int, int], None]]:
+    calls: list[tuple[int, int]] = []
+    return calls, lambda done, total: calls.append((done, total))
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_push_and_pull_report_progress_through_their_callback(tmp_path, streams):
+    path, tensors = model(tmp_path, large=3, small=4)
+    total = sum(len(b) for _, _, b in tensors.values())
+    with Server(cache_dir=tmp_path / "cache") as s, Client(s.address, streams=streams) as c:
+        for cached in (0, 3):  # sent, then the large ones filled from the server's cache
+            calls, progress = _recorder()
+            r = c.push(path, hash_threshold=THRESHOLD, progress=progress)
+            assert r.cached == cached
+            assert len(calls) == len(tensors)  # once per tensor, sent or filled
+            assert all(t == total for _, t in calls) and calls[-1] == (total, total)
+            assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+            c.free(list(tensors))
+        c.push(path)
+        calls, progress = _recorder()
+        c.pull(tmp_path / "out.safetensors", verify=True, progress=progress)
+        assert len(calls) == len(tensors) and calls[-1] == (total, total)
+        assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+        calls, progress = _recorder()
+        c.push({"m.0": np.arange(1000, dtype=np.float32)}, progress=progress)  # from memory too
+        assert calls == [(4000, 4000)]
+        with pytest.raises(OptionError, match="progress"):
+            c.push(path, to=[s.address], progress=progress)

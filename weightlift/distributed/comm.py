@@ -22,7 +22,7 @@ import numpy as np
 
 from weightlift.distributed.shard import Piece
 from weightlift.dtypes import dtype_info
-from weightlift.errors import OptionError, TransportError, WeightliftError
+from weightlift.errors import OptionError, TransportError, WeightliftError, install_hint
 from weightlift.memory.targets import fresh_host, view_as
 from weightlift.options import Placement
 
@@ -49,7 +49,7 @@ class Comm:
         try:
             import torch.distributed as dist
         except ImportError:
-            raise OptionError("a process group needs torch (pip install torch)") from None
+            raise OptionError(f"a process group needs torch: {install_hint('torch')}") from None
         if not dist.is_available():
             raise OptionError("this torch build has no torch.distributed")
         if not dist.is_initialized():

@@ -22,7 +22,7 @@ from weightlift.errors import OptionError, StateError
 from weightlift.options import check_keywords, keyword_signature
 from weightlift.profile import Profiler
 from weightlift.remote.client.connection import MAX_TIMEOUT, Connection
-from weightlift.remote.client.job import PIPELINE, Push, PushResult, strategy
+from weightlift.remote.client.job import PIPELINE, ProgressCallback, Push, PushResult, strategy
 from weightlift.remote.client.memory import host_bytes, memory_tensors
 from weightlift.remote.client.pull import MAX_LIST_BYTES, MAX_LIST_ENTRIES, Pull, RemoteTensor, listing
 from weightlift.remote.client.servers import Address, address_key, push_each
@@ -117,6 +117,7 @@ class PushKw(TypedDict, total=False):
     hash_threshold: int | None
     verify: bool
     manifest: ManifestSource | None
+    progress: ProgressCallback | None
 
 
 class MemoryPushKw(PushKw, total=False):
@@ -137,6 +138,7 @@ class PushOptions:
     base: Tensors | None = None
     in_place: bool = False
     manifest: ManifestSource | None = None
+    progress: ProgressCallback | None = None
 
     def check(self, source: Source | Tensors) -> None:
         """OptionError for options that do not go together with each other or with ``source``,
@@ -290,10 +292,16 @@ class Client:
         only what it asks a caching server about, whose fills are then the file's bytes, never
         what the manifest names. IntegrityError before any byte is sent if it lacks a selected
         tensor or gives it another size.
+
+        ``progress``: called as ``progress(bytes done, bytes in all)`` after each tensor lands (or
+        is filled from the server's cache), from the sending thread; nothing is drawn otherwise.
+        Not with ``to``.
         """
         check_keywords("Client.push", options, PushOptions)
         o = PushOptions(to=to, **options)
         o.check(source)
+        if o.to is not None and o.progress is not None:
+            raise OptionError("push(progress=...) reports one push: not with to=...")
         if isinstance(source, Mapping):
             return self._push_memory(source, o)
         if o.to is not None:
@@ -318,6 +326,7 @@ class Client:
             verify=o.verify,
             expected=ref.digests if ref is not None else None,
             manifest=ref.manifest if ref is not None else None,
+            progress=o.progress,
         )
         try:
             return job.run()
@@ -346,6 +355,7 @@ class Client:
             hash_threshold=o.hash_threshold,
             verify=o.verify,
             update=spec,
+            progress=o.progress,
         )
         try:
             result = job.run()
@@ -388,7 +398,9 @@ class Client:
         """Drop the named tensors on the server; returns how many existed."""
         return _free(self._conn(), [names] if isinstance(names, str) else names)
 
-    def pull(self, path: str | os.PathLike[str], *, verify: bool = False) -> builtins.list[RemoteTensor]:
+    def pull(
+        self, path: str | os.PathLike[str], *, verify: bool = False, progress: ProgressCallback | None = None
+    ) -> builtins.list[RemoteTensor]:
         """Write every tensor the server holds to ``path`` as a .safetensors file; returns them.
 
         The file appears whole or not at all, with the mode the umask allows a new file (0600
@@ -397,7 +409,8 @@ class Client:
         every tensor matches (else :class:`~weightlift.errors.IntegrityError` naming each one
         that differs, and no file). Needs a server of protocol minor 2 (LocalProtocolError
         otherwise). FormatError, before anything is written, if the file's header would pass
-        the limit safetensors readers accept.
+        the limit safetensors readers accept. ``progress``: called as ``progress(bytes done, bytes
+        in all)`` as the tensors arrive.
         """
         job = Pull(
             self._conn(),
@@ -405,6 +418,7 @@ class Client:
             where=address_key(self.address),
             verify=verify,
             protected=self.options.secret is not None,
+            progress=progress,
         )
         try:
             return job.run()
