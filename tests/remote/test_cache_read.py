@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import weightlift.remote.server.cache as cache_mod
-import weightlift.remote.server.cache_read as read_mod
+import weightlift.remote.server.cache.read as read_mod
 from weightlift.errors import CacheError
 from weightlift.remote.server.cache import TensorCache
 
@@ -94,13 +94,13 @@ def test_a_helper_that_comes_late_touches_nothing(tmp_path, small_pieces, monkey
     data = _data(40 * 4096, 6)
     d = _put(cache, data)
     gate = threading.Event()
-    join = read_mod._Job.join
+    join = read_mod._ReadJob.join
 
     def late_join(job):  # only helpers join: the caller works without
         gate.wait(10)
         return join(job)
 
-    monkeypatch.setattr(read_mod._Job, "join", late_join)
+    monkeypatch.setattr(read_mod._ReadJob, "join", late_join)
     readers = read_mod.Readers(helpers=1)
     try:
         out = bytearray(len(data))

@@ -69,7 +69,6 @@ from weightlift.remote.protocol import (
     verify_usable,
 )
 from weightlift.remote.server.context import Context
-from weightlift.remote.server.delta import Deltas
 from weightlift.remote.server.destinations import Destinations
 from weightlift.remote.server.device import Device
 from weightlift.remote.server.frames import FrameReader, FrameTooLarge
@@ -78,7 +77,8 @@ from weightlift.remote.server.paths import DirectPath, PayloadPath, Wire
 from weightlift.remote.server.reads import Outbox, Reads
 from weightlift.remote.server.receive import Receiver
 from weightlift.remote.server.slots import Slot
-from weightlift.remote.server.switch import Switch
+from weightlift.remote.server.updates.delta import Deltas
+from weightlift.remote.server.updates.switch import Switch
 from weightlift.remote.transport import Stream
 
 __all__ = ["Connection", "LINGER_BYTES", "LINGER_SECONDS"]

@@ -15,7 +15,7 @@ from weightlift.errors import CacheError
 from weightlift.memory.targets import populate
 from weightlift.profile import Profiler
 from weightlift.remote.server.cache import TensorCache
-from weightlift.remote.server.cache_read import PARALLEL_READ_MIN, Readers, reader_pool
+from weightlift.remote.server.cache.read import PARALLEL_READ_MIN, Readers, reader_pool
 from weightlift.remote.server.destinations import Destinations
 from weightlift.remote.server.device import Device
 from weightlift.remote.server.pending import Pending

@@ -18,7 +18,7 @@ from weightlift.digest.blake import PARALLEL_HASH_MIN, byte_view
 from weightlift.errors import CacheError
 from weightlift.profile import Profiler
 from weightlift.remote.protocol import Alloc
-from weightlift.remote.server.cache_check import parallel_pays
+from weightlift.remote.server.cache.hashing import parallel_pays
 from weightlift.remote.server.store import Charge
 
 __all__ = ["Pending", "StreamHash", "feed", "MAX_RANGES"]

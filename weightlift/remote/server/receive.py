@@ -26,7 +26,7 @@ from weightlift.memory.targets import as_bytes
 from weightlift.profile import Profiler
 from weightlift.remote.protocol import MAX_DIGESTS, MAX_TENSORS, Alloc, BarrierReply, FillFromCache, WriteHeader
 from weightlift.remote.server.cache import CacheWriter, DigestCheck, disk_unusable
-from weightlift.remote.server.cache_behind import sealed_since
+from weightlift.remote.server.cache.behind import sealed_since
 from weightlift.remote.server.context import Context, RequestError
 from weightlift.remote.server.destinations import Destinations
 from weightlift.remote.server.device import STAGING_BYTES, Device

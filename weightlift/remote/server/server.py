@@ -58,7 +58,7 @@ from weightlift.options import Array
 from weightlift.remote.protocol import PROTOCOL_MINOR
 from weightlift.remote.server.accept import Acceptor
 from weightlift.remote.server.cache import TensorCache
-from weightlift.remote.server.cache_behind import sealed_since
+from weightlift.remote.server.cache.behind import sealed_since
 from weightlift.remote.server.config import (
     HANDSHAKE_TIMEOUT,
     IDLE_TIMEOUT,

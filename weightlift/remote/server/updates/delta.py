@@ -33,7 +33,7 @@ from weightlift.remote.protocol import Alloc, Delta, DeltaEncoding
 from weightlift.remote.server.frames import FrameReader
 from weightlift.remote.server.receive import Receiver
 from weightlift.remote.server.store import Charge, Entry, MemoryFull, Store
-from weightlift.remote.server.switch import InPlace, Switch
+from weightlift.remote.server.updates.switch import InPlace, Switch
 
 __all__ = ["Deltas"]
 

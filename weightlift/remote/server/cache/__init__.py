@@ -72,9 +72,8 @@ import blake3
 
 from weightlift.digest.blake import DIGEST_SIZE, byte_view, digest_hex
 from weightlift.errors import CacheError, OptionError
-from weightlift.remote.server.cache_behind import WriteBehind
-from weightlift.remote.server.cache_check import PARALLEL_PIECE_MIN, DigestCheck, entry_hasher
-from weightlift.remote.server.cache_folder import (
+from weightlift.remote.server.cache.behind import WriteBehind
+from weightlift.remote.server.cache.folder import (
     ENTRY_MODE,
     open_folder,
     open_root,
@@ -82,8 +81,9 @@ from weightlift.remote.server.cache_folder import (
     remove_tree,
     reopen_root,
 )
-from weightlift.remote.server.cache_index import STALE_TEMP_SECONDS, TEMP_PREFIX, LruIndex, charge, scan_entries
-from weightlift.remote.server.cache_read import BadRead, Readable, Readers, fill_verified, read_exact, read_piece
+from weightlift.remote.server.cache.hashing import PARALLEL_PIECE_MIN, DigestCheck, entry_hasher
+from weightlift.remote.server.cache.index import STALE_TEMP_SECONDS, TEMP_PREFIX, LruIndex, charge, scan_entries
+from weightlift.remote.server.cache.read import BadRead, Readable, Readers, fill_verified, read_exact, read_piece
 
 __all__ = [
     "DIGEST_SIZE",
