@@ -182,7 +182,7 @@ def test_a_fill_from_another_names_memory_never_copies_it_while_an_in_place_swit
 
     from weightlift.remote.client.client import Client
     from weightlift.remote.protocol import FillFromCache
-    from weightlift.remote.server.destinations import Destinations
+    from weightlift.remote.server.receive import Destinations
 
     v0 = {"w": _f32(N, seed=5)}
     v1 = {"w": _sparse(v0["w"], 9)[0]}

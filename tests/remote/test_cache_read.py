@@ -172,14 +172,14 @@ def test_a_fill_from_the_cache_waits_for_the_faulter_on_its_destination(tmp_path
     # over bytes the cache's readers have landed and hashed, and the tensor published corrupt.
     import weightlift.memory.faulter as faulter_mod
     import weightlift.remote.protocol as P
-    import weightlift.remote.server.destinations as dest_mod
+    import weightlift.remote.server.receive as receive_mod
     from tests.remote.rawclient import Raw, _barrier
     from weightlift.memory.fresh import policy
     from weightlift.remote.server.server import Server
 
     data = _data(3 * 1024 * 1024, 7)  # pooled: fresh memory, faulted ahead by the helpers
     d = _put(TensorCache(tmp_path / "c"), data)
-    monkeypatch.setattr(dest_mod, "fill_policy", lambda: replace(policy(), helpers=1))
+    monkeypatch.setattr(receive_mod, "fill_policy", lambda: replace(policy(), helpers=1))
     started, go = threading.Event(), threading.Event()
     fault_in, cancel = faulter_mod.fault_in, faulter_mod.Faulter.cancel
 

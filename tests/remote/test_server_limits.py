@@ -28,10 +28,10 @@ from weightlift.remote.protocol import (
     WriteHeader,
     send,
 )
+from weightlift.remote.server.admission import Context
 from weightlift.remote.server.config import ServerConfig, cuda_budget
 from weightlift.remote.server.connection import Connection
-from weightlift.remote.server.context import Context
-from weightlift.remote.server.device import PINNED_STAGING
+from weightlift.remote.server.receive import PINNED_STAGING
 from weightlift.remote.server.server import Server
 from weightlift.remote.server.store import Store, entry_cost
 from weightlift.remote.transport import SocketStream
@@ -237,7 +237,7 @@ def test_a_fill_whose_staging_does_not_fit_leaves_nothing_charged(tmp_path):
     # made: when that charge does not fit, the tensor is abandoned, not left charged in flight.
     from weightlift.digest.blake import hash_buffer
     from weightlift.remote.server.cache import TensorCache
-    from weightlift.remote.server.device import STAGING_BYTES
+    from weightlift.remote.server.receive import STAGING_BYTES
 
     a = np.arange(256, dtype=np.float32)
     d = hash_buffer(a)
@@ -260,7 +260,7 @@ def test_a_fill_whose_staging_does_not_fit_leaves_nothing_charged(tmp_path):
 def test_connections_that_pin_host_memory_are_capped_together():
     # On a CUDA server max_memory counts the device; the pinned host staging of all connections
     # together has a cap of its own, so many connections cannot pin the host's memory away.
-    from weightlift.remote.server.context import MAX_PINNED
+    from weightlift.remote.server.admission import MAX_PINNED
 
     _, ctx = _cuda_server(1 << 50)
     fit = MAX_PINNED // PINNED_STAGING

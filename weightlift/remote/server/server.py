@@ -49,16 +49,15 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Literal
 
-from weightlift.digest.blake import hash_buffer
-from weightlift.digest.setdigest import set_digest
 from weightlift.errors import StateError
 from weightlift.memory.pool import HostPool
 from weightlift.memory.targets import as_bytes, empty_device_cache
 from weightlift.options import Array
 from weightlift.remote.protocol import PROTOCOL_MINOR
-from weightlift.remote.server.accept import Acceptor
+from weightlift.remote.server.admission import Acceptor, Context, Slot, Slots
 from weightlift.remote.server.cache import TensorCache
 from weightlift.remote.server.cache.behind import sealed_since
+from weightlift.remote.server.cache.hashing import set_digest, tensor_digest
 from weightlift.remote.server.config import (
     HANDSHAKE_TIMEOUT,
     IDLE_TIMEOUT,
@@ -72,11 +71,10 @@ from weightlift.remote.server.config import (
     default_max_memory,
     is_loopback,
 )
-from weightlift.remote.server.context import Context
-from weightlift.remote.server.slots import Slots
+from weightlift.remote.server.connection import Connection
 from weightlift.remote.server.stats import ServerStats
 from weightlift.remote.server.store import ENTRY_OVERHEAD, Store
-from weightlift.remote.transport import TCP, Backend, Listener
+from weightlift.remote.transport import TCP, Backend, Listener, Stream
 
 __all__ = [
     "Server",
@@ -188,9 +186,13 @@ class Server:
         )
         self._ctx = Context(config, store, cache, host_target=host_target)
         self._store = store
-        self._acceptor = Acceptor(self._ctx, self._slots)
+        self._acceptor = Acceptor(self._ctx, self._slots, self._serve)
         self._listener: Listener | None = None
         self._accept_thread: threading.Thread | None = None
+
+    def _serve(self, stream: Stream, slot: Slot) -> None:
+        """Serve one admitted connection on the calling thread until it ends."""
+        Connection(self._ctx, stream, slot=slot).run()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -335,7 +337,7 @@ class Server:
             missing = [n for n in names if n not in entries]
             if missing:
                 raise KeyError(f"the server holds no tensor {missing[0]!r}")
-        return set_digest({n: e.digest or hash_buffer(as_bytes(e.tensor)) for n, e in entries.items()})
+        return set_digest({n: e.digest or tensor_digest(e.tensor) for n, e in entries.items()})
 
     @property
     def generation(self) -> int:

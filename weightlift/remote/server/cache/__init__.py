@@ -68,8 +68,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Literal
 
-import blake3
-
 from weightlift.digest.blake import DIGEST_SIZE, byte_view, digest_hex
 from weightlift.errors import CacheError, OptionError
 from weightlift.remote.server.cache.behind import WriteBehind
@@ -81,7 +79,7 @@ from weightlift.remote.server.cache.folder import (
     remove_tree,
     reopen_root,
 )
-from weightlift.remote.server.cache.hashing import PARALLEL_PIECE_MIN, DigestCheck, entry_hasher
+from weightlift.remote.server.cache.hashing import PARALLEL_PIECE_MIN, DigestCheck, Hasher, entry_hasher, piece_hasher
 from weightlift.remote.server.cache.index import STALE_TEMP_SECONDS, TEMP_PREFIX, LruIndex, charge, scan_entries
 from weightlift.remote.server.cache.read import BadRead, Readable, Readers, fill_verified, read_exact, read_piece
 
@@ -122,7 +120,7 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
-_Fill = Callable[[Readable, "blake3.blake3"], None]
+_Fill = Callable[[Readable, Hasher], None]
 
 
 def disk_unusable(exc: BaseException) -> bool:
@@ -337,7 +335,7 @@ class TensorCache:
         n = out.nbytes
         piece = read_piece(n, READ_CHUNK)
 
-        def fill(f: Readable, hasher: blake3.blake3) -> None:
+        def fill(f: Readable, hasher: Hasher) -> None:
             fill_verified(f, out, piece, hasher, before, readers)
 
         self._verified_read(digest, n, piece, fill)
@@ -361,7 +359,7 @@ class TensorCache:
             raise OptionError("staging must be a writable, non-empty buffer")
         piece = stage.nbytes
 
-        def fill(f: Readable, hasher: blake3.blake3) -> None:
+        def fill(f: Readable, hasher: Hasher) -> None:
             off = 0
             while off < length:
                 chunk = stage[: min(piece, length - off)]
@@ -477,7 +475,7 @@ class CacheWriter:
             raise CacheError(f"cannot create a cache file in {os.path.dirname(self.path)}: {reason(exc)}") from exc
         # blake3 fixes its thread count when the hasher is made, and whether threads pay depends on
         # the size of the pieces, which only the first write tells.
-        self._hasher: blake3.blake3 | None = None
+        self._hasher: Hasher | None = None
         self.written = 0
 
     def write(self, buf: object) -> None:
@@ -509,7 +507,7 @@ class CacheWriter:
         if self.written != self.length:
             self.abort()
             raise CacheError(f"cache entry {hx}: {self.written} bytes written, {self.length} declared")
-        actual = (self._hasher or blake3.blake3()).digest() if self._hashed else self.digest
+        actual = (self._hasher or piece_hasher()).digest() if self._hashed else self.digest
         if not hmac.compare_digest(actual, self.digest):
             self.abort()
             raise CacheError(f"cache entry {hx}: the bytes do not match the digest")
