@@ -1,11 +1,12 @@
-"""Accepting connections: one thread accepts, one thread serves each connection.
+"""Admission: who may hold a connection, and what an admitted connection is given.
 
-An :class:`Acceptor` admits each accepted stream to a slot (:mod:`.slots`) or refuses it at once
+One thread accepts, one thread serves each connection.
+An :class:`Acceptor` admits each accepted stream to a slot (:class:`Slots`) or refuses it at once
 with a best-effort ERROR, starts the connection's thread, and keeps the streams and threads it
 must end and wait for when the server closes. When the process runs out of descriptors it says
 so in the log and uses one descriptor kept spare to tell the waiting client why.
 
-Who may hold a connection: slots for connections still in their handshake, slots for
+:class:`Slots` decide who may hold a connection: slots for connections still in their handshake, slots for
 authenticated (READY) ones, and a cap per peer address.
 
 A peer without the token can only ever hold handshake slots, which are few and separate from the
@@ -18,9 +19,8 @@ string: every loopback address (127.0.0.0/8, ::1) is this machine, and one IPv6 
 (a host picks any address in its /64), so each of those counts as one address
 (:func:`address_group`).
 
-What a connection may know of its server: the settings, the store, the disk cache, the reports.
-
-A connection is given this object instead of the :class:`~weightlift.remote.server.Server`
+:class:`Context` is what a connection may know of its server: the settings, the store, the disk
+cache, the reports. A connection is given this object instead of the :class:`~weightlift.remote.server.Server`
 itself, so the seam between them is these fields and nothing private: the settings are one
 frozen :class:`~weightlift.remote.server.config.ServerConfig`, tensors and memory change only
 through the store, and the disk cache can only be switched off.

@@ -1,6 +1,6 @@
 """One client connection: the message loop, the handshake, and one handler per message type.
 
-The connection takes one message at a time from its :class:`~.frames.FrameReader` (which never
+The connection takes one message at a time from its :class:`FrameReader` (which never
 reads past a frame, so a WRITE's payload stays in the socket for the receive path to put where
 it belongs), checks it against its :class:`~weightlift.remote.protocol.ServerSession`, and hands
 it to the handler its type names in the connection's table. Tensors in flight belong to its
@@ -18,9 +18,8 @@ destination, and its tag is checked before the frame is acted on; a WRITE's tag 
 before its bytes count towards the tensor, so a tensor is published only with every WRITE of it
 proven. A tag that fails ends the connection, and what it had in flight is dropped.
 
-Reading one client's frames off its stream, under the limits that bound what a peer can hold.
-
-A :class:`FrameReader` owns everything between the socket and a decoded message: the decoder
+The frames are read off the stream under the limits that bound what a peer can hold. A
+:class:`FrameReader` owns everything between the socket and a decoded message: the decoder
 (never fed past the current frame, so a WRITE's payload stays in the socket until the receiver
 says where it goes), the scratch buffer, the incoming frame MAC, the charge for a frame larger
 than the scratch buffer, and the clocks:

@@ -271,7 +271,7 @@ class Receiver:
         if p.digest is not None and cache is not None and first:
             # The bytes of a tensor named by digest are always hashed, to prove them before it is
             # published. Where there is no entry yet, host memory has it written behind, once
-            # published (:mod:`.cache_behind`); a target without host views writes it as the
+            # published (:mod:`~weightlift.remote.server.cache.behind`); a target without host views writes it as the
             # bytes pass, while this connection holds fewer than MAX_OPEN_FILES temporary files.
             missing = not cache.has(p.digest, p.nbytes, wait=False)
             if missing and self.staging.target.memcpy_ok:

@@ -4,7 +4,7 @@ Theory of operation: one thread accepts connections and one thread serves each. 
 protocol state (decoder, session, tensors in flight, errors since the last barrier, profiler) is
 its own (:mod:`.connection`, :mod:`.receive`); the store of complete tensors and the memory
 account are shared, and only :mod:`.store` changes them. A connection sees its server through a
-:class:`~.context.Context`: settings, the store, the disk cache, nothing private.
+:class:`~.admission.Context`: settings, the store, the disk cache, nothing private.
 
 A WRITE is taken off the socket as a stream: the header through the decoder, then the payload
 ``recv_into`` straight into the destination tensor's memory when the target takes a plain
@@ -37,7 +37,7 @@ are charged to max_memory too.
 
 ``WEIGHTLIFT_LOAD_OPT=0`` (read when the Server is made, into its config) receives each WRITE into
 a fresh buffer, charged while it lives, and copies it out, the naive way, for A/B measurements
-(:mod:`.legacy`); each connection picks its receive path once, from the config.
+(:class:`~.receive.NaivePath`); each connection picks its receive path once, from the config.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""What a server holds and has done, as one read-only value (:meth:`Server.stats`).
+"""Observation: what a server holds and has done, as one read-only value (:meth:`Server.stats`),
+and the Prometheus endpoint that exports it.
 
 Operators and tests read this instead of the server's internals. It is also a read-only mapping
 of its field names to their values, so ``stats["bytes_received"]`` and ``dict(stats)`` (for a
 JSON report) work as they did when the counters were a plain dictionary.
 
-A Prometheus ``/metrics`` endpoint over :meth:`Server.stats` (``serve --metrics``).
+:func:`serve_metrics` serves a Prometheus ``/metrics`` endpoint over :meth:`Server.stats` (``serve --metrics``).
 
 The collector reads the server's stats when scraped, so nothing is counted on the push path and
 nothing is counted twice. ``prometheus_client`` is imported here only, when the endpoint is

@@ -26,14 +26,14 @@ wrong weights in memory with nothing to show for it. Hence:
 * Write failures (ENOSPC, EDQUOT, EIO, anything) remove the temporary file and raise CacheError
   from the OSError; the caller may stop caching with a warning and go on without the cache.
 
-The folder is the server's own (:mod:`.cache_folder`): a root owned by another user or writable
+The folder is the server's own (:mod:`.folder`): a root owned by another user or writable
 by group or others is refused, folders are 0700 and entries 0600 whatever the umask, and
 everything below the root is opened by descriptor without following links.
 
 The size cap
 ------------
 ``max_bytes`` caps the disk bytes the entries take, each counted as whole 4 KiB blocks
-(:func:`.cache_index.charge`), so that many tiny entries cannot fill a disk far past the cap.
+(:func:`.index.charge`), so that many tiny entries cannot fill a disk far past the cap.
 The default, ``"auto"``, is :data:`DEFAULT_MAX_FRACTION` (half) of the space the cache could
 use when it opens: what its entries already take plus the free space of its file system
 (``f_bavail``), so a cache never takes more than half of what was left to it. ``None`` means no
@@ -51,7 +51,7 @@ and are otherwise ignored: they never have an entry's name.
 Hashing runs with the GIL released (blake3 does so for large inputs) and uses blake3's
 multithreaded mode for entries of at least 1 MiB fed in pieces of at least
 :data:`PARALLEL_PIECE_MIN` on machines of at least ``PARALLEL_HASH_CPUS`` cores
-(:func:`.cache_check.parallel_pays`); smaller pieces, and smaller machines, whose other core is
+(:func:`.hashing.parallel_pays`); smaller pieces, and smaller machines, whose other core is
 busy receiving or reading the bytes, stay single-threaded.
 """
 
@@ -237,7 +237,7 @@ class TensorCache:
 
     @property
     def behind(self) -> WriteBehind:
-        """The background writer of entries from published tensors (:mod:`.cache_behind`)."""
+        """The background writer of entries from published tensors (:mod:`.behind`)."""
         with self._lock:
             if self._behind is None:
                 self._behind = WriteBehind(lambda d, n, h: self.writer(d, n, hashed=h))
@@ -323,10 +323,10 @@ class TensorCache:
 
         ``dest`` must be exactly the entry's length. The bytes go straight from the file into
         ``dest`` in pieces of at most :data:`READ_CHUNK`, read by the caller and helper threads
-        (:mod:`.cache_read`), each hashed right after it lands; ``before(begin, end)``, if
+        (:mod:`.read`), each hashed right after it lands; ``before(begin, end)``, if
         given, runs before each piece is read into ``dest[begin:end]`` (a server faults fresh
         memory in there), on whichever thread reads it. ``readers``: the helpers to share with
-        (:func:`.cache_read.reader_pool`). If the entry is missing, of another size, unreadable
+        (:func:`.read.reader_pool`). If the entry is missing, of another size, unreadable
         or corrupt, it is deleted, CacheError is raised, and what is in ``dest`` is undefined.
         """
         out = byte_view(dest)

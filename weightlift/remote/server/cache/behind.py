@@ -17,7 +17,7 @@ What the writer holds, and why it is safe:
   nothing to the cache and its memory goes back at once. At most the one tensor being written is
   held past its replacement.
 * **Not changed under it.** An in-place switch of a tensor's memory drops its queued jobs and
-  waits for the one being written from it before it changes a byte (:class:`~.switch.Switch`),
+  waits for the one being written from it before it changes a byte (:class:`~weightlift.remote.server.updates.switch.Switch`),
   and the receiver holds the tensor's read gate from its publish until its job is queued, so no
   switch falls between the two: the bytes written are those the digest was proven for.
 * **Bytes still proven.** The bytes were proven to hash to the digest when they arrived. They
