@@ -354,7 +354,7 @@ class Context:
         self.store = store
         self.cache = cache
         self.host_target = host_target
-        self.new_target = new_target or (lambda: make_target(config.device, config.framework))
+        self.new_target = new_target or (lambda: make_target(config.placement.device, config.placement.framework))
         self.reports: deque[dict[str, Any]] = deque(maxlen=64)  # profiles of recently closed connections
         self.pins = PinBudget(MAX_PINNED)
         self._lock = threading.Lock()
