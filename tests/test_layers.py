@@ -227,3 +227,27 @@ def test_a_write_crosses_only_the_modules_the_design_names() -> None:
     for cache_module in ("weightlift.remote.server.cache", "weightlift.remote.server.cache.hashing"):
         assert _server_imports(cache_module) <= {"cache"}, cache_module
     assert _server_imports("weightlift.remote.server.store") <= {"updates"}  # the gates of in-place commits
+
+
+def test_the_server_hashes_in_one_place() -> None:
+    """Every hash the server takes goes through cache/hashing.py: no other server module calls
+    blake3 or the digest layer's hash_buffer itself."""
+    hashing = SERVER / "cache" / "hashing.py"
+    for path in sorted(SERVER.rglob("*.py")):
+        if path == hashing:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                assert all(a.name != "blake3" for a in node.names), path
+            elif isinstance(node, ast.ImportFrom) and node.module in ("blake3", "weightlift.digest.blake"):
+                assert all(a.name != "hash_buffer" for a in node.names) and node.module != "blake3", path
+
+
+def test_no_server_class_is_defined_twice() -> None:
+    seen: dict[str, Path] = {}
+    for path in sorted(SERVER.rglob("*.py")):
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.ClassDef):
+                assert node.name not in seen, f"{node.name} in {seen[node.name]} and {path}"
+                seen[node.name] = path
