@@ -409,6 +409,9 @@ class _Refused(Exception):
     """Every READY slot is taken: the connection cannot go on past its handshake."""
 
 
+# -- the frames: reading one client's frames off its stream, under the limits ----------------------
+
+
 SCRATCH_BYTES = 64 * 1024  # frame headers and drained payloads
 TRICKLE_BYTES = 512  # two receives in a row inside one frame or payload bringing less than this ...
 TRICKLE_PAUSE = 0.002  # ... and the next waits this long first, so that bytes gather in the socket

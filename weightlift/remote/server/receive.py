@@ -438,6 +438,9 @@ def _charged(store: Store, a: Alloc, *, pooled: bool, ahead: bool) -> Pending:
         return Pending(a, cost, store.charge(cost - data), data)
 
 
+# -- what the next barrier reports -----------------------------------------------------------------
+
+
 class Outcomes:
     """One connection's results since its last barrier; ``failed`` remembers (oldest first) the
     ids whose ALLOC failed, so that their WRITEs are drained without a second error."""
@@ -491,6 +494,9 @@ class Outcomes:
         self.errors, self.need, self.verified = [], {}, []
         self.dropped_errors = self.done_tensors = self.done_bytes = self.verified_dropped = 0
         return reply
+
+
+# -- a tensor in flight ----------------------------------------------------------------------------
 
 
 MAX_RANGES = 4096  # disjoint byte ranges one pending tensor's WRITEs may leave
@@ -597,6 +603,9 @@ def feed(p: Pending, chunk: memoryview, prof: Profiler, on_cache_error: Callable
             on_cache_error(e)
 
 
+# -- a connection's target and its staging ---------------------------------------------------------
+
+
 STAGING_BYTES = 8 * 1024 * 1024  # one per connection, for targets that are not host memory
 PINNED_STAGING = 2 * STAGING_SLOT  # what a default CUDA target pins: two upload slots of STAGING_SLOT
 
@@ -649,6 +658,9 @@ class Staging:
         if self._pinned:
             self._ctx.pins.give(self._pinned)
             self._pinned = 0
+
+
+# -- destinations ----------------------------------------------------------------------------------
 
 
 # A bf16 or fp8 destination is a numpy array of an ml_dtypes type, and importing ml_dtypes takes
@@ -715,6 +727,9 @@ class Destinations:
         """Stop the faulter, waiting for the pieces in progress (nothing writes into freed memory)."""
         if self.faulter is not None:
             self.faulter.close()
+
+
+# -- the receive paths: a WRITE's payload from the socket to its tensor ----------------------------
 
 
 HASH_PIECE = 4 * 1024 * 1024  # received-then-hashed piece: still in the CPU cache when hashed
@@ -802,6 +817,9 @@ class DirectPath:
             with wire.prof.phase("device", len(buf), name=p.name):
                 stager.land(p.dest, h.offset + pos)
             pos += len(buf)
+
+
+# -- fills from memory or the disk cache -----------------------------------------------------------
 
 
 class Fills:
@@ -897,6 +915,9 @@ class Fills:
         p.fill()
         p.proven = True  # read_into verified the entry against this digest
         return True
+
+
+# -- the naive receive path, for A/B runs (WEIGHTLIFT_LOAD_OPT=0) ----------------------------------
 
 
 class NaivePath:
