@@ -39,7 +39,7 @@ from weightlift.remote.protocol import (
     WriteHeader,
     send,
 )
-from weightlift.remote.server.device import PINNED_STAGING
+from weightlift.remote.server.receive import PINNED_STAGING
 from weightlift.remote.server.server import Server, is_loopback
 
 __all__ = ["Raw", "_barrier", "_cache_push", "_f32", "_put"]  # what other tests take from here
@@ -314,7 +314,7 @@ def test_a_cuda_server_is_checked_without_allocating(monkeypatch):
 def test_cuda_target_is_made_at_the_first_alloc_not_at_connect(monkeypatch):
     import torch
 
-    import weightlift.remote.server.context as context_mod
+    import weightlift.remote.server.admission as context_mod
 
     made = []
     real = config_mod.make_target

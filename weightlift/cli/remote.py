@@ -224,7 +224,7 @@ def _start_metrics(server: Any, where: str) -> None:
     if not port.isdigit():
         raise OptionError(f"--metrics {where!r} is not [HOST:]PORT")
     try:
-        from weightlift.remote.server.metrics import serve_metrics
+        from weightlift.remote.server.stats import serve_metrics
 
         _, bound = serve_metrics(server.stats, host or "127.0.0.1", int(port))
     except ImportError:
