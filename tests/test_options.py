@@ -266,21 +266,25 @@ def test_a_cast_to_an_integer_dtype_is_refused(tmp_path, dtype):
 
 def test_a_device_is_checked_once_and_travels_as_a_placement():
     """Below the calls that take a device string from a caller, a device travels as the checked
-    Placement: nothing builds one again from its string, or tests the string for "cuda". (The
-    tensor server is left out here: its regrouping passes its Placement down in its own step.)"""
+    Placement: nothing builds one again from its string, or tests the string for "cuda". The
+    tensor server checks its device in ``configure`` and carries ``ServerConfig.placement``."""
     import ast
     from pathlib import Path
 
     pkg = Path(wl.__file__).resolve().parent
     entries = {
-        "Placement": {"options.py", "distributed/fanout.py"},  # load's options; broadcast_load's keywords
+        "Placement": {
+            "options.py",
+            "distributed/fanout.py",
+            "remote/server/config.py",
+        },  # load's options; broadcast_load's keywords; the server's
         "make_target": set(),  # the string form, for callers that hold no Placement
         "startswith": {"options.py", "benchmark/arms.py"},  # the check itself; a benchmark arm's keywords
     }
     found: dict[str, set[str]] = {name: set() for name in entries}
     for path in pkg.rglob("*.py"):
         rel = path.relative_to(pkg).as_posix()
-        if rel.startswith("remote/server/") or rel == "memory/targets.py":  # targets: make_target itself
+        if rel == "memory/targets.py":  # targets: make_target itself
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call):

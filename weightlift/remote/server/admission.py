@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from weightlift.errors import CacheError, TransportError
-from weightlift.memory.targets import Target, make_target
+from weightlift.memory.targets import Target, target_for
 from weightlift.remote.protocol import Error, ErrorCode, send
 from weightlift.remote.server.cache import TensorCache
 from weightlift.remote.server.config import ServerConfig
@@ -354,7 +354,7 @@ class Context:
         self.store = store
         self.cache = cache
         self.host_target = host_target
-        self.new_target = new_target or (lambda: make_target(config.placement.device, config.placement.framework))
+        self.new_target = new_target or (lambda: target_for(config.placement))
         self.reports: deque[dict[str, Any]] = deque(maxlen=64)  # profiles of recently closed connections
         self.pins = PinBudget(MAX_PINNED)
         self._lock = threading.Lock()

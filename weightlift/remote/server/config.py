@@ -19,7 +19,7 @@ from typing import Any, Literal, TypedDict
 
 from weightlift import env
 from weightlift.errors import DeviceError, OptionError
-from weightlift.memory.targets import Target, cuda_device, make_target
+from weightlift.memory.targets import Target, cuda_device, target_for
 from weightlift.options import Placement
 from weightlift.remote.protocol import PROTOCOL_MINOR
 from weightlift.remote.token import check_token, token_bytes
@@ -86,12 +86,13 @@ def cuda_budget(free: int, total: int) -> int:
     return max(0, free - max(_CUDA_HEADROOM_MIN, int(total * CUDA_HEADROOM)))
 
 
-def default_max_memory(device: str = "cpu") -> int:
+def default_max_memory(device: str | Placement = "cpu") -> int:
     """The memory cap a server uses when given none: 90 % of physical RAM for ``cpu``, for
     ``cuda[:N]`` what is free on the device now less headroom (:func:`cuda_budget`). OptionError
     where the amount cannot be found."""
-    dev = str(device)
-    if dev.startswith("cuda"):
+    place = device if isinstance(device, Placement) else Placement(device=device, framework="torch")
+    dev = place.device
+    if place.cuda:
         import torch
 
         try:
@@ -120,7 +121,7 @@ def check_device(place: Placement) -> Target | None:
     device: each connection makes its own CUDA target, with its pinned slots, at its first ALLOC.
     """
     if not place.cuda:
-        return make_target(place.device, place.framework)
+        return target_for(place)
     import torch
 
     if not torch.cuda.is_available():
@@ -268,12 +269,12 @@ def configure(host: str, port: int, options: ServerOptions) -> tuple[ServerConfi
     place = Placement(device=o["device"], framework=o["framework"])  # checked as every load checks it
     host_target = check_device(place)  # fails now on a missing device, not per client
     if host_target is None:  # a CUDA device: a bare "cuda" named once, in the caller's thread
-        place = Placement(device=cuda_device(place.device, _current_device), framework=place.framework)
+        place = Placement(device=cuda_device(place, _current_device), framework=place.framework)
     settings = {k: o[k] for k in ServerOptions.__annotations__ if k not in INPUT_ONLY}
     settings.update(
         device=place.device,
         token=raw_token,
-        max_memory=default_max_memory(place.device) if max_memory is None else max_memory,
+        max_memory=default_max_memory(place) if max_memory is None else max_memory,
         handshake_timeout=float(o["handshake_timeout"]),
         idle_timeout=None if o["idle_timeout"] is None else float(o["idle_timeout"]),
         io_timeout=None if o["io_timeout"] is None else float(o["io_timeout"]),
