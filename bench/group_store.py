@@ -6,7 +6,9 @@ each server and each N, N fresh processes form a gloo group and load the checkpo
 URL together (each byte read once across the group, the rest delivered by ``all_gather``); the
 time is from a barrier before the load to a barrier after it (the slowest rank). The store's
 egress is counted on the server's side: the bytes moto sent (through a TCP relay in front of
-it: HTTP headers included) and nginx's access log of body bytes sent. The goal of
+it: HTTP headers included) and nginx's access log of body bytes sent. Each rank also reports the
+peak of its anonymous memory during the load above what it held before, less the result's
+bytes: what the load held besides its destination (the largest over the ranks is printed). The goal of
 the group load: egress at most 1.05 times the checkpoint for every N.
 
     python bench/group_store.py --size-mib 256 --worlds 1,2,4 --json group_store.json
@@ -37,6 +39,11 @@ KEYS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench-secret", "
 # -- a rank ----------------------------------------------------------------------------------------
 
 
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
 def rank_main(rank: int, world: int, port: int, url: str) -> None:
     import datetime
 
@@ -52,13 +59,31 @@ def rank_main(rank: int, world: int, port: int, url: str) -> None:
         timeout=datetime.timedelta(seconds=120),
     )
     dist.barrier()
+    before = _rss_anon()
+    peak = [before]
+    stop = threading.Event()
+
+    def sample() -> None:  # the peak of anonymous memory while the load runs
+        while not stop.wait(0.005):
+            peak[0] = max(peak[0], _rss_anon())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     t0 = time.perf_counter()
     rep: dict[str, Any] = {}
     out = wl.load(url, group=dist.group.WORLD, report=rep)
     dist.barrier()
     seconds = time.perf_counter() - t0
+    stop.set()
+    sampler.join()
     nbytes = sum(v.nbytes for v in out.values())
-    print("RESULT " + json.dumps({"rank": rank, "seconds": seconds, "bytes": nbytes, "bytes_read": rep["bytes_read"]}))
+    extra = max(peak[0], _rss_anon()) - before - nbytes  # held besides the result
+    print(
+        "RESULT "
+        + json.dumps(
+            {"rank": rank, "seconds": seconds, "bytes": nbytes, "bytes_read": rep["bytes_read"], "extra": extra}
+        )
+    )
     sys.stdout.flush()
     os._exit(0)
 
@@ -238,6 +263,7 @@ def run_group(world: int, url: str, env: dict[str, str]) -> dict[str, Any]:
         "seconds": max(r["seconds"] for r in results),
         "bytes": results[0]["bytes"],
         "bytes_read": [r["bytes_read"] for r in results],
+        "extra": max(r["extra"] for r in results),
     }
 
 
@@ -274,11 +300,12 @@ def main() -> None:
                     egress = server.sent() - before
                     row = {"server": name, "world": world, "seconds": r["seconds"], "egress": egress, "size": size}
                     row["ratio"] = egress / size
-                    row["bytes_read"] = r["bytes_read"]
+                    row["bytes_read"], row["extra"] = r["bytes_read"], r["extra"]
                     rows.append(row)
                     print(
                         f"{name:6s} N={world}: {r['seconds']:6.2f} s, {size / r['seconds'] / 1e6:7.1f} MB/s per rank, "
-                        f"store egress {egress / MIB:8.1f} MiB = {egress / size:.3f} x the checkpoint",
+                        f"store egress {egress / MIB:8.1f} MiB = {egress / size:.3f} x the checkpoint, "
+                        f"peak memory besides the result {r['extra'] / MIB:6.1f} MiB",
                         flush=True,
                     )
             finally:

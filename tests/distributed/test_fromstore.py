@@ -160,7 +160,7 @@ def _path(url: str) -> str:
     return "/" + url.split("://", 1)[1] if url.startswith("s3://") else "/" + url.split("/", 3)[3]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_group_loads_from_stores_read_each_byte_once(stores, files, world, tmp_path):
     config, proxy, server, _ = stores
     before = server.sent()
@@ -190,7 +190,8 @@ def test_group_loads_from_stores_read_each_byte_once(stores, files, world, tmp_p
         assert r["verified"]["s3_verified"] == len(wl.open(files["small"]))
         assert r["errors"]["s3_tampered"][0] == "IntegrityError", r["errors"]
         assert "differ from the published manifest" in r["errors"]["s3_tampered"][1]
-    assert reports[0]["paths"]["s3_shard"]["redistributed"] > 0  # the owners' scatter reads ran
+    if world > 1:
+        assert reports[0]["paths"]["s3_shard"]["redistributed"] > 0  # the owners' scatter reads ran
 
 
 def test_an_object_replaced_mid_load_is_refused_on_every_rank(stores, tmp_path):

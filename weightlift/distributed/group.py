@@ -468,6 +468,8 @@ class _GroupLoad:
                 for t, off, a, b in overlaps(self.rep, rep_offs, lo, lo + c)
             ]
             _settled(comm, functools.partial(read_all, arena, self.reader, jobs), "reading its stripe")
+            if w == 1:
+                continue  # the stripe is the round: nothing to gather (gloo would copy it through a buffer)
             post(
                 comm.all_gather(
                     at[base : base + w * c], at[lo : lo + c], async_op=True, what="all_gather of replicated tensors"
