@@ -108,6 +108,7 @@ def stores(s3, nginx_counted, files, monkeypatch):
         {"key": "s3_verified", "url": f"{s3u}/small.safetensors", "local": str(files["small"]), "verify": True},
         {"key": "s3_tampered", "url": f"{s3u}/tampered.safetensors", "local": str(files["small"]), "verify": True},
         {"key": "http_st", "url": f"{server.url}/{files['st'].name}", "local": str(files["st"])},
+        {"key": "s3_opened", "url": f"{s3u}/small.safetensors", "local": str(files["small"]), "open": True},
         {"key": "http_gguf", "url": f"{server.url}/{files['gguf'].name}", "local": str(files["gguf"])},
     ]
     proxy.reset()
@@ -234,8 +235,12 @@ def test_a_rank_that_dies_fails_the_others(stores, tmp_path):
     assert time.monotonic() - t0 < 60
 
 
-def test_shard_without_a_group_reads_its_slices_from_the_store(stores, files):
-    """A rank's slices by ranged reads (rows read as spans of whole rows), no collectives."""
+@pytest.mark.parametrize("row_min", [None, "1"])
+def test_shard_without_a_group_reads_its_slices_from_the_store(stores, files, row_min, monkeypatch):
+    """A rank's slices by ranged reads, no collectives: small rows as spans of whole rows, or
+    (rows of at least WEIGHTLIFT_ROW_READ_MIN) a request per row and only the slice's bytes."""
+    if row_min is not None:
+        monkeypatch.setenv("WEIGHTLIFT_ROW_READ_MIN", row_min)
     url = next(ld for ld in stores[0]["loads"] if ld["key"] == "s3_shard")["url"]
     for rank in range(2):
         shard = Shard(RULES, rank=rank, world=2)
@@ -243,6 +248,34 @@ def test_shard_without_a_group_reads_its_slices_from_the_store(stores, files):
         got = wl.load(url, shard=shard, framework="torch", report=rep)
         assert check_slices(str(files["st"]), got, shard, rank, 2) == []
         assert rep["paths"] == {"local": len(got)}
+        mine = sum(len(raw_bytes(v)) for v in got.values())
+        if row_min is None:
+            assert rep["bytes_read"] > mine  # spans: the rows between this rank's were read too
+        else:
+            assert rep["bytes_read"] == mine
+
+
+def test_the_description_rank_0_sends_round_trips_and_is_checked(stores):
+    """What the other ranks rebuild from rank 0's description: the same tensors, raw shapes and
+    object versions; a tensor placed past its object's end is refused."""
+    from weightlift.distributed.fromstore import _describe, _parse
+    from weightlift.errors import RemoteProtocolError
+    from weightlift.sources.objects import IDENTITY
+
+    for key in ("s3_gguf", "s3_st"):
+        url = next(ld for ld in stores[0]["loads"] if ld["key"] == key)["url"]
+        ck = wl.open(url)
+        got = _parse(_describe(ck), url)
+        assert (got.path, got.format, got.files) == (ck.path, ck.format, ck.files)
+        assert got.tensors == ck.tensors
+        for a, b in zip(got.tensors, ck.tensors, strict=True):
+            assert a.extra.get("raw_shape") == b.extra.get("raw_shape")
+            assert a.extra[IDENTITY] == b.extra[IDENTITY] and a.extra[IDENTITY].etag
+        assert got.source is not None and got.source.identity == ck.source.identity
+    doc = json.loads(_describe(ck))
+    doc["tensors"][-1][4] = doc["objects"][0]["size"]  # an offset at the object's end, with bytes
+    with pytest.raises(RemoteProtocolError, match="leaves its object"):
+        _parse(json.dumps(doc).encode(), url)
 
 
 def test_verify_is_refused_where_it_cannot_check():
@@ -284,7 +317,7 @@ def _main(rank: int, world: int, config: dict, report: dict) -> None:
         shard = Shard(RULES) if ld.get("shard") else None
         try:
             got = wl.load(
-                ld["url"],
+                wl.open(ld["url"]) if ld.get("open") else ld["url"],  # opened by each rank itself
                 group=dist.group.WORLD,
                 shard=shard,
                 verify=ld.get("verify", False),
