@@ -109,6 +109,7 @@ def stores(s3, nginx_counted, files, monkeypatch):
         {"key": "s3_tampered", "url": f"{s3u}/tampered.safetensors", "local": str(files["small"]), "verify": True},
         {"key": "http_st", "url": f"{server.url}/{files['st'].name}", "local": str(files["st"])},
         {"key": "s3_opened", "url": f"{s3u}/small.safetensors", "local": str(files["small"]), "open": True},
+        {"key": "s3_missing", "url": f"{s3u}/missing.safetensors", "local": ""},
         {"key": "http_gguf", "url": f"{server.url}/{files['gguf'].name}", "local": str(files["gguf"])},
     ]
     proxy.reset()
@@ -191,6 +192,11 @@ def test_group_loads_from_stores_read_each_byte_once(stores, files, world, tmp_p
         assert r["verified"]["s3_verified"] == len(wl.open(files["small"]))
         assert r["errors"]["s3_tampered"][0] == "IntegrityError", r["errors"]
         assert "differ from the published manifest" in r["errors"]["s3_tampered"][1]
+    # rank 0 opens the checkpoint: its own error; the others are told it failed
+    assert reports[0]["errors"]["s3_missing"][0] == "NotFoundError", reports[0]["errors"]
+    for r in reports[1:]:
+        assert r["errors"]["s3_missing"][0] == "GroupError", r["errors"]
+        assert "rank 0 failed to open its checkpoint" in r["errors"]["s3_missing"][1]
     if world > 1:
         assert reports[0]["paths"]["s3_shard"]["redistributed"] > 0  # the owners' scatter reads ran
 
