@@ -126,7 +126,9 @@ KINDS: tuple[LoadKind, ...] = (
         "distributed",
         "shard= or group=",
         lambda o: o.shard is not None or o.group is not None,
-        frozenset({"device", "framework", "select", "copy", "engine", "report", "shard", "group"}),
+        frozenset(
+            {"device", "framework", "select", "copy", "engine", "report", "shard", "group", "verify", "manifest"}
+        ),
         frozenset({"page_cache", "warm", "threads", "progress"}) | _LINK,
         _distributed,
     ),

@@ -32,7 +32,7 @@ from weightlift.formats import TensorInfo
 from weightlift.memory.faulter import REGION, Faulter
 from weightlift.options import Placement
 
-__all__ = ["broadcast_load", "BROADCAST_CHUNK", "MAX_DESCRIPTION"]
+__all__ = ["broadcast_load", "share_description", "BROADCAST_CHUNK", "MAX_DESCRIPTION"]
 
 BROADCAST_CHUNK = 64 * 1024 * 1024
 MAX_DESCRIPTION = 64 * 1024 * 1024
@@ -132,7 +132,7 @@ def _plan(
             desc = _describe(infos, offs, total)
         except Exception as e:  # noqa: BLE001 - the receivers are told, then it is raised here
             failure = e
-    desc = _broadcast_description(comm, desc, src, failed=failure is not None)
+    desc = share_description(comm, desc, src, failed=failure is not None)
     if failure is not None:
         raise failure
     if not source:
@@ -182,7 +182,7 @@ def _finish(comm: Comm, item: tuple[Any, int], progress: Callable[[int], None] |
     return n
 
 
-def _broadcast_description(comm: Comm, desc: bytes, src: int, *, failed: bool = False) -> bytes:
+def share_description(comm: Comm, desc: bytes, src: int, *, failed: bool = False) -> bytes:
     """The source's description to every rank: its length, then its bytes (uint8 tensors). A
     length of -1 says the source failed before it could describe anything."""
     import torch
