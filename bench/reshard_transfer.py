@@ -8,8 +8,9 @@ one machine's loopback. Arms, interleaved ``--runs`` times in one group: ``plain
 and ``proof`` (each sender sketches its shard on a second thread while sending, each receiver
 what it received, one all_gather of the sketches). Reported: payload bytes sent and what the
 receivers need; bytes the senders' processes wrote to sockets (``/proc/self/io`` ``wchar``:
-payload plus gloo's framing); the medians of each arm's wall time (slowest rank) and of the
-proof's sketch seconds per process.
+payload plus gloo's framing); the medians of each arm's wall time (slowest rank) and CPU time
+(all processes), and of the sketches' CPU time (all processes). On a machine with fewer cores
+than processes the wall times measure contention; the CPU figures do not.
 
     PYTHONPATH=. python bench/reshard_transfer.py --json
 """
@@ -73,13 +74,14 @@ def worker(rank: int, world: int, senders: int, layers: int, runs: int, port: in
     for k in range(2 * runs):
         verify = k % 2 == 1  # plain, proof, plain, proof, ...
         dist.barrier()
-        w0, t0 = _wchar(), time.perf_counter()
+        w0, t0, c0 = _wchar(), time.perf_counter(), time.process_time()
         res = reshard_transfer(state, src=src, dst=dst, verify=verify, timeout=120)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         rows.append(
             {
                 "arm": "proof" if verify else "plain",
                 "wall_s": wall,
+                "cpu_s": cpu,
                 "moves_s": res.seconds,
                 "sketch_s": res.sketch_seconds,
                 "sent": res.sent,
@@ -135,9 +137,16 @@ def main() -> None:
         out[f"{arm}_wall_s_median"] = round(statistics.median(walls), 3)
         out[f"{arm}_wall_s_all"] = [round(w, 3) for w in walls]
         out[f"{arm}_gbps"] = round(need / statistics.median(walls) / 1e9, 3)
-    sk = [reps[r][k]["sketch_s"] for r in range(world) for k in range(len(reps[0])) if reps[0][k]["arm"] == "proof"]
-    out["sketch_s_per_process_median"] = round(statistics.median(sk), 3)
-    out["proof_overhead"] = round(out["proof_wall_s_median"] / out["plain_wall_s_median"] - 1, 3)  # type: ignore[operator]
+    for arm in ("plain", "proof"):  # CPU seconds of all processes together: what contention cannot inflate
+        cpu = [sum(reps[r][k]["cpu_s"] for r in range(world)) for k in range(len(reps[0])) if reps[0][k]["arm"] == arm]
+        out[f"{arm}_cpu_s_median"] = round(statistics.median(cpu), 3)
+    sk = [
+        sum(reps[r][k]["sketch_s"] for r in range(world)) for k in range(len(reps[0])) if reps[0][k]["arm"] == "proof"
+    ]
+    out["sketch_cpu_s_median"] = round(statistics.median(sk), 3)
+    out["sketch_gbps_per_core"] = round(2 * need / statistics.median(sk) / 1e9, 2)  # each byte sketched twice
+    out["proof_wall_overhead"] = round(out["proof_wall_s_median"] / out["plain_wall_s_median"] - 1, 3)  # type: ignore[operator]
+    out["proof_cpu_overhead"] = round(out["proof_cpu_s_median"] / out["plain_cpu_s_median"] - 1, 3)  # type: ignore[operator]
     print(json.dumps(out) if a.json else "\n".join(f"{k}: {v}" for k, v in out.items()))
 
 

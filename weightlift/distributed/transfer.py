@@ -73,7 +73,7 @@ class Resharded:
     this process sent to and received from other processes; ``copied``: bytes it moved to itself;
     ``needed``: the bytes its receiving layout needs; ``messages``: messages it posted;
     ``staged``: bytes that went through a staging buffer; ``seconds``: the moves' wall time;
-    ``sketch_seconds``: time spent sketching on this process; ``verified``: tensors proven.
+    ``sketch_seconds``: CPU time this process spent sketching; ``verified``: tensors proven.
     """
 
     tensors: dict[str, Any]
@@ -104,9 +104,11 @@ class _Ctx:
     src: dict[str, np.ndarray]  # a sender's local bytes per tensor
     dst: dict[str, np.ndarray]  # a receiver's local bytes per tensor
     nonce: bytes
-    #: a sender's sketches (and the seconds they took), begun with the moves, under ``pending_seed``
-    pending: Future[tuple[dict[str, int], float]] | None = None
-    pending_seed: bytes = b""
+    #: sketches begun during the moves, under ``early_seed``: (value, seconds) per tensor, of what
+    #: this process sends (from the start) and of what it received (as each tensor lands)
+    early_seed: bytes | None = None
+    sent_early: dict[str, Future[tuple[int, float]]] = field(default_factory=dict)
+    got_early: dict[str, Future[tuple[int, float]]] = field(default_factory=dict)
 
 
 # --- 1. metadata -------------------------------------------------------------------------------------------
@@ -355,53 +357,81 @@ class _Window:
             self.retire()
 
 
-def _move(ctx: _Ctx, plans: list[TensorPlan], res: Resharded, chunk: int, inflight: int) -> None:
-    me = ctx.comm.rank
-    win = _Window(ctx.comm, inflight, chunk)
-    for tp in plans:
-        name = tp.tensor.name
-        for s, r, _box, runs in tp.moves:
-            sp, rp = ctx.send_proc[s], ctx.recv_proc[r]
-            if me not in (sp, rp):
-                continue
-            for run in runs:
-                if sp == rp:  # to itself: a copy
-                    src, dst = ctx.src[name], ctx.dst[name]
-                    for k in range(run.count):
-                        a, b = run.src + k * run.src_stride, run.dst + k * run.dst_stride
-                        dst[b : b + run.length] = src[a : a + run.length]
-                    res.copied += run.nbytes
+class _Mover:
+    """Posts this process's messages in plan order (the walk of the module docstring) and says,
+    through ``landed(name)``, when each tensor it receives is whole."""
+
+    def __init__(self, ctx: _Ctx, res: Resharded, chunk: int, inflight: int, landed: Any = None):
+        self.ctx, self.res, self.chunk, self.landed = ctx, res, chunk, landed
+        self.win = _Window(ctx.comm, inflight, chunk)
+        self.left: dict[str, int] = {}  # receives not yet landed, +1 while the tensor's moves are being posted
+
+    def run(self, plans: list[TensorPlan]) -> None:
+        ctx, me = self.ctx, self.ctx.comm.rank
+        for tp in plans:
+            name = tp.tensor.name
+            self.left[name] = 1
+            for s, r, _box, runs in tp.moves:
+                sp, rp = ctx.send_proc[s], ctx.recv_proc[r]
+                if me not in (sp, rp):
                     continue
-                for p in _pieces(run, chunk):
-                    n = p.nbytes
-                    res.messages += 1
-                    if me == sp:
-                        src = ctx.src[name]
-                        if p.contiguous(run.src_stride):
-                            a = run.src + p.k0 * run.src_stride + p.b0
-                            win.post(ctx.comm.isend(_torch(src[a : a + n]), rp), None)
+                for run in runs:
+                    if sp == rp:
+                        self.copy(name, run)
+                        continue
+                    for p in _pieces(run, self.chunk):
+                        self.res.messages += 1
+                        if me == sp:
+                            self.send(name, run, p, rp)
                         else:
-                            st = win.stage()
-                            _gather(src, p, run.src, run.src_stride, st)
-                            res.staged += n
-                            win.post(ctx.comm.isend(_torch(st[:n]), rp), lambda st=st: win.free.append(st))
-                        res.sent += n
-                    else:
-                        dst = ctx.dst[name]
-                        if p.contiguous(run.dst_stride):
-                            b = run.dst + p.k0 * run.dst_stride + p.b0
-                            win.post(ctx.comm.irecv(_torch(dst[b : b + n]), sp), None)
-                        else:
-                            st = win.stage()
+                            self.recv(name, run, p, sp)
+            self.arrived(name)  # every move posted, every copy made
+        self.win.drain()
 
-                            def land(st: np.ndarray = st, p: _Piece = p, dst: np.ndarray = dst, run: Run = run) -> None:
-                                _scatter(dst, p, run.dst, run.dst_stride, st)
-                                win.free.append(st)
+    def arrived(self, name: str) -> None:
+        self.left[name] -= 1
+        if self.left[name] == 0:
+            del self.left[name]
+            if self.landed is not None and self.ctx.recv_rank is not None:
+                self.landed(name)
 
-                            res.staged += n
-                            win.post(ctx.comm.irecv(_torch(st[:n]), sp), land)
-                        res.received += n
-    win.drain()
+    def copy(self, name: str, run: Run) -> None:
+        """Bytes a process sends to itself."""
+        src, dst = self.ctx.src[name], self.ctx.dst[name]
+        for k in range(run.count):
+            a, b = run.src + k * run.src_stride, run.dst + k * run.dst_stride
+            dst[b : b + run.length] = src[a : a + run.length]
+        self.res.copied += run.nbytes
+
+    def send(self, name: str, run: Run, p: _Piece, peer: int) -> None:
+        src, n, win = self.ctx.src[name], p.nbytes, self.win
+        if p.contiguous(run.src_stride):  # straight from the shard the sender owns
+            a = run.src + p.k0 * run.src_stride + p.b0
+            win.post(self.ctx.comm.isend(_torch(src[a : a + n]), peer), None)
+        else:
+            st = win.stage()
+            _gather(src, p, run.src, run.src_stride, st)
+            self.res.staged += n
+            win.post(self.ctx.comm.isend(_torch(st[:n]), peer), lambda: win.free.append(st))
+        self.res.sent += n
+
+    def recv(self, name: str, run: Run, p: _Piece, peer: int) -> None:
+        dst, n, win = self.ctx.dst[name], p.nbytes, self.win
+        self.left[name] += 1
+        if p.contiguous(run.dst_stride):  # straight into the destination tensor
+            b = run.dst + p.k0 * run.dst_stride + p.b0
+            win.post(self.ctx.comm.irecv(_torch(dst[b : b + n]), peer), lambda: self.arrived(name))
+        else:
+            st = win.stage()
+
+            def land() -> None:
+                _scatter(dst, p, run.dst, run.dst_stride, st)
+                win.free.append(st)
+                self.arrived(name)
+
+            self.res.staged += n
+            win.post(self.ctx.comm.irecv(_torch(st[:n]), peer), land)
+        self.res.received += n
 
 
 # --- 4. the proof ------------------------------------------------------------------------------------------
@@ -411,15 +441,30 @@ def _words(buf: np.ndarray, t: TensorInfo, shape: tuple[int, ...]) -> np.ndarray
     return buf.view(f"<u{dtype_info(t.dtype).bits // 8}").reshape(shape)
 
 
-def _sketches(
-    ctx: _Ctx, layout: Layout, rank: int, bufs: dict[str, np.ndarray], seed: bytes
-) -> tuple[dict[str, int], float]:
-    t0 = time.perf_counter()
-    out = {
-        t.name: sketch_local(t, layout, rank, _words(bufs[t.name], t, local_shape(t, layout, rank)), seed)
-        for t in ctx.infos
-    }
-    return out, time.perf_counter() - t0
+def _sketch_one(t: TensorInfo, layout: Layout, rank: int, buf: np.ndarray, seed: bytes) -> tuple[int, float]:
+    """``rank``'s sketch part of ``t`` from its local bytes, and the CPU seconds it took (on a
+    busy machine a thread's wall time would count the time it waited for a core)."""
+    t0 = time.thread_time()
+    v = sketch_local(t, layout, rank, _words(buf, t, local_shape(t, layout, rank)), seed)
+    return v, time.thread_time() - t0
+
+
+def _parts(
+    ctx: _Ctx,
+    early: dict[str, Future[tuple[int, float]]],
+    layout: Layout,
+    rank: int,
+    bufs: dict[str, np.ndarray],
+    seed: bytes,
+) -> tuple[list[int], float]:
+    """This process's part of every tensor's sketch (begun early where the seed matches), and its cost."""
+    out, took = [], 0.0
+    for t in ctx.infos:
+        f = early.get(t.name) if ctx.early_seed == seed else None
+        v, dt = f.result() if f is not None else _sketch_one(t, layout, rank, bufs[t.name], seed)
+        out.append(v)
+        took += dt
+    return out, took
 
 
 def _seed(ctx: _Ctx, manifest: Any) -> bytes:
@@ -453,15 +498,10 @@ def verify_resharded(result: Resharded, *, manifest: Any = None) -> int:
     n = len(ctx.infos)
     mine = np.zeros((2, n), dtype=np.uint64)
     if ctx.send_rank is not None:
-        if ctx.pending is not None and ctx.pending_seed == seed:
-            sent, took = ctx.pending.result()
-        else:
-            sent, took = _sketches(ctx, ctx.senders, ctx.send_rank, ctx.src, seed)
-        mine[0] = [sent[t.name] for t in ctx.infos]
+        mine[0], took = _parts(ctx, ctx.sent_early, ctx.senders, ctx.send_rank, ctx.src, seed)
         result.sketch_seconds += took
     if ctx.recv_rank is not None:
-        got, took = _sketches(ctx, ctx.receivers, ctx.recv_rank, ctx.dst, seed)
-        mine[1] = [got[t.name] for t in ctx.infos]
+        mine[1], took = _parts(ctx, ctx.got_early, ctx.receivers, ctx.recv_rank, ctx.dst, seed)
         result.sketch_seconds += took
     everyone = torch.zeros(ctx.comm.world * 2 * n, dtype=torch.int64)
     ctx.comm.all_gather(everyone, torch.from_numpy(mine.reshape(-1).view(np.int64)), what="reshard proof")
@@ -494,6 +534,23 @@ def _total(parts: list[int], replicated: bool) -> int | None:
     if replicated:
         return parts[0] if all(p == parts[0] for p in parts) else None
     return sum(parts) & _MASK
+
+
+def _begin_proof(ctx: _Ctx, pool: ThreadPoolExecutor, manifest: Any) -> Any:
+    """Start the proof beside the moves, on another core: a sender sketches what it owns (it does
+    not change while it is sent), a receiver each tensor once its last byte has landed (the
+    callback returned, for :class:`_Mover`)."""
+    seed = ctx.early_seed = _seed(ctx, manifest)
+    if ctx.send_rank is not None:
+        for t in ctx.infos:
+            ctx.sent_early[t.name] = pool.submit(_sketch_one, t, ctx.senders, ctx.send_rank, ctx.src[t.name], seed)
+    by_name, rank = {t.name: t for t in ctx.infos}, ctx.recv_rank
+
+    def landed(name: str) -> None:
+        assert rank is not None  # called on a receiver only
+        ctx.got_early[name] = pool.submit(_sketch_one, by_name[name], ctx.receivers, rank, ctx.dst[name], seed)
+
+    return landed
 
 
 # --- the verb ----------------------------------------------------------------------------------------------
@@ -564,15 +621,11 @@ def reshard_transfer(
             shape = local_shape(t, receivers, ctx.recv_rank)
             ctx.dst[t.name] = np.zeros(int(np.prod(shape, dtype=np.int64)) * (dtype_info(t.dtype).bits // 8), np.uint8)
             res.needed += ctx.dst[t.name].size
-    pool = None
-    if verify and ctx.send_rank is not None:
-        # what a sender owns does not change while it is sent: sketch it on another core meanwhile
-        pool = ThreadPoolExecutor(1)
-        ctx.pending_seed = _seed(ctx, manifest)
-        ctx.pending = pool.submit(_sketches, ctx, senders, ctx.send_rank, src_bufs, ctx.pending_seed)
+    pool = ThreadPoolExecutor(1) if verify else None
     try:
+        landed = _begin_proof(ctx, pool, manifest) if pool is not None else None
         t0 = time.perf_counter()
-        _move(ctx, plans, res, chunk, inflight)
+        _Mover(ctx, res, chunk, inflight, landed).run(plans)
         res.seconds = time.perf_counter() - t0
         if verify:
             verify_resharded(res, manifest=manifest)
