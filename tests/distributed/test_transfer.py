@@ -160,11 +160,14 @@ def test_two_trainers_into_two_engines(ckpt, tmp_path):
 def test_one_to_three_three_to_one_and_colocated(ckpt, tmp_path):
     """Rank 0 holds the whole model (plain numpy) into receivers 1-3; then ranks 0-2 hold TP3
     DTensors and rank 3 receives it whole; then every rank is both a sender (FSDP 4) and a
-    receiver (the engine's layout over 4): a quarter of the bytes are copies, not messages."""
+    receiver (the engine's layout over 4): a quarter of the bytes are copies, not messages; then
+    the sender dies mid-transfer and every receiver raises TransportError."""
     reps = _group("odd", tmp_path, ckpt)
     assert all(r["checked"] >= 3 for r in reps)
     total = sum(len(raw) for _, _, _, raw in _tensors())
     assert reps[3]["needed"]["three_to_one"] == total
+    assert [r["killed"] for r in reps] == ["died"] + ["TransportError"] * 3
+    assert all(r["killed_s"] < 30 for r in reps[1:])  # the timeout, not a hang
     colo = [r["copied"]["colocated"] for r in reps]
     assert all(c > 0 for c in colo) and sum(colo) + sum(r["sent"]["colocated"] for r in reps) == sum(
         r["needed"]["colocated"] for r in reps
@@ -401,6 +404,37 @@ def _odd(rank: int, path: str, tmp: Path, rep: dict, fails: list[str]) -> None:
     except OptionError as e:
         if "torch.chunk slice" not in str(e):
             fails.append(f"wrong shard size: {e}")
+    _killed(rank, path, tmp, rep)
+
+
+def _killed(rank: int, path: str, tmp: Path, rep: dict) -> None:
+    """The only sender dies after its third message: every receiver gets a TransportError within
+    the timeout, none hangs (then every rank leaves without tearing down the broken group)."""
+    import weightlift.distributed.transfer as tr
+    from weightlift.errors import TransportError
+
+    rep["exit_now"] = True
+    real_isend, calls = tr.Comm.isend, [0]
+
+    def dying(self, t, peer, *, what="send"):
+        calls[0] += 1
+        if calls[0] == 3:
+            rep["killed"] = "died"
+            (tmp / f"odd.{rank}.json").write_text(json.dumps(rep))
+            os._exit(0)
+        return real_isend(self, t, peer, what=what)
+
+    tr.Comm.isend = dying
+    t0 = time.monotonic()
+    try:
+        reshard_transfer(
+            wl.load(path) if rank == 0 else None, src=Shard(rank=0, world=1) if rank == 0 else None,
+            dst=Shard(ENGINE, rank=rank - 1, world=3) if rank else None, parts=PARTS, chunk=4096, timeout=5,
+        )  # fmt: skip
+        rep["killed"] = "no error"
+    except TransportError:
+        rep["killed"] = "TransportError"
+    rep["killed_s"] = time.monotonic() - t0
 
 
 def _worker(scenario: str, rank: int, port: int, tmp: Path, path: str) -> None:
@@ -412,6 +446,8 @@ def _worker(scenario: str, rank: int, port: int, tmp: Path, path: str) -> None:
     except Exception:  # noqa: BLE001 - reported to the test
         rep["failures"].append(traceback.format_exc())
     (tmp / f"{scenario}.{rank}.json").write_text(json.dumps(rep))
+    if rep.get("exit_now"):
+        os._exit(0)  # a peer died: the group cannot be torn down in order
     dist.destroy_process_group()
 
 
