@@ -1,7 +1,7 @@
 """Sharded to sharded over gloo: bytes on the wire and the proof's cost (weightlift.distributed.transfer).
 
-A synthetic bf16 model of ``--layers`` Llama-like layers (hidden 1024, MLP 2816, grouped-query
-k/v of 256 rows; about 22.5 MB a layer), held by ``--senders`` FSDP ranks (``Shard(0)`` plain
+A synthetic bf16 model of ``--layers`` Llama-like layers (``--hidden`` 1024, MLP 2816,
+grouped-query k/v of 256 rows; about 22.5 MB a layer; every shape scales with ``--hidden``), held by ``--senders`` FSDP ranks (``Shard(0)`` plain
 shards, each made by its own rank: nothing is gathered anywhere) and moved into ``--receivers``
 tensor-parallel ranks (column-parallel q/k/v/gate/up, row-parallel o/down, replicated norms), on
 one machine's loopback. Arms, interleaved ``--runs`` times in one group: ``plain`` (no proof)
@@ -48,7 +48,12 @@ def _wchar() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
 
 
-def worker(rank: int, world: int, senders: int, layers: int, runs: int, port: int, out: Path) -> None:
+def layer(hidden: int) -> list[tuple[str, tuple[int, ...]]]:
+    """LAYER's shapes scaled to ``hidden`` (1024: LAYER itself)."""
+    return [(n, tuple(d * hidden // 1024 for d in shape)) for n, shape in LAYER]
+
+
+def worker(rank: int, world: int, senders: int, layers: int, runs: int, port: int, out: Path, hidden: int) -> None:
     import torch
     import torch.distributed as dist
 
@@ -63,7 +68,7 @@ def worker(rank: int, world: int, senders: int, layers: int, runs: int, port: in
         rng = np.random.default_rng(rank)
         state = {}
         for i in range(layers):
-            for name, shape in LAYER:
+            for name, shape in layer(hidden):
                 a, b = chunk_bounds(shape[0], rank, senders)
                 n = (b - a) * int(np.prod(shape[1:]))
                 raw = torch.from_numpy(rng.integers(0, 1 << 16, n, dtype=np.uint16).view(np.int16))
@@ -102,6 +107,7 @@ def main() -> None:
     p.add_argument("--receivers", type=int, default=2)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=1024, help="scales every shape (64: many small tensors)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     world = a.senders + a.receivers
@@ -110,13 +116,13 @@ def main() -> None:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-        args = [str(world), str(a.senders), str(a.layers), str(a.runs), str(port), tmp]
+        args = [str(world), str(a.senders), str(a.layers), str(a.runs), str(port), tmp, str(a.hidden)]
         procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), *args], env=env) for r in range(world)]
         for pr in procs:
             if pr.wait(timeout=600):
                 raise SystemExit(f"a rank failed (exit {pr.returncode})")
         reps = [json.loads((Path(tmp) / f"{r}.json").read_text()) for r in range(world)]
-    out: dict[str, object] = {"senders": a.senders, "receivers": a.receivers, "layers": a.layers}
+    out: dict[str, object] = {"senders": a.senders, "receivers": a.receivers, "layers": a.layers, "hidden": a.hidden}
     first = [r[0] for r in reps]
     need = sum(x["needed"] for x in first)
     sent = sum(x["sent"] + x["copied"] for x in first)
@@ -137,6 +143,10 @@ def main() -> None:
         out[f"{arm}_wall_s_median"] = round(statistics.median(walls), 3)
         out[f"{arm}_wall_s_all"] = [round(w, 3) for w in walls]
         out[f"{arm}_gbps"] = round(need / statistics.median(walls) / 1e9, 3)
+        moves = [
+            max(reps[r][k]["moves_s"] for r in range(world)) for k in range(len(reps[0])) if reps[0][k]["arm"] == arm
+        ]
+        out[f"{arm}_moves_s_median"] = round(statistics.median(moves), 3)
     for arm in ("plain", "proof"):  # CPU seconds of all processes together: what contention cannot inflate
         cpu = [sum(reps[r][k]["cpu_s"] for r in range(world)) for k in range(len(reps[0])) if reps[0][k]["arm"] == arm]
         out[f"{arm}_cpu_s_median"] = round(statistics.median(cpu), 3)
@@ -153,7 +163,7 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        r, w, s, layers, runs, port, out = sys.argv[2:9]
-        worker(int(r), int(w), int(s), int(layers), int(runs), int(port), Path(out))
+        r, w, s, layers, runs, port, out, hidden = sys.argv[2:10]
+        worker(int(r), int(w), int(s), int(layers), int(runs), int(port), Path(out), int(hidden))
     else:
         main()

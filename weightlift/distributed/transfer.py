@@ -20,8 +20,11 @@ takes); a process may be both. Then:
    at both of its ends, the walk cannot deadlock. A run contiguous on the sending side is sent
    straight from the shard the sender holds, one contiguous on the receiving side lands straight
    in the destination tensor; otherwise its rows go through one of ``inflight`` reused staging
-   buffers of ``chunk`` bytes. So a sender holds, beyond what it owns, at most ``inflight``
-   chunks. Bytes a process sends to itself are copied, not sent.
+   buffers of ``chunk`` bytes. Pieces of at most :data:`SMALL` bytes (norms, biases, small
+   experts) are packed per pair of processes into messages of up to a chunk, filled and posted
+   at the same point of the plan at both ends. So a process holds, beyond what it owns, at most
+   ``inflight`` chunks plus one open batch per peer. Bytes a process sends to itself are
+   copied, not sent.
 4. **The proof** (:func:`verify_resharded`, run by default): every sender sketches what it owns
    and every receiver what it received, in unsharded coordinates (:mod:`weightlift.digest.sketch`);
    one ``all_gather`` of 8 bytes per tensor and process lets every process check that the
@@ -61,6 +64,10 @@ __all__ = ["reshard_transfer", "verify_resharded", "Resharded", "CHUNK", "INFLIG
 CHUNK = 4 << 20
 #: The most messages one process has posted and not yet waited for.
 INFLIGHT = 8
+#: Pieces of at most this many bytes (or a quarter chunk) travel together, up to a chunk a message, per pair of
+#: processes: a message costs tens of microseconds whatever its size, and a model has thousands
+#: of norms, biases and small experts.
+SMALL = 64 << 10
 _MASK = (1 << 64) - 1
 
 
@@ -324,6 +331,15 @@ def _torch(a: np.ndarray) -> Any:
         return torch.from_numpy(a)
 
 
+@dataclass
+class _Batch:
+    """Small pieces for one pair of processes, packed back to back in ``buf``."""
+
+    buf: np.ndarray
+    used: int = 0
+    pieces: list[tuple[str, Run, _Piece, int]] = field(default_factory=list)
+
+
 class _Window:
     """The messages this process has posted, oldest first; at most ``limit``, with their staging."""
 
@@ -365,6 +381,13 @@ class _Mover:
         self.ctx, self.res, self.chunk, self.landed = ctx, res, chunk, landed
         self.win = _Window(ctx.comm, inflight, chunk)
         self.left: dict[str, int] = {}  # receives not yet landed, +1 while the tensor's moves are being posted
+        # small pieces gathered per (sender process, receiver process) into one message of up to a
+        # chunk; both ends fill and post a pair's batch at the same point of the plan, so the
+        # messages keep one global order. Buffers: at most one open batch per peer and direction,
+        # plus those in flight.
+        self.batches: dict[tuple[int, int], _Batch] = {}
+        self.spare: list[np.ndarray] = []
+        self.small = min(SMALL, chunk // 4)  # a batch always holds several
 
     def run(self, plans: list[TensorPlan]) -> None:
         ctx, me = self.ctx, self.ctx.comm.rank
@@ -380,13 +403,53 @@ class _Mover:
                         self.copy(name, run)
                         continue
                     for p in _pieces(run, self.chunk):
+                        if p.nbytes <= self.small:
+                            self.batch(name, run, p, (sp, rp))
+                            continue
                         self.res.messages += 1
                         if me == sp:
                             self.send(name, run, p, rp)
                         else:
                             self.recv(name, run, p, sp)
             self.arrived(name)  # every move posted, every copy made
+        for pair in sorted(self.batches):  # what is left, in one order on every process
+            self.flush(pair)
         self.win.drain()
+
+    def batch(self, name: str, run: Run, p: _Piece, pair: tuple[int, int]) -> None:
+        """Add a small piece to the pair's open batch (posting the batch first if it is full)."""
+        n = p.nbytes
+        b = self.batches.get(pair)
+        if b is not None and b.used + n > self.chunk:
+            self.flush(pair)
+            b = None
+        if b is None:
+            b = self.batches[pair] = _Batch(self.spare.pop() if self.spare else np.empty(self.chunk, np.uint8))
+        if pair[0] == self.ctx.comm.rank:
+            _gather(self.ctx.src[name], p, run.src, run.src_stride, b.buf[b.used :])
+            self.res.sent += n
+        else:
+            self.left[name] += 1
+            self.res.received += n
+        b.pieces.append((name, run, p, b.used))
+        b.used += n
+        self.res.staged += n
+
+    def flush(self, pair: tuple[int, int]) -> None:
+        b = self.batches.pop(pair)
+        self.res.messages += 1
+        data = _torch(b.buf[: b.used])
+        if pair[0] == self.ctx.comm.rank:
+            self.win.post(self.ctx.comm.isend(data, pair[1]), lambda: self.spare.append(b.buf))
+            return
+
+        def land() -> None:
+            for name, run, p, off in b.pieces:
+                _scatter(self.ctx.dst[name], p, run.dst, run.dst_stride, b.buf[off:])
+                self.arrived(name)
+            self.spare.append(b.buf)
+
+        self.win.post(self.ctx.comm.irecv(data, pair[0]), land)
 
     def arrived(self, name: str) -> None:
         self.left[name] -= 1
