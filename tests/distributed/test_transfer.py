@@ -161,12 +161,16 @@ def test_one_to_three_three_to_one_and_colocated(ckpt, tmp_path):
     """Rank 0 holds the whole model (plain numpy) into receivers 1-3; then ranks 0-2 hold TP3
     DTensors and rank 3 receives it whole; then every rank is both a sender (FSDP 4) and a
     receiver (the engine's layout over 4): a quarter of the bytes are copies, not messages; then
-    the sender dies mid-transfer and every receiver raises TransportError."""
+    inputs one rank cannot describe are refused by all; then the sender dies mid-transfer and
+    every receiver raises TransportError."""
     reps = _group("odd", tmp_path, ckpt)
     assert all(r["checked"] >= 3 for r in reps)
     total = sum(len(raw) for _, _, _, raw in _tensors())
     assert reps[3]["needed"]["three_to_one"] == total
     assert [r["killed"] for r in reps] == ["died"] + ["TransportError"] * 3
+    assert all(
+        r["refused"] == {"no src": "OptionError", "2-D mesh": "OptionError", "bad rank": "OptionError"} for r in reps
+    )
     assert all(r["killed_s"] < 30 for r in reps[1:])  # the timeout, not a hang
     colo = [r["copied"]["colocated"] for r in reps]
     assert all(c > 0 for c in colo) and sum(colo) + sum(r["sent"]["colocated"] for r in reps) == sum(
@@ -404,7 +408,37 @@ def _odd(rank: int, path: str, tmp: Path, rep: dict, fails: list[str]) -> None:
     except OptionError as e:
         if "torch.chunk slice" not in str(e):
             fails.append(f"wrong shard size: {e}")
+    _refused(rank, path, rep, fails)
     _killed(rank, path, tmp, rep)
+
+
+def _refused(rank: int, path: str, rep: dict, fails: list[str]) -> None:
+    """Input one rank cannot describe is refused by every rank, none left waiting in a collective."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard as DShard
+    from torch.distributed.tensor import distribute_tensor
+
+    t = wl.load(path, framework="torch")["l0.o_proj.weight"]
+    mesh2d = DeviceMesh("cpu", [[0, 1], [2, 3]])
+    cases = {
+        "no src": ({"w": t} if rank == 1 else None, None, "plain"),
+        "2-D mesh": ({"w": distribute_tensor(t, mesh2d, [DShard(0), DShard(1)], src_data_rank=None)}, None, "2-D"),
+        "bad rank": (None, Shard(rank=rank % 2, world=2), "claimed"),
+    }
+    for what, (state, dst, words) in cases.items():
+        if what == "bad rank":  # ranks 0-2 send whole tensors; 1 and 3 both claim receiver rank 1
+            state = {"w": t} if rank == 0 else None
+            src = Shard(rank=0, world=1) if rank == 0 else None
+            dst = Shard(rank=1 if rank in (1, 3) else 0, world=2) if rank else None
+        else:
+            src = None
+        try:
+            reshard_transfer(state, src=src, dst=dst or (Shard(rank=0, world=1) if rank == 3 else None), timeout=20)
+            fails.append(f"{what}: accepted")
+        except OptionError as e:
+            rep.setdefault("refused", {})[what] = "OptionError"
+            if words not in str(e):
+                fails.append(f"{what}: {e}")
 
 
 def _killed(rank: int, path: str, tmp: Path, rep: dict) -> None:

@@ -54,7 +54,7 @@ from weightlift.distributed.comm import Comm
 from weightlift.distributed.reshard import Layout, Run, TensorPlan, local_shape, plan, sketch_local
 from weightlift.distributed.shard import Shard, parse_placement
 from weightlift.dtypes import dtype_info, from_numpy, from_torch
-from weightlift.errors import IntegrityError, OptionError
+from weightlift.errors import IntegrityError, OptionError, WeightliftError
 from weightlift.formats import TensorInfo
 from weightlift.memory.targets import as_bytes, view_as
 
@@ -619,6 +619,34 @@ def _begin_proof(ctx: _Ctx, pool: ThreadPoolExecutor, manifest: Any) -> Any:
 # --- the verb ----------------------------------------------------------------------------------------------
 
 
+def _describe(
+    comm: Comm, state: Mapping[str, Any] | None, src: Shard | None, dst: Shard | None, parts: Any
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, np.ndarray]]:
+    """Every process's metadata (this one's too), and this sender's bytes per tensor. A rank that
+    refuses its input still joins the exchange, so that every rank refuses and none waits for it."""
+    mine: dict[str, Any] = {}
+    src_bufs: dict[str, np.ndarray] = {}
+    refused: WeightliftError | None = None
+    try:
+        if state is not None:
+            src_bufs, mine["tensors"], mine["send"] = _sender(state, src)
+        if dst is not None:
+            mine["recv"] = _receiver(dst, parts)
+            mine["recv_at"] = mine["recv"]["at"]
+    except Exception as e:  # noqa: BLE001 - any input this rank cannot describe is refused by every rank
+        refused = e if isinstance(e, WeightliftError) else OptionError(f"reshard: {type(e).__name__}: {e}")
+        mine = {"error": str(refused)}
+    if comm.rank == 0:
+        mine["nonce"] = os.urandom(16).hex()
+    docs = _exchange(comm, mine)
+    if refused is not None:
+        raise refused
+    for g, d in enumerate(docs):
+        if "error" in d:
+            raise OptionError(f"reshard: group rank {g} refused its input: {d['error']}")
+    return docs, mine, src_bufs
+
+
 def reshard_transfer(
     state: Mapping[str, Any] | None = None,
     *,
@@ -653,16 +681,7 @@ def reshard_transfer(
         raise OptionError(f"framework must be 'numpy' or 'torch', not {framework!r}")
     comm = Comm(group, timeout=timeout)
     comm.check_device("cpu")
-    mine: dict[str, Any] = {}
-    src_bufs: dict[str, np.ndarray] = {}
-    if state is not None:
-        src_bufs, mine["tensors"], mine["send"] = _sender(state, src)
-    if dst is not None:
-        mine["recv"] = _receiver(dst, parts)
-        mine["recv_at"] = mine["recv"]["at"]
-    if comm.rank == 0:
-        mine["nonce"] = os.urandom(16).hex()
-    docs = _exchange(comm, mine)
+    docs, mine, src_bufs = _describe(comm, state, src, dst, parts)
     infos, senders, receivers, send_proc, recv_proc = _picture(docs)
     ctx = _Ctx(
         comm,
