@@ -377,3 +377,44 @@ def test_dtensor_senders_on_a_gloo_mesh(ckpt, tmp_path):
     finally:
         for s in servers:
             s.close()
+
+
+def test_a_sharded_server_refuses_whole_tensors(ckpt):
+    path, arrs = ckpt
+    (server,) = _servers(1)
+    try:
+        with wl.Client(server.address) as c, pytest.raises(Exception, match="holds slices"):
+            c.push({"norm.weight": arrs["norm.weight"]})
+        assert server.tensors() == {}
+    finally:
+        server.close()
+
+
+def test_weightlift_serve_with_shard_rules(ckpt, tmp_path):
+    from tests.cli.test_serve_ops import _serve
+
+    path, arrs = ckpt
+    rules = tmp_path / "rules.json"
+    rules.write_text(json.dumps({"rules": RULES, "fused": {k: list(v) for k, v in FUSED.items()}}))
+    proc, _, address = _serve(tmp_path, "--shard-rules", str(rules), "--rank", "1", "--world", "2")
+    try:
+        with wl.Client(address) as c:
+            assert server_layout(c).local_shape("layers.0.qkv_proj.weight", "F32", (24, 6)) == (12, 6)
+            push_shards(c, arrs)
+            got = server_sketches(c, list(arrs), timeout=5)
+            c.pull(tmp_path / "pulled.safetensors")
+        want = _expected(path, arrs, 1, 2)
+        assert {n: e.received for n, e in got.items()} == {n: w.nbytes for n, w in want.items()}
+        pulled = wl.load(tmp_path / "pulled.safetensors")
+        assert all(pulled[n].tobytes() == want[n].tobytes() for n in arrs)
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+    bad = subprocess.run(
+        [sys.executable, "-m", "weightlift", "serve", "--port", "0", "--shard-rules", "llama", "--rank", "0"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=60,
+    )
+    assert bad.returncode != 0 and "--shard-rules needs --rank and --world" in bad.stderr

@@ -299,8 +299,9 @@ class Connection:
     # -- updates ---------------------------------------------------------------------------------
 
     def _deltas_usable(self) -> bool:
-        """DELTAs apply to host memory, with the codec installed (the DELTA flag says so)."""
-        return self.ctx.pooled and codec.available()
+        """DELTAs apply to host memory, with the codec installed (the DELTA flag says so), of a
+        server that holds whole tensors."""
+        return self.ctx.pooled and codec.available() and self.ctx.config.slices is None
 
     def _update(self, msg: Update) -> None:
         if self.switch is not None:

@@ -188,6 +188,8 @@ class Receiver:
             raise RequestError(f"more than {MAX_TENSORS} tensors in flight on one connection")
         if a.name in RESERVED_NAMES:
             raise RequestError(f"{a.name!r} is not a tensor name: safetensors reserves it for the file's metadata")
+        if self.ctx.config.slices is not None:  # it holds slices: a whole tensor has no place here
+            raise RequestError(f"tensor {a.name!r}: this server holds slices (shard=): send REGIONs, not whole tensors")
         p = _charged(self.store, a, pooled=self.staging.pooled, ahead=bool(self.pending))
         # A tensor named by digest may be filled from memory the server already holds: its
         # destination is made when the first byte needs a place, not here.
