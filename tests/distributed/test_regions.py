@@ -418,3 +418,23 @@ def test_weightlift_serve_with_shard_rules(ckpt, tmp_path):
         timeout=60,
     )
     assert bad.returncode != 0 and "--shard-rules needs --rank and --world" in bad.stderr
+
+
+def test_small_chunks_and_a_protected_connection(ckpt):
+    """Boxes cut into many REGIONs (rows, and pieces of one row), every frame under a MAC."""
+    path, arrs = ckpt
+    token = "t" * 32
+    servers = _servers(2, token=token)
+    try:
+        pushes = {}
+        for r, s in enumerate(servers):
+            with wl.Client(s.address, token=token) as c:
+                pushes[r] = push_shards(c, arrs, chunk=20)
+            got, want = s.tensors(), _expected(path, arrs, r, 2)
+            assert all(got[n].tobytes() == want[n].tobytes() for n in arrs)
+            assert pushes[r].regions > 3 * len(arrs)  # really cut small
+            with wl.Client(s.address, token=token) as c:
+                check_sketches([pushes[r]], server_sketches(c, list(arrs)))
+    finally:
+        for s in servers:
+            s.close()

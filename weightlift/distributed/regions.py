@@ -198,11 +198,12 @@ def _pieces(box: Box, item: int, chunk: int) -> Iterator[Box]:
 @dataclass
 class ShardPush:
     """What one sender's push to one server did: ``bytes_sent`` REGION payload bytes in
-    ``regions`` frames; ``sketches`` this sender's sketch part of each tensor it sent (a tensor it
+    ``regions`` frames, ``wire_bytes`` those frames whole (prefix, head, payload, tag); ``sketches`` this sender's sketch part of each tensor it sent (a tensor it
     sent nothing of is absent); ``status`` the server's entries (SKETCH_REPLY) right after."""
 
     bytes_sent: int = 0
     regions: int = 0
+    wire_bytes: int = 0
     sketches: dict[str, int] = field(default_factory=dict)
     status: dict[str, SketchEntry] = field(default_factory=dict)
     seconds: float = 0.0
@@ -264,7 +265,10 @@ def push_shards(
                 data = np.ascontiguousarray(local[sl])
                 raw = data.reshape(-1).view(np.uint8)
                 msg = Region(name, t.dtype, full, tuple(a for a, _ in piece), tuple(b for _, b in piece), raw.nbytes)
-                conn.send(conn.frame(msg), raw, conn.payload_tag(raw))
+                head = conn.frame(msg)
+                tag = conn.payload_tag(raw)
+                conn.send(head, raw, tag)
+                out.wire_bytes += len(head) + raw.nbytes + len(tag)
                 total += sketch_part(data, full, piece, r)
                 out.bytes_sent += raw.nbytes
                 out.regions += 1
