@@ -179,25 +179,39 @@ def _one(arrs, name, rank, world):
     return {name: _fsdp(arrs, rank, world)[name]}
 
 
-def test_a_skipped_region_leaves_the_tensor_invisible_and_says_which(ckpt):
+def test_a_skipped_region_leaves_the_set_invisible_and_says_which(ckpt):
     path, arrs = ckpt
-    (server,) = servers = [wl.Server(port=0, shard=Shard(RULES, rank=0, world=1))]
+    server = wl.Server(port=0, shard=Shard(RULES, rank=0, world=1))
     server.start()
     try:
         name = "layers.0.q_proj.weight"
         with wl.Client(server.address) as c:
             p = push_shards(c, {**_one(arrs, name, 0, 2), "norm.weight": arrs["norm.weight"]})
-            assert p.status[name].complete is False and p.status["norm.weight"].complete
-            with pytest.raises(TransportTimeout, match=r"'layers\.0\.q_proj\.weight' \(144 of 264 bytes\)"):
+            assert p.status[name].complete is False and p.status[name].received == 144
+            with pytest.raises(TransportTimeout, match=r"'layers\.0\.q_proj\.weight' \(144 of 264 bytes\)") as e:
                 server_sketches(c, [name, "norm.weight"], timeout=0.05)
-        assert set(server.tensors()) == {"norm.weight"}
-        with wl.Client(server.address) as c:  # the missing part, from another sender, completes it
+            assert "'norm.weight' (all 28 bytes, held until the rest of its set is complete)" in str(e.value)
+        assert server.tensors() == {}  # one set: norm.weight, complete, waits for q_proj
+        with wl.Client(server.address) as c:  # the missing part, from another sender, completes the set
             push_shards(c, _one(arrs, name, 1, 2))
+        assert set(server.tensors()) == {name, "norm.weight"}
         assert _status(server, [name])[name].sketch == sketch(arrs[name], name)
         assert server.tensors()[name].tobytes() == arrs[name].tobytes()
     finally:
-        for s in servers:
-            s.close()
+        server.close()
+
+
+def test_without_a_set_each_tensor_shows_as_it_completes(ckpt):
+    path, arrs = ckpt
+    server = wl.Server(port=0, shard=Shard(RULES, rank=0, world=1))
+    server.start()
+    try:
+        name = "layers.0.q_proj.weight"
+        with wl.Client(server.address) as c:
+            push_shards(c, {**_one(arrs, name, 0, 2), "norm.weight": arrs["norm.weight"]}, atomic=False)
+        assert set(server.tensors()) == {"norm.weight"}
+    finally:
+        server.close()
 
 
 def test_refused_regions_change_nothing(ckpt):

@@ -65,6 +65,7 @@ def test_command_values_are_pinned():
         "LAYOUT": 20,
         "REGION": 21,
         "SKETCH": 22,
+        "EXPECT": 23,
         "LAYOUT_REPLY": 0x94,
         "SKETCH_REPLY": 0x96,
     }
@@ -249,6 +250,7 @@ GOLDEN = [
         + "0300000000000000",  # stop
     ),
     (P.SketchRequest(("a",)), "1600000007000000" + "01000000" + "010061"),
+    (P.Expect(("a", "bc")), "170000000b000000" + "02000000" + "010061" + "02006263"),
     (
         P.SketchReply((P.SketchEntry("a", True, 8, 16, 5),), ("no",)),
         "9600000028000000"

@@ -42,6 +42,7 @@ from weightlift.remote.protocol import (
     MAX_TENSORS,
     REGIONS_SINCE,
     Capability,
+    Expect,
     LayoutReply,
     LayoutRequest,
     Region,
@@ -225,14 +226,22 @@ def server_layout(client: Client) -> Served:
 
 
 def push_shards(
-    client: Client, tensors: Mapping[str, Any], *, layout: Served | None = None, chunk: int = REGION_CHUNK
+    client: Client,
+    tensors: Mapping[str, Any],
+    *,
+    layout: Served | None = None,
+    chunk: int = REGION_CHUNK,
+    atomic: bool = True,
 ) -> ShardPush:
     """Send what this rank holds of ``tensors`` that ``client``'s server needs, as REGIONs.
 
     Values: torch DTensors (their local shard, placed by ``placements`` and ``device_mesh``),
     :class:`ShardOf`, or whole numpy arrays / torch tensors. ``layout``: the server's, when the
-    caller asked already (:func:`server_layout`). A tensor becomes visible on the server once
-    every sender has sent its part; :func:`server_sketches` waits for that. Errors the server
+    caller asked already (:func:`server_layout`). ``atomic``: the names of ``tensors`` are one
+    set (EXPECT, sent first): the server shows all of them at once when every sender has sent
+    its part of every one (the senders of one update pass the same names), and none of them if
+    a sender fails; else each tensor becomes visible as its slice is covered.
+    :func:`server_sketches` waits for visibility. Errors the server
     found in these REGIONs raise :class:`~weightlift.errors.RemoteProtocolError` naming each.
     """
     if not 0 < chunk <= MAX_REGION_BYTES:
@@ -241,6 +250,10 @@ def push_shards(
     rx = layout if layout is not None else server_layout(client)
     conn = _connection(client)
     out = ShardPush()
+    names = tuple(tensors)
+    if atomic:
+        for i in range(0, len(names), MAX_TENSORS):
+            conn.send(conn.frame(Expect(names[i : i + MAX_TENSORS])))
     for name, value in tensors.items():
         held = _held(value)
         if held is None:
@@ -311,14 +324,19 @@ def server_sketches(
         if not missing:
             return got
         if time.monotonic() >= end:
-            what = [
-                f"{n!r} ({got[n].received} of {got[n].needed} bytes)" if n in got else f"{n!r} (nothing)"
-                for n in missing
-            ]
+            what = [_progress(n, got.get(n)) for n in missing]
             raise TransportTimeout(
                 f"server {client.address}: tensors incomplete after {timeout:g} s: " + ", ".join(what)
             )
         time.sleep(poll)
+
+
+def _progress(name: str, e: SketchEntry | None) -> str:
+    if e is None:
+        return f"{name!r} (nothing)"
+    if e.received == e.needed:
+        return f"{name!r} (all {e.needed} bytes, held until the rest of its set is complete)"
+    return f"{name!r} ({e.received} of {e.needed} bytes)"
 
 
 def check_sketches(pushes: Sequence[ShardPush], status: Mapping[str, SketchEntry]) -> None:

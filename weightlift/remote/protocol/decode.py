@@ -58,6 +58,7 @@ from weightlift.remote.protocol.messages import (
     CommitReply,
     Delta,
     Error,
+    Expect,
     FillFromCache,
     Free,
     FreeReply,
@@ -354,9 +355,9 @@ def _dec_sketch_reply(r: _Reader, lim: _Limits) -> SketchReply:
     return SketchReply(tuple(entries), errors)
 
 
-def _dec_sketch(r: _Reader, lim: _Limits) -> SketchRequest:
-    n = r.count(SketchRequest.LAYOUT, NAME_LAYOUT.size + 1, MAX_TENSORS, "names")
-    return SketchRequest(tuple(r.name("tensor name") for _ in range(n)))
+def _names(r: _Reader, layout: struct.Struct) -> tuple[str, ...]:
+    n = r.count(layout, NAME_LAYOUT.size + 1, MAX_TENSORS, "names")
+    return tuple(r.name("tensor name") for _ in range(n))
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,7 +391,8 @@ _DECODERS: dict[Command, Callable[[_Reader, _Limits], Message]] = {
     Command.LAYOUT: lambda r, lim: LayoutRequest(),
     Command.LAYOUT_REPLY: _dec_layout_reply,
     Command.REGION: _dec_region,
-    Command.SKETCH: _dec_sketch,
+    Command.SKETCH: lambda r, lim: SketchRequest(_names(r, SketchRequest.LAYOUT)),
+    Command.EXPECT: lambda r, lim: Expect(_names(r, Expect.LAYOUT)),
     Command.SKETCH_REPLY: _dec_sketch_reply,
 }
 

@@ -51,6 +51,7 @@ from weightlift.remote.protocol.messages import (
     Delta,
     DeltaEncoding,
     Error,
+    Expect,
     FillFromCache,
     Free,
     FreeReply,
@@ -312,6 +313,7 @@ _ENCODERS: dict[type, Callable[[Any, int], bytes]] = {
         SketchRequest.LAYOUT.pack(len(m.names)) + b"".join(_name(n, "tensor name") for n in m.names)
     ),
     SketchReply: _enc_sketch_reply,
+    Expect: lambda m, minor: Expect.LAYOUT.pack(len(m.names)) + b"".join(_name(n, "tensor name") for n in m.names),
 }
 
 

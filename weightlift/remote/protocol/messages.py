@@ -100,6 +100,7 @@ __all__ = [
     "SketchRequest",
     "SketchEntry",
     "SketchReply",
+    "Expect",
     "REGIONS_SINCE",
     "MAX_REGION_BYTES",
     "MESSAGE_TYPES",
@@ -175,6 +176,7 @@ class Command(IntEnum):
     LAYOUT = 20  # minor 6 (REGIONS_SINCE)
     REGION = 21  # minor 6
     SKETCH = 22  # minor 6
+    EXPECT = 23  # minor 6
     LAYOUT_REPLY = 0x94  # minor 6
     SKETCH_REPLY = 0x96  # minor 6
 
@@ -209,6 +211,7 @@ CLIENT_COMMANDS = frozenset(
         Command.LAYOUT,
         Command.REGION,
         Command.SKETCH,
+        Command.EXPECT,
     }
 )
 SERVER_COMMANDS = frozenset(
@@ -695,6 +698,18 @@ class SketchReply(Message):
     errors: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class Expect(Message):
+    """(minor 6) These tensors are one set: the server holds each as its slice completes and
+    shows them all at once when the last one does (added to any set other connections opened,
+    until it switches). No reply. Wire: LAYOUT(count) name*count."""
+
+    COMMAND = Command.EXPECT
+    LAYOUT = struct.Struct("<I")
+
+    names: tuple[str, ...]
+
+
 MESSAGE_TYPES: dict[Command, type[Message]] = {
     m.COMMAND: m
     for m in (
@@ -724,5 +739,6 @@ MESSAGE_TYPES: dict[Command, type[Message]] = {
         Region,
         SketchRequest,
         SketchReply,
+        Expect,
     )
 }

@@ -67,6 +67,7 @@ from weightlift.remote.protocol import (
     Delta,
     Error,
     ErrorCode,
+    Expect,
     FillFromCache,
     FrameMac,
     Free,
@@ -192,6 +193,7 @@ class Connection:
             Commit: self._commit,
             LayoutRequest: self._layout,
             Region: self.regions.region,
+            Expect: self.regions.expect,
             SketchRequest: lambda m: self.out.reply(self.regions.sketch(m)),
         }
 

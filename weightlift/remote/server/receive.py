@@ -79,6 +79,7 @@ from weightlift.remote.protocol import (
     Alloc,
     Barrier,
     BarrierReply,
+    Expect,
     FillFromCache,
     Region,
     SketchReply,
@@ -1010,6 +1011,13 @@ class Regions:
         sketch = a.slices.sketch(landed, m.shape, box, m.name) if m.length else 0
         self.store.count("bytes_received", m.length)
         a.landed(m.name, b, m.length, sketch)
+
+    def expect(self, m: Expect) -> None:
+        if self.assembly is None:
+            self.store.count("errors")
+            self.errors.append("EXPECT: this server holds no slices (started without shard=)")
+            return
+        self.assembly.expect(m.names)
 
     def sketch(self, m: SketchRequest) -> SketchReply:
         entries = tuple(self.assembly.status(m.names)) if self.assembly is not None else ()

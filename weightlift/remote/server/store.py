@@ -684,16 +684,45 @@ class Assembly:
     claimed under the lock, after every check (it lies inside one segment of this server's slice,
     the tensor's dtype and shape are those of its earlier boxes, it overlaps no box claimed
     before), so two connections never write the same bytes, and a refused box changes nothing;
-    its bytes land outside the lock. The tensor is published once its received bytes reach the
+    its bytes land outside the lock. The tensor is complete once its received bytes reach the
     slice's size (the boxes being disjoint and inside the slice, it is then covered), and its
-    entry, with the sketch of what landed, stays for SKETCH to report. A tensor that never
-    completes keeps its charge until a later version of it completes or the server closes."""
+    entry, with the sketch of what landed, stays for SKETCH to report. A complete tensor is
+    published at once, unless it belongs to the open set (EXPECT): those are held until the
+    last of the set completes, then switched in together (:meth:`Store.switch`), so a reader sees
+    all of the set's new versions or none. A tensor that never completes keeps its charge until
+    a later version of it completes or the server closes."""
 
     def __init__(self, store: Store, slices: Slices, framework: str):
         self.store, self.slices, self.framework = store, slices, framework
         self._lock = threading.Lock()
         self._building: dict[str, _Building] = {}
         self._done: dict[str, SketchEntry] = {}
+        self._set: set[str] = set()  # the open set's names (EXPECT), until it switches
+        self._held: dict[str, Staged] = {}  # complete tensors of the open set, held back
+
+    def expect(self, names: tuple[str, ...]) -> None:
+        """Add ``names`` to the open set (a new one if none is open)."""
+        with self._lock:
+            self._set.update(names)
+            ready = self._ready()
+        if ready:
+            self._switch(ready)
+
+    def _ready(self) -> list[Staged]:
+        """The open set's tensors, taken out, once every one is complete (the lock held)."""
+        if not self._set or not self._set <= self._held.keys():
+            return []
+        staged = [self._held.pop(n) for n in sorted(self._set)]
+        self._set = set()
+        return staged
+
+    def _switch(self, staged: list[Staged]) -> None:
+        self.store.switch(staged, [])
+        with self._lock:
+            for st in staged:
+                e = self._done.get(st.name)
+                if e is not None and not e.complete:
+                    self._done[st.name] = SketchEntry(e.name, True, e.received, e.needed, e.sketch)
 
     def _begin(self, name: str, dtype: str, shape: tuple[int, ...]) -> _Building:
         bits = dtype_info(dtype).bits
@@ -771,9 +800,20 @@ class Assembly:
             if b.received < b.nbytes or self._building.get(name) is not b:
                 return False
             del self._building[name]
-            self._done[name] = SketchEntry(name, True, b.received, b.nbytes, b.sketch)
-        tensor = view_as(b.raw, b.dtype, b.local, self.framework)
-        self.store.publish(name, b.dtype, b.local, b.nbytes, tensor, b.charge, None)
+            held = name in self._set
+            self._done[name] = SketchEntry(name, not held, b.received, b.nbytes, b.sketch)
+            tensor = view_as(b.raw, b.dtype, b.local, self.framework)
+            ready: list[Staged] = []
+            if held:
+                old = self._held.pop(name, None)
+                if old is not None and old.charge is not None:
+                    old.charge.release()  # a newer version of it came before the set switched
+                self._held[name] = Staged(name, b.dtype, b.local, b.nbytes, tensor, b.charge, None)
+                ready = self._ready()
+        if ready:
+            self._switch(ready)
+        elif not held:
+            self.store.publish(name, b.dtype, b.local, b.nbytes, tensor, b.charge, None)
         return True
 
     def status(self, names: tuple[str, ...]) -> list[SketchEntry]:
