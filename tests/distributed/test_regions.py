@@ -397,7 +397,7 @@ def test_a_sharded_server_refuses_whole_tensors(ckpt):
     path, arrs = ckpt
     (server,) = _servers(1)
     try:
-        with wl.Client(server.address) as c, pytest.raises(Exception, match="holds slices"):
+        with wl.Client(server.address) as c, pytest.raises(RemoteProtocolError, match="holds slices"):
             c.push({"norm.weight": arrs["norm.weight"]})
         assert server.tensors() == {}
     finally:
@@ -452,3 +452,22 @@ def test_small_chunks_and_a_protected_connection(ckpt):
     finally:
         for s in servers:
             s.close()
+
+
+def test_sketch_replies_stay_within_a_frame(ckpt):
+    """Many long names: the client asks in batches, and every entry comes back."""
+    from weightlift.distributed.regions import _batches
+    from weightlift.remote.protocol import MAX_SKETCH_BYTES
+
+    names = tuple(f"{'x' * 4000}.{i}" for i in range(300))  # 1.2 MB of names
+    batches = list(_batches(names))
+    assert len(batches) == 3 and sum(batches, ()) == names
+    assert all(sum(27 + len(n) for n in b) <= MAX_SKETCH_BYTES for b in batches)
+    server = wl.Server(port=0, shard=Shard({}, rank=0, world=1))
+    server.start()
+    try:
+        with wl.Client(server.address) as c:
+            push_shards(c, {n: np.zeros(1, np.int8) for n in names})
+            assert set(server_sketches(c, list(names))) == set(names)
+    finally:
+        server.close()

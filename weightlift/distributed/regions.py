@@ -39,8 +39,10 @@ from weightlift.formats import TensorInfo
 from weightlift.remote.client.memory import host_bytes, memory_tensors
 from weightlift.remote.protocol import (
     MAX_REGION_BYTES,
+    MAX_SKETCH_BYTES,
     MAX_TENSORS,
     REGIONS_SINCE,
+    SKETCH_ENTRY_LAYOUT,
     Capability,
     Expect,
     LayoutReply,
@@ -252,8 +254,8 @@ def push_shards(
     out = ShardPush()
     names = tuple(tensors)
     if atomic:
-        for i in range(0, len(names), MAX_TENSORS):
-            conn.send(conn.frame(Expect(names[i : i + MAX_TENSORS])))
+        for batch in _batches(names) if names else ():
+            conn.send(conn.frame(Expect(batch)))
     for name, value in tensors.items():
         held = _held(value)
         if held is None:
@@ -296,11 +298,26 @@ def push_shards(
     return out
 
 
+def _batches(names: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+    """``names`` in batches whose SKETCH_REPLY fits MAX_SKETCH_BYTES (and MAX_TENSORS names): an
+    EXPECT or SKETCH of one batch, and its reply, fit any frame limit."""
+    batch: list[str] = []
+    room = MAX_SKETCH_BYTES
+    for n in names:
+        size = SKETCH_ENTRY_LAYOUT.size + 2 + len(n.encode("utf-8"))
+        if batch and (size > room or len(batch) == MAX_TENSORS):
+            yield tuple(batch)
+            batch, room = [], MAX_SKETCH_BYTES
+        batch.append(n)
+        room -= size
+    yield tuple(batch)
+
+
 def _ask(conn: Any, names: tuple[str, ...]) -> SketchReply:
     entries: list[SketchEntry] = []
     errors: list[str] = []
-    for i in range(0, max(1, len(names)), MAX_TENSORS):
-        conn.send(conn.frame(SketchRequest(names[i : i + MAX_TENSORS])))
+    for batch in _batches(names):
+        conn.send(conn.frame(SketchRequest(batch)))
         reply = conn.expect(SketchReply)
         entries.extend(reply.entries)
         errors.extend(reply.errors)

@@ -103,6 +103,8 @@ __all__ = [
     "Expect",
     "REGIONS_SINCE",
     "MAX_REGION_BYTES",
+    "MAX_SKETCH_BYTES",
+    "SKETCH_ENTRY_LAYOUT",
     "MESSAGE_TYPES",
     "HELLO_LAYOUT",
     "HELLO_LAYOUT_PREVIOUS",
@@ -142,6 +144,9 @@ MAX_DIGESTS = 4096
 # Payload bytes of one REGION: a box that is not one contiguous range of the receiver's slice is staged
 # whole before it is scattered into place, so a sender cuts its boxes to at most this many bytes.
 MAX_REGION_BYTES = 64 * 1024 * 1024
+# Bytes of entries one SKETCH_REPLY carries at most (each its name and 27 bytes): with MAX_ERRORS errors
+# it stays within MIN_FRAME. A server leaves out the entries past it; a client asks about fewer names.
+MAX_SKETCH_BYTES = 512 * 1024
 MAC_SIZE = 32  # the tag after every frame of a protected connection (keyed BLAKE3)
 DIGEST_SIZE = 32
 NONCE_SIZE = 32

@@ -75,7 +75,9 @@ from weightlift.remote.protocol import (
     MAX_DIGESTS,
     MAX_ERRORS,
     MAX_MESSAGE,
+    MAX_SKETCH_BYTES,
     MAX_TENSORS,
+    SKETCH_ENTRY_LAYOUT,
     Alloc,
     Barrier,
     BarrierReply,
@@ -973,11 +975,7 @@ class Regions:
         self.dropped = 0
 
     def _refuse(self, m: Region, why: str) -> None:
-        self.store.count("errors")
-        if len(self.errors) < MAX_ERRORS - 1:
-            self.errors.append(why[:MAX_MESSAGE])
-        else:
-            self.dropped += 1
+        self._error(why)
         self._drain(m.length)
         self._frame_end()
 
@@ -1012,17 +1010,29 @@ class Regions:
         self.store.count("bytes_received", m.length)
         a.landed(m.name, b, m.length, sketch)
 
+    def _error(self, why: str) -> None:
+        self.store.count("errors")
+        if len(self.errors) < MAX_ERRORS - 1:
+            self.errors.append(why[:MAX_MESSAGE])
+        else:
+            self.dropped += 1
+
     def expect(self, m: Expect) -> None:
         if self.assembly is None:
-            self.store.count("errors")
-            self.errors.append("EXPECT: this server holds no slices (started without shard=)")
+            self._error("EXPECT: this server holds no slices (started without shard=)")
             return
         self.assembly.expect(m.names)
 
     def sketch(self, m: SketchRequest) -> SketchReply:
-        entries = tuple(self.assembly.status(m.names)) if self.assembly is not None else ()
+        entries = []
+        room = MAX_SKETCH_BYTES  # the reply stays within every client's frame limit
+        for e in self.assembly.status(m.names) if self.assembly is not None else ():
+            room -= SKETCH_ENTRY_LAYOUT.size + 2 + len(e.name.encode("utf-8", "surrogatepass"))
+            if room < 0:
+                break
+            entries.append(e)
         errors, self.errors = self.errors, []
         if self.dropped:
             errors.append(f"and {self.dropped} more refused regions")
             self.dropped = 0
-        return SketchReply(entries, tuple(errors))
+        return SketchReply(tuple(entries), tuple(errors))
