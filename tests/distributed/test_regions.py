@@ -471,3 +471,15 @@ def test_sketch_replies_stay_within_a_frame(ckpt):
             assert set(server_sketches(c, list(names))) == set(names)
     finally:
         server.close()
+
+
+def test_client_push_points_shards_to_push_shards(ckpt):
+    path, arrs = ckpt
+    server = wl.Server(port=0)
+    server.start()
+    try:
+        shard = _fsdp(arrs, 0, 2)["norm.weight"]
+        with wl.Client(server.address) as c, pytest.raises(OptionError, match="push_shards"):
+            c.push({"norm.weight": shard})
+    finally:
+        server.close()
