@@ -483,3 +483,26 @@ def test_client_push_points_shards_to_push_shards(ckpt):
             c.push({"norm.weight": shard})
     finally:
         server.close()
+
+
+def test_a_byte_flipped_in_the_servers_memory_is_caught(ckpt):
+    path, arrs = ckpt
+    servers = _servers(2)
+    try:
+        pushes = _push_all(servers, [_fsdp(arrs, i, 2) for i in range(2)])
+        name = "layers.0.o_proj.weight"  # row-parallel: its slice is columns of every row
+        for r, s in enumerate(servers):  # no false alarm, as landed or as held now
+            for again in (False, True):
+                with wl.Client(s.address) as c:
+                    check_sketches([pushes[(0, r)], pushes[(1, r)]], server_sketches(c, list(arrs), recompute=again))
+        t = servers[1].tensors(writable=True)[name]
+        t[3, 2] ^= 0x0100
+        with wl.Client(servers[1].address) as c:
+            landed = server_sketches(c, list(arrs))
+            now = server_sketches(c, list(arrs), recompute=True)
+        check_sketches([pushes[(0, 1)], pushes[(1, 1)]], landed)  # as it landed: fine
+        with pytest.raises(IntegrityError, match=r"layers\.0\.o_proj\.weight"):
+            check_sketches([pushes[(0, 1)], pushes[(1, 1)]], now)  # as it is now: caught
+    finally:
+        for s in servers:
+            s.close()

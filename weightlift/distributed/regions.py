@@ -313,11 +313,11 @@ def _batches(names: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
     yield tuple(batch)
 
 
-def _ask(conn: Any, names: tuple[str, ...]) -> SketchReply:
+def _ask(conn: Any, names: tuple[str, ...], flags: int = 0) -> SketchReply:
     entries: list[SketchEntry] = []
     errors: list[str] = []
     for batch in _batches(names):
-        conn.send(conn.frame(SketchRequest(batch)))
+        conn.send(conn.frame(SketchRequest(batch, flags)))
         reply = conn.expect(SketchReply)
         entries.extend(reply.entries)
         errors.extend(reply.errors)
@@ -325,15 +325,16 @@ def _ask(conn: Any, names: tuple[str, ...]) -> SketchReply:
 
 
 def server_sketches(
-    client: Client, names: Sequence[str], *, timeout: float = 0.0, poll: float = 0.01
+    client: Client, names: Sequence[str], *, timeout: float = 0.0, poll: float = 0.01, recompute: bool = False
 ) -> dict[str, SketchEntry]:
     """The server's entry for each of ``names`` once all are complete (visible), waiting up to
     ``timeout`` seconds for other senders; TransportTimeout naming each tensor still incomplete
-    (with its bytes received of needed) or never seen."""
+    (with its bytes received of needed) or never seen. ``recompute``: the server sketches each
+    tensor from the memory it is in now (a byte changed since it landed shows), not as it landed."""
     conn = _connection(client)
     end = time.monotonic() + timeout
     while True:
-        reply = _ask(conn, tuple(names))
+        reply = _ask(conn, tuple(names), SketchRequest.FLAG_RECOMPUTE if recompute else 0)
         if reply.errors:
             raise RemoteProtocolError(f"server {client.address} refused regions: " + "; ".join(reply.errors))
         got = {e.name: e for e in reply.entries}

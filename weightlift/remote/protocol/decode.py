@@ -391,7 +391,9 @@ _DECODERS: dict[Command, Callable[[_Reader, _Limits], Message]] = {
     Command.LAYOUT: lambda r, lim: LayoutRequest(),
     Command.LAYOUT_REPLY: _dec_layout_reply,
     Command.REGION: _dec_region,
-    Command.SKETCH: lambda r, lim: SketchRequest(_names(r, SketchRequest.LAYOUT)),
+    Command.SKETCH: lambda r, lim: SketchRequest(
+        _names(r, SketchRequest.LAYOUT), r.unpack(FLAGS_LAYOUT, "SKETCH flags")[0] if r.remaining else 0
+    ),
     Command.EXPECT: lambda r, lim: Expect(_names(r, Expect.LAYOUT)),
     Command.SKETCH_REPLY: _dec_sketch_reply,
 }

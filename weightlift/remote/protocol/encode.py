@@ -310,7 +310,9 @@ _ENCODERS: dict[type, Callable[[Any, int], bytes]] = {
     LayoutReply: _enc_layout_reply,
     Region: _enc_region,
     SketchRequest: lambda m, minor: (
-        SketchRequest.LAYOUT.pack(len(m.names)) + b"".join(_name(n, "tensor name") for n in m.names)
+        SketchRequest.LAYOUT.pack(len(m.names))
+        + b"".join(_name(n, "tensor name") for n in m.names)
+        + FLAGS_LAYOUT.pack(m.flags)
     ),
     SketchReply: _enc_sketch_reply,
     Expect: lambda m, minor: Expect.LAYOUT.pack(len(m.names)) + b"".join(_name(n, "tensor name") for n in m.names),

@@ -670,12 +670,16 @@ class Region(Message):
 @dataclass(frozen=True, slots=True)
 class SketchRequest(Message):
     """(minor 6) How far are these tensors assembled, and their sketches (none named: every tensor
-    REGIONs have touched)? Answered by SKETCH_REPLY after every earlier frame. Wire: LAYOUT(count) name*count."""
+    REGIONs have touched)? Answered by SKETCH_REPLY after every earlier frame. flags&1
+    (RECOMPUTE): sketch each complete tensor from the memory it is in now (a byte changed since
+    it landed shows), not as its boxes landed. Wire: LAYOUT(count) name*count flags:u8."""
 
     COMMAND = Command.SKETCH
     LAYOUT = struct.Struct("<I")
+    FLAG_RECOMPUTE: ClassVar[int] = 1
 
     names: tuple[str, ...] = ()
+    flags: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1026,11 +1026,12 @@ class Regions:
     def sketch(self, m: SketchRequest) -> SketchReply:
         entries = []
         room = MAX_SKETCH_BYTES  # the reply stays within every client's frame limit
-        for e in self.assembly.status(m.names) if self.assembly is not None else ():
+        a = self.assembly
+        for e in a.status(m.names) if a is not None else ():
             room -= SKETCH_ENTRY_LAYOUT.size + 2 + len(e.name.encode("utf-8", "surrogatepass"))
             if room < 0:
                 break
-            entries.append(e)
+            entries.append(a.resketch(e) if a is not None and m.flags & SketchRequest.FLAG_RECOMPUTE else e)
         errors, self.errors = self.errors, []
         if self.dropped:
             errors.append(f"and {self.dropped} more refused regions")

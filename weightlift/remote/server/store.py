@@ -54,7 +54,7 @@ import numpy as np
 from weightlift.dtypes import byte_length, dtype_info
 from weightlift.errors import WeightliftError
 from weightlift.memory.pool import HostPool
-from weightlift.memory.targets import view_as
+from weightlift.memory.targets import as_bytes, view_as
 from weightlift.remote.protocol import SketchEntry
 from weightlift.remote.server.updates.gates import Gates, GateTimeout
 
@@ -677,6 +677,15 @@ def _overlaps(a: _BoxT, b: _BoxT) -> bool:
     return all(max(x0, y0) < min(x1, y1) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
 
 
+def _within(box: _BoxT, seg: Any) -> tuple[slice, ...]:
+    """Where ``box`` (inside segment ``seg``: its box, split dimension, local start) lies in the slice."""
+    sbox, dim, at = seg
+    return tuple(
+        slice(lo - s0 + (at if k == dim else 0), hi - s0 + (at if k == dim else 0))
+        for k, ((lo, hi), (s0, _)) in enumerate(zip(box, sbox, strict=True))
+    )
+
+
 class Assembly:
     """The tensors of a sharded server (``Server(shard=...)``) as REGIONs cover their slices.
 
@@ -697,6 +706,7 @@ class Assembly:
         self._lock = threading.Lock()
         self._building: dict[str, _Building] = {}
         self._done: dict[str, SketchEntry] = {}
+        self._geometry: dict[str, tuple[str, tuple[int, ...]]] = {}  # name -> dtype, unsharded shape
         self._set: set[str] = set()  # the open set's names (EXPECT), until it switches
         self._held: dict[str, Staged] = {}  # complete tensors of the open set, held back
 
@@ -777,12 +787,7 @@ class Assembly:
                     raise RegionRefused(
                         f"tensor {name!r}: box {[list(x) for x in box]} overlaps box {[list(x) for x in clash]} received before"
                     )
-                sbox, dim, at = seg
-                index = tuple(
-                    slice(lo - s0 + (at if k == dim else 0), hi - s0 + (at if k == dim else 0))
-                    for k, ((lo, hi), (s0, _)) in enumerate(zip(box, sbox, strict=True))
-                )
-                dest = b.elements[index]
+                dest = b.elements[_within(box, seg)]
                 b.boxes.append(box)
             return b, dest
 
@@ -800,6 +805,7 @@ class Assembly:
             if b.received < b.nbytes or self._building.get(name) is not b:
                 return False
             del self._building[name]
+            self._geometry[name] = (b.dtype, b.shape)
             held = name in self._set
             self._done[name] = SketchEntry(name, not held, b.received, b.nbytes, b.sketch)
             tensor = view_as(b.raw, b.dtype, b.local, self.framework)
@@ -815,6 +821,28 @@ class Assembly:
         elif not held:
             self.store.publish(name, b.dtype, b.local, b.nbytes, tensor, b.charge, None)
         return True
+
+    def resketch(self, e: SketchEntry) -> SketchEntry:
+        """``e`` with the sketch of its tensor as its memory holds it now (a complete one still held)."""
+        with self._lock:
+            geometry = self._geometry.get(e.name)
+        entry = self.store.get(e.name)
+        if (
+            not e.complete
+            or geometry is None
+            or entry is None
+            or entry.shape != self.slices.local_shape(e.name, *geometry)
+        ):
+            return e
+        dtype, shape = geometry
+        flat = (
+            entry.tensor.reshape(-1).view(np.uint8) if isinstance(entry.tensor, np.ndarray) else as_bytes(entry.tensor)
+        )
+        local = flat.view(f"<u{dtype_info(dtype).bits // 8}").reshape(entry.shape)
+        total = 0
+        for seg in self.slices.segments(e.name, dtype, shape):
+            total += self.slices.sketch(local[_within(seg[0], seg)], shape, seg[0], e.name)
+        return SketchEntry(e.name, True, e.received, e.needed, total & _MASK)
 
     def status(self, names: tuple[str, ...]) -> list[SketchEntry]:
         """The entry of each of ``names`` the server has seen REGIONs of (none named: all of them)."""
