@@ -506,3 +506,33 @@ def test_a_byte_flipped_in_the_servers_memory_is_caught(ckpt):
     finally:
         for s in servers:
             s.close()
+
+
+def test_a_sender_killed_mid_update_leaves_the_old_version(ckpt):
+    path, arrs = ckpt
+    (server,) = _servers(1)
+    try:
+        v1 = {n: arrs[n] for n in ("layers.0.q_proj.weight", "norm.weight")}
+        with wl.Client(server.address) as c:
+            push_shards(c, v1)
+        v2 = {n: a + 1 for n, a in v1.items()}
+        name = "layers.0.q_proj.weight"
+        c = wl.Client(server.address)
+        conn = c.connections[0]
+        lay = server_layout(c)
+        push_shards(c, {"norm.weight": v2["norm.weight"], name: ShardOf(v2[name][:5], (11, 6), (0, 0))}, layout=lay)
+        raw = np.ascontiguousarray(v2[name][5:]).view(np.uint8).reshape(-1)
+        conn.send(conn.frame(Region(name, "F32", (11, 6), (5, 0), (11, 6), raw.nbytes)), raw[:40])
+        c.close()  # killed inside a REGION's payload
+        with wl.Client(server.address) as c2:
+            with pytest.raises(TransportTimeout, match=r"q_proj\.weight' \(120 of 264 bytes\)"):
+                server_sketches(c2, list(v1), timeout=0.2)
+            held = server.tensors()
+            assert all(held[n].tobytes() == v1[n].tobytes() for n in v1)  # v1, all of it
+            # the box the dead sender claimed is free again: another sender completes the update
+            push_shards(c2, {name: ShardOf(v2[name][5:], (11, 6), (5, 0))})
+            server_sketches(c2, list(v1), timeout=5)
+        held = server.tensors()
+        assert all(held[n].tobytes() == v2[n].tobytes() for n in v2)
+    finally:
+        server.close()
