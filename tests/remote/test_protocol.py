@@ -62,9 +62,16 @@ def test_command_values_are_pinned():
         "UPDATE": 13,
         "COMMIT": 14,
         "COMMIT_REPLY": 0x8E,
+        "LAYOUT": 20,
+        "REGION": 21,
+        "SKETCH": 22,
+        "EXPECT": 23,
+        "LAYOUT_REPLY": 0x94,
+        "SKETCH_REPLY": 0x96,
     }
     assert int(Capability.CACHE) == 1 and int(Capability.AUTH) == 2
     assert int(Capability.VERIFY) == 4 and int(Capability.MAC) == 8 and int(Capability.DELTA) == 16
+    assert int(Capability.SHARDED) == 64 and P.LayoutReply.FLAG_UNEVEN_ERROR == 1
     assert (P.Delta.FLAG_VERIFY, P.Update.FLAG_IN_PLACE, P.Commit.FLAG_ABORT) == (1, 1, 1)
     assert [int(e) for e in P.DeltaEncoding] == [0, 1, 2, 3]
     assert (Alloc.FLAG_DIGEST, Alloc.FLAG_VERIFY, Barrier.FLAG_DIGESTS, Read.FLAG_DIGEST) == (1, 2, 1, 1)
@@ -72,7 +79,8 @@ def test_command_values_are_pinned():
 
 
 def test_versions_and_limits_are_pinned():
-    assert (P.PROTOCOL_MAJOR, P.PROTOCOL_MINOR, P.PREVIOUS_MINOR) == (1, 4, 3)
+    assert (P.PROTOCOL_MAJOR, P.PROTOCOL_MINOR, P.PREVIOUS_MINOR, P.REGIONS_SINCE) == (1, 6, 4, 6)
+    assert P.MAX_REGION_BYTES == 64 << 20
     assert (P.MAX_DIGESTS, P.MAC_SIZE) == (4096, 32)
     assert P.MAX_FRAME == 16 << 20
     assert (P.MAX_NAME, P.MAX_DIMS, P.MAX_TENSORS) == (4096, 64, 65536)
@@ -202,6 +210,59 @@ GOLDEN = [
         BarrierReply(1, 8, (), (), ((7, D2),)),
         # head (tensors 1, bytes 8, no errors), need count 0, digest count 1, id 7, digest
         "890000003c000000" + "01000000" + "0800000000000000" + "00000000" + "0000000001000000" + "07000000" + D2.hex(),
+    ),
+    (P.LayoutRequest(), "1400000000000000"),
+    (
+        P.LayoutReply(1, 2, (("q*", 0), ("n", None)), None, "error", (("qkv", (4, 2)),)),
+        "940000003e000000"
+        + "01000000"
+        + "02000000"
+        + "01"
+        + "00"
+        + "00000000"
+        + "02000000"
+        + "01000000"  # head
+        + "0200712a"
+        + "01"
+        + "00000000"  # rule q* -> dim 0
+        + "01006e"
+        + "00"
+        + "00000000"  # rule n -> replicated
+        + "0300716b76"
+        + "0200"
+        + "0400000000000000"
+        + "0200000000000000",  # qkv of parts 4, 2
+    ),
+    (
+        P.Region("w", "F32", (4, 3), (1, 0), (3, 3), 24),
+        "150000003f000000"
+        + "0b00"
+        + "02"
+        + "00"
+        + "1800000000000000"
+        + "0100"
+        + "77"
+        + "0400000000000000"
+        + "0300000000000000"  # shape
+        + "0100000000000000"
+        + "0000000000000000"  # start
+        + "0300000000000000"
+        + "0300000000000000",  # stop
+    ),
+    (P.SketchRequest(("a",)), "1600000008000000" + "01000000" + "010061" + "00"),
+    (P.SketchRequest((), 1), "160000000500000000000000" + "01"),
+    (P.Expect(("a", "bc")), "170000000b000000" + "02000000" + "010061" + "02006263"),
+    (
+        P.SketchReply((P.SketchEntry("a", True, 8, 16, 5),), ("no",)),
+        "9600000028000000"
+        + "01000000"
+        + "01000000"
+        + "010061"
+        + "01"
+        + "0800000000000000"
+        + "1000000000000000"
+        + "0500000000000000"
+        + "02006e6f",
     ),
 ]
 

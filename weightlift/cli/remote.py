@@ -127,7 +127,68 @@ def _register_serve(sub: Any) -> None:
         help="serve Prometheus metrics (the server's stats) over HTTP here; HOST defaults to 127.0.0.1 "
         f"(needs the metrics extra: {install_hint('metrics')})",
     )
+    s.add_argument(
+        "--shard-rules",
+        metavar="FILE|NAME",
+        help="hold only this rank's slices, taken as REGIONs from sharded senders: a JSON file "
+        '({"pattern": placement, ...}, or {"rules": {...}, "fused": {"name": [part sizes]}, "default": ..., '
+        '"uneven": ...}) or a name: ' + ", ".join(sorted(SHARD_PRESETS)) + " (needs --rank and --world)",
+    )
+    s.add_argument("--rank", type=int, metavar="R", help="with --shard-rules: this server's tensor-parallel rank")
+    s.add_argument("--world", type=int, metavar="W", help="with --shard-rules: the tensor-parallel degree")
     s.set_defaults(func=_cmd_serve)
+
+
+#: Named --shard-rules: vLLM's tensor parallelism of a Hugging Face Llama-style checkpoint (q, k, v,
+#: gate and up column-parallel, o and down row-parallel, vocabulary-parallel embeddings and head).
+SHARD_PRESETS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "rules": {
+            "*.q_proj.*": "colwise",
+            "*.k_proj.*": "colwise",
+            "*.v_proj.*": "colwise",
+            "*.gate_proj.*": "colwise",
+            "*.up_proj.*": "colwise",
+            "*.o_proj.*": "rowwise",
+            "*.down_proj.*": "rowwise",
+            "*embed_tokens*": "colwise",
+            "lm_head*": "colwise",
+        }
+    },
+}
+
+
+def _shard_options(a: argparse.Namespace) -> dict[str, Any]:
+    """``shard=`` and ``fused=`` for the server from --shard-rules, --rank and --world."""
+    if a.shard_rules is None:
+        if a.rank is not None or a.world is not None:
+            raise OptionError("--rank and --world go with --shard-rules")
+        return {}
+    if a.rank is None or a.world is None:
+        raise OptionError("--shard-rules needs --rank and --world")
+    from weightlift.distributed.shard import Shard
+
+    spec: Any = SHARD_PRESETS.get(a.shard_rules)
+    if spec is None:
+        try:
+            spec = json.loads(Path(a.shard_rules).read_text())
+        except FileNotFoundError:
+            raise OptionError(
+                f"--shard-rules {a.shard_rules!r}: no such file, nor one of {sorted(SHARD_PRESETS)}"
+            ) from None
+        except (OSError, ValueError) as e:
+            raise OptionError(f"--shard-rules {a.shard_rules!r}: not a readable JSON file: {e}") from None
+    if not isinstance(spec, dict):
+        raise OptionError(f"--shard-rules {a.shard_rules!r}: expected a JSON object")
+    if "rules" not in spec:
+        spec = {"rules": spec}
+    unknown = set(spec) - {"rules", "fused", "default", "uneven"}
+    if unknown:
+        raise OptionError(f"--shard-rules {a.shard_rules!r}: unknown keys {sorted(unknown)}")
+    shard = Shard(
+        spec["rules"], rank=a.rank, world=a.world, default=spec.get("default"), uneven=spec.get("uneven", "chunk")
+    )
+    return {"shard": shard, "fused": spec.get("fused")}
 
 
 def connection_args(p: Any) -> None:
@@ -258,6 +319,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         max_per_address=a.max_per_address,
         min_frame_rate=a.min_frame_rate or None,
         tls=tls,
+        **_shard_options(a),
     )
     host, port = server.bind()
     if a.metrics:
@@ -265,6 +327,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     cache = f", cache {a.cache_dir}" if a.cache_dir else ""
     auth = ", token required" if a.token_file else ""
     auth += ", TLS" if tls is not None else ""
+    auth += f", slices of rank {a.rank} of {a.world}" if a.shard_rules else ""
     print(f"weightlift: serving on {host}:{port} (device {a.device}, {framework}{cache}{auth})", flush=True)
     _setup_logging(a.log_level)
     # SIGTERM closes the server as Ctrl-C does (a push in flight is dropped, never published; the

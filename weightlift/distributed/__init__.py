@@ -26,6 +26,10 @@ rank needs and where the bytes are:
    files and land the bytes straight in their arena (host or CUDA) (:mod:`.fanout`).
 4. **Different selections to several tensor servers** (:func:`push_many`): one
    ``weightlift.Client`` per server, on its own thread (:mod:`.push`).
+5. **Shards as a trainer holds them, into servers that hold slices** (:func:`push_shards`): each
+   rank sends its DTensors (or :class:`ShardOf` boxes) to every ``Server(shard=...)``, only the
+   intersection of what it holds with what that server needs; nothing is gathered, and the
+   linear sketch proves the result (:mod:`.regions`).
 
 Which to use: with shared storage and a group, (2) reads storage once and moves ``(world-1)/world``
 of the bytes over the network per rank. Without shared storage, (3) from the one machine that
@@ -44,6 +48,7 @@ from weightlift.distributed.fanout import BROADCAST_CHUNK, broadcast_load
 from weightlift.distributed.group import ROUND, STRIPE, distributed_load
 from weightlift.distributed.push import PushError, push_many
 from weightlift.distributed.reader import ROW_READ_MIN
+from weightlift.distributed.regions import ShardOf, ShardPush, check_sketches, push_shards, server_sketches
 from weightlift.distributed.shard import Piece, Rows, Shard, chunk_bounds
 from weightlift.distributed.transfer import Resharded, reshard_transfer, verify_resharded
 
@@ -63,4 +68,9 @@ __all__ = [
     "STRIPE",
     "ROUND",
     "BROADCAST_CHUNK",
+    "ShardOf",
+    "ShardPush",
+    "push_shards",
+    "server_sketches",
+    "check_sketches",
 ]

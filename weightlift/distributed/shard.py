@@ -54,6 +54,8 @@ if TYPE_CHECKING:
 
     from torch.distributed.tensor import Placement as DTensorPlacement
 
+    from weightlift.remote.server.config import Slices
+
 __all__ = ["Shard", "Piece", "Rows", "chunk_bounds", "parse_placement", "Where", "Rules"]
 
 #: Where a rule puts a tensor: a dimension, "colwise", "rowwise", "replicate", None (replicated),
@@ -214,6 +216,13 @@ class Shard:
     def resolved(self, rank: int, world: int) -> Shard:
         """The same rules for ``rank`` of ``world``."""
         return Shard(self.rules, rank=rank, world=world, default=self.default, uneven=self.uneven)
+
+    def serving(self, parts: Mapping[str, Sequence[int]] | None = None) -> Slices:
+        """These rules as a tensor server holds them (``Server(shard=...)``): this rank's slices of
+        each tensor, ``parts`` giving the fused tensors' part sizes along dim 0 (qkv, gate_up)."""
+        from weightlift.distributed.regions import Served
+
+        return Served(self, parts=parts)
 
     def placement(self, t: TensorInfo) -> int | None:
         """The dimension ``t`` is split along (normalised to 0..ndim-1), or None: replicated."""

@@ -54,9 +54,15 @@ def _torch(t: Any) -> tuple[str, tuple[int, ...], Callable[[], np.ndarray]]:
 def _describe(value: Any) -> tuple[str, tuple[int, ...], Callable[[], np.ndarray]]:
     if isinstance(value, np.ndarray):
         return _numpy(value)
+    kind = type(value).__name__
+    if kind in ("DTensor", "ShardOf"):  # a shard: sending it whole would take a gather
+        raise OptionError(
+            f"push: a {kind} is a shard of a tensor: weightlift.distributed.push_shards sends it to servers "
+            "that hold slices (Server(shard=...)) without a gather"
+        )
     if type(value).__module__.startswith("torch") and hasattr(value, "dtype") and hasattr(value, "detach"):
         return _torch(value)
-    raise OptionError(f"push: expected numpy arrays or torch tensors, got {type(value).__name__}")
+    raise OptionError(f"push: expected numpy arrays or torch tensors, got {kind}")
 
 
 def memory_tensors(tensors: Mapping[str, Any], select: Select = None) -> list[TensorInfo]:

@@ -31,18 +31,23 @@ from weightlift.remote.protocol.messages import (
     FLAGS_LAYOUT,
     HELLO_LAYOUT_PREVIOUS,
     ID_LAYOUT,
+    LAYOUT_HEAD,
     MAX_DIGESTS,
     MAX_DIMS,
     MAX_ERRORS,
     MAX_FRAME,
     MAX_MESSAGE,
     MAX_NAME,
+    MAX_REGION_BYTES,
     MAX_TENSOR_BYTES,
     MAX_TENSORS,
     NAME_LAYOUT,
+    PART_COUNT_LAYOUT,
+    PLACEMENT_LAYOUT,
     PREFIX,
     PROTOCOL_MINOR,
     SERVER_COMMANDS,
+    SKETCH_ENTRY_LAYOUT,
     Alloc,
     Auth,
     Barrier,
@@ -53,18 +58,25 @@ from weightlift.remote.protocol.messages import (
     CommitReply,
     Delta,
     Error,
+    Expect,
     FillFromCache,
     Free,
     FreeReply,
     Have,
     HaveReply,
     Hello,
+    LayoutReply,
+    LayoutRequest,
     ListEntry,
     ListReply,
     ListRequest,
     Message,
     Read,
     ReadReply,
+    Region,
+    SketchEntry,
+    SketchReply,
+    SketchRequest,
     Update,
     WriteHeader,
 )
@@ -290,6 +302,64 @@ def _dec_error(r: _Reader, lim: _Limits) -> Error:
     return Error(code, r.text(n, MAX_MESSAGE, "message", empty_ok=True))
 
 
+def _dec_layout_reply(r: _Reader, lim: _Limits) -> LayoutReply:
+    rank, world, flags, has, dim, n_rules, n_parts = r.unpack(LAYOUT_HEAD, "LAYOUT_REPLY head")
+    if world and rank >= world:
+        raise r.fail(f"rank {rank} of a world of {world}")
+    for n, what in ((n_rules, "rules"), (n_parts, "fused tensors")):
+        if n > MAX_TENSORS or n * (NAME_LAYOUT.size + 1) > r.remaining:
+            raise r.fail(f"{n} {what} exceed the limit of {MAX_TENSORS} or the body")
+    rules = []
+    for _ in range(n_rules):
+        pattern = r.name("shard rule pattern")
+        d_has, d = r.unpack(PLACEMENT_LAYOUT, "rule placement")
+        rules.append((pattern, d if d_has else None))
+    parts = []
+    for _ in range(n_parts):
+        name = r.name("fused tensor name")
+        (k,) = r.unpack(PART_COUNT_LAYOUT, "part count")
+        parts.append((name, r.shape(k)))
+    uneven = "error" if flags & LayoutReply.FLAG_UNEVEN_ERROR else "chunk"
+    return LayoutReply(rank, world, tuple(rules), dim if has else None, uneven, tuple(parts))
+
+
+def _dec_region(r: _Reader, lim: _Limits) -> Region:
+    code, ndims, _flags, length, name_len = r.unpack(Region.LAYOUT, "REGION head")
+    dtype = r.dtype(code)
+    name = r.text(name_len, MAX_NAME, "tensor name")
+    shape, start, stop = r.shape(ndims), r.shape(ndims), r.shape(ndims)
+    try:
+        full = byte_length(dtype, shape)
+    except WeightliftError:
+        raise r.fail(f"tensor {name!r}: {dtype} {shape} is not a whole number of bytes") from None
+    if full > lim.max_tensor_bytes:
+        raise r.fail(f"tensor {name!r}: {full} bytes exceed the limit of {lim.max_tensor_bytes}")
+    for k, (a, b, n) in enumerate(zip(start, stop, shape, strict=True)):
+        if not a <= b <= n:
+            raise r.fail(f"tensor {name!r}: dimension {k} of the box, [{a}, {b}), is not inside [0, {n})")
+    ext = tuple(b - a for a, b in zip(start, stop, strict=True))
+    r.sized(dtype, ext, length, MAX_REGION_BYTES, f"tensor {name!r}: box {list(start)}..{list(stop)}")
+    return Region(name, dtype, shape, start, stop, length)
+
+
+def _dec_sketch_reply(r: _Reader, lim: _Limits) -> SketchReply:
+    n, n_err = r.unpack(SketchReply.LAYOUT, "SKETCH_REPLY head")
+    if n > MAX_TENSORS or n_err > MAX_ERRORS:
+        raise r.fail(f"{n} entries or {n_err} errors exceed the limits ({MAX_TENSORS}, {MAX_ERRORS})")
+    entries = []
+    for _ in range(n):
+        name = r.name("tensor name")
+        complete, received, needed, sk = r.unpack(SKETCH_ENTRY_LAYOUT, "sketch entry")
+        entries.append(SketchEntry(name, bool(complete), received, needed, sk))
+    errors = tuple(r.name("error message", limit=MAX_MESSAGE) for _ in range(n_err))
+    return SketchReply(tuple(entries), errors)
+
+
+def _names(r: _Reader, layout: struct.Struct) -> tuple[str, ...]:
+    n = r.count(layout, NAME_LAYOUT.size + 1, MAX_TENSORS, "names")
+    return tuple(r.name("tensor name") for _ in range(n))
+
+
 @dataclass(frozen=True, slots=True)
 class _Limits:
     max_frame: int
@@ -318,6 +388,14 @@ _DECODERS: dict[Command, Callable[[_Reader, _Limits], Message]] = {
     Command.UPDATE: lambda r, lim: Update(*r.unpack(Update.LAYOUT, "UPDATE flags")),
     Command.COMMIT: lambda r, lim: Commit(*r.unpack(Commit.LAYOUT, "COMMIT flags")),
     Command.COMMIT_REPLY: _dec_commit_reply,
+    Command.LAYOUT: lambda r, lim: LayoutRequest(),
+    Command.LAYOUT_REPLY: _dec_layout_reply,
+    Command.REGION: _dec_region,
+    Command.SKETCH: lambda r, lim: SketchRequest(
+        _names(r, SketchRequest.LAYOUT), r.unpack(FLAGS_LAYOUT, "SKETCH flags")[0] if r.remaining else 0
+    ),
+    Command.EXPECT: lambda r, lim: Expect(_names(r, Expect.LAYOUT)),
+    Command.SKETCH_REPLY: _dec_sketch_reply,
 }
 
 

@@ -26,6 +26,7 @@ from weightlift.remote.protocol.messages import (
     HELLO_LAYOUT,
     HELLO_LAYOUT_PREVIOUS,
     ID_LAYOUT,
+    LAYOUT_HEAD,
     MAX_DIGESTS,
     MAX_DIMS,
     MAX_ERRORS,
@@ -35,8 +36,11 @@ from weightlift.remote.protocol.messages import (
     MAX_TENSORS,
     NAME_LAYOUT,
     NONCE_SIZE,
+    PART_COUNT_LAYOUT,
+    PLACEMENT_LAYOUT,
     PREFIX,
     PROTOCOL_MINOR,
+    SKETCH_ENTRY_LAYOUT,
     Alloc,
     Auth,
     Barrier,
@@ -47,18 +51,24 @@ from weightlift.remote.protocol.messages import (
     Delta,
     DeltaEncoding,
     Error,
+    Expect,
     FillFromCache,
     Free,
     FreeReply,
     Have,
     HaveReply,
     Hello,
+    LayoutReply,
+    LayoutRequest,
     ListEntry,
     ListReply,
     ListRequest,
     Message,
     Read,
     ReadReply,
+    Region,
+    SketchReply,
+    SketchRequest,
     Update,
     WriteHeader,
 )
@@ -229,6 +239,46 @@ def _enc_commit_reply(m: CommitReply, minor: int) -> bytes:
     return CommitReply.LAYOUT.pack(1 if m.ok else 0, m.tensors, m.generation, root, len(raw)) + raw
 
 
+def _placement(dim: int | None) -> bytes:
+    return PLACEMENT_LAYOUT.pack(0, 0) if dim is None else PLACEMENT_LAYOUT.pack(1, dim)
+
+
+def _enc_layout_reply(m: LayoutReply, minor: int) -> bytes:
+    if len(m.rules) > MAX_TENSORS or len(m.parts) > MAX_TENSORS:
+        raise LocalProtocolError(
+            f"LAYOUT_REPLY: {len(m.rules)} rules, {len(m.parts)} fused tensors; the limit is {MAX_TENSORS}"
+        )
+    flags = LayoutReply.FLAG_UNEVEN_ERROR if m.uneven == "error" else 0
+    has, dim = (0, 0) if m.default is None else (1, m.default)
+    out = [LAYOUT_HEAD.pack(m.rank, m.world, flags, has, dim, len(m.rules), len(m.parts))]
+    for pattern, where in m.rules:
+        out.append(_name(pattern, "shard rule pattern") + _placement(where))
+    for name, sizes in m.parts:
+        out.append(_name(name, "fused tensor name") + PART_COUNT_LAYOUT.pack(len(sizes)) + _dims(sizes))
+    return b"".join(out)
+
+
+def _enc_region(m: Region, minor: int) -> bytes:
+    nd = len(m.shape)
+    if len(m.start) != nd or len(m.stop) != nd:
+        raise LocalProtocolError(f"REGION {m.name!r}: a box of {len(m.start)} dimensions in a tensor of {nd}")
+    if any(not 0 <= a <= b <= n for a, b, n in zip(m.start, m.stop, m.shape, strict=True)) or m.length < 0:
+        raise LocalProtocolError(f"REGION {m.name!r}: box {m.start}..{m.stop} is not inside {m.shape}")
+    name = _name(m.name, "tensor name")
+    head = Region.LAYOUT.pack(_code(m.dtype), nd, 0, m.length, len(name) - 2)
+    return head + name[2:] + _dims(m.shape) + _dims(m.start) + _dims(m.stop)
+
+
+def _enc_sketch_reply(m: SketchReply, minor: int) -> bytes:
+    if len(m.entries) > MAX_TENSORS or len(m.errors) > MAX_ERRORS:
+        raise LocalProtocolError(f"SKETCH_REPLY: {len(m.entries)} entries, {len(m.errors)} errors over the limits")
+    out = [SketchReply.LAYOUT.pack(len(m.entries), len(m.errors))]
+    for e in m.entries:
+        out.append(_name(e.name, "tensor name") + SKETCH_ENTRY_LAYOUT.pack(e.complete, e.received, e.needed, e.sketch))
+    out.extend(_text(e) for e in m.errors)
+    return b"".join(out)
+
+
 def _enc_error(m: Error, minor: int) -> bytes:
     raw = _text(m.message)[NAME_LAYOUT.size :]
     return Error.LAYOUT.pack(m.code, len(raw)) + raw
@@ -256,6 +306,16 @@ _ENCODERS: dict[type, Callable[[Any, int], bytes]] = {
     Update: lambda m, minor: Update.LAYOUT.pack(m.flags),
     Commit: lambda m, minor: Commit.LAYOUT.pack(m.flags),
     CommitReply: _enc_commit_reply,
+    LayoutRequest: lambda m, minor: b"",
+    LayoutReply: _enc_layout_reply,
+    Region: _enc_region,
+    SketchRequest: lambda m, minor: (
+        SketchRequest.LAYOUT.pack(len(m.names))
+        + b"".join(_name(n, "tensor name") for n in m.names)
+        + FLAGS_LAYOUT.pack(m.flags)
+    ),
+    SketchReply: _enc_sketch_reply,
+    Expect: lambda m, minor: Expect.LAYOUT.pack(len(m.names)) + b"".join(_name(n, "tensor name") for n in m.names),
 }
 
 

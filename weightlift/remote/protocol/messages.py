@@ -94,6 +94,17 @@ __all__ = [
     "Update",
     "Commit",
     "CommitReply",
+    "LayoutRequest",
+    "LayoutReply",
+    "Region",
+    "SketchRequest",
+    "SketchEntry",
+    "SketchReply",
+    "Expect",
+    "REGIONS_SINCE",
+    "MAX_REGION_BYTES",
+    "MAX_SKETCH_BYTES",
+    "SKETCH_ENTRY_LAYOUT",
     "MESSAGE_TYPES",
     "HELLO_LAYOUT",
     "HELLO_LAYOUT_PREVIOUS",
@@ -105,9 +116,12 @@ PROTOCOL_MAJOR = 1
 # digests, READ's flags and READ_REPLY's digest) and, on a connection with a token, a MAC after every frame
 # (see ``weightlift.remote.protocol.mac``). Minor 3 added weight updates: DELTA (a tensor sent as what changed
 # against a base the server holds, the DELTA flag), UPDATE and COMMIT (a set of tensors made visible at once)
-# and COMMIT_REPLY (the set's digest). Minor 4 added DELTA's PLANES encoding; no message changed.
-PROTOCOL_MINOR = 4
-PREVIOUS_MINOR = 3
+# and COMMIT_REPLY (the set's digest). Minor 4 added DELTA's PLANES encoding; no message changed. Minor 6
+# added sharded receivers: LAYOUT (the slices a server holds), REGION (a box of an unsharded tensor, placed
+# into the server's slice) and SKETCH (what the server assembled, with each tensor's linear sketch).
+PROTOCOL_MINOR = 6
+PREVIOUS_MINOR = 4
+REGIONS_SINCE = 6  # the minor of LAYOUT, REGION and SKETCH: a named constant, so a merge can renumber it
 
 # Limits checked by the decoder before anything is allocated from a length on the wire.
 MAX_FRAME = 16 * 1024 * 1024  # body bytes of one frame (payloads are not frames)
@@ -127,6 +141,12 @@ MAX_MESSAGE = 1024  # bytes of one error string
 # Digests one BARRIER_REPLY carries, and verified tensors a server remembers between barriers: a
 # verifying client sends a BARRIER at least this often (a reply then stays within MIN_FRAME).
 MAX_DIGESTS = 4096
+# Payload bytes of one REGION: a box that is not one contiguous range of the receiver's slice is staged
+# whole before it is scattered into place, so a sender cuts its boxes to at most this many bytes.
+MAX_REGION_BYTES = 64 * 1024 * 1024
+# Bytes of entries one SKETCH_REPLY carries at most (each its name and 27 bytes): with MAX_ERRORS errors
+# it stays within MIN_FRAME. A server leaves out the entries past it; a client asks about fewer names.
+MAX_SKETCH_BYTES = 512 * 1024
 MAC_SIZE = 32  # the tag after every frame of a protected connection (keyed BLAKE3)
 DIGEST_SIZE = 32
 NONCE_SIZE = 32
@@ -158,12 +178,24 @@ class Command(IntEnum):
     FREE_REPLY = 0x88
     BARRIER_REPLY = 0x89
     COMMIT_REPLY = 0x8E  # minor 3
+    LAYOUT = 20  # minor 6 (REGIONS_SINCE)
+    REGION = 21  # minor 6
+    SKETCH = 22  # minor 6
+    EXPECT = 23  # minor 6
+    LAYOUT_REPLY = 0x94  # minor 6
+    SKETCH_REPLY = 0x96  # minor 6
 
 
 # The minor that introduced each command; a peer speaking an older minor never sees it.
 COMMAND_SINCE: dict[Command, int] = {c: 0 for c in Command}
 COMMAND_SINCE.update({Command.HAVE: 1, Command.FILL_FROM_CACHE: 1, Command.HAVE_REPLY: 1})
 COMMAND_SINCE.update({Command.DELTA: 3, Command.UPDATE: 3, Command.COMMIT: 3, Command.COMMIT_REPLY: 3})
+COMMAND_SINCE.update(
+    {
+        c: REGIONS_SINCE
+        for c in (Command.LAYOUT, Command.REGION, Command.SKETCH, Command.LAYOUT_REPLY, Command.SKETCH_REPLY)
+    }
+)
 
 CLIENT_COMMANDS = frozenset(
     {
@@ -181,6 +213,10 @@ CLIENT_COMMANDS = frozenset(
         Command.DELTA,
         Command.UPDATE,
         Command.COMMIT,
+        Command.LAYOUT,
+        Command.REGION,
+        Command.SKETCH,
+        Command.EXPECT,
     }
 )
 SERVER_COMMANDS = frozenset(
@@ -194,9 +230,11 @@ SERVER_COMMANDS = frozenset(
         Command.FREE_REPLY,
         Command.BARRIER_REPLY,
         Command.COMMIT_REPLY,
+        Command.LAYOUT_REPLY,
+        Command.SKETCH_REPLY,
     }
 )
-PAYLOAD_COMMANDS = frozenset({Command.WRITE, Command.READ_REPLY, Command.DELTA})
+PAYLOAD_COMMANDS = frozenset({Command.WRITE, Command.READ_REPLY, Command.DELTA, Command.REGION})
 
 
 class Capability(IntFlag):
@@ -207,6 +245,7 @@ class Capability(IntFlag):
     VERIFY = 4  # (minor 2) the server hashes ALLOCs flagged VERIFY and reports their digests
     MAC = 8  # (minor 2) after AUTH every frame carries a MAC; implied by minor 2 and a token
     DELTA = 16  # (minor 3) the server applies DELTA frames (else it answers each with "need")
+    SHARDED = 64  # (minor 6) the server holds slices: ask LAYOUT, then send REGIONs
 
 
 class ErrorCode(IntEnum):
@@ -572,6 +611,114 @@ class CommitReply(Message):
     message: str = ""
 
 
+# LAYOUT_REPLY's head: rank, world, flags (UNEVEN_ERROR), the default placement (has_dim, dim), and the
+# counts of the rules and fused tensors that follow.
+LAYOUT_HEAD = struct.Struct("<IIBBiII")
+PLACEMENT_LAYOUT = struct.Struct("<Bi")  # one rule's placement after its pattern: has_dim:u8 dim:i32
+PART_COUNT_LAYOUT = struct.Struct("<H")  # a fused tensor's part count after its name; u64 sizes follow
+SKETCH_ENTRY_LAYOUT = struct.Struct("<BQQQ")  # complete, received bytes, needed bytes, sketch
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutRequest(Message):
+    """(minor 6) Which slices does the server hold? Answered by LAYOUT_REPLY. Empty body."""
+
+    COMMAND = Command.LAYOUT
+    LAYOUT = struct.Struct("<")
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutReply(Message):
+    """(minor 6) The server's slices as :class:`~weightlift.distributed.Shard` rules: ``rank`` of
+    ``world``; ``rules`` (pattern, dimension or None: replicated), first match wins, else
+    ``default``; ``uneven`` as Shard's; ``parts`` the fused tensors (name, part sizes along dim 0).
+    ``world`` 0: the server takes no REGIONs. Wire: LAYOUT_HEAD(rank, world, flags, has_default,
+    default, rule_count, part_count), then per rule name PLACEMENT(has_dim, dim), then per fused
+    tensor name count:u16 u64*count."""
+
+    COMMAND = Command.LAYOUT_REPLY
+    LAYOUT = LAYOUT_HEAD
+    FLAG_UNEVEN_ERROR: ClassVar[int] = 1
+
+    rank: int
+    world: int
+    rules: tuple[tuple[str, int | None], ...] = ()
+    default: int | None = None
+    uneven: str = "chunk"
+    parts: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Region(Message):
+    """(minor 6) A box of the unsharded tensor ``name`` (``dtype``, ``shape``): ``[start, stop)``
+    per dimension, its elements in row-major order as ``length`` payload bytes. The server places
+    them into its own slice; the tensor is visible once its slice is covered, by any connections.
+    Wire: LAYOUT(dtype code, ndims, flags, length, name_len) name dims start*ndims stop*ndims payload."""
+
+    COMMAND = Command.REGION
+    LAYOUT = struct.Struct("<HBBQH")
+    HAS_PAYLOAD = True
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class SketchRequest(Message):
+    """(minor 6) How far are these tensors assembled, and their sketches (none named: every tensor
+    REGIONs have touched)? Answered by SKETCH_REPLY after every earlier frame. flags&1
+    (RECOMPUTE): sketch each complete tensor from the memory it is in now (a byte changed since
+    it landed shows), not as its boxes landed. Wire: LAYOUT(count) name*count flags:u8."""
+
+    COMMAND = Command.SKETCH
+    LAYOUT = struct.Struct("<I")
+    FLAG_RECOMPUTE: ClassVar[int] = 1
+
+    names: tuple[str, ...] = ()
+    flags: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SketchEntry:
+    """One tensor of a SKETCH_REPLY: bytes of its slice received and needed, whether it is complete
+    (visible), and the linear sketch (:mod:`weightlift.distributed.reshard`) of what was received,
+    in the unsharded tensor's coordinates. Wire: name SKETCH_ENTRY_LAYOUT(complete, received, needed, sketch)."""
+
+    name: str
+    complete: bool
+    received: int
+    needed: int
+    sketch: int
+
+
+@dataclass(frozen=True, slots=True)
+class SketchReply(Message):
+    """(minor 6) Answer to SKETCH: an entry per tensor, unknown names left out, and the errors of
+    this connection's REGIONs since the last SKETCH. Wire: LAYOUT(entry_count, error_count) entries errors."""
+
+    COMMAND = Command.SKETCH_REPLY
+    LAYOUT = struct.Struct("<II")
+
+    entries: tuple[SketchEntry, ...] = ()
+    errors: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Expect(Message):
+    """(minor 6) These tensors are one set: the server holds each as its slice completes and
+    shows them all at once when the last one does (added to any set other connections opened,
+    until it switches). No reply. Wire: LAYOUT(count) name*count."""
+
+    COMMAND = Command.EXPECT
+    LAYOUT = struct.Struct("<I")
+
+    names: tuple[str, ...]
+
+
 MESSAGE_TYPES: dict[Command, type[Message]] = {
     m.COMMAND: m
     for m in (
@@ -596,5 +743,11 @@ MESSAGE_TYPES: dict[Command, type[Message]] = {
         Update,
         Commit,
         CommitReply,
+        LayoutRequest,
+        LayoutReply,
+        Region,
+        SketchRequest,
+        SketchReply,
+        Expect,
     )
 }

@@ -26,6 +26,7 @@ from weightlift.remote.protocol.messages import (
     MIN_FRAME,
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
+    REGIONS_SINCE,
     Auth,
     Capability,
     Command,
@@ -41,6 +42,7 @@ __all__ = [
     "verify_usable",
     "mac_usable",
     "update_usable",
+    "regions_usable",
     "planes_usable",
 ]
 
@@ -58,6 +60,11 @@ def update_usable(minor: int) -> bool:
 def planes_usable(minor: int) -> bool:
     """Whether a connection that speaks ``minor`` can send a DELTA in the PLANES encoding."""
     return minor >= PLANES_SINCE
+
+
+def regions_usable(minor: int) -> bool:
+    """Whether a connection that speaks ``minor`` can send LAYOUT, REGION and SKETCH (a sharded server)."""
+    return minor >= REGIONS_SINCE
 
 
 def cache_usable(minor: int) -> bool:

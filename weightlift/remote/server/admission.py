@@ -45,7 +45,7 @@ from weightlift.memory.targets import Target, target_for
 from weightlift.remote.protocol import Error, ErrorCode, send
 from weightlift.remote.server.cache import TensorCache
 from weightlift.remote.server.config import ServerConfig
-from weightlift.remote.server.store import MemoryFull, Store
+from weightlift.remote.server.store import Assembly, MemoryFull, Store
 from weightlift.remote.transport import Listener, Stream
 
 __all__ = [
@@ -357,6 +357,9 @@ class Context:
         self.new_target = new_target or (lambda: target_for(config.placement))
         self.reports: deque[dict[str, Any]] = deque(maxlen=64)  # profiles of recently closed connections
         self.pins = PinBudget(MAX_PINNED)
+        # a sharded server's tensors in assembly, shared by all connections (REGIONs of several senders)
+        slices = config.slices
+        self.assembly = Assembly(store, slices, config.framework) if slices is not None else None
         self._lock = threading.Lock()
 
     @property

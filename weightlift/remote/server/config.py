@@ -13,15 +13,16 @@ import ipaddress
 import os
 import ssl
 import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from functools import cached_property
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, Protocol, TypedDict
 
 from weightlift import env
 from weightlift.errors import DeviceError, OptionError
 from weightlift.memory.targets import Target, cuda_device, target_for
 from weightlift.options import Placement
-from weightlift.remote.protocol import PROTOCOL_MINOR
+from weightlift.remote.protocol import PROTOCOL_MINOR, LayoutReply
 from weightlift.remote.token import check_token, token_bytes
 from weightlift.remote.transport import TCP, Backend, TlsBackend
 
@@ -44,6 +45,8 @@ __all__ = [
     "MEMORY_FRACTION",
     "CUDA_HEADROOM",
     "cuda_budget",
+    "Slices",
+    "ShardRules",
 ]
 
 MAX_CONNECTIONS = 64  # READY (authenticated) connections served at once; more are closed at accept
@@ -131,6 +134,34 @@ def check_device(place: Placement) -> Target | None:
     return None
 
 
+Box = tuple[tuple[int, int], ...]
+
+
+class Slices(Protocol):
+    """The slices a sharded server holds, as its receive path asks about them: its rank's
+    segments of a tensor (a box of the unsharded tensor, the split dimension or None, and where
+    the box starts along it in the local buffer), the local shape, a box's part of the tensor's
+    linear sketch, and the LAYOUT_REPLY that tells a sender all of it.
+    :class:`weightlift.distributed.regions.Served` is the implementation (``Shard.serving()``)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    def segments(self, name: str, dtype: str, shape: tuple[int, ...]) -> tuple[tuple[Box, int | None, int], ...]: ...
+
+    def local_shape(self, name: str, dtype: str, shape: tuple[int, ...]) -> tuple[int, ...]: ...
+
+    def sketch(self, array: Any, shape: tuple[int, ...], box: Box, name: str) -> int: ...
+
+    def describe(self) -> LayoutReply: ...
+
+
+class ShardRules(Protocol):
+    """What ``Server(shard=...)`` takes: a :class:`weightlift.distributed.Shard` with rank and world."""
+
+    def serving(self, parts: Mapping[str, Sequence[int]] | None = None) -> Slices: ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     """Every setting of a server, resolved and checked (see :class:`~weightlift.remote.server.Server`
@@ -157,6 +188,7 @@ class ServerConfig:
     protocol_minor: int = PROTOCOL_MINOR
     backend: Backend = TCP
     naive: bool = False
+    slices: Slices | None = None  # Server(shard=...): the slices it holds, taken as REGIONs (minor 6)
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -225,15 +257,18 @@ class ServerOptions(TypedDict, total=False):
     protocol_minor: int
     backend: Backend
     tls: ssl.SSLContext | None
+    shard: ShardRules | None
+    fused: Mapping[str, Sequence[int]] | None
 
 
 #: Options that are no field of the config: ``tls`` is folded into the backend, ``insecure``
-#: only allows a bind without a token.
-INPUT_ONLY = frozenset({"insecure", "tls"})
-#: Config fields no option sets: the address comes positionally, ``naive`` from the environment.
-CONFIG_ONLY = frozenset({"host", "port", "naive"})
+#: only allows a bind without a token, ``shard`` and ``fused`` into ``slices``.
+INPUT_ONLY = frozenset({"insecure", "tls", "shard", "fused"})
+#: Config fields no option sets: the address comes positionally, ``naive`` from the environment,
+#: ``slices`` from ``shard`` and ``fused``.
+CONFIG_ONLY = frozenset({"host", "port", "naive", "slices"})
 #: What a missing option means where the config field has no default (or another one).
-_INPUT_DEFAULTS: dict[str, Any] = {"insecure": False, "tls": None, "max_memory": None}
+_INPUT_DEFAULTS: dict[str, Any] = {"insecure": False, "tls": None, "max_memory": None, "shard": None, "fused": None}
 
 
 def configure(host: str, port: int, options: ServerOptions) -> tuple[ServerConfig, Target | None]:
@@ -280,7 +315,21 @@ def configure(host: str, port: int, options: ServerOptions) -> tuple[ServerConfi
         io_timeout=None if o["io_timeout"] is None else float(o["io_timeout"]),
         backend=backend,
     )
-    config = ServerConfig(host=host, port=port, naive=not env.load_opt(), **settings)
+    config = ServerConfig(host=host, port=port, naive=not env.load_opt(), slices=_slices(o), **settings)
+    if config.slices is not None and (host_target is None or not host_target.memcpy_ok):
+        raise OptionError("shard= is for host memory: a cpu server without a dtype cast")
     if config.reserve and (host_target is None or not host_target.memcpy_ok):
         raise OptionError("reserve is for host memory: a cpu server without a dtype cast")
     return config, host_target
+
+
+def _slices(o: Mapping[str, Any]) -> Slices | None:
+    shard, fused = o["shard"], o["fused"]
+    if shard is None:
+        if fused is not None:
+            raise OptionError("fused= names the fused tensors of shard=: give shard= too")
+        return None
+    if not hasattr(shard, "serving"):
+        raise OptionError(f"shard= takes a weightlift.Shard with rank and world, not {type(shard).__name__}")
+    slices: Slices = shard.serving(fused)
+    return slices

@@ -67,16 +67,21 @@ from weightlift.remote.protocol import (
     Delta,
     Error,
     ErrorCode,
+    Expect,
     FillFromCache,
     FrameMac,
     Free,
     Have,
     Hello,
+    LayoutReply,
+    LayoutRequest,
     ListRequest,
     Message,
     Read,
+    Region,
     ServerSession,
     SessionState,
+    SketchRequest,
     Update,
     WriteHeader,
     client_mac,
@@ -84,6 +89,7 @@ from weightlift.remote.protocol import (
     mac_usable,
     new_nonce,
     planes_usable,
+    regions_usable,
     send,
     server_mac,
     update_usable,
@@ -92,7 +98,16 @@ from weightlift.remote.protocol import (
 )
 from weightlift.remote.server.admission import Context, Slot
 from weightlift.remote.server.reads import Outbox, Reads
-from weightlift.remote.server.receive import Destinations, DirectPath, NaivePath, PayloadPath, Receiver, Staging, Wire
+from weightlift.remote.server.receive import (
+    Destinations,
+    DirectPath,
+    NaivePath,
+    PayloadPath,
+    Receiver,
+    Regions,
+    Staging,
+    Wire,
+)
 from weightlift.remote.server.store import Charge, MemoryFull, Store
 from weightlift.remote.server.updates.delta import Deltas
 from weightlift.remote.server.updates.switch import Switch
@@ -160,6 +175,7 @@ class Connection:
             enabled=self._deltas_usable(),
             planes=lambda: planes_usable(self.minor),
         )
+        self.regions = Regions(ctx.assembly, self.store, self.frames.payload, self.frames.drain, self.frames.frame_end)
         rx = self.rx
         self._handlers: dict[type[Message], Callable[[Any], None]] = {
             Auth: self._auth,
@@ -175,6 +191,10 @@ class Connection:
             Delta: self.deltas.delta,
             Update: self._update,
             Commit: self._commit,
+            LayoutRequest: self._layout,
+            Region: self.regions.region,
+            Expect: self.regions.expect,
+            SketchRequest: lambda m: self.out.reply(self.regions.sketch(m)),
         }
 
     def _receiver(self) -> Receiver:
@@ -271,14 +291,19 @@ class Connection:
         first = {"error": reply.errors[0]} if reply.errors else {}
         self._event(level, "barrier", tensors=reply.tensors, bytes=reply.nbytes, errors=len(reply.errors), **first)
 
+    def _layout(self, msg: LayoutRequest) -> None:
+        slices = self.ctx.config.slices
+        self.out.reply(slices.describe() if slices is not None else LayoutReply(0, 0))
+
     def _bye(self, msg: Bye) -> None:
         self._done = True
 
     # -- updates ---------------------------------------------------------------------------------
 
     def _deltas_usable(self) -> bool:
-        """DELTAs apply to host memory, with the codec installed (the DELTA flag says so)."""
-        return self.ctx.pooled and codec.available()
+        """DELTAs apply to host memory, with the codec installed (the DELTA flag says so), of a
+        server that holds whole tensors."""
+        return self.ctx.pooled and codec.available() and self.ctx.config.slices is None
 
     def _update(self, msg: Update) -> None:
         if self.switch is not None:
@@ -378,6 +403,8 @@ class Connection:
             flags |= Capability.MAC  # informational: the minor and the token decide, not this bit
         if update_usable(self.minor) and self._deltas_usable():
             flags |= Capability.DELTA
+        if regions_usable(self.minor) and self.ctx.config.slices is not None:
+            flags |= Capability.SHARDED
         return flags
 
     def _take_ready_slot(self) -> None:

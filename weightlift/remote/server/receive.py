@@ -45,6 +45,11 @@ The parts, in the order below:
   from memory, a tensor the server holds whose bytes were proven to hash to the digest (the same
   name: the very same memory published again; another name: one copy); from the disk cache, the
   entry read into the destination and checked against the digest as it comes.
+* :class:`Regions` - a sharded server's REGIONs on one connection: each box checked and claimed
+  in the server's :class:`~weightlift.remote.server.store.Assembly`, its payload received
+  straight into the slice where the box is one byte range of it, else staged and scattered; the
+  sketch of what landed is added to the tensor's; SKETCH reports the tensors and this
+  connection's refusals since the last one.
 * :class:`NaivePath` - the naive receive path, kept for A/B runs (``WEIGHTLIFT_LOAD_OPT=0``, the
   benchmark's ``wl.push.legacy`` arm): each WRITE received whole into a fresh, zero-filled buffer
   and then copied into its destination, as before the optimized paths, except that the buffer is
@@ -70,11 +75,17 @@ from weightlift.remote.protocol import (
     MAX_DIGESTS,
     MAX_ERRORS,
     MAX_MESSAGE,
+    MAX_SKETCH_BYTES,
     MAX_TENSORS,
+    SKETCH_ENTRY_LAYOUT,
     Alloc,
     Barrier,
     BarrierReply,
+    Expect,
     FillFromCache,
+    Region,
+    SketchReply,
+    SketchRequest,
     WriteHeader,
 )
 from weightlift.remote.server.admission import Context, RequestError
@@ -82,7 +93,7 @@ from weightlift.remote.server.cache import CacheWriter, DigestCheck, TensorCache
 from weightlift.remote.server.cache.behind import sealed_since
 from weightlift.remote.server.cache.hashing import StreamHash, digest_of, piece_hasher
 from weightlift.remote.server.cache.read import PARALLEL_READ_MIN, Readers, reader_pool
-from weightlift.remote.server.store import Charge, MemoryFull, Store, entry_cost
+from weightlift.remote.server.store import Assembly, Charge, MemoryFull, RegionRefused, Store, entry_cost
 
 __all__ = [
     "Receiver",
@@ -104,6 +115,7 @@ __all__ = [
     "HASH_PIECE",
     "Fills",
     "NaivePath",
+    "Regions",
 ]
 
 MAX_OPEN_FILES = 8  # cache temporary files one connection holds open at once (tensors in flight by digest)
@@ -179,6 +191,8 @@ class Receiver:
             raise RequestError(f"more than {MAX_TENSORS} tensors in flight on one connection")
         if a.name in RESERVED_NAMES:
             raise RequestError(f"{a.name!r} is not a tensor name: safetensors reserves it for the file's metadata")
+        if self.ctx.config.slices is not None:  # it holds slices: a whole tensor has no place here
+            raise RequestError(f"tensor {a.name!r}: this server holds slices (shard=): send REGIONs, not whole tensors")
         p = _charged(self.store, a, pooled=self.staging.pooled, ahead=bool(self.pending))
         # A tensor named by digest may be filled from memory the server already holds: its
         # destination is made when the first byte needs a place, not here.
@@ -941,3 +955,85 @@ class NaivePath:
             del buf
         finally:
             charge.release()
+
+
+class Regions:
+    """One connection's REGIONs into the server's shared :class:`~.store.Assembly` (None: the
+    server holds no slices, and every REGION is refused). Refusals wait for the next SKETCH."""
+
+    def __init__(
+        self,
+        assembly: Assembly | None,
+        store: Store,
+        payload: Callable[[memoryview], None],
+        drain: Callable[[int], None],
+        frame_end: Callable[[], None],
+    ):
+        self.assembly, self.store = assembly, store
+        self._payload, self._drain, self._frame_end = payload, drain, frame_end
+        self.errors: list[str] = []
+        self.dropped = 0
+
+    def _refuse(self, m: Region, why: str) -> None:
+        self._error(why)
+        self._drain(m.length)
+        self._frame_end()
+
+    def region(self, m: Region) -> None:
+        a = self.assembly
+        if a is None:
+            self._refuse(m, f"tensor {m.name!r}: this server holds no slices (started without shard=)")
+            return
+        box = tuple(zip(m.start, m.stop, strict=True))
+        try:
+            b, dest = a.claim(m.name, m.dtype, m.shape, box)
+        except RegionRefused as e:
+            self._refuse(m, str(e))
+            return
+        try:
+            if m.length and dest.flags.c_contiguous:  # one byte range of the slice: straight in
+                flat = dest.reshape(-1).view(np.uint8)
+                self._payload(flat.data)
+                landed = dest
+            else:
+                staged = np.empty(m.length, np.uint8)
+                if m.length:
+                    self._payload(staged.data)
+                landed = staged.view(dest.dtype).reshape(dest.shape)
+            self._frame_end()  # the frame is proven before any of its bytes count
+        except BaseException:
+            a.release(m.name, b, box)
+            raise
+        if landed is not dest:
+            dest[...] = landed
+        sketch = a.slices.sketch(landed, m.shape, box, m.name) if m.length else 0
+        self.store.count("bytes_received", m.length)
+        a.landed(m.name, b, m.length, sketch)
+
+    def _error(self, why: str) -> None:
+        self.store.count("errors")
+        if len(self.errors) < MAX_ERRORS - 1:
+            self.errors.append(why[:MAX_MESSAGE])
+        else:
+            self.dropped += 1
+
+    def expect(self, m: Expect) -> None:
+        if self.assembly is None:
+            self._error("EXPECT: this server holds no slices (started without shard=)")
+            return
+        self.assembly.expect(m.names)
+
+    def sketch(self, m: SketchRequest) -> SketchReply:
+        entries = []
+        room = MAX_SKETCH_BYTES  # the reply stays within every client's frame limit
+        a = self.assembly
+        for e in a.status(m.names) if a is not None else ():
+            room -= SKETCH_ENTRY_LAYOUT.size + 2 + len(e.name.encode("utf-8", "surrogatepass"))
+            if room < 0:
+                break
+            entries.append(a.resketch(e) if a is not None and m.flags & SketchRequest.FLAG_RECOMPUTE else e)
+        errors, self.errors = self.errors, []
+        if self.dropped:
+            errors.append(f"and {self.dropped} more refused regions")
+            self.dropped = 0
+        return SketchReply(tuple(entries), tuple(errors))

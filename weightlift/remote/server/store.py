@@ -47,12 +47,19 @@ import weakref
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from weightlift.dtypes import byte_length, dtype_info
+from weightlift.errors import WeightliftError
 from weightlift.memory.pool import HostPool
+from weightlift.memory.targets import as_bytes, view_as
+from weightlift.remote.protocol import SketchEntry
 from weightlift.remote.server.updates.gates import Gates, GateTimeout
+
+if TYPE_CHECKING:
+    from weightlift.remote.server.config import Slices
 
 __all__ = [
     "ENTRY_OVERHEAD",
@@ -65,6 +72,8 @@ __all__ = [
     "Store",
     "Staged",
     "entry_cost",
+    "Assembly",
+    "RegionRefused",
 ]
 
 # What one tensor's bookkeeping costs besides its data, measured (tests/remote/test_server_limits.py):
@@ -624,3 +633,226 @@ def _hand_out(entry: Entry, writable: bool) -> Any:
         entry.exposed = True
         return entry.tensor
     return ro
+
+
+# -- a sharded server's slices, assembled from REGIONs ------------------------------------------------
+
+_MASK = (1 << 64) - 1
+_BoxT = tuple[tuple[int, int], ...]
+
+
+class RegionRefused(Exception):
+    """A REGION that cannot be placed; the message names the tensor and why. Nothing was placed."""
+
+
+class _Building:
+    """A tensor whose slice is being covered: its declared dtype and unsharded shape, the local
+    buffer, the boxes claimed so far and the bytes and sketch of those that landed."""
+
+    __slots__ = (
+        "dtype",
+        "shape",
+        "local",
+        "nbytes",
+        "raw",
+        "elements",
+        "charge",
+        "segs",
+        "boxes",
+        "received",
+        "sketch",
+    )
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], local: tuple[int, ...], segs: Any, raw: Any, charge: Charge):
+        item = dtype_info(dtype).bits // 8
+        self.dtype, self.shape, self.local, self.segs, self.raw, self.charge = dtype, shape, local, segs, raw, charge
+        self.nbytes = raw.nbytes
+        self.elements = raw.view(f"<u{item}").reshape(local)  # the slice as unsigned elements of its width
+        self.boxes: list[_BoxT] = []
+        self.received = 0
+        self.sketch = 0
+
+
+def _overlaps(a: _BoxT, b: _BoxT) -> bool:
+    return all(max(x0, y0) < min(x1, y1) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
+
+
+def _within(box: _BoxT, seg: Any) -> tuple[slice, ...]:
+    """Where ``box`` (inside segment ``seg``: its box, split dimension, local start) lies in the slice."""
+    sbox, dim, at = seg
+    return tuple(
+        slice(lo - s0 + (at if k == dim else 0), hi - s0 + (at if k == dim else 0))
+        for k, ((lo, hi), (s0, _)) in enumerate(zip(box, sbox, strict=True))
+    )
+
+
+class Assembly:
+    """The tensors of a sharded server (``Server(shard=...)``) as REGIONs cover their slices.
+
+    Shared by every connection: boxes of one tensor may come from several senders. A box is
+    claimed under the lock, after every check (it lies inside one segment of this server's slice,
+    the tensor's dtype and shape are those of its earlier boxes, it overlaps no box claimed
+    before), so two connections never write the same bytes, and a refused box changes nothing;
+    its bytes land outside the lock. The tensor is complete once its received bytes reach the
+    slice's size (the boxes being disjoint and inside the slice, it is then covered), and its
+    entry, with the sketch of what landed, stays for SKETCH to report. A complete tensor is
+    published at once, unless it belongs to the open set (EXPECT): those are held until the
+    last of the set completes, then switched in together (:meth:`Store.switch`), so a reader sees
+    all of the set's new versions or none. A tensor that never completes keeps its charge until
+    a later version of it completes or the server closes."""
+
+    def __init__(self, store: Store, slices: Slices, framework: str):
+        self.store, self.slices, self.framework = store, slices, framework
+        self._lock = threading.Lock()
+        self._building: dict[str, _Building] = {}
+        self._done: dict[str, SketchEntry] = {}
+        self._geometry: dict[str, tuple[str, tuple[int, ...]]] = {}  # name -> dtype, unsharded shape
+        self._set: set[str] = set()  # the open set's names (EXPECT), until it switches
+        self._held: dict[str, Staged] = {}  # complete tensors of the open set, held back
+
+    def expect(self, names: tuple[str, ...]) -> None:
+        """Add ``names`` to the open set (a new one if none is open)."""
+        with self._lock:
+            self._set.update(names)
+            ready = self._ready()
+        if ready:
+            self._switch(ready)
+
+    def _ready(self) -> list[Staged]:
+        """The open set's tensors, taken out, once every one is complete (the lock held)."""
+        if not self._set or not self._set <= self._held.keys():
+            return []
+        staged = [self._held.pop(n) for n in sorted(self._set)]
+        self._set = set()
+        return staged
+
+    def _switch(self, staged: list[Staged]) -> None:
+        self.store.switch(staged, [])
+        with self._lock:
+            for st in staged:
+                e = self._done.get(st.name)
+                if e is not None and not e.complete:
+                    self._done[st.name] = SketchEntry(e.name, True, e.received, e.needed, e.sketch)
+
+    def _begin(self, name: str, dtype: str, shape: tuple[int, ...]) -> _Building:
+        bits = dtype_info(dtype).bits
+        if bits % 8 or bits // 8 not in (1, 2, 4, 8):
+            raise RegionRefused(f"tensor {name!r}: {dtype} elements cannot be placed as regions")
+        try:
+            segs = self.slices.segments(name, dtype, shape)
+            local = self.slices.local_shape(name, dtype, shape)
+        except WeightliftError as e:
+            raise RegionRefused(f"tensor {name!r}: {e}") from None
+        nbytes = byte_length(dtype, local)
+        try:
+            charge = self.store.charge(entry_cost(name, nbytes, len(local)), nbytes)
+        except MemoryFull as e:
+            raise RegionRefused(f"tensor {name!r}: {e}") from None
+        raw = self.store.take_host(nbytes)[0] if self.store.pool is not None else np.empty(nbytes, np.uint8)
+        return _Building(dtype, shape, local, segs, raw, charge)
+
+    def claim(self, name: str, dtype: str, shape: tuple[int, ...], box: _BoxT) -> tuple[_Building, Any]:
+        """Check and claim ``box`` of ``name``: (the tensor, the box's place in its slice as a view
+        of unsigned elements). RegionRefused, with nothing claimed, where it cannot go."""
+        with self._lock:
+            b = self._building.get(name)
+            if b is None:
+                b = self._begin(name, dtype, shape)
+                self._building[name] = b
+            elif (b.dtype, b.shape) != (dtype, shape):
+                raise RegionRefused(
+                    f"tensor {name!r}: a region of {dtype} {list(shape)}, but its slice is of {b.dtype} {list(b.shape)}"
+                )
+            empty = any(hi <= lo for lo, hi in box)
+            if empty:
+                if b.segs:
+                    raise RegionRefused(f"tensor {name!r}: an empty region, but this server's slice is not empty")
+                dest = b.elements
+            else:
+                seg = next(
+                    (
+                        sg
+                        for sg in b.segs
+                        if all(s0 <= lo and hi <= s1 for (lo, hi), (s0, s1) in zip(box, sg[0], strict=True))
+                    ),
+                    None,
+                )
+                if seg is None:
+                    raise RegionRefused(
+                        f"tensor {name!r}: box {[list(x) for x in box]} is not inside this server's slice "
+                        f"{[[list(x) for x in sg[0]] for sg in b.segs]} (rank {self.slices.rank})"
+                    )
+                clash = next((o for o in b.boxes if _overlaps(o, box)), None)
+                if clash is not None:
+                    raise RegionRefused(
+                        f"tensor {name!r}: box {[list(x) for x in box]} overlaps box {[list(x) for x in clash]} received before"
+                    )
+                dest = b.elements[_within(box, seg)]
+                b.boxes.append(box)
+            return b, dest
+
+    def release(self, name: str, b: _Building, box: _BoxT) -> None:
+        """Give back a claimed box whose bytes never landed (the connection failed inside it)."""
+        with self._lock:
+            if box in b.boxes:
+                b.boxes.remove(box)
+
+    def landed(self, name: str, b: _Building, nbytes: int, sketch: int) -> bool:
+        """A claimed box's bytes are in place; publishes the tensor when its slice is covered."""
+        with self._lock:
+            b.received += nbytes
+            b.sketch = (b.sketch + sketch) & _MASK
+            if b.received < b.nbytes or self._building.get(name) is not b:
+                return False
+            del self._building[name]
+            self._geometry[name] = (b.dtype, b.shape)
+            held = name in self._set
+            self._done[name] = SketchEntry(name, not held, b.received, b.nbytes, b.sketch)
+            tensor = view_as(b.raw, b.dtype, b.local, self.framework)
+            ready: list[Staged] = []
+            if held:
+                old = self._held.pop(name, None)
+                if old is not None and old.charge is not None:
+                    old.charge.release()  # a newer version of it came before the set switched
+                self._held[name] = Staged(name, b.dtype, b.local, b.nbytes, tensor, b.charge, None)
+                ready = self._ready()
+        if ready:
+            self._switch(ready)
+        elif not held:
+            self.store.publish(name, b.dtype, b.local, b.nbytes, tensor, b.charge, None)
+        return True
+
+    def resketch(self, e: SketchEntry) -> SketchEntry:
+        """``e`` with the sketch of its tensor as its memory holds it now (a complete one still held)."""
+        with self._lock:
+            geometry = self._geometry.get(e.name)
+        entry = self.store.get(e.name)
+        if (
+            not e.complete
+            or geometry is None
+            or entry is None
+            or entry.shape != self.slices.local_shape(e.name, *geometry)
+        ):
+            return e
+        dtype, shape = geometry
+        flat = (
+            entry.tensor.reshape(-1).view(np.uint8) if isinstance(entry.tensor, np.ndarray) else as_bytes(entry.tensor)
+        )
+        local = flat.view(f"<u{dtype_info(dtype).bits // 8}").reshape(entry.shape)
+        total = 0
+        for seg in self.slices.segments(e.name, dtype, shape):
+            total += self.slices.sketch(local[_within(seg[0], seg)], shape, seg[0], e.name)
+        return SketchEntry(e.name, True, e.received, e.needed, total & _MASK)
+
+    def status(self, names: tuple[str, ...]) -> list[SketchEntry]:
+        """The entry of each of ``names`` the server has seen REGIONs of (none named: all of them)."""
+        with self._lock:
+            wanted = names or tuple(dict.fromkeys([*self._done, *self._building]))
+            out = []
+            for n in wanted:
+                b = self._building.get(n)
+                if b is not None:
+                    out.append(SketchEntry(n, False, b.received, b.nbytes, b.sketch))
+                elif n in self._done:
+                    out.append(self._done[n])
+            return out
