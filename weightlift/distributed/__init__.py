@@ -45,7 +45,7 @@ from weightlift.distributed.group import ROUND, STRIPE, distributed_load
 from weightlift.distributed.push import PushError, push_many
 from weightlift.distributed.reader import ROW_READ_MIN
 from weightlift.distributed.shard import Piece, Rows, Shard, chunk_bounds
-from weightlift.distributed.transfer import Resharded, reshard_transfer, verify_resharded
+from weightlift.distributed.transfer import Resharded, Resharder, reshard_transfer, verify_resharded
 
 __all__ = [
     "Shard",
@@ -58,6 +58,7 @@ __all__ = [
     "reshard_transfer",
     "verify_resharded",
     "Resharded",
+    "Resharder",
     "PushError",
     "ROW_READ_MIN",
     "STRIPE",
