@@ -254,7 +254,7 @@ def main() -> int:
         steps.append(
             {"step": k + 1, "loss": at[0]["loss"], "delta": at[0]["delta"],
              "sent": sum(s["sent"] for s in at), "full": sum(s["needed"] for s in at),
-             "seconds": max(s["seconds"] for s in at), "verified": min(s["verified"] for s in at),
+             "seconds": max(s["seconds"] for s in at[:TRAINERS]), "verified": min(s["verified"] for s in at),
              "version": at[0]["version"]}
         )  # fmt: skip
     summary = {

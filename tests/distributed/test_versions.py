@@ -131,6 +131,19 @@ def test_versions_switch_together_and_faults_leave_the_old_one(ckpts, tmp_path):
     assert all(r["on_version_after_kill"] == 3 for r in reps[2:])
 
 
+def test_a_base_or_kept_copy_without_its_role_is_refused():
+    """Checked where the Resharder is made, before any collective."""
+    from weightlift.errors import OptionError
+
+    w = {"w": np.zeros(4, np.float32)}
+    with pytest.raises(OptionError, match="base: the tensors a receiver serves"):
+        Resharder(base=w)
+    with pytest.raises(OptionError, match="keep=True"):
+        Resharder(kept=w, src=Shard(rank=0, world=1))
+    with pytest.raises(OptionError, match="framework"):
+        Resharder(framework="jax")
+
+
 # -- a rank's program -------------------------------------------------------------------------------------
 
 
