@@ -804,14 +804,17 @@ class _Deltas:
         for st in streams:
             self.guard(st.finish)
 
-    def piece(self, buf: np.ndarray, p: _Piece, base: int, stride: int) -> np.ndarray:
+    def piece(self, buf: np.ndarray, p: _Piece, base: int, stride: int, *, view: bool = False) -> np.ndarray:
+        if view and p.contiguous(stride):
+            a = base + p.k0 * stride + p.b0
+            return buf[a : a + p.nbytes]
         out = np.empty(p.nbytes, np.uint8)
         _gather(buf, p, base, stride, out)
         return out
 
     def measure(self, name: str, run: Run, p: _Piece) -> int:
-        new = self.piece(self.ctx.src[name], p, run.src, run.src_stride)
-        old = self.piece(self.kept[name], p, run.src, run.src_stride)
+        new = self.piece(self.ctx.src[name], p, run.src, run.src_stride, view=True)
+        old = self.piece(self.kept[name], p, run.src, run.src_stride, view=True)
         item = self.item[name]
         return deltas.size_of(p.nbytes, len(deltas.changed(new, old, item)), item)
 
@@ -821,8 +824,10 @@ class _Deltas:
             done = 4 * len(sizes)
             for (name, run, p), size in zip(items, sizes, strict=True):
                 if size:
-                    new = self.piece(self.ctx.src[name], p, run.src, run.src_stride)
-                    old = new if size == p.nbytes else self.piece(self.kept[name], p, run.src, run.src_stride)
+                    new = self.piece(self.ctx.src[name], p, run.src, run.src_stride, view=True)
+                    old = (
+                        new if size == p.nbytes else self.piece(self.kept[name], p, run.src, run.src_stride, view=True)
+                    )
                     data = self.guard(lambda: deltas.encode(new, old, self.item[name], size))  # noqa: B023
                     if data is None:  # the stream stays as long as stated; the agreement says it failed
                         yield np.zeros(total - done, np.uint8)
@@ -903,10 +908,11 @@ class Resharder:
     nothing, the changed elements, or the piece whole (:mod:`.deltas`), applied into a copy of
     each receiver's base. Deltas need every sender to keep and every receiver to hold a version
     of the same tensors; otherwise (the first update, a restarted trainer, ``full=True``) the
-    update moves everything, as :func:`reshard_transfer` does. Before a delta, the base is proven
-    the same at both ends: the senders' kept copies and the receivers' tensors are sketched under
-    the update's fresh seed and must add up per tensor; a stale base is refused on every
-    process (IntegrityError) and never applied. ``base`` (a receiver's tensors, e.g. loaded with
+    update moves everything, as :func:`reshard_transfer` does. A delta's base is the same at both
+    ends: every process switched to it in one proven update (they share its tag), or else the
+    senders' kept copies and the receivers' tensors are sketched under the update's fresh seed
+    and must add up per tensor; a stale base is refused on every process (IntegrityError) and
+    never applied, and a base changed in memory since fails the update's own proof. ``base`` (a receiver's tensors, e.g. loaded with
     ``weightlift.load(path, shard=dst)``) and ``kept`` (a sender's shards as the receivers hold
     them), with ``version``, start from a known version instead of none.
     """
@@ -939,6 +945,9 @@ class Resharder:
         self.keep, self.framework, self.chunk, self.inflight, self.timeout = keep, framework, chunk, inflight, timeout
         #: the version this process is on: 0 before any, then one more than the highest in the group
         self.version = version
+        #: the update that made :attr:`version` current, the same on every process that switched to
+        #: it (None: a version given at construction, not yet proven against the senders)
+        self._tag: str | None = None
         #: a receiver's tensors of :attr:`version` (what it serves)
         self.tensors: dict[str, Any] = {}
         self._current: dict[str, np.ndarray] = {}  # those tensors' bytes
@@ -967,7 +976,7 @@ class Resharder:
         ``result.tensors`` are its new :attr:`tensors`."""
         comm = Comm(self.group, timeout=self.timeout)
         comm.check_device(Placement())
-        extra: dict[str, Any] = {"version": self.version, "full": bool(full)}
+        extra: dict[str, Any] = {"version": self.version, "full": bool(full), "tag": self._tag, "chunk": self.chunk}
         if state is not None and self._kept is not None:
             extra["kbase"] = _sizes_digest((n, b.size) for n, b in self._kept.items())
         if self.dst is not None and self._current:
@@ -985,9 +994,11 @@ class Resharder:
             and all(docs[g].get("rbase") == _layout_digest(infos, receivers, r) for r, g in enumerate(recv_proc))
         )
         before = self.version
+        chunk = min(int(d.get("chunk", self.chunk)) for d in docs)  # both ends of a message cut it alike
         after = max(int(d.get("version", 0)) for d in docs) + 1
         plans = plan(infos, senders, receivers)
-        if delta:
+        tags = {docs[g].get("tag") for g in (*send_proc, *recv_proc)}
+        if delta and (None in tags or len(tags) != 1):  # not all on one proven update: prove the bases
             self._prove_base(ctx, before)
         res = Resharded({}, delta=delta, _ctx=ctx)
         if recv_rank is not None:
@@ -1004,11 +1015,11 @@ class Resharder:
         error: WeightliftError | None = None
         if delta:
             assert self._kept is not None or state is None
-            mover = _Deltas(ctx, res, self._kept or {}, self.chunk, self.inflight)
+            mover = _Deltas(ctx, res, self._kept or {}, chunk, self.inflight)
             mover.run(plans)
             error = mover.error
         else:
-            _Mover(ctx, res, self.chunk, self.inflight).run(plans)
+            _Mover(ctx, res, chunk, self.inflight).run(plans)
         res.seconds = time.perf_counter() - t0
         _agree(comm, error, before)
         verify_resharded(res, manifest=manifest)
@@ -1025,11 +1036,15 @@ class Resharder:
             else:
                 self._kept = {n: b.copy() for n, b in src_bufs.items()}
         self.version = after
+        self._tag = hashlib.blake2b(ctx.nonce + after.to_bytes(8, "little"), digest_size=16).hexdigest()
         return res
 
     def _prove_base(self, ctx: _Ctx, before: int) -> None:
         """The senders' kept copies and the receivers' tensors, sketched under this update's seed,
-        must add up per tensor: else the base is stale, and every process refuses the delta."""
+        must add up per tensor: else the base is stale, and every process refuses the delta.
+        Needed only where the processes did not all switch to their version in one update (a
+        receiver restarted from a checkpoint, a process that missed an update): after one proven
+        update they share its tag, and a base changed since (memory) fails the update's own proof."""
         base = _Ctx(
             ctx.comm, ctx.infos, ctx.senders, ctx.receivers, ctx.send_proc, ctx.recv_proc,
             ctx.send_rank, ctx.recv_rank, self._kept or {}, self._current, ctx.nonce,
