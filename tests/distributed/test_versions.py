@@ -131,6 +131,16 @@ def test_versions_switch_together_and_faults_leave_the_old_one(ckpts, tmp_path):
     assert all(r["on_version_after_kill"] == 4 for r in reps[2:])
 
 
+def test_colocated_ranks_copy_their_own_part_of_a_delta(ckpts, tmp_path):
+    """Every rank both sends (FSDP 4) and receives (the engine's layout over 4): a delta's pieces
+    a rank sends itself are copied, the rest travel, and each rank ends equal to the sharded load."""
+    reps = _group("colocated", tmp_path, ckpts)
+    assert [r["deltas"] for r in reps] == [[False, True]] * WORLD
+    assert all(r["copied"]["v2"] > 0 for r in reps)
+    full, delta = (sum(r["sent"][k] for r in reps) for k in ("v1", "v2"))
+    assert 0 < delta < 0.06 * full, (delta, full)
+
+
 def test_a_base_or_kept_copy_without_its_role_is_refused():
     """Checked where the Resharder is made, before any collective."""
     from weightlift.errors import OptionError
@@ -246,6 +256,18 @@ def _versions_run(rank: int, ckpts: Path, tmp: Path, rep: dict, fails: list[str]
     _killed(rank, r, state(4), tmp, rep, fails, check)
 
 
+def _colocated(rank: int, ckpts: Path, tmp: Path, rep: dict, fails: list[str]) -> None:
+    src = Shard(default=0, rank=rank, world=WORLD)
+    dst = Shard(ENGINE, rank=rank, world=WORLD)
+    r = Resharder(src=src, dst=dst, parts=PARTS, keep=True, framework="torch", chunk=4096, timeout=30)
+    for v in (1, 2):
+        path = str(ckpts / f"v{v}.safetensors")
+        res = r.update(wl.load(path, shard=src))
+        rep["deltas"].append(res.delta)
+        rep["sent"][f"v{v}"], rep["copied"][f"v{v}"] = res.sent, res.copied
+        _compare(r.tensors, _reference(path, rank, WORLD), f"colocated v{v}", fails)
+
+
 def _killed(rank: int, r: Resharder, st, tmp: Path, rep: dict, fails: list[str], check) -> None:
     """Sender rank 0 dies after its second message of the next update: every other rank raises
     TransportError within the timeout, and both receivers still serve version 4."""
@@ -276,9 +298,9 @@ def _killed(rank: int, r: Resharder, st, tmp: Path, rep: dict, fails: list[str],
 def _worker(scenario: str, rank: int, port: int, tmp: Path, ckpts: Path) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    rep: dict = {"failures": [], "versions": [], "deltas": [], "sent": {}, "needed": {}}
+    rep: dict = {"failures": [], "versions": [], "deltas": [], "sent": {}, "needed": {}, "copied": {}}
     try:
-        {"versions": _versions_run}[scenario](rank, ckpts, tmp, rep, rep["failures"])
+        {"versions": _versions_run, "colocated": _colocated}[scenario](rank, ckpts, tmp, rep, rep["failures"])
     except Exception:  # noqa: BLE001 - reported to the test
         rep["failures"].append(traceback.format_exc())
     (tmp / f"{scenario}.{rank}.json").write_text(json.dumps(rep))
