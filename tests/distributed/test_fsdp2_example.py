@@ -17,12 +17,13 @@ import torch.distributed as dist  # noqa: E402
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with the gloo backend is unavailable", allow_module_level=True)
 
+pytest.importorskip("zstandard", reason="a dense step's delta is compressed with zstandard")
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_trainer_syncs_deltas_into_engines(tmp_path):
-    """Only the MLPs train, so a step's delta is the MLP weights' share of the model; every step
-    is proven on every rank, the last against the saved checkpoint's manifest."""
+    """Only the MLPs train, so a step's delta is at most the MLP weights' share of the model; every
+    step is proven on every rank, the last against the saved checkpoint's manifest."""
     cmd = [sys.executable, str(ROOT / "examples" / "fsdp2_reshard.py"), "--steps", "3", "--layers", "1"]
     cmd += ["--hidden", "64", "--vocab", "128", "--train", "re:mlp", "--json", "--out", str(tmp_path)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -38,5 +39,6 @@ def test_trainer_syncs_deltas_into_engines(tmp_path):
     assert steps[0]["sent"] == steps[0]["full"] > 0  # the first update: every byte the engines need, once
     mlp = 3 * 64 * 128 * 4  # gate, up, down: 64 x 128 float32 each
     for s in steps[1:]:
-        # the trained MLP weights go whole (Adam moves every element), plus one table entry per piece
-        assert mlp <= s["sent"] < mlp + 4096, s
+        # Adam moves every element of the MLP weights, a little: their planes compress (zstd), and
+        # nothing else is sent but one table entry per piece
+        assert mlp // 4 < s["sent"] < mlp, s

@@ -761,8 +761,8 @@ class _Deltas:
     messages are posted in order at both ends, so the globally first unfinished one is always
     posted at both."""
 
-    def __init__(self, ctx: _Ctx, res: Resharded, kept: dict[str, np.ndarray], chunk: int, inflight: int):
-        self.ctx, self.res, self.kept = ctx, res, kept
+    def __init__(self, ctx: _Ctx, res: Resharded, kept: dict[str, np.ndarray], chunk: int, inflight: int, pack: bool):
+        self.ctx, self.res, self.kept, self.pack = ctx, res, kept, pack
         self.chunk = max(8, chunk - chunk % 8)  # pieces cut on whole elements of up to 8 bytes
         self.win = _Window(ctx.comm, inflight, self.chunk)
         self.item = {t.name: dtype_info(t.dtype).bits // 8 for t in ctx.infos}
@@ -787,7 +787,7 @@ class _Deltas:
         sizes = {pair: [self.measure(*it) for it in items] for pair, items in pairs.items() if pair[0] == me}
         mine = np.zeros(world, np.int64)
         for (_, rp), sz in sizes.items():
-            mine[rp] = 4 * len(sz) + sum(sz)
+            mine[rp] = 5 * len(sz) + sum(n for _, n in sz)
         import torch
 
         lengths = torch.zeros(world * world, dtype=torch.int64)
@@ -812,23 +812,23 @@ class _Deltas:
         _gather(buf, p, base, stride, out)
         return out
 
-    def measure(self, name: str, run: Run, p: _Piece) -> int:
+    def measure(self, name: str, run: Run, p: _Piece) -> tuple[int, int]:
         new = self.piece(self.ctx.src[name], p, run.src, run.src_stride, view=True)
         old = self.piece(self.kept[name], p, run.src, run.src_stride, view=True)
-        item = self.item[name]
-        return deltas.size_of(p.nbytes, len(deltas.changed(new, old, item)), item)
+        return deltas.measure(new, old, self.item[name], pack=self.pack)
 
-    def send(self, items: list[tuple[str, Run, _Piece]], sizes: list[int], total: int, peer: int) -> None:
+    def send(self, items: list[tuple[str, Run, _Piece]], sizes: list[tuple[int, int]], total: int, peer: int) -> None:
         def payloads() -> Iterator[np.ndarray]:
-            yield np.asarray(sizes, "<u4").view(np.uint8)
-            done = 4 * len(sizes)
-            for (name, run, p), size in zip(items, sizes, strict=True):
+            yield np.asarray([n for _, n in sizes], "<u4").view(np.uint8)
+            yield np.asarray([k for k, _ in sizes], np.uint8)
+            done = 5 * len(sizes)
+            for (name, run, p), (kind, size) in zip(items, sizes, strict=True):
                 if size:
                     new = self.piece(self.ctx.src[name], p, run.src, run.src_stride, view=True)
                     old = (
                         new if size == p.nbytes else self.piece(self.kept[name], p, run.src, run.src_stride, view=True)
                     )
-                    data = self.guard(lambda: deltas.encode(new, old, self.item[name], size))  # noqa: B023
+                    data = self.guard(lambda: deltas.encode(new, old, self.item[name], kind, size))  # noqa: B023
                     if data is None:  # the stream stays as long as stated; the agreement says it failed
                         yield np.zeros(total - done, np.uint8)
                         return
@@ -871,9 +871,9 @@ class _Deltas:
                     continue
                 name, run, p = items[k]
                 dst = self.ctx.dst[name]
-                if kind == deltas.SPARSE:
+                if kind != deltas.WHOLE:
                     base = self.piece(dst, p, run.dst, run.dst_stride)
-                    deltas.apply(base, payload, self.item[name])
+                    deltas.apply(base, payload, self.item[name], kind)
                     payload = base
                 _scatter(dst, p, run.dst, run.dst_stride, payload)
 
@@ -977,6 +977,7 @@ class Resharder:
         comm = Comm(self.group, timeout=self.timeout)
         comm.check_device(Placement())
         extra: dict[str, Any] = {"version": self.version, "full": bool(full), "tag": self._tag, "chunk": self.chunk}
+        extra["zstd"] = deltas.packed.available()  # every process can apply compressed pieces
         if state is not None and self._kept is not None:
             extra["kbase"] = _sizes_digest((n, b.size) for n, b in self._kept.items())
         if self.dst is not None and self._current:
@@ -1013,7 +1014,8 @@ class Resharder:
                 res.needed += ctx.dst[t.name].size
         t0 = time.perf_counter()
         if delta:
-            mover = _Deltas(ctx, res, self._kept or {}, chunk, self.inflight)
+            pack = all(d.get("zstd") for d in docs)
+            mover = _Deltas(ctx, res, self._kept or {}, chunk, self.inflight, pack)
             mover.run(plans)
             res.seconds = time.perf_counter() - t0
             _agree(comm, mover.error, before)
