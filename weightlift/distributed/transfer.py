@@ -904,17 +904,20 @@ class Resharder:
     raises on every live process (TransportError where the group broke, else IntegrityError).
 
     ``keep=True`` on a sender keeps a host copy of the shards it last sent (its own shards only),
-    and then an update sends only what changed: per piece of the plan (at most ``chunk`` bytes),
-    nothing, the changed elements, or the piece whole (:mod:`.deltas`), applied into a copy of
+    and then an update sends only what changed: per piece of the plan (at most ``chunk`` bytes;
+    the group uses the smallest any process was given), nothing, the changed elements, their
+    XOR with the base compressed, or the piece whole (:mod:`.deltas`), applied into a copy of
     each receiver's base. Deltas need every sender to keep and every receiver to hold a version
     of the same tensors; otherwise (the first update, a restarted trainer, ``full=True``) the
-    update moves everything, as :func:`reshard_transfer` does. A delta's base is the same at both
-    ends: every process switched to it in one proven update (they share its tag), or else the
-    senders' kept copies and the receivers' tensors are sketched under the update's fresh seed
-    and must add up per tensor; a stale base is refused on every process (IntegrityError) and
-    never applied, and a base changed in memory since fails the update's own proof. ``base`` (a receiver's tensors, e.g. loaded with
-    ``weightlift.load(path, shard=dst)``) and ``kept`` (a sender's shards as the receivers hold
-    them), with ``version``, start from a known version instead of none.
+    update moves everything, as :func:`reshard_transfer` does. A delta's base is the same at
+    both ends: every process switched to it in one proven update (they share its tag), or else
+    the senders' kept copies and the receivers' tensors are sketched under the update's fresh
+    seed and must add up per tensor; a stale base is refused on every process (IntegrityError)
+    and never applied, and a base changed in memory since fails the update's own proof.
+
+    ``base`` (a receiver's tensors, e.g. loaded with ``weightlift.load(path, shard=dst)``) and
+    ``kept`` (a sender's shards as the receivers hold them), with ``version``, start from a
+    known version instead of none: the first delta then proves the bases by their sketches.
     """
 
     def __init__(
