@@ -4,7 +4,8 @@ The synthetic bf16 model of ``bench/reshard_transfer.py`` (``--layers`` Llama-li
 ``--hidden`` 1024: about 22.5 MB a layer), held by ``--senders`` FSDP ranks as plain ``Shard(0)``
 shards, synced into ``--receivers`` tensor-parallel ranks by one :class:`Resharder` per process
 (senders ``keep=True``). Before every update each sender changes ``--change`` of its shard's
-elements at random, in place (the steps differ from run to run, the fraction does not). Arms,
+elements at random, in place (the steps differ from run to run, the fraction does not), or with
+``--dense D`` multiplies every element by ``1 + D * N(0, 1)`` (an optimizer's small dense step). Arms,
 interleaved ``--runs`` times after one first full update: ``full`` (``update(full=True)``) and
 ``delta``. Reported: payload bytes sent, what the receivers need, and the medians of each
 arm's wall time (slowest rank) and CPU time (all processes). Every update is proven; on a
@@ -56,8 +57,13 @@ def worker(rank: int, world: int, senders: int, layers: int, runs: int, port: in
         dst = Shard(TP, rank=rank - senders, world=world - senders)
     sync = Resharder(src=src, dst=dst, keep=state is not None, timeout=120)
 
+    gen = torch.Generator().manual_seed(rank)
+
     def step() -> None:
         for t in (state or {}).values():
+            if a["dense"]:  # every element moves a little, as an optimizer step moves them
+                t.mul_(1 + a["dense"] * torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype))
+                continue
             w = t.view(torch.int16).reshape(-1)
             idx = torch.from_numpy(rng.choice(w.numel(), max(1, int(w.numel() * a["change"])), replace=False))
             w[idx] ^= 0x0101
@@ -87,6 +93,9 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--change", type=float, default=0.01, help="fraction of the elements a step changes")
+    p.add_argument(
+        "--dense", type=float, default=0.0, help="instead: every element times (1 + DENSE * N(0, 1)), bf16-rounded"
+    )
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     world = a.senders + a.receivers
@@ -95,14 +104,15 @@ def main() -> None:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-        opts = json.dumps({"hidden": a.hidden, "change": a.change})
+        opts = json.dumps({"hidden": a.hidden, "change": a.change, "dense": a.dense})
         args = [str(world), str(a.senders), str(a.layers), str(a.runs), str(port), tmp, opts]
         procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), *args], env=env) for r in range(world)]
         for pr in procs:
             if pr.wait(timeout=900):
                 raise SystemExit(f"a rank failed (exit {pr.returncode})")
         reps = [json.loads((Path(tmp) / f"{r}.json").read_text()) for r in range(world)]
-    out: dict[str, object] = {"senders": a.senders, "receivers": a.receivers, "layers": a.layers, "change": a.change}
+    out: dict[str, object] = {"senders": a.senders, "receivers": a.receivers, "layers": a.layers}
+    out.update({"dense": a.dense} if a.dense else {"change": a.change})
     need = sum(r[0]["needed"] for r in reps)
     out["model_mb"] = round(need / 1e6, 1)
     for arm in ("full", "delta"):
