@@ -50,7 +50,7 @@ from weightlift.distributed.push import PushError, push_many
 from weightlift.distributed.reader import ROW_READ_MIN
 from weightlift.distributed.regions import ShardOf, ShardPush, check_sketches, push_shards, server_sketches
 from weightlift.distributed.shard import Piece, Rows, Shard, chunk_bounds
-from weightlift.distributed.transfer import Resharded, reshard_transfer, verify_resharded
+from weightlift.distributed.transfer import Resharded, Resharder, reshard_transfer, verify_resharded
 
 __all__ = [
     "Shard",
@@ -63,6 +63,7 @@ __all__ = [
     "reshard_transfer",
     "verify_resharded",
     "Resharded",
+    "Resharder",
     "PushError",
     "ROW_READ_MIN",
     "STRIPE",

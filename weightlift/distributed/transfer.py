@@ -32,6 +32,10 @@ takes); a process may be both. Then:
    ``weightlift manifest --sketch``, that both add up to the saved checkpoint's sketches.
    Every process raises the same :class:`~weightlift.errors.IntegrityError` naming the tensors
    that differ, so all receivers keep or drop an update together.
+5. **Versions and deltas** (:class:`Resharder`): a receiver serves its current version while the
+   next lands in new buffers, switched in on every receiver once the proof passes on every
+   process; a sender that keeps a copy of its shards sends only the pieces that changed
+   (:mod:`.deltas`), against a base first proven the same at both ends.
 
 Torch's errors (a peer gone, a timeout) surface as :class:`~weightlift.errors.TransportError`
 through :class:`~.comm.Comm`; inputs that cannot be resharded as OptionError naming the tensor.
@@ -39,17 +43,19 @@ through :class:`~.comm.Comm`; inputs that cannot be resharded as OptionError nam
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
 
+from weightlift.distributed import deltas
 from weightlift.distributed.comm import Comm
 from weightlift.distributed.reshard import Layout, Run, TensorPlan, local_shape, plan, sketch_local
 from weightlift.distributed.shard import Shard, parse_placement
@@ -59,7 +65,7 @@ from weightlift.formats import TensorInfo
 from weightlift.memory.targets import as_bytes, view_as
 from weightlift.options import Placement
 
-__all__ = ["reshard_transfer", "verify_resharded", "Resharded", "CHUNK", "INFLIGHT"]
+__all__ = ["reshard_transfer", "verify_resharded", "Resharded", "Resharder", "CHUNK", "INFLIGHT"]
 
 #: The most bytes in one message, and the size of each staging buffer.
 CHUNK = 4 << 20
@@ -94,6 +100,8 @@ class Resharded:
     seconds: float = 0.0
     sketch_seconds: float = 0.0
     verified: int = 0
+    #: a :class:`Resharder` update sent against the receivers' base (changed pieces only)
+    delta: bool = False
     _ctx: Any = field(default=None, repr=False)
 
 
@@ -324,6 +332,15 @@ def _scatter(buf: np.ndarray, piece: _Piece, base: int, stride: int, data: np.nd
         at += n
 
 
+def _copy(ctx: _Ctx, res: Resharded, name: str, run: Run) -> None:
+    """Bytes a process sends to itself."""
+    src, dst = ctx.src[name], ctx.dst[name]
+    for k in range(run.count):
+        a, b = run.src + k * run.src_stride, run.dst + k * run.dst_stride
+        dst[b : b + run.length] = src[a : a + run.length]
+    res.copied += run.nbytes
+
+
 def _torch(a: np.ndarray) -> Any:
     import torch
 
@@ -460,12 +477,7 @@ class _Mover:
                 self.landed(name)
 
     def copy(self, name: str, run: Run) -> None:
-        """Bytes a process sends to itself."""
-        src, dst = self.ctx.src[name], self.ctx.dst[name]
-        for k in range(run.count):
-            a, b = run.src + k * run.src_stride, run.dst + k * run.dst_stride
-            dst[b : b + run.length] = src[a : a + run.length]
-        self.res.copied += run.nbytes
+        _copy(self.ctx, self.res, name, run)
 
     def send(self, name: str, run: Run, p: _Piece, peer: int) -> None:
         src, n, win = self.ctx.src[name], p.nbytes, self.win
@@ -621,7 +633,12 @@ def _begin_proof(ctx: _Ctx, pool: ThreadPoolExecutor, manifest: Any) -> Any:
 
 
 def _describe(
-    comm: Comm, state: Mapping[str, Any] | None, src: Shard | None, dst: Shard | None, parts: Any
+    comm: Comm,
+    state: Mapping[str, Any] | None,
+    src: Shard | None,
+    dst: Shard | None,
+    parts: Any,
+    extra: Mapping[str, Any] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, np.ndarray]]:
     """Every process's metadata (this one's too), and this sender's bytes per tensor. A rank that
     refuses its input still joins the exchange, so that every rank refuses and none waits for it."""
@@ -634,6 +651,7 @@ def _describe(
         if dst is not None:
             mine["recv"] = _receiver(dst, parts)
             mine["recv_at"] = mine["recv"]["at"]
+        mine.update(extra or {})
     except Exception as e:  # noqa: BLE001 - any input this rank cannot describe is refused by every rank
         refused = e if isinstance(e, WeightliftError) else OptionError(f"reshard: {type(e).__name__}: {e}")
         mine = {"error": str(refused)}
@@ -719,3 +737,344 @@ def reshard_transfer(
         for t in infos:
             res.tensors[t.name] = view_as(ctx.dst[t.name], t.dtype, local_shape(t, receivers, ctx.recv_rank), framework)
     return res
+
+
+# --- versions and deltas -----------------------------------------------------------------------------------
+
+
+def _sizes_digest(sizes: Iterable[tuple[str, int]]) -> str:
+    """What a base is made of (names and byte sizes): compared before any of its bytes are."""
+    return hashlib.blake2b(json.dumps(sorted(sizes)).encode(), digest_size=16).hexdigest()
+
+
+def _layout_digest(infos: list[TensorInfo], layout: Layout, rank: int) -> str:
+    return _sizes_digest(
+        (t.name, int(np.prod(local_shape(t, layout, rank), dtype=np.int64)) * (dtype_info(t.dtype).bits // 8))
+        for t in infos
+    )
+
+
+class _Deltas:
+    """Posts this process's delta streams (:mod:`.deltas`), pair after pair in one order on every
+    process, and applies what it receives into ``ctx.dst`` (a copy of the receiver's base). The
+    walk of the module docstring holds with pairs' messages in place of pieces: each pair's
+    messages are posted in order at both ends, so the globally first unfinished one is always
+    posted at both."""
+
+    def __init__(self, ctx: _Ctx, res: Resharded, kept: dict[str, np.ndarray], chunk: int, inflight: int, pack: bool):
+        self.ctx, self.res, self.kept, self.pack = ctx, res, kept, pack
+        self.chunk = max(8, chunk - chunk % 8)  # pieces cut on whole elements of up to 8 bytes
+        self.win = _Window(ctx.comm, inflight, self.chunk)
+        self.item = {t.name: dtype_info(t.dtype).bits // 8 for t in ctx.infos}
+        #: the first piece this receiver could not apply: it still takes in every message (so no
+        #: sender waits on it), applies nothing more, and says so in the agreement
+        self.error: WeightliftError | None = None
+
+    def run(self, plans: list[TensorPlan]) -> None:
+        ctx, me, world = self.ctx, self.ctx.comm.rank, self.ctx.comm.world
+        pairs: dict[tuple[int, int], list[tuple[str, Run, _Piece]]] = {}
+        for tp in plans:
+            name = tp.tensor.name
+            for s, r, _box, runs in tp.moves:
+                sp, rp = ctx.send_proc[s], ctx.recv_proc[r]
+                if me not in (sp, rp):
+                    continue
+                for run in runs:
+                    if sp == rp:
+                        _copy(ctx, self.res, name, run)
+                    else:
+                        pairs.setdefault((sp, rp), []).extend((name, run, p) for p in _pieces(run, self.chunk))
+        sizes = {pair: [self.measure(*it) for it in items] for pair, items in pairs.items() if pair[0] == me}
+        mine = np.zeros(world, np.int64)
+        for (_, rp), sz in sizes.items():
+            mine[rp] = 5 * len(sz) + sum(n for _, n in sz)
+        import torch
+
+        lengths = torch.zeros(world * world, dtype=torch.int64)
+        ctx.comm.all_gather(lengths, torch.from_numpy(mine), what="reshard delta sizes")
+        length = lengths.numpy().reshape(world, world)
+        streams = []
+        for pair in sorted(pairs):
+            sp, rp = pair
+            if sp == me:
+                self.send(pairs[pair], sizes[pair], int(length[sp, rp]), rp)
+            else:
+                streams.append(self.recv(pairs[pair], int(length[sp, rp]), sp))
+        self.win.drain()
+        for st in streams:
+            self.guard(st.finish)
+
+    def piece(self, buf: np.ndarray, p: _Piece, base: int, stride: int, *, view: bool = False) -> np.ndarray:
+        if view and p.contiguous(stride):
+            a = base + p.k0 * stride + p.b0
+            return buf[a : a + p.nbytes]
+        out = np.empty(p.nbytes, np.uint8)
+        _gather(buf, p, base, stride, out)
+        return out
+
+    def measure(self, name: str, run: Run, p: _Piece) -> tuple[int, int]:
+        new = self.piece(self.ctx.src[name], p, run.src, run.src_stride, view=True)
+        old = self.piece(self.kept[name], p, run.src, run.src_stride, view=True)
+        return deltas.measure(new, old, self.item[name], pack=self.pack)
+
+    def send(self, items: list[tuple[str, Run, _Piece]], sizes: list[tuple[int, int]], total: int, peer: int) -> None:
+        def payloads() -> Iterator[np.ndarray]:
+            yield np.asarray([n for _, n in sizes], "<u4").view(np.uint8)
+            yield np.asarray([k for k, _ in sizes], np.uint8)
+            done = 5 * len(sizes)
+            for (name, run, p), (kind, size) in zip(items, sizes, strict=True):
+                if size:
+                    new = self.piece(self.ctx.src[name], p, run.src, run.src_stride, view=True)
+                    old = (
+                        new if size == p.nbytes else self.piece(self.kept[name], p, run.src, run.src_stride, view=True)
+                    )
+                    data = self.guard(lambda: deltas.encode(new, old, self.item[name], kind, size))  # noqa: B023
+                    if data is None:  # the stream stays as long as stated; the agreement says it failed
+                        yield np.zeros(total - done, np.uint8)
+                        return
+                    done += size
+                    yield data
+
+        left = total
+        buf, used = np.empty(min(self.chunk, left), np.uint8), 0
+        for data in payloads():
+            at = 0
+            while at < data.nbytes:
+                k = min(buf.size - used, data.nbytes - at)
+                buf[used : used + k] = data[at : at + k]
+                used, at = used + k, at + k
+                if used == buf.size:
+                    self.win.post(self.ctx.comm.isend(_torch(buf), peer), None)
+                    self.res.messages += 1
+                    self.res.sent += used
+                    left -= used
+                    buf, used = np.empty(min(self.chunk, left), np.uint8), 0
+        assert left == 0 and used == 0, "a delta stream's length differs from the one stated"
+
+    def recv(self, items: list[tuple[str, Run, _Piece]], total: int, peer: int) -> deltas.Stream:
+        what = f"reshard delta from group rank {peer}"
+        st = self.guard(lambda: deltas.Stream([(p.nbytes, self.item[n]) for n, _, p in items], total, what))
+        left = total
+        while left:
+            buf = np.empty(min(self.chunk, left), np.uint8)
+            self.win.post(self.ctx.comm.irecv(_torch(buf), peer), lambda b=buf: self.land(st, items, b))
+            self.res.messages += 1
+            self.res.received += buf.size
+            left -= buf.size
+        return st
+
+    def land(self, st: deltas.Stream | None, items: list[tuple[str, Run, _Piece]], buf: np.ndarray) -> None:
+        def apply() -> None:
+            assert st is not None
+            for k, kind, payload in st.feed(buf):
+                if kind == deltas.SAME:
+                    continue
+                name, run, p = items[k]
+                dst = self.ctx.dst[name]
+                if kind != deltas.WHOLE:
+                    base = self.piece(dst, p, run.dst, run.dst_stride)
+                    deltas.apply(base, payload, self.item[name], kind)
+                    payload = base
+                _scatter(dst, p, run.dst, run.dst_stride, payload)
+
+        if st is not None:
+            self.guard(apply)
+
+    def guard(self, fn: Any) -> Any:
+        if self.error is not None:
+            return None
+        try:
+            return fn()
+        except WeightliftError as e:
+            self.error = e
+            return None
+
+
+class Resharder:
+    """One process's side of a versioned reshard: the version a receiver serves, and updates
+    that switch every receiver to the next version together or leave all of them where they were.
+
+    Every process of ``group`` makes one and calls :meth:`update` for each new version of the
+    weights (collective; ``dst``, ``src``, ``parts`` as :func:`reshard_transfer` takes them).
+    A receiver's :attr:`tensors` are the version it serves (:attr:`version`); an update lands in
+    new buffers beside them, and becomes :attr:`tensors` on every receiver only once the sketch
+    proof has passed on every process (its ``all_gather`` is the agreement: every process draws
+    the same verdict from the same numbers). A sender killed mid-update, a flipped byte, a
+    skipped tensor or a stale base leaves every receiver on the old version, byte for byte, and
+    raises on every live process (TransportError where the group broke, else IntegrityError).
+
+    ``keep=True`` on a sender keeps a host copy of the shards it last sent (its own shards only),
+    and then an update sends only what changed: per piece of the plan (at most ``chunk`` bytes;
+    the group uses the smallest any process was given), nothing, the changed elements, their
+    XOR with the base compressed, or the piece whole (:mod:`.deltas`), applied into a copy of
+    each receiver's base. Deltas need every sender to keep and every receiver to hold a version
+    of the same tensors; otherwise (the first update, a restarted trainer, ``full=True``) the
+    update moves everything, as :func:`reshard_transfer` does. A delta's base is the same at
+    both ends: every process switched to it in one proven update (they share its tag), or else
+    the senders' kept copies and the receivers' tensors are sketched under the update's fresh
+    seed and must add up per tensor; a stale base is refused on every process (IntegrityError)
+    and never applied, and a base changed in memory since fails the update's own proof.
+
+    ``base`` (a receiver's tensors, e.g. loaded with ``weightlift.load(path, shard=dst)``) and
+    ``kept`` (a sender's shards as the receivers hold them), with ``version``, start from a
+    known version instead of none: the first delta then proves the bases by their sketches.
+    """
+
+    def __init__(
+        self,
+        *,
+        dst: Shard | None = None,
+        src: Shard | None = None,
+        parts: Mapping[str, Sequence[int]] | None = None,
+        group: Any = None,
+        keep: bool = False,
+        base: Mapping[str, Any] | None = None,
+        kept: Mapping[str, Any] | None = None,
+        version: int = 0,
+        framework: str = "numpy",
+        chunk: int = CHUNK,
+        inflight: int = INFLIGHT,
+        timeout: float | None = None,
+    ):
+        if chunk < 1 or inflight < 1:
+            raise OptionError(f"chunk ({chunk}) and inflight ({inflight}) must be positive")
+        if framework not in ("numpy", "torch"):
+            raise OptionError(f"framework must be 'numpy' or 'torch', not {framework!r}")
+        if base is not None and dst is None:
+            raise OptionError("base: the tensors a receiver serves; give its layout too (dst=)")
+        if kept is not None and not keep:
+            raise OptionError("kept: the shards a sender keeps for deltas; pass keep=True with it")
+        self.dst, self.src, self.parts, self.group = dst, src, parts, group
+        self.keep, self.framework, self.chunk, self.inflight, self.timeout = keep, framework, chunk, inflight, timeout
+        #: the version this process is on: 0 before any, then one more than the highest in the group
+        self.version = version
+        #: the update that made :attr:`version` current, the same on every process that switched to
+        #: it (None: a version given at construction, not yet proven against the senders)
+        self._tag: str | None = None
+        #: a receiver's tensors of :attr:`version` (what it serves)
+        self.tensors: dict[str, Any] = {}
+        self._current: dict[str, np.ndarray] = {}  # those tensors' bytes
+        self._shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+        self._kept: dict[str, np.ndarray] | None = None  # a keeping sender: the bytes of its shards last sent
+        if base is not None:
+            for name, t in base.items():
+                a = np.asarray(t) if isinstance(t, np.ndarray) else t.detach().cpu()
+                dt = from_numpy(a.dtype) if isinstance(a, np.ndarray) else from_torch(a.dtype)
+                self._current[name] = as_bytes(a).copy()
+                self._shapes[name] = (tuple(a.shape), dt)
+            self._publish()
+        if kept is not None:
+            bufs, _, _ = _sender(kept, src)
+            self._kept = {n: b.copy() for n, b in bufs.items()}
+
+    def _publish(self) -> None:
+        self.tensors = {
+            n: view_as(b, self._shapes[n][1], self._shapes[n][0], self.framework) for n, b in self._current.items()
+        }
+
+    def update(self, state: Mapping[str, Any] | None = None, *, manifest: Any = None, full: bool = False) -> Resharded:
+        """Move the next version in (collective): ``state`` on a sender as :func:`reshard_transfer`
+        takes it; ``manifest``: prove the new version against the saved checkpoint's sketches;
+        ``full``: send everything, not a delta. Returns what moved; a receiver's
+        ``result.tensors`` are its new :attr:`tensors`."""
+        comm = Comm(self.group, timeout=self.timeout)
+        comm.check_device(Placement())
+        extra: dict[str, Any] = {"version": self.version, "full": bool(full), "tag": self._tag, "chunk": self.chunk}
+        extra["zstd"] = deltas.packed.available()  # every process can apply compressed pieces
+        if state is not None and self._kept is not None:
+            extra["kbase"] = _sizes_digest((n, b.size) for n, b in self._kept.items())
+        if self.dst is not None and self._current:
+            extra["rbase"] = _sizes_digest((n, b.size) for n, b in self._current.items())
+        docs, mine, src_bufs = _describe(comm, state, self.src, self.dst, self.parts, extra)
+        infos, senders, receivers, send_proc, recv_proc = _picture(docs)
+        recv_rank = None if self.dst is None else self.dst.rank
+        ctx = _Ctx(
+            comm, infos, senders, receivers, send_proc, recv_proc,
+            None if state is None else mine["send"][0], recv_rank, src_bufs, {}, bytes.fromhex(docs[0]["nonce"]),
+        )  # fmt: skip
+        delta = (
+            not any(d.get("full") for d in docs)
+            and all(docs[g].get("kbase") == _layout_digest(infos, senders, s) for s, g in enumerate(send_proc))
+            and all(docs[g].get("rbase") == _layout_digest(infos, receivers, r) for r, g in enumerate(recv_proc))
+        )
+        before = self.version
+        chunk = min(int(d.get("chunk", self.chunk)) for d in docs)  # both ends of a message cut it alike
+        after = max(int(d.get("version", 0)) for d in docs) + 1
+        plans = plan(infos, senders, receivers)
+        tags = {docs[g].get("tag") for g in (*send_proc, *recv_proc)}
+        if delta and (None in tags or len(tags) != 1):  # not all on one proven update: prove the bases
+            self._prove_base(ctx, before)
+        res = Resharded({}, delta=delta, _ctx=ctx)
+        if recv_rank is not None:
+            for t in infos:
+                if delta:
+                    ctx.dst[t.name] = self._current[t.name].copy()
+                else:
+                    n = int(np.prod(local_shape(t, receivers, recv_rank), dtype=np.int64)) * (
+                        dtype_info(t.dtype).bits // 8
+                    )
+                    ctx.dst[t.name] = np.zeros(n, np.uint8)
+                res.needed += ctx.dst[t.name].size
+        t0 = time.perf_counter()
+        if delta:
+            pack = all(d.get("zstd") for d in docs)
+            mover = _Deltas(ctx, res, self._kept or {}, chunk, self.inflight, pack)
+            mover.run(plans)
+            res.seconds = time.perf_counter() - t0
+            _agree(comm, mover.error, before)
+            verify_resharded(res, manifest=manifest)
+        else:  # as reshard_transfer: the proof sketched beside the moves
+            with ThreadPoolExecutor(1) as pool:
+                _Mover(ctx, res, chunk, self.inflight, _begin_proof(ctx, pool, manifest)).run(plans)
+                res.seconds = time.perf_counter() - t0
+                _agree(comm, None, before)
+                verify_resharded(res, manifest=manifest)
+        # proven on every process: the new version becomes current
+        if recv_rank is not None:
+            self._current = ctx.dst
+            self._shapes = {t.name: (local_shape(t, receivers, recv_rank), t.dtype) for t in infos}
+            self._publish()
+            res.tensors = self.tensors
+        if self.keep and state is not None:
+            if delta and self._kept is not None:
+                for name, b in src_bufs.items():
+                    self._kept[name][:] = b
+            else:
+                self._kept = {n: b.copy() for n, b in src_bufs.items()}
+        self.version = after
+        self._tag = hashlib.blake2b(ctx.nonce + after.to_bytes(8, "little"), digest_size=16).hexdigest()
+        return res
+
+    def _prove_base(self, ctx: _Ctx, before: int) -> None:
+        """The senders' kept copies and the receivers' tensors, sketched under this update's seed,
+        must add up per tensor: else the base is stale, and every process refuses the delta.
+        Needed only where the processes did not all switch to their version in one update (a
+        receiver restarted from a checkpoint, a process that missed an update): after one proven
+        update they share its tag, and a base changed since (memory) fails the update's own proof."""
+        base = _Ctx(
+            ctx.comm, ctx.infos, ctx.senders, ctx.receivers, ctx.send_proc, ctx.recv_proc,
+            ctx.send_rank, ctx.recv_rank, self._kept or {}, self._current, ctx.nonce,
+        )  # fmt: skip
+        try:
+            verify_resharded(Resharded({}, _ctx=base))
+        except IntegrityError as e:
+            raise IntegrityError(
+                f"reshard update: stale base: the receivers' version is not what the senders last sent ({e}); "
+                f"every receiver stays on version {before}; send everything with update(..., full=True)"
+            ) from None
+
+
+def _agree(comm: Comm, error: WeightliftError | None, before: int) -> None:
+    """Whether every process applied its part: one int each, so a receiver's local failure is
+    every process's."""
+    import torch
+
+    flags = torch.zeros(comm.world, dtype=torch.int64)
+    comm.all_gather(flags, torch.tensor([0 if error is None else 1], dtype=torch.int64), what="reshard agreement")
+    if error is not None:
+        raise error
+    bad = [g for g, f in enumerate(flags.tolist()) if f]
+    if bad:
+        raise IntegrityError(
+            f"reshard update: group rank(s) {bad} could not apply their delta; every receiver stays on version {before}"
+        )
