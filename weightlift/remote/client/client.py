@@ -17,22 +17,30 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
-from weightlift.errors import OptionError, StateError
+from weightlift.errors import LocalProtocolError, OptionError, StateError
 from weightlift.profile import Profiler
 from weightlift.remote.client.connection import MAX_TIMEOUT, Connection
 from weightlift.remote.client.job import PIPELINE, Push, PushResult, strategy
 from weightlift.remote.client.memory import host_bytes, memory_tensors
-from weightlift.remote.client.pull import MAX_LIST_BYTES, MAX_LIST_ENTRIES, Pull, RemoteTensor, listing
+from weightlift.remote.client.pull import (
+    MAX_LIST_BYTES,
+    MAX_LIST_ENTRIES,
+    Pull,
+    RemoteTensor,
+    ServerReport,
+    listing,
+    server_report,
+)
 from weightlift.remote.client.servers import Address, address_key, push_each
 from weightlift.remote.client.update import Bases, UpdateSpec, given_bases
-from weightlift.remote.protocol import MAX_TENSORS, PROTOCOL_MINOR, Free, FreeReply, Hello
+from weightlift.remote.protocol import MAX_TENSORS, PROTOCOL_MINOR, Free, FreeReply, Hello, Remove
 from weightlift.remote.token import token_bytes
 from weightlift.remote.transport import TCP, Backend, TlsBackend
 
 if TYPE_CHECKING:
     from weightlift.digest.published import ManifestSource
 
-__all__ = ["Client", "PushResult", "RemoteTensor", "MAX_LIST_ENTRIES", "MAX_LIST_BYTES"]
+__all__ = ["Client", "PushResult", "RemoteTensor", "ServerReport", "MAX_LIST_ENTRIES", "MAX_LIST_BYTES"]
 
 Source = str | os.PathLike[str] | Checkpoint
 #: What a push takes from memory: ``{name: numpy array or torch tensor}``.
@@ -156,6 +164,7 @@ class Client:
         base: Tensors | None = None,
         in_place: bool = False,
         manifest: ManifestSource | None = None,
+        model: str | None = None,
     ) -> PushResult: ...
 
     @overload
@@ -168,6 +177,7 @@ class Client:
         verify: bool = False,
         to: Mapping[Address, Select] | Sequence[Address],
         manifest: ManifestSource | None = None,
+        model: None = None,
     ) -> dict[str, PushResult]: ...
 
     def push(
@@ -181,6 +191,7 @@ class Client:
         base: Tensors | None = None,
         in_place: bool = False,
         manifest: ManifestSource | None = None,
+        model: str | None = None,
     ) -> PushResult | dict[str, PushResult]:
         """Send the selected tensors of a checkpoint, or of ``{name: array or tensor}``, to the
         server; returns when all have landed.
@@ -219,9 +230,18 @@ class Client:
         only what it asks a caching server about, whose fills are then the file's bytes, never
         what the manifest names. IntegrityError before any byte is sent if it lacks a selected
         tensor or gives it another size.
+
+        ``model`` (a server of protocol minor 5): push into that model, a namespace of its own on
+        the server (None: the default model, where a client that names none pushes); see
+        :meth:`list`, :meth:`pull`, :meth:`remove`. To such a server a checkpoint arrives as one
+        unit: none of its tensors is visible (LIST, READ, HAVE) until every one has landed, and
+        none ever is if the push fails or the client goes away (their memory goes back).
         """
         _check_push_options(source, to=to, base=base, in_place=in_place, verify=verify, manifest=manifest)
+        if to is not None and model is not None:
+            raise OptionError("push(to=..., model=...): push each server's model with its own client")
         if isinstance(source, Mapping):
+            self._conn().use(model or "")
             return self._push_memory(source, select, hash_threshold, verify, base, in_place)
         if to is not None:
             return self._push_to(source, select, to, hash_threshold=hash_threshold, verify=verify, manifest=manifest)
@@ -233,11 +253,14 @@ class Client:
         self._conn()
         while len(self._conns) < self.streams:
             self._conns.append(self._connect())
+        conns = self._conns[: self.streams]
+        for c in conns:
+            c.use(model or "")
         if self._own_profiler:
             self.profiler.reset()
         job = Push(
             tensors,
-            self._conns[: self.streams],
+            conns,
             where=address_key(self.address),
             how=self._strategy,
             profiler=self.profiler,
@@ -245,6 +268,7 @@ class Client:
             verify=verify,
             expected=ref.digests if ref is not None else None,
             manifest=ref.manifest if ref is not None else None,
+            unit=conns[0].session.models,
         )
         try:
             return job.run()
@@ -322,15 +346,40 @@ class Client:
 
     # -- list / pull / free --------------------------------------------------------------------------
 
-    def list(self) -> builtins.list[RemoteTensor]:
-        """Every complete tensor the server holds, in name order."""
-        return [RemoteTensor(e.name, e.dtype, e.shape, e.nbytes) for e in listing(self._conn())]
+    def list(self, *, model: str | None = None) -> builtins.list[RemoteTensor]:
+        """Every complete tensor the server holds (of ``model``; None: the default model), in name order."""
+        return [RemoteTensor(e.name, e.dtype, e.shape, e.nbytes) for e in listing(self._model_conn(model))]
 
-    def free(self, names: str | Sequence[str]) -> int:
-        """Drop the named tensors on the server; returns how many existed."""
-        return _free(self._conn(), [names] if isinstance(names, str) else names)
+    def free(self, names: str | Sequence[str], *, model: str | None = None) -> int:
+        """Drop the named tensors on the server (of ``model``; None: the default model); returns how many existed."""
+        return _free(self._model_conn(model), [names] if isinstance(names, str) else names)
 
-    def pull(self, path: str | os.PathLike[str], *, verify: bool = False) -> builtins.list[RemoteTensor]:
+    def remove(self, model: str | None = None) -> int:
+        """Drop every tensor of ``model`` on the server (None: the default model); returns how many
+        there were. :class:`~weightlift.remote.client.connection.Busy` (a StateError), nothing
+        removed, while a push to that model is in flight. Needs a server of protocol minor 5."""
+        conn = self._conn()
+        _needs_models(conn, "remove")
+        conn.send(conn.frame(Remove(model or "")))
+        reply: FreeReply = conn.expect(FreeReply)
+        return reply.freed
+
+    def stats(self) -> ServerReport:
+        """What the server holds and has done: its figures (those of
+        :meth:`~weightlift.remote.server.server.Server.stats`) and its models. Needs a server of
+        protocol minor 5 (LocalProtocolError naming the server's minor otherwise)."""
+        conn = self._conn()
+        _needs_models(conn, "stats")
+        return server_report(conn)
+
+    def _model_conn(self, model: str | None) -> Connection:
+        conn = self._conn()
+        conn.use(model or "")
+        return conn
+
+    def pull(
+        self, path: str | os.PathLike[str], *, verify: bool = False, model: str | None = None
+    ) -> builtins.list[RemoteTensor]:
         """Write every tensor the server holds to ``path`` as a .safetensors file; returns them.
 
         The file appears whole or not at all, with the mode the umask allows a new file (0600
@@ -342,7 +391,11 @@ class Client:
         the limit safetensors readers accept.
         """
         job = Pull(
-            self._conn(), path, where=address_key(self.address), verify=verify, protected=self._token is not None
+            self._model_conn(model),
+            path,
+            where=address_key(self.address),
+            verify=verify,
+            protected=self._token is not None,
         )
         try:
             return job.run()
@@ -350,6 +403,14 @@ class Client:
             if not job.settled:
                 self.close()  # replies may still be in flight: the connection is unusable
             raise
+
+
+def _needs_models(conn: Connection, what: str) -> None:
+    if not conn.session.models:
+        raise LocalProtocolError(
+            f"{what}: the server at {conn.stream.peer} speaks protocol 1.{conn.minor}, which has no {what} "
+            "(it needs 1.5: a newer weightlift serve)"
+        )
 
 
 def _free(conn: Connection, names: Sequence[str]) -> int:
