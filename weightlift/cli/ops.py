@@ -36,9 +36,11 @@ def register(sub: Any, *, connection_args: Callable[[Any], None], client: Client
     rm.add_argument(
         "--model",
         metavar="NAME",
-        help="the model to drop, or whose tensors to drop with NAMES (default: the default model)",
+        help="the model to drop, or whose tensors --tensor names (default: the default model)",
     )
-    rm.add_argument("names", nargs="*", metavar="TENSOR", help="drop only these tensors of the model")
+    rm.add_argument(
+        "--tensor", dest="names", action="append", metavar="NAME", help="drop only this tensor of the model; repeat"
+    )
     rm.add_argument("--all", action="store_true", help="with no --model: drop every tensor of the default model")
     _connection_args(rm)
     rm.set_defaults(func=_cmd_rm, client=client)
@@ -96,7 +98,7 @@ def _cmd_stats(a: argparse.Namespace) -> int:
 
 def _cmd_rm(a: argparse.Namespace) -> int:
     if a.model is None and not a.names and not a.all:
-        raise OptionError("rm: name what to drop: --model NAME, tensor names, or --all for the default model")
+        raise OptionError("rm: name what to drop: --model NAME, --tensor NAME, or --all for the default model")
     model = a.model or ""
     where = f"model {model!r}" if model else "the default model"
     with a.client(a, a.address) as c:
