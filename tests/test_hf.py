@@ -13,9 +13,7 @@ import shutil
 import pytest
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip(
-    "transformers", reason="weightlift.hf needs transformers (pip install 'weightlift[hf]')"
-)
+transformers = pytest.importorskip("transformers", reason="weightlift.hf needs transformers (pip install -e '.[hf]')")
 
 import weightlift as wl  # noqa: E402
 from weightlift import hf  # noqa: E402

@@ -175,3 +175,79 @@ def test_the_cycle_check_sees_type_checking_imports() -> None:
     """The check itself: an import under TYPE_CHECKING is an edge for type checkers, not at load."""
     whens = {w for t, _, w in _imports("weightlift", MODULES["weightlift"]) if t == "weightlift.remote.server"}
     assert whens == {TYPING, CALL}  # the lazy Server: visible to type checkers, loaded on first use
+
+
+# The server's layout: one entry per concern, drawn as one table in docs/design.md ("The server's
+# layout"). A module added, merged or renamed changes this pin, the table and the design together.
+SERVER = PKG / "remote" / "server"
+SERVER_LAYOUT = {
+    "__init__.py": "Server, loaded on first use",
+    "server.py": "the public Server",
+    "config.py": "settings",
+    "admission.py": "admission",
+    "connection.py": "one connection and its frames",
+    "receive.py": "receiving into destinations",
+    "reads.py": "reads",
+    "updates": "updates",
+    "store.py": "the store",
+    "cache": "the disk cache",
+    "stats.py": "observation",
+}
+#: The server modules one WRITE crosses, from the frame reader to the store: the frames are
+#: decoded by the protocol package, and with a cache (or VERIFY) the bytes are hashed on the way.
+WRITE_PATH = {"connection", "receive", "store", "cache"}
+
+
+def _server_imports(module: str) -> set[str]:
+    """The server's entries (top-level modules or subpackages) ``module`` imports at load."""
+    prefix = "weightlift.remote.server."
+    out = set()
+    for target, _, when in _imports(module, MODULES[module]):
+        if when == LOAD and target.startswith(prefix):
+            out.add(target[len(prefix) :].split(".")[0])
+    out.discard(module.rpartition(".")[2])
+    return out
+
+
+def test_the_server_is_laid_out_as_the_design_draws_it() -> None:
+    entries = {p.name for p in SERVER.iterdir() if p.name != "__pycache__" and not p.name.startswith(".")}
+    assert entries == set(SERVER_LAYOUT)
+    design = (PKG.parent / "docs" / "design.md").read_text()
+    table = design.split("### The server's layout", 1)[1].split("\n\n", 2)[1]
+    drawn = {row.split("|")[1].strip().strip("`") for row in table.splitlines()[2:]}
+    assert drawn == {e.removesuffix(".py") + ("/" if (SERVER / e).is_dir() else "") for e in SERVER_LAYOUT}
+
+
+def test_a_write_crosses_only_the_modules_the_design_names() -> None:
+    """From the connection down, a WRITE reaches the receiver, the cache's hashing and writer,
+    and the store: receive.py imports nothing else of the server besides the admission's
+    Context it is handed."""
+    assert {"receive", "store"} <= _server_imports("weightlift.remote.server.connection")
+    assert _server_imports("weightlift.remote.server.receive") <= WRITE_PATH | {"admission"}
+    for cache_module in ("weightlift.remote.server.cache", "weightlift.remote.server.cache.hashing"):
+        assert _server_imports(cache_module) <= {"cache"}, cache_module
+    assert _server_imports("weightlift.remote.server.store") <= {"updates"}  # the gates of in-place commits
+
+
+def test_the_server_hashes_in_one_place() -> None:
+    """Every hash the server takes goes through cache/hashing.py: no other server module calls
+    blake3 or the digest layer's hash_buffer itself."""
+    hashing = SERVER / "cache" / "hashing.py"
+    for path in sorted(SERVER.rglob("*.py")):
+        if path == hashing:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                assert all(a.name != "blake3" for a in node.names), path
+            elif isinstance(node, ast.ImportFrom) and node.module in ("blake3", "weightlift.digest.blake"):
+                assert all(a.name != "hash_buffer" for a in node.names) and node.module != "blake3", path
+
+
+def test_no_server_class_is_defined_twice() -> None:
+    seen: dict[str, Path] = {}
+    for path in sorted(SERVER.rglob("*.py")):
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.ClassDef):
+                assert node.name not in seen, f"{node.name} in {seen[node.name]} and {path}"
+                seen[node.name] = path

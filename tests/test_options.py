@@ -94,7 +94,7 @@ def test_every_refused_combination_names_the_option(kind):
 
 
 def test_refusals_say_what_the_option_is_for():
-    with pytest.raises(OptionError, match=r"manifest= is only used with verify=True"):
+    with pytest.raises(OptionError, match=r"manifest= is only used with .*verify=True"):
         kind_for(LoadOptions(manifest="m.json"))
     with pytest.raises(OptionError, match=r"verify=True is not supported together with remote="):
         kind_for(LoadOptions(verify=True, remote={"h:1": "*"}))
@@ -150,20 +150,100 @@ def test_placement():
         Placement(device="cuda:x", framework="torch")
 
 
+def test_loads_typed_keywords_are_the_options_fields():
+    """LoadKw types what LoadOptions defines: the same names, in the same order (``framework``,
+    which picks the result's type, is load's own parameter)."""
+    from weightlift.api import LoadKw
+
+    typed = list(LoadKw.__annotations__)
+    assert "framework" not in typed and not LoadKw.__required_keys__
+    assert ["device", "framework", *typed[1:]] == _fields() and typed[0] == "device"
+
+
+def test_an_unknown_keyword_is_refused_as_python_refuses_it(tmp_path):
+    path = write(tmp_path / "m.safetensors", [("w", "F32", (4,), bytes(16))])
+    with pytest.raises(TypeError, match=r"^load\(\) got an unexpected keyword argument 'devce'$"):
+        wl.load(path, devce="cpu")  # type: ignore[call-overload]
+    for derived in ("placement", "cast"):  # fields of the value, not keywords
+        with pytest.raises(TypeError, match=f"'{derived}'"):
+            wl.load(path, **{derived: None})  # type: ignore[arg-type]
+
+
 @pytest.mark.skipif(not hasattr(__import__("typing"), "get_overloads"), reason="typing.get_overloads is 3.11+")
 def test_loads_typed_overloads_keep_its_keywords():
-    """The overloads that type load's result by framework take exactly load's keywords."""
+    """The overloads that type load's result by framework take what load takes: the path,
+    ``framework`` and the typed keywords."""
     import typing
 
     import weightlift.api as api
 
     overloads = typing.get_overloads(api.load)
     assert len(overloads) == 3
-    impl = inspect.signature(api.load).parameters
+    code = api.load.__code__
     for ov in overloads:
-        params = inspect.signature(ov).parameters
-        assert list(params) == list(impl)
-        assert [p.kind for p in params.values()] == [p.kind for p in impl.values()]
+        c = ov.__code__
+        assert c.co_varnames[: c.co_argcount + c.co_kwonlyargcount + 1] == ("path", "framework", "options")
+        assert (c.co_argcount, c.co_kwonlyargcount, c.co_flags & inspect.CO_VARKEYWORDS) == (
+            code.co_argcount,
+            code.co_kwonlyargcount,
+            code.co_flags & inspect.CO_VARKEYWORDS,
+        )
+        assert ov.__annotations__["options"] == "Unpack[LoadKw]"
+
+
+_TYPED = """
+import weightlift as wl
+from weightlift.remote.client import Client
+
+reveal_type(wl.load("m.safetensors", threads=2))
+reveal_type(wl.load("m.safetensors", framework="torch", device="cuda:0"))
+wl.load("m.safetensors", devce="cpu")
+wl.load("m.safetensors", threads="4")
+Client("h:1", token="t", streams=2, keep_base=True)
+Client("h:1", tokn="t")
+Client("h:1", streams="2")
+c = Client("h:1")
+reveal_type(c.push("m.safetensors", to=["h:2"], verify=True))
+c.push("m.safetensors", to=["h:2"], in_place=True)
+c.push({}, selct="w*")
+"""
+
+
+def test_a_checker_types_the_keywords(tmp_path):
+    """mypy, as a user runs it on their code: load's, Client's and push's keywords are checked by
+    name and type, ``framework`` picks load's result type and ``to`` push's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("mypy")
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "user.py").write_text(_TYPED)
+    env = {**os.environ, "MYPYPATH": str(root)}  # this tree's weightlift, not an installed one
+    res = subprocess.run(
+        [sys.executable, "-m", "mypy", "--no-error-summary", str(tmp_path / "user.py")],
+        cwd=root,  # the project's settings: torch is Any there (follow_imports = skip)
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    said: dict[int, str] = {}
+    for ln in res.stdout.splitlines():
+        _, n, kind, msg = ln.split(":", 3)
+        if kind.strip() == "error" or "Revealed" in msg:
+            said[int(n)] = said.get(int(n), "") + msg
+    out = res.stdout + res.stderr
+    assert sorted(said) == [5, 6, 7, 8, 10, 11, 13, 14, 15], out  # lines 9 and 12, right calls, say nothing
+    assert said[5].endswith('"dict[str, numpy.ndarray[tuple[Any, ...], numpy.dtype[numpy.generic[Any]]]]"'), out
+    assert said[6].endswith('"dict[str, Any]"'), out  # torch.Tensor, which the project's settings skip
+    assert 'Unexpected keyword argument "devce"' in said[7] and "[call-overload]" in said[8], out
+    assert 'Unexpected keyword argument "tokn"' in said[10], out
+    assert 'Argument "streams" to "Client" has incompatible type "str"; expected "int"' in said[11], out
+    assert said[13].endswith('"dict[str, weightlift.remote.client.job.PushResult]"'), out
+    assert "[call-overload]" in said[14], out  # in_place is for tensors from memory, not with to=
+    assert 'Unexpected keyword argument "selct"' in said[15], out
 
 
 def test_a_token_stays_out_of_the_options_repr():
@@ -182,3 +262,41 @@ def test_a_cast_to_an_integer_dtype_is_refused(tmp_path, dtype):
     path = write(tmp_path / "m.safetensors", every_dtype())
     with pytest.raises(OptionError, match="floating-point"):
         load(path, dtype=dtype)
+
+
+def test_a_device_is_checked_once_and_travels_as_a_placement():
+    """Below the calls that take a device string from a caller, a device travels as the checked
+    Placement: nothing builds one again from its string, or tests the string for "cuda". The
+    tensor server checks its device in ``configure`` and carries ``ServerConfig.placement``."""
+    import ast
+    from pathlib import Path
+
+    pkg = Path(wl.__file__).resolve().parent
+    entries = {
+        "Placement": {
+            "options.py",
+            "distributed/fanout.py",
+            "remote/server/config.py",
+        },  # load's options; broadcast_load's keywords; the server's
+        "make_target": set(),  # the string form, for callers that hold no Placement
+        "startswith": {"options.py", "benchmark/arms.py"},  # the check itself; a benchmark arm's keywords
+    }
+    found: dict[str, set[str]] = {name: set() for name in entries}
+    for path in pkg.rglob("*.py"):
+        rel = path.relative_to(pkg).as_posix()
+        if rel == "memory/targets.py":  # targets: make_target itself
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            if name == "startswith" and not any(
+                isinstance(a, ast.Constant) and str(a.value).startswith("cuda") for a in node.args
+            ):
+                continue
+            if name == "Placement" and not (node.args or node.keywords):
+                continue  # the default, host memory: nothing to parse
+            if name in found:
+                found[name].add(rel)
+    assert found == entries

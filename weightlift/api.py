@@ -16,25 +16,35 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, cast, overload
 
 from weightlift.checkpoint import Checkpoint, open_checkpoint
 from weightlift.errors import OptionError
 from weightlift.local.loader import Prefetch, load_local, prefetch
-from weightlift.options import Array, DTypeLike, Group, LoadOptions, ProfileLike, Select
+from weightlift.options import (
+    Array,
+    DTypeLike,
+    Group,
+    LoadOptions,
+    ProfileLike,
+    Select,
+    check_keywords,
+    keyword_signature,
+)
 from weightlift.split import split_load
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
     from numpy.typing import NDArray
+    from typing_extensions import Unpack  # typing's own from Python 3.11; only a checker reads it
 
     from weightlift.digest.published import Manifest
     from weightlift.distributed.shard import Shard
 
 _log = logging.getLogger("weightlift")
 
-__all__ = ["load", "prefetch", "Prefetch", "LoadKind", "KINDS", "kind_for", "run_load"]
+__all__ = ["load", "LoadKw", "prefetch", "Prefetch", "LoadKind", "KINDS", "kind_for", "run_load"]
 
 Path = str | os.PathLike[str] | Checkpoint
 
@@ -116,7 +126,9 @@ KINDS: tuple[LoadKind, ...] = (
         "distributed",
         "shard= or group=",
         lambda o: o.shard is not None or o.group is not None,
-        frozenset({"device", "framework", "select", "copy", "engine", "report", "shard", "group"}),
+        frozenset(
+            {"device", "framework", "select", "copy", "engine", "report", "shard", "group", "verify", "manifest"}
+        ),
         frozenset({"page_cache", "warm", "threads", "progress"}) | _LINK,
         _distributed,
     ),
@@ -141,110 +153,47 @@ def kind_for(opts: LoadOptions) -> LoadKind:
     return kind
 
 
+class LoadKw(TypedDict, total=False):
+    """The types of :func:`load`'s keywords besides ``framework`` (which picks the result's type).
+
+    The keywords themselves, their defaults and checks are :class:`~weightlift.options.LoadOptions`'s
+    fields; what each means is said once, in :func:`load`'s docstring. This only types them for a
+    checker, with the types a lower layer cannot name (``Shard``, ``Manifest``).
+    """
+
+    device: str
+    select: Select
+    dtype: DTypeLike | None
+    copy: bool
+    page_cache: str | None
+    warm: bool | None
+    threads: int | None
+    engine: str
+    dequantize: bool
+    profile: ProfileLike
+    progress: bool | None
+    report: dict[str, object] | None
+    remote: Mapping[str, Select] | None
+    token: str | bytes | None
+    streams: int
+    shard: Shard | None
+    group: Group | None
+    verify: bool
+    manifest: str | os.PathLike[str] | Manifest | None
+
+
 @overload
 def load(
-    path: str | os.PathLike[str] | Checkpoint,
-    *,
-    device: str = ...,
-    framework: Literal["numpy"] = ...,
-    select: Select = ...,
-    dtype: DTypeLike | None = ...,
-    copy: bool = ...,
-    page_cache: str | None = ...,
-    warm: bool | None = ...,
-    threads: int | None = ...,
-    engine: str = ...,
-    dequantize: bool = ...,
-    profile: ProfileLike = ...,
-    progress: bool | None = ...,
-    report: dict[str, object] | None = ...,
-    remote: Mapping[str, Select] | None = ...,
-    token: str | bytes | None = ...,
-    streams: int = ...,
-    shard: Shard | None = ...,
-    group: Group | None = ...,
-    verify: bool = ...,
-    manifest: str | os.PathLike[str] | Manifest | None = ...,
+    path: Path, *, framework: Literal["numpy"] = ..., **options: Unpack[LoadKw]
 ) -> dict[str, NDArray[np.generic]]: ...
-
-
 @overload
-def load(
-    path: str | os.PathLike[str] | Checkpoint,
-    *,
-    device: str = ...,
-    framework: Literal["torch"],
-    select: Select = ...,
-    dtype: DTypeLike | None = ...,
-    copy: bool = ...,
-    page_cache: str | None = ...,
-    warm: bool | None = ...,
-    threads: int | None = ...,
-    engine: str = ...,
-    dequantize: bool = ...,
-    profile: ProfileLike = ...,
-    progress: bool | None = ...,
-    report: dict[str, object] | None = ...,
-    remote: Mapping[str, Select] | None = ...,
-    token: str | bytes | None = ...,
-    streams: int = ...,
-    shard: Shard | None = ...,
-    group: Group | None = ...,
-    verify: bool = ...,
-    manifest: str | os.PathLike[str] | Manifest | None = ...,
-) -> dict[str, torch.Tensor]: ...
-
-
+def load(path: Path, *, framework: Literal["torch"], **options: Unpack[LoadKw]) -> dict[str, torch.Tensor]: ...
 @overload
-def load(
-    path: str | os.PathLike[str] | Checkpoint,
-    *,
-    device: str = ...,
-    framework: str = ...,
-    select: Select = ...,
-    dtype: DTypeLike | None = ...,
-    copy: bool = ...,
-    page_cache: str | None = ...,
-    warm: bool | None = ...,
-    threads: int | None = ...,
-    engine: str = ...,
-    dequantize: bool = ...,
-    profile: ProfileLike = ...,
-    progress: bool | None = ...,
-    report: dict[str, object] | None = ...,
-    remote: Mapping[str, Select] | None = ...,
-    token: str | bytes | None = ...,
-    streams: int = ...,
-    shard: Shard | None = ...,
-    group: Group | None = ...,
-    verify: bool = ...,
-    manifest: str | os.PathLike[str] | Manifest | None = ...,
-) -> dict[str, Array]: ...
+def load(path: Path, *, framework: str = ..., **options: Unpack[LoadKw]) -> dict[str, Array]: ...
 
 
 def load(
-    path: str | os.PathLike[str] | Checkpoint,
-    *,
-    device: str = "cpu",
-    framework: str = "numpy",
-    select: Select = None,
-    dtype: DTypeLike | None = None,
-    copy: bool = True,
-    page_cache: str | None = None,
-    warm: bool | None = None,
-    threads: int | None = None,
-    engine: str = "auto",
-    dequantize: bool = False,
-    profile: ProfileLike = None,
-    progress: bool | None = None,
-    report: dict[str, object] | None = None,
-    remote: Mapping[str, Select] | None = None,
-    token: str | bytes | None = None,
-    streams: int = 1,
-    shard: Shard | None = None,
-    group: Group | None = None,
-    verify: bool = False,
-    manifest: str | os.PathLike[str] | Manifest | None = None,
+    path: str | os.PathLike[str] | Checkpoint, *, framework: str = "numpy", **options: Unpack[LoadKw]
 ) -> dict[str, Array]:
     """Load tensors from a checkpoint into memory; returns ``{name: array}`` in file order.
 
@@ -286,15 +235,15 @@ def load(
     An option the kind of load does not support (``dtype`` with ``shard``, ``verify`` with
     ``remote``, ``manifest`` without ``verify``...) is an OptionError naming it (see :data:`KINDS`).
     """
-    opts = LoadOptions(
-        device=device, framework=framework, select=select, dtype=dtype, copy=copy, page_cache=page_cache,
-        warm=warm, threads=threads, engine=engine, dequantize=dequantize, profile=profile, progress=progress,
-        report=report, remote=remote, token=token, streams=streams, shard=shard, group=group, verify=verify,
-        manifest=manifest,
-    )  # fmt: skip
+    check_keywords("load", options, LoadOptions)
+    opts = LoadOptions(framework=framework, **options)
     return run_load(path, opts)
 
 
 def run_load(path: str | os.PathLike[str] | Checkpoint, opts: LoadOptions) -> dict[str, Any]:
     """:func:`load` for options already built: the kind ``opts`` asks for, run."""
     return kind_for(opts).run(path, opts)
+
+
+# help() and inspect show every keyword with its default, as when load wrote each one out
+load.__signature__ = keyword_signature(load, LoadOptions, LoadKw)  # type: ignore[attr-defined]

@@ -21,23 +21,25 @@ holds the weights (``--from``). Then, in order:
 
 Encoder-only models (no ``generate``) stop after the logits. All checks pass: exit 0; any
 fails: exit 1; a user mistake (no such folder, no transformers, a server that cannot be
-reached): one line and exit 2, as for every command.
+reached): one line and exit 2, as for every command. The command's arguments are parsed in
+:mod:`weightlift.cli.check`.
 """
 
 from __future__ import annotations
 
-import argparse
 import inspect
-import json
 import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import OptionError
 
-__all__ = ["run_check", "generate", "ids_digest", "register", "CheckItem"]
+if TYPE_CHECKING:
+    import ssl
+
+__all__ = ["run_check", "generate", "ids_digest", "format_result", "CheckItem"]
 
 DEFAULT_PROMPT = "The quick brown fox"
 PROMPT_IDS = 8  # length of the fixed id prompt used without a tokenizer
@@ -220,11 +222,13 @@ def run_check(
     device: str = "cpu",
     dtype: Any = None,
     token: bytes | str | None = None,
+    tls: ssl.SSLContext | None = None,
     manifest: str | None = None,
 ) -> dict[str, Any]:
     """Run the checks of the module docstring; returns the verdict (``result["ok"]``) and every
     figure. ``manifest``: the published manifest the digests check compares with (default: the
-    one beside the checkpoint)."""
+    one beside the checkpoint). ``token`` and ``tls`` reach the server ``source`` (see
+    :class:`~weightlift.remote.client.Client`)."""
     from . import hf
 
     hf.require_transformers()
@@ -256,7 +260,9 @@ def run_check(
     try:
         with tempfile.TemporaryDirectory(prefix="weightlift-check-") as tmp:
             t0 = time.perf_counter()
-            subject, info, delivered, what = _load_subject(path, folder, tmp, source, token, device, dt, cls, ckpt)
+            subject, info, delivered, what = _load_subject(
+                path, folder, tmp, (source, token, tls), device, dt, cls, ckpt
+            )
             result["subject_seconds"] = time.perf_counter() - t0
             result["loading_info"] = _jsonable_info(info)
             t0 = time.perf_counter()
@@ -283,17 +289,18 @@ def _load_subject(
     path: str,
     folder: str,
     tmp: str,
-    source: str | None,
-    token: bytes | str | None,
+    server: tuple[str | None, bytes | str | None, ssl.SSLContext | None],
     device: str,
     dt: Any,
     cls: Any,
     ckpt: Any,
 ) -> tuple[Any, dict[str, Any], Any, str]:
     """The model through weightlift: from the checkpoint, or pulled from ``source`` into ``tmp``;
-    returns it, transformers' loading info, the checkpoint its bytes came from and where that is."""
+    returns it, transformers' loading info, the checkpoint its bytes came from and where that is.
+    ``server`` is the source's address (None: the checkpoint), token and TLS context."""
     from . import hf
 
+    source, token, tls = server
     if source is None:
         subject, info = hf.from_pretrained(path, device=device, dtype=dt, model_class=cls, output_loading_info=True)
         return subject, info, ckpt, "read from the checkpoint"
@@ -301,7 +308,7 @@ def _load_subject(
     from .remote.client import Client
 
     pulled = os.path.join(tmp, "model.safetensors")
-    with Client(source, token=token) as c:
+    with Client(source, token=token, tls=tls) as c:
         if not c.pull(pulled):
             raise OptionError(f"the server at {source} holds no tensors")
     subject, info = hf.from_pretrained(
@@ -424,63 +431,3 @@ def format_result(r: dict[str, Any]) -> str:
         else "FAIL: " + "; ".join(c["name"] for c in r["checks"] if c["ok"] is False)
     )
     return "\n".join(lines)
-
-
-# -- the command ----------------------------------------------------------------------------------
-
-
-def _seeds(text: str) -> tuple[int, ...]:
-    try:
-        seeds = tuple(int(s) for s in text.split(",") if s.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"seeds are comma-separated integers, not {text!r}") from None
-    if not seeds:
-        raise argparse.ArgumentTypeError("give at least one seed")
-    if len(set(seeds)) != len(seeds):
-        raise argparse.ArgumentTypeError(f"seeds repeat in {text!r}")
-    return seeds
-
-
-def _cmd_check(a: argparse.Namespace) -> int:
-    token = None
-    if a.token_file:
-        from .remote.token import read_token
-
-        token = read_token(a.token_file)
-    r = run_check(
-        a.path,
-        source=a.source,
-        prompt=a.prompt,
-        tokens=a.tokens,
-        seeds=a.seeds,
-        temperature=a.temperature,
-        device=a.device,
-        dtype=a.dtype,
-        token=token,
-        manifest=a.manifest,
-    )
-    print(json.dumps(r, indent=1, default=str) if a.json else format_result(r))
-    return 0 if r["ok"] else 1
-
-
-def register(sub: Any) -> None:
-    """Add ``check`` to an argparse subparsers object."""
-    c = sub.add_parser(
-        "check", help="load a transformers model through weightlift and prove it runs exactly as transformers' own"
-    )
-    c.add_argument("path", help="the model folder as save_pretrained writes it (the reference is loaded from here)")
-    c.add_argument(
-        "--from", dest="source", metavar="HOST:PORT", help="build weightlift's model from what this tensor server holds"
-    )
-    c.add_argument("--token-file", metavar="F", help="the server's token")
-    c.add_argument("--prompt", help="prompt text (token ids, comma-separated, without a tokenizer)")
-    c.add_argument("--tokens", type=int, default=16, help="tokens to generate (default 16)")
-    c.add_argument("--seeds", type=_seeds, default=(1, 2, 3), help="sampling seeds, comma-separated (default 1,2,3)")
-    c.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
-    c.add_argument("--device", default="cpu", help="cpu or cuda[:N], for both models")
-    c.add_argument("--dtype", help="load both in this dtype (default: the checkpoint's, as transformers' dtype='auto')")
-    c.add_argument(
-        "--manifest", metavar="FILE", help="the published manifest to check the digests against (default: beside PATH)"
-    )
-    c.add_argument("--json", action="store_true", help="print the comparison as JSON")
-    c.set_defaults(func=_cmd_check)

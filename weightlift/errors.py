@@ -4,18 +4,22 @@ Every error weightlift raises on purpose is one of these; foreign exceptions (OS
 file, socket errors, struct errors) are mapped at the boundary where they happen, so callers
 catch one root::
 
-    WeightliftError
+    WeightliftError                                          also a built-in:
     ├── FormatError            a checkpoint file is malformed (names the file and tensor)
-    ├── NotFoundError          a path, shard, tensor or remote name that does not exist
-    ├── FileError              reading or writing a file failed: an OSError, or a file ended early
-    ├── OptionError            a bad argument or option from the caller
+    ├── NotFoundError          a path, shard, tensor or remote name   FileNotFoundError
+    │                          that does not exist
+    ├── FileError              reading or writing a file failed: an   OSError
+    │                          OSError, or a file ended early
+    ├── OptionError            a bad argument or option from the      ValueError
+    │                          caller (a bad type too)
     ├── StateError             a call the object's state does not allow (closed, not started)
     ├── IntegrityError         bytes differ from what was written or from their digest
     ├── ProtocolError          the wire protocol was violated
     │   ├── LocalProtocolError   we were asked to send something invalid
     │   └── RemoteProtocolError  the peer sent something invalid, or reported an error
-    ├── AuthError              the HELLO challenge-response failed
-    ├── TransportError         a connection could not be made, broke, or timed out
+    ├── AuthError              the HELLO challenge-response failed    PermissionError
+    ├── TransportError         a connection could not be made, broke  ConnectionError
+    │   └── TransportTimeout   or timed out (a timeout: this one)     TimeoutError
     ├── CacheError             the content-addressed cache failed (never fatal to a load)
     ├── DeviceError            a target device is missing or a copy to it failed
     ├── GroupError             another rank of a process group failed (its own error says why)
@@ -24,6 +28,13 @@ catch one root::
 The benchmark harness adds two of its own under the root (``ArmFailed``, ``ArmSkipped`` in
 :mod:`weightlift.benchmark.harness`); the arm bodies it runs in child processes import nothing
 from weightlift and report through their exit line instead.
+
+Each error is also the built-in exception a Python user would catch for its kind of failure (the
+right-hand column), so code written for ``open()``, ``json`` or ``socket`` catches weightlift's too:
+``except FileNotFoundError`` a missing checkpoint, ``except ValueError`` a bad option, ``except
+ConnectionError`` a server gone. weightlift's own code never catches a built-in where one of these
+may pass through unless it means to (see :func:`os_error`). The OSError ones keep ``str(e)`` as
+the message alone, and carry ``errno`` (and ``filename``, where one is named) as an OSError does.
 
 A not-found is not a format error: a server's "no such tensor" or a missing shard says nothing
 about whether a file is well formed. A broken invariant inside weightlift (a bug, not a
@@ -48,16 +59,29 @@ __all__ = [
     "RemoteProtocolError",
     "AuthError",
     "TransportError",
+    "TransportTimeout",
     "CacheError",
     "DeviceError",
     "GroupError",
     "PushError",
     "os_error",
+    "install_hint",
 ]
 
 
 class WeightliftError(Exception):
     """Root of every error weightlift raises on purpose."""
+
+    # the message alone, as raised: an OSError among the bases would otherwise print
+    # "[Errno 2] ..." once ``errno`` is set
+    __str__ = Exception.__str__
+
+
+def _os_fields(e: OSError, code: int | None, reason: str, file: str | None) -> None:
+    # what code written for OSError reads: errno, strerror, filename
+    e.errno = code
+    e.strerror = reason
+    e.filename = file
 
 
 def _located(message: str, file: str | None, tensor: str | None) -> str:
@@ -83,17 +107,25 @@ class FormatError(_Located):
     """A checkpoint file is malformed; the message names the file and, where known, the tensor."""
 
 
-class NotFoundError(_Located):
-    """A path, a shard named by an index, a selected tensor or a server's tensor does not exist."""
+class NotFoundError(_Located, FileNotFoundError):
+    """A path, a shard named by an index, a selected tensor or a server's tensor does not exist.
+
+    Also a :class:`FileNotFoundError` (``errno`` ENOENT, ``filename`` the file where one is named)."""
+
+    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
+        super().__init__(message, file=file, tensor=tensor)
+        _os_fields(self, _errno.ENOENT, message, file)
 
 
-class FileError(WeightliftError):
-    """Reading or writing a file failed (the OSError's reason is in the message), or a file ended before its tensors."""
+class FileError(WeightliftError, OSError):
+    """Reading or writing a file failed (the OSError's reason is in the message), or a file ended before its tensors.
+
+    Also an :class:`OSError` with the ``errno`` of the failure (None for a file that ended early)."""
 
     def __init__(self, message: str, *, file: str | None = None, errno: int | None = None):
         super().__init__(_located(message, file, None))
+        _os_fields(self, errno, message, file)
         self.file = file
-        self.errno = errno
         self.reason = message
 
 
@@ -108,8 +140,14 @@ def os_error(e: OSError, file: Any, what: str) -> WeightliftError:
     return FileError(f"{what}: {e.strerror or e}", file=str(file), errno=e.errno)
 
 
-class OptionError(WeightliftError):
-    """An argument or option passed by the caller is invalid."""
+def install_hint(extra: str) -> str:
+    """How to install one of weightlift's extras, for a message that needs it: the line that works
+    from a checkout today, and the one that will work from a package index once it is published."""
+    return f"pip install -e '.[{extra}]' from a checkout of weightlift (or 'weightlift[{extra}]' once published)"
+
+
+class OptionError(WeightliftError, ValueError):
+    """An argument or option passed by the caller is invalid (its value or its type); also a :class:`ValueError`."""
 
 
 class StateError(WeightliftError):
@@ -132,12 +170,28 @@ class RemoteProtocolError(ProtocolError):
     """The peer sent a malformed or forbidden message, or replied with an error."""
 
 
-class AuthError(WeightliftError):
-    """The HELLO challenge-response failed: wrong or missing token."""
+class AuthError(WeightliftError, PermissionError):
+    """The HELLO challenge-response failed: wrong or missing token; also a :class:`PermissionError`."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        _os_fields(self, _errno.EACCES, message, None)
 
 
-class TransportError(WeightliftError):
-    """A connection could not be made, broke, or timed out."""
+class TransportError(WeightliftError, ConnectionError):
+    """A connection could not be made, broke, or timed out; also a :class:`ConnectionError`."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        _os_fields(self, None, message, None)
+
+
+class TransportTimeout(TransportError, TimeoutError):
+    """A connect, a send or a reply took longer than its deadline; also a :class:`TimeoutError`."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        _os_fields(self, _errno.ETIMEDOUT, message, None)
 
 
 class CacheError(WeightliftError):

@@ -3,8 +3,15 @@
 ``weightlift.load`` keeps its keyword face; it builds one :class:`LoadOptions` from the keywords,
 which checks every value once, and hands that value down: the local loader, the split load, the
 distributed load and the transformers integration read the same fields instead of passing
-loose keywords along. :class:`Placement` is the device/framework pair on its own, for the layers
-that take only that (the targets, the tensor server, the broadcast load).
+loose keywords along. :class:`Placement` is the device/framework pair on its own, checked once:
+the layers that take only that (the targets, the tensor server, the broadcast load) are handed
+the value, never its device string to parse again.
+
+The keywords are written once, as the fields of an options dataclass (their defaults, their
+checks); the typed face of a function that takes them is a ``TypedDict`` of the same names
+(``**options: Unpack[...]``, PEP 692), pinned to the fields by a test. :func:`check_keywords` refuses a
+keyword that is not a field as Python would, and :func:`keyword_signature` gives the function the
+full signature ``help()`` and ``inspect`` show.
 
 Which kind of load a call is, and which options each kind supports, is :mod:`weightlift.api`'s
 table; this module only says what each option may hold.
@@ -13,9 +20,10 @@ table; this module only says what each option may hold.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from re import Pattern
 from typing import TYPE_CHECKING, Any, Union
@@ -46,6 +54,8 @@ __all__ = [
     "PAGE_CACHE",
     "FRAMEWORKS",
     "dtype_name",
+    "check_keywords",
+    "keyword_signature",
 ]
 
 #: Which tensors: a glob, globs, ``"re:<regex>"``, a compiled regex, or exact names (a frozenset).
@@ -108,9 +118,11 @@ class Placement:
 class LoadOptions:
     """Everything :func:`weightlift.load` takes besides the path, checked once.
 
-    The fields are ``load``'s keywords, with its defaults and meanings (see there). ``placement``
-    and ``cast`` are derived: the checked device/framework pair and the dtype's name (None: no
-    cast). Build a variant with :func:`dataclasses.replace`, which checks it again.
+    The fields are ``load``'s keywords and their defaults, written here once (``load`` takes them
+    as ``**options`` typed by :class:`weightlift.api.LoadKw`); what each means is said in ``load``'s
+    docstring. ``placement`` and ``cast`` are derived: the checked device/framework pair and the
+    dtype's name (None: no cast). Build a variant with :func:`dataclasses.replace`, which checks
+    it again.
     """
 
     device: str = "cpu"
@@ -200,3 +212,36 @@ def dtype_name(dtype: DTypeLike | None) -> str | None:
         return from_numpy(np.dtype(dtype))
     except TypeError:
         raise OptionError(f"unknown dtype {dtype!r}") from None
+
+
+def _fields(options: Any) -> list[dataclasses.Field[Any]]:
+    return [f for f in dataclasses.fields(options) if f.init]
+
+
+def check_keywords(where: str, given: Iterable[str], options: Any) -> None:
+    """A TypeError worded as Python's own for a keyword in ``given`` that is not one of the
+    ``options`` dataclass's fields: a function taking ``**options`` refuses what it did not name,
+    as it did when it named each keyword itself."""
+    known = {f.name for f in _fields(options)}
+    for name in given:
+        if name not in known:
+            raise TypeError(f"{where}() got an unexpected keyword argument {name!r}")
+
+
+def keyword_signature(fn: Callable[..., object], options: Any, typed: Any) -> inspect.Signature:
+    """``fn``'s signature with its ``**options`` written out as the keyword-only parameters they
+    are: the fields of the ``options`` dataclass, in order and with their defaults, annotated as
+    the ``typed`` TypedDict types them. A keyword ``fn`` names itself keeps its place among them."""
+    sig = inspect.signature(fn)
+    kw_only, var_kw = inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD
+    own = {n: p for n, p in sig.parameters.items() if p.kind is kw_only}
+    params = [p for p in sig.parameters.values() if p.kind not in (kw_only, var_kw)]
+    for f in _fields(options):
+        if f.name in own:
+            params.append(own[f.name])
+            continue
+        hint = typed.__annotations__.get(f.name, f.type)
+        default = inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default
+        ann = getattr(hint, "__forward_arg__", hint)  # the annotation as written, as for a plain keyword
+        params.append(inspect.Parameter(f.name, kw_only, default=default, annotation=ann))
+    return sig.replace(parameters=params)

@@ -13,12 +13,15 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightlift.checkpoint import Checkpoint, Select, matcher, open_checkpoint
 from weightlift.errors import NotFoundError, OptionError
 from weightlift.local.loader import load_local
 from weightlift.options import LoadOptions
+
+if TYPE_CHECKING:
+    import ssl
 
 __all__ = ["SplitResult", "parse_remote", "split_load"]
 
@@ -43,9 +46,12 @@ def parse_remote(specs: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def split_load(path: str | os.PathLike[str] | Checkpoint, opts: LoadOptions) -> SplitResult:
+def split_load(
+    path: str | os.PathLike[str] | Checkpoint, opts: LoadOptions, *, tls: ssl.SSLContext | None = None
+) -> SplitResult:
     """Load what no remote selection (``opts.remote``) takes, and push each remote selection, at
-    the same time; the pushes use ``opts.token`` and ``opts.streams``, the local load the rest."""
+    the same time; the pushes use ``opts.token``, ``opts.streams`` and ``tls`` (a client TLS
+    context, for servers that speak TLS), the local load the rest."""
     from weightlift.remote.client import Client
     from weightlift.remote.client.servers import Pushes
 
@@ -66,7 +72,7 @@ def split_load(path: str | os.PathLike[str] | Checkpoint, opts: LoadOptions) -> 
     pushes = Pushes(  # exact names: a name may hold glob characters
         ck,
         {addr: frozenset(names) for addr, names in remote_sets.items()},
-        connect=lambda addr: Client(addr, token=token, streams=streams),
+        connect=lambda addr: Client(addr, token=token, streams=streams, tls=tls),
     )
     try:
         here = replace(opts, select=frozenset(local_names), remote=None, token=None, streams=1)

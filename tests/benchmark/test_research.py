@@ -118,7 +118,7 @@ def test_instanttensor_without_a_cuda_device_says_so(tiny, monkeypatch) -> None:
 def test_cpu_peer_arm_bodies_report_every_byte(tiny, name) -> None:
     for module in PEERS[name]:
         if importlib.util.find_spec(module) is None:
-            pytest.skip(f"the {name} arm needs {module} (pip install 'weightlift[bench]')")
+            pytest.skip(f"the {name} arm needs {module} (pip install -e '.[bench]')")
     ck = describe_checkpoint(tiny)
     arm = research.build_arms(ck, [name])[0]
     assert arm.skip is None, arm.skip

@@ -309,7 +309,7 @@ def test_a_verified_device_load_proves_the_bytes_that_landed_not_its_staging(tmp
 
     ts = _tensors()
     path = write(tmp_path / "m.safetensors", ts)
-    monkeypatch.setattr(loader_mod, "make_target", lambda device, framework, dtype: Device(framework))
+    monkeypatch.setattr(loader_mod, "target_for", lambda place: Device(place.framework))
     out = weightlift.load(path, verify=True, threads=2)
     assert {k: v.tobytes() for k, v in out.items()} == {n: raw for n, _, _, raw in ts}
     monkeypatch.setattr(Device, "racy", True)

@@ -591,7 +591,7 @@ def test_a_target_that_asks_for_alignment_gets_every_tensor_on_it(tmp_path, monk
             skip = -raw.ctypes.data % DEVICE_ALIGN
             return raw[skip : skip + nbytes]
 
-    monkeypatch.setattr(loader_mod, "make_target", lambda device, framework, dtype: Aligned(framework))
+    monkeypatch.setattr(loader_mod, "target_for", lambda place: Aligned(place.framework))
     got = wl.load(path)
     want = load_file(str(path))
     assert sorted(got) == sorted(want)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.checkpoints import raw_bytes
-from tests.devices import FakeDeviceTensor, has_cuda, needs_cuda, needs_torch
+from tests.devices import HAS_TORCH, FakeDeviceTensor, has_cuda, needs_cuda, needs_torch
 from weightlift.errors import DeviceError, OptionError
 from weightlift.memory.targets import CastTarget, HostTarget, as_bytes, fresh_host, make_target
 
@@ -159,6 +159,36 @@ def test_a_bare_cuda_is_resolved_once_from_the_callers_current_device():
         cuda_device("cpu", never)
     with pytest.raises(OptionError):
         cuda_device("cuda:x", never)
+
+
+def test_a_placement_is_taken_as_the_value_it_is():
+    """A checked Placement goes into the target as it is: its number read off, nothing parsed."""
+    from weightlift.memory.targets import cuda_device, target_for
+    from weightlift.options import Placement
+
+    def never() -> int:
+        raise AssertionError("an explicit index needs no current device")
+
+    assert cuda_device(Placement(device="cuda", framework="torch"), lambda: 2) == "cuda:2"
+    assert cuda_device(Placement(device="cuda:3", framework="torch"), never) == "cuda:3"
+    with pytest.raises(OptionError, match="not a CUDA device: 'cpu'"):
+        cuda_device(Placement(), never)
+    for framework in ("numpy", "torch") if HAS_TORCH else ("numpy",):
+        host = target_for(Placement(framework=framework))
+        assert type(host) is HostTarget and host.framework == framework
+        cast = target_for(Placement(framework=framework), "F16")
+        assert type(cast) is CastTarget and cast.framework == framework
+
+
+@needs_torch
+def test_a_cuda_placement_without_a_device_is_refused_by_its_name():
+    if has_cuda():
+        pytest.skip("a CUDA device is present")
+    from weightlift.memory.targets import target_for
+    from weightlift.options import Placement
+
+    with pytest.raises(DeviceError, match=r"^device 'cuda:1' asked for"):
+        target_for(Placement(device="cuda:1", framework="torch"))
 
 
 def test_empty_device_cache_frees_the_named_devices_cache_and_says_how_much():

@@ -182,7 +182,7 @@ def test_a_fill_from_another_names_memory_never_copies_it_while_an_in_place_swit
 
     from weightlift.remote.client.client import Client
     from weightlift.remote.protocol import FillFromCache
-    from weightlift.remote.server.destinations import Destinations
+    from weightlift.remote.server.receive import Destinations
 
     v0 = {"w": _f32(N, seed=5)}
     v1 = {"w": _sparse(v0["w"], 9)[0]}
@@ -269,7 +269,7 @@ def test_an_in_place_switch_never_publishes_memory_another_client_replaced_meanw
     import threading
 
     from weightlift.remote.client.client import Client
-    from weightlift.remote.server import switch as switch_mod
+    from weightlift.remote.server.updates import switch as switch_mod
 
     v0 = {"w": _f32(N, seed=1)}
     v1 = {"w": _sparse(v0["w"], 3)[0]}
@@ -303,7 +303,7 @@ def test_a_delta_payload_without_host_memory_gives_its_charge_back(monkeypatch):
     """The payload's buffer cannot be made (ENOMEM, an address-space limit below max_memory): the
     bytes charged for it go back. Kept, each such DELTA would shrink what the server may hold
     for good, and a client repeating it would leave no room for anyone."""
-    import weightlift.remote.server.delta as server_delta
+    import weightlift.remote.server.updates.delta as server_delta
 
     a = _f32(N, seed=1)
     new, payload = _sparse(a, 1)

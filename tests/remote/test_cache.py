@@ -22,7 +22,7 @@ from weightlift.remote.server.cache import (
     digest_hex,
     disk_unusable,
 )
-from weightlift.remote.server.cache_index import BLOCK, charge
+from weightlift.remote.server.cache.index import BLOCK, charge
 
 
 def _data(n: int, seed: int = 0) -> bytes:

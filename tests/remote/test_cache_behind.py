@@ -11,8 +11,8 @@ import numpy as np
 from tests.remote.rawclient import Raw, _barrier, _cache_push, _cost, _f32
 from weightlift.digest.blake import hash_buffer
 from weightlift.memory.pool import size_class
-from weightlift.remote.server import cache_behind
 from weightlift.remote.server.cache import CacheWriter
+from weightlift.remote.server.cache import behind as cache_behind
 from weightlift.remote.server.server import Server
 
 

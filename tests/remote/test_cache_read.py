@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import weightlift.remote.server.cache as cache_mod
-import weightlift.remote.server.cache_read as read_mod
+import weightlift.remote.server.cache.read as read_mod
 from weightlift.errors import CacheError
 from weightlift.remote.server.cache import TensorCache
 
@@ -94,13 +94,13 @@ def test_a_helper_that_comes_late_touches_nothing(tmp_path, small_pieces, monkey
     data = _data(40 * 4096, 6)
     d = _put(cache, data)
     gate = threading.Event()
-    join = read_mod._Job.join
+    join = read_mod._ReadJob.join
 
     def late_join(job):  # only helpers join: the caller works without
         gate.wait(10)
         return join(job)
 
-    monkeypatch.setattr(read_mod._Job, "join", late_join)
+    monkeypatch.setattr(read_mod._ReadJob, "join", late_join)
     readers = read_mod.Readers(helpers=1)
     try:
         out = bytearray(len(data))
@@ -172,14 +172,14 @@ def test_a_fill_from_the_cache_waits_for_the_faulter_on_its_destination(tmp_path
     # over bytes the cache's readers have landed and hashed, and the tensor published corrupt.
     import weightlift.memory.faulter as faulter_mod
     import weightlift.remote.protocol as P
-    import weightlift.remote.server.destinations as dest_mod
+    import weightlift.remote.server.receive as receive_mod
     from tests.remote.rawclient import Raw, _barrier
     from weightlift.memory.fresh import policy
     from weightlift.remote.server.server import Server
 
     data = _data(3 * 1024 * 1024, 7)  # pooled: fresh memory, faulted ahead by the helpers
     d = _put(TensorCache(tmp_path / "c"), data)
-    monkeypatch.setattr(dest_mod, "fill_policy", lambda: replace(policy(), helpers=1))
+    monkeypatch.setattr(receive_mod, "fill_policy", lambda: replace(policy(), helpers=1))
     started, go = threading.Event(), threading.Event()
     fault_in, cancel = faulter_mod.fault_in, faulter_mod.Faulter.cancel
 

@@ -473,6 +473,58 @@ def test_connection_refused_is_a_transport_error():
         Client(addr, streams=0)
 
 
+def test_clients_keywords_are_written_once():
+    """ClientKw types what ClientOptions defines (the same names, in order); Client's signature
+    shows each with its default; a keyword that is neither is refused as Python refuses it."""
+    import dataclasses
+    import inspect
+    import ssl
+
+    from weightlift.remote.client.client import ClientKw, ClientOptions
+
+    fields = [f for f in dataclasses.fields(ClientOptions) if f.init]
+    assert list(ClientKw.__annotations__) == [f.name for f in fields] and not ClientKw.__required_keys__
+    params = inspect.signature(Client).parameters
+    assert list(params) == ["address"] + [f.name for f in fields]
+    assert {n: p.default for n, p in params.items() if n != "address"} == {f.name: f.default for f in fields}
+    for name in ("tokn", "secret", "transport"):  # derived fields are not keywords
+        with pytest.raises(TypeError, match=rf"^Client.__init__\(\) got an unexpected keyword argument '{name}'$"):
+            Client("127.0.0.1:1", **{name: None})  # type: ignore[arg-type]
+    for bad, match in (
+        ({"streams": 0}, "streams must be"),
+        ({"timeout": float("nan")}, "timeout must be"),
+        ({"protocol_minor": 99}, "protocol_minor must be"),
+        ({"tls": ssl.create_default_context(), "backend": object()}, "tls= or backend="),
+    ):
+        with pytest.raises(OptionError, match=match):
+            ClientOptions(**bad)  # type: ignore[arg-type]
+    o = ClientOptions(token=" a token\n")
+    assert o.secret == b"a token" and "a token" not in repr(o) and o.transport is TCP
+
+
+def test_pushs_keywords_are_written_once(tmp_path):
+    """PushKw and MemoryPushKw type what PushOptions defines, ``to`` being push's own; push's
+    signature shows each with its default; a keyword that is neither is refused as Python does."""
+    import dataclasses
+    import inspect
+
+    from weightlift.remote.client.client import MemoryPushKw, PushKw, PushOptions
+
+    fields = [f for f in dataclasses.fields(PushOptions) if f.init]
+    assert set(MemoryPushKw.__annotations__) == {f.name for f in fields} - {"to"}
+    assert set(PushKw.__annotations__) == set(MemoryPushKw.__annotations__) - {"base", "in_place"}
+    params = inspect.signature(Client.push).parameters
+    assert list(params) == ["self", "source"] + [f.name for f in fields]
+    assert {n: params[n].default for n in list(params)[2:]} == {f.name: f.default for f in fields}
+    path, _ = model(tmp_path)
+    with Server() as s, Client(s.address) as c:
+        with pytest.raises(TypeError, match=r"^Client.push\(\) got an unexpected keyword argument 'selct'$"):
+            c.push(path, selct="*")  # type: ignore[call-overload]
+        with pytest.raises(OptionError, match=r"push\(base=..., in_place=...\) apply to tensors pushed from memory"):
+            c.push(path, in_place=True)
+        assert c.push(path).tensors == len(c.list())  # the client is still usable
+
+
 def test_client_profile_and_trace(tmp_path):
     path, tensors = model(tmp_path)
     prof = Profiler(enabled=True, trace=True)
@@ -612,3 +664,33 @@ def test_cli_serve_refuses_a_public_address_without_token(capsys):
     assert cli.main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2
     assert "token" in capsys.readouterr().err
     assert cli.main(["serve", "--port", "0", "--max-memory", "lots"]) == 2
+
+
+def _recorder() -> tuple[list[tuple[int, int]], Callable[[int, int], None]]:
+    calls: list[tuple[int, int]] = []
+    return calls, lambda done, total: calls.append((done, total))
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_push_and_pull_report_progress_through_their_callback(tmp_path, streams):
+    path, tensors = model(tmp_path, large=3, small=4)
+    total = sum(len(b) for _, _, b in tensors.values())
+    with Server(cache_dir=tmp_path / "cache") as s, Client(s.address, streams=streams) as c:
+        for cached in (0, 3):  # sent, then the large ones filled from the server's cache
+            calls, progress = _recorder()
+            r = c.push(path, hash_threshold=THRESHOLD, progress=progress)
+            assert r.cached == cached
+            assert len(calls) == len(tensors)  # once per tensor, sent or filled
+            assert all(t == total for _, t in calls) and calls[-1] == (total, total)
+            assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+            c.free(list(tensors))
+        c.push(path)
+        calls, progress = _recorder()
+        c.pull(tmp_path / "out.safetensors", verify=True, progress=progress)
+        assert len(calls) == len(tensors) and calls[-1] == (total, total)
+        assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+        calls, progress = _recorder()
+        c.push({"m.0": np.arange(1000, dtype=np.float32)}, progress=progress)  # from memory too
+        assert calls == [(4000, 4000)]
+        with pytest.raises(OptionError, match="progress"):
+            c.push(path, to=[s.address], progress=progress)

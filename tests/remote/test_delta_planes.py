@@ -21,8 +21,8 @@ from weightlift.dtypes import item_size
 from weightlift.remote import delta as D
 from weightlift.remote.client.client import Client
 from weightlift.remote.protocol import Commit, CommitReply, Delta, DeltaEncoding, Update
-from weightlift.remote.server import delta as server_delta
 from weightlift.remote.server.server import Server
+from weightlift.remote.server.updates import delta as server_delta
 
 # every dtype whose elements have two bytes or more, by its wire name
 DTYPES = ["BF16", "F16", "F32", "F64", "I16", "I32", "I64", "U16", "U32", "U64", "C64"]

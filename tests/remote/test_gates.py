@@ -1,4 +1,4 @@
-"""The store's read and write gates per tensor memory (weightlift.remote.server.gates), in process:
+"""The store's read and write gates per tensor memory (weightlift.remote.server.updates.gates), in process:
 what waits for what, the bound on a writer's wait, and no deadlock between overlapping sets."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from weightlift.remote.server.gates import Gates, GateTimeout
 from weightlift.remote.server.store import Store
+from weightlift.remote.server.updates.gates import Gates, GateTimeout
 
 JOIN = 30  # seconds a thread that must finish is given (a hang fails instead of blocking the run)
 
@@ -214,7 +214,7 @@ class _E:
 
 
 def test_a_reader_of_a_set_takes_it_again_when_an_entry_was_switched_before_its_gates_were_held():
-    from weightlift.remote.server.gates import READ_AGAIN
+    from weightlift.remote.server.updates.gates import READ_AGAIN
 
     gates = Gates()
     a, b = _memories(2)

@@ -39,7 +39,7 @@ from weightlift.remote.protocol import (
     WriteHeader,
     send,
 )
-from weightlift.remote.server.device import PINNED_STAGING
+from weightlift.remote.server.receive import PINNED_STAGING
 from weightlift.remote.server.server import Server, is_loopback
 
 __all__ = ["Raw", "_barrier", "_cache_push", "_f32", "_put"]  # what other tests take from here
@@ -298,8 +298,8 @@ def test_connections_over_the_limit_are_closed_at_accept():
 @needs_torch
 def test_a_cuda_server_is_checked_without_allocating(monkeypatch):
     made = []
-    real = config_mod.make_target
-    monkeypatch.setattr(config_mod, "make_target", lambda *a, **k: made.append(a) or real(*a, **k))
+    real = config_mod.target_for
+    monkeypatch.setattr(config_mod, "target_for", lambda *a, **k: made.append(a) or real(*a, **k))
     with pytest.raises(OptionError, match="framework='torch'"):
         Server(device="cuda", framework="numpy")
     with pytest.raises(OptionError, match="unknown device"):
@@ -314,12 +314,12 @@ def test_a_cuda_server_is_checked_without_allocating(monkeypatch):
 def test_cuda_target_is_made_at_the_first_alloc_not_at_connect(monkeypatch):
     import torch
 
-    import weightlift.remote.server.context as context_mod
+    import weightlift.remote.server.admission as context_mod
 
     made = []
-    real = config_mod.make_target
-    monkeypatch.setattr(config_mod, "make_target", lambda *a, **k: made.append(a) or real(*a, **k))
-    monkeypatch.setattr(context_mod, "make_target", lambda *a, **k: made.append(a) or real(*a, **k))
+    real = config_mod.target_for
+    monkeypatch.setattr(config_mod, "target_for", lambda *a, **k: made.append(a) or real(*a, **k))
+    monkeypatch.setattr(context_mod, "target_for", lambda *a, **k: made.append(a) or real(*a, **k))
     with pytest.raises(DeviceError, match="CUDA devices"):
         Server(device=f"cuda:{torch.cuda.device_count()}", framework="torch")
     with Server(device="cuda", framework="torch") as s:

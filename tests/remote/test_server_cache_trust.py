@@ -16,7 +16,7 @@ from weightlift.digest.blake import hash_buffer
 from weightlift.errors import CacheError
 from weightlift.remote.protocol import Alloc, BarrierReply, WriteHeader
 from weightlift.remote.server.cache import TensorCache
-from weightlift.remote.server.cache_index import charge
+from weightlift.remote.server.cache.index import charge
 from weightlift.remote.server.receive import MAX_OPEN_FILES
 from weightlift.remote.server.server import Server
 

@@ -257,7 +257,7 @@ def test_every_loopback_address_counts_as_one_address():
 
 
 def test_ipv6_peers_in_one_64_count_as_one_address():
-    from weightlift.remote.server.slots import Slot, Slots, address_group
+    from weightlift.remote.server.admission import Slot, Slots, address_group
 
     assert address_group("2001:db8:1:2::1") == address_group("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
     assert address_group("2001:db8:1:3::1") != address_group("2001:db8:1:2::1")

@@ -5,6 +5,7 @@ Each test reproduces one way a client got the server past its limit and checks t
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import socket
 import struct
@@ -28,10 +29,10 @@ from weightlift.remote.protocol import (
     WriteHeader,
     send,
 )
-from weightlift.remote.server.config import ServerConfig, cuda_budget
+from weightlift.remote.server.admission import Context
+from weightlift.remote.server.config import CONFIG_ONLY, INPUT_ONLY, ServerConfig, ServerOptions, cuda_budget
 from weightlift.remote.server.connection import Connection
-from weightlift.remote.server.context import Context
-from weightlift.remote.server.device import PINNED_STAGING
+from weightlift.remote.server.receive import PINNED_STAGING
 from weightlift.remote.server.server import Server
 from weightlift.remote.server.store import Store, entry_cost
 from weightlift.remote.transport import SocketStream
@@ -237,7 +238,7 @@ def test_a_fill_whose_staging_does_not_fit_leaves_nothing_charged(tmp_path):
     # made: when that charge does not fit, the tensor is abandoned, not left charged in flight.
     from weightlift.digest.blake import hash_buffer
     from weightlift.remote.server.cache import TensorCache
-    from weightlift.remote.server.device import STAGING_BYTES
+    from weightlift.remote.server.receive import STAGING_BYTES
 
     a = np.arange(256, dtype=np.float32)
     d = hash_buffer(a)
@@ -260,7 +261,7 @@ def test_a_fill_whose_staging_does_not_fit_leaves_nothing_charged(tmp_path):
 def test_connections_that_pin_host_memory_are_capped_together():
     # On a CUDA server max_memory counts the device; the pinned host staging of all connections
     # together has a cap of its own, so many connections cannot pin the host's memory away.
-    from weightlift.remote.server.context import MAX_PINNED
+    from weightlift.remote.server.admission import MAX_PINNED
 
     _, ctx = _cuda_server(1 << 50)
     fit = MAX_PINNED // PINNED_STAGING
@@ -293,6 +294,28 @@ def test_a_server_configs_token_stays_out_of_its_repr():
     config = ServerConfig(max_memory=1 << 20, token=token)
     assert token.decode() not in repr(config) and "max_memory=1048576" in repr(config)
     assert config.token == token
+
+
+def test_each_server_option_is_listed_once_and_is_a_config_field():
+    """Server takes its options from ServerOptions alone; every key but the two that only shape
+    other settings is a ServerConfig field, so the two lists cannot drift apart."""
+    options = set(ServerOptions.__annotations__)
+    config = {f.name for f in dataclasses.fields(ServerConfig)}
+    assert options - INPUT_ONLY == config - CONFIG_ONLY
+    assert INPUT_ONLY.isdisjoint(config) and CONFIG_ONLY <= config
+
+
+def test_an_option_left_out_takes_the_config_fields_default_and_an_unknown_one_is_refused():
+    s = Server(max_memory=1 << 20)
+    try:
+        for f in dataclasses.fields(ServerConfig):
+            if f.name in ServerOptions.__annotations__ and f.default is not dataclasses.MISSING:
+                assert getattr(s.config, f.name) == f.default, f.name
+        assert s.config.max_memory == 1 << 20 and s.config.host == "127.0.0.1" and s.config.port == 0
+    finally:
+        s.close()
+    with pytest.raises(TypeError, match="max_memry"):
+        Server(max_memry=1 << 20)  # type: ignore[call-arg]
 
 
 def test_what_applying_a_delta_takes_is_charged_before_it_is_decoded():

@@ -12,9 +12,7 @@ import pytest
 import weightlift.memory.faulter as faulter_mod
 import weightlift.memory.fresh as fresh_mod
 import weightlift.remote.protocol as P
-import weightlift.remote.server.destinations as destinations_mod
-import weightlift.remote.server.paths as paths_mod
-import weightlift.remote.server.pending as pending_mod
+import weightlift.remote.server.receive as receive_mod
 from tests.remote.rawclient import Raw, _barrier, _cache_push, _cached, _cost, _entry, _f32, _fill, _put
 from tests.waiting import wait_for
 from weightlift.digest.blake import hash_buffer
@@ -157,13 +155,11 @@ def test_held_tensors_are_handed_out_read_only_and_then_need_no_second_hash(tmp_
     """numpy tensors come as read-only views (the same object each time): nobody can write into
     them, so a digest-named push of the same bytes finds them in memory without hashing them
     again. One handed out writable is hashed again before it is trusted."""
-    from weightlift.remote.server import fills
+    from weightlift.remote.server import receive as fills
 
     hashed: list[int] = []
-    real = fills.hash_buffer
-    monkeypatch.setattr(
-        fills, "hash_buffer", lambda buf, **kw: hashed.append(len(memoryview(buf).cast("B"))) or real(buf, **kw)
-    )
+    real = fills.digest_of
+    monkeypatch.setattr(fills, "digest_of", lambda buf: hashed.append(len(memoryview(buf).cast("B"))) or real(buf))
     a = _f32(700_000, 7)
     d = hash_buffer(a)
     with _cached(tmp_path / "c", a, d) as (s, raw):
@@ -221,7 +217,7 @@ def touched(monkeypatch) -> list[int]:
         real(buf)
 
     monkeypatch.setattr(faulter_mod, "fault_in", counting)
-    monkeypatch.setattr(paths_mod, "populate", counting)
+    monkeypatch.setattr(receive_mod, "populate", counting)
     return pieces
 
 
@@ -232,8 +228,8 @@ def test_fresh_destination_is_faulted_in_at_most_a_window_ahead_of_the_payload(m
     fresh_mod.reset_policy()
     request.addfinalizer(fresh_mod.reset_policy)  # the policy read under this environment is forgotten again
     piece = 64 * 1024
-    monkeypatch.setattr(destinations_mod, "FAULT_PIECE", piece)
-    monkeypatch.setattr(destinations_mod, "FAULT_WINDOW", 4 * piece)
+    monkeypatch.setattr(receive_mod, "FAULT_PIECE", piece)
+    monkeypatch.setattr(receive_mod, "FAULT_WINDOW", 4 * piece)
     with Server() as s:
         raw = Raw.connected(s.address)
         data = np.random.default_rng(1).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes()
@@ -291,7 +287,7 @@ def test_ranges_merge_in_any_order():
     rng = np.random.default_rng(7)
     n = 200
     for _ in range(10):
-        p = pending_mod.Pending(Alloc(0, "t", "U8", (n,), n), 0, None)
+        p = receive_mod.Pending(Alloc(0, "t", "U8", (n,), n), 0, None)
         have = np.zeros(n, dtype=bool)
         while not have.all():
             b = int(rng.integers(0, n))
@@ -310,7 +306,7 @@ def test_ranges_merge_in_any_order():
 
 
 def test_too_many_separate_ranges_is_a_request_error(server):
-    k = pending_mod.MAX_RANGES
+    k = receive_mod.MAX_RANGES
     n = 2 * k + 4
     raw = Raw.connected(server.address)
     frames = [send(Alloc(0, "holes", "U8", (n,), n))]
@@ -339,7 +335,7 @@ def test_errors_kept_per_connection_are_capped_and_the_rest_counted(server):
 
 
 def test_what_a_connection_keeps_for_its_barrier_is_bounded():
-    from weightlift.remote.server.outcomes import Outcomes
+    from weightlift.remote.server.receive import Outcomes
     from weightlift.remote.server.store import Store
 
     store = Store(max_memory=1 << 20, pool=None, remember_digests=False)

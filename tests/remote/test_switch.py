@@ -7,7 +7,7 @@ import blake3
 from tests.devices import FakeDeviceTensor, needs_torch
 from weightlift.digest.setdigest import set_digest
 from weightlift.remote.server.store import Store
-from weightlift.remote.server.switch import Switch
+from weightlift.remote.server.updates.switch import Switch
 
 
 @needs_torch

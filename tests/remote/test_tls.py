@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import shutil
 import socket
 import subprocess
@@ -145,3 +146,39 @@ def test_cli_tls_options(tmp_path, pki, capsys):
         _holds(s, tensors)
     assert cli(["serve", "--port", "0", "--tls-cert", str(cert)]) == 2
     assert "--tls-cert and --tls-key" in capsys.readouterr().err
+
+
+def test_every_client_command_speaks_tls(tmp_path, pki, capsys):
+    """push, pull and ls above; here load --remote and check --from, each refused without TLS."""
+    (cert, key), _ = pki
+    path, tensors = _model(tmp_path)
+    with Server(tls=server_tls_context(cert, key)) as s:
+        addr = f"{s.address[0]}:{s.address[1]}"
+        assert cli(["load", path, "--remote", f"{addr}=big", "--tls-ca", str(cert), "--json"]) == 0
+        assert set(json.loads(capsys.readouterr().out)["remote"]) == {addr}
+        _holds(s, {"big": tensors["big"]})
+        assert cli(["load", path, "--remote", f"{addr}=w.*"]) == 2  # plain TCP to a TLS server
+        assert "connect with TLS (--tls or --tls-ca" in capsys.readouterr().err
+        assert cli(["load", path, "--remote", f"{addr}=w.*", "--tls"]) == 2  # the system's roots: refused
+        assert "TLS handshake" in capsys.readouterr().err
+
+
+def test_check_from_a_tls_server(tmp_path, pki, capsys):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    (cert, key), _ = pki
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    with Server(tls=server_tls_context(cert, key)) as s:
+        addr = f"{s.address[0]}:{s.address[1]}"
+        with Client(s.address, tls=client_tls_context(cert)) as c:
+            c.push(tmp_path / "llama")
+        argv = ["check", str(tmp_path / "llama"), "--from", addr, "--tokens", "2", "--seeds", "1"]
+        assert cli([*argv, "--tls-ca", str(cert), "--json"]) == 0
+        r = json.loads(capsys.readouterr().out)
+        assert r["ok"] and r["source"] == addr
+        assert cli(argv) == 2
+        assert "connect with TLS" in capsys.readouterr().err

@@ -418,7 +418,7 @@ def test_the_set_digest_matches_the_servers_own():
 
 
 def test_a_server_stating_another_set_digest_is_caught(monkeypatch):
-    from weightlift.remote.server import switch
+    from weightlift.remote.server.updates import switch
 
     real = switch.set_digest
     monkeypatch.setattr(switch, "set_digest", lambda d: real({**d, "extra": bytes(32)}))
@@ -597,7 +597,7 @@ def test_a_failed_update_forgets_the_kept_bases():
 
 def test_an_in_place_switch_that_fails_on_any_error_takes_back_what_it_applied(monkeypatch):
     from weightlift.errors import WeightliftError
-    from weightlift.remote.server import switch
+    from weightlift.remote.server.updates import switch
 
     real, calls = switch.codec.apply_hashed, []
 

@@ -108,9 +108,11 @@ def boto_client(url: str):  # noqa: ANN201 - boto3 is a test dependency
 class Nginx(_Served):
     """nginx serving ``root`` on a free loopback port (Range and If-Match, as any static server)."""
 
-    def __init__(self, root: Path, work: Path):
+    def __init__(self, root: Path, work: Path, *, log_bytes: bool = False):
         super().__init__()
         self.root, self.work = root, work
+        #: log each response's body bytes (:meth:`sent`)
+        self.log_bytes = log_bytes
 
     def start(self) -> str | None:
         exe = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
@@ -123,7 +125,12 @@ class Nginx(_Served):
             ("user root;\n" if os.geteuid() == 0 else "")  # its workers must read the test's own folders
             + f"daemon off; worker_processes 1; error_log {w / 'logs' / 'error.log'}; pid {w / 'nginx.pid'};\n"
             "events { worker_connections 128; }\n"
-            f"http {{ access_log off; sendfile on; {temps}\n"
+            + (
+                f"http {{ log_format sent '$uri $body_bytes_sent'; access_log {w / 'logs' / 'access.log'} sent; "
+                if self.log_bytes
+                else "http { access_log off; "
+            )
+            + f"sendfile on; {temps}\n"
             f"  server {{ listen 127.0.0.1:{self.port}; root {self.root}; location / {{ }} }} }}\n"
         )
         self.proc = subprocess.Popen(
@@ -135,6 +142,15 @@ class Nginx(_Served):
             self.stop()
             return f"nginx {why}: {err}"
         return None
+
+    def sent(self) -> dict[str, int]:
+        """Body bytes nginx sent so far, per path (with ``log_bytes``): what left the server."""
+        out: dict[str, int] = {}
+        log = self.work / "logs" / "access.log"
+        for line in log.read_text().splitlines() if log.exists() else []:
+            path, _, n = line.rpartition(" ")
+            out[path] = out.get(path, 0) + int(n)
+        return out
 
 
 class SeaweedFS(_Served):
@@ -240,6 +256,8 @@ class Faults:
     replace: Callable[[], None] | None = None
     replace_at: int = 0
     gets: int = 0
+    #: body bytes the proxy sent, per path (query left off): the store's egress, as its side counts it
+    sent: dict[str, int] = field(default_factory=dict)
     injected: list[str] = field(default_factory=list)
     authorization: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -299,6 +317,12 @@ class FaultProxy:
                     return kind
         return None
 
+    def _count(self, h: BaseHTTPRequestHandler, n: int) -> None:
+        f = self.faults
+        path = h.path.split("?", 1)[0]
+        with f.lock:
+            f.sent[path] = f.sent.get(path, 0) + n
+
     def handle(self, h: BaseHTTPRequestHandler, method: str) -> None:
         n = int(h.headers.get("Content-Length") or 0)
         body = h.rfile.read(n) if n else None
@@ -331,18 +355,21 @@ class FaultProxy:
             h.send_header("Content-Length", str(half))
             h.end_headers()
             h.wfile.write(data[:half])
+            self._count(h, half)
             return
         else:
             h.send_header("Content-Length", str(len(data)))
         h.end_headers()
         if fault == "cut" and r.status == 206:
             h.wfile.write(data[:half])
+            self._count(h, half)
             h.wfile.flush()
             h.close_connection = True
             h.connection.shutdown(socket.SHUT_RDWR)
             return
         if data:
             h.wfile.write(data)
+            self._count(h, len(data))
         conn.close()
 
     @staticmethod

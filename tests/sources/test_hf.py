@@ -8,9 +8,7 @@ import shutil
 import pytest
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip(
-    "transformers", reason="weightlift.hf needs transformers (pip install 'weightlift[hf]')"
-)
+transformers = pytest.importorskip("transformers", reason="weightlift.hf needs transformers (pip install -e '.[hf]')")
 
 from tests.sources.conftest import BUCKET  # noqa: E402
 from tests.test_hf import one_thread  # noqa: E402, F401  (autouse here too: one intra-op thread)

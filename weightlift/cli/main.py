@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -96,10 +97,43 @@ def _jsonable(v: Any) -> bool:
         return False
 
 
+#: What a load imports on first use, which the CLI imports before the load's clock starts.
+_HEAVY = ("torch", "ml_dtypes")
+
+
+def _import_first(a: argparse.Namespace) -> tuple[list[str], float]:
+    """Import what the load would import on first use, and time it apart from the load: torch
+    for torch tensors, ml_dtypes for bfloat16 or float8 arrays. Resolving each dtype the load
+    will hand out (the checkpoint's, the cast's) imports exactly what it needs. Returns the
+    modules imported here and the seconds it took; a checkpoint in a store is not opened twice
+    (its dtypes import what they need inside the load)."""
+    from weightlift.checkpoint import open_checkpoint
+    from weightlift.dtypes import numpy_dtype, torch_dtype
+    from weightlift.sources import is_url
+
+    as_torch = a.framework == "torch" or a.device != "cpu"
+    names = set() if is_url(a.path) else {t.dtype for t in open_checkpoint(a.path).select(a.select)}
+    names |= {a.dtype.upper()} if a.dtype else set()
+    before = [m for m in _HEAVY if m not in sys.modules]
+    t0 = time.perf_counter()
+    try:
+        if as_torch:
+            import torch  # noqa: F401
+        for name in sorted(names):
+            try:
+                torch_dtype(name) if as_torch else numpy_dtype(name)
+            except WeightliftError:  # not a dtype the load takes: the load says so
+                pass
+    except ImportError:  # torch is not installed: the load says what to do
+        pass
+    return [m for m in before if m in sys.modules], time.perf_counter() - t0
+
+
 def _cmd_load(a: argparse.Namespace) -> int:
     from weightlift.api import load
     from weightlift.profile import Profiler
 
+    imported, import_seconds = _import_first(a)
     prof = Profiler(enabled=True, trace=bool(a.trace)) if (a.profile or a.trace) else None
     report: dict[str, Any] = {}
     kwargs = dict(
@@ -116,22 +150,22 @@ def _cmd_load(a: argparse.Namespace) -> int:
     if a.verify or a.manifest:
         kwargs["verify"] = True
         kwargs["manifest"] = a.manifest
-    if a.remote:
-        from weightlift.remote.token import read_token
-        from weightlift.split import parse_remote
-
-        kwargs["remote"] = parse_remote(a.remote)
-        kwargs["token"] = read_token(a.token_file)
     try:
-        load(a.path, select=a.select, **kwargs)
+        if a.remote:
+            _split_load(a, kwargs)
+        else:
+            load(a.path, select=a.select, **kwargs)
     except IntegrityError as e:  # the load ran; its bytes are not the ones checked against: exit 1, as verify does
         print(f"weightlift: {e}", file=sys.stderr)
         return 1
     if prof is not None and a.trace:
         prof.write_trace(a.trace)
+    report["imported"], report["import_seconds"] = imported, import_seconds
     if a.json:
         print(json.dumps(report, indent=1))
         return 0
+    if imported:  # not the load's time: said apart
+        print(f"imported {', '.join(imported)} in {import_seconds:.2f} s (before the load, not in its time)")
     src = report.get("source")
     where = (
         f"{src['requests']} ranged reads on {src['connections']} connections"
@@ -151,6 +185,23 @@ def _cmd_load(a: argparse.Namespace) -> int:
     return 0
 
 
+def _split_load(a: argparse.Namespace, kwargs: dict[str, Any]) -> None:
+    """``load --remote``: :func:`weightlift.load`'s split kind, reaching the servers as every client
+    command does (token, TLS)."""
+    from weightlift.api import kind_for
+    from weightlift.cli.remote import link
+    from weightlift.options import LoadOptions
+    from weightlift.split import parse_remote, split_load
+
+    token, tls = link(a)
+    opts = LoadOptions(select=a.select, remote=parse_remote(a.remote), token=token, **kwargs)
+    kind_for(opts)  # what a split load does not take (--verify, ...) is refused as load refuses it
+    res = split_load(a.path, opts, tls=tls)
+    if opts.report is not None:
+        opts.report["remote"] = res.remote
+        opts.report["seconds"] = res.seconds
+
+
 def _cmd_manifest(a: argparse.Namespace) -> int:
     from weightlift.digest.published import default_manifest_path, make_manifest
     from weightlift.digest.sidecar import write_atomic
@@ -168,6 +219,8 @@ def _cmd_manifest(a: argparse.Namespace) -> int:
             Objects(out).put(out, m.to_json().encode())
         else:
             write_atomic(out, m.to_json().encode())
+    except WeightliftError:  # the store's, already saying what failed (some are OSErrors too)
+        raise
     except OSError as e:
         from weightlift.errors import FileError
 
@@ -198,10 +251,17 @@ def _cmd_verify(a: argparse.Namespace) -> int:
 def _cmd_demo(a: argparse.Namespace) -> int:
     from weightlift.cli.demo import run_demo
 
-    out = run_demo(rounds=a.rounds, push=not a.no_push)
+    out = run_demo(rounds=a.rounds, push=not a.no_push, progress=not a.json)
     if a.json:
         print(json.dumps(out, indent=1, default=str))
     return 0
+
+
+#: What a checkpoint argument takes, said once for every command that reads one.
+PATH_HELP = (
+    "the checkpoint: a .safetensors or .gguf file, a shard index, a folder holding one, or an "
+    "s3:// or https:// URL of one"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -216,13 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_demo)
 
     i = sub.add_parser("inspect", help="list a checkpoint's tensors without reading data")
-    i.add_argument("path")
+    i.add_argument("path", help=PATH_HELP)
     _add_select(i)
     i.add_argument("--json", action="store_true", help="print the tensors as JSON")
     i.set_defaults(func=_cmd_inspect)
 
     ld = sub.add_parser("load", help="load a checkpoint into memory and report the time to ready")
-    ld.add_argument("path")
+    ld.add_argument("path", help=PATH_HELP)
     ld.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ld.add_argument(
         "--framework", default="numpy", choices=["numpy", "torch"], help="numpy arrays (default) or torch tensors"
@@ -243,7 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT=SELECT",
         help="split load: push the tensors matching SELECT to the server at HOST:PORT at the same time",
     )
-    ld.add_argument("--token-file", help="split load: the servers' shared token")
+    from weightlift.cli import remote
+
+    remote.connection_args(ld)  # for --remote's servers
     ld.add_argument("--profile", action="store_true", help="report the load by phase")
     ld.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the load")
     ld.add_argument(
@@ -257,13 +319,13 @@ def build_parser() -> argparse.ArgumentParser:
     ld.set_defaults(func=_cmd_load)
 
     mf = sub.add_parser("manifest", help="write a checkpoint's manifest: per tensor dtype, shape, bytes, BLAKE3")
-    mf.add_argument("path")
+    mf.add_argument("path", help=PATH_HELP)
     _add_select(mf)
     mf.add_argument("-o", "--output", metavar="FILE", help="where to write it ('-': stdout; default: beside PATH)")
     mf.set_defaults(func=_cmd_manifest)
 
     vf = sub.add_parser("verify", help="hash a checkpoint afresh and compare with its manifest; exit 1 if any differs")
-    vf.add_argument("path")
+    vf.add_argument("path", help=PATH_HELP)
     _add_select(vf)
     vf.add_argument(
         "--manifest",
@@ -273,8 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     vf.add_argument("--json", action="store_true", help="print the result as JSON")
     vf.set_defaults(func=_cmd_verify)
 
-    from weightlift import check
-    from weightlift.cli import remote
+    from weightlift.cli import check
 
     remote.register(sub)
     _register_bench(sub)

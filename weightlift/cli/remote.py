@@ -17,14 +17,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from weightlift.cli import ops
-from weightlift.errors import IntegrityError, OptionError
+from weightlift.errors import IntegrityError, OptionError, install_hint
+from weightlift.progress import terminal
 from weightlift.remote.server.config import MIN_FRAME_RATE
 from weightlift.remote.token import read_token
 
 if TYPE_CHECKING:  # the client imports sockets and threads: loaded by the commands that use it
+    import ssl
+
     from weightlift.remote.client.client import Client, PushResult
 
-__all__ = ["register", "DEFAULT_PORT", "parse_size", "read_token"]
+__all__ = ["register", "connection_args", "link", "DEFAULT_PORT", "parse_size", "read_token"]
 
 DEFAULT_PORT = 7733
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -46,7 +49,7 @@ def register(sub: Any) -> None:
     _register_serve(sub)
     _register_push(sub)
     _register_pull_ls(sub)
-    ops.register(sub, connection_args=_connection_args, client=_client)
+    ops.register(sub, connection_args=connection_args, client=_client)
 
 
 def _register_serve(sub: Any) -> None:
@@ -125,26 +128,39 @@ def _register_serve(sub: Any) -> None:
         "--metrics",
         metavar="[HOST:]PORT",
         help="serve Prometheus metrics (the server's stats) over HTTP here; HOST defaults to 127.0.0.1 "
-        "(needs the metrics extra: pip install 'weightlift[metrics]')",
+        f"(needs the metrics extra: {install_hint('metrics')})",
     )
     s.set_defaults(func=_cmd_serve)
 
 
-def _connection_args(p: Any) -> None:
-    """How a client subcommand reaches a server that wants a token or speaks TLS (see :func:`_client`)."""
+def connection_args(p: Any) -> None:
+    """How every client subcommand (push, pull, ls, load --remote, check --from) reaches a server
+    that wants a token or speaks TLS; :func:`link` reads them back."""
     p.add_argument("--token-file", metavar="F", help="prove to the server that we hold the token in this file")
     p.add_argument("--tls", action="store_true", help="speak TLS to a server started with --tls-cert")
     p.add_argument("--tls-ca", metavar="F", help="trust this CA (PEM) for the server's certificate (implies --tls)")
 
 
+def link(a: argparse.Namespace) -> tuple[bytes | None, ssl.SSLContext | None]:
+    """The token and the client TLS context (None: plain TCP) that :func:`connection_args` asked for."""
+    tls = None
+    if a.tls or a.tls_ca:
+        from weightlift.remote.transport import client_tls_context
+
+        tls = client_tls_context(a.tls_ca)
+    return read_token(a.token_file), tls
+
+
 def _register_push(sub: Any) -> None:
+    from weightlift.cli.main import PATH_HELP
+
     p = sub.add_parser("push", help="send a checkpoint's tensors to a tensor server")
-    p.add_argument("path")
+    p.add_argument("path", help=PATH_HELP)
     p.add_argument("--to", required=True, metavar="HOST:PORT", help="the tensor server to push to")
     p.add_argument("--select", action="append", metavar="PATTERN", help="a glob, or re:<regex>; repeat for several")
     p.add_argument("--streams", type=int, default=1, help="connections to spread the tensors over")
     p.add_argument("--model", metavar="NAME", help="push into this model on the server (default: the default model)")
-    _connection_args(p)
+    connection_args(p)
     p.add_argument(
         "--verify",
         action="store_true",
@@ -167,7 +183,7 @@ def _register_pull_ls(sub: Any) -> None:
     g.add_argument("--from", dest="source", required=True, metavar="HOST:PORT", help="the tensor server to pull from")
     g.add_argument("-o", "--output", required=True, metavar="FILE.safetensors", help="the file to write")
     g.add_argument("--model", metavar="NAME", help="pull this model (default: the default model)")
-    _connection_args(g)
+    connection_args(g)
     g.add_argument(
         "--verify",
         action="store_true",
@@ -178,7 +194,7 @@ def _register_pull_ls(sub: Any) -> None:
     ls = sub.add_parser("ls", help="list the tensors a tensor server holds")
     ls.add_argument("--from", dest="source", required=True, metavar="HOST:PORT", help="the tensor server to list")
     ls.add_argument("--model", metavar="NAME", help="list this model (default: the default model)")
-    _connection_args(ls)
+    connection_args(ls)
     ls.add_argument("--json", action="store_true", help="print the list as JSON")
     ls.set_defaults(func=_cmd_ls)
 
@@ -214,11 +230,11 @@ def _start_metrics(server: Any, where: str) -> None:
     if not port.isdigit():
         raise OptionError(f"--metrics {where!r} is not [HOST:]PORT")
     try:
-        from weightlift.remote.server.metrics import serve_metrics
+        from weightlift.remote.server.stats import serve_metrics
 
         _, bound = serve_metrics(server.stats, host or "127.0.0.1", int(port))
     except ImportError:
-        raise OptionError("--metrics needs prometheus_client: pip install 'weightlift[metrics]'") from None
+        raise OptionError(f"--metrics needs prometheus_client: {install_hint('metrics')}") from None
     except OSError as e:
         raise OptionError(f"--metrics {where}: cannot bind: {e.strerror or e}") from None
     print(f"weightlift: metrics on http://{host or '127.0.0.1'}:{bound}/metrics", flush=True)
@@ -275,10 +291,9 @@ def _cmd_serve(a: argparse.Namespace) -> int:
 
 def _client(a: argparse.Namespace, address: str, **kw: Any) -> Client:
     from weightlift.remote.client.client import Client
-    from weightlift.remote.transport import client_tls_context
 
-    tls = client_tls_context(a.tls_ca) if a.tls or a.tls_ca else None
-    return Client(address, token=read_token(a.token_file), tls=tls, **kw)
+    token, tls = link(a)
+    return Client(address, token=token, tls=tls, **kw)
 
 
 def _cmd_push(a: argparse.Namespace) -> int:
@@ -289,9 +304,10 @@ def _cmd_push(a: argparse.Namespace) -> int:
     want = a.profile or a.json or a.trace
     prof = Profiler(enabled=True, trace=bool(a.trace)) if want else None
     verify = a.verify or a.manifest is not None
+    bar = terminal(f"pushing to {a.to}", enabled=not a.json)
     with _client(a, a.to, streams=a.streams, profile=prof) as c:
         try:
-            result = c.push(a.path, select=a.select, verify=verify, manifest=a.manifest, model=a.model)
+            result = c.push(a.path, select=a.select, verify=verify, manifest=a.manifest, progress=bar, model=a.model)
         except IntegrityError as e:  # the push ran; its bytes are wrong: exit 1, as verify does
             print(f"weightlift: {e}", file=sys.stderr)
             return 1
@@ -324,7 +340,7 @@ def _verified(result: PushResult) -> str:
 def _cmd_pull(a: argparse.Namespace) -> int:
     with _client(a, a.source) as c:
         try:
-            entries = c.pull(a.output, verify=a.verify, model=a.model)
+            entries = c.pull(a.output, verify=a.verify, progress=terminal(f"pulling from {a.source}"), model=a.model)
         except IntegrityError as e:
             print(f"weightlift: {e}", file=sys.stderr)
             return 1

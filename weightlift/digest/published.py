@@ -32,7 +32,7 @@ import blake3
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
 from weightlift.digest.blake import DIGEST_SIZE, DigestPool
 from weightlift.digest.sidecar import hash_tensors
-from weightlift.errors import FileError, IntegrityError, NotFoundError, OptionError
+from weightlift.errors import FileError, IntegrityError, NotFoundError, OptionError, WeightliftError
 from weightlift.formats import TensorInfo
 from weightlift.sources.digests import digests as store_digests
 from weightlift.sources.url import is_url
@@ -140,6 +140,8 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
         else:
             with open(p, "rb") as f:
                 raw = f.read()
+    except WeightliftError:  # the store's, already saying what failed (some are OSErrors too)
+        raise
     except FileNotFoundError:
         raise NotFoundError("no manifest here (write one with `weightlift manifest`)", file=p) from None
     except OSError as e:

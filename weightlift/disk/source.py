@@ -323,6 +323,8 @@ def _read_chunk(
             if got <= 0:
                 raise FileError(f"file ended at byte {off + done} while reading tensors", file=m.path)
             done += got
+    except FileError:  # ours (an OSError too): the file ended
+        raise
     except OSError as e:
         raise FileError(f"read error at byte {off + done}: {e.strerror}", file=m.path, errno=e.errno) from None
     return out, buf

@@ -18,7 +18,9 @@ rank needs and where the bytes are:
    (``all_gather``); sharded slices that are byte ranges or large rows are read by their own
    rank; strided slices with small rows are read whole by one owner rank and delivered by
    ``all_to_all`` (:mod:`.group`). Together the ranks read each byte once. Before any of that,
-   one tiny ``all_gather`` checks that every rank planned, and planned the same load.
+   one tiny ``all_gather`` checks that every rank planned, and planned the same load. A
+   checkpoint in a store (``s3://``, ``https://``) loads the same way: rank 0 reads its header
+   and broadcasts it, and ranged GETs take the place of ``preadv`` (:mod:`.fromstore`).
 3. **One source, many receivers of the same weights** (:func:`broadcast_load`): the source
    reads chunk by chunk and broadcasts each chunk while reading the next; receivers need no
    files and land the bytes straight in their arena (host or CUDA) (:mod:`.fanout`).

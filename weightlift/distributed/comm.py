@@ -22,8 +22,9 @@ import numpy as np
 
 from weightlift.distributed.shard import Piece
 from weightlift.dtypes import dtype_info
-from weightlift.errors import OptionError, TransportError, WeightliftError
+from weightlift.errors import OptionError, TransportError, WeightliftError, install_hint
 from weightlift.memory.targets import fresh_host, view_as
+from weightlift.options import Placement
 
 __all__ = ["Comm", "Arena", "pack", "ALIGN", "STAGING"]
 
@@ -48,7 +49,7 @@ class Comm:
         try:
             import torch.distributed as dist
         except ImportError:
-            raise OptionError("a process group needs torch (pip install torch)") from None
+            raise OptionError(f"a process group needs torch: {install_hint('torch')}") from None
         if not dist.is_available():
             raise OptionError("this torch build has no torch.distributed")
         if not dist.is_initialized():
@@ -61,23 +62,23 @@ class Comm:
             raise OptionError("this process is not a member of the process group it was given")
         self.backend = str(dist.get_backend(self.group)).lower()
         self.timeout = None if timeout is None else datetime.timedelta(seconds=float(timeout))
-        self.device = "cpu"  # where collective buffers live; check_device sets the load's device
+        self.place = Placement()  # where collective buffers live; check_device sets the load's
+        self.device = self.place.device  # the same, as torch takes it
 
-    def check_device(self, device: str) -> None:
+    def check_device(self, place: Placement) -> None:
         """A gloo group moves host memory, an NCCL group device memory: refuse a mismatch now.
         The small tensors weightlift exchanges besides the arena go to the same device."""
-        cuda = str(device).startswith("cuda")
-        if self.backend == "nccl" and not cuda:
+        if self.backend == "nccl" and not place.cuda:
             raise OptionError("an NCCL group moves CUDA memory: load with device='cuda:N', or pass a gloo group")
-        if self.backend == "gloo" and cuda:
+        if self.backend == "gloo" and place.cuda:
             raise OptionError("a gloo group moves host memory here: load with device='cpu', or pass an NCCL group")
-        self.device = str(device)
+        self.place, self.device = place, place.device
 
     def landed(self) -> None:
         """Return once the collectives queued so far have run. An NCCL ``wait()`` only orders the
         current stream after the collective: a clock read without this times the bytes enqueued,
         not the bytes landed."""
-        if self.device.startswith("cuda"):
+        if self.place.cuda:
             import torch
 
             torch.cuda.synchronize(self.device)
@@ -153,12 +154,13 @@ class Comm:
 
 
 class Arena:
-    """One destination buffer of ``nbytes`` on ``device``; tensors are views of it."""
+    """One destination buffer of ``nbytes`` where ``place`` says (host memory by default);
+    tensors are views of it."""
 
-    def __init__(self, nbytes: int, device: str = "cpu"):
+    def __init__(self, nbytes: int, place: Placement = Placement()):  # noqa: B008 - a frozen value
         self.nbytes = nbytes
-        self.device = str(device)
-        self.cuda = self.device.startswith("cuda")
+        self.device = place.device
+        self.cuda = place.cuda
         self._torch: Any = None
         if self.cuda:
             import torch

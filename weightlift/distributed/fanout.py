@@ -32,7 +32,7 @@ from weightlift.formats import TensorInfo
 from weightlift.memory.faulter import REGION, Faulter
 from weightlift.options import Placement
 
-__all__ = ["broadcast_load", "BROADCAST_CHUNK", "MAX_DESCRIPTION"]
+__all__ = ["broadcast_load", "share_description", "BROADCAST_CHUNK", "MAX_DESCRIPTION"]
 
 BROADCAST_CHUNK = 64 * 1024 * 1024
 MAX_DESCRIPTION = 64 * 1024 * 1024
@@ -63,15 +63,14 @@ def broadcast_load(
     t0 = time.perf_counter()
     if not isinstance(chunk, int) or chunk < 1:
         raise OptionError(f"chunk must be a positive number of bytes, got {chunk!r}")
-    place = Placement(device=device, framework=framework)
-    device = place.device
+    place = Placement(device=device, framework=framework)  # checked once: the value travels on
     comm = Comm(group, timeout=timeout)
-    comm.check_device(device)
+    comm.check_device(place)
     if not 0 <= src < comm.world:
         raise OptionError(f"src must be a rank of the group, in [0, {comm.world}), got {src}")
     source = comm.rank == src
     infos, offs, total, reader = _plan(comm, path, select, engine, src, source)
-    arena = Arena(total, device)
+    arena = Arena(total, place)
     at = arena.tensor()
     pending: deque[Any] = deque()
     done = 0
@@ -93,7 +92,7 @@ def broadcast_load(
     finally:
         if faulter is not None:
             faulter.close()
-    out = {t.name: arena.view(off, whole(t), framework) for t, off in zip(infos, offs, strict=False)}
+    out = {t.name: arena.view(off, whole(t), place.framework) for t, off in zip(infos, offs, strict=False)}
     if report is not None:
         comm.landed()  # the time of the bytes on the device, not of the collectives queued
         report.update(
@@ -133,7 +132,7 @@ def _plan(
             desc = _describe(infos, offs, total)
         except Exception as e:  # noqa: BLE001 - the receivers are told, then it is raised here
             failure = e
-    desc = _broadcast_description(comm, desc, src, failed=failure is not None)
+    desc = share_description(comm, desc, src, failed=failure is not None)
     if failure is not None:
         raise failure
     if not source:
@@ -183,7 +182,7 @@ def _finish(comm: Comm, item: tuple[Any, int], progress: Callable[[int], None] |
     return n
 
 
-def _broadcast_description(comm: Comm, desc: bytes, src: int, *, failed: bool = False) -> bytes:
+def share_description(comm: Comm, desc: bytes, src: int, *, failed: bool = False) -> bytes:
     """The source's description to every rank: its length, then its bytes (uint8 tensors). A
     length of -1 says the source failed before it could describe anything."""
     import torch
@@ -252,6 +251,6 @@ def _parse(desc: bytes) -> tuple[list[TensorInfo], list[int], int]:
             offs.append(off)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise RemoteProtocolError(f"the source's tensor list is malformed: {e}") from None
-    except Exception as e:  # noqa: BLE001 - dtype_info raises our OptionError for an unknown dtype
+    except Exception as e:  # noqa: BLE001 - byte_length raises our FormatError for a shape of partial bytes
         raise RemoteProtocolError(f"the source's tensor list is malformed: {e}") from None
     return infos, offs, total

@@ -19,31 +19,51 @@ Tensors fall in three sets:
   reads (``preadv`` with an iovec per row and rank), and an ``all_to_all`` delivers the slices
   straight into each rank's arena. Rounds of up to :data:`ROUND` bytes per owner, double
   buffered.
+
+Each rank's reads are settled before the collective they feed (one byte per rank,
+``all_gather``): a rank whose read failed (a file error, an object replaced in a store) raises
+its own error and every other rank a GroupError naming it, where they would otherwise wait in a
+collective the failed rank never posts until the timeout. A checkpoint in a store is read the
+same way, through :class:`~.fromstore.StoreReader` (:mod:`.fromstore`).
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
+import logging
 import os
 import time
 import warnings
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
 from weightlift.checkpoint import Checkpoint, open_checkpoint
+from weightlift.digest.published import announce, reference
 from weightlift.disk.source import MappedFile
 from weightlift.distributed.comm import ALIGN, Arena, Comm, pack
+from weightlift.distributed.fromstore import StoreReader, in_store, landed_check, share_checkpoint
 from weightlift.distributed.reader import SliceReader, strided
 from weightlift.distributed.shard import Piece, Rows, Shard, slice_piece, whole
 from weightlift.errors import GroupError, OptionError
 from weightlift.formats import TensorInfo
-from weightlift.options import LoadOptions
+from weightlift.options import LoadOptions, Placement
+from weightlift.sources.objects import IDENTITY
+
+if TYPE_CHECKING:
+    from weightlift.digest.published import ManifestSource, Reference
 
 __all__ = ["distributed_load", "STRIPE", "ROUND"]
+
+_log = logging.getLogger("weightlift")
+T = TypeVar("T")
+#: what reads a load's bytes: files through their mappings, or objects in a store by ranged GETs
+Reader = SliceReader | StoreReader
 
 STRIPE = 16 * 1024 * 1024
 ROUND = 64 * 1024 * 1024
@@ -61,42 +81,101 @@ def distributed_load(
     files), ``requests``, and ``paths`` (how many tensors took each path). The options a
     distributed load does not support are refused before it gets here (:mod:`weightlift.api`).
     ``timeout`` (seconds) bounds each wait on a collective.
+
+    ``path`` may be a URL (``s3://``, ``https://``): rank 0 reads the header and the ranks read
+    the bytes with ranged GETs, each byte once across the group (:mod:`.fromstore`), and
+    ``verify=True`` checks each rank's tensors against the published manifest.
     """
     t0 = time.perf_counter()
-    group, device, framework = opts.group, opts.placement.device, opts.placement.framework
+    group, place = opts.group, opts.placement
     if opts.shard is not None and not isinstance(opts.shard, Shard):
         raise OptionError(f"shard must be a weightlift.Shard, got {type(opts.shard).__name__}")
-    comm, shard = _comm_and_shard(opts.shard, group, device, timeout)
+    store = in_store(path)
+    _refuse_verify(opts, store)  # before any collective: every rank was given the same options
+    comm, shard = _comm_and_shard(opts.shard, group, place, timeout)
     if comm is not None and not opts.copy:
         raise OptionError("copy=False gives views of this machine's files: not with group=")
     failure: Exception | None = None
+    reader: Reader | None = None
+    ref = None
     try:
-        ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
-        infos = ckpt.select(opts.select)
-        maps = {f: ckpt.mapped(f) for f in dict.fromkeys(t.file for t in infos)}
-        reader = SliceReader(maps, engine=opts.engine)
-        # every rank's slices are checked on every rank, so a bad split fails everywhere alike
-        pieces = _all_pieces(infos, shard)
-    except Exception as e:  # noqa: BLE001 - in a group, the others are told before it is raised
-        if comm is None:
-            raise
-        failure = e
-    if comm is not None:
-        # one tiny collective before the big ones: a rank that failed to plan, or planned
-        # something else, stops everyone now instead of leaving them in a collective
-        _agree(comm, None if failure is not None else _plan_digest(infos, pieces, reader.row_min))
-        if failure is not None:
-            raise failure
+        try:
+            if store and comm is not None and not isinstance(path, Checkpoint):
+                ckpt = share_checkpoint(comm, os.fspath(path))  # the header read once, by rank 0
+            else:
+                ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
+            infos = ckpt.select(opts.select)
+            if ckpt.source is not None:
+                reader = StoreReader(ckpt.source, checked=opts.verify)
+                if opts.verify:
+                    ref = reference(ckpt, infos, cast("ManifestSource | None", opts.manifest))
+            else:
+                maps = {f: ckpt.mapped(f) for f in dict.fromkeys(t.file for t in infos)}
+                reader = SliceReader(maps, engine=opts.engine)
+            # every rank's slices are checked on every rank, so a bad split fails everywhere alike
+            pieces = _all_pieces(infos, shard)
+        except Exception as e:  # noqa: BLE001 - in a group, the others are told before it is raised
+            if comm is None:
+                raise
+            failure = e
+        if comm is not None:
+            # one tiny collective before the big ones: a rank that failed to plan, or planned
+            # something else, stops everyone now instead of leaving them in a collective
+            _agree(comm, None if failure is not None or reader is None else _plan_digest(infos, pieces, reader.row_min))
+            if failure is not None:
+                raise failure
+        assert reader is not None
+        return _run(infos, pieces, comm, shard, reader, ref, opts, t0, borrow=not opts.copy and ckpt.source is None)
+    finally:
+        if isinstance(reader, StoreReader):
+            reader.close()
+
+
+def _refuse_verify(opts: LoadOptions, store: bool) -> None:
+    """``verify=True`` in a distributed load: only of whole tensors from a store (a rank that
+    verified local files would read them again; one that holds slices has no digest of them)."""
+    if opts.manifest is not None and not opts.verify:
+        raise OptionError("manifest= is only used with verify=True")
+    if opts.verify and not store:
+        raise OptionError("verify=True is not supported together with shard= or group= of local files")
+    if opts.verify and opts.shard is not None:
+        raise OptionError("verify=True is not supported together with shard=: a rank holds slices of the tensors")
+
+
+def _run(
+    infos: list[TensorInfo],
+    pieces: list[list[Piece] | None],
+    comm: Comm | None,
+    shard: Shard | None,
+    reader: Reader,
+    ref: Reference | None,
+    opts: LoadOptions,
+    t0: float,
+    *,
+    borrow: bool,
+) -> dict[str, Any]:
+    place, framework = opts.placement, opts.placement.framework
     me = shard.rank if shard is not None and shard.rank is not None else (comm.rank if comm is not None else 0)
+    said: dict[str, Any] = {}
     if comm is None:
         mine = [p[me] if p is not None else whole(t) for t, p in zip(infos, pieces, strict=False)]
-        if not opts.copy:
-            out = {p.name: _borrowed(maps[p.tensor.file], p, framework) for p in mine}
+        if borrow:
+            assert isinstance(reader, SliceReader)  # files have mappings; objects in a store do not
+            out = {p.name: _borrowed(reader.maps[p.tensor.file], p, framework) for p in mine}
         else:
-            out = _local(mine, reader, device, framework)
+            out = _local(mine, reader, place)
         paths = {"local": len(mine)}
     else:
-        out, paths = _GroupLoad(infos, pieces, comm, reader, device, framework).run()
+        out, paths = _GroupLoad(infos, pieces, comm, reader, place).run()
+        if ref is not None:
+            # each rank proves what landed in its own memory, collectives included; then the
+            # group agrees, so a rank whose bytes differ stops every rank before any returns
+            said = _settled(comm, lambda: landed_check(ref, infos, out), "its check of what landed")
+    if said:
+        if opts.report is not None:
+            opts.report.update(said)
+        else:
+            announce(said, _log)
     if opts.report is not None:
         if comm is not None:
             comm.landed()  # the time of the bytes on the device, not of the collectives queued
@@ -112,21 +191,21 @@ def distributed_load(
             paths=paths,
             rank=me,
             world=shard.world if shard is not None else (comm.world if comm else 1),
-            device=device,
+            device=place.device,
             framework=framework,
         )
     return out
 
 
 def _comm_and_shard(
-    shard: Shard | None, group: Any, device: str, timeout: float | None
+    shard: Shard | None, group: Any, place: Placement, timeout: float | None
 ) -> tuple[Comm | None, Shard | None]:
     """The group's collectives (None without a group) and the shard with its rank and world
     (taken from the default group where the Shard names none)."""
     comm = None
     if group is not None:
         comm = Comm(group, timeout=timeout)
-        comm.check_device(device)
+        comm.check_device(place)
     elif shard is not None and shard.world is None:
         try:
             comm = Comm(None)
@@ -153,6 +232,9 @@ def _plan_digest(infos: list[TensorInfo], pieces: list[list[Piece] | None], row_
     h = hashlib.sha256(str(row_min).encode())
     for t, ps in zip(infos, pieces, strict=False):
         h.update(repr((t.name, t.dtype, t.shape, t.length)).encode())
+        seen = t.extra.get(IDENTITY)  # in a store: the version of the object each rank reads
+        if seen is not None:
+            h.update(repr((seen.size, seen.etag, seen.version)).encode())
         if ps is not None:
             h.update(repr([(p.dim, p.start, p.stop) for p in ps]).encode())
     return h.digest()[:8]
@@ -179,6 +261,35 @@ def _agree(comm: Comm, digest: bytes | None) -> None:
             )
 
 
+def _settle(comm: Comm, failure: BaseException | None, what: str) -> None:
+    """Every rank says whether its last step worked: a rank that failed raises its own error, the
+    others GroupError naming it, so that none goes on into a collective a failed rank never posts
+    (and waits there for the timeout)."""
+    import torch
+
+    mine = torch.tensor([0 if failure is None else 1], dtype=torch.uint8, device=comm.device)
+    out = torch.zeros(comm.world, dtype=torch.uint8, device=comm.device)
+    comm.all_gather(out, mine, what="check that every rank did its part of the group load")
+    if failure is not None:
+        raise failure
+    bad = [r for r, flag in enumerate(out.cpu().tolist()) if flag]
+    if bad:
+        raise GroupError(
+            f"rank {bad[0]} of {comm.world} failed in {what} (its own error says why): the group load stops on every rank"
+        )
+
+
+def _settled(comm: Comm, step: Callable[[], T], what: str) -> T:
+    """``step()``'s result once every rank's step worked (:func:`_settle`)."""
+    try:
+        got = step()
+    except Exception as e:  # noqa: BLE001 - the others are told, then it is raised here
+        _settle(comm, e, what)
+        raise
+    _settle(comm, None, what)
+    return got
+
+
 def _nbytes(v: Any) -> int:
     return int(v.nbytes) if isinstance(v, np.ndarray) else int(v.numel() * v.element_size())
 
@@ -195,14 +306,14 @@ def _all_pieces(infos: list[TensorInfo], shard: Shard | None) -> list[list[Piece
     return out
 
 
-def _local(pieces: list[Piece], reader: SliceReader, device: str, framework: str) -> dict[str, Any]:
+def _local(pieces: list[Piece], reader: Reader, place: Placement) -> dict[str, Any]:
     offs, total = pack([p.nbytes for p in pieces])
-    arena = Arena(total, device)
+    arena = Arena(total, place)
     read_all(arena, reader, [(p.rows, off) for p, off in zip(pieces, offs, strict=False)])
-    return {p.name: arena.view(off, p, framework) for p, off in zip(pieces, offs, strict=False)}
+    return {p.name: arena.view(off, p, place.framework) for p, off in zip(pieces, offs, strict=False)}
 
 
-def read_all(arena: Arena, reader: SliceReader, jobs: list[tuple[Rows, int]]) -> None:
+def read_all(arena: Arena, reader: Reader, jobs: list[tuple[Rows, int]]) -> None:
     """Read each (rows, arena offset) job into the arena, in pieces of at most :data:`READ_CHUNK`
     bytes, on up to :data:`READERS` threads for a host arena (a cold file wants parallel
     readers; a device arena has one staging buffer, so one thread)."""
@@ -271,11 +382,10 @@ class _GroupLoad:
         infos: list[TensorInfo],
         pieces: list[list[Piece] | None],
         comm: Comm,
-        reader: SliceReader,
-        device: str,
-        framework: str,
+        reader: Reader,
+        place: Placement,
     ):
-        self.comm, self.reader, self.device, self.framework = comm, reader, device, framework
+        self.comm, self.reader, self.place, self.framework = comm, reader, place, place.framework
         w, me = comm.world, comm.rank
         self.rep: list[TensorInfo] = []
         self.direct: list[Piece] = []
@@ -301,7 +411,7 @@ class _GroupLoad:
         x_sizes = [sum(xr.recv_splits(me)) for xr in xplan]
         x_offs, x_end = pack(x_sizes, x_start)
         d_offs, total = pack([p.nbytes for p in self.direct], x_end)
-        arena = Arena(total, self.device)
+        arena = Arena(total, self.place)
         at = arena.tensor()
         pending: deque[Any] = deque()
 
@@ -310,16 +420,55 @@ class _GroupLoad:
             if len(pending) > 1:
                 comm.wait(*pending.popleft())
 
+        try:
+            self._rounds(arena, at, rounds, rep_offs, xplan, x_offs, x_sizes, d_offs, post)
+            while pending:
+                comm.wait(*pending.popleft())
+        except BaseException:
+            # posted by every rank, so they complete: never leave one writing into a freed arena
+            while pending:
+                try:
+                    comm.wait(*pending.popleft())
+                except Exception:  # noqa: BLE001, S112 - the first error is the one raised
+                    continue
+            raise
+        out: dict[str, Any] = {}
+        for t, off in zip(self.rep, rep_offs, strict=False):
+            out[t.name] = arena.view(off, whole(t), self.framework)
+        for xr, xo in zip(xplan, x_offs, strict=False):
+            for p, off in xr.received(me, xo):
+                out[p.name] = arena.view(off, p, self.framework)
+        for p, off in zip(self.direct, d_offs, strict=False):
+            out[p.name] = arena.view(off, p, self.framework)
+        paths = {"replicated": len(self.rep), "direct": len(self.direct), "redistributed": len(self.redist)}
+        return {n: out[n] for n in self.order}, paths
+
+    def _rounds(
+        self,
+        arena: Arena,
+        at: Any,
+        rounds: list[tuple[int, int]],
+        rep_offs: list[int],
+        xplan: list[_Round],
+        x_offs: list[int],
+        x_sizes: list[int],
+        d_offs: list[int],
+        post: Callable[[Any, str], None],
+    ) -> None:
+        """Read this rank's parts and post the collectives. Each rank's reads are settled
+        (:func:`_settle`) before the collective they feed: one rank's failed read (an object
+        replaced in the store, a file error) stops every rank there, not at the timeout."""
+        comm = self.comm
+        w, me = comm.world, comm.rank
         for base, c in rounds:
             lo = base + me * c
-            read_all(
-                arena,
-                self.reader,
-                [
-                    (Rows(t.file, t.offset + a, b - a, b - a, 1), off + a)
-                    for t, off, a, b in overlaps(self.rep, rep_offs, lo, lo + c)
-                ],
-            )
+            jobs = [
+                (Rows(t.file, t.offset + a, b - a, b - a, 1), off + a)
+                for t, off, a, b in overlaps(self.rep, rep_offs, lo, lo + c)
+            ]
+            _settled(comm, functools.partial(read_all, arena, self.reader, jobs), "reading its stripe")
+            if w == 1:
+                continue  # the stripe is the round: nothing to gather (gloo would copy it through a buffer)
             post(
                 comm.all_gather(
                     at[base : base + w * c], at[lo : lo + c], async_op=True, what="all_gather of replicated tensors"
@@ -329,7 +478,7 @@ class _GroupLoad:
         sends: list[Arena | None] = [None, None]
         for k, (xr, xo) in enumerate(zip(xplan, x_offs, strict=False)):
             send = sends[k % 2] = self._send_buffer(sends[k % 2], sum(xr.send_splits(me)))
-            xr.fill(me, send, self.reader)
+            _settled(comm, functools.partial(xr.fill, me, send, self.reader), "reading the tensors it owns")
             send_t = send.tensor()
             n_in = sum(xr.send_splits(me))
             post(
@@ -343,27 +492,15 @@ class _GroupLoad:
                 ),
                 "all_to_all of sharded tensors",
             )
-        read_all(
-            arena, self.reader, [(p.rows, off) for p, off in zip(self.direct, d_offs, strict=False)]
-        )  # overlaps the last collectives
-        while pending:
-            comm.wait(*pending.popleft())
-        out: dict[str, Any] = {}
-        for t, off in zip(self.rep, rep_offs, strict=False):
-            out[t.name] = arena.view(off, whole(t), self.framework)
-        for xr, xo in zip(xplan, x_offs, strict=False):
-            for p, off in xr.received(me, xo):
-                out[p.name] = arena.view(off, p, self.framework)
-        for p, off in zip(self.direct, d_offs, strict=False):
-            out[p.name] = arena.view(off, p, self.framework)
-        paths = {"replicated": len(self.rep), "direct": len(self.direct), "redistributed": len(self.redist)}
-        return {n: out[n] for n in self.order}, paths
+        direct = [(p.rows, off) for p, off in zip(self.direct, d_offs, strict=False)]
+        # overlaps the last collectives
+        _settled(comm, lambda: read_all(arena, self.reader, direct), "reading its own slices")
 
     def _send_buffer(self, old: Arena | None, n: int) -> Arena:
         # host memory for gloo; for NCCL a device buffer filled through pinned staging
         if old is not None and old.nbytes >= n:
             return old
-        return Arena(max(n, 1), self.device)
+        return Arena(max(n, 1), self.place)
 
 
 def _stripes(total: int, world: int, stripe: int) -> tuple[list[tuple[int, int]], int]:
@@ -405,7 +542,7 @@ class _Round:
     def recv_splits(self, me: int) -> list[int]:
         return [_aligned(self._split(o, me)) for o in range(self.world)]
 
-    def fill(self, me: int, send: Arena, reader: SliceReader) -> None:
+    def fill(self, me: int, send: Arena, reader: Reader) -> None:
         """Read this owner's tensors, each rank's slice to its place in the send buffer."""
         splits = self.send_splits(me)
         split_at = pack(splits)[0] if splits else []

@@ -48,7 +48,7 @@ from typing import Any
 
 from weightlift.api import run_load
 from weightlift.checkpoint import Checkpoint, open_checkpoint
-from weightlift.errors import NotFoundError, OptionError, WeightliftError
+from weightlift.errors import NotFoundError, OptionError, WeightliftError, install_hint
 from weightlift.hf.conversions import lazy_conversion_table
 from weightlift.hf.mapped import read_and_map
 from weightlift.hf.stored import model_folder
@@ -75,7 +75,7 @@ def require_transformers() -> Any:
         import transformers
     except ImportError as e:
         raise OptionError(
-            f"this needs transformers and torch ({e.name} is not installed): pip install 'weightlift[hf]'"
+            f"this needs transformers and torch ({e.name} is not installed): {install_hint('hf')}"
         ) from None
     major = int(transformers.__version__.split(".")[0])
     try:
@@ -87,7 +87,7 @@ def require_transformers() -> Any:
     if major != TRANSFORMERS_MAJOR or not hasattr(PreTrainedModel, "_finalize_model_loading"):
         raise OptionError(
             f"transformers {transformers.__version__} is not supported: weightlift.hf drives the loader of "
-            f"transformers {TRANSFORMERS_MAJOR}.x (pip install 'weightlift[hf]')"
+            f"transformers {TRANSFORMERS_MAJOR}.x ({install_hint('hf')})"
         )
     return transformers
 

@@ -42,7 +42,7 @@ from weightlift.disk.source import RESIDENT_THRESHOLD, MappedFile, page_eviction
 from weightlift.formats import TensorInfo
 from weightlift.local.mover import Landed, Mover
 from weightlift.local.prefetch import Prefetch, await_prefetches, prefetch, read_in_views
-from weightlift.memory.targets import Target, as_bytes, make_target, quantized, tensor_view
+from weightlift.memory.targets import Target, as_bytes, quantized, target_for, tensor_view
 from weightlift.options import LoadOptions
 from weightlift.profile import Profiler
 
@@ -91,7 +91,7 @@ def load_local(
     if not opts.copy:
         out = _views(infos, maps, resident, opts, prof, on_landed)
     else:
-        target = make_target(opts.device, opts.framework, None)
+        target = target_for(opts.placement)
         # device memory (no memcpy, no cast): what is proven is read back from the device after
         # the load, since the host staging the bytes passed through would prove a copy that then
         # landed wrong (a race on the device); it costs a read back, one tensor at a time

@@ -33,6 +33,7 @@ __all__ = [
     "CudaTarget",
     "PinnedSlots",
     "make_target",
+    "target_for",
     "fresh_host",
     "populate",
     "as_bytes",
@@ -401,19 +402,24 @@ def _import_torch() -> Any:
     return torch
 
 
-def cuda_device(device: str, current: Callable[[], int]) -> str:
-    """``device`` (``cuda`` or ``cuda:N``) as the one device it names: ``cuda:N``. A bare ``cuda``
-    is ``current()``, torch's current device, which is per thread: it must be asked once, in the
-    caller's thread, and the answer carried as a value (a loader or server thread asking again
-    gets device 0 whatever the caller set)."""
-    name, _, index = str(device).partition(":")
+def cuda_device(device: str | Placement, current: Callable[[], int]) -> str:
+    """``device`` (``cuda`` or ``cuda:N``, or a CUDA :class:`~weightlift.options.Placement`) as
+    the one device it names: ``cuda:N``. A bare ``cuda`` is ``current()``, torch's current device,
+    which is per thread: it must be asked once, in the caller's thread, and the answer carried as
+    a value (a loader or server thread asking again gets device 0 whatever the caller set)."""
+    if isinstance(device, Placement):  # checked when it was made: only the number is left to find
+        if not device.cuda:
+            raise OptionError(f"not a CUDA device: {device.device!r}")
+        index = device.index
+        return f"cuda:{index if index is not None else int(current())}"
+    name, _, number = str(device).partition(":")
     if name != "cuda":
         raise OptionError(f"not a CUDA device: {device!r}")
-    if not index:
+    if not number:
         return f"cuda:{int(current())}"
-    if not index.isdigit():
+    if not number.isdigit():
         raise OptionError(f"unknown device {device!r}: expected cuda or cuda:N")
-    return f"cuda:{int(index)}"
+    return f"cuda:{int(number)}"
 
 
 class CudaTarget(Target):
@@ -446,7 +452,7 @@ class CudaTarget(Target):
 
     def __init__(
         self,
-        device: str = "cuda",
+        device: str | Placement = "cuda",
         dtype: str | None = None,
         *,
         slot_bytes: int = STAGING_SLOT,
@@ -458,7 +464,8 @@ class CudaTarget(Target):
         if torch is None:
             torch = _import_torch()
         if not torch.cuda.is_available():
-            raise DeviceError(f"device {device!r} asked for, but torch sees no CUDA device")
+            named = device.device if isinstance(device, Placement) else device
+            raise DeviceError(f"device {named!r} asked for, but torch sees no CUDA device")
         self._torch = torch
         self.device = cuda_device(device, lambda: torch.cuda.current_device())
         self.dtype = dtype
@@ -627,12 +634,16 @@ def empty_device_cache(device: str, torch: Any = None) -> int:
     return max(0, before - int(torch.cuda.memory_reserved(device)))
 
 
-def make_target(device: str = "cpu", framework: str = "numpy", dtype: str | None = None) -> Target:
-    """The target for ``device``/``framework`` (checked as a :class:`~weightlift.options.Placement`);
-    ``dtype`` (a dtype name) casts on load."""
-    place = Placement(device=device, framework=framework)
+def target_for(place: Placement, dtype: str | None = None) -> Target:
+    """The target for a checked device/framework pair; ``dtype`` (a dtype name) casts on load."""
     if dtype is not None:
         dtype_info(dtype)
     if place.cuda:
-        return CudaTarget(place.device, dtype)
+        return CudaTarget(place, dtype)
     return CastTarget(place.framework, dtype) if dtype else HostTarget(place.framework)
+
+
+def make_target(device: str = "cpu", framework: str = "numpy", dtype: str | None = None) -> Target:
+    """:func:`target_for` a device and framework given as strings (checked as a
+    :class:`~weightlift.options.Placement` here), for a caller that holds no Placement."""
+    return target_for(Placement(device=device, framework=framework), dtype)

@@ -51,6 +51,8 @@ def read_token(path: str | None) -> bytes | None:
                     f"token file {path} is accessible by others (mode {stat.S_IMODE(mode):04o}): run `chmod 600 {path}`"
                 )
             token = f.read(64 * 1024).strip()
+    except OptionError:  # ours (a ValueError too): the file's mode
+        raise
     except OSError as e:
         raise FileError(f"cannot read token file {path}: {e.strerror or e}", errno=e.errno) from None
     except ValueError as e:  # a NUL byte in the path (a config value): open() refuses it so

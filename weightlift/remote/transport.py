@@ -37,7 +37,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from weightlift.errors import OptionError, TransportError
+from weightlift.errors import OptionError, TransportError, TransportTimeout
 from weightlift.remote.protocol import MAC_SIZE, NEED_DATA, PAYLOAD_COMMANDS, Decoder, FrameMac, Message
 
 __all__ = [
@@ -148,7 +148,7 @@ class SocketStream:
 
     def _error(self, e: OSError, what: str) -> TransportError:
         if isinstance(e, (BlockingIOError, TimeoutError)):  # a kernel or socket timeout ran out
-            return TransportError(f"{what} {self.peer or 'peer'} timed out")
+            return TransportTimeout(f"{what} {self.peer or 'peer'} timed out")
         return TransportError(f"{what} {self.peer or 'peer'} failed: {e.strerror or e}")
 
     def send_parts(self, parts: Sequence[Buffer]) -> None:
@@ -159,7 +159,7 @@ class SocketStream:
             while i < len(views):
                 sent = self._sock.sendmsg(views[i : i + _MAX_IOV])
                 if self._send_by is not None and time.monotonic() > self._send_by:
-                    raise TransportError(
+                    raise TransportTimeout(
                         f"sending to {self.peer or 'peer'} timed out: the peer took the bytes too slowly"
                     )
                 # A partial send stops anywhere: drop what went, slice the buffer it stopped in.
@@ -171,6 +171,8 @@ class SocketStream:
                     else:
                         views[i] = views[i][sent:]
                         sent = 0
+        except TransportError:  # ours (an OSError too): already says what failed
+            raise
         except OSError as e:
             raise self._error(e, "sending to") from None
 
@@ -186,6 +188,8 @@ class SocketStream:
                 if n == 0:
                     raise TransportError(f"file ended {end - offset} bytes before the range sent to {self.peer}")
                 offset += n
+        except TransportError:
+            raise
         except OSError as e:
             raise self._error(e, "sending a file to") from None
 
@@ -468,11 +472,13 @@ class TlsStream(SocketStream):
                 for at in range(0, len(v), _TLS_PIECE):  # pieces, so a deadline is checked between them
                     self._tls.sendall(v[at : at + _TLS_PIECE])
                     if self._send_by is not None and time.monotonic() > self._send_by:
-                        raise TransportError(
+                        raise TransportTimeout(
                             f"sending to {self.peer or 'peer'} timed out: the peer took the bytes too slowly"
                         )
             if pending:
                 self._tls.sendall(b"".join(pending))
+        except TransportError:
+            raise
         except OSError as e:
             raise self._error(e, "sending to") from None
 

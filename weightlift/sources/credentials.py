@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from weightlift.errors import OptionError
+from weightlift.errors import OptionError, install_hint
 from weightlift.sources.url import Location
 
 __all__ = ["Retry", "StoreConfig", "resolve", "make_store", "describe"]
@@ -123,7 +123,7 @@ def resolve(loc: Location) -> tuple[StoreConfig, Any]:
         import botocore.session
         from botocore.exceptions import BotoCoreError
     except ImportError:
-        raise OptionError("s3:// needs botocore and obstore: pip install 'weightlift[s3]'") from None
+        raise OptionError(f"s3:// needs botocore and obstore: {install_hint('s3')}") from None
     try:
         session = botocore.session.get_session()
         region, endpoint = _region_and_endpoint(session)
@@ -166,7 +166,7 @@ def make_store(cfg: StoreConfig, provider: Any, retry: Retry, *, connections: in
     try:
         from obstore.store import HTTPStore, S3Store
     except ImportError:
-        raise OptionError(f"{cfg.scheme}:// needs obstore: pip install 'weightlift[s3]'") from None
+        raise OptionError(f"{cfg.scheme}:// needs obstore: {install_hint('s3')}") from None
     client: Any = {
         "allow_http": True,
         "pool_max_idle_per_host": str(max(1, connections)),

@@ -24,7 +24,7 @@ from weightlift import env
 from weightlift.dtypes import DTYPES, dtype_info
 from weightlift.formats import TensorInfo
 from weightlift.memory.faulter import REGION, Faulter
-from weightlift.memory.targets import Stager, Target, as_bytes, make_target
+from weightlift.memory.targets import Stager, Target, as_bytes, target_for
 from weightlift.options import LoadOptions
 from weightlift.profile import Profiler
 from weightlift.sources.engine import Budget, Part, layout, make_parts, make_runs, run_parts
@@ -79,7 +79,7 @@ def load_objects(
     ``budget`` bounds the host memory held besides the destination (default:
     ``WEIGHTLIFT_SOURCE_BUDGET``, else two parts per connection for a staged target)."""
     t0 = time.perf_counter()
-    target = target if target is not None else make_target(opts.device, opts.framework, None)
+    target = target if target is not None else target_for(opts.placement)
     casted = [t for t in infos if casts(t, opts.cast)]
     direct = [t for t in infos if not casts(t, opts.cast)] if casted else infos
     nbytes = sum(t.length for t in infos)

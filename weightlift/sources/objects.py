@@ -73,6 +73,14 @@ class Objects:
                 _opened[url] = self
         return got
 
+    def adopt(self, info: ObjectInfo) -> None:
+        """Take ``info``, read elsewhere (by another rank of a group), as the version of its
+        object: every later read here is of that version, as if this process had asked."""
+        with self._lock:
+            self._infos[info.url] = info
+        with _opened_lock:
+            _opened[info.url] = self
+
     def exists(self, url: str) -> bool:
         try:
             self.info(url)

@@ -1,7 +1,8 @@
 """weightlift in vLLM: the ``weightlift`` load format and weight-transfer engine.
 
-``pip install 'weightlift[vllm]'`` installs :func:`register` as a ``vllm.general_plugins`` entry
-point, which vLLM runs in each of its processes before it builds a model; then
+``pip install -e '.[vllm]'`` from a checkout (``'weightlift[vllm]'`` once published) installs
+:func:`register` as a ``vllm.general_plugins`` entry point, which vLLM runs in each of its
+processes before it builds a model; then
 ``LLM(model=..., load_format="weightlift")`` (``vllm serve --load-format weightlift``) loads
 through :class:`~weightlift.integrations.vllm.loader.WeightliftModelLoader`, and
 ``weight_transfer_config={"backend": "weightlift"}`` gives the engine

@@ -14,13 +14,15 @@ import builtins
 import os
 import ssl
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, TypedDict, overload
 
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
 from weightlift.errors import LocalProtocolError, OptionError, StateError
+from weightlift.options import check_keywords, keyword_signature
 from weightlift.profile import Profiler
 from weightlift.remote.client.connection import MAX_TIMEOUT, Connection
-from weightlift.remote.client.job import PIPELINE, Push, PushResult, strategy
+from weightlift.remote.client.job import PIPELINE, ProgressCallback, Push, PushResult, strategy
 from weightlift.remote.client.memory import host_bytes, memory_tensors
 from weightlift.remote.client.pull import (
     MAX_LIST_BYTES,
@@ -38,13 +40,137 @@ from weightlift.remote.token import token_bytes
 from weightlift.remote.transport import TCP, Backend, TlsBackend
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11; only a checker reads it
+
     from weightlift.digest.published import ManifestSource
 
-__all__ = ["Client", "PushResult", "RemoteTensor", "ServerReport", "MAX_LIST_ENTRIES", "MAX_LIST_BYTES"]
+__all__ = [
+    "Client",
+    "ClientKw",
+    "ClientOptions",
+    "PushKw",
+    "MemoryPushKw",
+    "PushOptions",
+    "PushResult",
+    "RemoteTensor",
+    "ServerReport",
+    "MAX_LIST_ENTRIES",
+    "MAX_LIST_BYTES",
+]
 
 Source = str | os.PathLike[str] | Checkpoint
 #: What a push takes from memory: ``{name: numpy array or torch tensor}``.
 Tensors = Mapping[str, Any]
+
+
+class ClientKw(TypedDict, total=False):
+    """The types of :class:`Client`'s keywords besides the address. The keywords themselves,
+    their defaults and checks are :class:`ClientOptions`'s fields; what each means is said once,
+    in :class:`Client`'s docstring."""
+
+    token: str | bytes | None
+    streams: int
+    profile: Profiler | bool | None
+    timeout: float | None
+    protocol_minor: int
+    backend: Backend
+    tls: ssl.SSLContext | None
+    keep_base: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClientOptions:
+    """Everything :class:`Client` takes besides the address (see there), checked once.
+
+    ``secret`` and ``transport`` are derived: the token as bytes, whitespace around it dropped,
+    as :func:`~weightlift.remote.token.read_token` reads a token file; the backend connections
+    are made with (``tls`` made into one). Build a variant with :func:`dataclasses.replace`.
+    """
+
+    token: str | bytes | None = field(default=None, repr=False)  # a secret: never in a log line
+    streams: int = 1
+    profile: Profiler | bool | None = None
+    timeout: float | None = 30.0
+    protocol_minor: int = PROTOCOL_MINOR
+    backend: Backend = TCP
+    tls: ssl.SSLContext | None = None
+    keep_base: bool = False
+
+    secret: bytes | None = field(init=False, repr=False, compare=False)
+    transport: Backend = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.tls is not None and self.backend is not TCP:
+            raise OptionError("pass tls= or backend=, not both")
+        object.__setattr__(self, "transport", TlsBackend(self.tls) if self.tls is not None else self.backend)
+        streams, timeout = self.streams, self.timeout
+        if not isinstance(streams, int) or streams < 1:
+            raise OptionError(f"streams must be a positive integer, got {streams!r}")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= MAX_TIMEOUT
+        ):  # NaN and infinity too: the socket would raise ValueError or OverflowError at connect
+            raise OptionError(
+                f"timeout must be None or a number of seconds over 0, up to {MAX_TIMEOUT:.0f}; got {timeout!r}"
+            )
+        if not 0 <= self.protocol_minor <= PROTOCOL_MINOR:
+            raise OptionError(f"protocol_minor must be between 0 and {PROTOCOL_MINOR}")
+        object.__setattr__(self, "secret", token_bytes(self.token))
+
+
+class PushKw(TypedDict, total=False):
+    """The types of :meth:`Client.push`'s keywords besides ``to`` (which picks the result's type),
+    for a checkpoint; :class:`MemoryPushKw` adds those of a push from memory. Their defaults and
+    checks are :class:`PushOptions`'s fields; what each means is said in :meth:`Client.push`."""
+
+    select: Select
+    hash_threshold: int | None
+    verify: bool
+    manifest: ManifestSource | None
+    progress: ProgressCallback | None
+    model: str | None
+
+
+class MemoryPushKw(PushKw, total=False):
+    """:class:`PushKw` and what only a push of tensors from memory takes."""
+
+    base: Tensors | None
+    in_place: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class PushOptions:
+    """Everything :meth:`Client.push` takes besides the source (see there)."""
+
+    select: Select = None
+    hash_threshold: int | None = None
+    verify: bool = False
+    to: Mapping[Address, Select] | Sequence[Address] | None = None
+    base: Tensors | None = None
+    in_place: bool = False
+    manifest: ManifestSource | None = None
+    progress: ProgressCallback | None = None
+    model: str | None = None
+
+    def check(self, source: Source | Tensors) -> None:
+        """OptionError for options that do not go together with each other or with ``source``,
+        before any connection."""
+        if self.manifest is not None and not self.verify:
+            raise OptionError("push(manifest=...) is what verify=True checks against: pass verify=True too")
+        if isinstance(source, Mapping):
+            if self.to is not None:
+                raise OptionError(
+                    "push(to=...) takes a checkpoint; push tensors from memory to each server's own client"
+                )
+            if self.manifest is not None:
+                raise OptionError(
+                    "push(manifest=...) takes a checkpoint; tensors from memory are hashed where they are"
+                )
+        elif self.base is not None or self.in_place:
+            raise OptionError("push(base=..., in_place=...) apply to tensors pushed from memory")
+        if self.model is not None and not isinstance(self.model, str):
+            raise OptionError(f"push(model=...) takes a model's name (str), not {type(self.model).__name__}")
+        if self.to is not None and self.model is not None:
+            raise OptionError("push(to=..., model=...): push each server's model with its own client")
 
 
 class Client:
@@ -64,64 +190,42 @@ class Client:
     so that the next push of those tensors sends only what changed (see :meth:`push`).
     """
 
-    def __init__(
-        self,
-        address: Address,
-        *,
-        token: str | bytes | None = None,
-        streams: int = 1,
-        profile: Profiler | bool | None = None,
-        timeout: float | None = 30.0,
-        protocol_minor: int = PROTOCOL_MINOR,
-        backend: Backend = TCP,
-        tls: ssl.SSLContext | None = None,
-        keep_base: bool = False,
-    ):
-        if tls is not None:
-            if backend is not TCP:
-                raise OptionError("pass tls= or backend=, not both")
-            backend = TlsBackend(tls)
-        if not isinstance(streams, int) or streams < 1:
-            raise OptionError(f"streams must be a positive integer, got {streams!r}")
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= MAX_TIMEOUT
-        ):  # NaN and infinity too: the socket would raise ValueError or OverflowError at connect
-            raise OptionError(
-                f"timeout must be None or a number of seconds over 0, up to {MAX_TIMEOUT:.0f}; got {timeout!r}"
-            )
-        if not 0 <= protocol_minor <= PROTOCOL_MINOR:
-            raise OptionError(f"protocol_minor must be between 0 and {PROTOCOL_MINOR}")
+    def __init__(self, address: Address, **options: Unpack[ClientKw]) -> None:
+        check_keywords("Client.__init__", options, ClientOptions)
+        self._open(address, ClientOptions(**options))
+
+    @classmethod
+    def with_options(cls, address: Address, options: ClientOptions) -> Client:
+        """A client of ``address`` with options already built and checked."""
+        client = cls.__new__(cls)
+        client._open(address, options)
+        return client
+
+    def _open(self, address: Address, options: ClientOptions) -> None:
         self.address = address
-        self._token = token_bytes(token)  # as read_token reads a token file: whitespace around it dropped
-        self.streams = streams
-        self._minor = protocol_minor
-        self._timeout = timeout
-        self._backend = backend
+        self.options = options
+        self.streams = options.streams
         self._strategy = strategy()  # how this client's pushes move their tensors, chosen once
+        profile = options.profile
         self.profiler = profile if isinstance(profile, Profiler) else Profiler(profile)
         # A profiler of our own reports one push at a time; one passed in accumulates as its owner wishes.
         self._own_profiler = not isinstance(profile, Profiler)
-        self.bases: Bases | None = Bases() if keep_base else None  # what this client last pushed from memory
+        # what this client last pushed from memory
+        self.bases: Bases | None = Bases() if options.keep_base else None
         self._conns: list[Connection] = [self._connect()]
 
     def _connect(self) -> Connection:
+        o = self.options
         return Connection(
-            self._backend.connect(self.address, timeout=self._timeout),
-            token=self._token,
-            minor=self._minor,
-            timeout=self._timeout,
+            o.transport.connect(self.address, timeout=o.timeout),
+            token=o.secret,
+            minor=o.protocol_minor,
+            timeout=o.timeout,
         )
 
     def _sibling(self, address: Address) -> Client:
         """A client of another server with this one's token, streams, timeout, minor and backend."""
-        return Client(
-            address,
-            token=self._token,
-            streams=self.streams,
-            timeout=self._timeout,
-            protocol_minor=self._minor,
-            backend=self._backend,
-        )
+        return Client.with_options(address, replace(self.options, profile=None, keep_base=False))
 
     @property
     def connections(self) -> tuple[Connection, ...]:
@@ -153,45 +257,18 @@ class Client:
     # -- push ----------------------------------------------------------------------------------
 
     @overload
-    def push(
-        self,
-        source: Source | Tensors,
-        *,
-        select: Select = None,
-        hash_threshold: int | None = None,
-        verify: bool = False,
-        to: None = None,
-        base: Tensors | None = None,
-        in_place: bool = False,
-        manifest: ManifestSource | None = None,
-        model: str | None = None,
-    ) -> PushResult: ...
-
+    def push(self, source: Source | Tensors, *, to: None = None, **options: Unpack[MemoryPushKw]) -> PushResult: ...
     @overload
     def push(
-        self,
-        source: Source,
-        *,
-        select: Select = None,
-        hash_threshold: int | None = None,
-        verify: bool = False,
-        to: Mapping[Address, Select] | Sequence[Address],
-        manifest: ManifestSource | None = None,
-        model: None = None,
+        self, source: Source, *, to: Mapping[Address, Select] | Sequence[Address], **options: Unpack[PushKw]
     ) -> dict[str, PushResult]: ...
 
     def push(
         self,
         source: Source | Tensors,
         *,
-        select: Select = None,
-        hash_threshold: int | None = None,
-        verify: bool = False,
         to: Mapping[Address, Select] | Sequence[Address] | None = None,
-        base: Tensors | None = None,
-        in_place: bool = False,
-        manifest: ManifestSource | None = None,
-        model: str | None = None,
+        **options: Unpack[MemoryPushKw],
     ) -> PushResult | dict[str, PushResult]:
         """Send the selected tensors of a checkpoint, or of ``{name: array or tensor}``, to the
         server; returns when all have landed.
@@ -231,31 +308,38 @@ class Client:
         what the manifest names. IntegrityError before any byte is sent if it lacks a selected
         tensor or gives it another size.
 
+        ``progress``: called as ``progress(bytes done, bytes in all)`` after each tensor lands (or
+        is filled from the server's cache), from the sending thread; nothing is drawn otherwise.
+        Not with ``to``.
+
         ``model`` (a server of protocol minor 5): push into that model, a namespace of its own on
         the server (None: the default model, where a client that names none pushes); see
-        :meth:`list`, :meth:`pull`, :meth:`remove`. To such a server a checkpoint arrives as one
-        unit: none of its tensors is visible (LIST, READ, HAVE) until every one has landed, and
-        none ever is if the push fails or the client goes away (their memory goes back).
+        :meth:`list`, :meth:`pull`, :meth:`remove`. Not with ``to``. To such a server a
+        checkpoint arrives as one unit: none of its tensors is visible (LIST, READ, HAVE) until
+        every one has landed, and none ever is if the push fails or the client goes away (their
+        memory goes back).
         """
-        _check_push_options(source, to=to, base=base, in_place=in_place, verify=verify, manifest=manifest)
-        if to is not None and model is not None:
-            raise OptionError("push(to=..., model=...): push each server's model with its own client")
+        check_keywords("Client.push", options, PushOptions)
+        o = PushOptions(to=to, **options)
+        o.check(source)
+        if o.to is not None and o.progress is not None:
+            raise OptionError("push(progress=...) reports one push: not with to=...")
         if isinstance(source, Mapping):
-            self._conn().use(model or "")
-            return self._push_memory(source, select, hash_threshold, verify, base, in_place)
-        if to is not None:
-            return self._push_to(source, select, to, hash_threshold=hash_threshold, verify=verify, manifest=manifest)
+            self._conn().use(o.model or "")
+            return self._push_memory(source, o)
+        if o.to is not None:
+            return self._push_to(source, o.to, o)
         from weightlift.digest.published import reference  # a store's manifest: the store clients, on demand
 
         ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
-        tensors = ck.select(select)
-        ref = reference(ck, tensors, manifest) if verify else None
+        tensors = ck.select(o.select)
+        ref = reference(ck, tensors, o.manifest) if o.verify else None
         self._conn()
         while len(self._conns) < self.streams:
             self._conns.append(self._connect())
         conns = self._conns[: self.streams]
         for c in conns:
-            c.use(model or "")
+            c.use(o.model or "")
         if self._own_profiler:
             self.profiler.reset()
         job = Push(
@@ -264,10 +348,11 @@ class Client:
             where=address_key(self.address),
             how=self._strategy,
             profiler=self.profiler,
-            hash_threshold=hash_threshold,
-            verify=verify,
+            hash_threshold=o.hash_threshold,
+            verify=o.verify,
             expected=ref.digests if ref is not None else None,
             manifest=ref.manifest if ref is not None else None,
+            progress=o.progress,
             unit=conns[0].session.models,
         )
         try:
@@ -279,21 +364,13 @@ class Client:
                 self.close()
             raise
 
-    def _push_memory(
-        self,
-        tensors: Tensors,
-        select: Select,
-        hash_threshold: int | None,
-        verify: bool,
-        base: Tensors | None,
-        in_place: bool,
-    ) -> PushResult:
-        infos = memory_tensors(tensors, select)
+    def _push_memory(self, tensors: Tensors, o: PushOptions) -> PushResult:
+        infos = memory_tensors(tensors, o.select)
         conn = self._conn()
         spec = None
         if conn.session.update:
-            bases = given_bases(base) if base is not None else (self.bases if self.bases is not None else {})
-            spec = UpdateSpec(bases, in_place=in_place, delta=conn.session.delta)
+            bases = given_bases(o.base) if o.base is not None else (self.bases if self.bases is not None else {})
+            spec = UpdateSpec(bases, in_place=o.in_place, delta=conn.session.delta)
         if self._own_profiler:
             self.profiler.reset()
         job = Push(
@@ -302,9 +379,10 @@ class Client:
             where=address_key(self.address),
             how=PIPELINE,  # the naive arm reads files only
             profiler=self.profiler,
-            hash_threshold=hash_threshold,
-            verify=verify,
+            hash_threshold=o.hash_threshold,
+            verify=o.verify,
             update=spec,
+            progress=o.progress,
         )
         try:
             result = job.run()
@@ -320,18 +398,11 @@ class Client:
         return result
 
     def _push_to(
-        self,
-        source: Source,
-        select: Select,
-        to: Mapping[Address, Select] | Sequence[Address],
-        *,
-        hash_threshold: int | None,
-        verify: bool,
-        manifest: ManifestSource | None,
+        self, source: Source, to: Mapping[Address, Select] | Sequence[Address], o: PushOptions
     ) -> dict[str, PushResult]:
-        others = dict(to) if isinstance(to, Mapping) else {a: select for a in to}
+        others = dict(to) if isinstance(to, Mapping) else {a: o.select for a in to}
         me = address_key(self.address)
-        targets: dict[Address, Select] = {me: select, **{address_key(a): s for a, s in others.items()}}
+        targets: dict[Address, Select] = {me: o.select, **{address_key(a): s for a, s in others.items()}}
         if len(targets) != len(others) + 1:
             raise OptionError("push(to=...): every server once, this client's own not again")
         return push_each(
@@ -339,9 +410,9 @@ class Client:
             targets,
             connect=self._sibling,
             own={me: self},
-            hash_threshold=hash_threshold,
-            verify=verify,
-            manifest=manifest,
+            hash_threshold=o.hash_threshold,
+            verify=o.verify,
+            manifest=o.manifest,
         )
 
     # -- list / pull / free --------------------------------------------------------------------------
@@ -378,7 +449,12 @@ class Client:
         return conn
 
     def pull(
-        self, path: str | os.PathLike[str], *, verify: bool = False, model: str | None = None
+        self,
+        path: str | os.PathLike[str],
+        *,
+        verify: bool = False,
+        progress: ProgressCallback | None = None,
+        model: str | None = None,
     ) -> builtins.list[RemoteTensor]:
         """Write every tensor the server holds to ``path`` as a .safetensors file; returns them.
 
@@ -388,14 +464,16 @@ class Client:
         every tensor matches (else :class:`~weightlift.errors.IntegrityError` naming each one
         that differs, and no file). Needs a server of protocol minor 2 (LocalProtocolError
         otherwise). FormatError, before anything is written, if the file's header would pass
-        the limit safetensors readers accept.
+        the limit safetensors readers accept. ``progress``: called as ``progress(bytes done, bytes
+        in all)`` as the tensors arrive. ``model``: pull that model (None: the default model).
         """
         job = Pull(
             self._model_conn(model),
             path,
             where=address_key(self.address),
             verify=verify,
-            protected=self._token is not None,
+            protected=self.options.secret is not None,
+            progress=progress,
         )
         try:
             return job.run()
@@ -403,6 +481,11 @@ class Client:
             if not job.settled:
                 self.close()  # replies may still be in flight: the connection is unusable
             raise
+
+
+# help() and inspect show every keyword with its default, as when each method wrote each one out
+Client.__init__.__signature__ = keyword_signature(Client.__init__, ClientOptions, ClientKw)  # type: ignore[attr-defined]
+Client.push.__signature__ = keyword_signature(Client.push, PushOptions, MemoryPushKw)  # type: ignore[attr-defined]
 
 
 def _needs_models(conn: Connection, what: str) -> None:
@@ -432,24 +515,3 @@ def _free_batch(conn: Connection, names: builtins.list[str]) -> int:
     conn.send(conn.frame(Free(tuple(names))))
     reply: FreeReply = conn.expect(FreeReply)
     return reply.freed
-
-
-def _check_push_options(
-    source: Source | Tensors,
-    *,
-    to: object,
-    base: Tensors | None,
-    in_place: bool,
-    verify: bool,
-    manifest: ManifestSource | None,
-) -> None:
-    """OptionError for a push's options that do not go together, before any connection."""
-    if manifest is not None and not verify:
-        raise OptionError("push(manifest=...) is what verify=True checks against: pass verify=True too")
-    if isinstance(source, Mapping):
-        if to is not None:
-            raise OptionError("push(to=...) takes a checkpoint; push tensors from memory to each server's own client")
-        if manifest is not None:
-            raise OptionError("push(manifest=...) takes a checkpoint; tensors from memory are hashed where they are")
-    elif base is not None or in_place:
-        raise OptionError("push(base=..., in_place=...) apply to tensors pushed from memory")

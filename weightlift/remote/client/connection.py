@@ -28,6 +28,7 @@ from weightlift.errors import (
     RemoteProtocolError,
     StateError,
     TransportError,
+    TransportTimeout,
     WeightliftError,
 )
 from weightlift.remote.protocol import (
@@ -94,7 +95,7 @@ def remote_error(msg: Error) -> WeightliftError:
     return cls(f"server: {printable(msg.message)}")
 
 
-class Late(TransportError):
+class Late(TransportTimeout):
     """A reply (or its payload) did not arrive whole within its deadline."""
 
 
@@ -169,7 +170,9 @@ class Connection:
             if isinstance(self.stream, TlsStream):
                 raise
             # a TLS server resets a plaintext HELLO or answers it with a TLS alert: say what to do
-            raise TransportError(
+            # (a timeout stays one: a TimeoutError to the caller)
+            kind = TransportTimeout if isinstance(e, TransportTimeout) else TransportError
+            raise kind(
                 f"{self.stream.peer} ended the handshake ({e}); if that server speaks TLS (serve --tls-cert), "
                 "connect with TLS (--tls or --tls-ca; Client(tls=client_tls_context(...)))"
             ) from None

@@ -46,11 +46,11 @@ from weightlift.formats import TensorInfo
 from weightlift.profile import Profiler
 from weightlift.remote.client.connection import Connection, printable
 from weightlift.remote.client.naive import NaivePusher
-from weightlift.remote.client.push import Hashing, Plan, Pusher, Tally, balance, wire_form
+from weightlift.remote.client.push import Hashing, Plan, ProgressCallback, Pusher, Tally, balance, wire_form
 from weightlift.remote.client.update import UpdatePusher, UpdateSpec
 from weightlift.remote.protocol import Barrier, BarrierReply, Commit, CommitReply, Update
 
-__all__ = ["PushResult", "Strategy", "PIPELINE", "NAIVE", "strategy", "Push"]
+__all__ = ["PushResult", "Strategy", "PIPELINE", "NAIVE", "strategy", "Push", "ProgressCallback"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,7 @@ class Push:
 
     ``settled`` says afterwards whether every connection ended in step with the server (at a
     BARRIER reply, nothing left allocated): if not, the connections are unusable.
+    ``progress(done, total)`` is told the tensor bytes on the server after each tensor.
     """
 
     def __init__(
@@ -123,6 +124,7 @@ class Push:
         update: UpdateSpec | None = None,
         expected: Mapping[str, bytes] | None = None,
         manifest: str | None = None,
+        progress: ProgressCallback | None = None,
         unit: bool = False,
     ):
         if verify and not all(c.verify for c in conns):
@@ -140,7 +142,7 @@ class Push:
         self.update = update  # an update (tensors from memory, minor 3): one connection, UPDATE to COMMIT
         if update is not None:
             self.conns = conns[:1]
-        self.tally = Tally()
+        self.tally = Tally(sum(p.info.length for p in self.plans), progress)
         self.senders: list[Pusher] = []
         self.expected = expected  # with verify: digests published for the tensors
         self.manifest = manifest  # where ``expected`` was published

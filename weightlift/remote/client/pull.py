@@ -22,6 +22,7 @@ import mmap
 import os
 import tempfile
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, NamedTuple
 
@@ -33,6 +34,7 @@ from weightlift.errors import (
     LocalProtocolError,
     RemoteProtocolError,
     StateError,
+    WeightliftError,
 )
 from weightlift.formats.safetensors import build_header
 from weightlift.remote.client.connection import Connection, Replaced
@@ -143,11 +145,21 @@ def _entry_bytes(e: ListEntry) -> int:
 
 class Pull:
     """One pull of everything the server on ``conn`` (named ``where`` in errors) holds into
-    ``path``, run by :meth:`run`. ``protected``: the connection proved a token (the file is then
+    ``path``, run by :meth:`run`. ``progress(done, total)`` is told the bytes received after each
+    tensor (a pull that starts over starts its count over). ``protected``: the connection proved a token (the file is then
     0600). ``settled`` says afterwards whether the connection is still in step with the server
     (every reply read): if not, it is unusable."""
 
-    def __init__(self, conn: Connection, path: str | os.PathLike[str], *, where: str, verify: bool, protected: bool):
+    def __init__(
+        self,
+        conn: Connection,
+        path: str | os.PathLike[str],
+        *,
+        where: str,
+        verify: bool,
+        protected: bool,
+        progress: Callable[[int, int], None] | None = None,
+    ):
         if verify and not conn.verify:
             raise LocalProtocolError(
                 f"pull(verify=True): the server speaks protocol 1.{conn.minor}, which cannot state digests "
@@ -155,6 +167,7 @@ class Pull:
             )
         self.conn, self.path, self.where = conn, os.fspath(path), where
         self.verify, self.protected = verify, protected
+        self.progress = progress  # (bytes done, bytes in all), as each tensor arrives
         self.settled = True
         self.generation = 0  # the server's generation as listed: a set switched in after makes READs STALE
 
@@ -198,12 +211,15 @@ class Pull:
                 self._write(f, header, listed, [len(header) + o for o in offsets])
                 os.fchmod(f.fileno(), pulled_mode(protected=self.protected))
             os.replace(tmp, self.path)
-        except OSError as e:
-            _unlink(tmp)
-            raise FileError(f"cannot write: {e.strerror or e}", file=self.path, errno=e.errno) from None
         except (IntegrityError, Replaced):
             _unlink(tmp)  # every reply was read: the connection is still in step
             raise
+        except OSError as e:
+            _unlink(tmp)
+            if isinstance(e, WeightliftError):  # the connection's (TransportError is an OSError too)
+                self.settled = False
+                raise
+            raise FileError(f"cannot write: {e.strerror or e}", file=self.path, errno=e.errno) from None
         except BaseException:
             _unlink(tmp)
             self.settled = False  # replies may still be in flight
@@ -233,7 +249,15 @@ class Pull:
     def _read_current(self, listed: list[ListEntry], starts: list[int], mm: mmap.mmap | None) -> list[str]:
         """READ every listed tensor; those replaced since by the same layout are read again as
         their new version. Returns the names that differ from their stated digest (``verify``)."""
-        differ, stale = read_tensors(self.conn, listed, starts, mm, self.verify, self.generation)
+        total, done = sum(e.nbytes for e in listed), 0
+
+        def arrived(n: int) -> None:
+            nonlocal done
+            done = min(done + n, total)  # a tensor read again counts once
+            if self.progress is not None:
+                self.progress(done, total)
+
+        differ, stale = read_tensors(self.conn, listed, starts, mm, self.verify, self.generation, arrived)
         for _ in range(PULL_ATTEMPTS):
             if not stale:
                 return differ
@@ -256,6 +280,7 @@ class Pull:
                 mm,
                 self.verify,
                 self.generation,
+                arrived,
             )
             differ += more
             stale = [stale[k] for k in stale_again]
@@ -271,6 +296,7 @@ def read_tensors(
     mm: mmap.mmap | None,
     verify: bool = False,
     generation: int = 0,
+    arrived: Callable[[int], None] | None = None,
 ) -> tuple[list[str], list[int]]:
     """READ every entry into its place in ``mm``; with ``verify`` each is hashed as it lands,
     a piece at a time while the piece is hot, and the names that differ are returned.
@@ -278,7 +304,7 @@ def read_tensors(
     Each READ asks for the version listed; the positions in ``entries`` of those the server
     answers were replaced since are returned beside the names that differ, their bytes not
     read. A non-zero ``generation`` (minor 3) makes every READ STALE once another set was
-    switched in since the listing."""
+    switched in since the listing. ``arrived(nbytes)`` is called after each tensor received."""
     view = memoryview(mm) if mm is not None else memoryview(b"")
     flags = Read.FLAG_DIGEST if verify else 0
     differ: list[str] = []
@@ -304,6 +330,8 @@ def read_tensors(
                 conn.recv_payload(dest)
             elif _received_digest(conn, dest, e.name, reply.digest) != reply.digest:
                 differ.append(repr(e.name))
+            if arrived is not None:
+                arrived(e.nbytes)
     except BaseException as exc:
         _drop_locals(exc)  # the frames it passed through hold slices of the mapping
         raise

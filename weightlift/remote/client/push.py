@@ -12,7 +12,7 @@ import itertools
 import os
 import threading
 from collections import Counter, deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
@@ -45,6 +45,7 @@ __all__ = [
     "Plan",
     "wire_form",
     "Tally",
+    "ProgressCallback",
     "Hashing",
     "balance",
     "Pusher",
@@ -81,11 +82,19 @@ def wire_form(t: TensorInfo) -> Plan:
     return Plan(t, "U8", (t.length,))  # GGUF quantized blocks: pushed as their raw bytes
 
 
+#: A push's or a pull's progress callback: ``(bytes done, bytes in all)``, after each tensor.
+ProgressCallback = Callable[[int, int], None]
+
+
 class Tally:
-    def __init__(self) -> None:
+    """What the senders of one push did, counted under one lock; ``progress(bytes, total)`` is
+    told each time the bytes on the server grow (a tensor sent or filled from the cache)."""
+
+    def __init__(self, total: int = 0, progress: ProgressCallback | None = None) -> None:
         self.lock = threading.Lock()
         self.tensors = self.bytes = self.sent = self.hashed = self.cached = self.verified = self.deltas = 0
         self.differ: list[str] = []  # verified tensors whose server digest is not the file's
+        self.total, self.progress = total, progress
 
     def mismatch(self, what: str) -> None:
         with self.lock:
@@ -95,6 +104,8 @@ class Tally:
         with self.lock:
             for k, v in kw.items():
                 setattr(self, k, getattr(self, k) + v)
+            if self.progress is not None and kw.get("bytes", 0) > 0:  # a resend takes its bytes back first
+                self.progress(self.bytes, self.total)
 
 
 class Hashing:

@@ -13,12 +13,13 @@ import ipaddress
 import os
 import ssl
 import warnings
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import MISSING, dataclass, field, fields
+from functools import cached_property
+from typing import Any, Literal, TypedDict
 
 from weightlift import env
 from weightlift.errors import DeviceError, OptionError
-from weightlift.memory.targets import Target, cuda_device, make_target
+from weightlift.memory.targets import Target, cuda_device, target_for
 from weightlift.options import Placement
 from weightlift.remote.protocol import PROTOCOL_MINOR
 from weightlift.remote.token import check_token, token_bytes
@@ -26,6 +27,9 @@ from weightlift.remote.transport import TCP, Backend, TlsBackend
 
 __all__ = [
     "ServerConfig",
+    "ServerOptions",
+    "INPUT_ONLY",
+    "CONFIG_ONLY",
     "configure",
     "is_loopback",
     "default_max_memory",
@@ -82,12 +86,13 @@ def cuda_budget(free: int, total: int) -> int:
     return max(0, free - max(_CUDA_HEADROOM_MIN, int(total * CUDA_HEADROOM)))
 
 
-def default_max_memory(device: str = "cpu") -> int:
+def default_max_memory(device: str | Placement = "cpu") -> int:
     """The memory cap a server uses when given none: 90 % of physical RAM for ``cpu``, for
     ``cuda[:N]`` what is free on the device now less headroom (:func:`cuda_budget`). OptionError
     where the amount cannot be found."""
-    dev = str(device)
-    if dev.startswith("cuda"):
+    place = device if isinstance(device, Placement) else Placement(device=device, framework="torch")
+    dev = place.device
+    if place.cuda:
         import torch
 
         try:
@@ -109,15 +114,14 @@ def _current_device() -> int:
     return int(torch.cuda.current_device())
 
 
-def check_device(device: str, framework: str) -> Target | None:
+def check_device(place: Placement) -> Target | None:
     """Fail now on a device the server cannot use, without allocating anything on it.
 
     Returns the host target all connections share (it holds no state), or None for a CUDA
     device: each connection makes its own CUDA target, with its pinned slots, at its first ALLOC.
     """
-    place = Placement(device=device, framework=framework)  # the pair, checked as every load checks it
     if not place.cuda:
-        return make_target(place.device, place.framework)
+        return target_for(place)
     import torch
 
     if not torch.cuda.is_available():
@@ -182,6 +186,12 @@ class ServerConfig:
         if not 0 <= self.reserve <= self.max_memory:
             raise OptionError(f"reserve must be between 0 and max_memory ({self.max_memory}), got {self.reserve}")
 
+    @cached_property
+    def placement(self) -> Placement:
+        """The device and framework as one checked value, for the server's code to pass around
+        instead of the strings."""
+        return Placement(device=self.device, framework=self.framework)
+
     @property
     def gate_timeout(self) -> float:
         """How long an in-place commit waits for the READs sending what it changes, then is
@@ -189,44 +199,66 @@ class ServerConfig:
         return GATE_TIMEOUT if self.io_timeout is None else min(self.io_timeout, GATE_TIMEOUT)
 
 
-def configure(
-    *,
-    host: str,
-    port: int,
-    device: str,
-    framework: str,
-    cache_dir: str | os.PathLike[str] | None,
-    cache_max_bytes: int | Literal["auto"] | None,
-    token: str | bytes | None,
-    insecure: bool,
-    max_memory: int | None,
-    reserve: int,
-    max_connections: int,
-    max_handshakes: int,
-    max_per_address: int,
-    handshake_timeout: float,
-    idle_timeout: float | None,
-    io_timeout: float | None,
-    min_frame_rate: int | None,
-    profile: bool | None,
-    protocol_minor: int,
-    backend: Backend,
-    tls: ssl.SSLContext | None,
-) -> tuple[ServerConfig, Target | None]:
-    """The checked config for a server's keywords, and the host target its connections share
+class ServerOptions(TypedDict, total=False):
+    """The keywords :class:`~weightlift.remote.server.Server` takes after ``host`` and ``port``,
+    each as the user gives it (see ``Server`` for what each means). This is the one list of them:
+    ``Server`` takes ``**options: Unpack[ServerOptions]``, and each key but those in
+    :data:`INPUT_ONLY` is a field of :class:`ServerConfig`, its checked, resolved form (a test
+    holds the two together). A key left out takes the config field's default."""
+
+    device: str
+    framework: str
+    cache_dir: str | os.PathLike[str] | None
+    cache_max_bytes: int | Literal["auto"] | None
+    token: str | bytes | None
+    insecure: bool
+    max_memory: int | None
+    reserve: int
+    max_connections: int
+    max_handshakes: int
+    max_per_address: int
+    handshake_timeout: float
+    idle_timeout: float | None
+    io_timeout: float | None
+    min_frame_rate: int | None
+    profile: bool | None
+    protocol_minor: int
+    backend: Backend
+    tls: ssl.SSLContext | None
+
+
+#: Options that are no field of the config: ``tls`` is folded into the backend, ``insecure``
+#: only allows a bind without a token.
+INPUT_ONLY = frozenset({"insecure", "tls"})
+#: Config fields no option sets: the address comes positionally, ``naive`` from the environment.
+CONFIG_ONLY = frozenset({"host", "port", "naive"})
+#: What a missing option means where the config field has no default (or another one).
+_INPUT_DEFAULTS: dict[str, Any] = {"insecure": False, "tls": None, "max_memory": None}
+
+
+def configure(host: str, port: int, options: ServerOptions) -> tuple[ServerConfig, Target | None]:
+    """The checked config for a server's options, and the host target its connections share
     (None for a CUDA device). Warns (as the caller's caller) when binding beyond this machine
-    without a token."""
+    without a token. TypeError for a keyword that is no option, as for any function."""
+    unknown = sorted(set(options) - set(ServerOptions.__annotations__))
+    if unknown:
+        raise TypeError(f"Server() got an unexpected keyword argument {unknown[0]!r}")
+    o: dict[str, Any] = {f.name: f.default for f in fields(ServerConfig) if f.default is not MISSING}
+    o.update(_INPUT_DEFAULTS)
+    o.update(options)
+    backend, tls = o["backend"], o["tls"]
     if tls is not None:
         if backend is not TCP:
             raise OptionError("pass tls= or backend=, not both")
         backend = TlsBackend(tls)
+    max_memory = o["max_memory"]
     if max_memory is not None and max_memory < 0:
         raise OptionError(f"max_memory must be >= 0, got {max_memory}")
-    raw_token = token_bytes(token)
+    raw_token = token_bytes(o["token"])
     if raw_token is not None:
         check_token(raw_token)
     if not is_loopback(host):
-        if raw_token is None and not insecure:
+        if raw_token is None and not o["insecure"]:
             raise OptionError(f"binding {host} exposes the server beyond this machine: pass a token, or insecure=True")
         if raw_token is None:
             warnings.warn(
@@ -234,31 +266,21 @@ def configure(
                 RuntimeWarning,
                 stacklevel=3,
             )
-    host_target = check_device(device, framework)  # fails now on a missing device, not per client
+    place = Placement(device=o["device"], framework=o["framework"])  # checked as every load checks it
+    host_target = check_device(place)  # fails now on a missing device, not per client
     if host_target is None:  # a CUDA device: a bare "cuda" named once, in the caller's thread
-        device = cuda_device(device, _current_device)
-    config = ServerConfig(
-        host=host,
-        port=port,
-        device=device,
-        framework=framework,
-        cache_dir=cache_dir,
-        cache_max_bytes=cache_max_bytes,
+        place = Placement(device=cuda_device(place, _current_device), framework=place.framework)
+    settings = {k: o[k] for k in ServerOptions.__annotations__ if k not in INPUT_ONLY}
+    settings.update(
+        device=place.device,
         token=raw_token,
-        max_memory=default_max_memory(device) if max_memory is None else max_memory,
-        reserve=reserve,
-        max_connections=max_connections,
-        max_handshakes=max_handshakes,
-        max_per_address=max_per_address,
-        handshake_timeout=float(handshake_timeout),
-        idle_timeout=None if idle_timeout is None else float(idle_timeout),
-        io_timeout=None if io_timeout is None else float(io_timeout),
-        min_frame_rate=min_frame_rate,
-        profile=profile,
-        protocol_minor=protocol_minor,
+        max_memory=default_max_memory(place) if max_memory is None else max_memory,
+        handshake_timeout=float(o["handshake_timeout"]),
+        idle_timeout=None if o["idle_timeout"] is None else float(o["idle_timeout"]),
+        io_timeout=None if o["io_timeout"] is None else float(o["io_timeout"]),
         backend=backend,
-        naive=not env.load_opt(),
     )
-    if reserve and (host_target is None or not host_target.memcpy_ok):
+    config = ServerConfig(host=host, port=port, naive=not env.load_opt(), **settings)
+    if config.reserve and (host_target is None or not host_target.memcpy_ok):
         raise OptionError("reserve is for host memory: a cpu server without a dtype cast")
     return config, host_target

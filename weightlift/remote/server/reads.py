@@ -12,10 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import blake3
 import numpy as np
 
-from weightlift.digest.blake import hash_buffer
 from weightlift.memory.targets import as_bytes
 from weightlift.remote.protocol import (
     MAX_FRAME,
@@ -36,8 +34,9 @@ from weightlift.remote.protocol import (
     send,
     verify_usable,
 )
-from weightlift.remote.server.context import Context
-from weightlift.remote.server.device import Device
+from weightlift.remote.server.admission import Context
+from weightlift.remote.server.cache.hashing import digest_of, piece_hasher
+from weightlift.remote.server.receive import Staging
 from weightlift.remote.server.store import MemoryFull
 from weightlift.remote.transport import Stream
 
@@ -67,11 +66,11 @@ class Outbox:
 class Reads:
     """The requests that read (or drop) what the store holds, for one connection."""
 
-    def __init__(self, ctx: Context, out: Outbox, device: Device):
+    def __init__(self, ctx: Context, out: Outbox, staging: Staging):
         self._ctx = ctx
         self._store = ctx.store
         self._out = out
-        self._device = device
+        self._staging = staging
 
     def have(self, msg: Have) -> None:
         cache = self._ctx.cache
@@ -128,11 +127,11 @@ class Reads:
                     out.reply(Error(ErrorCode.STALE, f"{r.name!r} was replaced since it was listed"))
                     return
                 view = as_bytes(dest).data[r.offset : r.offset + r.length]
-                digest = hash_buffer(view) if want_digest else None
+                digest = digest_of(view) if want_digest else None
                 out.stream.send_parts(out.sealed(send(ReadReply(r.length, digest), minor=out.minor), view))
             return
         try:
-            staging = self._device.staging()
+            staging = self._staging.buffer()
         except MemoryFull as e:
             out.reply(Error(ErrorCode.LIMIT, f"no memory to stage {r.name!r} for reading: {e}"))
             return
@@ -152,7 +151,7 @@ class Reads:
         end = r.offset + r.length
         digest = None
         if want_digest:
-            hasher = blake3.blake3()
+            hasher = piece_hasher()
             for pos in range(r.offset, end, len(stage)):
                 n = min(len(stage), end - pos)
                 torch.from_numpy(staging[:n]).copy_(flat[pos : pos + n])

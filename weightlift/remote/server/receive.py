@@ -2,41 +2,109 @@
 
 Theory of operation. An ALLOC charges the tensor's cost to the store and, unless the tensor may be
 filled from memory the server already holds, makes its destination at once
-(:mod:`.destinations`): pooled or fresh host memory, or the target's own (a CUDA tensor). Each
-WRITE is read from the socket as a stream by the connection's receive path (:mod:`.paths`);
+(:class:`Destinations`): pooled or fresh host memory, or the target's own (a CUDA tensor). Each
+WRITE is read from the socket as a stream by the connection's receive path (:class:`PayloadPath`);
 with a disk cache the bytes are hashed as they pass, and so are the bytes of a tensor ALLOCated
 with VERIFY (one hash serves both). A FILL_FROM_CACHE fills from memory or the disk cache
-(:mod:`.fills`). A tensor whose byte ranges cover it is complete: its cache entry is committed
+(:class:`Fills`). A tensor whose byte ranges cover it is complete: its cache entry is committed
 (proving its digest) and the store publishes it. Errors are kept for the next BARRIER
-(:mod:`.outcomes`), whose reply also names the tensors a FILL could not fill (the client sends
+(:class:`Outcomes`), whose reply also names the tensors a FILL could not fill (the client sends
 their bytes instead) and, when asked, the digests of the verified tensors that completed.
+
+The parts, in the order below:
+
+* :class:`Receiver` - the requests: ALLOC, WRITE, FILL_FROM_CACHE, the barrier.
+* :class:`Outcomes` - what the next BARRIER reports: tensors and bytes completed, errors, the
+  tensors a FILL could not fill, the digests of verified tensors. A client does not wait for a
+  reply per tensor, so everything between two barriers is kept here within fixed bounds
+  (MAX_ERRORS messages, MAX_DIGESTS digests, MAX_TENSORS remembered failed ids).
+* :class:`Pending` - a tensor in flight: its destination, its charge, which of its bytes have
+  arrived; its ``writer`` (a cache writer, a digest check, or a
+  :class:`~weightlift.remote.server.cache.hashing.StreamHash` for a tensor ALLOCated with VERIFY)
+  is fed the bytes in order as they land (:func:`feed`), so the digest is known when the last
+  byte is in.
+* :class:`Staging` - one connection's target and its staging buffers, charged to the memory
+  account. A host server's connections share one stateless host target; a CUDA server's
+  connection makes its own at its first ALLOC, which pins ``PINNED_STAGING`` bytes of host
+  memory for its uploads, and a connection that reads device tensors back or fills a target that
+  is not host memory keeps one ``STAGING_BYTES`` buffer. Both are charged to max_memory when made
+  and given back when the connection ends; the pinned bytes also count against the server-wide
+  cap on pinned host memory (``Context.pins``), since on a CUDA server max_memory counts the
+  device's memory. The server never tests a target's class: what a target pins it says itself
+  (:meth:`~weightlift.memory.targets.Target.pinned_bytes`), and its bytes land through its stager.
+* :class:`Destinations` - a pending tensor's memory. Fresh host memory that the socket will fill
+  directly goes to this connection's :class:`~weightlift.memory.faulter.Faulter` at once, so
+  helper threads fault it in ahead of the bytes (the next tensor's memory while this one's bytes
+  arrive: a client sends ALLOCs ahead of WRITEs). A tensor allocated while the server was full
+  has part of its charge deferred; it is charged in full before its memory is made.
+* :class:`DirectPath` - a WRITE's payload from the socket to its tensor: straight into the
+  destination where a plain memcpy is the right fill (host memory), through one reused staging
+  buffer into the target's own fill step otherwise (a pinned slot of a CUDA target, uploaded
+  asynchronously). A connection picks its :class:`PayloadPath` once, from its server's config.
+* :class:`Fills` - a pending tensor named by digest filled without its bytes crossing the wire:
+  from memory, a tensor the server holds whose bytes were proven to hash to the digest (the same
+  name: the very same memory published again; another name: one copy); from the disk cache, the
+  entry read into the destination and checked against the digest as it comes.
+* :class:`NaivePath` - the naive receive path, kept for A/B runs (``WEIGHTLIFT_LOAD_OPT=0``, the
+  benchmark's ``wl.push.legacy`` arm): each WRITE received whole into a fresh, zero-filled buffer
+  and then copied into its destination, as before the optimized paths, except that the buffer is
+  charged to max_memory while it exists.
 """
 
 from __future__ import annotations
 
+import contextlib
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-import blake3
+import numpy as np
 
-from weightlift.digest.blake import hash_buffer
 from weightlift.errors import CacheError
-from weightlift.memory.pool import held_bytes
-from weightlift.memory.targets import as_bytes
+from weightlift.memory.faulter import Faulter
+from weightlift.memory.fresh import policy as fill_policy
+from weightlift.memory.pool import POOL_MIN, held_bytes
+from weightlift.memory.targets import STAGING_SLOT, Target, as_bytes, populate, view_as
 from weightlift.profile import Profiler
-from weightlift.remote.protocol import MAX_DIGESTS, MAX_TENSORS, Alloc, BarrierReply, FillFromCache, WriteHeader
-from weightlift.remote.server.cache import CacheWriter, DigestCheck, disk_unusable
-from weightlift.remote.server.cache_behind import sealed_since
-from weightlift.remote.server.context import Context, RequestError
-from weightlift.remote.server.destinations import Destinations
-from weightlift.remote.server.device import STAGING_BYTES, Device
-from weightlift.remote.server.fills import Fills
-from weightlift.remote.server.outcomes import Outcomes
-from weightlift.remote.server.paths import PayloadPath
-from weightlift.remote.server.pending import MAX_RANGES, Pending, StreamHash
-from weightlift.remote.server.store import MemoryFull, Store, entry_cost
+from weightlift.remote.protocol import (
+    MAX_DIGESTS,
+    MAX_ERRORS,
+    MAX_MESSAGE,
+    MAX_TENSORS,
+    Alloc,
+    Barrier,
+    BarrierReply,
+    FillFromCache,
+    WriteHeader,
+)
+from weightlift.remote.server.admission import Context, RequestError
+from weightlift.remote.server.cache import CacheWriter, DigestCheck, TensorCache, disk_unusable
+from weightlift.remote.server.cache.behind import sealed_since
+from weightlift.remote.server.cache.hashing import StreamHash, digest_of, piece_hasher
+from weightlift.remote.server.cache.read import PARALLEL_READ_MIN, Readers, reader_pool
+from weightlift.remote.server.store import Charge, MemoryFull, Store, entry_cost
 
-__all__ = ["Receiver", "MAX_OPEN_FILES", "RESERVED_NAMES"]
+__all__ = [
+    "Receiver",
+    "MAX_OPEN_FILES",
+    "RESERVED_NAMES",
+    "Outcomes",
+    "Pending",
+    "feed",
+    "MAX_RANGES",
+    "Staging",
+    "STAGING_BYTES",
+    "PINNED_STAGING",
+    "Destinations",
+    "FAULT_PIECE",
+    "FAULT_WINDOW",
+    "PayloadPath",
+    "DirectPath",
+    "Wire",
+    "HASH_PIECE",
+    "Fills",
+    "NaivePath",
+]
 
 MAX_OPEN_FILES = 8  # cache temporary files one connection holds open at once (tensors in flight by digest)
 RESERVED_NAMES = frozenset({"__metadata__"})  # names a pulled safetensors file could not hold
@@ -53,7 +121,7 @@ class Receiver:
     def __init__(
         self,
         ctx: Context,
-        device: Device,
+        staging: Staging,
         *,
         path: PayloadPath,
         dests: Destinations,
@@ -63,7 +131,7 @@ class Receiver:
     ):
         self.ctx = ctx
         self.store = ctx.store
-        self.device = device
+        self.staging = staging
         self.path = path
         self.dests = dests
         self.drain = drain
@@ -71,7 +139,7 @@ class Receiver:
         self.frame_end = frame_end
         self.pending: dict[int, Pending] = {}
         self.outcomes = Outcomes(ctx.store, max_digests=MAX_DIGESTS)
-        self.fills = Fills(ctx.store, device, dests, prof)
+        self.fills = Fills(ctx.store, staging, dests, prof)
         self._files: list[CacheWriter] = []  # cache writers made, some still holding a temporary file
         # where a complete tensor goes: the store, or an open update that publishes it at its switch
         self.publish: Callable[..., None] = self.store.publish
@@ -111,7 +179,7 @@ class Receiver:
             raise RequestError(f"more than {MAX_TENSORS} tensors in flight on one connection")
         if a.name in RESERVED_NAMES:
             raise RequestError(f"{a.name!r} is not a tensor name: safetensors reserves it for the file's metadata")
-        p = _charged(self.store, a, pooled=self.device.pooled, ahead=bool(self.pending))
+        p = _charged(self.store, a, pooled=self.staging.pooled, ahead=bool(self.pending))
         # A tensor named by digest may be filled from memory the server already holds: its
         # destination is made when the first byte needs a place, not here.
         if not p.deferred and (a.digest is None or a.nbytes == 0 or not self.store.remembers_digests):
@@ -203,10 +271,10 @@ class Receiver:
         if p.digest is not None and cache is not None and first:
             # The bytes of a tensor named by digest are always hashed, to prove them before it is
             # published. Where there is no entry yet, host memory has it written behind, once
-            # published (:mod:`.cache_behind`); a target without host views writes it as the
+            # published (:mod:`~weightlift.remote.server.cache.behind`); a target without host views writes it as the
             # bytes pass, while this connection holds fewer than MAX_OPEN_FILES temporary files.
             missing = not cache.has(p.digest, p.nbytes, wait=False)
-            if missing and self.device.target.memcpy_ok:
+            if missing and self.staging.target.memcpy_ok:
                 p.behind = not cache.behind.pending(p.digest)
             elif missing and self._files_open() < MAX_OPEN_FILES:
                 try:
@@ -264,17 +332,17 @@ class Receiver:
         proven, streamed = self._close_writer(p)
         if not proven:
             return
-        target = self.device.target
+        target = self.staging.target
         if p.digest is not None and not p.proven and self.store.remembers_digests and target.memcpy_ok:
             # not hashed as it arrived (WRITEs out of order, a cache write that failed): a tensor
             # named by digest is published only with its bytes proven
-            if hash_buffer(target.host_view(p.dest)) != p.digest:
+            if digest_of(target.host_view(p.dest)) != p.digest:
                 self._mismatch(p)
                 return
             p.proven = True
         if p.verify:
             if streamed is None:
-                streamed = p.digest if p.proven and p.digest is not None else _hash_dest(p, self.device.target)
+                streamed = p.digest if p.proven and p.digest is not None else _hash_dest(p, self.staging.target)
             self.outcomes.add_verified(tid, streamed)
         dest = target.finish(p.dest)
         if p.charge is None or p.deferred:
@@ -341,14 +409,14 @@ def _hash_dest(p: Pending, target: Any) -> bytes:
     """The digest of ``p``'s destination, hashed in one pass after the fact: for the tensors
     not hashed as they arrived (written out of order, or empty)."""
     if p.nbytes == 0:
-        return blake3.blake3().digest()
+        return piece_hasher().digest()
     if target.memcpy_ok:
-        return hash_buffer(target.host_view(p.dest))
+        return digest_of(target.host_view(p.dest))
     import torch
 
     target.synchronize()  # the uploads into it run on the target's stream: all of them landed first
     flat = p.dest.reshape(-1).view(torch.uint8)
-    h = blake3.blake3()
+    h = piece_hasher()
     for pos in range(0, p.nbytes, STAGING_BYTES):  # a slice at a time: bounded host staging
         h.update(as_bytes(flat[pos : pos + STAGING_BYTES]).data)
     return h.digest()
@@ -368,3 +436,508 @@ def _charged(store: Store, a: Alloc, *, pooled: bool, ahead: bool) -> Pending:
         if not ahead or not a.nbytes:
             raise
         return Pending(a, cost, store.charge(cost - data), data)
+
+
+# -- what the next barrier reports -----------------------------------------------------------------
+
+
+class Outcomes:
+    """One connection's results since its last barrier; ``failed`` remembers (oldest first) the
+    ids whose ALLOC failed, so that their WRITEs are drained without a second error."""
+
+    def __init__(self, store: Store, *, max_digests: int = MAX_DIGESTS):
+        self._store = store
+        self._max_digests = max_digests
+        self.failed: dict[int, None] = {}
+        self.errors: list[str] = []
+        self.dropped_errors = 0
+        self.need: dict[int, None] = {}  # pending ids a FILL_FROM_CACHE could not fill, in order
+        self.done_tensors = 0
+        self.done_bytes = 0
+        # (id, digest) of verified tensors completed since the last barrier, at most MAX_DIGESTS
+        self.verified: list[tuple[int, bytes]] = []
+        self.verified_dropped = 0
+
+    def error(self, text: str) -> None:
+        """Keep an error for the next barrier; past MAX_ERRORS only count it."""
+        self._store.count("errors")
+        if len(self.errors) < MAX_ERRORS:
+            self.errors.append(text[:MAX_MESSAGE])  # the wire cuts it there anyway
+        else:
+            self.dropped_errors += 1
+
+    def mark_failed(self, tid: int) -> None:
+        self.failed.pop(tid, None)
+        self.failed[tid] = None
+        if len(self.failed) > MAX_TENSORS:  # forget the oldest: at worst one more "not allocated" error
+            del self.failed[next(iter(self.failed))]
+
+    def add_verified(self, tid: int, digest: bytes) -> None:
+        if len(self.verified) < self._max_digests:
+            self.verified.append((tid, digest))
+        else:
+            self.verified_dropped += 1
+
+    def barrier(self, flags: int = 0) -> BarrierReply:
+        """The reply to BARRIER: what completed and failed since the last one, what to resend, and
+        (``flags`` asking for them) the digests of the verified tensors that completed."""
+        if self.verified_dropped:
+            self.error(
+                f"{self.verified_dropped} verified tensors completed past the {self._max_digests} one barrier"
+                " reports: their digests are lost (send BARRIER more often)"
+            )
+        errors = self.errors
+        if self.dropped_errors:
+            errors = errors[: MAX_ERRORS - 1] + [f"... and {self.dropped_errors + 1} more errors"]
+        digests = tuple(self.verified) if flags & Barrier.FLAG_DIGESTS else ()
+        reply = BarrierReply(self.done_tensors, self.done_bytes, tuple(errors), tuple(self.need), digests)
+        self.errors, self.need, self.verified = [], {}, []
+        self.dropped_errors = self.done_tensors = self.done_bytes = self.verified_dropped = 0
+        return reply
+
+
+# -- a tensor in flight ----------------------------------------------------------------------------
+
+
+MAX_RANGES = 4096  # disjoint byte ranges one pending tensor's WRITEs may leave
+
+
+class Pending:
+    """A tensor being filled by one connection: its destination and which bytes have arrived.
+
+    The arrived bytes are kept as sorted, disjoint, non-touching ranges ``[starts[i], ends[i])``;
+    a WRITE merges in with two binary searches, so a tensor written in many pieces in any order
+    costs O(log n) per WRITE plus the ranges it joins, never a rebuild of the list.
+    """
+
+    __slots__ = (
+        "name",
+        "dtype",
+        "shape",
+        "nbytes",
+        "cost",
+        "charge",
+        "deferred",
+        "dest",
+        "digest",
+        "starts",
+        "ends",
+        "writer",
+        "hashed",
+        "proven",
+        "verify",
+        "behind",
+        "fresh",
+    )
+
+    def __init__(self, a: Alloc, cost: int, charge: Charge, deferred: int = 0):
+        self.name, self.dtype, self.shape, self.nbytes = a.name, a.dtype, a.shape, a.nbytes
+        self.cost = cost
+        self.charge: Charge | None = charge  # None once released or published
+        self.deferred = deferred  # data bytes not charged yet (allocated while the server was full)
+        self.dest: Any = None
+        self.digest = a.digest
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.writer: Any = None
+        self.hashed = 0
+        self.proven = False  # the bytes in dest are known to hash to digest
+        self.verify = a.verify  # report the digest of what was stored at the next barrier
+        self.behind = False  # its cache entry is to be written behind, from memory, once published
+        self.fresh = False  # dest is memory never touched (its pages need faulting in), not reused
+
+    def _span(self, begin: int, end: int) -> tuple[int, int]:
+        # Ranges i..j-1 overlap or touch [begin, end): those before i end before it begins,
+        # those from j on start after it ends.
+        i = bisect_left(self.ends, begin)
+        return i, bisect_right(self.starts, end, lo=i)
+
+    def can_add(self, begin: int, end: int) -> bool:
+        """Whether adding [begin, end) keeps the ranges within MAX_RANGES."""
+        if begin == end or len(self.starts) < MAX_RANGES:
+            return True
+        i, j = self._span(begin, end)
+        return i < j
+
+    def add(self, begin: int, end: int) -> None:
+        if begin == end:
+            return
+        i, j = self._span(begin, end)
+        if i < j:
+            begin, end = min(begin, self.starts[i]), max(end, self.ends[j - 1])
+        self.starts[i:j] = [begin]
+        self.ends[i:j] = [end]
+
+    def clear(self) -> None:
+        self.starts, self.ends = [], []
+
+    def fill(self) -> None:
+        self.starts, self.ends = [0], [self.nbytes]
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        return list(zip(self.starts, self.ends, strict=False))
+
+    @property
+    def complete(self) -> bool:
+        return self.nbytes == 0 or (len(self.starts) == 1 and self.starts[0] == 0 and self.ends[0] == self.nbytes)
+
+    def release(self) -> None:
+        """Give the tensor's charge back (it will not complete)."""
+        if self.charge is not None:
+            self.charge.release()
+            self.charge = None
+
+
+def feed(p: Pending, chunk: memoryview, prof: Profiler, on_cache_error: Callable[[CacheError], None]) -> None:
+    """Feed bytes that just landed to ``p``'s writer, if it has one; a cache writer that fails is
+    dropped (``on_cache_error`` decides whether the cache goes too) and the tensor goes on."""
+    if p.writer is None:
+        return
+    with prof.phase("hash", len(chunk), name=p.name):
+        try:
+            p.writer.write(chunk)
+            p.hashed += len(chunk)
+        except CacheError as e:
+            p.writer = None
+            on_cache_error(e)
+
+
+# -- a connection's target and its staging ---------------------------------------------------------
+
+
+STAGING_BYTES = 8 * 1024 * 1024  # one per connection, for targets that are not host memory
+PINNED_STAGING = 2 * STAGING_SLOT  # what a default CUDA target pins: two upload slots of STAGING_SLOT
+
+
+class Staging:
+    """Where one connection's tensors go: ``target`` (made, and charged, on first use) and the
+    connection's reused staging buffer (:meth:`buffer`). MemoryFull when a charge does not fit."""
+
+    def __init__(self, ctx: Context):
+        self._ctx = ctx
+        self._target: Target | None = ctx.host_target
+        self._buffer: np.ndarray | None = None
+        self._charges: list[Charge] = []
+        self._pinned = 0
+
+    @property
+    def target(self) -> Target:
+        if self._target is None:
+            target = self._ctx.new_target()
+            pinned = target.pinned_bytes()
+            if pinned:
+                self._ctx.pins.take(pinned)  # the host's cap first: max_memory may count the device
+                try:
+                    self._charges.append(self._ctx.store.charge(pinned))
+                except BaseException:
+                    self._ctx.pins.give(pinned)
+                    raise
+                self._pinned = pinned
+            self._target = target
+        return self._target
+
+    @property
+    def pooled(self) -> bool:
+        """Whether this connection's tensors land in the server's pooled host memory (checked
+        without making a CUDA target)."""
+        return self._ctx.pooled and self._target is self._ctx.host_target
+
+    def buffer(self) -> np.ndarray:
+        """The connection's staging buffer (reused, never zero-filled)."""
+        if self._buffer is None:
+            self._charges.append(self._ctx.store.charge(STAGING_BYTES))
+            self._buffer = np.empty(STAGING_BYTES, dtype=np.uint8)
+        return self._buffer
+
+    def close(self) -> None:
+        """The connection ended: its staging memory goes back to the account."""
+        for c in self._charges:
+            c.release()
+        self._charges.clear()
+        if self._pinned:
+            self._ctx.pins.give(self._pinned)
+            self._pinned = 0
+
+
+# -- destinations ----------------------------------------------------------------------------------
+
+
+# A bf16 or fp8 destination is a numpy array of an ml_dtypes type, and importing ml_dtypes takes
+# about half a second: a server pays it when it starts, not inside its first push.
+with contextlib.suppress(ImportError):
+    import ml_dtypes  # noqa: F401
+
+FAULT_PIECE = 4 * 1024 * 1024  # fresh destination memory is faulted in this much at a time by the helpers ...
+FAULT_WINDOW = 64 * 1024 * 1024  # ... at most this far ahead of the bytes received (weightlift.memory.faulter)
+
+
+class Destinations:
+    """One connection's destination maker; ``fault_ahead`` False (the naive path) never starts
+    the faulter."""
+
+    def __init__(self, ctx: Context, staging: Staging, *, fault_ahead: bool):
+        self._ctx = ctx
+        self._staging = staging
+        self._fault_ahead = fault_ahead
+        self.piece, self.window = FAULT_PIECE, FAULT_WINDOW  # as they are when the connection starts
+        self.faulter: Faulter | None = None  # made at the first fresh destination
+
+    def ready(self, p: Pending, begin: int, end: int) -> bool:
+        """Whether ``p``'s bytes [begin, end) need no faulting in: reused memory (a weight
+        update landing in the pool's touched pages), or pages the faulter has reached."""
+        return not p.fresh or (self.faulter is not None and self.faulter.ready(p, begin, end))
+
+    def ensure(self, p: Pending, *, fault: bool = True) -> None:
+        """Give ``p`` its destination (RequestError, or MemoryFull for a deferred charge)."""
+        if p.dest is not None:
+            return
+        self.charge(p)
+        fresh = False
+        try:
+            if self._staging.pooled:
+                raw, fresh = self._ctx.store.take_host(p.nbytes)
+                p.dest = view_as(raw, p.dtype, p.shape, self._ctx.config.framework)
+            else:
+                p.dest = self._staging.target.empty(p.dtype, p.shape)
+            # the target's own memory is, as far as anyone here knows, never touched
+            p.fresh = fresh or not self._staging.pooled
+        except Exception as e:  # ENOMEM from mmap, numpy on an absurd shape, torch out of memory, no device
+            raise RequestError(
+                f"cannot allocate {p.name!r} ({p.dtype} {p.shape}, {p.nbytes} bytes): {type(e).__name__}: {e}"
+            ) from None
+        if fresh and fault and self._fault_ahead and fill_policy().helpers > 0:
+            if self.faulter is None:
+                self.faulter = Faulter(threads=fill_policy().helpers, piece=self.piece, window=self.window)
+            self.faulter.add(p, raw)
+
+    def charge(self, p: Pending) -> None:
+        """Count the data of a tensor allocated while the server was full against max_memory now."""
+        if p.deferred and p.charge is not None:
+            p.charge.grow(p.deferred, p.nbytes if self._staging.pooled and p.nbytes >= POOL_MIN else 0)
+            p.deferred = 0
+
+    def unfault(self, p: Pending) -> None:
+        """Stop faulting ``p``'s memory in (waiting for a piece in progress): before the memory
+        is freed or filled by anything but the direct receive."""
+        if self.faulter is not None:
+            self.faulter.cancel(p)
+
+    def close(self) -> None:
+        """Stop the faulter, waiting for the pieces in progress (nothing writes into freed memory)."""
+        if self.faulter is not None:
+            self.faulter.close()
+
+
+# -- the receive paths: a WRITE's payload from the socket to its tensor ----------------------------
+
+
+HASH_PIECE = 4 * 1024 * 1024  # received-then-hashed piece: still in the CPU cache when hashed
+
+
+class Wire:
+    """What a receive path needs of its connection: ``payload(view)`` fills ``view`` with the
+    next payload bytes from the socket; ``on_cache_error`` hears of a cache writer that failed."""
+
+    def __init__(
+        self,
+        payload: Callable[[memoryview], None],
+        staging: Staging,
+        store: Store,
+        prof: Profiler,
+        on_cache_error: Callable[[CacheError], None],
+    ):
+        self.payload = payload
+        self.staging = staging
+        self.store = store
+        self.prof = prof
+        self.on_cache_error = on_cache_error
+
+    def receive(self, view: memoryview, name: str) -> None:
+        with self.prof.phase("wire", len(view), name=name):
+            self.payload(view)
+
+    def feed(self, p: Pending, chunk: memoryview) -> None:
+        feed(p, chunk, self.prof, self.on_cache_error)
+
+
+class PayloadPath(Protocol):
+    """One way to receive a WRITE's payload into its pending tensor (its destination made)."""
+
+    #: whether fresh destinations are faulted in ahead of the bytes by helper threads
+    fault_ahead: bool
+
+    def receive(self, p: Pending, h: WriteHeader, dests: Destinations) -> None: ...
+
+
+class DirectPath:
+    """Straight into host memory, or through the staging buffer into the target's fill."""
+
+    fault_ahead = True
+
+    def __init__(self, wire: Wire):
+        self._wire = wire
+
+    def receive(self, p: Pending, h: WriteHeader, dests: Destinations) -> None:
+        if self._wire.staging.target.memcpy_ok:
+            self._direct(p, h, dests)
+        else:
+            self._staged(p, h)
+
+    def _direct(self, p: Pending, h: WriteHeader, dests: Destinations) -> None:
+        wire = self._wire
+        dest = wire.staging.target.host_view(p.dest)
+        # Fresh memory is faulted in ahead of the socket by the faulter's helpers; a piece they
+        # have not reached is faulted here first or by recv_into itself, whichever this
+        # machine's fill policy found faster (weightlift.memory.fresh). Pieces end on
+        # the boundaries of the faulter's pieces.
+        step = HASH_PIECE if p.writer is not None else dests.piece
+        pos, end = h.offset, h.offset + h.length
+        while pos < end:
+            stop = min(end, (pos // step + 1) * step)
+            piece = dest[pos:stop]
+            with wire.prof.phase("stage", name="fault-in " + p.name):
+                if not dests.ready(p, pos, stop):
+                    populate(piece)
+            wire.receive(piece, p.name)
+            wire.feed(p, piece)
+            pos = stop
+
+    def _staged(self, p: Pending, h: WriteHeader) -> None:
+        # through the target's stager: a CUDA target's pinned slots, filled by the receive and
+        # uploaded asynchronously; else the connection's one staging buffer, made when first used
+        wire = self._wire
+        stager = wire.staging.target.stager(wire.staging.buffer)
+        pos = 0
+        while pos < h.length:
+            buf = stager.take(h.length - pos)
+            chunk = buf.data
+            wire.receive(chunk, p.name)
+            wire.feed(p, chunk)
+            with wire.prof.phase("device", len(buf), name=p.name):
+                stager.land(p.dest, h.offset + pos)
+            pos += len(buf)
+
+
+# -- fills from memory or the disk cache -----------------------------------------------------------
+
+
+class Fills:
+    """One connection's fills: ``from_memory`` and ``from_cache`` fill ``p`` and say whether they could."""
+
+    def __init__(self, store: Store, staging: Staging, dests: Destinations, prof: Profiler):
+        self._store = store
+        self._staging = staging
+        self._dests = dests
+        self._prof = prof
+        self._readers: Readers | None = None  # made at the first cache read large enough to share
+
+    def close(self) -> None:
+        """The connection ends: its reader threads go (no read is in progress)."""
+        if self._readers is not None:
+            self._readers.close()
+            self._readers = None
+
+    def from_memory(self, p: Pending, digest: bytes) -> bool:
+        """Fill ``p`` from a tensor the server holds whose bytes were proven to hash to
+        ``digest``. An entry handed out writable (see :meth:`Store.tensors`) is hashed again
+        first: a reader may have written into it since. One nobody could write into still holds
+        the bytes it was proven to hold."""
+        store, prof = self._store, self._prof
+        if not store.remembers_digests or not self._staging.pooled:
+            return False  # host memory only (and no device is touched to find out)
+        target = self._staging.target
+        for name, e in store.candidates(p.name, digest):
+            if e.digest != digest or e.nbytes != p.nbytes:
+                continue
+            src = np.frombuffer(target.host_view(e.tensor), dtype=np.uint8)
+            sealed = not e.exposed  # nobody outside the server could have written into it
+            if not sealed:
+                with prof.phase("hash", p.nbytes, name="verify " + p.name):
+                    ok = digest_of(src) == digest
+                if not ok:  # written since it arrived: no longer proof of anything
+                    store.distrust(name, e, digest)
+                    continue
+            if name == p.name and e.dtype == p.dtype and e.shape == p.shape:
+                self._dests.charge(p)
+                p.dest = e.tensor  # already there: publish the same memory again
+            else:
+                self._dests.ensure(p, fault=False)
+                # read as a READ reads: an in-place switch of that memory waits for the copy, and
+                # one that came after the entry was chosen made it another entry (other bytes)
+                with store.reading(e.tensor), prof.phase("stage", p.nbytes, name="copy " + p.name):
+                    if store.get(name) is not e:
+                        continue
+                    dst = np.frombuffer(target.host_view(p.dest), dtype=np.uint8)
+                    dst[:] = src  # a user-space copy faults fresh pages itself as cheaply as anything
+                if not sealed and digest_of(dst) != digest:  # the source changed under the copy: prove what landed
+                    continue
+            p.fill()
+            p.proven = True
+            store.count("memory_hits")
+            store.count("bytes_from_memory", p.nbytes)
+            return True
+        return False
+
+    def from_cache(self, p: Pending, digest: bytes, cache: TensorCache) -> bool:
+        """Fill ``p`` (its destination made) from the cache entry of ``digest``; False when the
+        entry was missing or corrupt (it is gone now: the client sends the bytes). The readers
+        fault fresh memory in themselves."""
+        # A destination made at ALLOC went to the faulter, whose helpers write into the pages
+        # they fault: it leaves the faulter (running pieces waited for) before any byte lands,
+        # or a helper could overwrite bytes already read and hashed.
+        self._dests.unfault(p)
+        target = self._staging.target
+        with self._prof.phase("read", p.nbytes, name=p.name):
+            try:
+                if target.memcpy_ok:
+                    dest = target.host_view(p.dest)
+
+                    def before(begin: int, end: int) -> None:
+                        # fresh pages are faulted in by whichever reader fills them, just before
+                        # its preadv (where the fill policy says that beats faulting inside it)
+                        populate(dest[begin:end])
+
+                    if self._readers is None and p.nbytes >= PARALLEL_READ_MIN:
+                        self._readers = reader_pool()
+                    cache.read_into(digest, dest, before=before if p.fresh else None, readers=self._readers)
+                else:
+                    cache.read_into_target(
+                        digest,
+                        p.nbytes,
+                        lambda off, chunk: target.write(p.dest, off, chunk),
+                        self._staging.buffer().data,
+                    )
+            except CacheError:
+                return False
+        self._store.count("cache_hits")
+        self._store.count("bytes_from_cache", p.nbytes)
+        p.fill()
+        p.proven = True  # read_into verified the entry against this digest
+        return True
+
+
+# -- the naive receive path, for A/B runs (WEIGHTLIFT_LOAD_OPT=0) ----------------------------------
+
+
+class NaivePath:
+    """Each WRITE into a fresh buffer (charged while it lives), hashed, then written into place."""
+
+    fault_ahead = False
+
+    def __init__(self, wire: Wire):
+        self._wire = wire
+
+    def receive(self, p: Pending, h: WriteHeader, dests: Destinations) -> None:
+        """MemoryFull, before any byte is read, when the buffer does not fit under max_memory."""
+        wire = self._wire
+        charge = wire.store.charge(h.length)
+        try:
+            buf = bytearray(h.length)  # a fresh, zero-filled buffer per message, as the naive path did
+            wire.receive(memoryview(buf), p.name)
+            wire.feed(p, memoryview(buf))
+            with wire.prof.phase("stage", h.length, name=p.name):
+                wire.staging.target.write(p.dest, h.offset, buf)
+            del buf
+        finally:
+            charge.release()

@@ -4,7 +4,7 @@ Theory of operation: one thread accepts connections and one thread serves each. 
 protocol state (decoder, session, tensors in flight, errors since the last barrier, profiler) is
 its own (:mod:`.connection`, :mod:`.receive`); the store of complete tensors and the memory
 account are shared, and only :mod:`.store` changes them. A connection sees its server through a
-:class:`~.context.Context`: settings, the store, the disk cache, nothing private.
+:class:`~.admission.Context`: settings, the store, the disk cache, nothing private.
 
 A WRITE is taken off the socket as a stream: the header through the decoder, then the payload
 ``recv_into`` straight into the destination tensor's memory when the target takes a plain
@@ -37,28 +37,24 @@ are charged to max_memory too.
 
 ``WEIGHTLIFT_LOAD_OPT=0`` (read when the Server is made, into its config) receives each WRITE into
 a fresh buffer, charged while it lives, and copies it out, the naive way, for A/B measurements
-(:mod:`.legacy`); each connection picks its receive path once, from the config.
+(:class:`~.receive.NaivePath`); each connection picks its receive path once, from the config.
 """
 
 from __future__ import annotations
 
-import os
-import ssl
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Literal
+from typing import TYPE_CHECKING
 
-from weightlift.digest.blake import hash_buffer
-from weightlift.digest.setdigest import set_digest
 from weightlift.errors import StateError
 from weightlift.memory.pool import HostPool
 from weightlift.memory.targets import as_bytes, empty_device_cache
 from weightlift.options import Array
-from weightlift.remote.protocol import PROTOCOL_MINOR
-from weightlift.remote.server.accept import Acceptor
+from weightlift.remote.server.admission import Acceptor, Context, Slot, Slots
 from weightlift.remote.server.cache import TensorCache
-from weightlift.remote.server.cache_behind import sealed_since
+from weightlift.remote.server.cache.behind import sealed_since
+from weightlift.remote.server.cache.hashing import set_digest, tensor_digest
 from weightlift.remote.server.config import (
     HANDSHAKE_TIMEOUT,
     IDLE_TIMEOUT,
@@ -68,19 +64,23 @@ from weightlift.remote.server.config import (
     MAX_PER_ADDRESS,
     MIN_FRAME_RATE,
     ServerConfig,
+    ServerOptions,
     configure,
     default_max_memory,
     is_loopback,
 )
-from weightlift.remote.server.context import Context
-from weightlift.remote.server.slots import Slots
+from weightlift.remote.server.connection import Connection
 from weightlift.remote.server.stats import ServerStats
 from weightlift.remote.server.store import ENTRY_OVERHEAD, Store
-from weightlift.remote.transport import TCP, Backend, Listener
+from weightlift.remote.transport import Listener, Stream
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "Server",
     "ServerConfig",
+    "ServerOptions",
     "ServerStats",
     "is_loopback",
     "default_max_memory",
@@ -97,6 +97,10 @@ __all__ = [
 
 class Server:
     """A tensor server. ``start()`` serves on a background thread; ``serve_forever()`` in this one.
+
+    The options after ``host`` and ``port`` are keyword-only, listed once in
+    :class:`~weightlift.remote.server.config.ServerOptions` and checked into a
+    :class:`~weightlift.remote.server.config.ServerConfig` (``self.config``).
 
     Binds 127.0.0.1 by default; any other address needs a ``token`` (clients must prove they hold it) or
     ``insecure=True``. ``max_memory`` caps the bytes allocated across all clients, each tensor counted as its
@@ -125,54 +129,8 @@ class Server:
     backed; the reserve counts against ``max_memory`` and gives way to tensors that need the room.
     """
 
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        device: str = "cpu",
-        framework: str = "numpy",
-        cache_dir: str | os.PathLike[str] | None = None,
-        cache_max_bytes: int | Literal["auto"] | None = "auto",
-        token: str | bytes | None = None,
-        insecure: bool = False,
-        max_memory: int | None = None,
-        reserve: int = 0,
-        max_connections: int = MAX_CONNECTIONS,
-        max_handshakes: int = MAX_HANDSHAKES,
-        max_per_address: int = MAX_PER_ADDRESS,
-        handshake_timeout: float = HANDSHAKE_TIMEOUT,
-        idle_timeout: float | None = IDLE_TIMEOUT,
-        io_timeout: float | None = IO_TIMEOUT,
-        min_frame_rate: int | None = MIN_FRAME_RATE,
-        profile: bool | None = None,
-        protocol_minor: int = PROTOCOL_MINOR,
-        backend: Backend = TCP,
-        tls: ssl.SSLContext | None = None,
-    ) -> None:
-        config, host_target = configure(
-            host=host,
-            port=port,
-            device=device,
-            framework=framework,
-            cache_dir=cache_dir,
-            cache_max_bytes=cache_max_bytes,
-            token=token,
-            insecure=insecure,
-            max_memory=max_memory,
-            reserve=reserve,
-            max_connections=max_connections,
-            max_handshakes=max_handshakes,
-            max_per_address=max_per_address,
-            handshake_timeout=handshake_timeout,
-            idle_timeout=idle_timeout,
-            io_timeout=io_timeout,
-            min_frame_rate=min_frame_rate,
-            profile=profile,
-            protocol_minor=protocol_minor,
-            backend=backend,
-            tls=tls,
-        )
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, **options: Unpack[ServerOptions]) -> None:
+        config, host_target = configure(host, port, options)
         self.config = config
         self.host, self.port = config.host, config.port
         self.device, self.framework = config.device, config.framework
@@ -188,9 +146,13 @@ class Server:
         )
         self._ctx = Context(config, store, cache, host_target=host_target)
         self._store = store
-        self._acceptor = Acceptor(self._ctx, self._slots)
+        self._acceptor = Acceptor(self._ctx, self._slots, self._serve)
         self._listener: Listener | None = None
         self._accept_thread: threading.Thread | None = None
+
+    def _serve(self, stream: Stream, slot: Slot) -> None:
+        """Serve one admitted connection on the calling thread until it ends."""
+        Connection(self._ctx, stream, slot=slot).run()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -335,7 +297,7 @@ class Server:
             missing = [n for n in names if n not in entries]
             if missing:
                 raise KeyError(f"the server holds no tensor {missing[0]!r}")
-        return set_digest({n: e.digest or hash_buffer(as_bytes(e.tensor)) for n, e in entries.items()})
+        return set_digest({n: e.digest or tensor_digest(e.tensor) for n, e in entries.items()})
 
     @property
     def generation(self) -> int:
@@ -387,7 +349,7 @@ class Server:
         (held from other processes until then); returns the bytes given back."""
         pool = self._store.pool
         given = pool.trim(keep) if pool is not None else 0
-        if self.device.startswith("cuda"):
+        if self.config.placement.cuda:
             given += empty_device_cache(self.device)
         return given
 

@@ -24,7 +24,7 @@ Invariants, and why this module is the only code that changes them:
   and counts the store's ``generation``. Memory changed in place (an in-place update) changes
   under :meth:`Store.exclusive` of exactly that memory, which waits for the READs sending its
   bytes (:meth:`Store.reading` of it) and holds new ones off until it is done; a READ of other
-  memory goes on meanwhile (:mod:`weightlift.remote.server.gates`). A commit that its readers
+  memory goes on meanwhile (:mod:`weightlift.remote.server.updates.gates`). A commit that its readers
   hold past the store's ``gate_timeout`` is refused (:class:`GateTimeout`) with nothing changed.
   A switch counts the generation while it still holds the memory it changed, so a READ that
   names the generation it listed, checked once it holds its tensor's gate, is sent bytes of
@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from weightlift.memory.pool import HostPool
-from weightlift.remote.server.gates import Gates, GateTimeout
+from weightlift.remote.server.updates.gates import Gates, GateTimeout
 
 __all__ = [
     "ENTRY_OVERHEAD",
@@ -471,7 +471,7 @@ class Store:
     def reading_entries(self, names: Iterable[str] | None = None) -> Any:
         """A context manager giving the entries of ``names`` (None: all), their memory held off
         in-place changes until it ends (:meth:`Gates.reading_current
-        <weightlift.remote.server.gates.Gates.reading_current>`: what a switch meanwhile gives)."""
+        <weightlift.remote.server.updates.gates.Gates.reading_current>`: what a switch meanwhile gives)."""
         names = None if names is None else list(names)
         return self._gates.reading_current(lambda: self.entries(names))
 

@@ -26,14 +26,14 @@ wrong weights in memory with nothing to show for it. Hence:
 * Write failures (ENOSPC, EDQUOT, EIO, anything) remove the temporary file and raise CacheError
   from the OSError; the caller may stop caching with a warning and go on without the cache.
 
-The folder is the server's own (:mod:`.cache_folder`): a root owned by another user or writable
+The folder is the server's own (:mod:`.folder`): a root owned by another user or writable
 by group or others is refused, folders are 0700 and entries 0600 whatever the umask, and
 everything below the root is opened by descriptor without following links.
 
 The size cap
 ------------
 ``max_bytes`` caps the disk bytes the entries take, each counted as whole 4 KiB blocks
-(:func:`.cache_index.charge`), so that many tiny entries cannot fill a disk far past the cap.
+(:func:`.index.charge`), so that many tiny entries cannot fill a disk far past the cap.
 The default, ``"auto"``, is :data:`DEFAULT_MAX_FRACTION` (half) of the space the cache could
 use when it opens: what its entries already take plus the free space of its file system
 (``f_bavail``), so a cache never takes more than half of what was left to it. ``None`` means no
@@ -51,7 +51,7 @@ and are otherwise ignored: they never have an entry's name.
 Hashing runs with the GIL released (blake3 does so for large inputs) and uses blake3's
 multithreaded mode for entries of at least 1 MiB fed in pieces of at least
 :data:`PARALLEL_PIECE_MIN` on machines of at least ``PARALLEL_HASH_CPUS`` cores
-(:func:`.cache_check.parallel_pays`); smaller pieces, and smaller machines, whose other core is
+(:func:`.hashing.parallel_pays`); smaller pieces, and smaller machines, whose other core is
 busy receiving or reading the bytes, stay single-threaded.
 """
 
@@ -68,13 +68,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Literal
 
-import blake3
-
 from weightlift.digest.blake import DIGEST_SIZE, byte_view, digest_hex
 from weightlift.errors import CacheError, OptionError
-from weightlift.remote.server.cache_behind import WriteBehind
-from weightlift.remote.server.cache_check import PARALLEL_PIECE_MIN, DigestCheck, entry_hasher
-from weightlift.remote.server.cache_folder import (
+from weightlift.remote.server.cache.behind import WriteBehind
+from weightlift.remote.server.cache.folder import (
     ENTRY_MODE,
     open_folder,
     open_root,
@@ -82,8 +79,9 @@ from weightlift.remote.server.cache_folder import (
     remove_tree,
     reopen_root,
 )
-from weightlift.remote.server.cache_index import STALE_TEMP_SECONDS, TEMP_PREFIX, LruIndex, charge, scan_entries
-from weightlift.remote.server.cache_read import BadRead, Readable, Readers, fill_verified, read_exact, read_piece
+from weightlift.remote.server.cache.hashing import PARALLEL_PIECE_MIN, DigestCheck, Hasher, entry_hasher, piece_hasher
+from weightlift.remote.server.cache.index import STALE_TEMP_SECONDS, TEMP_PREFIX, LruIndex, charge, scan_entries
+from weightlift.remote.server.cache.read import BadRead, Readable, Readers, fill_verified, read_exact, read_piece
 
 __all__ = [
     "DIGEST_SIZE",
@@ -122,7 +120,7 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
-_Fill = Callable[[Readable, "blake3.blake3"], None]
+_Fill = Callable[[Readable, Hasher], None]
 
 
 def disk_unusable(exc: BaseException) -> bool:
@@ -239,7 +237,7 @@ class TensorCache:
 
     @property
     def behind(self) -> WriteBehind:
-        """The background writer of entries from published tensors (:mod:`.cache_behind`)."""
+        """The background writer of entries from published tensors (:mod:`.behind`)."""
         with self._lock:
             if self._behind is None:
                 self._behind = WriteBehind(lambda d, n, h: self.writer(d, n, hashed=h))
@@ -325,10 +323,10 @@ class TensorCache:
 
         ``dest`` must be exactly the entry's length. The bytes go straight from the file into
         ``dest`` in pieces of at most :data:`READ_CHUNK`, read by the caller and helper threads
-        (:mod:`.cache_read`), each hashed right after it lands; ``before(begin, end)``, if
+        (:mod:`.read`), each hashed right after it lands; ``before(begin, end)``, if
         given, runs before each piece is read into ``dest[begin:end]`` (a server faults fresh
         memory in there), on whichever thread reads it. ``readers``: the helpers to share with
-        (:func:`.cache_read.reader_pool`). If the entry is missing, of another size, unreadable
+        (:func:`.read.reader_pool`). If the entry is missing, of another size, unreadable
         or corrupt, it is deleted, CacheError is raised, and what is in ``dest`` is undefined.
         """
         out = byte_view(dest)
@@ -337,7 +335,7 @@ class TensorCache:
         n = out.nbytes
         piece = read_piece(n, READ_CHUNK)
 
-        def fill(f: Readable, hasher: blake3.blake3) -> None:
+        def fill(f: Readable, hasher: Hasher) -> None:
             fill_verified(f, out, piece, hasher, before, readers)
 
         self._verified_read(digest, n, piece, fill)
@@ -361,7 +359,7 @@ class TensorCache:
             raise OptionError("staging must be a writable, non-empty buffer")
         piece = stage.nbytes
 
-        def fill(f: Readable, hasher: blake3.blake3) -> None:
+        def fill(f: Readable, hasher: Hasher) -> None:
             off = 0
             while off < length:
                 chunk = stage[: min(piece, length - off)]
@@ -477,7 +475,7 @@ class CacheWriter:
             raise CacheError(f"cannot create a cache file in {os.path.dirname(self.path)}: {reason(exc)}") from exc
         # blake3 fixes its thread count when the hasher is made, and whether threads pay depends on
         # the size of the pieces, which only the first write tells.
-        self._hasher: blake3.blake3 | None = None
+        self._hasher: Hasher | None = None
         self.written = 0
 
     def write(self, buf: object) -> None:
@@ -509,7 +507,7 @@ class CacheWriter:
         if self.written != self.length:
             self.abort()
             raise CacheError(f"cache entry {hx}: {self.written} bytes written, {self.length} declared")
-        actual = (self._hasher or blake3.blake3()).digest() if self._hashed else self.digest
+        actual = (self._hasher or piece_hasher()).digest() if self._hashed else self.digest
         if not hmac.compare_digest(actual, self.digest):
             self.abort()
             raise CacheError(f"cache entry {hx}: the bytes do not match the digest")

@@ -32,7 +32,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from weightlift.remote.server.cache_folder import reason
+from weightlift.remote.server.cache.folder import reason
 
 __all__ = [
     "BadRead",
@@ -104,7 +104,7 @@ def _pread_exact(fd: int, chunk: memoryview, offset: int) -> None:
         got += r
 
 
-class _Job:
+class _ReadJob:
     """One entry's read, shared by the caller and the helpers that join it in time.
 
     Everything below ``lock`` changes under it: which piece is taken next, which have landed,
@@ -210,7 +210,7 @@ class Readers:
     skipped."""
 
     def __init__(self, helpers: int = READERS - 1):
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_ReadJob | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._run, name=f"weightlift-cache-read_{k}", daemon=True)
             for k in range(max(1, helpers))
@@ -218,7 +218,7 @@ class Readers:
         for t in self._threads:
             t.start()
 
-    def offer(self, job: _Job) -> None:
+    def offer(self, job: _ReadJob) -> None:
         for _ in self._threads:
             self._queue.put(job)
 
@@ -272,7 +272,7 @@ def fill_verified(
     own = readers is None
     helpers = Readers() if readers is None else readers
     try:
-        job = _Job(f.fileno(), out, piece, hasher, before)
+        job = _ReadJob(f.fileno(), out, piece, hasher, before)
         helpers.offer(job)
         try:
             job.work()

@@ -21,21 +21,30 @@ before anything uses it. Then:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
-from weightlift.digest.blake import hash_buffer
 from weightlift.dtypes import item_size
 from weightlift.memory.targets import as_bytes
 from weightlift.profile import Profiler
 from weightlift.remote import delta as codec
 from weightlift.remote.protocol import Alloc, Delta, DeltaEncoding
-from weightlift.remote.server.frames import FrameReader
+from weightlift.remote.server.cache.hashing import tensor_digest
 from weightlift.remote.server.receive import Receiver
 from weightlift.remote.server.store import Charge, Entry, MemoryFull, Store
-from weightlift.remote.server.switch import InPlace, Switch
+from weightlift.remote.server.updates.switch import InPlace, Switch
 
 __all__ = ["Deltas"]
+
+
+class Payload(Protocol):
+    """Where a DELTA's payload comes from: the connection's frame reader (a seam, so that the
+    updates do not import the connection that dispatches to them)."""
+
+    def payload(self, buf: memoryview, /) -> None: ...
+    def drain(self, n: int, /) -> None: ...
+    def frame_end(self) -> None: ...
 
 
 class Deltas:
@@ -45,7 +54,7 @@ class Deltas:
         self,
         store: Store,
         rx: Receiver,
-        frames: FrameReader,
+        frames: Payload,
         switch: Callable[[], Switch | None],
         prof: Profiler,
         *,
@@ -110,7 +119,7 @@ class Deltas:
         if getattr(getattr(e.tensor, "device", None), "type", "cpu") != "cpu":
             return None  # device memory: no base to apply to on the host
         if e.exposed:  # handed out writable: a reader may have written into it since
-            return e if hash_buffer(as_bytes(e.tensor)) == d.base else None
+            return e if tensor_digest(e.tensor) == d.base else None
         return e if e.digest == d.base else None
 
     def _still(self, d: Delta, base: Entry) -> bool:

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
 from weightlift.digest.blake import DIGEST_SIZE
-from weightlift.remote.server.cache_folder import ENTRY_MODE, names_in, open_folder, remove_tree
+from weightlift.remote.server.cache.folder import ENTRY_MODE, names_in, open_folder, remove_tree
 
 __all__ = ["BLOCK", "STALE_TEMP_SECONDS", "TEMP_PREFIX", "charge", "scan_entries", "LruIndex"]
 

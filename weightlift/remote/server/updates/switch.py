@@ -25,12 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from weightlift.digest.blake import hash_buffer
-from weightlift.digest.setdigest import set_digest
 from weightlift.memory.targets import as_bytes
 from weightlift.remote import delta as codec
 from weightlift.remote.protocol import CommitReply
 from weightlift.remote.server.cache import TensorCache
+from weightlift.remote.server.cache.hashing import set_digest, tensor_digest
 from weightlift.remote.server.store import Charge, Entry, Replaced, Staged, Store
 
 __all__ = ["Switch", "InPlace"]
@@ -111,7 +110,7 @@ class Switch:
         held = list(self._held.values())
         for s in held:
             if s.digest is None:  # sent without one: hashed here, before anyone can see it
-                s.digest = hash_buffer(as_bytes(s.tensor))
+                s.digest = tensor_digest(s.tensor)
         # only memory changed in place is held off its readers (a commit they hold past the bound is refused)
         with ExitStack() as gate:
             kept = store.charge(0)  # what the undo keeps, charged before each part is taken

@@ -17,7 +17,7 @@ What the writer holds, and why it is safe:
   nothing to the cache and its memory goes back at once. At most the one tensor being written is
   held past its replacement.
 * **Not changed under it.** An in-place switch of a tensor's memory drops its queued jobs and
-  waits for the one being written from it before it changes a byte (:class:`~.switch.Switch`),
+  waits for the one being written from it before it changes a byte (:class:`~weightlift.remote.server.updates.switch.Switch`),
   and the receiver holds the tensor's read gate from its publish until its job is queued, so no
   switch falls between the two: the bytes written are those the digest was proven for.
 * **Bytes still proven.** The bytes were proven to hash to the digest when they arrived. They
@@ -94,7 +94,7 @@ def _lowest_priority() -> None:
 
 
 @dataclass
-class _Job:
+class _WriteJob:
     digest: bytes
     nbytes: int
     tensor: Any  # the published array: holding it keeps its memory from being reused
@@ -118,7 +118,7 @@ class WriteBehind:
         self._make_writer = make_writer
         self.on_error = on_error
         self._cond = threading.Condition()
-        self._jobs: deque[_Job] = deque()
+        self._jobs: deque[_WriteJob] = deque()
         self._busy = False
         self._current: Any = None  # the tensor being written now
         self._queued: dict[bytes, int] = {}  # digest -> jobs of it queued or being written
@@ -136,7 +136,7 @@ class WriteBehind:
             if self._closed or len(self._jobs) >= MAX_JOBS:
                 self.counts["skipped"] += 1
                 return False
-            job = _Job(bytes(digest), nbytes, tensor, view, sealed, time.monotonic())
+            job = _WriteJob(bytes(digest), nbytes, tensor, view, sealed, time.monotonic())
             self._jobs.append(job)
             self._queued[job.digest] = self._queued.get(job.digest, 0) + 1
             if self._thread is None:
@@ -242,7 +242,7 @@ class WriteBehind:
                 self.on_error(CacheError(f"cache write behind failed: {type(e).__name__}: {e}"))
             del job  # the memory may go back before the next job arrives
 
-    def _write(self, job: _Job) -> None:
+    def _write(self, job: _WriteJob) -> None:
         hashed = not job.sealed()  # written into since it was proven: prove it again as it is written
         w = self._make_writer(job.digest, job.nbytes, hashed)
         with w:
