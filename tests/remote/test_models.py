@@ -202,3 +202,20 @@ def test_the_wire_refuses_a_commit_without_an_update():
         raw.send(P.Commit(P.Commit.FLAG_NO_ROOT))
         reply = raw.recv()
         assert isinstance(reply, P.Error) and "COMMIT without an open update" in reply.message
+
+
+@pytest.mark.parametrize("why", ["model", "in_place"])
+def test_a_join_into_another_model_or_an_in_place_update_is_refused(why):
+    with Server() as s:
+        opener = Raw.connected(s.address)
+        opener.send(P.Update(P.Update.FLAG_IN_PLACE if why == "in_place" else 0, 77))
+        assert _barrier(opener).errors == ()  # open on the server
+        joiner = Raw.connected(s.address)
+        if why == "model":
+            joiner.send(P.UseModel("other"))
+        joiner.send(P.Update(P.Update.FLAG_JOIN, 77))
+        reply = joiner.recv()
+        assert isinstance(reply, P.Error) and reply.code == P.ErrorCode.PROTOCOL
+        assert ("fills another" if why == "model" else "in-place") in reply.message
+        opener.send(P.Commit())
+        assert opener.recv().ok  # the opener's update is untouched
