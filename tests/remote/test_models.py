@@ -219,3 +219,25 @@ def test_a_join_into_another_model_or_an_in_place_update_is_refused(why):
         assert ("fills another" if why == "model" else "in-place") in reply.message
         opener.send(P.Commit())
         assert opener.recv().ok  # the opener's update is untouched
+
+
+def test_a_push_into_another_model_does_not_make_a_reader_start_over(tmp_path):
+    a, _ = _model(tmp_path, "a", 2, 100, seed=1)
+    b, _ = _model(tmp_path, "b", 2, 100, seed=2)
+    with Server() as s, Client(s.address) as c:
+        c.push(a, model="a")
+        raw = Raw.connected(s.address)
+        raw.send(P.UseModel("a"))
+        raw.send(P.ListRequest())
+        listed = raw.recv()
+        c.push(b, model="b")  # a switch into model b moves the server's generation
+        assert s.generation > listed.generation
+        e = listed.entries[0]
+        raw.send(P.Read(e.name, 0, e.nbytes, 0, e.version, listed.generation))
+        reply = raw.recv()
+        assert isinstance(reply, P.ReadReply), reply  # served: model a did not change
+        raw.read_payload(e.nbytes)
+        c.push(a, model="a")  # a switch into model a: the listing is stale now
+        raw.send(P.Read(e.name, 0, e.nbytes, 0, 0, listed.generation))
+        reply = raw.recv()
+        assert isinstance(reply, P.Error) and reply.code == P.ErrorCode.STALE

@@ -98,7 +98,7 @@ class Reads:
             budget -= size
             entries.append(ListEntry(name, e.dtype, e.shape, e.nbytes, e.version))
         more = more or len(entries) < len(items)
-        self._out.reply(ListReply(tuple(entries), more=more, generation=self._store.generation))
+        self._out.reply(ListReply(tuple(entries), more=more, generation=self._store.generation_of(self.model)))
 
     def read(self, r: Read) -> None:
         # the whole reply within io_timeout plus its size at min_frame_rate, as a frame coming in
@@ -146,8 +146,9 @@ class Reads:
         self._read_device(r, dest, staging, want_digest)
 
     def _switched(self, r: Read) -> bool:
-        """Whether the READ names a generation and another set was switched in since (minor 3)."""
-        return bool(r.generation) and r.generation != self._store.generation
+        """Whether the READ names a generation and another set was switched into this model since
+        (minor 3)."""
+        return bool(r.generation) and r.generation != self._store.generation_of(self.model)
 
     def _read_device(self, r: Read, dest: Any, staging: np.ndarray, want_digest: bool) -> None:
         """A READ of device memory, through the staging buffer a piece at a time."""

@@ -329,6 +329,7 @@ class Store:
         self._used = 0
         self._versions = 0  # the last version number given to a published tensor
         self._generation = 1  # one more than the switches so far (a READ naming 0 asks for any)
+        self._switched: dict[str, int] = {}  # model -> the generation its last switch made
         self._gates = Gates(gate_timeout)  # how long an in-place change waits for its readers
         self._unowned: dict[int, int] = {}  # id -> cost of held tensors that take no weak references
         self._rewritten = _Rewritten()
@@ -473,6 +474,8 @@ class Store:
                 replaced.append(self._publish(*entry, changed=changed))
             self._generation += 1
             generation = self._generation
+            for s in staged:
+                self._switched[key_model(s.name)[0]] = generation
             digests = {}
             for n in names:
                 e = self._entries.get(n)
@@ -480,6 +483,11 @@ class Store:
         del replaced  # replaced tensors' memory goes back once nobody holds it
         self._tidy()
         return generation, digests
+
+    def generation_of(self, model: str) -> int:
+        """What a reader of ``model`` compares: the generation of the last switch into it (1
+        before any), so a switch into another model does not make its readers start over."""
+        return self._switched.get(model, 1)
 
     @property
     def generation(self) -> int:
