@@ -241,3 +241,13 @@ def test_a_push_into_another_model_does_not_make_a_reader_start_over(tmp_path):
         raw.send(P.Read(e.name, 0, e.nbytes, 0, 0, listed.generation))
         reply = raw.recv()
         assert isinstance(reply, P.Error) and reply.code == P.ErrorCode.STALE
+
+
+def test_an_error_names_a_tensor_as_its_client_did():
+    with Server() as s:
+        raw = Raw.connected(s.address)
+        raw.send(P.UseModel("m"))
+        raw.send(P.Alloc(0, "w", "F32", (4,), 16))
+        raw.send(P.WriteHeader(0, 0, 32), bytes(32))
+        (error,) = _barrier(raw).errors
+        assert "'w' (model 'm')" in error and "\\x00" not in error, error

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -279,6 +280,8 @@ class Connection:
 
     def _barrier(self, msg: Barrier) -> None:
         reply = self.rx.barrier(msg.flags)
+        if self.model and reply.errors:  # a tensor is named as its client named it, not by its store key
+            reply = dataclasses.replace(reply, errors=tuple(_shown(e) for e in reply.errors))
         if reply.errors and self.switch is not None and not self.switch.closed and not self.switch.refused:
             self.switch.refused = True  # a limit refused part of the push: it is not made visible
             self.store.count("pushes_refused")
@@ -489,6 +492,14 @@ class Connection:
         if s2c:
             self.out.mac = FrameMac(s2c)  # every frame after ours
         self._renew_decoder()
+
+
+def _shown(text: str) -> str:
+    """``text`` with each model key written as the names a client gave (tensor, model)."""
+    return _KEY.sub(lambda m: f"'{m.group(2)}' (model '{m.group(1)}')", text)
+
+
+_KEY = re.compile(r"'\\x00([^'\\]*)\\x00([^']*)'")  # a model_key as repr() writes it
 
 
 class _Refused(Exception):
