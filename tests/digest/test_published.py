@@ -328,3 +328,39 @@ def test_a_published_manifest_found_beside_that_lacks_a_tensor_is_named(tmp_path
     capsys.readouterr()
     assert main(["load", folder, "--verify"]) == 1
     assert published in capsys.readouterr().err
+
+
+def test_sketches_are_optional_and_leave_old_digests_alone(tmp_path, capsys):
+    """A manifest without sketches has the digest it always had; one with them carries each
+    tensor's sketch (checked here against the sketch of the loaded tensor) under its digest."""
+    from weightlift.digest.sketch import sketch
+
+    ts = _tensors(2)
+    path = write(tmp_path / "m.safetensors", ts)
+    plain = make_manifest(path)
+    assert all(e.sketch64 is None for e in plain.entries) and "sketch64" not in plain.to_json()
+    old = blake3.blake3(
+        json.dumps(
+            [{k: v for k, v in e.as_dict().items()} for e in plain.entries], separators=(",", ":"), sort_keys=True
+        ).encode()
+    ).hexdigest()
+    assert plain.digest == old
+    sk = make_manifest(path, sketch=True)
+    assert [e.blake3 for e in sk.entries] == [e.blake3 for e in plain.entries]
+    assert sk.digest != plain.digest  # the sketches are part of what the digest names
+    got = weightlift.load(path)
+    want = {t.name: sketch(np.asarray(got[t.name]), t.name) for t in open_checkpoint(path).select()
+            if t.name in sk.sketches()}  # fmt: skip
+    assert sk.sketches() == want and "layer.0" in want and "t.f64" in want and "t.f4" not in want
+    assert main(["manifest", str(path), "--sketch", "-o", str(tmp_path / "s.json")]) == 0
+    back = read_manifest(tmp_path / "s.json")
+    assert back == sk and back.sketches() == want
+    doc = json.loads((tmp_path / "s.json").read_text())
+    doc["tensors"][0]["sketch64"] = "0" * 16  # an edited sketch: the manifest's digest refuses it
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    with pytest.raises(IntegrityError, match="own digest"):
+        read_manifest(tmp_path / "bad.json")
+    doc["tensors"][0]["sketch64"] = "xyz"
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    with pytest.raises(IntegrityError, match="malformed"):
+        read_manifest(tmp_path / "bad.json")

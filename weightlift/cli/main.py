@@ -207,7 +207,7 @@ def _cmd_manifest(a: argparse.Namespace) -> int:
     from weightlift.digest.sidecar import write_atomic
     from weightlift.sources import is_url
 
-    m = make_manifest(a.path, select=a.select)
+    m = make_manifest(a.path, select=a.select, sketch=a.sketch)
     if a.output == "-":
         sys.stdout.write(m.to_json())
         return 0
@@ -322,6 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
     mf.add_argument("path", help=PATH_HELP)
     _add_select(mf)
     mf.add_argument("-o", "--output", metavar="FILE", help="where to write it ('-': stdout; default: beside PATH)")
+    mf.add_argument(
+        "--sketch",
+        action="store_true",
+        help="add each tensor's linear sketch, which a sharded copy is checked against without a gather",
+    )
     mf.set_defaults(func=_cmd_manifest)
 
     vf = sub.add_parser("verify", help="hash a checkpoint afresh and compare with its manifest; exit 1 if any differs")

@@ -45,6 +45,7 @@ from weightlift.distributed.group import ROUND, STRIPE, distributed_load
 from weightlift.distributed.push import PushError, push_many
 from weightlift.distributed.reader import ROW_READ_MIN
 from weightlift.distributed.shard import Piece, Rows, Shard, chunk_bounds
+from weightlift.distributed.transfer import Resharded, reshard_transfer, verify_resharded
 
 __all__ = [
     "Shard",
@@ -54,6 +55,9 @@ __all__ = [
     "distributed_load",
     "broadcast_load",
     "push_many",
+    "reshard_transfer",
+    "verify_resharded",
+    "Resharded",
     "PushError",
     "ROW_READ_MIN",
     "STRIPE",

@@ -131,6 +131,17 @@ class Comm:
         self.wait(work, what)
         return None
 
+    def isend(self, t: Any, peer: int, *, what: str = "send") -> Any:
+        """Send the contiguous tensor ``t`` to group rank ``peer``; the work to :meth:`wait` for.
+        Between two ranks, messages match in the order they are posted."""
+        g = self.global_rank(peer)
+        return self._call(what, lambda: self.dist.isend(t, dst=g, group=self.group))
+
+    def irecv(self, t: Any, peer: int, *, what: str = "recv") -> Any:
+        """Receive into the contiguous tensor ``t`` from group rank ``peer``; the work to wait for."""
+        g = self.global_rank(peer)
+        return self._call(what, lambda: self.dist.irecv(t, src=g, group=self.group))
+
     def all_to_all(
         self,
         out: Any,

@@ -15,33 +15,24 @@ bytes planned so far, lowest rank on ties. So every byte a receiver needs is sen
 once, nothing else is sent, and the plan is a pure function of its inputs: every process that
 computes it gets the same list.
 
-The proof is a linear sketch on the unsharded tensor: ``S = sum_i x_i * r**i mod 2**64`` with
-``x_i`` the element's bits as an unsigned integer of its width and ``i`` its row-major index in
-the unsharded tensor, ``r`` odd and derived from a seed and the tensor's name. A rank's part
-over a box needs only the box's elements and their global indices, and parts add: the senders'
-parts sum to the receivers' parts sum to the sketch of the whole tensor, whatever the layouts.
-``r`` odd makes ``r**i`` a unit mod 2**64, so one changed element always changes ``S``; a
-wrong slice, a skipped tensor or a stale base shift it too (with overwhelming probability for a
-random seed). It is an integrity check against faults, not against an adversary who knows ``r``
-(frames carry MACs, and a manifest's BLAKE3 stays the proof of publication). No I/O here; numpy
-is imported only by the sketch functions.
+The proof is the linear sketch of :mod:`weightlift.digest.sketch` (``S = sum_i x_i * r**i mod
+2**64`` over the unsharded tensor's words): :func:`sketch_local` is a rank's part from its local
+buffer, the sum of its segments' parts; the senders' parts sum to the receivers' parts sum to the
+sketch of the whole tensor, whatever the layouts. No I/O here.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from weightlift.digest.sketch import Box, sketch, sketch_base, sketch_part
 from weightlift.distributed.shard import Shard, chunk_bounds, parse_placement
 from weightlift.dtypes import dtype_info
 from weightlift.errors import OptionError
 from weightlift.formats import TensorInfo
-
-if TYPE_CHECKING:
-    import numpy as np
 
 __all__ = [
     "Layout",
@@ -53,10 +44,11 @@ __all__ = [
     "region",
     "local_shape",
     "sketch",
+    "sketch_base",
     "sketch_part",
+    "sketch_local",
 ]
 
-Box = tuple[tuple[int, int], ...]
 _MASK = (1 << 64) - 1
 
 
@@ -69,10 +61,21 @@ class Layout:
     shard: Shard
     world: int
     parts: Mapping[str, Sequence[int]] | Callable[[str], Sequence[int] | None] | None = None
+    #: the split dimension of each tensor by name (None: replicated), ahead of ``shard``'s rules:
+    #: what a DTensor's placement says of it, with no pattern to match
+    dims: Mapping[str, int | None] | None = None
 
     def placement(self, t: TensorInfo) -> int | None:
         """The split dimension of ``t`` (None: replicated); without rules, no name matching at all
         (FSDP's ``Shard(0)`` everywhere: half the plan's time on 50,000 names otherwise)."""
+        if self.dims is not None and t.name in self.dims:
+            dim = self.dims[t.name]
+            if dim is None:
+                return None
+            nd = len(t.shape)
+            if not -nd <= dim < nd:
+                raise OptionError(f"tensor {t.name!r} of shape {list(t.shape)} has no dimension {dim} to split along")
+            return dim % nd
         if self.shard.rules:
             return self.shard.placement(t)
         dim = parse_placement(self.shard.default)
@@ -305,87 +308,7 @@ def _key(parts: Sequence[int] | None) -> tuple[int, ...] | None:
     return None if parts is None else tuple(parts)
 
 
-# --- the proof: a linear sketch that composes over any layout -------------------------------------------
-
-
-def sketch_base(name: str, seed: bytes = b"") -> int:
-    """The odd 64-bit multiplier ``r`` of tensor ``name`` under ``seed``."""
-    h = hashlib.blake2b(seed + b"\0" + name.encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") | 1
-
-
-def _powers(base: int, start: int, step: int, n: int) -> np.ndarray:
-    """``base**(start + j*step) mod 2**64`` for j < n, as uint64."""
-    import numpy as np
-
-    first = pow(base, start, 1 << 64)
-    stepv = pow(base, step, 1 << 64)
-    out = np.empty(n, dtype=np.uint64)
-    if n == 0:
-        return out
-    out[0] = first
-    # doubling: out[m:2m] = out[:m] * step**m, wrap-around native in uint64
-    m, mul = 1, stepv
-    while m < n:
-        k = min(m, n - m)
-        np.multiply(out[:k], np.uint64(mul), out=out[m : m + k])
-        mul = mul * mul & _MASK
-        m += k
-    return out
-
-
-_UINT = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
-
-
-def sketch_part(array: Any, shape: Sequence[int], box: Box, r: int, *, rows_per_block: int = 0) -> int:
-    """The sketch part of ``array`` (the elements of ``box`` of a tensor of ``shape``, any dtype
-    of 1, 2, 4 or 8 bytes) under multiplier ``r``: add parts of disjoint boxes to compose."""
-    import numpy as np
-
-    a = np.ascontiguousarray(array)
-    ext = tuple(hi - lo for lo, hi in box)
-    if a.shape != ext and a.size != math.prod(ext):
-        raise OptionError(f"sketch: {a.shape} elements do not fill the box {list(box)}")
-    if a.itemsize not in _UINT:
-        raise OptionError(f"sketch: elements of {a.itemsize} bytes are not supported (1, 2, 4 or 8)")
-    nd = len(shape)
-    if nd == 0:
-        return int(a.reshape(-1).view(_UINT[a.itemsize])[0]) & _MASK if a.size else 0
-    x = a.reshape(ext).view(_UINT[a.itemsize])
-    strides = [1] * nd
-    for k in range(nd - 2, -1, -1):
-        strides[k] = strides[k + 1] * shape[k + 1]
-    # weight of element g: prod_k r**(g_k * stride_k); contract the last dim, then the others
-    inner = _powers(r, box[-1][0] * strides[-1], strides[-1], ext[-1])
-    flat = x.reshape(-1, ext[-1]) if ext[-1] else x.reshape(0, 0)
-    nrows = flat.shape[0]
-    # rows' weights: product over the outer dims
-    roww = np.ones(1, dtype=np.uint64)
-    for k in range(nd - 1):
-        pk = _powers(r, box[k][0] * strides[k], strides[k], ext[k])
-        roww = np.multiply.outer(roww, pk).reshape(-1)
-    if nrows == 0 or ext[-1] == 0:
-        return 0
-    step = rows_per_block or max(1, (1 << 20) // max(1, ext[-1]))
-    total = np.uint64(0)
-    buf = np.empty((min(step, nrows), ext[-1]), dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for i in range(0, nrows, step):
-            blk = flat[i : i + step]
-            b = buf[: blk.shape[0]]
-            b[...] = blk
-            rs = b @ inner  # integer matmul wraps mod 2**64; twice the rate of multiply then sum
-            rs *= roww[i : i + step]
-            total = total + rs.sum(dtype=np.uint64)
-    return int(total)
-
-
-def sketch(array: Any, name: str, seed: bytes = b"") -> int:
-    """The sketch of a whole (unsharded) tensor."""
-    import numpy as np
-
-    a = np.asarray(array)
-    return sketch_part(a, a.shape, tuple((0, n) for n in a.shape), sketch_base(name, seed))
+# --- the proof: the linear sketch (weightlift.digest.sketch) of each rank's boxes -----------------------
 
 
 def sketch_local(t: TensorInfo, layout: Layout, rank: int, local: Any, seed: bytes = b"") -> int:
