@@ -62,6 +62,10 @@ def test_command_values_are_pinned():
         "UPDATE": 13,
         "COMMIT": 14,
         "COMMIT_REPLY": 0x8E,
+        "STATS": 15,
+        "MODEL": 16,
+        "REMOVE": 17,
+        "STATS_REPLY": 0x8F,
         "LAYOUT": 20,
         "REGION": 21,
         "SKETCH": 22,
@@ -75,12 +79,14 @@ def test_command_values_are_pinned():
     assert (P.Delta.FLAG_VERIFY, P.Update.FLAG_IN_PLACE, P.Commit.FLAG_ABORT) == (1, 1, 1)
     assert [int(e) for e in P.DeltaEncoding] == [0, 1, 2, 3]
     assert (Alloc.FLAG_DIGEST, Alloc.FLAG_VERIFY, Barrier.FLAG_DIGESTS, Read.FLAG_DIGEST) == (1, 2, 1, 1)
-    assert [int(c) for c in P.ErrorCode] == [1, 2, 3, 4, 5, 6, 7]
+    assert [int(c) for c in P.ErrorCode] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert (P.Update.FLAG_JOIN, P.Commit.FLAG_NO_ROOT) == (2, 2)
 
 
 def test_versions_and_limits_are_pinned():
-    assert (P.PROTOCOL_MAJOR, P.PROTOCOL_MINOR, P.PREVIOUS_MINOR, P.REGIONS_SINCE) == (1, 6, 4, 6)
+    assert (P.PROTOCOL_MAJOR, P.PROTOCOL_MINOR, P.PREVIOUS_MINOR, P.REGIONS_SINCE) == (1, 6, 5, 6)
     assert P.MAX_REGION_BYTES == 64 << 20
+    assert (P.MAX_MODEL_NAME, P.MAX_FIGURES, P.MAX_FIGURE_NAME, P.MAX_MODELS) == (255, 256, 64, 1024)
     assert (P.MAX_DIGESTS, P.MAC_SIZE) == (4096, 32)
     assert P.MAX_FRAME == 16 << 20
     assert (P.MAX_NAME, P.MAX_DIMS, P.MAX_TENSORS) == (4096, 64, 65536)
@@ -193,8 +199,33 @@ GOLDEN = [
         + D2.hex()
         + "010077",
     ),
-    (P.Update(), "0d0000000100000000"),
-    (P.Update(1), "0d0000000100000001"),
+    (P.Update(), "0d0000000900000000" + "0000000000000000"),
+    (P.Update(1), "0d0000000900000001" + "0000000000000000"),
+    (P.Update(2, 0x0102030405060708), "0d0000000900000002" + "0807060504030201"),
+    (P.Commit(2), "0e0000000100000002"),
+    (P.Stats(), "0f00000000000000"),
+    (P.UseModel("ab"), "100000000400000002006162"),
+    (P.UseModel(), "10000000020000000000"),
+    (P.Remove("m"), "110000000300000001006d"),
+    (
+        P.StatsReply((("tensors", 3),), (P.ModelStats("m", 2, 16, True), P.ModelStats("", 1, 4)), 5),
+        "8f00000042000000"
+        + "0100"
+        + "02000000"
+        + "05000000"
+        + "0700"
+        + b"tensors".hex()
+        + "0300000000000000"
+        + "0200000000000000"
+        + "1000000000000000"
+        + "01"
+        + "0100"
+        + "6d"
+        + "0100000000000000"
+        + "0400000000000000"
+        + "00"
+        + "0000",
+    ),
     (P.Commit(), "0e0000000100000000"),
     (P.Commit(1), "0e0000000100000001"),
     (P.CommitReply(True, 3, 7, D1), "8e0000002f00000001030000000700000000000000" + D1.hex() + "0000"),
@@ -276,6 +307,58 @@ def test_golden_bytes(msg, hexbytes):
     dec.feed(raw)
     assert dec.next_event() == msg
     assert dec.at_boundary or msg.COMMAND in P.PAYLOAD_COMMANDS
+
+
+def test_minor_four_update_has_no_push_id_and_the_minor_five_commands_do_not_exist():
+    raw = bytes.fromhex("0d0000000100000001")
+    assert send(P.Update(1), minor=4) == raw
+    dec = Decoder(our_role="server", minor=4)
+    dec.feed(raw)
+    assert dec.next_event() == P.Update(1, 0)
+    for msg in (P.Update(2, 9), P.Update(0, 9), P.Commit(2)):
+        with pytest.raises(LocalProtocolError, match="minor 5"):
+            send(msg, minor=4)
+    for msg in (P.Stats(), P.UseModel("m"), P.Remove("m"), P.StatsReply(())):
+        with pytest.raises(LocalProtocolError, match="needs minor 5"):
+            send(msg, minor=4)
+    for cmd, role in ((Command.STATS, "server"), (Command.MODEL, "server"), (Command.STATS_REPLY, "client")):
+        dec = Decoder(our_role=role, minor=4)  # an older peer: the command is unknown to it
+        dec.feed(P.PREFIX.pack(cmd, 0))
+        with pytest.raises(RemoteProtocolError, match="not valid in this direction or minor"):
+            dec.next_event()
+
+
+def test_model_names_and_stats_replies_are_bounded():
+    with pytest.raises(LocalProtocolError, match="limit is 255"):
+        send(P.UseModel("m" * 256))
+    with pytest.raises(LocalProtocolError, match="NUL"):
+        send(P.Remove("a\x00b"))
+    with pytest.raises(LocalProtocolError, match="256"):
+        send(P.StatsReply((("x", 1),) * 257))
+    with pytest.raises(LocalProtocolError, match="1 to 64"):
+        send(P.StatsReply((("x" * 65, 1),)))
+    with pytest.raises(LocalProtocolError, match="1024"):
+        send(P.StatsReply((), (P.ModelStats("m", 0, 0),) * 1025, 1025))
+    for body in (
+        struct.pack("<H", 256) + b"m" * 256,  # too long
+        struct.pack("<H", 3) + b"a\x00b",  # NUL
+    ):
+        dec = Decoder(our_role="server")
+        dec.feed(P.PREFIX.pack(Command.MODEL, len(body)) + body)
+        with pytest.raises(RemoteProtocolError, match="model name"):
+            dec.next_event()
+    dec = Decoder(our_role="client")
+    head = P.StatsReply.LAYOUT.pack(0, P.MAX_MODELS + 1, P.MAX_MODELS + 1)
+    dec.feed(P.PREFIX.pack(Command.STATS_REPLY, len(head)) + head)
+    with pytest.raises(RemoteProtocolError, match="models exceed"):
+        dec.next_event()
+    # the largest reply a server may send fits the smallest frame a client may state
+    worst = P.StatsReply(
+        tuple((f"{i:064d}", 2**64 - 1) for i in range(P.MAX_FIGURES)),
+        tuple(P.ModelStats(f"{i:0255d}", 2**64 - 1, 2**64 - 1, True) for i in range(P.MAX_MODELS)),
+        2**32 - 1,
+    )
+    assert len(send(worst, max_frame=P.MIN_FRAME)) <= 8 + P.MIN_FRAME
 
 
 # READ and LIST_REPLY as minor 2 lays them out, before minor 3 appended the generation

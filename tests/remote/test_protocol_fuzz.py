@@ -95,6 +95,11 @@ _VALID = [
     ListRequest("a"),
     Free(("layer.0.weight",)),
     Barrier(),
+    P.UseModel("llama-a"),
+    P.Update(P.Update.FLAG_JOIN, 7),
+    P.Commit(P.Commit.FLAG_NO_ROOT),
+    P.Stats(),
+    P.Remove("llama-a"),
 ]
 
 

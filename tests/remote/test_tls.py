@@ -163,6 +163,21 @@ def test_every_client_command_speaks_tls(tmp_path, pki, capsys):
         assert "TLS handshake" in capsys.readouterr().err
 
 
+def test_stats_and_rm_speak_tls(tmp_path, pki, capsys):
+    (cert, key), _ = pki
+    path, _ = _model(tmp_path)
+    with Server(tls=server_tls_context(cert, key)) as s:
+        addr = f"{s.address[0]}:{s.address[1]}"
+        assert cli(["push", path, "--to", addr, "--tls-ca", str(cert), "--model", "m"]) == 0
+        capsys.readouterr()
+        assert cli(["stats", addr, "--tls-ca", str(cert), "--json"]) == 0
+        assert [m["name"] for m in json.loads(capsys.readouterr().out)["models"]] == ["m"]
+        assert cli(["stats", addr]) == 2  # plain TCP to a TLS server
+        assert "connect with TLS (--tls or --tls-ca" in capsys.readouterr().err
+        assert cli(["rm", addr, "--model", "m", "--tls-ca", str(cert)]) == 0
+        assert s.tensors(model="m") == {}
+
+
 def test_check_from_a_tls_server(tmp_path, pki, capsys):
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from weightlift.cli import ops
 from weightlift.errors import IntegrityError, OptionError, install_hint
 from weightlift.progress import terminal
 from weightlift.remote.server.config import MIN_FRAME_RATE
@@ -43,10 +44,12 @@ def parse_size(text: str) -> int:
 
 
 def register(sub: Any) -> None:
-    """Add ``serve``, ``push``, ``pull`` and ``ls`` to an argparse subparsers object."""
+    """Add ``serve``, ``push``, ``pull`` and ``ls`` to an argparse subparsers object (``stats`` and
+    ``rm``, from :mod:`weightlift.cli.ops`, too)."""
     _register_serve(sub)
     _register_push(sub)
     _register_pull_ls(sub)
+    ops.register(sub, connection_args=connection_args, client=_client)
 
 
 def _register_serve(sub: Any) -> None:
@@ -217,6 +220,7 @@ def _register_push(sub: Any) -> None:
     p.add_argument("--to", required=True, metavar="HOST:PORT", help="the tensor server to push to")
     p.add_argument("--select", action="append", metavar="PATTERN", help="a glob, or re:<regex>; repeat for several")
     p.add_argument("--streams", type=int, default=1, help="connections to spread the tensors over")
+    p.add_argument("--model", metavar="NAME", help="push into this model on the server (default: the default model)")
     connection_args(p)
     p.add_argument(
         "--verify",
@@ -239,6 +243,7 @@ def _register_pull_ls(sub: Any) -> None:
     g = sub.add_parser("pull", help="save everything a tensor server holds as a .safetensors file")
     g.add_argument("--from", dest="source", required=True, metavar="HOST:PORT", help="the tensor server to pull from")
     g.add_argument("-o", "--output", required=True, metavar="FILE.safetensors", help="the file to write")
+    g.add_argument("--model", metavar="NAME", help="pull this model (default: the default model)")
     connection_args(g)
     g.add_argument(
         "--verify",
@@ -249,6 +254,7 @@ def _register_pull_ls(sub: Any) -> None:
 
     ls = sub.add_parser("ls", help="list the tensors a tensor server holds")
     ls.add_argument("--from", dest="source", required=True, metavar="HOST:PORT", help="the tensor server to list")
+    ls.add_argument("--model", metavar="NAME", help="list this model (default: the default model)")
     connection_args(ls)
     ls.add_argument("--json", action="store_true", help="print the list as JSON")
     ls.set_defaults(func=_cmd_ls)
@@ -364,7 +370,7 @@ def _cmd_push(a: argparse.Namespace) -> int:
     bar = terminal(f"pushing to {a.to}", enabled=not a.json)
     with _client(a, a.to, streams=a.streams, profile=prof) as c:
         try:
-            result = c.push(a.path, select=a.select, verify=verify, manifest=a.manifest, progress=bar)
+            result = c.push(a.path, select=a.select, verify=verify, manifest=a.manifest, progress=bar, model=a.model)
         except IntegrityError as e:  # the push ran; its bytes are wrong: exit 1, as verify does
             print(f"weightlift: {e}", file=sys.stderr)
             return 1
@@ -397,7 +403,7 @@ def _verified(result: PushResult) -> str:
 def _cmd_pull(a: argparse.Namespace) -> int:
     with _client(a, a.source) as c:
         try:
-            entries = c.pull(a.output, verify=a.verify, progress=terminal(f"pulling from {a.source}"))
+            entries = c.pull(a.output, verify=a.verify, progress=terminal(f"pulling from {a.source}"), model=a.model)
         except IntegrityError as e:
             print(f"weightlift: {e}", file=sys.stderr)
             return 1
@@ -412,7 +418,7 @@ def _cmd_ls(a: argparse.Namespace) -> int:
     from weightlift.remote.client.connection import printable  # names are the server's text
 
     with _client(a, a.source) as c:
-        entries = c.list()
+        entries = c.list(model=a.model)
     if a.json:
         print(
             json.dumps(

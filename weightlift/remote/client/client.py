@@ -18,16 +18,24 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypedDict, overload
 
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
-from weightlift.errors import OptionError, StateError
+from weightlift.errors import LocalProtocolError, OptionError, StateError
 from weightlift.options import check_keywords, keyword_signature
 from weightlift.profile import Profiler
 from weightlift.remote.client.connection import MAX_TIMEOUT, Connection
 from weightlift.remote.client.job import PIPELINE, ProgressCallback, Push, PushResult, strategy
 from weightlift.remote.client.memory import host_bytes, memory_tensors
-from weightlift.remote.client.pull import MAX_LIST_BYTES, MAX_LIST_ENTRIES, Pull, RemoteTensor, listing
+from weightlift.remote.client.pull import (
+    MAX_LIST_BYTES,
+    MAX_LIST_ENTRIES,
+    Pull,
+    RemoteTensor,
+    ServerReport,
+    listing,
+    server_report,
+)
 from weightlift.remote.client.servers import Address, address_key, push_each
 from weightlift.remote.client.update import Bases, UpdateSpec, given_bases
-from weightlift.remote.protocol import MAX_TENSORS, PROTOCOL_MINOR, Free, FreeReply, Hello
+from weightlift.remote.protocol import MAX_TENSORS, PROTOCOL_MINOR, Free, FreeReply, Hello, Remove
 from weightlift.remote.token import token_bytes
 from weightlift.remote.transport import TCP, Backend, TlsBackend
 
@@ -45,6 +53,7 @@ __all__ = [
     "PushOptions",
     "PushResult",
     "RemoteTensor",
+    "ServerReport",
     "MAX_LIST_ENTRIES",
     "MAX_LIST_BYTES",
 ]
@@ -118,6 +127,7 @@ class PushKw(TypedDict, total=False):
     verify: bool
     manifest: ManifestSource | None
     progress: ProgressCallback | None
+    model: str | None
 
 
 class MemoryPushKw(PushKw, total=False):
@@ -139,6 +149,7 @@ class PushOptions:
     in_place: bool = False
     manifest: ManifestSource | None = None
     progress: ProgressCallback | None = None
+    model: str | None = None
 
     def check(self, source: Source | Tensors) -> None:
         """OptionError for options that do not go together with each other or with ``source``,
@@ -156,6 +167,10 @@ class PushOptions:
                 )
         elif self.base is not None or self.in_place:
             raise OptionError("push(base=..., in_place=...) apply to tensors pushed from memory")
+        if self.model is not None and not isinstance(self.model, str):
+            raise OptionError(f"push(model=...) takes a model's name (str), not {type(self.model).__name__}")
+        if self.to is not None and self.model is not None:
+            raise OptionError("push(to=..., model=...): push each server's model with its own client")
 
 
 class Client:
@@ -296,6 +311,13 @@ class Client:
         ``progress``: called as ``progress(bytes done, bytes in all)`` after each tensor lands (or
         is filled from the server's cache), from the sending thread; nothing is drawn otherwise.
         Not with ``to``.
+
+        ``model`` (a server of protocol minor 5): push into that model, a namespace of its own on
+        the server (None: the default model, where a client that names none pushes); see
+        :meth:`list`, :meth:`pull`, :meth:`remove`. Not with ``to``. To such a server a
+        checkpoint arrives as one unit: none of its tensors is visible (LIST, READ, HAVE) until
+        every one has landed, and none ever is if the push fails or the client goes away (their
+        memory goes back).
         """
         check_keywords("Client.push", options, PushOptions)
         o = PushOptions(to=to, **options)
@@ -303,6 +325,7 @@ class Client:
         if o.to is not None and o.progress is not None:
             raise OptionError("push(progress=...) reports one push: not with to=...")
         if isinstance(source, Mapping):
+            self._conn().use(o.model or "")
             return self._push_memory(source, o)
         if o.to is not None:
             return self._push_to(source, o.to, o)
@@ -314,11 +337,14 @@ class Client:
         self._conn()
         while len(self._conns) < self.streams:
             self._conns.append(self._connect())
+        conns = self._conns[: self.streams]
+        for c in conns:
+            c.use(o.model or "")
         if self._own_profiler:
             self.profiler.reset()
         job = Push(
             tensors,
-            self._conns[: self.streams],
+            conns,
             where=address_key(self.address),
             how=self._strategy,
             profiler=self.profiler,
@@ -327,6 +353,7 @@ class Client:
             expected=ref.digests if ref is not None else None,
             manifest=ref.manifest if ref is not None else None,
             progress=o.progress,
+            unit=conns[0].session.models,
         )
         try:
             return job.run()
@@ -390,16 +417,44 @@ class Client:
 
     # -- list / pull / free --------------------------------------------------------------------------
 
-    def list(self) -> builtins.list[RemoteTensor]:
-        """Every complete tensor the server holds, in name order."""
-        return [RemoteTensor(e.name, e.dtype, e.shape, e.nbytes) for e in listing(self._conn())]
+    def list(self, *, model: str | None = None) -> builtins.list[RemoteTensor]:
+        """Every complete tensor the server holds (of ``model``; None: the default model), in name order."""
+        return [RemoteTensor(e.name, e.dtype, e.shape, e.nbytes) for e in listing(self._model_conn(model))]
 
-    def free(self, names: str | Sequence[str]) -> int:
-        """Drop the named tensors on the server; returns how many existed."""
-        return _free(self._conn(), [names] if isinstance(names, str) else names)
+    def free(self, names: str | Sequence[str], *, model: str | None = None) -> int:
+        """Drop the named tensors on the server (of ``model``; None: the default model); returns how many existed."""
+        return _free(self._model_conn(model), [names] if isinstance(names, str) else names)
+
+    def remove(self, model: str | None = None) -> int:
+        """Drop every tensor of ``model`` on the server (None: the default model); returns how many
+        there were. :class:`~weightlift.remote.client.connection.Busy` (a StateError), nothing
+        removed, while a push to that model is in flight. Needs a server of protocol minor 5."""
+        conn = self._conn()
+        _needs_models(conn, "remove")
+        conn.send(conn.frame(Remove(model or "")))
+        reply: FreeReply = conn.expect(FreeReply)
+        return reply.freed
+
+    def stats(self) -> ServerReport:
+        """What the server holds and has done: its figures (those of
+        :meth:`~weightlift.remote.server.server.Server.stats`) and its models. Needs a server of
+        protocol minor 5 (LocalProtocolError naming the server's minor otherwise)."""
+        conn = self._conn()
+        _needs_models(conn, "stats")
+        return server_report(conn)
+
+    def _model_conn(self, model: str | None) -> Connection:
+        conn = self._conn()
+        conn.use(model or "")
+        return conn
 
     def pull(
-        self, path: str | os.PathLike[str], *, verify: bool = False, progress: ProgressCallback | None = None
+        self,
+        path: str | os.PathLike[str],
+        *,
+        verify: bool = False,
+        progress: ProgressCallback | None = None,
+        model: str | None = None,
     ) -> builtins.list[RemoteTensor]:
         """Write every tensor the server holds to ``path`` as a .safetensors file; returns them.
 
@@ -410,10 +465,10 @@ class Client:
         that differs, and no file). Needs a server of protocol minor 2 (LocalProtocolError
         otherwise). FormatError, before anything is written, if the file's header would pass
         the limit safetensors readers accept. ``progress``: called as ``progress(bytes done, bytes
-        in all)`` as the tensors arrive.
+        in all)`` as the tensors arrive. ``model``: pull that model (None: the default model).
         """
         job = Pull(
-            self._conn(),
+            self._model_conn(model),
             path,
             where=address_key(self.address),
             verify=verify,
@@ -431,6 +486,14 @@ class Client:
 # help() and inspect show every keyword with its default, as when each method wrote each one out
 Client.__init__.__signature__ = keyword_signature(Client.__init__, ClientOptions, ClientKw)  # type: ignore[attr-defined]
 Client.push.__signature__ = keyword_signature(Client.push, PushOptions, MemoryPushKw)  # type: ignore[attr-defined]
+
+
+def _needs_models(conn: Connection, what: str) -> None:
+    if not conn.session.models:
+        raise LocalProtocolError(
+            f"{what}: the server at {conn.stream.peer} speaks protocol 1.{conn.minor}, which has no {what} "
+            "(it needs 1.5: a newer weightlift serve)"
+        )
 
 
 def _free(conn: Connection, names: Sequence[str]) -> int:

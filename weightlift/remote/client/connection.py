@@ -42,11 +42,12 @@ from weightlift.remote.protocol import (
     FrameMac,
     Hello,
     Message,
+    UseModel,
     send,
 )
 from weightlift.remote.transport import Buffer, Stream, TlsStream, receive_message, receive_payload, receive_tag
 
-__all__ = ["Connection", "Late", "Replaced", "remote_error", "printable", "MIN_PAYLOAD_RATE", "MAX_TIMEOUT"]
+__all__ = ["Connection", "Late", "Replaced", "Busy", "remote_error", "printable", "MIN_PAYLOAD_RATE", "MAX_TIMEOUT"]
 
 #: Bytes per second below which a payload (a READ reply's bytes) runs out of time: a payload of
 #: n bytes must arrive within the client's timeout plus n / MIN_PAYLOAD_RATE seconds.
@@ -63,7 +64,16 @@ class Replaced(StateError):
     """The server answered a READ with STALE: the tensor listed was replaced before it was read."""
 
 
-ERRORS = {ErrorCode.AUTH: AuthError, ErrorCode.NOT_FOUND: NotFoundError, ErrorCode.STALE: Replaced}
+class Busy(StateError):
+    """The server answered BUSY: a push to the model asked about is in flight (nothing changed)."""
+
+
+ERRORS = {
+    ErrorCode.AUTH: AuthError,
+    ErrorCode.NOT_FOUND: NotFoundError,
+    ErrorCode.STALE: Replaced,
+    ErrorCode.BUSY: Busy,
+}
 
 
 def printable(text: str) -> str:
@@ -143,6 +153,7 @@ class Connection:
         self.mac_in: FrameMac | None = None
         self._payload_until = 0.0  # when the payload of the last reply is due (with a timeout)
         self.listed_generations: list[int] = []  # what each page of the last listing stated (minor 3)
+        self.model = ""  # the model this connection's requests name (minor 5; "" the default)
         try:
             # every send, sendfile and receive from here on waits at most ``timeout`` seconds
             stream.set_io_timeout(timeout)
@@ -178,6 +189,20 @@ class Connection:
             macs = self.session.frame_macs()
             if macs is not None:
                 self.mac_out, self.mac_in = macs
+
+    def use(self, model: str) -> None:
+        """Make the connection's later requests name ``model`` ("" the default model): a MODEL
+        frame when it changes. LocalProtocolError naming the server's minor for a named model
+        on a server that has none (protocol 1.4 or older)."""
+        if model == self.model:
+            return
+        if not self.session.models:
+            raise LocalProtocolError(
+                f"model {model!r}: the server at {self.stream.peer} speaks protocol 1.{self.minor}, "
+                "which has no named models (it needs 1.5: a newer weightlift serve)"
+            )
+        self.send(self.frame(UseModel(model)))
+        self.model = model
 
     @property
     def protected(self) -> bool:

@@ -16,6 +16,13 @@ out to be bad, the BARRIER reply lists the tensor and the client sends it.
 
 ``streams=N`` spreads the tensors over N connections, balanced by bytes, one sender each.
 
+A checkpoint is pushed as one unit (``unit``, a server of protocol minor 5): UPDATE opens an
+update on the first connection (a BARRIER's reply says it is open) and the others JOIN it by its
+push id, so every tensor they complete is held back; once every sender's BARRIER came back
+clean, one COMMIT (NO_ROOT: nothing is hashed for a set digest) shows them all at once. A push
+that fails is aborted (or its connections closed, which aborts it on the server): none of its
+tensors ever becomes visible, and their memory goes back.
+
 How the tensors move is a :class:`Strategy`, chosen once per client (:func:`strategy`): the
 pipeline above, or with ``WEIGHTLIFT_LOAD_OPT=0`` the naive arm kept for A/B runs
 (:mod:`~weightlift.remote.client.naive`). A :class:`Push` holds everything of one push: its
@@ -25,6 +32,7 @@ plans, the hashing beside it, the senders and their tally.
 from __future__ import annotations
 
 import builtins
+import secrets
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -33,13 +41,14 @@ from typing import Any
 
 from weightlift import env
 from weightlift.digest.blake import HASH_THRESHOLD, NAIVE_HASH_THRESHOLD
-from weightlift.errors import IntegrityError, LocalProtocolError
+from weightlift.errors import IntegrityError, LocalProtocolError, RemoteProtocolError, StateError, WeightliftError
 from weightlift.formats import TensorInfo
 from weightlift.profile import Profiler
-from weightlift.remote.client.connection import Connection
+from weightlift.remote.client.connection import Connection, printable
 from weightlift.remote.client.naive import NaivePusher
 from weightlift.remote.client.push import Hashing, Plan, ProgressCallback, Pusher, Tally, balance, wire_form
 from weightlift.remote.client.update import UpdatePusher, UpdateSpec
+from weightlift.remote.protocol import Barrier, BarrierReply, Commit, CommitReply, Update
 
 __all__ = ["PushResult", "Strategy", "PIPELINE", "NAIVE", "strategy", "Push", "ProgressCallback"]
 
@@ -116,6 +125,7 @@ class Push:
         expected: Mapping[str, bytes] | None = None,
         manifest: str | None = None,
         progress: ProgressCallback | None = None,
+        unit: bool = False,
     ):
         if verify and not all(c.verify for c in conns):
             raise LocalProtocolError(
@@ -136,10 +146,35 @@ class Push:
         self.senders: list[Pusher] = []
         self.expected = expected  # with verify: digests published for the tensors
         self.manifest = manifest  # where ``expected`` was published
+        self.unit = unit and update is None  # a checkpoint as one update over every connection (minor 5)
+        self._open = False  # the unit's update is open on the server
 
     @property
     def settled(self) -> bool:
-        return all(p.settled for p in self.senders)
+        return all(p.settled for p in self.senders) and not self._open
+
+    def _begin(self) -> None:
+        """Open the unit's update on the first connection and join the others to it."""
+        first, rest = self.conns[0], self.conns[1:]
+        push = secrets.randbits(63) | 1 if rest else 0
+        first.send(first.frame(Update(0, push)))
+        self._open = True
+        if rest:  # open on the server before another connection asks to join it
+            first.send(first.frame(Barrier()))
+            reply = first.expect(BarrierReply)
+            if reply.errors:
+                raise RemoteProtocolError("server: " + "; ".join(printable(e) for e in reply.errors))
+            for c in rest:
+                c.send(c.frame(Update(Update.FLAG_JOIN, push)))
+
+    def _end(self, *, commit: bool) -> None:
+        """COMMIT the unit (or abort it); StateError where the server switched nothing in."""
+        first = self.conns[0]
+        first.send(first.frame(Commit(Commit.FLAG_NO_ROOT if commit else Commit.FLAG_ABORT)))
+        reply = first.expect(CommitReply)
+        self._open = False
+        if commit and not reply.ok:
+            raise StateError(f"push to {self.where}: nothing was made visible: server: {printable(reply.message)}")
 
     def run(self) -> PushResult:
         """Send every tensor and wait for the server to have them; IntegrityError (with
@@ -164,18 +199,22 @@ class Push:
             self.senders[0].spec = self.update  # type: ignore[attr-defined]
         ok = False
         try:
+            if self.unit:
+                self._begin()
             self._send(balance(self.plans, len(self.conns)))
+            self._check(self.tally)  # with a unit, before anything wrong is made visible
+            if self.unit:
+                self._end(commit=True)
             ok = True
         finally:
             hashing.close(ok=ok)
+            if self._open and all(p.settled for p in self.senders):
+                try:  # every connection in step (a refusal at a BARRIER): abort and keep them
+                    self._end(commit=False)
+                except WeightliftError:
+                    pass  # the connection is left unsettled: the client closes it, which aborts too
         seconds = time.perf_counter() - t0
         tally = self.tally
-        if tally.differ:
-            raise IntegrityError(
-                f"push to {self.where}: {len(tally.differ)} of {len(self.plans)} tensors are not on the server "
-                + (f"as published in {self.manifest}: " if self.manifest else "as they are in the file: ")
-                + ", ".join(tally.differ)
-            )
         return PushResult(
             tally.tensors,
             tally.bytes,
@@ -189,6 +228,14 @@ class Push:
             self.update.root if self.update is not None else None,
             self.manifest if self.verify else None,
         )
+
+    def _check(self, tally: Tally) -> None:
+        if tally.differ:
+            raise IntegrityError(
+                f"push to {self.where}: {len(tally.differ)} of {len(self.plans)} tensors are not on the server "
+                + (f"as published in {self.manifest}: " if self.manifest else "as they are in the file: ")
+                + ", ".join(tally.differ)
+            )
 
     def _send(self, groups: list[list[Plan]]) -> None:
         """Each sender its group, on threads of their own when there are several."""

@@ -23,6 +23,7 @@ import os
 import tempfile
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import IO, NamedTuple
 
 import blake3
@@ -37,10 +38,12 @@ from weightlift.errors import (
 )
 from weightlift.formats.safetensors import build_header
 from weightlift.remote.client.connection import Connection, Replaced
-from weightlift.remote.protocol import ListEntry, ListReply, ListRequest, Read, ReadReply
+from weightlift.remote.protocol import ListEntry, ListReply, ListRequest, ModelStats, Read, ReadReply, Stats, StatsReply
 
 __all__ = [
     "RemoteTensor",
+    "ServerReport",
+    "server_report",
     "MAX_LIST_ENTRIES",
     "MAX_LIST_BYTES",
     "READ_WINDOW",
@@ -68,6 +71,41 @@ class RemoteTensor(NamedTuple):
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+
+
+@dataclass(frozen=True)
+class ServerReport:
+    """A server's answer to STATS: ``figures`` by name (counters since start and state now, as
+    :class:`~weightlift.remote.server.stats.ServerStats` names them), its ``models`` (at most
+    :data:`~weightlift.remote.protocol.MAX_MODELS`, in name order) and ``models_total``, how
+    many it holds (more than ``models`` lists when some were left out)."""
+
+    figures: dict[str, int]
+    models: tuple[ModelStats, ...]
+    models_total: int
+
+    def __getitem__(self, key: str) -> int:
+        return self.figures[key]
+
+    def model(self, name: str) -> ModelStats | None:
+        """The model ``name`` ("" the default), or None where the reply does not list it."""
+        return next((m for m in self.models if m.name == name), None)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "figures": dict(self.figures),
+            "models": [
+                {"name": m.name, "tensors": m.tensors, "bytes": m.nbytes, "pushing": m.pushing} for m in self.models
+            ],
+            "models_total": self.models_total,
+        }
+
+
+def server_report(conn: Connection) -> ServerReport:
+    """STATS, and its reply as a :class:`ServerReport`."""
+    conn.send(conn.frame(Stats()))
+    reply: StatsReply = conn.expect(StatsReply)
+    return ServerReport(dict(reply.figures), reply.models, reply.models_total)
 
 
 def listing(conn: Connection) -> list[ListEntry]:

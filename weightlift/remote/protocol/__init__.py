@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from weightlift.remote.protocol.auth import client_mac, new_nonce, server_mac, verify_mac
 from weightlift.remote.protocol.decode import NEED_DATA, Decoder, Event, Payload
-from weightlift.remote.protocol.encode import send
+from weightlift.remote.protocol.encode import model_name, send
 from weightlift.remote.protocol.mac import FrameMac, frame_keys
 from weightlift.remote.protocol.messages import *  # noqa: F403 - the wire spec is this package's vocabulary
 from weightlift.remote.protocol.messages import __all__ as _messages_all
@@ -20,6 +20,7 @@ from weightlift.remote.protocol.session import (
     SessionState,
     cache_usable,
     mac_usable,
+    models_usable,
     planes_usable,
     regions_usable,
     update_usable,
@@ -38,6 +39,7 @@ __all__ = [
     "SessionState",
     "cache_usable",
     "mac_usable",
+    "models_usable",
     "planes_usable",
     "regions_usable",
     "update_usable",
@@ -45,6 +47,7 @@ __all__ = [
     "client_mac",
     "new_nonce",
     "send",
+    "model_name",
     "server_mac",
     "verify_mac",
     *_messages_all,

@@ -28,6 +28,7 @@ from weightlift.remote.protocol.messages import (
     COMMAND_SINCE,
     DIGEST_SIZE,
     DIM_LAYOUT,
+    FIGURE_VALUE_LAYOUT,
     FLAGS_LAYOUT,
     HELLO_LAYOUT_PREVIOUS,
     ID_LAYOUT,
@@ -35,12 +36,17 @@ from weightlift.remote.protocol.messages import (
     MAX_DIGESTS,
     MAX_DIMS,
     MAX_ERRORS,
+    MAX_FIGURE_NAME,
+    MAX_FIGURES,
     MAX_FRAME,
     MAX_MESSAGE,
+    MAX_MODEL_NAME,
+    MAX_MODELS,
     MAX_NAME,
     MAX_REGION_BYTES,
     MAX_TENSOR_BYTES,
     MAX_TENSORS,
+    MODEL_STATS_LAYOUT,
     NAME_LAYOUT,
     PART_COUNT_LAYOUT,
     PLACEMENT_LAYOUT,
@@ -71,13 +77,18 @@ from weightlift.remote.protocol.messages import (
     ListReply,
     ListRequest,
     Message,
+    ModelStats,
     Read,
     ReadReply,
     Region,
+    Remove,
     SketchEntry,
     SketchReply,
     SketchRequest,
+    Stats,
+    StatsReply,
     Update,
+    UseModel,
     WriteHeader,
 )
 
@@ -297,6 +308,41 @@ def _dec_commit_reply(r: _Reader, lim: _Limits) -> CommitReply:
     return CommitReply(bool(ok), tensors, generation, bytes(root), r.text(n, MAX_MESSAGE, "message", empty_ok=True))
 
 
+def _dec_update(r: _Reader, lim: _Limits) -> Update:
+    (flags,) = r.unpack(Update.LAYOUT, "UPDATE flags")
+    push = r.unpack(DIM_LAYOUT, "UPDATE push id")[0] if r.remaining else 0  # appended in minor 5
+    return Update(flags, push)
+
+
+def _model(r: _Reader) -> str:
+    name = r.name("model name", empty_ok=True, limit=MAX_MODEL_NAME)
+    if "\x00" in name:
+        raise r.fail("model name holds a NUL character")
+    return name
+
+
+def _dec_stats_reply(r: _Reader, lim: _Limits) -> StatsReply:
+    n_fig, n_models, total = r.unpack(StatsReply.LAYOUT, "STATS_REPLY head")
+    if n_fig > MAX_FIGURES:
+        raise r.fail(f"{n_fig} figures exceed the limit of {MAX_FIGURES}")
+    if n_models > MAX_MODELS:
+        raise r.fail(f"{n_models} models exceed the limit of {MAX_MODELS}")
+    if total < n_models:
+        raise r.fail(f"{total} models counted, {n_models} described")
+    figures = []
+    for _ in range(n_fig):
+        key = r.name("figure name", limit=MAX_FIGURE_NAME)
+        figures.append((key, r.unpack(FIGURE_VALUE_LAYOUT, "figure value")[0]))
+    models = []
+    for _ in range(n_models):
+        tensors, nbytes, flags, n = r.unpack(MODEL_STATS_LAYOUT, "model head")
+        name = r.text(n, MAX_MODEL_NAME, "model name", empty_ok=True)
+        if "\x00" in name:
+            raise r.fail("model name holds a NUL character")
+        models.append(ModelStats(name, tensors, nbytes, bool(flags & 1)))
+    return StatsReply(tuple(figures), tuple(models), total)
+
+
 def _dec_error(r: _Reader, lim: _Limits) -> Error:
     code, n = r.unpack(Error.LAYOUT, "ERROR head")
     return Error(code, r.text(n, MAX_MESSAGE, "message", empty_ok=True))
@@ -385,9 +431,13 @@ _DECODERS: dict[Command, Callable[[_Reader, _Limits], Message]] = {
     Command.ERROR: _dec_error,
     Command.BYE: lambda r, lim: Bye(),
     Command.DELTA: _dec_delta,
-    Command.UPDATE: lambda r, lim: Update(*r.unpack(Update.LAYOUT, "UPDATE flags")),
+    Command.UPDATE: _dec_update,
     Command.COMMIT: lambda r, lim: Commit(*r.unpack(Commit.LAYOUT, "COMMIT flags")),
     Command.COMMIT_REPLY: _dec_commit_reply,
+    Command.STATS: lambda r, lim: Stats(),
+    Command.STATS_REPLY: _dec_stats_reply,
+    Command.MODEL: lambda r, lim: UseModel(_model(r)),
+    Command.REMOVE: lambda r, lim: Remove(_model(r)),
     Command.LAYOUT: lambda r, lim: LayoutRequest(),
     Command.LAYOUT_REPLY: _dec_layout_reply,
     Command.REGION: _dec_region,

@@ -22,6 +22,7 @@ from weightlift.remote.protocol.messages import (
     COMMAND_SINCE,
     DIGEST_SIZE,
     DIM_LAYOUT,
+    FIGURE_VALUE_LAYOUT,
     FLAGS_LAYOUT,
     HELLO_LAYOUT,
     HELLO_LAYOUT_PREVIOUS,
@@ -30,10 +31,15 @@ from weightlift.remote.protocol.messages import (
     MAX_DIGESTS,
     MAX_DIMS,
     MAX_ERRORS,
+    MAX_FIGURE_NAME,
+    MAX_FIGURES,
     MAX_FRAME,
     MAX_MESSAGE,
+    MAX_MODEL_NAME,
+    MAX_MODELS,
     MAX_NAME,
     MAX_TENSORS,
+    MODEL_STATS_LAYOUT,
     NAME_LAYOUT,
     NONCE_SIZE,
     PART_COUNT_LAYOUT,
@@ -67,13 +73,17 @@ from weightlift.remote.protocol.messages import (
     Read,
     ReadReply,
     Region,
+    Remove,
     SketchReply,
     SketchRequest,
+    Stats,
+    StatsReply,
     Update,
+    UseModel,
     WriteHeader,
 )
 
-__all__ = ["send"]
+__all__ = ["send", "model_name"]
 
 
 def _name(s: str, what: str) -> bytes:
@@ -233,6 +243,50 @@ def _enc_delta(m: Delta, minor: int) -> bytes:
     return Delta.LAYOUT.pack(*head, *digests, len(name) - 2) + name[2:] + _dims(m.shape)
 
 
+def _enc_update(m: Update, minor: int) -> bytes:
+    out = Update.LAYOUT.pack(m.flags)
+    if minor >= 5:
+        return out + DIM_LAYOUT.pack(m.push)
+    if m.push or m.flags & Update.FLAG_JOIN:
+        _since(minor, 5, "UPDATE's push id")
+    return out
+
+
+def _enc_commit(m: Commit, minor: int) -> bytes:
+    if m.flags & Commit.FLAG_NO_ROOT:
+        _since(minor, 5, "COMMIT's NO_ROOT flag")
+    return Commit.LAYOUT.pack(m.flags)
+
+
+def model_name(s: str) -> bytes:
+    """A model name as the wire carries it; LocalProtocolError for one the wire cannot."""
+    raw = s.encode("utf-8")
+    if len(raw) > MAX_MODEL_NAME:
+        raise LocalProtocolError(f"model name is {len(raw)} bytes; the limit is {MAX_MODEL_NAME}")
+    if "\x00" in s:
+        raise LocalProtocolError(f"model name {s!r} holds a NUL character")
+    return NAME_LAYOUT.pack(len(raw)) + raw
+
+
+def _enc_stats_reply(m: StatsReply, minor: int) -> bytes:
+    if len(m.figures) > MAX_FIGURES:
+        raise LocalProtocolError(f"STATS_REPLY carries {len(m.figures)} figures; the limit is {MAX_FIGURES}")
+    if len(m.models) > MAX_MODELS:
+        raise LocalProtocolError(f"STATS_REPLY describes {len(m.models)} models; the limit is {MAX_MODELS}")
+    if m.models_total < len(m.models):
+        raise LocalProtocolError(f"STATS_REPLY counts {m.models_total} models but describes {len(m.models)}")
+    parts = [StatsReply.LAYOUT.pack(len(m.figures), len(m.models), m.models_total)]
+    for key, value in m.figures:
+        raw = key.encode("utf-8")
+        if not 0 < len(raw) <= MAX_FIGURE_NAME:
+            raise LocalProtocolError(f"figure name {key!r} is {len(raw)} bytes; 1 to {MAX_FIGURE_NAME} are allowed")
+        parts.append(NAME_LAYOUT.pack(len(raw)) + raw + FIGURE_VALUE_LAYOUT.pack(value))
+    for ms in m.models:
+        name = model_name(ms.name)
+        parts.append(MODEL_STATS_LAYOUT.pack(ms.tensors, ms.nbytes, 1 if ms.pushing else 0, len(name) - 2) + name[2:])
+    return b"".join(parts)
+
+
 def _enc_commit_reply(m: CommitReply, minor: int) -> bytes:
     raw = _text(m.message)[NAME_LAYOUT.size :]
     root = _digest(m.root, "COMMIT_REPLY root")
@@ -303,9 +357,13 @@ _ENCODERS: dict[type, Callable[[Any, int], bytes]] = {
     Error: _enc_error,
     Bye: lambda m, minor: b"",
     Delta: _enc_delta,
-    Update: lambda m, minor: Update.LAYOUT.pack(m.flags),
-    Commit: lambda m, minor: Commit.LAYOUT.pack(m.flags),
+    Update: _enc_update,
+    Commit: _enc_commit,
     CommitReply: _enc_commit_reply,
+    Stats: lambda m, minor: b"",
+    StatsReply: _enc_stats_reply,
+    UseModel: lambda m, minor: model_name(m.model),
+    Remove: lambda m, minor: model_name(m.model),
     LayoutRequest: lambda m, minor: b"",
     LayoutReply: _enc_layout_reply,
     Region: _enc_region,

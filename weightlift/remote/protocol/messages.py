@@ -27,6 +27,9 @@ A conversation::
     FILL_FROM_CACHE(id, digest) ->                               no reply
     BARRIER(flags) ->                     <- BARRIER_REPLY(tensors, bytes, errors, need, digests)
     READ / LIST / FREE ->                 <- READ_REPLY + payload / LIST_REPLY / FREE_REPLY
+    [MODEL(name) ->]                                             no reply (minor 5)
+    STATS ->                              <- STATS_REPLY(figures, models)      (minor 5)
+    REMOVE(model) ->                      <- FREE_REPLY(freed)                 (minor 5)
     BYE ->                                   (server closes)
                                           <- ERROR(code, message) in place of any reply;
                                              after a protocol violation it then closes
@@ -94,6 +97,15 @@ __all__ = [
     "Update",
     "Commit",
     "CommitReply",
+    "Stats",
+    "StatsReply",
+    "ModelStats",
+    "UseModel",
+    "Remove",
+    "MAX_MODEL_NAME",
+    "MAX_FIGURES",
+    "MAX_FIGURE_NAME",
+    "MAX_MODELS",
     "LayoutRequest",
     "LayoutReply",
     "Region",
@@ -116,12 +128,15 @@ PROTOCOL_MAJOR = 1
 # digests, READ's flags and READ_REPLY's digest) and, on a connection with a token, a MAC after every frame
 # (see ``weightlift.remote.protocol.mac``). Minor 3 added weight updates: DELTA (a tensor sent as what changed
 # against a base the server holds, the DELTA flag), UPDATE and COMMIT (a set of tensors made visible at once)
-# and COMMIT_REPLY (the set's digest). Minor 4 added DELTA's PLANES encoding; no message changed. Minor 6
-# added sharded receivers: LAYOUT (the slices a server holds), REGION (a box of an unsharded tensor, placed
-# into the server's slice) and SKETCH (what the server assembled, with each tensor's linear sketch).
+# and COMMIT_REPLY (the set's digest). Minor 4 added DELTA's PLANES encoding; no message changed. Minor 5
+# added models and operations: MODEL (the model a connection's later requests name), REMOVE (drop a model),
+# STATS and STATS_REPLY (what the server holds and has done), UPDATE's push id and JOIN flag (one update over
+# several connections), COMMIT's NO_ROOT flag and the BUSY error code. Minor 6 added sharded receivers:
+# LAYOUT (the slices a server holds), REGION (a box of an unsharded tensor, placed into the server's slice),
+# SKETCH (what the server assembled, with each tensor's linear sketch) and EXPECT (a set switched in at once).
 PROTOCOL_MINOR = 6
-PREVIOUS_MINOR = 4
-REGIONS_SINCE = 6  # the minor of LAYOUT, REGION and SKETCH: a named constant, so a merge can renumber it
+PREVIOUS_MINOR = 5
+REGIONS_SINCE = 6  # the minor of LAYOUT, REGION, SKETCH and EXPECT
 
 # Limits checked by the decoder before anything is allocated from a length on the wire.
 MAX_FRAME = 16 * 1024 * 1024  # body bytes of one frame (payloads are not frames)
@@ -141,6 +156,10 @@ MAX_MESSAGE = 1024  # bytes of one error string
 # Digests one BARRIER_REPLY carries, and verified tensors a server remembers between barriers: a
 # verifying client sends a BARRIER at least this often (a reply then stays within MIN_FRAME).
 MAX_DIGESTS = 4096
+MAX_MODEL_NAME = 255  # bytes of one UTF-8 model name (minor 5); "" is the default model
+MAX_FIGURES = 256  # figures in one STATS_REPLY
+MAX_FIGURE_NAME = 64  # bytes of one figure's name
+MAX_MODELS = 1024  # models one STATS_REPLY describes; it counts the rest
 # Payload bytes of one REGION: a box that is not one contiguous range of the receiver's slice is staged
 # whole before it is scattered into place, so a sender cuts its boxes to at most this many bytes.
 MAX_REGION_BYTES = 64 * 1024 * 1024
@@ -172,12 +191,16 @@ class Command(IntEnum):
     DELTA = 12  # minor 3
     UPDATE = 13  # minor 3
     COMMIT = 14  # minor 3
+    STATS = 15  # minor 5
+    MODEL = 16  # minor 5
+    REMOVE = 17  # minor 5
     HAVE_REPLY = 0x84
     READ_REPLY = 0x86
     LIST_REPLY = 0x87
     FREE_REPLY = 0x88
     BARRIER_REPLY = 0x89
     COMMIT_REPLY = 0x8E  # minor 3
+    STATS_REPLY = 0x8F  # minor 5
     LAYOUT = 20  # minor 6 (REGIONS_SINCE)
     REGION = 21  # minor 6
     SKETCH = 22  # minor 6
@@ -190,10 +213,18 @@ class Command(IntEnum):
 COMMAND_SINCE: dict[Command, int] = {c: 0 for c in Command}
 COMMAND_SINCE.update({Command.HAVE: 1, Command.FILL_FROM_CACHE: 1, Command.HAVE_REPLY: 1})
 COMMAND_SINCE.update({Command.DELTA: 3, Command.UPDATE: 3, Command.COMMIT: 3, Command.COMMIT_REPLY: 3})
+COMMAND_SINCE.update({Command.STATS: 5, Command.MODEL: 5, Command.REMOVE: 5, Command.STATS_REPLY: 5})
 COMMAND_SINCE.update(
     {
         c: REGIONS_SINCE
-        for c in (Command.LAYOUT, Command.REGION, Command.SKETCH, Command.LAYOUT_REPLY, Command.SKETCH_REPLY)
+        for c in (
+            Command.LAYOUT,
+            Command.REGION,
+            Command.SKETCH,
+            Command.EXPECT,
+            Command.LAYOUT_REPLY,
+            Command.SKETCH_REPLY,
+        )
     }
 )
 
@@ -213,6 +244,9 @@ CLIENT_COMMANDS = frozenset(
         Command.DELTA,
         Command.UPDATE,
         Command.COMMIT,
+        Command.STATS,
+        Command.MODEL,
+        Command.REMOVE,
         Command.LAYOUT,
         Command.REGION,
         Command.SKETCH,
@@ -230,6 +264,7 @@ SERVER_COMMANDS = frozenset(
         Command.FREE_REPLY,
         Command.BARRIER_REPLY,
         Command.COMMIT_REPLY,
+        Command.STATS_REPLY,
         Command.LAYOUT_REPLY,
         Command.SKETCH_REPLY,
     }
@@ -258,6 +293,7 @@ class ErrorCode(IntEnum):
     NOT_FOUND = 5  # no such tensor
     INTERNAL = 6  # the server failed for its own reasons
     STALE = 7  # (minor 2) a READ named a version of the tensor that has since been replaced
+    BUSY = 8  # (minor 5) a REMOVE of a model that a push is still filling: nothing was removed
 
 
 class Message:
@@ -573,23 +609,31 @@ class Delta(Message):
 class Update(Message):
     """Open an update: tensors completing from now on stay invisible until COMMIT shows them all
     at once. Wire: flags:u8; flags&1 (IN_PLACE): DELTAs are applied into their bases' own memory
-    at COMMIT (no second copy; readers wait meanwhile), not into a copy as they arrive."""
+    at COMMIT (no second copy; readers wait meanwhile), not into a copy as they arrive. Then
+    (minor 5) push:u64: a non-zero id names the update so that other connections of the same
+    push can take part; flags&2 (JOIN): this connection's tensors go into the open update of
+    that id (opened on another connection), whose COMMIT shows them with the rest."""
 
     COMMAND = Command.UPDATE
     LAYOUT = struct.Struct("<B")
     FLAG_IN_PLACE: ClassVar[int] = 1
+    FLAG_JOIN: ClassVar[int] = 2
 
     flags: int = 0
+    push: int = 0  # since minor 5
 
 
 @dataclass(frozen=True, slots=True)
 class Commit(Message):
     """End the open update: publish every tensor it holds at once (flags&1, ABORT: drop them,
-    leaving what was visible as it was). Answered by COMMIT_REPLY after every earlier frame."""
+    leaving what was visible as it was). Answered by COMMIT_REPLY after every earlier frame.
+    flags&2 (NO_ROOT, minor 5): the reply's root is zeros, so tensors sent without a digest are
+    not hashed for it (a checkpoint pushed as one unit)."""
 
     COMMAND = Command.COMMIT
     LAYOUT = struct.Struct("<B")
     FLAG_ABORT: ClassVar[int] = 1
+    FLAG_NO_ROOT: ClassVar[int] = 2
     flags: int = 0
 
 
@@ -609,6 +653,69 @@ class CommitReply(Message):
     generation: int
     root: bytes
     message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Stats(Message):
+    """What does the server hold and what has it done? Answered by STATS_REPLY. Wire: empty."""
+
+    COMMAND = Command.STATS
+    LAYOUT = struct.Struct("<")
+
+
+# One model of a STATS_REPLY: tensors, bytes, flags (1: a push to it is in flight), name_len; the name follows.
+MODEL_STATS_LAYOUT = struct.Struct("<QQBH")
+FIGURE_VALUE_LAYOUT = struct.Struct("<Q")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStats:
+    """One model in a STATS_REPLY: its complete tensors and their bytes, and whether a push to it
+    is in flight. ``name`` "" is the default model (what a client that names none pushes to)."""
+
+    name: str
+    tensors: int
+    nbytes: int
+    pushing: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StatsReply(Message):
+    """The server's figures (counters since start, state now) and its models. Wire:
+    LAYOUT(figure_count, model_count, models_total), then per figure name value:u64, then per
+    model MODEL_STATS_LAYOUT name. At most MAX_FIGURES figures (names of at most MAX_FIGURE_NAME
+    bytes) and MAX_MODELS models: the reply stays within MIN_FRAME; ``models_total`` counts every
+    model, so a reader knows when some were left out."""
+
+    COMMAND = Command.STATS_REPLY
+    LAYOUT = struct.Struct("<HII")
+
+    figures: tuple[tuple[str, int], ...]
+    models: tuple[ModelStats, ...] = ()
+    models_total: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class UseModel(Message):
+    """The model this connection's later requests name (ALLOC, DELTA, READ, LIST, FREE, UPDATE):
+    each model is a namespace of its own. "" is the default model, where a connection starts.
+    Wire: LAYOUT(name_len) name: at most MAX_MODEL_NAME bytes of UTF-8, no NUL. No reply."""
+
+    COMMAND = Command.MODEL
+    LAYOUT = struct.Struct("<H")
+
+    model: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Remove(Message):
+    """Drop every tensor of a model. Answered by FREE_REPLY (how many were held), or ERROR(BUSY),
+    nothing removed, while a push to that model is in flight. Wire: as MODEL's."""
+
+    COMMAND = Command.REMOVE
+    LAYOUT = struct.Struct("<H")
+
+    model: str = ""
 
 
 # LAYOUT_REPLY's head: rank, world, flags (UNEVEN_ERROR), the default placement (has_dim, dim), and the
@@ -743,6 +850,10 @@ MESSAGE_TYPES: dict[Command, type[Message]] = {
         Update,
         Commit,
         CommitReply,
+        Stats,
+        StatsReply,
+        UseModel,
+        Remove,
         LayoutRequest,
         LayoutReply,
         Region,

@@ -9,7 +9,7 @@ no I/O: the caller moves the bytes (:mod:`weightlift.remote.transport`), so the 
 runs over any stream and back to back in memory in the tests.
 
 What a minor version enables is said once, here (:func:`cache_usable`, :func:`verify_usable`,
-:func:`mac_usable`, :func:`update_usable`, :func:`planes_usable`), and both ends ask.
+:func:`mac_usable`, :func:`update_usable`, :func:`planes_usable`, :func:`models_usable`), and both ends ask.
 """
 
 from __future__ import annotations
@@ -44,12 +44,20 @@ __all__ = [
     "update_usable",
     "regions_usable",
     "planes_usable",
+    "models_usable",
 ]
 
 VERIFY_SINCE = 2  # ALLOC's VERIFY flag, BARRIER_REPLY's digests, READ_REPLY's digest
 MAC_SINCE = 2  # a MAC after every frame once a token was proven
 UPDATE_SINCE = 3  # DELTA, UPDATE, COMMIT
 PLANES_SINCE = 4  # DELTA's PLANES encoding
+MODELS_SINCE = 5  # MODEL, REMOVE, STATS, UPDATE's push id (a push over several connections as one unit)
+
+
+def models_usable(minor: int) -> bool:
+    """Whether a connection that speaks ``minor`` can name models, remove them, ask for the
+    server's stats and push a checkpoint over several connections as one update."""
+    return minor >= MODELS_SINCE
 
 
 def update_usable(minor: int) -> bool:
@@ -174,6 +182,7 @@ class ClientSession:
         self.verify = False  # the server reports digests of what it stored (minor 2)
         self.update = False  # the server takes UPDATE and COMMIT (minor 3)
         self.delta = False  # ... and applies DELTA frames (its DELTA flag)
+        self.models = False  # the server takes MODEL, REMOVE, STATS and shared updates (minor 5)
         self.hello: Hello | None = None  # the HELLO we sent
         self.server: Hello | None = None
         self._token = token
@@ -201,6 +210,7 @@ class ClientSession:
         self.verify = verify_usable(self.minor)
         self.update = update_usable(self.minor)
         self.delta = self.update and hello.has(Capability.DELTA)
+        self.models = models_usable(self.minor)
         if hello.has(Capability.AUTH):
             if self._token is None:
                 self.state = SessionState.CLOSED

@@ -37,7 +37,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from weightlift.errors import CacheError, TransportError
@@ -46,6 +46,7 @@ from weightlift.remote.protocol import Error, ErrorCode, send
 from weightlift.remote.server.cache import TensorCache
 from weightlift.remote.server.config import ServerConfig
 from weightlift.remote.server.store import Assembly, MemoryFull, Store
+from weightlift.remote.server.updates.switch import Units
 from weightlift.remote.transport import Listener, Stream
 
 __all__ = [
@@ -360,6 +361,10 @@ class Context:
         # a sharded server's tensors in assembly, shared by all connections (REGIONs of several senders)
         slices = config.slices
         self.assembly = Assembly(store, slices, config.framework) if slices is not None else None
+        self.units = Units()  # the updates open on the server, for JOIN, REMOVE and STATS
+        # the server's figures for a STATS request (set by the server once it has them all)
+        self.stats: Callable[[], Mapping[str, int]] = store.stats
+        self.stopping = threading.Event()  # set once the server is closing: its connections end
         self._lock = threading.Lock()
 
     @property

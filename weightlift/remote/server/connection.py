@@ -39,8 +39,10 @@ socket and the server's cost per byte does not depend on how the peer fragments 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -52,6 +54,7 @@ from weightlift.remote import delta as codec
 from weightlift.remote.protocol import (
     MAX_FRAME,
     MAX_HANDSHAKE_FRAME,
+    MAX_MODELS,
     MAX_TENSOR_BYTES,
     NEED_DATA,
     PAYLOAD_COMMANDS,
@@ -71,18 +74,24 @@ from weightlift.remote.protocol import (
     FillFromCache,
     FrameMac,
     Free,
+    FreeReply,
     Have,
     Hello,
     LayoutReply,
     LayoutRequest,
     ListRequest,
     Message,
+    ModelStats,
     Read,
     Region,
+    Remove,
     ServerSession,
     SessionState,
     SketchRequest,
+    Stats,
+    StatsReply,
     Update,
+    UseModel,
     WriteHeader,
     client_mac,
     frame_keys,
@@ -96,7 +105,7 @@ from weightlift.remote.protocol import (
     verify_mac,
     verify_usable,
 )
-from weightlift.remote.server.admission import Context, Slot
+from weightlift.remote.server.admission import Context, RequestError, Slot
 from weightlift.remote.server.reads import Outbox, Reads
 from weightlift.remote.server.receive import (
     Destinations,
@@ -165,7 +174,9 @@ class Connection:
         self.rx = self._receiver()
         self.reads = Reads(ctx, self.out, self.staging)
         self._done = False  # set by a handler when the connection is to end
-        self.switch: Switch | None = None  # the open update (UPDATE to COMMIT)
+        self.model = ""  # the model this connection's requests name (MODEL, minor 5)
+        self.switch: Switch | None = None  # the open update (UPDATE to COMMIT), or the one it joined
+        self.joined = False  # ... opened on another connection (the opener commits it)
         self.deltas = Deltas(
             self.store,
             self.rx,
@@ -180,7 +191,7 @@ class Connection:
         self._handlers: dict[type[Message], Callable[[Any], None]] = {
             Auth: self._auth,
             WriteHeader: rx.write,
-            Alloc: lambda m: rx.guard(m.tensor_id, rx.alloc, m),
+            Alloc: lambda m: rx.guard(m.tensor_id, self._alloc, m),
             FillFromCache: lambda m: rx.guard(m.tensor_id, rx.fill, m),
             Have: self.reads.have,
             Barrier: self._barrier,
@@ -188,13 +199,16 @@ class Connection:
             ListRequest: self.reads.list,
             Free: self.reads.free,
             Bye: self._bye,
-            Delta: self.deltas.delta,
+            Delta: lambda m: self.deltas.delta(self._named(m)),
             Update: self._update,
             Commit: self._commit,
             LayoutRequest: self._layout,
             Region: self.regions.region,
             Expect: self.regions.expect,
             SketchRequest: lambda m: self.out.reply(self.regions.sketch(m)),
+            UseModel: self._use,
+            Stats: self._stats,
+            Remove: self._remove,
         }
 
     def _receiver(self) -> Receiver:
@@ -255,9 +269,10 @@ class Connection:
             self._close()
 
     def _close(self) -> None:
-        if self.switch is not None:  # ended mid-update: nothing it held becomes visible
-            self.switch.abort()
-            self.switch = None
+        if self.switch is not None and not self.switch.closed:  # ended mid-update: nothing it held shows
+            why = "server stopping" if self.ctx.stopping.is_set() else "connection closed"
+            self._rolled_back(self.switch, why)
+        self.switch = None
         self.rx.close()
         self.frames.close()
         self.staging.close()
@@ -285,6 +300,11 @@ class Connection:
 
     def _barrier(self, msg: Barrier) -> None:
         reply = self.rx.barrier(msg.flags)
+        if self.model and reply.errors:  # a tensor is named as its client named it, not by its store key
+            reply = dataclasses.replace(reply, errors=tuple(_shown(e) for e in reply.errors))
+        if reply.errors and self.switch is not None and not self.switch.closed and not self.switch.refused:
+            self.switch.refused = True  # a limit refused part of the push: it is not made visible
+            self.store.count("pushes_refused")
         self.out.reply(reply)
         # a push ends with a barrier: what it published, and its first refusal (a memory limit...)
         level = logging.WARNING if reply.errors else logging.INFO
@@ -306,28 +326,97 @@ class Connection:
         return self.ctx.pooled and codec.available() and self.ctx.config.slices is None
 
     def _update(self, msg: Update) -> None:
-        if self.switch is not None:
+        if self.switch is not None and not self.switch.closed:
             raise RemoteProtocolError("UPDATE while an update is open on this connection")
-        self.switch = Switch(self.store, in_place=bool(msg.flags & Update.FLAG_IN_PLACE), cache=self.ctx.cache)
-        self.rx.publish = self.switch.hold
+        units = self.ctx.units
+        if msg.flags & Update.FLAG_JOIN:
+            switch = units.joinable(msg.push)
+            if switch.model != self.model:
+                raise RemoteProtocolError(f"UPDATE joins push {msg.push} into model {self.model!r}; it fills another")
+            if switch.in_place_mode:  # its COMMIT holds readers off memory other connections may be filling
+                raise RemoteProtocolError(f"UPDATE joins push {msg.push}, an in-place update: it takes no others")
+            self.switch, self.joined = switch, True
+        else:
+            in_place = bool(msg.flags & Update.FLAG_IN_PLACE)
+            switch = Switch(self.store, in_place=in_place, cache=self.ctx.cache, model=self.model)
+            units.opened(switch, msg.push)
+            self.switch, self.joined = switch, False
+        self.rx.publish = switch.hold
 
     def _commit(self, msg: Commit) -> None:
-        switch, self.switch = self.switch, None
-        if switch is None:
-            raise RemoteProtocolError("COMMIT without an open update")
+        switch = self.switch
+        if switch is None or switch.closed or self.joined:
+            why = "of an update opened on another connection" if self.joined else "without an open update"
+            raise RemoteProtocolError(f"COMMIT {why}")
+        self.switch = None
         self.rx.publish = self.store.publish
         if self.rx.pending:  # a tensor still in flight would miss the switch: refuse the whole set
-            switch.abort()
             why = f"update not switched: {len(self.rx.pending)} tensors still in flight (BARRIER first)"
+            self._rolled_back(switch, why)
             self.out.reply(CommitReply(False, 0, self.store.generation, bytes(32), why))
             return
         if msg.flags & Commit.FLAG_ABORT:
-            switch.abort()
+            self._rolled_back(switch, "aborted by the client")
             self.out.reply(CommitReply(False, 0, self.store.generation, bytes(32), "update aborted"))
             return
-        reply = switch.commit()
+        reply = switch.commit(root=not msg.flags & Commit.FLAG_NO_ROOT)
+        self.ctx.units.ended(switch)
         self.out.reply(reply)
+        if reply.ok:
+            self.store.count("pushes_committed")
+            self._event(logging.INFO, "push_committed", model=switch.model, tensors=reply.tensors)
+        else:
+            self.store.count("pushes_rolled_back")
+            self._event(logging.WARNING, "push_rolled_back", model=switch.model, reason=reply.message)
         self._event(logging.INFO, "commit", ok=reply.ok, tensors=reply.tensors, generation=reply.generation)
+
+    def _rolled_back(self, switch: Switch, why: str) -> None:
+        """Drop an open update (the whole of it, whichever connections joined it), saying so."""
+        held = switch.abort()
+        self.ctx.units.ended(switch)
+        self.store.count("pushes_rolled_back")
+        self._event(
+            logging.WARNING, "push_rolled_back", model=switch.model, tensors=held, refused=switch.refused, reason=why
+        )
+
+    # -- models and the operator's requests ------------------------------------------------------
+
+    def _alloc(self, msg: Alloc) -> None:
+        key = self.reads.key(msg.name)
+        if key is None:  # the store keeps named models' tensors under such keys
+            raise RequestError(f"tensor {msg.name!r}: a tensor name cannot begin with NUL")
+        self.rx.alloc(dataclasses.replace(msg, name=key) if key != msg.name else msg)
+
+    def _named(self, msg: Delta) -> Delta:
+        """A DELTA with its name made the store's key in this connection's model."""
+        key = self.reads.key(msg.name)
+        if key is None:
+            raise RemoteProtocolError(f"DELTA of {msg.name!r}: a tensor name cannot begin with NUL")
+        return dataclasses.replace(msg, name=key) if key != msg.name else msg
+
+    def _use(self, msg: UseModel) -> None:
+        self.model = self.reads.model = msg.model
+
+    def _stats(self, msg: Stats) -> None:
+        self.store.count("stats_requests")
+        figures = tuple(self.ctx.stats().items())
+        pushing = self.ctx.units.pushing()
+        held = self.store.models()
+        names = sorted(set(held) | pushing)
+        models = tuple(ModelStats(m, *held.get(m, (0, 0)), pushing=m in pushing) for m in names[:MAX_MODELS])
+        self.out.reply(StatsReply(figures, models, len(names)))
+        self._event(logging.INFO, "stats", models=len(names))
+
+    def _remove(self, msg: Remove) -> None:
+        if msg.model in self.ctx.units.pushing():
+            why = f"a push to model {msg.model!r} is in flight: nothing removed"
+            self._event(logging.WARNING, "remove_refused", model=msg.model, reason=why)
+            self.out.reply(Error(ErrorCode.BUSY, why))
+            return
+        freed = self.store.free(tuple(self.store.model_keys(msg.model)))
+        self.store.count("removes")
+        self.out.reply(FreeReply(freed))
+        self._event(logging.INFO, "remove", model=msg.model, tensors=freed)
 
     def _fatal(self, code: ErrorCode, message: str) -> None:
         """Reply ERROR, then close without a reset, so the client can read why."""
@@ -430,6 +519,14 @@ class Connection:
         if s2c:
             self.out.mac = FrameMac(s2c)  # every frame after ours
         self._renew_decoder()
+
+
+def _shown(text: str) -> str:
+    """``text`` with each model key written as the names a client gave (tensor, model)."""
+    return _KEY.sub(lambda m: f"'{m.group(2)}' (model '{m.group(1)}')", text)
+
+
+_KEY = re.compile(r"'\\x00([^'\\]*)\\x00([^']*)'")  # a model_key as repr() writes it
 
 
 class _Refused(Exception):

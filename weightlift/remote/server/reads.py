@@ -37,7 +37,7 @@ from weightlift.remote.protocol import (
 from weightlift.remote.server.admission import Context
 from weightlift.remote.server.cache.hashing import digest_of, piece_hasher
 from weightlift.remote.server.receive import Staging
-from weightlift.remote.server.store import MemoryFull
+from weightlift.remote.server.store import MemoryFull, model_key
 from weightlift.remote.transport import Stream
 
 __all__ = ["Outbox", "Reads"]
@@ -71,6 +71,12 @@ class Reads:
         self._store = ctx.store
         self._out = out
         self._staging = staging
+        self.model = ""  # the model the connection's requests name (minor 5)
+
+    def key(self, name: str) -> str | None:
+        """Where the store keeps ``name`` of this connection's model; None for a name no model
+        holds (one beginning with NUL: named models' keys do)."""
+        return None if name.startswith("\x00") else model_key(self.model, name)
 
     def have(self, msg: Have) -> None:
         cache = self._ctx.cache
@@ -78,10 +84,11 @@ class Reads:
         self._out.reply(HaveReply(held))
 
     def free(self, msg: Free) -> None:
-        self._out.reply(FreeReply(self._store.free(msg.names)))
+        keys = tuple(k for k in map(self.key, msg.names) if k is not None)
+        self._out.reply(FreeReply(self._store.free(keys)))
 
     def list(self, req: ListRequest) -> None:
-        items, more = self._store.listing(req.after, MAX_TENSORS)
+        items, more = self._store.listing(req.after, MAX_TENSORS, self.model)
         budget = self._out.max_frame - 64
         entries: list[ListEntry] = []
         for name, e in items:
@@ -91,7 +98,7 @@ class Reads:
             budget -= size
             entries.append(ListEntry(name, e.dtype, e.shape, e.nbytes, e.version))
         more = more or len(entries) < len(items)
-        self._out.reply(ListReply(tuple(entries), more=more, generation=self._store.generation))
+        self._out.reply(ListReply(tuple(entries), more=more, generation=self._store.generation_of(self.model)))
 
     def read(self, r: Read) -> None:
         # the whole reply within io_timeout plus its size at min_frame_rate, as a frame coming in
@@ -106,7 +113,8 @@ class Reads:
 
     def _read(self, r: Read) -> None:
         out = self._out
-        entry = self._store.get(r.name)
+        key = self.key(r.name) or ""  # "": no tensor has that name
+        entry = self._store.get(key)
         if entry is None:
             out.reply(Error(ErrorCode.NOT_FOUND, f"no tensor {r.name!r}"))
             return
@@ -123,7 +131,7 @@ class Reads:
         dest = entry.tensor
         if _is_host(dest):
             with self._store.reading(dest):  # an in-place update of it waits until these bytes are out
-                if (r.version and self._store.get(r.name) is not entry) or self._switched(r):  # meanwhile
+                if (r.version and self._store.get(key) is not entry) or self._switched(r):  # meanwhile
                     out.reply(Error(ErrorCode.STALE, f"{r.name!r} was replaced since it was listed"))
                     return
                 view = as_bytes(dest).data[r.offset : r.offset + r.length]
@@ -138,8 +146,9 @@ class Reads:
         self._read_device(r, dest, staging, want_digest)
 
     def _switched(self, r: Read) -> bool:
-        """Whether the READ names a generation and another set was switched in since (minor 3)."""
-        return bool(r.generation) and r.generation != self._store.generation
+        """Whether the READ names a generation and another set was switched into this model since
+        (minor 3)."""
+        return bool(r.generation) and r.generation != self._store.generation_of(self.model)
 
     def _read_device(self, r: Read, dest: Any, staging: np.ndarray, want_digest: bool) -> None:
         """A READ of device memory, through the staging buffer a piece at a time."""

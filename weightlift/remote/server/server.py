@@ -147,6 +147,7 @@ class Server:
         self._ctx = Context(config, store, cache, host_target=host_target)
         self._store = store
         self._acceptor = Acceptor(self._ctx, self._slots, self._serve)
+        self._ctx.stats = self.stats
         self._listener: Listener | None = None
         self._accept_thread: threading.Thread | None = None
 
@@ -212,7 +213,9 @@ class Server:
             self.close()
 
     def close(self) -> None:
-        """Stop accepting, end every connection (their partial tensors are dropped), and wait."""
+        """Stop accepting, end every connection (their partial tensors and open pushes are
+        dropped, never shown), and wait."""
+        self._ctx.stopping.set()
         self._acceptor.closing.set()
         if self._listener is not None:
             self._listener.close()
@@ -235,8 +238,10 @@ class Server:
 
     # -- what the server holds -------------------------------------------------------------
 
-    def tensors(self, *, writable: bool = False) -> dict[str, Array]:
-        """The complete tensors by name (numpy arrays or torch tensors); never a partial one.
+    def tensors(self, *, writable: bool = False, model: str | None = None) -> dict[str, Array]:
+        """The complete tensors of ``model`` (None: the default model, where a client that names
+        none pushes) by name (numpy arrays or torch tensors); never a partial one, and nothing of
+        a push still in flight.
 
         numpy arrays come as read-only views: what the server holds is its proof of what was
         pushed, and a digest-named push of the same bytes then finds them in memory without
@@ -245,7 +250,7 @@ class Server:
         form) are hashed again before a later push trusts them. The dictionary is taken at one
         instant: an update switched in (a client's push from memory) is in it whole or not at
         all; an in-place update changes the arrays handed out earlier at its switch."""
-        return self._store.tensors(writable=writable)
+        return self._store.tensors(writable=writable, model=model or "")
 
     @contextmanager
     def reading(self, names: Iterable[str] | None = None) -> Iterator[dict[str, Array]]:
@@ -341,6 +346,7 @@ class Server:
             ready=slots.n_ready,
             max_connections=slots.max_ready,
             max_per_address=slots.max_per_address,
+            models=len(self._store.models()),
         )
 
     def trim(self, keep: int = 0) -> int:

@@ -30,14 +30,18 @@ class ServerStats(Mapping[str, int]):
     (payload bytes over the wire), ``cache_hits`` and ``bytes_from_cache`` (filled from the
     disk cache), ``memory_hits`` and ``bytes_from_memory`` (filled from tensors the server
     already held), ``errors`` reported, ``pooled`` (tensors placed in reused memory instead of
-    fresh), ``evicted`` (connections evicted from their handshake slot).
+    fresh), ``evicted`` (connections evicted from their handshake slot), ``pushes_committed``
+    (checkpoints and updates made visible whole), ``pushes_refused`` (those a limit refused part
+    of), ``pushes_rolled_back`` (dropped unseen: refused, aborted, their client or the server
+    gone), ``stats_requests`` (STATS answered), ``removes`` (models removed).
 
     State now: ``tensors_held`` and ``bytes_held`` (complete tensors and their data bytes),
     ``memory_used`` of ``max_memory`` (every charge: tensors, in flight or held, frame buffers,
     staging), ``pool_idle_bytes`` (touched host memory kept for reuse, counted against the
     limit too), ``reserve_faulted`` of ``reserve_bytes``, ``open_connections`` (connections
     being served), ``handshakes`` of ``max_handshakes`` and ``ready`` of ``max_connections``
-    (slots in use), ``max_per_address``.
+    (slots in use), ``max_per_address``, ``models`` (models holding tensors, the default one
+    included).
     """
 
     connections: int
@@ -50,6 +54,11 @@ class ServerStats(Mapping[str, int]):
     errors: int
     pooled: int
     evicted: int
+    pushes_committed: int
+    pushes_refused: int
+    pushes_rolled_back: int
+    stats_requests: int
+    removes: int
     tensors_held: int
     bytes_held: int
     memory_used: int
@@ -63,6 +72,7 @@ class ServerStats(Mapping[str, int]):
     ready: int
     max_connections: int
     max_per_address: int
+    models: int
 
     def __getitem__(self, key: str) -> int:
         if key not in _NAMES:
@@ -84,6 +94,7 @@ _NAMES: tuple[str, ...] = tuple(f.name for f in fields(ServerStats))
 COUNTERS = frozenset(
     {"connections", "tensors", "bytes_received", "bytes_from_cache", "cache_hits", "memory_hits"}
     | {"bytes_from_memory", "errors", "evicted"}
+    | {"pushes_committed", "pushes_refused", "pushes_rolled_back", "stats_requests", "removes"}
 )
 
 

@@ -33,6 +33,11 @@ Invariants, and why this module is the only code that changes them:
   fill a later ALLOC of that digest; :meth:`Store.distrust` forgets a digest whose bytes have
   changed since (a reader wrote into its tensor).
 
+* **Models.** Each model is a namespace: a tensor ``name`` of model ``m`` is stored under
+  :func:`model_key` (``"\\x00m\\x00name"``; the default model's under its own name), so the
+  names of a model lie together in name order and every invariant above holds across models
+  (one memory account, one generation). A tensor name never begins with NUL.
+
 One lock guards all of it, held only for bookkeeping (never a sort, a comparison of names or a
 hash); connections never touch the dictionaries themselves. The names in name order, which LIST
 pages through, are kept apart (:class:`_Order`), under a lock of their own taken before the
@@ -74,6 +79,8 @@ __all__ = [
     "entry_cost",
     "Assembly",
     "RegionRefused",
+    "model_key",
+    "key_model",
 ]
 
 # What one tensor's bookkeeping costs besides its data, measured (tests/remote/test_server_limits.py):
@@ -81,6 +88,22 @@ __all__ = [
 ENTRY_OVERHEAD = 2048  # bytes per tensor
 NAME_COPIES = 3  # the name is held as str by the message, the pending record and the entry (and its key)
 DIM_OVERHEAD = 96  # per dimension: a Python int in the shape tuple(s), the array's shape and strides
+
+
+_MARK = "\x00"  # begins the key of every named model's tensor; no tensor name begins with it
+
+
+def model_key(model: str, name: str) -> str:
+    """Where the store keeps tensor ``name`` of ``model`` ("" the default model: the name itself)."""
+    return f"{_MARK}{model}{_MARK}{name}" if model else name
+
+
+def key_model(key: str) -> tuple[str, str]:
+    """(model, name) of a store key: :func:`model_key` undone."""
+    if not key.startswith(_MARK):
+        return "", key
+    model, _, name = key[1:].partition(_MARK)
+    return model, name
 
 
 def entry_cost(name: str, nbytes: int, ndim: int = 1) -> int:
@@ -282,10 +305,11 @@ class _Order:
         elif j == 0:
             self._firsts[i] = c[0]
 
-    def after(self, after: str) -> Iterator[str]:
-        """The names that sort after ``after``, in order (read while the lock is held)."""
+    def after(self, after: str, *, inclusive: bool = False) -> Iterator[str]:
+        """The names that sort after ``after`` (``inclusive``: and ``after`` itself), in order
+        (read while the lock is held)."""
         i = max(0, bisect_right(self._firsts, after) - 1)
-        j = bisect_right(self._chunks[i], after) if self._chunks else 0
+        j = (bisect_left if inclusive else bisect_right)(self._chunks[i], after) if self._chunks else 0
         for c in self._chunks[i:]:
             yield from c[j:]
             j = 0
@@ -314,6 +338,7 @@ class Store:
         self._used = 0
         self._versions = 0  # the last version number given to a published tensor
         self._generation = 1  # one more than the switches so far (a READ naming 0 asks for any)
+        self._switched: dict[str, int] = {}  # model -> the generation its last switch made
         self._gates = Gates(gate_timeout)  # how long an in-place change waits for its readers
         self._unowned: dict[int, int] = {}  # id -> cost of held tensors that take no weak references
         self._rewritten = _Rewritten()
@@ -326,6 +351,11 @@ class Store:
             "memory_hits": 0,
             "bytes_from_memory": 0,
             "errors": 0,
+            "pushes_committed": 0,
+            "pushes_refused": 0,
+            "pushes_rolled_back": 0,
+            "stats_requests": 0,
+            "removes": 0,
         }
 
     # -- the memory account ------------------------------------------------------------------
@@ -453,6 +483,8 @@ class Store:
                 replaced.append(self._publish(*entry, changed=changed))
             self._generation += 1
             generation = self._generation
+            for s in staged:
+                self._switched[key_model(s.name)[0]] = generation
             digests = {}
             for n in names:
                 e = self._entries.get(n)
@@ -460,6 +492,11 @@ class Store:
         del replaced  # replaced tensors' memory goes back once nobody holds it
         self._tidy()
         return generation, digests
+
+    def generation_of(self, model: str) -> int:
+        """What a reader of ``model`` compares: the generation of the last switch into it (1
+        before any), so a switch into another model does not make its readers start over."""
+        return self._switched.get(model, 1)
 
     @property
     def generation(self) -> int:
@@ -525,34 +562,63 @@ class Store:
         with self._lock:
             return self._entries.get(name)
 
-    def tensors(self, *, writable: bool = False) -> dict[str, Any]:
-        """The complete tensors by name; never a partial one. numpy tensors come as read-only
-        views unless ``writable``; a tensor handed out writable (a torch tensor always is) is
-        marked exposed, and its digest is proven again before it is trusted."""
+    def tensors(self, *, writable: bool = False, model: str = "") -> dict[str, Any]:
+        """The complete tensors of ``model`` by name; never a partial one. numpy tensors come as
+        read-only views unless ``writable``; a tensor handed out writable (a torch tensor always
+        is) is marked exposed, and its digest is proven again before it is trusted."""
         with self._lock:
-            return {name: _hand_out(entry, writable) for name, entry in self._entries.items()}
+            if not model:
+                return {n: _hand_out(e, writable) for n, e in self._entries.items() if not n.startswith(_MARK)}
+            prefix = model_key(model, "")
+            return {n[len(prefix) :]: _hand_out(e, writable) for n, e in self._entries.items() if n.startswith(prefix)}
+
+    def model_keys(self, model: str) -> list[str]:
+        """The keys of every tensor ``model`` holds."""
+        with self._lock:
+            if not model:
+                return [n for n in self._entries if not n.startswith(_MARK)]
+            prefix = model_key(model, "")
+            return [n for n in self._entries if n.startswith(prefix)]
+
+    def models(self) -> dict[str, tuple[int, int]]:
+        """Each model held (the default one when it holds a tensor): (tensors, their data bytes)."""
+        out: dict[str, list[int]] = {}
+        with self._lock:
+            for key, e in self._entries.items():
+                m = key_model(key)[0] if key.startswith(_MARK) else ""
+                tally = out.setdefault(m, [0, 0])
+                tally[0] += 1
+                tally[1] += e.nbytes
+        return {m: (t[0], t[1]) for m, t in sorted(out.items())}
 
     def handed_out(self, entries: dict[str, Entry], *, writable: bool = False) -> dict[str, Any]:
         """``entries``' tensors as :meth:`tensors` gives them out."""
         with self._lock:
             return {name: _hand_out(entry, writable) for name, entry in entries.items()}
 
-    def listing(self, after: str, limit: int) -> tuple[list[tuple[str, Entry]], bool]:
-        """Up to ``limit`` entries whose names sort after ``after``, in name order, and whether
-        more follow them.
+    def listing(self, after: str, limit: int, model: str = "") -> tuple[list[tuple[str, Entry]], bool]:
+        """Up to ``limit`` entries of ``model`` whose names sort after ``after``, in name order
+        (the names as the model knows them), and whether more follow them.
 
         The names come in order from :class:`_Order` (the names added or dropped since the last
         page taken in first), and the page's entries from the store by name: the store's lock
         is held for dictionary lookups only, never a comparison of names, so listing a large
         store never holds up another client's push or read, and a page costs its own length."""
         out: list[tuple[str, Entry]] = []
+        prefix = model_key(model, "")
+        if model:  # its names lie together, from its prefix on
+            names_from, inclusive = prefix + after, not after
+        else:  # named models' keys all sort before any name not beginning with NUL
+            names_from, inclusive = (after, False) if after >= "\x01" else ("\x01", True)
         with self._order.lock:
             self._take_in()
-            names = self._order.after(after)
+            names = self._order.after(names_from, inclusive=inclusive)
+            if model:
+                names = itertools.takewhile(lambda n: n.startswith(prefix), names)
             while len(out) <= limit and (batch := list(itertools.islice(names, limit + 1 - len(out)))):
                 with self._lock:  # a name dropped since it was taken in is passed over
                     found = [(n, self._entries.get(n)) for n in batch]
-                out += [(n, e) for n, e in found if e is not None]
+                out += [(n[len(prefix) :], e) for n, e in found if e is not None]
         return out[:limit], len(out) > limit
 
     def _take_in(self) -> None:

@@ -14,17 +14,29 @@ switches nothing: readers see the old set or the new one, never a mix. A connect
 with its update open (a client killed mid-update) drops what it held; nothing visible changed.
 
 The reply states the set digest (:func:`weightlift.digest.setdigest.set_digest`) over every
-tensor the update named, as held right after the switch, for the client to compare with its own.
+tensor the update named, as held right after the switch, for the client to compare with its own
+(or zeros where the COMMIT asked for none: a checkpoint pushed as one unit, whose tensors are
+then never hashed for it).
+
+One update may span several connections (a push over ``streams``, protocol minor 5): the one
+that opens it registers it by its push id in :class:`Units`, the others JOIN it, and every
+tensor any of them completes is held by the one :class:`Switch` (its lock makes that safe). The
+opener's COMMIT switches it all in; whichever connection ends first with the update still open
+aborts all of it, and a tensor completing later on a connection that joined it is refused.
+:class:`Units` also says which models have an update open, so that a model being pushed is not
+removed under it.
 """
 
 from __future__ import annotations
 
+import threading
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from weightlift.errors import RemoteProtocolError
 from weightlift.memory.targets import as_bytes
 from weightlift.remote import delta as codec
 from weightlift.remote.protocol import CommitReply
@@ -32,7 +44,7 @@ from weightlift.remote.server.cache import TensorCache
 from weightlift.remote.server.cache.hashing import set_digest, tensor_digest
 from weightlift.remote.server.store import Charge, Entry, Replaced, Staged, Store
 
-__all__ = ["Switch", "InPlace"]
+__all__ = ["Switch", "InPlace", "Units"]
 
 
 @dataclass
@@ -49,15 +61,25 @@ class InPlace:
 
 
 class Switch:
-    """One connection's open update (``in_place``: its DELTAs change their bases' own memory)."""
+    """An open update (``in_place``: its DELTAs change their bases' own memory) into ``model``,
+    of one connection or of every connection that joined it."""
 
-    def __init__(self, store: Store, *, in_place: bool, cache: TensorCache | None = None):
+    def __init__(self, store: Store, *, in_place: bool, cache: TensorCache | None = None, model: str = ""):
         self._store = store
         self._cache = cache
         self.in_place_mode = in_place
+        self.model = model
+        self.closed = False  # committed or aborted: it holds nothing and takes nothing more
+        self.refused = False  # a limit refused part of it (a BARRIER reported errors)
+        self._lock = threading.RLock()  # the connections that joined it hold tensors from their own threads
         self._held: dict[str, Staged] = {}
         self._deltas: dict[str, InPlace] = {}
         self._names: dict[str, None] = {}  # every tensor the update named, in order
+
+    @property
+    def tensors(self) -> int:
+        """Tensors held so far."""
+        return len(self._held) + len(self._deltas)
 
     def hold(
         self,
@@ -69,19 +91,29 @@ class Switch:
         charge: Charge,
         digest: bytes | None,
     ) -> None:
-        """Take a complete tensor (as :meth:`Store.publish` would) to publish at the switch."""
-        self._drop(name)
-        self._held[name] = Staged(name, dtype, shape, nbytes, tensor, charge, digest)
-        self._names[name] = None
+        """Take a complete tensor (as :meth:`Store.publish` would) to publish at the switch;
+        RemoteProtocolError (the charge given back) once the update is committed or aborted."""
+        with self._lock:
+            if self.closed:
+                charge.release()
+                raise RemoteProtocolError(f"{name!r} completed after the update it belongs to had ended")
+            self._drop(name)
+            self._held[name] = Staged(name, dtype, shape, nbytes, tensor, charge, digest)
+            self._names[name] = None
 
     def in_place(self, d: InPlace) -> None:
-        self._drop(d.name)
-        self._deltas[d.name] = d
-        self._names[d.name] = None
+        with self._lock:
+            if self.closed:
+                d.charge.release()
+                raise RemoteProtocolError(f"{d.name!r} arrived after the update it belongs to had ended")
+            self._drop(d.name)
+            self._deltas[d.name] = d
+            self._names[d.name] = None
 
     def name(self, name: str) -> None:
         """``name`` belongs to the update unchanged (a DELTA that said its tensor is its base)."""
-        self._names[name] = None
+        with self._lock:
+            self._names[name] = None
 
     def base(self, name: str) -> Entry | None:
         """The tensor a DELTA of ``name`` applies to: one this update holds, else the store's."""
@@ -98,18 +130,32 @@ class Switch:
         if d is not None:
             d.charge.release()
 
-    def abort(self) -> None:
-        """Drop everything held: nothing visible changes."""
-        for name in list(self._held) + list(self._deltas):
-            self._drop(name)
-        self._names.clear()
+    def abort(self) -> int:
+        """Drop everything held: nothing visible changes. Returns how many tensors it held."""
+        with self._lock:
+            self.closed = True
+            held = len(self._held) + len(self._deltas)
+            for name in list(self._held) + list(self._deltas):
+                self._drop(name)
+            self._names.clear()
+            return held
 
-    def commit(self) -> CommitReply:
-        """Apply, prove and switch in everything at once; or nothing, saying why."""
+    def commit(self, *, root: bool = True) -> CommitReply:
+        """Apply, prove and switch in everything at once; or nothing, saying why. ``root``
+        False: the reply's root is zeros, and tensors sent without a digest are not hashed."""
+        with self._lock:
+            if self.closed:
+                return CommitReply(False, 0, self._store.generation, bytes(32), "update not switched: it was dropped")
+            try:
+                return self._commit(root)
+            finally:
+                self.closed = True
+
+    def _commit(self, root: bool) -> CommitReply:
         store = self._store
         held = list(self._held.values())
         for s in held:
-            if s.digest is None:  # sent without one: hashed here, before anyone can see it
+            if s.digest is None and root:  # sent without one: hashed here, before anyone can see it
                 s.digest = tensor_digest(s.tensor)
         # only memory changed in place is held off its readers (a commit they hold past the bound is refused)
         with ExitStack() as gate:
@@ -132,6 +178,8 @@ class Switch:
             d.charge.release()
         self._held, self._deltas, self._names = {}, {}, {}
         missing = [n for n, dg in digests.items() if dg is None]
+        if not root:
+            return CommitReply(True, len(staged) + len(held), generation, bytes(32))
         if missing:
             return CommitReply(True, len(staged) + len(held), generation, bytes(32), f"no digest for {missing[0]!r}")
         return CommitReply(True, len(staged) + len(held), generation, set_digest(digests))  # type: ignore[arg-type]
@@ -176,6 +224,48 @@ class Switch:
             b = d.base
             out.append(Staged(d.name, b.dtype, b.shape, b.nbytes, b.tensor, None, d.digest))
         return out
+
+
+class Units:
+    """The updates open on a server: those shared by push id (for a JOIN), and the models they
+    fill (a REMOVE of one is refused meanwhile). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_push: dict[int, Switch] = {}
+        self._open: dict[int, Switch] = {}  # id(switch) -> every open update, shared or not
+
+    def opened(self, switch: Switch, push: int = 0) -> None:
+        """``switch`` is open; a non-zero ``push`` lets other connections join it. RemoteProtocolError
+        where another open update has that push id."""
+        with self._lock:
+            if push:
+                other = self._by_push.get(push)
+                if other is not None and not other.closed:
+                    raise RemoteProtocolError(f"UPDATE opens push {push}, which is open already")
+                self._by_push[push] = switch
+            self._open[id(switch)] = switch
+
+    def joinable(self, push: int) -> Switch:
+        """The open update of ``push``; RemoteProtocolError where there is none."""
+        with self._lock:
+            switch = self._by_push.get(push) if push else None
+        if switch is None or switch.closed:
+            raise RemoteProtocolError(f"UPDATE joins push {push}, which is not open")
+        return switch
+
+    def ended(self, switch: Switch) -> None:
+        """``switch`` was committed or aborted: forget it."""
+        with self._lock:
+            self._open.pop(id(switch), None)
+            for push, s in list(self._by_push.items()):
+                if s is switch:
+                    del self._by_push[push]
+
+    def pushing(self) -> set[str]:
+        """The models an open update fills."""
+        with self._lock:
+            return {s.model for s in self._open.values() if not s.closed}
 
 
 class _Failed(Exception):
