@@ -20,6 +20,7 @@ times_s, inner_s, load_s, summary, gbps, load_gbps, ratio, bytes, tensors, profi
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -66,6 +67,7 @@ __all__ = [
     "build_arms",
     "run_baselines",
     "run_benchmark",
+    "estimate_s",
 ]
 
 SCHEMA = "weightlift-bench/1"
@@ -238,6 +240,7 @@ def build_arms(ck: dict[str, Any], names: Sequence[str], *, table: ArmTable = PA
                 description=spec.description,
                 kind=spec.kind,
                 profile_argv=child_argv(name, {**opts, "profile": True}, table.files) if spec.weightlift else None,
+                floored=spec.floored,
             )
         )
     return arms
@@ -291,6 +294,39 @@ def run_baselines(
 
 
 # -- the whole benchmark -----------------------------------------------------------------------
+
+
+def estimate_s(
+    arm_list: Sequence[Arm],
+    *,
+    nbytes: int,
+    runs: int,
+    warmup: int,
+    settle: float,
+    profile_round: bool,
+    baselines: int,
+    table: ArmTable = PACKAGE,
+) -> float:
+    """A guess, before anything runs, of how long a benchmark takes: each run pays the pause,
+    a process start, its imports (torch's are the slow ones) and a load at a modest 0.5 GB/s;
+    a weightlift arm runs once more when profiled; each baseline reads the file a few times."""
+
+    def one(a: Arm) -> float:
+        spec = table.specs.get(a.name)
+        torch = spec is not None and "torch" in spec.requires
+        return settle + 0.6 + (1.5 if torch else 0.0) + nbytes / 0.5e9
+
+    live = [a for a in arm_list if not a.skip]
+    total = sum(one(a) for a in live) * (warmup + runs)
+    if profile_round:
+        total += sum(one(a) for a in live if a.profile_argv)
+    return total + baselines * (0.5 + 3 * 3 * nbytes / 1e9)
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
 def run_benchmark(
     path: str | None = None,
     *,
@@ -328,12 +364,29 @@ def run_benchmark(
     say(f"checkpoint {ck['path']}: {ck['tensors']} tensors, {ck['bytes'] / GIB:.2f} GiB ({ck['format']})")
     arm_list = build_arms(ck, names, table=table)
     base_names = list(bench_floors.BASELINES if baselines is None else baselines)
+    if settle is None:
+        settle = QUICK_SETTLE_S if quick else SETTLE_S
+    guess = functools.partial(
+        estimate_s, arm_list, nbytes=ck["bytes"], warmup=warmup, profile_round=profile_round, table=table
+    )
+    est = guess(runs=runs, settle=settle, baselines=len(base_names))
+    say(
+        f"this will take about {_minutes(est)}: {sum(1 for a in arm_list if not a.skip)} arms x "
+        f"({warmup} warm-up + {runs} runs), a fresh process each, {settle:g} s pause before each run; "
+        + (
+            "without --quick every arm runs on your checkpoint (or the demo's)"
+            if quick
+            else f"--quick is a first look in about {_minutes(guess(runs=3, settle=QUICK_SETTLE_S, baselines=0))} "
+            "on this checkpoint's arms (less with its 256 MiB synthetic one); "
+            f"bench/RESULTS.md's settings, --settle {SETTLE_S:g} --runs 5, take about "
+            f"{_minutes(guess(runs=5, settle=SETTLE_S, baselines=len(base_names)))}"
+        )
+        + "; --arms, --runs, --settle, --no-profile and --no-baselines change it"
+    )
     bl = run_baselines(ck, base_names, cold=cold, repeats=2 if quick else 3, timeout=timeout, log=say, table=table)
     if baseline is None:
         baseline = "safetensors.numpy" if "safetensors.numpy" in names else None
-    say(f"arms ({'cold' if cold else 'warm'}, 1 warm-up + {runs} runs, interleaved): {', '.join(names)}")
-    if settle is None:
-        settle = QUICK_SETTLE_S if quick else SETTLE_S
+    say(f"arms ({'cold' if cold else 'warm'}, {warmup} warm-up + {runs} runs, interleaved): {', '.join(names)}")
     result = run_arms(
         arm_list,
         runs=runs,
@@ -384,7 +437,9 @@ def _context(
 
 
 def _derive(result: dict[str, Any], ck: dict[str, Any], bl: dict[str, Any]) -> None:
-    """GB/s per arm from the checkpoint bytes, and the share of the matching limit."""
+    """GB/s per arm from the checkpoint bytes, and its speed-up over the floor of its kind:
+    the floor's load time over the arm's (above 1: faster than the simplest code doing the
+    same work, which a loader can be; it is a reference, not a physical limit)."""
     limits = {
         "local": bl.get("base.copy", {}).get("fresh", {}).get("gbps"),
         "remote": bl.get("base.tcp", {}).get("gbps"),
@@ -410,8 +465,8 @@ def _derive(result: dict[str, Any], ck: dict[str, Any], bl: dict[str, Any]) -> N
         med, load = r["summary"]["median"], r["load"]["median"]
         r["gbps"] = ck["bytes"] / med / 1e9 if med else None
         r["load_gbps"] = ck["bytes"] / load / 1e9 if load else None
-        lim = limits.get(r["kind"])
-        r["limit_share"] = r["load_gbps"] / lim if r["load_gbps"] and lim else None
+        lim = limits.get(r["kind"]) if r.get("floored", True) else None
+        r["floor_speedup"] = r["load_gbps"] / lim if r["load_gbps"] and lim else None
         r["bytes_match"] = None if r["bytes"] is None else r["bytes"] == ck["bytes"]
 
 
