@@ -51,24 +51,6 @@ def _runai(o: dict[str, Any]) -> dict[str, Any]:
     return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n, "bytes": b}
 
 
-def _fastsafetensors(o: dict[str, Any]) -> dict[str, Any]:
-    # its CPU path: no GPUDirect Storage (nogds), files read into host buffers by its own threads
-    import torch  # noqa: F401  (fastsafetensors imports its framework when the loader is made: not in load_s)
-    from fastsafetensors import SafeTensorsFileLoader, SingleGroup
-
-    t0 = time.perf_counter_ns()
-    loader = SafeTensorsFileLoader(SingleGroup(), "cpu", nogds=True)
-    try:
-        loader.add_filenames({0: list(o["files"])})
-        fb = loader.copy_files_to_device()  # owning mode: the tensors keep their buffers after close()
-        out = {name: fb.get_tensor(name) for name in loader.get_keys()}
-        fb.close()
-    finally:
-        loader.close()
-    n, b = core.touch_torch(out.values())
-    return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n, "bytes": b}
-
-
 def _tensorizer(o: dict[str, Any]) -> dict[str, Any]:
     from tensorizer import TensorDeserializer
 
@@ -411,13 +393,6 @@ SPECS: dict[str, Any] = {
             safetensors_only=True,
         ),
         ArmSpec(
-            "fastsafetensors",
-            "local",
-            "fastsafetensors SafeTensorsFileLoader, CPU path (nogds=True)",
-            ("fastsafetensors", "torch"),
-            safetensors_only=True,
-        ),
-        ArmSpec(
             "tensorizer",
             "local",
             "tensorizer TensorDeserializer(device='cpu') of a tensorizer copy",
@@ -590,7 +565,6 @@ SPECS: dict[str, Any] = {
 BODIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "torch.load": _torch_load,
     "runai": _runai,
-    "fastsafetensors": _fastsafetensors,
     "tensorizer": _tensorizer,
     "instanttensor": _instanttensor,
     "wl.numpy.profiled": lambda o: core.wl_load({**o, "profile": True}, framework="numpy", copy=True),

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from weightlift.benchmark import arms as bench_arms
 from weightlift.benchmark import suite as package_suite
 from weightlift.benchmark.harness import describe_checkpoint, run_once
 from weightlift.benchmark.report import format_table
@@ -87,7 +88,8 @@ def test_peer_arms_are_registered_as_local_arms() -> None:
         spec = research.TABLE.specs[name]
         assert spec.kind == "local" and spec.safetensors_only, name
         assert set(modules) <= set(spec.requires), name
-        assert name in peer_arms.BODIES and name in research.expand_arm_names("local"), name
+        assert name in {**bench_arms.BODIES, **peer_arms.BODIES}, name
+        assert name in research.expand_arm_names("local"), name
     assert research.TABLE.specs["tensorizer"].uses_tensorizer and "make-tensorizer" in peer_arms.BODIES
     assert research.TABLE.specs["instanttensor"].cuda  # it loads into CUDA devices only
 
@@ -118,7 +120,8 @@ def test_instanttensor_without_a_cuda_device_says_so(tiny, monkeypatch) -> None:
 def test_cpu_peer_arm_bodies_report_every_byte(tiny, name) -> None:
     for module in PEERS[name]:
         if importlib.util.find_spec(module) is None:
-            pytest.skip(f"the {name} arm needs {module} (pip install 'weightlift[bench]')")
+            extra = "bench" if name == "fastsafetensors" else "peers"
+            pytest.skip(f"the {name} arm needs {module} (pip install 'weightlift[{extra}]')")
     ck = describe_checkpoint(tiny)
     arm = research.build_arms(ck, [name])[0]
     assert arm.skip is None, arm.skip

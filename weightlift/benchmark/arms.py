@@ -27,8 +27,9 @@ before starting its clock. The clock records what was imported inside it anyway
 (``timed_imports`` in the ready line), and the table names any arm that did.
 
 The arms here and in :mod:`.floors` are what ``weightlift bench`` runs on a user's checkpoint:
-weightlift's loads and its loopback push, safetensors, and the floors (copy, raw read, raw
-loopback TCP) they are held to.
+weightlift's loads and its loopback push, safetensors, fastsafetensors (its CPU path, where it is
+installed: the ``bench`` extra brings it), and the floors (copy, raw read, raw loopback TCP)
+they are held to.
 This module imports nothing heavy at the top, so the parent may import it for the arm table.
 """
 
@@ -218,6 +219,24 @@ def _st_torch(o: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
     return {"load_s": stop_clock(t0), "tensors": n, "bytes": b}
 
 
+def _fastsafetensors(o: dict[str, Any]) -> dict[str, Any]:
+    # its CPU path: no GPUDirect Storage (nogds), files read into host buffers by its own threads
+    import torch  # noqa: F401  (fastsafetensors imports its framework when the loader is made: not in load_s)
+    from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+
+    t0 = start_clock()
+    loader = SafeTensorsFileLoader(SingleGroup(), "cpu", nogds=True)
+    try:
+        loader.add_filenames({0: list(o["files"])})
+        fb = loader.copy_files_to_device()  # owning mode: the tensors keep their buffers after close()
+        out = {name: fb.get_tensor(name) for name in loader.get_keys()}
+        fb.close()
+    finally:
+        loader.close()
+    n, b = touch_torch(out.values())
+    return {"load_s": stop_clock(t0), "tensors": n, "bytes": b}
+
+
 # -- weightlift arms --------------------------------------------------------------------------
 
 
@@ -362,6 +381,13 @@ SPECS: dict[str, ArmSpec] = {
             safetensors_only=True,
         ),
         ArmSpec(
+            "fastsafetensors",
+            "local",
+            "fastsafetensors SafeTensorsFileLoader, CPU path (nogds=True)",
+            ("fastsafetensors", "torch"),
+            safetensors_only=True,
+        ),
+        ArmSpec(
             "wl.numpy", "local", "weightlift.load(framework='numpy', copy=True)", ("weightlift.api",), weightlift=True
         ),
         ArmSpec(
@@ -391,6 +417,7 @@ BODIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "safetensors.numpy": _st_numpy,
     "safetensors.torch": _st_torch,
     "safetensors.cuda": lambda o: _st_torch(o, device="cuda:0"),
+    "fastsafetensors": _fastsafetensors,
     "wl.numpy": lambda o: wl_load(o, framework="numpy", copy=True),
     "wl.numpy.nocopy": lambda o: wl_load(o, framework="numpy", copy=False),
     "wl.torch": lambda o: wl_load(o, framework="torch"),

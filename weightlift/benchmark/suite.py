@@ -77,6 +77,7 @@ LOCAL_ARMS = (
     "safetensors.numpy",
     "safetensors.torch",
     "safetensors.cuda",
+    "fastsafetensors",
     "wl.numpy",
     "wl.numpy.nocopy",
     "wl.torch",
