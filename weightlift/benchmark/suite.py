@@ -14,8 +14,10 @@ present.
 
 The result of :func:`run_benchmark` is one JSON-able dict (``SCHEMA``): ``checkpoint``,
 ``mode``, ``cold_check``, ``runs``, ``order``, ``baseline``, ``arms`` ({name: status, reason,
-times_s, inner_s, load_s, summary, gbps, load_gbps, ratio, bytes, tensors, profile}),
-``baselines``, ``notes`` and ``machine``; :mod:`.report` renders it (table, plot).
+times_s, inner_s, load_s, summary, gbps, load_gbps, speedup, load_speedup, floor_speedup,
+timed_imports, bytes, tensors, profile}), ``baselines``, ``notes`` and ``machine``; every ratio
+in it is a speed-up (the reference's time over the arm's: above 1 = the arm is faster).
+:mod:`.report` renders it (table, plot).
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ __all__ = [
     "estimate_s",
 ]
 
-SCHEMA = "weightlift-bench/1"
+# 2: ratio became speedup (inverted: the baseline over the arm); limit_share became floor_speedup
+SCHEMA = "weightlift-bench/2"
 ARM_KINDS = ("local", "remote", "probe", "limit")  # what runs as an interleaved arm
 
 LOCAL_ARMS = (
