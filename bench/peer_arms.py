@@ -32,46 +32,46 @@ READ_LIMIT_THREADS = floors.READ_LIMIT_THREADS
 def _torch_load(o: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    t0 = time.perf_counter_ns()
+    t0 = core.start_clock()
     out = torch.load(o["pt"], mmap=True, weights_only=True)
     n, b = core.touch_torch(out.values())
-    return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n, "bytes": b}
+    return {"load_s": core.stop_clock(t0), "tensors": n, "bytes": b}
 
 
 def _runai(o: dict[str, Any]) -> dict[str, Any]:
     from runai_model_streamer import SafetensorsStreamer
 
-    t0 = time.perf_counter_ns()
+    t0 = core.start_clock()
     out: dict[str, Any] = {}
     with SafetensorsStreamer() as s:
         s.stream_files(list(o["files"]), device="cpu")
         for name, t in s.get_tensors():
             out[name] = t  # owned by the caller (the default), so keeping it is safe
     n, b = core.touch_torch(out.values())
-    return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n, "bytes": b}
+    return {"load_s": core.stop_clock(t0), "tensors": n, "bytes": b}
 
 
 def _tensorizer(o: dict[str, Any]) -> dict[str, Any]:
     from tensorizer import TensorDeserializer
 
-    t0 = time.perf_counter_ns()
+    t0 = core.start_clock()
     d = TensorDeserializer(o["tz"], device="cpu", lazy_load=False)  # kept open: os._exit ends the child
     out = dict(d.items())
     n, b = core.touch_torch(out.values())
-    return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n, "bytes": b}
+    return {"load_s": core.stop_clock(t0), "tensors": n, "bytes": b}
 
 
 def _instanttensor(o: dict[str, Any]) -> dict[str, Any]:
     from instanttensor import safe_open
 
     core.cuda_context()
-    t0 = time.perf_counter_ns()
+    t0 = core.start_clock()
     out: dict[str, Any] = {}
     with safe_open(list(o["files"]), framework="pt", device=0) as f:
         for name, t in f.tensors():
             out[name] = t  # owned by default (copy=True)
     n, b = core.touch_torch(out.values())
-    return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n, "bytes": b}
+    return {"load_s": core.stop_clock(t0), "tensors": n, "bytes": b}
 
 
 # -- weightlift's variants ------------------------------------------------------------------------

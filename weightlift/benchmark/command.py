@@ -24,7 +24,7 @@ DESCRIPTION = (
     "work: a copy or read of the file into fresh memory, raw loopback TCP) on your checkpoint. "
     "Every run is a fresh process, the arms take turns, and the table gives medians with their "
     "spread. It says up front how long it will take: a few minutes on a small checkpoint; "
-    "--quick is a one-minute first look."
+    "--quick is a first look in about two minutes."
 )
 
 
