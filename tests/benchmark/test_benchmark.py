@@ -611,3 +611,18 @@ def test_bench_help_explains_every_column(capsys) -> None:
     for name, _ in COLUMNS:
         assert f"  {name} " in out, name
     assert "a few minutes" in out and "--quick" in out
+
+
+def test_shuffled_rounds_give_no_arm_the_same_predecessor_twice() -> None:
+    from weightlift.benchmark.suite import QUICK_ARMS
+
+    # --quick's five arms, a warm-up and three counted rounds: 20 (predecessor, arm) pairs to pick from
+    arms = list(QUICK_ARMS)
+    rounds = [round_order(arms, r) for r in range(4)]
+    runs = [a for r in rounds for a in r]  # one long sequence: a round's first arm follows the last one's
+    pairs = list(zip(runs, runs[1:], strict=False))[
+        len(arms) - 1 :
+    ]  # those of the counted rounds (and the one into them)
+    assert all(a != b for a, b in pairs)
+    assert len(set(pairs)) == len(pairs)
+    assert rounds == [round_order(arms, r) for r in range(4)]  # the same every time
