@@ -52,7 +52,7 @@ from weightlift.benchmark.harness import (
     run_once,
 )
 from weightlift.benchmark.report import plot
-from weightlift.benchmark.synthetic import GIB
+from weightlift.benchmark.synthetic import GIB, MIB
 from weightlift.errors import OptionError
 
 __all__ = [
@@ -327,6 +327,38 @@ def estimate_s(
     return total + baselines * (0.5 + 3 * 3 * nbytes / 1e9)
 
 
+def _estimate_line(
+    arm_list: Sequence[Arm],
+    nbytes: int,
+    runs: int,
+    warmup: int,
+    settle: float,
+    profile_round: bool,
+    baselines: int,
+    quick: bool,
+    table: ArmTable,
+) -> str:
+    """What a benchmark says before it starts: how long it will take, and how to make it shorter
+    (--quick) or publishable (bench/RESULTS.md's settings)."""
+    guess = functools.partial(estimate_s, warmup=warmup, profile_round=profile_round, table=table)
+    live = sum(1 for a in arm_list if not a.skip)
+    head = (
+        f"this will take about {_minutes(guess(arm_list, nbytes=nbytes, runs=runs, settle=settle, baselines=baselines))}: "
+        f"{live} arms x ({warmup} warm-up + {runs} runs), a fresh process each, {settle:g} s pause before each run; "
+    )
+    if quick:
+        middle = "without --quick every arm runs on your checkpoint (or the demo's)"
+    else:
+        quick_arms = [a for a in arm_list if a.name in table.quick]
+        short = guess(quick_arms, nbytes=256 * MIB, runs=3, settle=QUICK_SETTLE_S, baselines=baselines)
+        full = guess(arm_list, nbytes=nbytes, runs=5, settle=SETTLE_S, baselines=baselines)
+        middle = (
+            f"--quick ({len(table.quick)} arms, a 256 MiB synthetic checkpoint) is a first look in about "
+            f"{_minutes(short)}; bench/RESULTS.md's settings, --settle {SETTLE_S:g} --runs 5, take about {_minutes(full)}"
+        )
+    return head + middle + "; --arms, --runs, --settle, --no-profile and --no-baselines change it"
+
+
 def _minutes(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
@@ -370,23 +402,7 @@ def run_benchmark(
     base_names = list(bench_floors.BASELINES if baselines is None else baselines)
     if settle is None:
         settle = QUICK_SETTLE_S if quick else SETTLE_S
-    guess = functools.partial(
-        estimate_s, arm_list, nbytes=ck["bytes"], warmup=warmup, profile_round=profile_round, table=table
-    )
-    est = guess(runs=runs, settle=settle, baselines=len(base_names))
-    say(
-        f"this will take about {_minutes(est)}: {sum(1 for a in arm_list if not a.skip)} arms x "
-        f"({warmup} warm-up + {runs} runs), a fresh process each, {settle:g} s pause before each run; "
-        + (
-            "without --quick every arm runs on your checkpoint (or the demo's)"
-            if quick
-            else f"--quick is a first look in about {_minutes(guess(runs=3, settle=QUICK_SETTLE_S, baselines=0))} "
-            "on this checkpoint's arms (less with its 256 MiB synthetic one); "
-            f"bench/RESULTS.md's settings, --settle {SETTLE_S:g} --runs 5, take about "
-            f"{_minutes(guess(runs=5, settle=SETTLE_S, baselines=len(base_names)))}"
-        )
-        + "; --arms, --runs, --settle, --no-profile and --no-baselines change it"
-    )
+    say(_estimate_line(arm_list, ck["bytes"], runs, warmup, settle, profile_round, len(base_names), quick, table))
     bl = run_baselines(ck, base_names, cold=cold, repeats=2 if quick else 3, timeout=timeout, log=say, table=table)
     if baseline is None:
         baseline = "safetensors.numpy" if "safetensors.numpy" in names else None
