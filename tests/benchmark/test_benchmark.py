@@ -536,6 +536,9 @@ def test_speedups_read_one_way_and_every_column_is_explained(tiny) -> None:
         expect = a["safetensors.numpy"]["times_s"][0] / a[name]["times_s"][0]
         assert a[name]["speedup"]["median"] == pytest.approx(expect)  # above 1: faster than the baseline
     assert a["wl.numpy.nocopy"]["floor_speedup"] is None  # a mapping copies nothing: no copy floor
+    # safetensors.torch maps the file on the CPU too (its load call took 0.007 s for 0.23 GiB,
+    # "24x" the copy floor); held to no floor either
+    assert not bench_suite.PACKAGE.specs["safetensors.torch"].floored
     assert a["wl.numpy"]["floor_speedup"] == pytest.approx(
         a["limit.copy"]["load"]["median"] / a["wl.numpy"]["load"]["median"]
     )

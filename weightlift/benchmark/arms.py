@@ -370,7 +370,12 @@ SPECS: dict[str, ArmSpec] = {
             "safetensors.numpy", "local", "safetensors.numpy.load_file", ("safetensors", "numpy"), safetensors_only=True
         ),
         ArmSpec(
-            "safetensors.torch", "local", "safetensors.torch.load_file", ("safetensors", "torch"), safetensors_only=True
+            "safetensors.torch",
+            "local",
+            "safetensors.torch.load_file (on the CPU, views of a private mapping of the file: nothing copied)",
+            ("safetensors", "torch"),
+            safetensors_only=True,
+            floored=False,
         ),
         ArmSpec(
             "safetensors.cuda",
