@@ -548,12 +548,6 @@ SPECS: dict[str, Any] = {
             ("numpy",),
         ),
         ArmSpec("limit.fault.huge", "limit", "the fault-in floor with huge pages advised", ("numpy",)),
-        ArmSpec(
-            "limit.tcp.fresh",
-            "limit",
-            "raw loopback TCP into fresh memory: sendfile -> recv_into "
-            "untouched memory the size of the data, fresh process",
-        ),
         ArmSpec("loop.plain", "probe", "read loop with no profiler code", ("weightlift.checkpoint",)),
         ArmSpec(
             "loop.off", "probe", "the same loop with the profiler checks, profiler off", ("weightlift.checkpoint",)
@@ -583,7 +577,6 @@ BODIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "wl.push.second": lambda o: _wl_push_again(o, cache=True),
     "wl.push.reserved": _wl_push_reserved,
     "wl.split": _wl_split,
-    "limit.tcp.fresh": lambda o: floors.limit_tcp(o, fresh=True),
     "limit.fault": _limit_fault,
     "limit.fault.huge": lambda o: _limit_fault(o, huge=True),
     **{f"limit.read.fresh.{k}": functools.partial(_limit_read_fresh, k=k) for k in READ_LIMIT_THREADS},

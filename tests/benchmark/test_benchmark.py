@@ -72,6 +72,7 @@ def test_expand_arm_names() -> None:
         "wl.numpy.nocopy",
         "wl.push",
         "limit.copy",
+        "limit.tcp.fresh",  # the push's floor: TCP into fresh memory, as a fresh server's is
     ]
     with pytest.raises(OptionError):
         expand_arm_names("no.such.arm")
@@ -430,6 +431,12 @@ def test_local_share_is_taken_against_the_copy_limit_arm_when_it_ran() -> None:
     result["arms"]["limit.tcp"] = arm("limit", 0.2)
     _derive(result, ck, bl)
     assert result["arms"]["wl.push"]["floor_speedup"] == pytest.approx(0.4)
+    # the push lands in fresh memory: TCP into fresh memory is its floor where it ran, though slower
+    result["arms"]["limit.tcp.fresh"] = arm("limit", 0.5)
+    _derive(result, ck, bl)
+    assert result["remote_limit"] == "limit.tcp.fresh"
+    assert result["arms"]["wl.push"]["floor_speedup"] == pytest.approx(1.0)
+    del result["arms"]["limit.tcp.fresh"]
     result["arms"]["limit.read.1"] = arm("limit", 1.0)
     result["arms"]["limit.read.4"] = arm("limit", 0.8)
     _derive(result, ck, bl)
@@ -619,7 +626,7 @@ def test_bench_help_explains_every_column(capsys) -> None:
 def test_shuffled_rounds_give_no_arm_the_same_predecessor_twice() -> None:
     from weightlift.benchmark.suite import QUICK_ARMS
 
-    # --quick's five arms, a warm-up and three counted rounds: 20 (predecessor, arm) pairs to pick from
+    # --quick's six arms, a warm-up and three counted rounds: 30 (predecessor, arm) pairs to pick from
     arms = list(QUICK_ARMS)
     rounds = [round_order(arms, r) for r in range(4)]
     runs = [a for r in rounds for a in r]  # one long sequence: a round's first arm follows the last one's

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from weightlift.benchmark import arms as bench_arms
+from weightlift.benchmark import floors as bench_arms_floors
 from weightlift.benchmark import suite as package_suite
 from weightlift.benchmark.harness import describe_checkpoint, run_once
 from weightlift.benchmark.report import format_table
@@ -63,7 +64,7 @@ def test_remote_arms_are_set_against_the_fault_in_floor(tiny) -> None:
 def test_limit_tcp_fresh_arm_lands_the_file_in_fresh_memory(tmp_path) -> None:
     p = tmp_path / "f.bin"
     p.write_bytes(os.urandom(9 * 2**20 + 3))  # more than one 8 MiB receive
-    info = peer_arms.BODIES["limit.tcp.fresh"]({"files": [str(p)]})
+    info = bench_arms_floors.BODIES["limit.tcp.fresh"]({"files": [str(p)]})
     assert info["bytes"] == p.stat().st_size and info["load_s"] > 0
 
 

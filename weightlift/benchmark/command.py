@@ -61,7 +61,7 @@ def add_arguments(
     )
     p.add_argument("path", nargs="?", help="checkpoint (default: the demo checkpoint, or a synthetic one)")
     p.add_argument(
-        "--quick", action="store_true", help="a first look: 256 MiB synthetic checkpoint, 3 runs, 5 arms, 3 s pauses"
+        "--quick", action="store_true", help="a first look: 256 MiB synthetic checkpoint, 3 runs, 6 arms, 3 s pauses"
     )
     p.add_argument("--cold", action="store_true", help="evict the files before every run and check with mincore")
     p.add_argument("--runs", type=int, help=f"counted runs per arm (default {default_runs}; 3 with --quick)")

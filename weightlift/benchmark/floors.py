@@ -322,6 +322,12 @@ SPECS: dict[str, Any] = {
             for k in READ_LIMIT_THREADS
         ),
         core.ArmSpec("limit.tcp", "limit", "raw loopback TCP as an arm: sendfile -> recv_into, fresh process"),
+        core.ArmSpec(
+            "limit.tcp.fresh",
+            "limit",
+            "raw loopback TCP into fresh memory: sendfile -> recv_into "
+            "untouched memory the size of the data, fresh process (a push's floor)",
+        ),
         core.ArmSpec("base.copy", "baseline", "copy limit: mmap -> memory on every core (fresh / touched)", ("numpy",)),
         core.ArmSpec("base.read", "baseline", "best raw read: preadv, 1/2/4 threads, touched buffers"),
         core.ArmSpec("base.tcp", "baseline", "raw loopback TCP: sendfile -> recv_into"),
@@ -333,6 +339,7 @@ BODIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "limit.copy": _limit_copy,
     "limit.copy.huge": lambda o: _limit_copy(o, huge=True),
     "limit.tcp": limit_tcp,
+    "limit.tcp.fresh": lambda o: limit_tcp(o, fresh=True),
     **{f"limit.read.{k}": functools.partial(_limit_read, k=k) for k in READ_LIMIT_THREADS},
     "base.copy": _baseline_copy,
     "base.read": _baseline_read,

@@ -38,7 +38,7 @@ COLUMNS = (
         "vs floor",
         "the floor's load s over this arm's, as a speed-up: 1.00x runs as fast as the "
         "simplest code doing the same work (local: reading or copying the file into fresh memory; "
-        "remote: raw loopback TCP); above 1 the arm beat that code, which a loader can; '-' for a load "
+        "remote: raw loopback TCP, into fresh memory where limit.tcp.fresh ran); above 1 the arm beat that code, which a loader can; '-' for a load "
         "that copies nothing (a mapping)",
     ),
     (

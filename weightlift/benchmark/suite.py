@@ -88,8 +88,8 @@ LOCAL_ARMS = (
     "limit.copy",
     "limit.copy.huge",
 )
-REMOTE_ARMS = ("wl.push", "limit.tcp")
-QUICK_ARMS = ("safetensors.numpy", "wl.numpy", "wl.numpy.nocopy", "wl.push", "limit.copy")
+REMOTE_ARMS = ("wl.push", "limit.tcp", "limit.tcp.fresh")
+QUICK_ARMS = ("safetensors.numpy", "wl.numpy", "wl.numpy.nocopy", "wl.push", "limit.copy", "limit.tcp.fresh")
 
 # prepare(name, checkpoint, options): adds what arm ``name`` needs to its options (a converted
 # copy of the checkpoint, a cache folder) and returns the files to evict before its runs (None:
@@ -469,12 +469,11 @@ def _derive(result: dict[str, Any], ck: dict[str, Any], bl: dict[str, Any]) -> N
     # the raw read into reused buffers; limit.read.fresh.* (into fresh memory) is reported beside it
     reads = [n for n in result["arms"] if n.startswith("limit.read.") and not n.startswith("limit.read.fresh.")]
     copies = ["limit.copy", "limit.copy.huge"]  # the copy floor: the faster page size
-    for kind, cands, fallback in (("local", reads or copies, "base.copy"), ("remote", ["limit.tcp"], "base.tcp")):
-        ok = [
-            (result["arms"][n]["load"]["median"], n)
-            for n in cands
-            if n in result["arms"] and result["arms"][n]["status"] == "ok" and result["arms"][n]["load"]["median"]
-        ]
+    # a push lands in a fresh server's fresh memory: raw TCP into fresh memory is the same work,
+    # into a reused buffer only where that did not run
+    tcp = next((n for n in ("limit.tcp.fresh", "limit.tcp") if _ran(result, n)), "limit.tcp")
+    for kind, cands, fallback in (("local", reads or copies, "base.copy"), ("remote", [tcp], "base.tcp")):
+        ok = [(result["arms"][n]["load"]["median"], n) for n in cands if _ran(result, n)]
         if ok:
             best, name = min(ok)  # the fastest reader count or page size
             limits[kind] = ck["bytes"] / best / 1e9
@@ -488,6 +487,11 @@ def _derive(result: dict[str, Any], ck: dict[str, Any], bl: dict[str, Any]) -> N
         lim = limits.get(r["kind"]) if r.get("floored", True) else None
         r["floor_speedup"] = r["load_gbps"] / lim if r["load_gbps"] and lim else None
         r["bytes_match"] = None if r["bytes"] is None else r["bytes"] == ck["bytes"]
+
+
+def _ran(result: dict[str, Any], name: str) -> bool:
+    r = result["arms"].get(name)
+    return r is not None and r["status"] == "ok" and bool(r["load"]["median"])
 
 
 def _notes(result: dict[str, Any]) -> list[str]:
