@@ -636,3 +636,28 @@ def test_shuffled_rounds_give_no_arm_the_same_predecessor_twice() -> None:
     assert all(a != b for a, b in pairs)
     assert len(set(pairs)) == len(pairs)
     assert rounds == [round_order(arms, r) for r in range(4)]  # the same every time
+
+
+def test_a_speedup_whose_rounds_span_one_says_the_run_does_not_decide() -> None:
+    from weightlift.benchmark.report import _spread_lines
+
+    def arm(speedups: list[float], load: list[float]) -> dict:
+        return {"status": "ok", "speedup": {"ratios": speedups}, "load_speedup": {"ratios": load}}
+
+    result = {
+        "baseline": "base",
+        "arms": {"base": arm([1.0, 1.0], [1.0, 1.0]), "a": arm([0.8, 1.3], [1.5, 1.7]), "b": arm([1.2, 1.4], [1.1, 2])},
+    }
+    assert _spread_lines(result) == [
+        "a: per-round speed-ups over base span 1.00x (to ready 0.80x-1.30x): this run does not tell which "
+        "is faster; more --runs or a quieter machine will"
+    ]
+
+
+def test_a_busy_machine_is_named_in_the_notes() -> None:
+    from weightlift.benchmark.suite import _busy_note
+
+    assert _busy_note({"cpus": 2, "loadavg": {"before": 0.4, "after": 1.2}}) is None
+    note = _busy_note({"cpus": 2, "loadavg": {"before": 5.8, "after": 6.4}})
+    assert note is not None and note.startswith("busy machine: load average 5.8 before and 6.4 after the run on 2 CPUs")
+    assert _busy_note({"cpus": 2}) is None  # no load average on this platform

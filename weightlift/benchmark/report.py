@@ -89,6 +89,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"remote {result.get('remote_limit', 'base.tcp')}):"
     )
     lines.append(legend())
+    lines += _spread_lines(result)
     lines += _floor_lines(result)
     lines += _baseline_lines(result["baselines"])
     if skipped:
@@ -98,6 +99,26 @@ def format_table(result: dict[str, Any]) -> str:
     lines += _import_lines(result)
     lines += result.get("notes", [])
     return "\n".join(lines)
+
+
+def _spread_lines(result: dict[str, Any]) -> list[str]:
+    """The arms whose per-round speed-ups over the baseline fall on both sides of 1.00x: the
+    run does not say which of the two is faster."""
+    out = []
+    for name, r in result["arms"].items():
+        if r["status"] != "ok" or name == result["baseline"]:
+            continue
+        both = []
+        for label, key in (("to ready", "speedup"), ("load", "load_speedup")):
+            xs = (r.get(key) or {}).get("ratios") or []
+            if len(xs) > 1 and min(xs) < 1 < max(xs):
+                both.append(f"{label} {min(xs):.2f}x-{max(xs):.2f}x")
+        if both:
+            out.append(
+                f"{name}: per-round speed-ups over {result['baseline']} span 1.00x ({', '.join(both)}): "
+                "this run does not tell which is faster; more --runs or a quieter machine will"
+            )
+    return out
 
 
 def _import_lines(result: dict[str, Any]) -> list[str]:

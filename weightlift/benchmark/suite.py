@@ -386,6 +386,7 @@ def run_benchmark(
     """Baselines, then the arms interleaved; returns the result dict and writes JSON / PNG if asked."""
     say = log or (lambda s: None)
     started = time.time()
+    load_before = _loadavg()
     ensure_bytecode()
     names = expand_arm_names(arms, quick=quick, table=table)
     if cold and arms is None:
@@ -421,6 +422,7 @@ def run_benchmark(
     )
     _derive(result, ck, bl)
     result.update(_context(ck, bl, names, quick=quick, started=started, table=table))
+    result["machine"]["loadavg"] = {"before": load_before, "after": _loadavg()}
     result["notes"] = _notes(result)
     if json_path:
         with open(json_path, "w", encoding="utf-8") as f:
@@ -489,6 +491,29 @@ def _derive(result: dict[str, Any], ck: dict[str, Any], bl: dict[str, Any]) -> N
         r["bytes_match"] = None if r["bytes"] is None else r["bytes"] == ck["bytes"]
 
 
+def _loadavg() -> float | None:
+    """The 1-minute load average, None where the platform has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def _busy_note(machine: dict[str, Any]) -> str | None:
+    """A note when other work shared the cores: the load average above three quarters of them
+    before or after the run (on the 2-core development VM at 3 to 9, a --quick run's medians
+    moved by more than the differences between the arms)."""
+    la, cpus = machine.get("loadavg") or {}, machine.get("cpus") or 1
+    worst = max((v for v in (la.get("before"), la.get("after")) if v is not None), default=None)
+    if worst is None or worst <= 0.75 * cpus:
+        return None
+    return (
+        f"busy machine: load average {la.get('before') or 0:.1f} before and {la.get('after') or 0:.1f} after the run "
+        f"on {cpus} CPUs; other work shared the cores, so the medians carry its noise (a loader that reads on "
+        "several threads loses most when no core is free): compare on a quiet machine, or with more --runs"
+    )
+
+
 def _ran(result: dict[str, Any], name: str) -> bool:
     r = result["arms"].get(name)
     return r is not None and r["status"] == "ok" and bool(r["load"]["median"])
@@ -513,6 +538,9 @@ def _notes(result: dict[str, Any]) -> list[str]:
             )
     else:
         notes.append("warm: the page cache is left as it is (the warm-up round fills it)")
+    busy = _busy_note(result.get("machine") or {})
+    if busy:
+        notes.append(busy)
     for name, r in result["arms"].items():
         if r["status"] == "ok" and r["bytes_match"] is False and r["kind"] != "limit":  # a limit copies the file
             notes.append(f"{name} reported {r['bytes']} bytes; the checkpoint holds {result['checkpoint']['bytes']}")
