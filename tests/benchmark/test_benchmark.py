@@ -648,6 +648,7 @@ def test_a_speedup_whose_rounds_span_one_says_the_run_does_not_decide() -> None:
         "baseline": "base",
         "arms": {"base": arm([1.0, 1.0], [1.0, 1.0]), "a": arm([0.8, 1.3], [1.5, 1.7]), "b": arm([1.2, 1.4], [1.1, 2])},
     }
+    result["arms"]["limit.x"] = {**arm([0.5, 2.0], [0.5, 2.0]), "kind": "limit"}  # a floor is no contender
     assert _spread_lines(result) == [
         "a: per-round speed-ups over base span 1.00x (to ready 0.80x-1.30x): this run does not tell which "
         "is faster; more --runs or a quieter machine will"

@@ -106,8 +106,8 @@ def _spread_lines(result: dict[str, Any]) -> list[str]:
     run does not say which of the two is faster."""
     out = []
     for name, r in result["arms"].items():
-        if r["status"] != "ok" or name == result["baseline"]:
-            continue
+        if r["status"] != "ok" or name == result["baseline"] or r.get("kind") == "limit":
+            continue  # a floor is not a contender
         both = []
         for label, key in (("to ready", "speedup"), ("load", "load_speedup")):
             xs = (r.get(key) or {}).get("ratios") or []
