@@ -32,64 +32,46 @@ READ_LIMIT_THREADS = floors.READ_LIMIT_THREADS
 def _torch_load(o: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    t0 = time.perf_counter_ns()
+    t0 = core.start_clock()
     out = torch.load(o["pt"], mmap=True, weights_only=True)
     n, b = core.touch_torch(out.values())
-    return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n, "bytes": b}
+    return {"load_s": core.stop_clock(t0), "tensors": n, "bytes": b}
 
 
 def _runai(o: dict[str, Any]) -> dict[str, Any]:
     from runai_model_streamer import SafetensorsStreamer
 
-    t0 = time.perf_counter_ns()
+    t0 = core.start_clock()
     out: dict[str, Any] = {}
     with SafetensorsStreamer() as s:
         s.stream_files(list(o["files"]), device="cpu")
         for name, t in s.get_tensors():
             out[name] = t  # owned by the caller (the default), so keeping it is safe
     n, b = core.touch_torch(out.values())
-    return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n, "bytes": b}
-
-
-def _fastsafetensors(o: dict[str, Any]) -> dict[str, Any]:
-    # its CPU path: no GPUDirect Storage (nogds), files read into host buffers by its own threads
-    import torch  # noqa: F401  (fastsafetensors imports its framework when the loader is made: not in load_s)
-    from fastsafetensors import SafeTensorsFileLoader, SingleGroup
-
-    t0 = time.perf_counter_ns()
-    loader = SafeTensorsFileLoader(SingleGroup(), "cpu", nogds=True)
-    try:
-        loader.add_filenames({0: list(o["files"])})
-        fb = loader.copy_files_to_device()  # owning mode: the tensors keep their buffers after close()
-        out = {name: fb.get_tensor(name) for name in loader.get_keys()}
-        fb.close()
-    finally:
-        loader.close()
-    n, b = core.touch_torch(out.values())
-    return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n, "bytes": b}
+    return {"load_s": core.stop_clock(t0), "tensors": n, "bytes": b}
 
 
 def _tensorizer(o: dict[str, Any]) -> dict[str, Any]:
     from tensorizer import TensorDeserializer
 
-    t0 = time.perf_counter_ns()
+    t0 = core.start_clock()
     d = TensorDeserializer(o["tz"], device="cpu", lazy_load=False)  # kept open: os._exit ends the child
     out = dict(d.items())
     n, b = core.touch_torch(out.values())
-    return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n, "bytes": b}
+    return {"load_s": core.stop_clock(t0), "tensors": n, "bytes": b}
 
 
 def _instanttensor(o: dict[str, Any]) -> dict[str, Any]:
     from instanttensor import safe_open
 
     core.cuda_context()
-    t0 = time.perf_counter_ns()
+    t0 = core.start_clock()
     out: dict[str, Any] = {}
     with safe_open(list(o["files"]), framework="pt", device=0) as f:
         for name, t in f.tensors():
             out[name] = t  # owned by default (copy=True)
     n, b = core.touch_torch(out.values())
-    return {"load_s": (time.perf_counter_ns() - t0) / 1e9, "tensors": n, "bytes": b}
+    return {"load_s": core.stop_clock(t0), "tensors": n, "bytes": b}
 
 
 # -- weightlift's variants ------------------------------------------------------------------------
@@ -411,13 +393,6 @@ SPECS: dict[str, Any] = {
             safetensors_only=True,
         ),
         ArmSpec(
-            "fastsafetensors",
-            "local",
-            "fastsafetensors SafeTensorsFileLoader, CPU path (nogds=True)",
-            ("fastsafetensors", "torch"),
-            safetensors_only=True,
-        ),
-        ArmSpec(
             "tensorizer",
             "local",
             "tensorizer TensorDeserializer(device='cpu') of a tensorizer copy",
@@ -573,12 +548,6 @@ SPECS: dict[str, Any] = {
             ("numpy",),
         ),
         ArmSpec("limit.fault.huge", "limit", "the fault-in floor with huge pages advised", ("numpy",)),
-        ArmSpec(
-            "limit.tcp.fresh",
-            "limit",
-            "raw loopback TCP into fresh memory: sendfile -> recv_into "
-            "untouched memory the size of the data, fresh process",
-        ),
         ArmSpec("loop.plain", "probe", "read loop with no profiler code", ("weightlift.checkpoint",)),
         ArmSpec(
             "loop.off", "probe", "the same loop with the profiler checks, profiler off", ("weightlift.checkpoint",)
@@ -590,7 +559,6 @@ SPECS: dict[str, Any] = {
 BODIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "torch.load": _torch_load,
     "runai": _runai,
-    "fastsafetensors": _fastsafetensors,
     "tensorizer": _tensorizer,
     "instanttensor": _instanttensor,
     "wl.numpy.profiled": lambda o: core.wl_load({**o, "profile": True}, framework="numpy", copy=True),
@@ -609,7 +577,6 @@ BODIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "wl.push.second": lambda o: _wl_push_again(o, cache=True),
     "wl.push.reserved": _wl_push_reserved,
     "wl.split": _wl_split,
-    "limit.tcp.fresh": lambda o: floors.limit_tcp(o, fresh=True),
     "limit.fault": _limit_fault,
     "limit.fault.huge": lambda o: _limit_fault(o, huge=True),
     **{f"limit.read.fresh.{k}": functools.partial(_limit_read_fresh, k=k) for k in READ_LIMIT_THREADS},

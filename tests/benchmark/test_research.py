@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from weightlift.benchmark import arms as bench_arms
+from weightlift.benchmark import floors as bench_arms_floors
 from weightlift.benchmark import suite as package_suite
 from weightlift.benchmark.harness import describe_checkpoint, run_once
 from weightlift.benchmark.report import format_table
@@ -62,7 +64,7 @@ def test_remote_arms_are_set_against_the_fault_in_floor(tiny) -> None:
 def test_limit_tcp_fresh_arm_lands_the_file_in_fresh_memory(tmp_path) -> None:
     p = tmp_path / "f.bin"
     p.write_bytes(os.urandom(9 * 2**20 + 3))  # more than one 8 MiB receive
-    info = peer_arms.BODIES["limit.tcp.fresh"]({"files": [str(p)]})
+    info = bench_arms_floors.BODIES["limit.tcp.fresh"]({"files": [str(p)]})
     assert info["bytes"] == p.stat().st_size and info["load_s"] > 0
 
 
@@ -87,7 +89,8 @@ def test_peer_arms_are_registered_as_local_arms() -> None:
         spec = research.TABLE.specs[name]
         assert spec.kind == "local" and spec.safetensors_only, name
         assert set(modules) <= set(spec.requires), name
-        assert name in peer_arms.BODIES and name in research.expand_arm_names("local"), name
+        assert name in {**bench_arms.BODIES, **peer_arms.BODIES}, name
+        assert name in research.expand_arm_names("local"), name
     assert research.TABLE.specs["tensorizer"].uses_tensorizer and "make-tensorizer" in peer_arms.BODIES
     assert research.TABLE.specs["instanttensor"].cuda  # it loads into CUDA devices only
 
@@ -118,7 +121,8 @@ def test_instanttensor_without_a_cuda_device_says_so(tiny, monkeypatch) -> None:
 def test_cpu_peer_arm_bodies_report_every_byte(tiny, name) -> None:
     for module in PEERS[name]:
         if importlib.util.find_spec(module) is None:
-            pytest.skip(f"the {name} arm needs {module} (pip install -e '.[bench]')")
+            extra = "bench" if name == "fastsafetensors" else "peers"
+            pytest.skip(f"the {name} arm needs {module} (pip install -e '.[{extra}]')")
     ck = describe_checkpoint(tiny)
     arm = research.build_arms(ck, [name])[0]
     assert arm.skip is None, arm.skip

@@ -13,11 +13,30 @@ import sys
 from typing import Any
 
 from weightlift.benchmark.harness import QUICK_SETTLE_S, SETTLE_S
-from weightlift.benchmark.report import format_table
+from weightlift.benchmark.report import format_table, legend
 from weightlift.benchmark.suite import PACKAGE, ArmTable, run_benchmark
 from weightlift.benchmark.synthetic import GIB, MIB
 
-__all__ = ["add_arguments", "command"]
+__all__ = ["DESCRIPTION", "USER_RUNS", "USER_SETTLE_S", "add_arguments", "command", "epilog"]
+
+DESCRIPTION = (
+    "Time weightlift against safetensors and against floors (the simplest code that does the same "
+    "work: a copy or read of the file into fresh memory, raw loopback TCP) on your checkpoint. "
+    "Every run is a fresh process, the arms take turns, and the table gives medians with their "
+    "spread. It says up front how long it will take: a few minutes on a small checkpoint; "
+    "--quick is a first look in about two minutes."
+)
+
+
+def epilog() -> str:
+    """The columns of the table, for ``--help``."""
+    return "columns of the table (the same legend is printed under it):\n" + legend()
+
+
+# `weightlift bench` without --quick: every arm, in a few minutes on a small checkpoint. The
+# pause is the short one; the table says so and how to ask for the published 20 s.
+USER_RUNS = 3
+USER_SETTLE_S = QUICK_SETTLE_S
 
 
 def add_arguments(
@@ -27,21 +46,32 @@ def add_arguments(
     quick_arms: str | None = None,
     default_baseline: str | None = None,
     default_size_gib: float | None = None,
+    default_runs: int = 5,
+    default_settle: float = SETTLE_S,
 ) -> None:
     """The options shared by ``weightlift bench`` and the bench/ scripts.
 
     ``quick_arms`` replaces ``default_arms`` under ``--quick`` unless ``--arms`` was given.
+    ``default_runs`` and ``default_settle`` are what a run without ``--quick``, ``--runs`` or
+    ``--settle`` takes: the bench/ scripts keep the published 5 runs and 20 s pause,
+    ``weightlift bench`` takes a run of a few minutes (:data:`USER_RUNS`, :data:`USER_SETTLE_S`).
     """
-    p.set_defaults(arms_default=default_arms, quick_arms=quick_arms)
+    p.set_defaults(
+        arms_default=default_arms, quick_arms=quick_arms, runs_default=default_runs, settle_default=default_settle
+    )
     p.add_argument("path", nargs="?", help="checkpoint (default: the demo checkpoint, or a synthetic one)")
-    p.add_argument("--quick", action="store_true", help="256 MiB synthetic checkpoint, 3 runs, fewer arms")
+    p.add_argument(
+        "--quick", action="store_true", help="a first look: 256 MiB synthetic checkpoint, 3 runs, 6 arms, 3 s pauses"
+    )
     p.add_argument("--cold", action="store_true", help="evict the files before every run and check with mincore")
-    p.add_argument("--runs", type=int, help="counted runs per arm (default 5; 3 with --quick)")
+    p.add_argument("--runs", type=int, help=f"counted runs per arm (default {default_runs}; 3 with --quick)")
     p.add_argument("--warmup", type=int, default=1, help="uncounted rounds first (default 1)")
     p.add_argument(
         "--arms", default=default_arms, help="comma list of arms, or the groups local, remote, all (see --list)"
     )
-    p.add_argument("--baseline", default=default_baseline, help="arm the ratios are taken against")
+    p.add_argument(
+        "--baseline", default=default_baseline, help="arm the speed-ups are taken against (default safetensors.numpy)"
+    )
     p.add_argument(
         "--size-gib",
         type=float,
@@ -57,7 +87,8 @@ def add_arguments(
         type=float,
         metavar="SECONDS",
         help=f"pause before every run, so no arm inherits memory the one before it freed "
-        f"(default {SETTLE_S:g}; {QUICK_SETTLE_S:g} with --quick)",
+        f"(default {default_settle:g}; {QUICK_SETTLE_S:g} with --quick; bench/RESULTS.md's tables: "
+        f"{SETTLE_S:g}, the pause after which arm order stopped changing the medians there)",
     )
     p.add_argument(
         "--order",
@@ -90,19 +121,23 @@ def command(args: Any, *, table: ArmTable = PACKAGE) -> int:
     arms = args.arms
     if args.quick and arms == getattr(args, "arms_default", None) and getattr(args, "quick_arms", None):
         arms = args.quick_arms
+    runs, settle = args.runs, args.settle
+    if not args.quick:
+        runs = runs or getattr(args, "runs_default", None)
+        settle = getattr(args, "settle_default", None) if settle is None else settle
     result = run_benchmark(
         args.path,
         arms=arms,
         quick=args.quick,
         cold=args.cold,
-        runs=args.runs,
+        runs=runs,
         warmup=args.warmup,
         baseline=args.baseline,
         size=size,
         baselines=() if args.no_baselines else None,
         timeout=args.timeout,
         profile_round=not args.no_profile,
-        settle=args.settle,
+        settle=settle,
         json_path=args.json,
         png_path=args.png,
         order=args.order,
@@ -110,6 +145,7 @@ def command(args: Any, *, table: ArmTable = PACKAGE) -> int:
         table=table,
     )
     print(format_table(result))
+    print(f"took {result['elapsed_s'] / 60:.1f} min")
     if args.json:
         print(f"wrote {args.json}")
     if args.png:

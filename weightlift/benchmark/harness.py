@@ -11,9 +11,11 @@ ready, imports excluded).
 
 Arms run interleaved, A B C A B C ..., so a slow minute on a shared machine lands on every arm
 alike; the first round is a warm-up and is not counted. Per arm :func:`run_arms` reports the
-median window and its spread (min, max, IQR) and the ratio to a baseline arm taken pair by
-pair: run *i* of an arm over run *i* of the baseline in the same round, then the median of
-those ratios. An arm that crashes is listed as failed with the tail of its stderr, and the
+median window and its spread (min, max, IQR) and its speed-up over a baseline arm taken pair
+by pair: run *i* of the baseline over run *i* of the arm in the same round (above 1: the arm was
+faster), then the median of those ratios. Every arm imports what its load needs before its
+clock starts (:func:`~.arms.preload`, learned from the warm-up round), so ``load_s`` never holds
+a first import for one arm and not another. An arm that crashes is listed as failed with the tail of its stderr, and the
 others go on.
 
 Cold mode evicts every file an arm reads (``posix_fadvise(DONTNEED)`` after writing back
@@ -58,6 +60,7 @@ __all__ = [
     "run_arms",
     "round_order",
     "child_argv",
+    "with_preload",
     "evict_files",
     "max_resident",
     "ensure_bytecode",
@@ -87,6 +90,16 @@ def child_argv(arm: str, opts: dict[str, Any], files: Sequence[str] = ARM_FILES)
     return [sys.executable, "-c", BOOT, files[0], arm, json.dumps(opts), *files[1:]]
 
 
+def with_preload(argv: list[str], modules: Sequence[str]) -> list[str]:
+    """``argv`` (from :func:`child_argv`) with ``modules`` added to what its child imports in the
+    pre-clock step (:func:`~.arms.preload`); any other command is returned as it is."""
+    if not modules or argv[:3] != [sys.executable, "-c", BOOT]:
+        return argv
+    opts = json.loads(argv[5])
+    opts["preload"] = list(dict.fromkeys([*opts.get("preload", []), *modules]))
+    return [*argv[:5], json.dumps(opts), *argv[6:]]
+
+
 # -- running one arm ---------------------------------------------------------------------------
 
 
@@ -102,6 +115,7 @@ class Arm:
     description: str = ""
     kind: str = "local"
     profile_argv: list[str] | None = None  # the same arm with the profiler on (weightlift arms)
+    floored: bool = True  # held to the floor of its kind (see ArmSpec.floored)
 
 
 class ArmFailed(WeightliftError):
@@ -213,16 +227,49 @@ def max_resident(paths: Sequence[str]) -> float:
 
 
 def round_order(items: Sequence[Any], rnd: int, order: str = "shuffle") -> list[Any]:
-    """The order of round ``rnd``: ``"shuffle"``: as given for round 0, a shuffle seeded by
-    ``rnd`` after; ``"forward"`` / ``"reverse"``: as given / reversed in every round."""
+    """The order of round ``rnd``: ``"shuffle"``: as given for round 0, then a seeded shuffle
+    per round in which, where the number of arms allows, no arm runs right after an arm it
+    already followed in an earlier round (nor right after itself across two rounds);
+    ``"forward"`` / ``"reverse"``: as given / reversed in every round.
+
+    Why predecessors and not only a shuffle: with a short pause an arm started right after one
+    that freed a checkpoint's worth of memory gets that memory still backed by the host, and
+    loads faster. Seeded shuffles alone put ``safetensors.numpy`` right after the copy floor
+    (which frees the most) in two of the three counted rounds of ``--quick`` and right after
+    itself in the third: its load call took 0.26 s there against 0.39 s with 20 s pauses,
+    while weightlift's took 0.26 s and 0.27 s."""
     if order not in ("shuffle", "forward", "reverse"):
         raise OptionError(f"order must be 'shuffle', 'forward' or 'reverse', not {order!r}")
     out = list(items)
     if order == "reverse":
         out.reverse()
     elif order == "shuffle" and rnd:
-        random.Random(rnd).shuffle(out)
+        out = [out[i] for i in _shuffled_rounds(len(out), rnd)[rnd]]
     return out
+
+
+def _shuffled_rounds(n: int, last: int) -> list[list[int]]:
+    """Rounds 0..``last`` of ``n`` arms as indices: round 0 as given; each later one the first
+    of a few seeded shuffles (seed: the round, then derived ones) that repeats no (predecessor,
+    arm) pair of the rounds after round 0 before it, or the one that repeats fewest."""
+    rounds = [list(range(n))]
+    seen: set[tuple[int, int]] = set()  # round 0 is the uncounted warm-up (by default): its pairs may recur
+    for rnd in range(1, last + 1):
+        best: tuple[int, list[int]] | None = None
+        for attempt in range(200):
+            cand = list(range(n))
+            random.Random(rnd if attempt == 0 else rnd * 1000 + attempt).shuffle(cand)
+            pairs = [(rounds[-1][-1], cand[0]), *zip(cand, cand[1:], strict=False)]
+            repeats = sum(a == b or (a, b) in seen for a, b in pairs)
+            if best is None or repeats < best[0]:
+                best = (repeats, cand)
+            if repeats == 0:
+                break
+        assert best is not None
+        chosen = best[1]
+        seen.update([(rounds[-1][-1], chosen[0]), *zip(chosen, chosen[1:], strict=False)])
+        rounds.append(chosen)
+    return rounds
 
 
 @dataclass
@@ -234,6 +281,9 @@ class _Runner:
     settle: float
     say: Callable[[str], None]
     order_log: list[dict[str, Any]] = field(default_factory=list)
+    # per arm, the modules its earlier runs imported inside their clocks: later runs import them
+    # before the clock, so no counted run (and no profiled one) times a first import
+    preload: dict[str, list[str]] = field(default_factory=dict)
 
     def run(self, a: Arm, r: dict[str, Any], rnd: int, warmup: int) -> None:
         """Run arm ``a`` once in round ``rnd`` and record it in ``r``, its entry of the result."""
@@ -244,7 +294,7 @@ class _Runner:
                     r[k].append(None)
             return
         self.order_log.append({"round": rnd, "arm": a.name, "counted": counted})
-        s = self.one(a, a.argv, r)
+        s = self.one(a, with_preload(a.argv, self.preload.get(a.name, [])), r)
         if s is not None:
             self.say(f"  {'run ' + str(rnd - warmup + 1) if counted else 'warm-up'} {a.name}: {s.window_s:.3f} s")
             r["bytes"], r["tensors"] = s.info.get("bytes"), s.info.get("tensors")
@@ -266,6 +316,8 @@ class _Runner:
                 r["status"], r["reason"] = "skipped" if isinstance(e, ArmSkipped) else "failed", str(e)
             return None
         s.resident_before = resident
+        learned = self.preload.setdefault(a.name, [])
+        learned += [m for m in s.info.get("timed_imports") or () if m not in learned]
         return s
 
 
@@ -274,6 +326,7 @@ def _entry(a: Arm) -> dict[str, Any]:
         "status": "skipped" if a.skip else "ok",
         "reason": a.skip,
         "kind": a.kind,
+        "floored": a.floored,
         "description": a.description,
         "times_s": [],
         "inner_s": [],
@@ -283,6 +336,7 @@ def _entry(a: Arm) -> dict[str, Any]:
         "tensors": None,
         "profile": None,
         "server_profile": None,
+        "timed_imports": [],  # modules a counted run first imported inside its clock (should be none)
     }
 
 
@@ -299,6 +353,7 @@ def _record(r: dict[str, Any], s: Sample | None) -> None:
         r.setdefault("push", []).append(s.info["push"])
     if s.resident_before is not None:
         r["resident_before"].append(s.resident_before)
+    r["timed_imports"] += [m for m in s.info.get("timed_imports") or () if m not in r["timed_imports"]]
 
 
 def _summarize(res: dict[str, dict[str, Any]], baseline: str | None) -> str | None:
@@ -311,8 +366,9 @@ def _summarize(res: dict[str, dict[str, Any]], baseline: str | None) -> str | No
         r["inner"] = summarize(r["inner_s"])
         r["load"] = summarize(r["load_s"])
         ref = res[base] if base is not None and r["status"] == "ok" else None
-        r["ratio"] = paired_ratio(r["times_s"], ref["times_s"]) if ref is not None else None
-        r["load_ratio"] = paired_ratio(r["load_s"], ref["load_s"]) if ref is not None else None
+        # speed-up over the baseline, one way everywhere: its time over this arm's (above 1: faster)
+        r["speedup"] = paired_ratio(ref["times_s"], r["times_s"]) if ref is not None else None
+        r["load_speedup"] = paired_ratio(ref["load_s"], r["load_s"]) if ref is not None else None
         if r.get("first_s") and len(r["first_s"]) == len(r["load_s"]):
             r["first"] = summarize(r["first_s"])
             r["second_speedup"] = paired_ratio(r["first_s"], r["load_s"])  # first over second, per run
@@ -354,7 +410,7 @@ def run_arms(
             runner.run(a, res[a.name], rnd, warmup)
     for a in live if profile_round else ():
         if a.profile_argv and res[a.name]["status"] == "ok":
-            s = runner.one(a, a.profile_argv, None)
+            s = runner.one(a, with_preload(a.profile_argv, runner.preload.get(a.name, [])), None)
             if s is not None:
                 res[a.name]["profile"] = s.info.get("profile")
                 res[a.name]["server_profile"] = s.info.get("server_profile")

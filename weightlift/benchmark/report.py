@@ -7,51 +7,128 @@ from typing import Any
 from weightlift.benchmark.floors import BASELINES
 from weightlift.benchmark.synthetic import GIB
 
-__all__ = ["format_table", "plot"]
+__all__ = ["COLUMNS", "legend", "format_table", "plot"]
 
 
 def _f(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _x(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+COLUMNS = (
+    (
+        "median s",
+        "time to ready, median of the counted runs: from spawning a fresh process to every "
+        "tensor in memory with every page touched (a device: synchronised); it includes the imports "
+        "and the start-up a user's process pays",
+    ),
+    ("min-max s", "the fastest and the slowest counted run"),
+    ("IQR s", "interquartile range of the runs: the spread of the middle half"),
+    ("GB/s", "checkpoint bytes over the median time to ready"),
+    (
+        "load s",
+        "the load call alone, median: its clock starts after the imports (every arm imports "
+        "what it needs before its clock, the same for all) and stops at ready",
+    ),
+    ("load GB/s", "checkpoint bytes over load s"),
+    (
+        "vs floor",
+        "the floor's load s over this arm's, as a speed-up: 1.00x runs as fast as the "
+        "simplest code doing the same work (local: reading or copying the file into fresh memory; "
+        "remote: raw loopback TCP, into fresh memory where limit.tcp.fresh ran); above 1 the arm beat that code, which a loader can; '-' for a load "
+        "that copies nothing (a mapping)",
+    ),
+    (
+        "speed-up",
+        "the baseline's time to ready over this arm's, run by run in the same round, "
+        "median; above 1.00x this arm was faster than the baseline",
+    ),
+    ("load speed-up", "the same for load s"),
+)
+
+
+def legend() -> str:
+    """What every column of the table means (printed under the table and in ``--help``)."""
+    import textwrap
+
+    return "\n".join(
+        textwrap.fill(text, 100, initial_indent=f"  {name:<14}", subsequent_indent=" " * 16) for name, text in COLUMNS
+    )
+
+
 def format_table(result: dict[str, Any]) -> str:
-    """The result as a terminal table, then the baselines, the skips and the notes."""
+    """The result as a terminal table, its legend, then the baselines, the skips and the notes."""
     ck = result["checkpoint"]
+    base = result["baseline"]
     lines = [
         f"checkpoint: {ck['path']} ({ck['tensors']} tensors, {ck['bytes'] / GIB:.2f} GiB, {ck['format']}); "
-        f"{result['mode']}, 1 warm-up + {result['runs']} runs per arm, fresh process per run"
+        f"{result['mode']}, {result.get('warmup', 1)} warm-up + {result['runs']} runs per arm, fresh process per run"
         + (f", {result['settle_s']:g} s pause before each" if result.get("settle_s") else ""),
-        "time to ready = spawn -> every tensor in memory and every page touched (device: synchronised)",
         f"{'arm':<18} {'median s':>9} {'min-max s':>15} {'IQR s':>7} {'GB/s':>6} {'load s':>7} "
-        f"{'load GB/s':>9} {'of limit':>8} {'ratio':>6}",
+        f"{'load GB/s':>9} {'vs floor':>8} {'speed-up':>8} {'load speed-up':>13}",
     ]
-    base = result["baseline"]
     skipped = []
     for name, r in result["arms"].items():
         if r["status"] != "ok":
             skipped.append(f"  {name}: {r['status']}: {r['reason']}")
             continue
         s = r["summary"]
-        ratio = r["ratio"]["median"] if r["ratio"] else None
+        speedup = r["speedup"]["median"] if r.get("speedup") else None
+        load_speedup = r["load_speedup"]["median"] if r.get("load_speedup") else None
         lines.append(
             f"{name:<18} {_f(s['median']):>9} {_f(s['min']) + '-' + _f(s['max']):>15} {_f(s['iqr']):>7} "
             f"{_f(r['gbps'], '.2f'):>6} {_f(r['load']['median']):>7} {_f(r['load_gbps'], '.2f'):>9} "
-            f"{(format(100 * r['limit_share'], '.0f') + '%') if r['limit_share'] else '-':>8} "
-            f"{_f(ratio, '.2f'):>6}{'  (baseline)' if name == base else ''}"
+            f"{_x(r.get('floor_speedup')):>8} {_x(speedup):>8} {_x(load_speedup):>13}"
+            f"{'  (baseline)' if name == base else ''}"
         )
-    lines += _floor_lines(result)
     lines.append(
-        f"ratio: run i over run i of {base} in the same round, median; "
-        f"of limit: load GB/s over the copy or read limit (local: {result.get('local_limit', 'base.copy')}) "
-        f"or raw loopback TCP (remote: {result.get('remote_limit', 'base.tcp')})"
+        f"columns (baseline: {base}; floors: local {result.get('local_limit', 'base.copy')}, "
+        f"remote {result.get('remote_limit', 'base.tcp')}):"
     )
+    lines.append(legend())
+    lines += _spread_lines(result)
+    lines += _floor_lines(result)
     lines += _baseline_lines(result["baselines"])
     if skipped:
         lines.append("not run:")
         lines += skipped
     lines += _selection_lines(result)
+    lines += _import_lines(result)
     lines += result.get("notes", [])
     return "\n".join(lines)
+
+
+def _spread_lines(result: dict[str, Any]) -> list[str]:
+    """The arms whose per-round speed-ups over the baseline fall on both sides of 1.00x: the
+    run does not say which of the two is faster."""
+    out = []
+    for name, r in result["arms"].items():
+        if r["status"] != "ok" or name == result["baseline"] or r.get("kind") == "limit":
+            continue  # a floor is not a contender
+        both = []
+        for label, key in (("to ready", "speedup"), ("load", "load_speedup")):
+            xs = (r.get(key) or {}).get("ratios") or []
+            if len(xs) > 1 and min(xs) < 1 < max(xs):
+                both.append(f"{label} {min(xs):.2f}x-{max(xs):.2f}x")
+        if both:
+            out.append(
+                f"{name}: per-round speed-ups over {result['baseline']} span 1.00x ({', '.join(both)}): "
+                "this run does not tell which is faster; more --runs or a quieter machine will"
+            )
+    return out
+
+
+def _import_lines(result: dict[str, Any]) -> list[str]:
+    """The arms whose counted runs still imported a module inside their clock (should be none)."""
+    out = []
+    for name, r in result["arms"].items():
+        mods = sorted({m.split(".")[0] for m in r.get("timed_imports") or ()})
+        if r["status"] == "ok" and mods:
+            out.append(f"warning: {name} imported {', '.join(mods)} inside its clock: its load s includes that import")
+    return out
 
 
 def _floor_lines(result: dict[str, Any]) -> list[str]:
@@ -72,11 +149,11 @@ def _floor_lines(result: dict[str, Any]) -> list[str]:
     if floors:
         fl, fname = min(floors)  # the faster page size
         over = [
-            f"{n} {r['load']['median'] / fl:.2f}x"
+            f"{n} {fl / r['load']['median']:.2f}x"
             for n, r in result["arms"].items()
             if r["status"] == "ok" and r["load"]["median"] and (r["kind"] == "remote" or n == "limit.tcp.fresh")
         ]
-        lines.append(f"fault-in floor ({fname}, load {fl:.3f} s): load s over it: " + ", ".join(over))
+        lines.append(f"fault-in floor ({fname}, load {fl:.3f} s): its load s over each arm's: " + ", ".join(over))
     copies = [
         (r["load"]["median"], n)
         for n in ("limit.copy", "limit.copy.huge")
@@ -85,11 +162,11 @@ def _floor_lines(result: dict[str, Any]) -> list[str]:
     if copies:
         cf, cname = min(copies)
         over = [
-            f"{n} {r['load']['median'] / cf:.2f}x"
+            f"{n} {cf / r['load']['median']:.2f}x"
             for n, r in result["arms"].items()
-            if r["status"] == "ok" and r["load"]["median"] and r["kind"] == "local"
+            if r["status"] == "ok" and r["load"]["median"] and r["kind"] == "local" and r.get("floored", True)
         ]
-        lines.append(f"copy floor ({cname}, load {cf:.3f} s): load s over it: " + ", ".join(over))
+        lines.append(f"copy floor ({cname}, load {cf:.3f} s): its load s over each arm's: " + ", ".join(over))
     return lines
 
 
@@ -138,6 +215,20 @@ def _selection_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+_GROUPS = (
+    ("wl.", "tab:orange", "weightlift: spawn to ready"),
+    ("limit.", "tab:gray", "floors (simplest code doing the same work): spawn to ready"),
+    ("", "tab:blue", "peers (safetensors, ...): spawn to ready"),
+)
+
+
+def bar_colors(names: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """Each arm's bar colour by group (weightlift, floors, peers), and the legend's (label, colour)
+    for every group that has a bar."""
+    group = [next(g for g in _GROUPS if n.startswith(g[0])) for n in names]
+    return [g[1] for g in group], [(label, c) for p, c, label in _GROUPS if any(g[0] == p for g in group)]
+
+
 def plot(result: dict[str, Any], path: str) -> str | None:
     """Time to ready per arm (median, min-max bars) and weightlift's phases; None without matplotlib."""
     try:
@@ -159,12 +250,16 @@ def plot(result: dict[str, Any], path: str) -> str | None:
         [m - r["summary"]["min"] for m, (_, r) in zip(med, ok, strict=False)],
         [r["summary"]["max"] - m for m, (_, r) in zip(med, ok, strict=False)],
     ]
-    colors = ["tab:orange" if n.startswith("wl.") else "tab:blue" for n in names]
-    ax1.barh(names, med, xerr=err, color=colors, capsize=3, label="spawn to ready")
+    from matplotlib.patches import Patch
+
+    colors, keys = bar_colors(names)
+    ax1.barh(names, med, xerr=err, color=colors, capsize=3)
     loads = [r["load"]["median"] or 0.0 for _, r in ok]
-    ax1.barh(names, loads, height=0.35, color="black", alpha=0.45, label="of which the load call (load_s)")
+    ax1.barh(names, loads, height=0.35, color="black", alpha=0.45)
     ax1.invert_yaxis()
-    ax1.legend(fontsize=8, loc="lower right")
+    handles = [Patch(color=c, label=label) for label, c in keys]
+    handles.append(Patch(color="black", alpha=0.45, label="of which the load call (load s)"))
+    ax1.legend(handles=handles, fontsize=8, loc="lower right")
     ax1.set_xlabel("seconds, spawn to ready (median; whiskers: min-max)")
     ck = result["checkpoint"]
     ax1.set_title(f"{ck['bytes'] / GIB:.2f} GiB, {result['mode']}, {result['runs']} runs")

@@ -14,12 +14,15 @@ present.
 
 The result of :func:`run_benchmark` is one JSON-able dict (``SCHEMA``): ``checkpoint``,
 ``mode``, ``cold_check``, ``runs``, ``order``, ``baseline``, ``arms`` ({name: status, reason,
-times_s, inner_s, load_s, summary, gbps, load_gbps, ratio, bytes, tensors, profile}),
-``baselines``, ``notes`` and ``machine``; :mod:`.report` renders it (table, plot).
+times_s, inner_s, load_s, summary, gbps, load_gbps, speedup, load_speedup, floor_speedup,
+timed_imports, bytes, tensors, profile}), ``baselines``, ``notes`` and ``machine``; every ratio
+in it is a speed-up (the reference's time over the arm's: above 1 = the arm is faster).
+:mod:`.report` renders it (table, plot).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -49,7 +52,7 @@ from weightlift.benchmark.harness import (
     run_once,
 )
 from weightlift.benchmark.report import plot
-from weightlift.benchmark.synthetic import GIB
+from weightlift.benchmark.synthetic import GIB, MIB
 from weightlift.errors import OptionError
 
 __all__ = [
@@ -66,15 +69,18 @@ __all__ = [
     "build_arms",
     "run_baselines",
     "run_benchmark",
+    "estimate_s",
 ]
 
-SCHEMA = "weightlift-bench/1"
+# 2: ratio became speedup (inverted: the baseline over the arm); limit_share became floor_speedup
+SCHEMA = "weightlift-bench/2"
 ARM_KINDS = ("local", "remote", "probe", "limit")  # what runs as an interleaved arm
 
 LOCAL_ARMS = (
     "safetensors.numpy",
     "safetensors.torch",
     "safetensors.cuda",
+    "fastsafetensors",
     "wl.numpy",
     "wl.numpy.nocopy",
     "wl.torch",
@@ -82,8 +88,8 @@ LOCAL_ARMS = (
     "limit.copy",
     "limit.copy.huge",
 )
-REMOTE_ARMS = ("wl.push", "limit.tcp")
-QUICK_ARMS = ("safetensors.numpy", "wl.numpy", "wl.numpy.nocopy", "wl.push", "limit.copy")
+REMOTE_ARMS = ("wl.push", "limit.tcp", "limit.tcp.fresh")
+QUICK_ARMS = ("safetensors.numpy", "wl.numpy", "wl.numpy.nocopy", "wl.push", "limit.copy", "limit.tcp.fresh")
 
 # prepare(name, checkpoint, options): adds what arm ``name`` needs to its options (a converted
 # copy of the checkpoint, a cache folder) and returns the files to evict before its runs (None:
@@ -238,6 +244,7 @@ def build_arms(ck: dict[str, Any], names: Sequence[str], *, table: ArmTable = PA
                 description=spec.description,
                 kind=spec.kind,
                 profile_argv=child_argv(name, {**opts, "profile": True}, table.files) if spec.weightlift else None,
+                floored=spec.floored,
             )
         )
     return arms
@@ -291,6 +298,71 @@ def run_baselines(
 
 
 # -- the whole benchmark -----------------------------------------------------------------------
+
+
+def estimate_s(
+    arm_list: Sequence[Arm],
+    *,
+    nbytes: int,
+    runs: int,
+    warmup: int,
+    settle: float,
+    profile_round: bool,
+    baselines: int,
+    table: ArmTable = PACKAGE,
+) -> float:
+    """A guess, before anything runs, of how long a benchmark takes: each run pays the pause,
+    a process start, its imports (torch's are the slow ones) and a load at a modest 0.5 GB/s;
+    a weightlift arm runs once more when profiled; each baseline reads the file a few times."""
+
+    def one(a: Arm) -> float:
+        spec = table.specs.get(a.name)
+        torch = spec is not None and "torch" in spec.requires
+        return settle + 0.6 + (1.5 if torch else 0.0) + nbytes / 0.5e9
+
+    live = [a for a in arm_list if not a.skip]
+    total = sum(one(a) for a in live) * (warmup + runs)
+    if profile_round:
+        total += sum(one(a) for a in live if a.profile_argv)
+    return total + baselines * (0.5 + 3 * 3 * nbytes / 1e9)
+
+
+def _estimate_line(
+    arm_list: Sequence[Arm],
+    nbytes: int,
+    runs: int,
+    warmup: int,
+    settle: float,
+    profile_round: bool,
+    baselines: int,
+    quick: bool,
+    table: ArmTable,
+) -> str:
+    """What a benchmark says before it starts: how long it will take, and how to make it shorter
+    (--quick) or publishable (bench/RESULTS.md's settings)."""
+    guess = functools.partial(estimate_s, warmup=warmup, profile_round=profile_round, table=table)
+    live = sum(1 for a in arm_list if not a.skip)
+    head = (
+        f"this will take about {_minutes(guess(arm_list, nbytes=nbytes, runs=runs, settle=settle, baselines=baselines))}: "
+        f"{live} arms x ({warmup} warm-up + {runs} runs), a fresh process each, {settle:g} s pause before each run; "
+    )
+    if quick:
+        middle = "without --quick every arm runs on your checkpoint (or the demo's)"
+    else:
+        quick_arms = [a for a in arm_list if a.name in table.quick]
+        short = guess(quick_arms, nbytes=256 * MIB, runs=3, settle=QUICK_SETTLE_S, baselines=baselines)
+        full = guess(arm_list, nbytes=nbytes, runs=5, settle=SETTLE_S, baselines=baselines)
+        middle = (
+            f"--quick ({len(table.quick)} arms, a 256 MiB synthetic checkpoint) is a first look in about "
+            f"{_minutes(short)}; bench/RESULTS.md's settings, --settle {SETTLE_S:g} --runs 5, take about {_minutes(full)}"
+        )
+    return head + middle + "; --arms, --runs, --settle, --no-profile and --no-baselines change it"
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
 def run_benchmark(
     path: str | None = None,
     *,
@@ -314,6 +386,7 @@ def run_benchmark(
     """Baselines, then the arms interleaved; returns the result dict and writes JSON / PNG if asked."""
     say = log or (lambda s: None)
     started = time.time()
+    load_before = _loadavg()
     ensure_bytecode()
     names = expand_arm_names(arms, quick=quick, table=table)
     if cold and arms is None:
@@ -328,12 +401,13 @@ def run_benchmark(
     say(f"checkpoint {ck['path']}: {ck['tensors']} tensors, {ck['bytes'] / GIB:.2f} GiB ({ck['format']})")
     arm_list = build_arms(ck, names, table=table)
     base_names = list(bench_floors.BASELINES if baselines is None else baselines)
+    if settle is None:
+        settle = QUICK_SETTLE_S if quick else SETTLE_S
+    say(_estimate_line(arm_list, ck["bytes"], runs, warmup, settle, profile_round, len(base_names), quick, table))
     bl = run_baselines(ck, base_names, cold=cold, repeats=2 if quick else 3, timeout=timeout, log=say, table=table)
     if baseline is None:
         baseline = "safetensors.numpy" if "safetensors.numpy" in names else None
-    say(f"arms ({'cold' if cold else 'warm'}, 1 warm-up + {runs} runs, interleaved): {', '.join(names)}")
-    if settle is None:
-        settle = QUICK_SETTLE_S if quick else SETTLE_S
+    say(f"arms ({'cold' if cold else 'warm'}, {warmup} warm-up + {runs} runs, interleaved): {', '.join(names)}")
     result = run_arms(
         arm_list,
         runs=runs,
@@ -348,6 +422,7 @@ def run_benchmark(
     )
     _derive(result, ck, bl)
     result.update(_context(ck, bl, names, quick=quick, started=started, table=table))
+    result["machine"]["loadavg"] = {"before": load_before, "after": _loadavg()}
     result["notes"] = _notes(result)
     if json_path:
         with open(json_path, "w", encoding="utf-8") as f:
@@ -384,7 +459,9 @@ def _context(
 
 
 def _derive(result: dict[str, Any], ck: dict[str, Any], bl: dict[str, Any]) -> None:
-    """GB/s per arm from the checkpoint bytes, and the share of the matching limit."""
+    """GB/s per arm from the checkpoint bytes, and its speed-up over the floor of its kind:
+    the floor's load time over the arm's (above 1: faster than the simplest code doing the
+    same work, which a loader can be; it is a reference, not a physical limit)."""
     limits = {
         "local": bl.get("base.copy", {}).get("fresh", {}).get("gbps"),
         "remote": bl.get("base.tcp", {}).get("gbps"),
@@ -394,12 +471,11 @@ def _derive(result: dict[str, Any], ck: dict[str, Any], bl: dict[str, Any]) -> N
     # the raw read into reused buffers; limit.read.fresh.* (into fresh memory) is reported beside it
     reads = [n for n in result["arms"] if n.startswith("limit.read.") and not n.startswith("limit.read.fresh.")]
     copies = ["limit.copy", "limit.copy.huge"]  # the copy floor: the faster page size
-    for kind, cands, fallback in (("local", reads or copies, "base.copy"), ("remote", ["limit.tcp"], "base.tcp")):
-        ok = [
-            (result["arms"][n]["load"]["median"], n)
-            for n in cands
-            if n in result["arms"] and result["arms"][n]["status"] == "ok" and result["arms"][n]["load"]["median"]
-        ]
+    # a push lands in a fresh server's fresh memory: raw TCP into fresh memory is the same work,
+    # into a reused buffer only where that did not run
+    tcp = next((n for n in ("limit.tcp.fresh", "limit.tcp") if _ran(result, n)), "limit.tcp")
+    for kind, cands, fallback in (("local", reads or copies, "base.copy"), ("remote", [tcp], "base.tcp")):
+        ok = [(result["arms"][n]["load"]["median"], n) for n in cands if _ran(result, n)]
         if ok:
             best, name = min(ok)  # the fastest reader count or page size
             limits[kind] = ck["bytes"] / best / 1e9
@@ -410,9 +486,37 @@ def _derive(result: dict[str, Any], ck: dict[str, Any], bl: dict[str, Any]) -> N
         med, load = r["summary"]["median"], r["load"]["median"]
         r["gbps"] = ck["bytes"] / med / 1e9 if med else None
         r["load_gbps"] = ck["bytes"] / load / 1e9 if load else None
-        lim = limits.get(r["kind"])
-        r["limit_share"] = r["load_gbps"] / lim if r["load_gbps"] and lim else None
+        lim = limits.get(r["kind"]) if r.get("floored", True) else None
+        r["floor_speedup"] = r["load_gbps"] / lim if r["load_gbps"] and lim else None
         r["bytes_match"] = None if r["bytes"] is None else r["bytes"] == ck["bytes"]
+
+
+def _loadavg() -> float | None:
+    """The 1-minute load average, None where the platform has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def _busy_note(machine: dict[str, Any]) -> str | None:
+    """A note when other work shared the cores: the load average above three quarters of them
+    before or after the run (on the 2-core development VM at 3 to 9, a --quick run's medians
+    moved by more than the differences between the arms)."""
+    la, cpus = machine.get("loadavg") or {}, machine.get("cpus") or 1
+    worst = max((v for v in (la.get("before"), la.get("after")) if v is not None), default=None)
+    if worst is None or worst <= 0.75 * cpus:
+        return None
+    return (
+        f"busy machine: load average {la.get('before') or 0:.1f} before and {la.get('after') or 0:.1f} after the run "
+        f"on {cpus} CPUs; other work shared the cores, so the medians carry its noise (a loader that reads on "
+        "several threads loses most when no core is free): compare on a quiet machine, or with more --runs"
+    )
+
+
+def _ran(result: dict[str, Any], name: str) -> bool:
+    r = result["arms"].get(name)
+    return r is not None and r["status"] == "ok" and bool(r["load"]["median"])
 
 
 def _notes(result: dict[str, Any]) -> list[str]:
@@ -434,6 +538,9 @@ def _notes(result: dict[str, Any]) -> list[str]:
             )
     else:
         notes.append("warm: the page cache is left as it is (the warm-up round fills it)")
+    busy = _busy_note(result.get("machine") or {})
+    if busy:
+        notes.append(busy)
     for name, r in result["arms"].items():
         if r["status"] == "ok" and r["bytes_match"] is False and r["kind"] != "limit":  # a limit copies the file
             notes.append(f"{name} reported {r['bytes']} bytes; the checkpoint holds {result['checkpoint']['bytes']}")

@@ -354,9 +354,11 @@ def _register_bench(sub: Any) -> None:
     p = sub.add_parser(
         "bench",
         help="time to ready of weightlift and its peers, fresh process per run",
-        description=(command.__doc__ or "").split("\n\n")[0] or None,
+        description=command.DESCRIPTION,
+        epilog=command.epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    command.add_arguments(p)
+    command.add_arguments(p, default_runs=command.USER_RUNS, default_settle=command.USER_SETTLE_S)
     p.set_defaults(func=command.command)
 
 
