@@ -71,19 +71,18 @@ def test_nothing_before_the_delay(monkeypatch):
     assert tty.getvalue() == ""
 
 
-def test_the_demo_write_reports_its_file_growing_to_the_total(tmp_path, monkeypatch):
+def test_the_demo_write_reports_each_piece_up_to_the_total(tmp_path, monkeypatch):
     from weightlift.benchmark import synthetic
-    from weightlift.cli import demo
 
     small = [("a", "F32", (1 << 18,)), ("b", "BF16", (3, 1 << 16))]  # the demo's shape, 1.4 MiB
     monkeypatch.setenv("WEIGHTLIFT_CACHE", str(tmp_path))
     monkeypatch.setattr(synthetic, "demo_tensors", lambda layers=8: small)
-    monkeypatch.setattr(demo, "demo_tensors", lambda layers=8: small)
     calls = []
-    path = demo.written(1, progress=lambda done, total: calls.append((done, total)))
+    path = synthetic.ensure_demo_checkpoint(layers=1, progress=lambda done, total: calls.append((done, total)))
     total = 4 * (1 << 18) + 2 * 3 * (1 << 16)
     assert path.exists() and calls[-1] == (total, total)
-    assert all(t == total and 0 <= d <= total for d, t in calls)
+    assert all(t == total and 0 < d <= total for d, t in calls)
+    assert [d for d, _ in calls] == sorted({d for d, _ in calls})  # rising, each piece once
     calls.clear()
-    demo.written(1, progress=lambda done, total: calls.append((done, total)))  # written already: nothing
-    assert calls == []
+    synthetic.ensure_demo_checkpoint(layers=1, progress=lambda done, total: calls.append((done, total)))
+    assert calls == []  # written already: nothing to report

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,8 +109,10 @@ def write_checkpoint(
     seed: int = 0,
     metadata: dict[str, str] | None = None,
     digests: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, str]:
-    """Write a .safetensors file of ``tensors``; returns the BLAKE3 hex digest per tensor with ``digests``."""
+    """Write a .safetensors file of ``tensors``; returns the BLAKE3 hex digest per tensor with
+    ``digests``. ``progress(bytes written, bytes in all)`` is told after each piece of data."""
     entries = [(t[0], t[1], tuple(t[2]), len(t[3]) if len(t) == 4 else byte_length(t[1], tuple(t[2]))) for t in tensors]
     header, _ = build_header(entries, metadata)
     rng = np.random.default_rng(seed)
@@ -123,6 +125,7 @@ def write_checkpoint(
     path = os.fspath(path)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
+        total, done = sum(e[3] for e in entries), 0
         with open(tmp, "wb") as f:
             f.write(header)
             for t, (name, _, _, n) in zip(tensors, entries, strict=False):
@@ -131,6 +134,9 @@ def write_checkpoint(
                     f.write(piece)
                     if h is not None:
                         h.update(piece)
+                    if progress is not None:
+                        done += len(piece)
+                        progress(done, total)
                 if h is not None:
                     out[name] = h.hexdigest()
         os.replace(tmp, path)
@@ -162,8 +168,9 @@ def demo_tensors(*, layers: int = 8) -> list[tuple[str, str, tuple[int, ...]]]:
     return llama_tensors(layers=layers)
 
 
-def ensure_demo_checkpoint(*, layers: int = 8) -> Path:
-    """The demo checkpoint's path, written on first use and reused afterwards."""
+def ensure_demo_checkpoint(*, layers: int = 8, progress: Callable[[int, int], None] | None = None) -> Path:
+    """The demo checkpoint's path, written on first use and reused afterwards; ``progress`` as
+    :func:`write_checkpoint`'s, told only when it is written."""
     d = demo_dir()
     path = d / "model.safetensors"
     sums = d / "digests.json"
@@ -172,7 +179,11 @@ def ensure_demo_checkpoint(*, layers: int = 8) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     print(f"writing the demo checkpoint (once): {path}")
     digests = write_checkpoint(
-        path, demo_tensors(layers=layers), metadata={"format": "pt", "weightlift": "demo"}, digests=True
+        path,
+        demo_tensors(layers=layers),
+        metadata={"format": "pt", "weightlift": "demo"},
+        digests=True,
+        progress=progress,
     )
     sums.write_text(json.dumps(digests, indent=0))
     return path

@@ -15,18 +15,16 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from weightlift.benchmark.synthetic import demo_dir, demo_tensors, ensure_demo_checkpoint
-from weightlift.dtypes import byte_length
 from weightlift.errors import IntegrityError, install_hint
 from weightlift.progress import terminal
 
-__all__ = ["demo_dir", "ensure_demo_checkpoint", "ensure_tiny_model", "demo_tensors", "run_demo", "written"]
+__all__ = ["demo_dir", "ensure_demo_checkpoint", "ensure_tiny_model", "demo_tensors", "run_demo"]
 
 TINY_NAME = "demo-tiny-llama"
 
@@ -48,37 +46,6 @@ def verify(tensors: dict[str, Any], digests: dict[str, str]) -> int:
     return checked
 
 
-def written(layers: int = 8, *, progress: Callable[[int, int], None] | None = None) -> Path:
-    """:func:`ensure_demo_checkpoint`, with ``progress(done, total)`` told how far its first write
-    is (the writer reports nothing: the size of its temporary file, sampled ten times a second)."""
-    d = demo_dir()
-    final = d / "model.safetensors"
-    if progress is None or final.exists():
-        return ensure_demo_checkpoint(layers=layers)
-    total = sum(byte_length(dtype, shape) for _, dtype, shape in demo_tensors(layers=layers))
-    stop = threading.Event()
-
-    def watch() -> None:
-        while not stop.wait(0.1):
-            size = 0
-            for f in d.glob(f"{final.name}.tmp*"):  # the writer's temporary file, renamed when whole
-                try:
-                    size += f.stat().st_size
-                except OSError:  # renamed between the listing and the stat
-                    pass
-            progress(min(size, total), total)
-
-    watcher = threading.Thread(target=watch, name="weightlift-demo-progress", daemon=True)
-    watcher.start()
-    try:
-        path = ensure_demo_checkpoint(layers=layers)
-    finally:
-        stop.set()
-        watcher.join()
-    progress(total, total)
-    return path
-
-
 def run_demo(*, rounds: int = 3, push: bool = True, layers: int = 8, progress: bool = False) -> dict[str, Any]:
     """Load the demo checkpoint with weightlift and safetensors, interleaved; print and return
     figures. ``progress``: a line on the terminal (only where stderr is one) while the checkpoint
@@ -86,7 +53,7 @@ def run_demo(*, rounds: int = 3, push: bool = True, layers: int = 8, progress: b
     from weightlift.api import load
     from weightlift.profile import Profiler
 
-    path = written(layers, progress=terminal("writing the demo checkpoint", enabled=progress))
+    path = ensure_demo_checkpoint(layers=layers, progress=terminal("writing the demo checkpoint", enabled=progress))
     digests = json.loads((path.parent / "digests.json").read_text())
     size = path.stat().st_size
     st_load: Callable[..., dict[str, Any]] | None
