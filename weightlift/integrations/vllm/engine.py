@@ -14,6 +14,12 @@ vLLM drives a weight-transfer engine in four phases, each a call on every worker
   With ``Client(keep_base=True)`` the next push sends each tensor as what changed against the
   version the server holds (a tensor that did not change costs a header). Nothing of this
   touches the model: the engine keeps serving while the bytes travel.
+- With ``sharded=True`` the server takes sharded pushes too: each trainer rank (FSDP2's
+  DTensors, say) calls :func:`weightlift.distributed.push_shards` with what it holds and sends
+  only the bytes it owns, as REGIONs; the server assembles each tensor from every rank's
+  regions and switches the update's set in when the last is covered. At tensor parallel 1 the
+  server's slice of every tensor is the whole tensor, so ``update`` is the same as after an
+  unsharded push (see :func:`_receiver` for above 1).
 - ``start`` prepares vLLM's layerwise reload (the layers' processed kernel tensors are saved,
   so a layer that gets no weights is put back as it was).
 - ``update`` checks every tensor the server holds against the checkpoint the engine was started
@@ -55,7 +61,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.logger import init_logger
 
 from weightlift import libc
-from weightlift.errors import StateError
+from weightlift.errors import OptionError, StateError
 from weightlift.integrations.vllm import compat
 from weightlift.integrations.vllm.updates import checked, checkpoint_shapes
 from weightlift.remote.server import Server
@@ -77,6 +83,9 @@ class WeightliftInitInfo(WeightTransferInitInfo):
     token_file: str | None = None
     #: bytes the server may hold (None: its default); an update must fit beside the model
     max_memory: int | None = None
+    #: take sharded pushes (``weightlift.distributed.push_shards``: each trainer rank sends the
+    #: REGIONs it owns, the server assembles them) as well as whole tensors; see :func:`_receiver`
+    sharded: bool = False
 
 
 @dataclass
@@ -118,6 +127,7 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
             token=token,
             cache_dir=self._cache.name,
             max_memory=init_info.max_memory,
+            **(_receiver(self.vllm_config) if init_info.sharded else {}),
         )
         host, bound = self.server.start()
         self._expected = checkpoint_shapes(self.model_config.model)
@@ -192,6 +202,27 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
         if self._cache is not None:
             self._cache.cleanup()
             self._cache = None
+
+
+def _receiver(vllm_config: VllmConfig) -> dict[str, Any]:
+    """``shard=`` for a worker's server that takes sharded pushes: the worker's slices of the
+    checkpoint's tensors, by their checkpoint names. At tensor parallel 1 that is every tensor
+    whole (a world of 1), assembled from the REGIONs of however many trainer ranks, so that
+    ``update`` feeds ``model.load_weights`` checkpoint tensors as for an unsharded push; the
+    fused parameters (qkv, gate_up) need no part sizes, their checkpoint parts come by name.
+
+    Above tensor parallel 1 vLLM's weight loaders take whole checkpoint tensors and cut the
+    rank's slice themselves, so a server holding only that slice has nothing they can load:
+    refused here, before any push, rather than loaded wrong."""
+    from weightlift.distributed.shard import Shard
+
+    world = vllm_config.parallel_config.tensor_parallel_size * vllm_config.parallel_config.pipeline_parallel_size
+    if world != 1:
+        raise OptionError(
+            f"sharded weight transfer: the engine runs {world} workers (tensor x pipeline parallel); "
+            "sharded pushes are loaded at tensor parallel 1 only (push whole tensors, sharded=False)"
+        )
+    return {"shard": Shard((), rank=0, world=1)}
 
 
 def _malloc_trim() -> None:
