@@ -19,8 +19,15 @@ What it does:
    only) and a fresh engine started on that checkpoint must give the same greedy tokens as the
    engine that was updated in place.
 
-It prints the tokens of both engines, the bytes each rank sent against what it owns, and the time
-of each push. Deltas are not sent: a sharded push sends every region whole (see docs/vllm.md).
+Only what changed goes: each rank compares its shards with the copy it kept of what it pushed
+last (at first, the checkpoint the engine started on), one all-reduce makes the ranks agree on
+the set of tensors that changed anywhere, and only those are pushed; the engine's server keeps
+the versions it holds of the others (``--freeze N`` freezes the first N decoder layers, 1 by
+default, so that some do not change). A tensor that changed goes whole: sharded pushes send no
+changes within a tensor yet.
+
+It prints the tokens of both engines, the bytes each rank sent against the bytes of its own
+shards of the tensors pushed, and the time of each push.
 """
 
 from __future__ import annotations
@@ -108,8 +115,41 @@ def _checkpoint_names(model: str) -> list[str]:
         return sorted(f.keys())
 
 
+def _local(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """This rank's shard of each of ``names``, in the checkpoint's dtype (a copy)."""
+    import torch
+
+    return {k: state[k].detach().to(torch.bfloat16).to_local().clone() for k in names}
+
+
+def _changed(state: dict[str, Any], kept: dict[str, Any]) -> dict[str, Any]:
+    """The tensors of ``state`` that changed on any rank since ``kept`` (which is brought up to
+    date): every rank compares its own shards, and one all-reduce makes the ranks agree, so that
+    they push the same set. An unchanged tensor is not pushed at all; the engine's server keeps
+    the version it holds, which ``update`` loads again."""
+    import torch
+    import torch.distributed as dist
+
+    names = sorted(state)
+    flags = torch.tensor([int(not torch.equal(state[k].to_local(), kept[k])) for k in names])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    out = {k: state[k] for k, f in zip(names, flags.tolist(), strict=True) if f}
+    for k, v in out.items():
+        kept[k] = v.to_local().clone()
+    return out
+
+
 def _trainer(
-    rank: int, world: int, rdv: int, model: str, address: tuple[str, int], token: str, steps: int, out: str, chan: Any
+    rank: int,
+    world: int,
+    rdv: int,
+    model: str,
+    address: tuple[str, int],
+    token: str,
+    steps: int,
+    out: str,
+    freeze: int,
+    chan: Any,
 ) -> None:
     """One FSDP2 rank: train, push its shards after every step, save at the end (rank 0)."""
     import torch
@@ -132,10 +172,14 @@ def _trainer(
         for layer in net.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(net, mesh=mesh)
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        for layer in net.model.layers[:freeze]:  # frozen: their tensors never change
+            layer.requires_grad_(False)
+        opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
+        # what the engine holds, as this rank's shards: the checkpoint both started from
+        kept = _local(net.state_dict(), names)
         gen = torch.Generator().manual_seed(1234)  # the same batch on every rank: any data would do
         vocab = net.config.vocab_size
-        stats: dict[str, Any] = {"rank": rank, "bytes_sent": [], "owned": 0, "push_s": [], "step_s": []}
+        stats: dict[str, Any] = {"rank": rank, "bytes_sent": [], "owned": [], "tensors": [], "push_s": [], "step_s": []}
         with wl.Client(address, token=token) as client:
             for step in range(steps):
                 t0 = time.perf_counter()
@@ -147,15 +191,17 @@ def _trainer(
                 # this rank's DTensors in the checkpoint's dtype: a cast of the local shard only
                 state = {k: v.detach().to(torch.bfloat16) for k, v in net.state_dict().items() if k in names}
                 t1 = time.perf_counter()
+                state = _changed(state, kept)
                 pushed = push_shards(client, state)
                 stats["push_s"].append(time.perf_counter() - t1)
                 stats["bytes_sent"].append(pushed.bytes_sent)
-                stats["owned"] = sum(v.to_local().numel() * v.element_size() for v in state.values())
+                stats["owned"].append(sum(v.to_local().numel() * v.element_size() for v in state.values()))
+                stats["tensors"].append(len(state))
                 every: list[Any] = [None] * world if rank == 0 else []
                 dist.gather_object(pushed, every if rank == 0 else None, dst=0)
                 if rank == 0:
                     # wait for every rank's regions, then: the server holds exactly what was sent
-                    check_sketches(every, server_sketches(client, names, timeout=60))
+                    check_sketches(every, server_sketches(client, list(state), timeout=60))
                     chan.put(("pushed", step, loss.item()))
                     if chan.get_reply() != step:
                         raise RuntimeError("the engine did not take the update")
@@ -194,7 +240,14 @@ class _Channel:
 
 
 def run(
-    model: str, out: str, *, steps: int = 3, ranks: int = 2, port: int | None = None, timeout: float = 600
+    model: str,
+    out: str,
+    *,
+    steps: int = 3,
+    ranks: int = 2,
+    freeze: int = 1,
+    port: int | None = None,
+    timeout: float = 600,
 ) -> Result:
     """Train ``steps`` steps on ``ranks`` FSDP2 processes, syncing into a running engine after
     each; then compare its greedy tokens with a fresh engine's on the saved weights."""
@@ -211,7 +264,7 @@ def run(
         ctx = mp.get_context("spawn")
         chan = _Channel(ctx)
         rdv = _free_port()
-        args = (ranks, rdv, model, ("127.0.0.1", port), token, steps, out, chan)
+        args = (ranks, rdv, model, ("127.0.0.1", port), token, steps, out, freeze, chan)
         procs = [ctx.Process(target=_trainer, args=(r, *args), daemon=True) for r in range(ranks)]
         for p in procs:
             p.start()
@@ -262,18 +315,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="where the trainer saves its weights (default: a temporary folder)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--freeze", type=int, default=1, help="leading decoder layers frozen (not pushed)")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="fsdp2-to-vllm-") as tmp:
         model = a.model or write_tiny_llama(os.path.join(tmp, "llama-tiny"))
         out = a.out or os.path.join(tmp, "trained")
         t0 = time.perf_counter()
-        r = run(model, out, steps=a.steps, ranks=a.ranks)
+        r = run(model, out, steps=a.steps, ranks=a.ranks, freeze=a.freeze)
         print(f"before training:        {r.before}")
         print(f"updated engine:         {r.updated}")
         print(f"fresh engine on saved:  {r.fresh}")
         for s in r.ranks:
             per_step = ", ".join(f"{x:.3f}" for x in s["push_s"])
-            print(f"rank {s['rank']}: sent {s['bytes_sent']} bytes per step, owns {s['owned']}; push s: {per_step}")
+            print(
+                f"rank {s['rank']}: sent {s['bytes_sent']} bytes per step, owns {s['owned']} of the "
+                f"{s['tensors']} tensors that changed; push s: {per_step}"
+            )
         print(f"model bytes: {r.model_bytes}; whole run {time.perf_counter() - t0:.1f} s")
         print(json.dumps({"equal": r.updated == r.fresh, "changed": r.updated != r.before}))
         return 0 if r.updated == r.fresh else 1

@@ -42,17 +42,27 @@ def example():
 def test_two_fsdp2_ranks_sync_into_a_running_engine_as_a_fresh_one_loads(example, tmp_path):
     model = example.write_tiny_llama(str(tmp_path / "llama"))
     try:
-        r = example.run(model, str(tmp_path / "trained"), steps=2, ranks=2)
+        r = example.run(model, str(tmp_path / "trained"), steps=2, ranks=2, freeze=1)
     except EngineDeadError:
         pytest.skip("vLLM's worker died at its first forward pass (SIGILL on this CPU, without weightlift too)")
     assert r.updated != r.before  # the steps changed what the engine serves
     assert r.updated == r.fresh
     assert [s["rank"] for s in r.ranks] == [0, 1]
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "trained" / "model.safetensors"))
+    before = load_file(str(tmp_path / "llama" / "model.safetensors"))
+    frozen = {k for k in saved if k.startswith("model.layers.0.")}
+    assert frozen and all(torch.equal(saved[k], before[k]) for k in frozen)
+    changed = sum(t.nbytes for k, t in saved.items() if k not in frozen)
+    assert changed == r.model_bytes - sum(saved[k].nbytes for k in frozen)
     for step in range(2):
-        # every byte of the model once, each rank exactly the bytes of its own shards
-        assert sum(s["bytes_sent"][step] for s in r.ranks) == r.model_bytes
+        # every byte of every changed tensor once, none of the frozen layer's; each rank exactly
+        # the bytes of its own shards of them (FSDP2's dim-0 halves)
+        assert sum(s["bytes_sent"][step] for s in r.ranks) == changed
         for s in r.ranks:
-            assert s["bytes_sent"][step] == s["owned"] < r.model_bytes
+            assert s["tensors"][step] == len(saved) - len(frozen)
+            assert s["bytes_sent"][step] == s["owned"][step] < changed
 
 
 def test_a_sharded_receiver_above_tensor_parallel_1_is_refused_before_any_push():
