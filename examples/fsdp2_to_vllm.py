@@ -144,7 +144,7 @@ def _trainer(
     world: int,
     rdv: int,
     model: str,
-    address: tuple[str, int],
+    addresses: list[tuple[str, int]],
     token: str,
     steps: int,
     out: str,
@@ -180,7 +180,8 @@ def _trainer(
         gen = torch.Generator().manual_seed(1234)  # the same batch on every rank: any data would do
         vocab = net.config.vocab_size
         stats: dict[str, Any] = {"rank": rank, "bytes_sent": [], "owned": [], "tensors": [], "push_s": [], "step_s": []}
-        with wl.Client(address, token=token) as client:
+        clients = [wl.Client(a, token=token) for a in addresses]  # one server per engine worker
+        try:
             for step in range(steps):
                 t0 = time.perf_counter()
                 batch = torch.randint(0, vocab, (4, 32), generator=gen)
@@ -192,21 +193,25 @@ def _trainer(
                 state = {k: v.detach().to(torch.bfloat16) for k, v in net.state_dict().items() if k in names}
                 t1 = time.perf_counter()
                 state = _changed(state, kept)
-                pushed = push_shards(client, state)
+                pushed = [push_shards(c, state) for c in clients]  # each the bytes that worker holds
                 stats["push_s"].append(time.perf_counter() - t1)
-                stats["bytes_sent"].append(pushed.bytes_sent)
+                stats["bytes_sent"].append(sum(p.bytes_sent for p in pushed))
                 stats["owned"].append(sum(v.to_local().numel() * v.element_size() for v in state.values()))
                 stats["tensors"].append(len(state))
                 every: list[Any] = [None] * world if rank == 0 else []
                 dist.gather_object(pushed, every if rank == 0 else None, dst=0)
                 if rank == 0:
-                    # wait for every rank's regions, then: the server holds exactly what was sent
-                    check_sketches(every, server_sketches(client, list(state), timeout=60))
+                    # wait for every rank's regions, then: each server holds exactly what was sent
+                    for w, c in enumerate(clients):
+                        check_sketches([e[w] for e in every], server_sketches(c, list(state), timeout=60))
                     chan.put(("pushed", step, loss.item()))
                     if chan.get_reply() != step:
                         raise RuntimeError("the engine did not take the update")
                 dist.barrier()
                 stats["step_s"].append(time.perf_counter() - t0)
+        finally:
+            for c in clients:
+                c.close()
         full = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
             from safetensors.torch import save_file
@@ -246,6 +251,7 @@ def run(
     steps: int = 3,
     ranks: int = 2,
     freeze: int = 1,
+    tp: int = 1,
     port: int | None = None,
     timeout: float = 600,
 ) -> Result:
@@ -257,14 +263,21 @@ def run(
 
     token = secrets.token_hex(32)
     port = port or _free_port()
-    llm = vllm.LLM(model=model, load_format="weightlift", weight_transfer_config={"backend": "weightlift"}, **ENGINE)
+    if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        # vLLM's CPU workers bind one NUMA node each; on one node, give each worker its own CPUs
+        cpus = sorted(os.sched_getaffinity(0))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(str(c) for c in cpus[w::tp]) for w in range(tp))
+    engine = dict(ENGINE, tensor_parallel_size=tp)
+    wt = {"backend": "weightlift"}
+    llm = vllm.LLM(model=model, load_format="weightlift", weight_transfer_config=wt, **engine)
     try:
         before = _tokens(llm)  # the first forward pass
         llm.init_weight_transfer_engine({"init_info": {"port": port, "token": token, "sharded": True}})
         ctx = mp.get_context("spawn")
         chan = _Channel(ctx)
         rdv = _free_port()
-        args = (ranks, rdv, model, ("127.0.0.1", port), token, steps, out, freeze, chan)
+        addresses = [("127.0.0.1", port + w) for w in range(tp)]  # worker w's server on port + w
+        args = (ranks, rdv, model, addresses, token, steps, out, freeze, chan)
         procs = [ctx.Process(target=_trainer, args=(r, *args), daemon=True) for r in range(ranks)]
         for p in procs:
             p.start()
@@ -292,7 +305,7 @@ def run(
         updated = _tokens(llm)
     finally:
         _stop(llm)
-    fresh_llm = vllm.LLM(model=out, **ENGINE)
+    fresh_llm = vllm.LLM(model=out, **engine)
     try:
         fresh = _tokens(fresh_llm)
     finally:
@@ -315,13 +328,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="where the trainer saves its weights (default: a temporary folder)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--tp", type=int, default=1, help="the engine's tensor-parallel size")
     ap.add_argument("--freeze", type=int, default=1, help="leading decoder layers frozen (not pushed)")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="fsdp2-to-vllm-") as tmp:
         model = a.model or write_tiny_llama(os.path.join(tmp, "llama-tiny"))
         out = a.out or os.path.join(tmp, "trained")
         t0 = time.perf_counter()
-        r = run(model, out, steps=a.steps, ranks=a.ranks, freeze=a.freeze)
+        r = run(model, out, steps=a.steps, ranks=a.ranks, freeze=a.freeze, tp=a.tp)
         print(f"before training:        {r.before}")
         print(f"updated engine:         {r.updated}")
         print(f"fresh engine on saved:  {r.fresh}")

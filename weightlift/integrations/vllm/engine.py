@@ -19,7 +19,8 @@ vLLM drives a weight-transfer engine in four phases, each a call on every worker
   only the bytes it owns, as REGIONs; the server assembles each tensor from every rank's
   regions and switches the update's set in when the last is covered. At tensor parallel 1 the
   server's slice of every tensor is the whole tensor, so ``update`` is the same as after an
-  unsharded push (see :func:`_receiver` for above 1).
+  unsharded push; above 1 each worker's server holds its rank's slices (rules from the model's
+  own layers, :mod:`.sharded`), staged at the checkpoint's shapes for the loaders.
 - ``start`` prepares vLLM's layerwise reload (the layers' processed kernel tensors are saved,
   so a layer that gets no weights is put back as it was).
 - ``update`` checks every tensor the server holds against the checkpoint the engine was started
@@ -61,8 +62,10 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.logger import init_logger
 
 from weightlift import libc
-from weightlift.errors import OptionError, StateError
+from weightlift.distributed.shard import Shard
+from weightlift.errors import StateError
 from weightlift.integrations.vllm import compat
+from weightlift.integrations.vllm.sharded import receiver_shard, staged
 from weightlift.integrations.vllm.updates import checked, checkpoint_shapes
 from weightlift.remote.server import Server
 from weightlift.remote.token import read_token
@@ -84,7 +87,7 @@ class WeightliftInitInfo(WeightTransferInitInfo):
     #: bytes the server may hold (None: its default); an update must fit beside the model
     max_memory: int | None = None
     #: take sharded pushes (``weightlift.distributed.push_shards``: each trainer rank sends the
-    #: REGIONs it owns, the server assembles them) as well as whole tensors; see :func:`_receiver`
+    #: REGIONs it owns, the server assembles them) as well as whole tensors; see :mod:`.sharded`
     sharded: bool = False
 
 
@@ -111,6 +114,7 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
         self._expected: dict[str, tuple[int, ...]] | None = None
         self._release = False  # the update in progress asked for the server's copy to go at finish
         self.rank = vllm_config.parallel_config.rank
+        self._shard: Shard | None = None  # the slices a sharded server holds (init_info.sharded)
 
     def init_transfer_engine(self, init_info: WeightliftInitInfo) -> None:
         if self.server is not None:
@@ -119,6 +123,7 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
         if init_info.token_file is not None:
             token = read_token(init_info.token_file)
         port = init_info.port + self.rank if init_info.port else 0
+        self._shard = receiver_shard(self.vllm_config, self.model) if init_info.sharded else None
         self._cache = tempfile.TemporaryDirectory(prefix="weightlift-vllm-")
         self.server = Server(
             init_info.host,
@@ -127,7 +132,7 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
             token=token,
             cache_dir=self._cache.name,
             max_memory=init_info.max_memory,
-            **(_receiver(self.vllm_config) if init_info.sharded else {}),
+            shard=self._shard,
         )
         host, bound = self.server.start()
         self._expected = checkpoint_shapes(self.model_config.model)
@@ -153,6 +158,8 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
         with self._server().reading() as held:
             names = sorted(held) if update_info.names is None else list(update_info.names)
             try:
+                if self._shard is not None and self._expected is not None:
+                    held = staged(dict(held), self._shard, self._expected)  # at the shapes the loaders cut
                 weights = checked(held, names, self._expected)
             except BaseException:
                 self._undo()
@@ -202,27 +209,6 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
         if self._cache is not None:
             self._cache.cleanup()
             self._cache = None
-
-
-def _receiver(vllm_config: VllmConfig) -> dict[str, Any]:
-    """``shard=`` for a worker's server that takes sharded pushes: the worker's slices of the
-    checkpoint's tensors, by their checkpoint names. At tensor parallel 1 that is every tensor
-    whole (a world of 1), assembled from the REGIONs of however many trainer ranks, so that
-    ``update`` feeds ``model.load_weights`` checkpoint tensors as for an unsharded push; the
-    fused parameters (qkv, gate_up) need no part sizes, their checkpoint parts come by name.
-
-    Above tensor parallel 1 vLLM's weight loaders take whole checkpoint tensors and cut the
-    rank's slice themselves, so a server holding only that slice has nothing they can load:
-    refused here, before any push, rather than loaded wrong."""
-    from weightlift.distributed.shard import Shard
-
-    world = vllm_config.parallel_config.tensor_parallel_size * vllm_config.parallel_config.pipeline_parallel_size
-    if world != 1:
-        raise OptionError(
-            f"sharded weight transfer: the engine runs {world} workers (tensor x pipeline parallel); "
-            "sharded pushes are loaded at tensor parallel 1 only (push whole tensors, sharded=False)"
-        )
-    return {"shard": Shard((), rank=0, world=1)}
 
 
 def _malloc_trim() -> None:
