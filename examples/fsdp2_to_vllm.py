@@ -1,12 +1,13 @@
 """An FSDP2 trainer syncing into a running vLLM after every step, each rank sending only its shards.
 
-    python examples/fsdp2_to_vllm.py --steps 3 --ranks 2 [--model DIR] [--out DIR]
+    python examples/fsdp2_to_vllm.py --steps 3 --ranks 2 [--tp 2] [--freeze 1] [--model DIR] [--out DIR]
 
 What it does:
 
 1. Starts a vLLM engine on a tiny Llama checkpoint (``--model``, else one written here), with the
    ``weightlift`` weight-transfer backend and ``sharded=True``: the engine's worker runs a
-   :class:`weightlift.Server` that takes sharded pushes (REGIONs) and assembles them.
+   :class:`weightlift.Server` that takes sharded pushes (REGIONs) and assembles them; with
+   ``--tp 2`` two workers, each server holding its worker's slices (on port and port + 1).
 2. Spawns ``--ranks`` trainer processes (torch.distributed on gloo, CPU) that load the same
    checkpoint and wrap it in FSDP2 (``fully_shard`` per decoder layer and at the root): each rank
    holds a dim-0 slice of every parameter, as a DTensor.
