@@ -342,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fresh engine on saved:  {r.fresh}")
         for s in r.ranks:
             per_step = ", ".join(f"{x:.3f}" for x in s["push_s"])
+            per_step += "; step s (train, push, check, engine update): " + ", ".join(f"{x:.2f}" for x in s["step_s"])
             print(
                 f"rank {s['rank']}: sent {s['bytes_sent']} bytes per step, owns {s['owned']} of the "
                 f"{s['tensors']} tensors that changed; push s: {per_step}"
