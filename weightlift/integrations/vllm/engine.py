@@ -14,6 +14,13 @@ vLLM drives a weight-transfer engine in four phases, each a call on every worker
   With ``Client(keep_base=True)`` the next push sends each tensor as what changed against the
   version the server holds (a tensor that did not change costs a header). Nothing of this
   touches the model: the engine keeps serving while the bytes travel.
+- With ``sharded=True`` the server takes sharded pushes too: each trainer rank (FSDP2's
+  DTensors, say) calls :func:`weightlift.distributed.push_shards` with what it holds and sends
+  only the bytes it owns, as REGIONs; the server assembles each tensor from every rank's
+  regions and switches the update's set in when the last is covered. At tensor parallel 1 the
+  server's slice of every tensor is the whole tensor, so ``update`` is the same as after an
+  unsharded push; above 1 each worker's server holds its rank's slices (rules from the model's
+  own layers, :mod:`.sharded`), staged at the checkpoint's shapes for the loaders.
 - ``start`` prepares vLLM's layerwise reload (the layers' processed kernel tensors are saved,
   so a layer that gets no weights is put back as it was).
 - ``update`` checks every tensor the server holds against the checkpoint the engine was started
@@ -55,8 +62,10 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.logger import init_logger
 
 from weightlift import libc
+from weightlift.distributed.shard import Shard
 from weightlift.errors import StateError
 from weightlift.integrations.vllm import compat
+from weightlift.integrations.vllm.sharded import receiver_shard, staged
 from weightlift.integrations.vllm.updates import checked, checkpoint_shapes
 from weightlift.remote.server import Server
 from weightlift.remote.token import read_token
@@ -77,6 +86,9 @@ class WeightliftInitInfo(WeightTransferInitInfo):
     token_file: str | None = None
     #: bytes the server may hold (None: its default); an update must fit beside the model
     max_memory: int | None = None
+    #: take sharded pushes (``weightlift.distributed.push_shards``: each trainer rank sends the
+    #: REGIONs it owns, the server assembles them) as well as whole tensors; see :mod:`.sharded`
+    sharded: bool = False
 
 
 @dataclass
@@ -102,6 +114,7 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
         self._expected: dict[str, tuple[int, ...]] | None = None
         self._release = False  # the update in progress asked for the server's copy to go at finish
         self.rank = vllm_config.parallel_config.rank
+        self._shard: Shard | None = None  # the slices a sharded server holds (init_info.sharded)
 
     def init_transfer_engine(self, init_info: WeightliftInitInfo) -> None:
         if self.server is not None:
@@ -110,6 +123,7 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
         if init_info.token_file is not None:
             token = read_token(init_info.token_file)
         port = init_info.port + self.rank if init_info.port else 0
+        self._shard = receiver_shard(self.vllm_config, self.model) if init_info.sharded else None
         self._cache = tempfile.TemporaryDirectory(prefix="weightlift-vllm-")
         self.server = Server(
             init_info.host,
@@ -118,6 +132,7 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
             token=token,
             cache_dir=self._cache.name,
             max_memory=init_info.max_memory,
+            shard=self._shard,
         )
         host, bound = self.server.start()
         self._expected = checkpoint_shapes(self.model_config.model)
@@ -143,6 +158,8 @@ class WeightliftWeightTransferEngine(WeightTransferEngine[WeightliftInitInfo, We
         with self._server().reading() as held:
             names = sorted(held) if update_info.names is None else list(update_info.names)
             try:
+                if self._shard is not None and self._expected is not None:
+                    held = staged(dict(held), self._shard, self._expected)  # at the shapes the loaders cut
                 weights = checked(held, names, self._expected)
             except BaseException:
                 self._undo()
