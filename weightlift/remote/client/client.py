@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypedDict, overload
 
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
-from weightlift.errors import OptionError, StateError
+from weightlift.errors import OptionError, PushError, RemoteProtocolError, StateError
 from weightlift.options import check_keywords, keyword_signature
 from weightlift.profile import Profiler
 from weightlift.remote.client.connection import MAX_TIMEOUT, Connection
@@ -27,14 +27,26 @@ from weightlift.remote.client.memory import host_bytes, memory_tensors
 from weightlift.remote.client.pull import MAX_LIST_BYTES, MAX_LIST_ENTRIES, Pull, RemoteTensor, listing
 from weightlift.remote.client.servers import Address, address_key, push_each
 from weightlift.remote.client.update import Bases, UpdateSpec, given_bases
-from weightlift.remote.protocol import MAX_TENSORS, PROTOCOL_MINOR, Free, FreeReply, Hello
+from weightlift.remote.protocol import (
+    MAX_HOPS,
+    MAX_TENSORS,
+    PROTOCOL_MINOR,
+    Free,
+    FreeReply,
+    Hello,
+    Relay,
+    RelayEnd,
+    RelayReply,
+    relay_usable,
+)
 from weightlift.remote.token import token_bytes
 from weightlift.remote.transport import TCP, Backend, TlsBackend
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing's own from Python 3.11; only a checker reads it
 
-    from weightlift.digest.published import ManifestSource
+    from weightlift.digest.published import ManifestSource, Reference
+    from weightlift.formats import TensorInfo
 
 __all__ = [
     "Client",
@@ -50,6 +62,10 @@ __all__ = [
 ]
 
 Source = str | os.PathLike[str] | Checkpoint
+#: How ``push(to=[...])`` reaches the servers: "auto" and "chain" relay (the client sends each
+#: byte once, to its own server, which forwards to the next: :mod:`weightlift.remote.server.relay`;
+#: "auto" falls back to "direct" where a server cannot relay), "direct" pushes to each server.
+RELAYS = ("auto", "chain", "direct")
 #: What a push takes from memory: ``{name: numpy array or torch tensor}``.
 Tensors = Mapping[str, Any]
 
@@ -118,6 +134,7 @@ class PushKw(TypedDict, total=False):
     verify: bool
     manifest: ManifestSource | None
     progress: ProgressCallback | None
+    relay: str
 
 
 class MemoryPushKw(PushKw, total=False):
@@ -139,16 +156,28 @@ class PushOptions:
     in_place: bool = False
     manifest: ManifestSource | None = None
     progress: ProgressCallback | None = None
+    relay: str = "auto"
+
+    @property
+    def relayed(self) -> bool:
+        """Whether ``to`` goes through a relay: one selection for every server, not "direct"."""
+        return self.to is not None and not isinstance(self.to, Mapping) and self.relay != "direct"
 
     def check(self, source: Source | Tensors) -> None:
         """OptionError for options that do not go together with each other or with ``source``,
         before any connection."""
         if self.manifest is not None and not self.verify:
             raise OptionError("push(manifest=...) is what verify=True checks against: pass verify=True too")
+        if self.relay not in RELAYS:
+            raise OptionError(f"push(relay=...) is one of {', '.join(map(repr, RELAYS))}, got {self.relay!r}")
+        if self.relay == "chain" and (self.to is None or isinstance(self.to, Mapping)):
+            raise OptionError('push(relay="chain") relays one selection: pass to= a list of addresses')
+        if self.to is not None and not isinstance(self.to, Mapping) and len(self.to) >= MAX_HOPS:
+            raise OptionError(f"push(to=...) relays to fewer than {MAX_HOPS} servers; got {len(self.to)}")
         if isinstance(source, Mapping):
-            if self.to is not None:
+            if self.to is not None and not self.relayed:
                 raise OptionError(
-                    "push(to=...) takes a checkpoint; push tensors from memory to each server's own client"
+                    'push(to=...) of tensors from memory relays them: a list of addresses, not relay="direct"'
                 )
             if self.manifest is not None:
                 raise OptionError(
@@ -302,15 +331,32 @@ class Client:
         o.check(source)
         if o.to is not None and o.progress is not None:
             raise OptionError("push(progress=...) reports one push: not with to=...")
-        if isinstance(source, Mapping):
-            return self._push_memory(source, o)
         if o.to is not None:
             return self._push_to(source, o.to, o)
+        if isinstance(source, Mapping):
+            return self._push_memory(source, o)
+        return self._push_checkpoint(source, o)
+
+    def _prepare(self, source: Source, o: PushOptions) -> tuple[builtins.list[TensorInfo], Reference | None]:
+        """The selected tensors and, with ``verify``, their reference digests: every check of a
+        push before its first byte."""
         from weightlift.digest.published import reference  # a store's manifest: the store clients, on demand
 
         ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
         tensors = ck.select(o.select)
-        ref = reference(ck, tensors, o.manifest) if o.verify else None
+        return tensors, reference(ck, tensors, o.manifest) if o.verify else None
+
+    def _push_checkpoint(
+        self,
+        source: Source,
+        o: PushOptions,
+        *,
+        digests: bool = False,
+        prepared: tuple[builtins.list[TensorInfo], Reference | None] | None = None,
+    ) -> PushResult:
+        """One push of a checkpoint to this client's server; ``digests``: every ALLOC names its
+        tensor's digest (a relayed push); ``prepared``: what :meth:`_prepare` returned."""
+        tensors, ref = prepared if prepared is not None else self._prepare(source, o)
         self._conn()
         while len(self._conns) < self.streams:
             self._conns.append(self._connect())
@@ -327,6 +373,7 @@ class Client:
             expected=ref.digests if ref is not None else None,
             manifest=ref.manifest if ref is not None else None,
             progress=o.progress,
+            digests=digests,
         )
         try:
             return job.run()
@@ -337,11 +384,11 @@ class Client:
                 self.close()
             raise
 
-    def _push_memory(self, tensors: Tensors, o: PushOptions) -> PushResult:
+    def _push_memory(self, tensors: Tensors, o: PushOptions, *, digests: bool = False) -> PushResult:
         infos = memory_tensors(tensors, o.select)
         conn = self._conn()
         spec = None
-        if conn.session.update:
+        if conn.session.update and not digests:  # a relayed push publishes as it goes, not at one switch
             bases = given_bases(o.base) if o.base is not None else (self.bases if self.bases is not None else {})
             spec = UpdateSpec(bases, in_place=o.in_place, delta=conn.session.delta)
         if self._own_profiler:
@@ -356,6 +403,7 @@ class Client:
             verify=o.verify,
             update=spec,
             progress=o.progress,
+            digests=digests,
         )
         try:
             result = job.run()
@@ -371,13 +419,19 @@ class Client:
         return result
 
     def _push_to(
-        self, source: Source, to: Mapping[Address, Select] | Sequence[Address], o: PushOptions
+        self, source: Source | Tensors, to: Mapping[Address, Select] | Sequence[Address], o: PushOptions
     ) -> dict[str, PushResult]:
         others = dict(to) if isinstance(to, Mapping) else {a: o.select for a in to}
         me = address_key(self.address)
         targets: dict[Address, Select] = {me: o.select, **{address_key(a): s for a, s in others.items()}}
         if len(targets) != len(others) + 1:
             raise OptionError("push(to=...): every server once, this client's own not again")
+        if o.relayed:
+            relayed = self._push_relayed(source, [address_key(a) for a in others], o)
+            if relayed is not None:
+                return relayed
+        if isinstance(source, Mapping):
+            raise OptionError("push(to=...) of tensors from memory needs servers that relay (protocol minor 7)")
         return push_each(
             source,
             targets,
@@ -387,6 +441,58 @@ class Client:
             verify=o.verify,
             manifest=o.manifest,
         )
+
+    def _push_relayed(
+        self, source: Source | Tensors, hops: builtins.list[str], o: PushOptions
+    ) -> dict[str, PushResult] | None:
+        """Push to this client's server, which relays every tensor along ``hops`` once it has
+        proven it against the digest this push names; None where the server cannot relay and
+        ``relay="auto"`` lets the caller push directly instead."""
+        conn = self._conn()
+        me = address_key(self.address)
+        if not relay_usable(conn.minor):
+            if o.relay == "chain":
+                raise OptionError(f'push(relay="chain"): {me} speaks protocol 1.{conn.minor}; relays need 1.7')
+            return None
+        mine = replace(o, to=None, verify=True)  # each hop proves each tensor; so does this one
+        # every check a push makes before its first byte, made before the RELAY
+        prepared = None if isinstance(source, Mapping) else self._prepare(source, mine)
+        if isinstance(source, Mapping):
+            memory_tensors(source, o.select)
+        conn.send(conn.frame(Relay(tuple(hops))))
+        reply = conn.expect(RelayReply)
+        if not reply.ok:
+            if o.relay == "chain":
+                raise OptionError(f'push(relay="chain"): {me} does not relay: {reply.message}')
+            return None
+        try:
+            if isinstance(source, Mapping):
+                result = self._push_memory(source, mine, digests=True)
+            else:
+                result = self._push_checkpoint(source, mine, digests=True, prepared=prepared)
+            conn = self._conn()
+            conn.send(conn.frame(RelayEnd()))
+            end = conn.expect(RelayReply)
+        except BaseException as e:
+            not_reached = RemoteProtocolError(f"not reached: the push to {me}, the first hop of the relay, failed")
+            raise PushError({me: e, **dict.fromkeys(hops, not_reached)}, {}) from e
+        results = {me: result}
+        failed = hops.index(end.failed) if not end.ok and end.failed in hops else len(hops)
+        for h in hops[:failed]:  # a relay's hop holds what the first hop holds, every tensor proven there
+            results[h] = PushResult(result.tensors, result.bytes, 0, 0, 0, result.seconds, verified=result.tensors)
+        if end.ok:
+            return results
+        errors: dict[str, BaseException] = {}
+        for h in hops[failed:]:
+            why = (
+                f"relay to {h} failed: {end.message}"
+                if h == end.failed
+                else f"not reached: the relay to {end.failed} failed"
+            )
+            errors[h] = RemoteProtocolError(why + "; it holds the tensors that reached it before")
+        if not errors:  # a reply that names no hop of this push
+            errors[hops[-1]] = RemoteProtocolError(f"relay failed: {end.message}")
+        raise PushError(errors, results)
 
     # -- list / pull / free --------------------------------------------------------------------------
 

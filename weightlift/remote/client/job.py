@@ -116,6 +116,7 @@ class Push:
         expected: Mapping[str, bytes] | None = None,
         manifest: str | None = None,
         progress: ProgressCallback | None = None,
+        digests: bool = False,
     ):
         if verify and not all(c.verify for c in conns):
             raise LocalProtocolError(
@@ -128,6 +129,8 @@ class Push:
         self.how = how
         self.prof = profiler
         self.threshold = how.hash_threshold if hash_threshold is None else hash_threshold
+        if digests:  # a relayed push: every tensor is hashed where its bytes come from, to be proven at each hop
+            self.threshold = 0
         self.verify = verify or update is not None  # an update proves every tensor (see update)
         self.update = update  # an update (tensors from memory, minor 3): one connection, UPDATE to COMMIT
         if update is not None:
@@ -136,6 +139,7 @@ class Push:
         self.senders: list[Pusher] = []
         self.expected = expected  # with verify: digests published for the tensors
         self.manifest = manifest  # where ``expected`` was published
+        self.digests = digests  # every ALLOC names its tensor's digest (a relayed push: each hop proves it)
 
     @property
     def settled(self) -> bool:
@@ -151,7 +155,7 @@ class Push:
             [p for p in self.plans if p.info.name not in scanned],
             threshold=self.threshold,
             prof=self.prof,
-            enabled=self.how.hash_ahead and self.conns[0].cache,
+            enabled=self.digests or (self.how.hash_ahead and self.conns[0].cache),
             verify=self.verify,
             expected=self.expected,
         )

@@ -143,11 +143,19 @@ class Hashing:
         known = {t.name: _done(expected[t.name]) for t in wanted if expected and t.name in expected}
         asked = {t.name for t in chosen}
         wanted = [t for t in wanted if t.name not in known or t.name in asked]
+        # A relayed tensor carries the digest its origin sent: asked about and ALLOCated with that
+        # one, never hashed here, so the next hop proves the bytes against the origin's digest
+        # and not against whatever a relay would compute over what it holds.
+        carried = {p.info.name: _done(p.info.extra["relayed"]) for p in plans if p.info.extra.get("relayed")}
+        if carried:
+            chosen = [p.info for p in plans if p.info.name in carried]
+            wanted = [t for t in wanted if t.name not in carried]
+            known.update(carried)
         if wanted:
             self._pool = DigestPool(max(1, min(4, (os.cpu_count() or 2) // 2)), profiler=prof)
             files = not any(is_memory(t) for t in wanted)  # tensors in memory have no sidecar
             self.all = hash_tensors(wanted, view=self._view, pool=self._pool, threshold=0, manifests=files)
-        self.futures = {t.name: self.all[t.name] for t in chosen}
+        self.futures = {t.name: carried[t.name] if t.name in carried else self.all[t.name] for t in chosen}
         self.all.update(known)
         self.published = set(known)  # names whose digest a published manifest gave
 

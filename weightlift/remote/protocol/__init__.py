@@ -21,6 +21,7 @@ from weightlift.remote.protocol.session import (
     cache_usable,
     mac_usable,
     planes_usable,
+    relay_usable,
     update_usable,
     verify_usable,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "cache_usable",
     "mac_usable",
     "planes_usable",
+    "relay_usable",
     "update_usable",
     "verify_usable",
     "client_mac",

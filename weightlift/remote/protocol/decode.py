@@ -35,6 +35,7 @@ from weightlift.remote.protocol.messages import (
     MAX_DIMS,
     MAX_ERRORS,
     MAX_FRAME,
+    MAX_HOPS,
     MAX_MESSAGE,
     MAX_NAME,
     MAX_TENSOR_BYTES,
@@ -65,6 +66,9 @@ from weightlift.remote.protocol.messages import (
     Message,
     Read,
     ReadReply,
+    Relay,
+    RelayEnd,
+    RelayReply,
     Update,
     WriteHeader,
 )
@@ -285,6 +289,19 @@ def _dec_commit_reply(r: _Reader, lim: _Limits) -> CommitReply:
     return CommitReply(bool(ok), tensors, generation, bytes(root), r.text(n, MAX_MESSAGE, "message", empty_ok=True))
 
 
+def _dec_relay(r: _Reader, lim: _Limits) -> Relay:
+    n = r.count(Relay.LAYOUT, NAME_LAYOUT.size + 1, MAX_HOPS, "relay hops")
+    if n == 0:
+        raise r.fail("RELAY names no hop")
+    return Relay(tuple(r.name("relay hop") for _ in range(n)))
+
+
+def _dec_relay_reply(r: _Reader, lim: _Limits) -> RelayReply:
+    ok, tensors, nbytes, n = r.unpack(RelayReply.LAYOUT, "RELAY_REPLY head")
+    failed = r.text(n, MAX_NAME, "relay hop", empty_ok=True)
+    return RelayReply(bool(ok), tensors, nbytes, failed, r.name("message", empty_ok=True, limit=MAX_MESSAGE))
+
+
 def _dec_error(r: _Reader, lim: _Limits) -> Error:
     code, n = r.unpack(Error.LAYOUT, "ERROR head")
     return Error(code, r.text(n, MAX_MESSAGE, "message", empty_ok=True))
@@ -318,6 +335,9 @@ _DECODERS: dict[Command, Callable[[_Reader, _Limits], Message]] = {
     Command.UPDATE: lambda r, lim: Update(*r.unpack(Update.LAYOUT, "UPDATE flags")),
     Command.COMMIT: lambda r, lim: Commit(*r.unpack(Commit.LAYOUT, "COMMIT flags")),
     Command.COMMIT_REPLY: _dec_commit_reply,
+    Command.RELAY: _dec_relay,
+    Command.RELAY_END: lambda r, lim: RelayEnd(),
+    Command.RELAY_REPLY: _dec_relay_reply,
 }
 
 

@@ -30,6 +30,7 @@ from weightlift.remote.protocol.messages import (
     MAX_DIMS,
     MAX_ERRORS,
     MAX_FRAME,
+    MAX_HOPS,
     MAX_MESSAGE,
     MAX_NAME,
     MAX_TENSORS,
@@ -59,6 +60,9 @@ from weightlift.remote.protocol.messages import (
     Message,
     Read,
     ReadReply,
+    Relay,
+    RelayEnd,
+    RelayReply,
     Update,
     WriteHeader,
 )
@@ -229,6 +233,18 @@ def _enc_commit_reply(m: CommitReply, minor: int) -> bytes:
     return CommitReply.LAYOUT.pack(1 if m.ok else 0, m.tensors, m.generation, root, len(raw)) + raw
 
 
+def _enc_relay(m: Relay, minor: int) -> bytes:
+    if not m.hops or len(m.hops) > MAX_HOPS:
+        raise LocalProtocolError(f"RELAY names {len(m.hops)} hops; between 1 and {MAX_HOPS}")
+    return Relay.LAYOUT.pack(len(m.hops)) + b"".join(_name(h, "relay hop") for h in m.hops)
+
+
+def _enc_relay_reply(m: RelayReply, minor: int) -> bytes:
+    failed = _name(m.failed, "RELAY_REPLY hop") if m.failed else NAME_LAYOUT.pack(0)
+    head = RelayReply.LAYOUT.pack(1 if m.ok else 0, m.tensors, m.nbytes, len(failed) - 2)
+    return head + failed[2:] + _text(m.message)
+
+
 def _enc_error(m: Error, minor: int) -> bytes:
     raw = _text(m.message)[NAME_LAYOUT.size :]
     return Error.LAYOUT.pack(m.code, len(raw)) + raw
@@ -256,6 +272,9 @@ _ENCODERS: dict[type, Callable[[Any, int], bytes]] = {
     Update: lambda m, minor: Update.LAYOUT.pack(m.flags),
     Commit: lambda m, minor: Commit.LAYOUT.pack(m.flags),
     CommitReply: _enc_commit_reply,
+    Relay: _enc_relay,
+    RelayEnd: lambda m, minor: b"",
+    RelayReply: _enc_relay_reply,
 }
 
 

@@ -94,6 +94,10 @@ __all__ = [
     "Update",
     "Commit",
     "CommitReply",
+    "Relay",
+    "RelayEnd",
+    "RelayReply",
+    "MAX_HOPS",
     "MESSAGE_TYPES",
     "HELLO_LAYOUT",
     "HELLO_LAYOUT_PREVIOUS",
@@ -106,8 +110,10 @@ PROTOCOL_MAJOR = 1
 # (see ``weightlift.remote.protocol.mac``). Minor 3 added weight updates: DELTA (a tensor sent as what changed
 # against a base the server holds, the DELTA flag), UPDATE and COMMIT (a set of tensors made visible at once)
 # and COMMIT_REPLY (the set's digest). Minor 4 added DELTA's PLANES encoding; no message changed.
-PROTOCOL_MINOR = 4
-PREVIOUS_MINOR = 3
+# Minor 7 added relayed pushes: RELAY (the hops a server forwards what it receives to), RELAY_END and
+# RELAY_REPLY.
+PROTOCOL_MINOR = 7
+PREVIOUS_MINOR = 4
 
 # Limits checked by the decoder before anything is allocated from a length on the wire.
 MAX_FRAME = 16 * 1024 * 1024  # body bytes of one frame (payloads are not frames)
@@ -130,6 +136,7 @@ MAX_DIGESTS = 4096
 MAC_SIZE = 32  # the tag after every frame of a protected connection (keyed BLAKE3)
 DIGEST_SIZE = 32
 NONCE_SIZE = 32
+MAX_HOPS = 64  # addresses in one RELAY: the servers a push reaches through one chain
 
 PREFIX = struct.Struct("<B3xI")
 
@@ -152,18 +159,22 @@ class Command(IntEnum):
     DELTA = 12  # minor 3
     UPDATE = 13  # minor 3
     COMMIT = 14  # minor 3
+    RELAY = 25  # minor 7
+    RELAY_END = 26  # minor 7
     HAVE_REPLY = 0x84
     READ_REPLY = 0x86
     LIST_REPLY = 0x87
     FREE_REPLY = 0x88
     BARRIER_REPLY = 0x89
     COMMIT_REPLY = 0x8E  # minor 3
+    RELAY_REPLY = 0x99  # minor 7
 
 
 # The minor that introduced each command; a peer speaking an older minor never sees it.
 COMMAND_SINCE: dict[Command, int] = {c: 0 for c in Command}
 COMMAND_SINCE.update({Command.HAVE: 1, Command.FILL_FROM_CACHE: 1, Command.HAVE_REPLY: 1})
 COMMAND_SINCE.update({Command.DELTA: 3, Command.UPDATE: 3, Command.COMMIT: 3, Command.COMMIT_REPLY: 3})
+COMMAND_SINCE.update({Command.RELAY: 7, Command.RELAY_END: 7, Command.RELAY_REPLY: 7})
 
 CLIENT_COMMANDS = frozenset(
     {
@@ -181,6 +192,8 @@ CLIENT_COMMANDS = frozenset(
         Command.DELTA,
         Command.UPDATE,
         Command.COMMIT,
+        Command.RELAY,
+        Command.RELAY_END,
     }
 )
 SERVER_COMMANDS = frozenset(
@@ -194,6 +207,7 @@ SERVER_COMMANDS = frozenset(
         Command.FREE_REPLY,
         Command.BARRIER_REPLY,
         Command.COMMIT_REPLY,
+        Command.RELAY_REPLY,
     }
 )
 PAYLOAD_COMMANDS = frozenset({Command.WRITE, Command.READ_REPLY, Command.DELTA})
@@ -572,6 +586,46 @@ class CommitReply(Message):
     message: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class Relay(Message):
+    """Forward every tensor this connection completes, once its bytes are proven against the
+    digest its ALLOC named, to ``hops[0]``, which forwards them to ``hops[1]``, and so on: the
+    server pushes onward with its own peer credentials (no secret crosses the wire). Sent before
+    the first ALLOC; answered by RELAY_REPLY (``ok`` false: the server does not relay, ``message``
+    says why). Wire: count:u16 then count addresses ("host:port"), each name-encoded."""
+
+    COMMAND = Command.RELAY
+    LAYOUT = struct.Struct("<H")
+
+    hops: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RelayEnd(Message):
+    """Every tensor of the relayed push has been sent (after its last BARRIER): answered by
+    RELAY_REPLY once every hop downstream holds them, or with the first hop that failed."""
+
+    COMMAND = Command.RELAY_END
+    LAYOUT = struct.Struct("<")
+
+
+@dataclass(frozen=True, slots=True)
+class RelayReply(Message):
+    """How a relay went. Wire: LAYOUT(ok, tensors, nbytes, failed_len) failed, message_len:u16
+    message. ``tensors`` and ``nbytes``: what the last hop that answered holds of this push;
+    ``failed``: the address of the first hop that did not get every tensor ("" when ``ok``);
+    ``message``: why."""
+
+    COMMAND = Command.RELAY_REPLY
+    LAYOUT = struct.Struct("<BIQH")
+
+    ok: bool
+    tensors: int = 0
+    nbytes: int = 0
+    failed: str = ""
+    message: str = ""
+
+
 MESSAGE_TYPES: dict[Command, type[Message]] = {
     m.COMMAND: m
     for m in (
@@ -596,5 +650,8 @@ MESSAGE_TYPES: dict[Command, type[Message]] = {
         Update,
         Commit,
         CommitReply,
+        Relay,
+        RelayEnd,
+        RelayReply,
     )
 }

@@ -42,12 +42,14 @@ __all__ = [
     "mac_usable",
     "update_usable",
     "planes_usable",
+    "relay_usable",
 ]
 
 VERIFY_SINCE = 2  # ALLOC's VERIFY flag, BARRIER_REPLY's digests, READ_REPLY's digest
 MAC_SINCE = 2  # a MAC after every frame once a token was proven
 UPDATE_SINCE = 3  # DELTA, UPDATE, COMMIT
 PLANES_SINCE = 4  # DELTA's PLANES encoding
+RELAY_SINCE = 7  # RELAY, RELAY_END, RELAY_REPLY
 
 
 def update_usable(minor: int) -> bool:
@@ -58,6 +60,11 @@ def update_usable(minor: int) -> bool:
 def planes_usable(minor: int) -> bool:
     """Whether a connection that speaks ``minor`` can send a DELTA in the PLANES encoding."""
     return minor >= PLANES_SINCE
+
+
+def relay_usable(minor: int) -> bool:
+    """Whether a connection that speaks ``minor`` can ask its server to relay a push (RELAY)."""
+    return minor >= RELAY_SINCE
 
 
 def cache_usable(minor: int) -> bool:

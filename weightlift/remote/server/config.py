@@ -156,6 +156,10 @@ class ServerConfig:
     profile: bool | None = None
     protocol_minor: int = PROTOCOL_MINOR
     backend: Backend = TCP
+    # what this server presents to the next hop of a relayed push: the fleet's token (its own
+    # by default) and a client TLS context; never taken from the wire
+    peer_token: bytes | None = field(default=None, repr=False)
+    peer_tls: ssl.SSLContext | None = None
     naive: bool = False
 
     def __post_init__(self) -> None:
@@ -225,6 +229,8 @@ class ServerOptions(TypedDict, total=False):
     protocol_minor: int
     backend: Backend
     tls: ssl.SSLContext | None
+    peer_token: str | bytes | None
+    peer_tls: ssl.SSLContext | None
 
 
 #: Options that are no field of the config: ``tls`` is folded into the backend, ``insecure``
@@ -257,6 +263,9 @@ def configure(host: str, port: int, options: ServerOptions) -> tuple[ServerConfi
     raw_token = token_bytes(o["token"])
     if raw_token is not None:
         check_token(raw_token)
+    peer_token = token_bytes(o.get("peer_token"))
+    if peer_token is not None:
+        check_token(peer_token)
     if not is_loopback(host):
         if raw_token is None and not o["insecure"]:
             raise OptionError(f"binding {host} exposes the server beyond this machine: pass a token, or insecure=True")
@@ -274,6 +283,7 @@ def configure(host: str, port: int, options: ServerOptions) -> tuple[ServerConfi
     settings.update(
         device=place.device,
         token=raw_token,
+        peer_token=peer_token if peer_token is not None else raw_token,
         max_memory=default_max_memory(place) if max_memory is None else max_memory,
         handshake_timeout=float(o["handshake_timeout"]),
         idle_timeout=None if o["idle_timeout"] is None else float(o["idle_timeout"]),

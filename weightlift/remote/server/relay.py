@@ -1,0 +1,153 @@
+"""Relayed pushes: a server forwards what it receives to the next server of a chain.
+
+Theory of operation. A client pushing one selection to N servers sends it to the first only,
+after a RELAY naming the others in order. Every ALLOC of that push names the tensor's digest (the
+origin's BLAKE3, hashed where the bytes come from), and the receiver proves the bytes that
+landed against it before the tensor is published (:mod:`~weightlift.remote.server.receive`). A
+proven tensor is handed to this connection's :class:`Relay` at once, which pushes it onward to
+the next hop with the client's own code (:class:`~weightlift.remote.client.job.Push` over a
+:class:`~weightlift.remote.client.connection.Connection`): the tensor's memory as the payload,
+and in its ALLOC the digest the origin sent, never one the relay computed. That hop proves the
+bytes against the origin's digest in turn, publishes, and forwards to the hop after it, named by
+the RELAY this relay sent it. So a chain of N moves each tensor over N links, each of them once,
+while the next tensor is still arriving upstream: the client's egress is the model once, and the
+whole push takes about the time of one plus a tensor's time per hop.
+
+What a relay can and cannot do to the bytes: it can delay them or drop them (the client's
+RELAY_END then names it as the hop that failed), and it can forward other bytes, which the next
+hop refuses (they do not hash to the origin's digest) and reports, so nothing it changed becomes
+visible downstream. It cannot choose what a later hop accepts: the digests come from the origin
+over the authenticated, MACed connection of each hop, and a relay has no digest of its own to
+offer (a tensor the origin sent without one is never relayed).
+
+Credentials: each hop authenticates with the server's peer credentials (``peer_token``, by default
+the server's own token: a fleet shares one; ``peer_tls``, a client TLS context), configured on the
+server. The client's RELAY names addresses only: a token sent along the chain would be a secret
+every relay could replay anywhere, and one taken from the wire would let any client make the
+server present credentials of the client's choosing.
+
+RELAY_END (after the client's last BARRIER, so every tensor of the push has been handed over)
+waits for the onward push to end, then for the next hop's own RELAY_END, and answers with the
+first hop that failed, if any: the hops before it hold every tensor, it and the hops after it
+hold the tensors that had passed before it failed.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from weightlift.errors import OptionError
+from weightlift.formats import TensorInfo
+from weightlift.profile import Profiler
+from weightlift.remote.client.client import Client, ClientOptions
+from weightlift.remote.client.job import PIPELINE, Push
+from weightlift.remote.client.memory import MEMORY
+from weightlift.remote.protocol import MAX_HOPS, RelayEnd, RelayReply
+from weightlift.remote.protocol import Relay as RelayMessage
+from weightlift.remote.server.config import ServerConfig
+from weightlift.remote.transport import parse_address
+
+__all__ = ["Relay", "RELAY_TIMEOUT", "BATCH_TENSORS"]
+
+#: Seconds a hop may take to answer (its handshake, a BARRIER, its own RELAY_END) before this
+#: relay gives up on it and reports it as the hop that failed.
+RELAY_TIMEOUT = 120.0
+#: Tensors pushed onward in one batch (one BARRIER): whatever has been proven since the last one,
+#: up to this many, so a hop is never more than a batch behind the one before it.
+BATCH_TENSORS = 256
+
+
+class Relay:
+    """The onward push of one connection's relayed tensors to ``hops[0]`` (which relays them to
+    ``hops[1:]``), on a thread of its own, started here.
+
+    :meth:`forward` hands over a proven tensor (never blocks); :meth:`end` waits for every hop and
+    returns the RELAY_REPLY; :meth:`close` gives up (the client went away).
+    """
+
+    def __init__(self, config: ServerConfig, hops: tuple[str, ...], *, timeout: float = RELAY_TIMEOUT):
+        if not hops or len(hops) > MAX_HOPS:
+            raise OptionError(f"a relay names between 1 and {MAX_HOPS} hops, got {len(hops)}")
+        for h in hops:
+            parse_address(h)  # OptionError now, not on the relay's thread
+        self.next, self.rest = hops[0], hops[1:]
+        self.options = ClientOptions(token=config.peer_token, tls=config.peer_tls, timeout=timeout)
+        self.tensors = self.nbytes = 0  # forwarded and proven at the next hop
+        self.error: BaseException | None = None
+        self._queue: queue.SimpleQueue[TensorInfo | None] = queue.SimpleQueue()
+        self._downstream: RelayReply | None = None
+        self._thread = threading.Thread(target=self._run, name=f"weightlift-relay {self.next}", daemon=True)
+        self._thread.start()
+
+    def forward(self, name: str, dtype: str, shape: tuple[int, ...], data: Any, digest: bytes | None) -> None:
+        """Push ``data`` (a tensor's host memory, as published) onward with the origin's ``digest``."""
+        if self.error is not None:
+            return  # the hop failed: RELAY_END reports it
+        flat = np.frombuffer(data, dtype=np.uint8)
+        extra: dict[str, Any] = {"data": lambda: flat}
+        if digest is not None:
+            extra["relayed"] = digest
+        self._queue.put(TensorInfo(name, dtype, shape, MEMORY, 0, flat.nbytes, extra=extra))
+
+    def end(self) -> RelayReply:
+        """Every tensor has been handed over: wait for the onward push and the hops after it."""
+        self._queue.put(None)
+        self._thread.join()
+        if self.error is not None:
+            return RelayReply(False, self.tensors, self.nbytes, self.next, f"{type(self.error).__name__}: {self.error}")
+        down = self._downstream
+        if down is not None and not down.ok:
+            return down
+        return RelayReply(True, self.tensors, self.nbytes)
+
+    def close(self) -> None:
+        """The connection ended without RELAY_END: stop after what was handed over."""
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        client: Client | None = None
+        try:
+            client = Client.with_options(self.next, replace(self.options))
+            conn = client.connections[0]
+            if self.rest:
+                conn.send(conn.frame(RelayMessage(self.rest)))
+                reply = conn.expect(RelayReply)
+                if not reply.ok:
+                    raise OptionError(f"{self.next} refuses to relay: {reply.message}")
+            done = False
+            while not done:
+                batch = [self._queue.get()]
+                while len(batch) < BATCH_TENSORS and not self._queue.empty():
+                    batch.append(self._queue.get())
+                done = batch[-1] is None or None in batch
+                tensors = [t for t in batch if t is not None]
+                if tensors:
+                    self._push(client, tensors)
+            if self.rest:
+                conn.send(conn.frame(RelayEnd()))
+                self._downstream = conn.expect(RelayReply)
+        except BaseException as e:  # noqa: BLE001 - reported by RELAY_END, naming this hop
+            self.error = e
+        finally:
+            if client is not None:
+                client.close()
+
+    def _push(self, client: Client, tensors: list[TensorInfo]) -> None:
+        job = Push(
+            tensors,
+            list(client.connections[:1]),
+            where=self.next,
+            how=PIPELINE,
+            profiler=Profiler(False),
+            hash_threshold=0,
+            verify=True,
+            digests=True,
+        )
+        result = job.run()
+        self.tensors += result.tensors
+        self.nbytes += result.bytes
