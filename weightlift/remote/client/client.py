@@ -447,7 +447,15 @@ class Client:
     ) -> dict[str, PushResult] | None:
         """Push to this client's server, which relays every tensor along ``hops`` once it has
         proven it against the digest this push names; None where the server cannot relay and
-        ``relay="auto"`` lets the caller push directly instead."""
+        ``relay="auto"`` lets the caller push directly instead.
+
+        A hop that fails (dead, stalled past the timeout, or refusing what its parent forwards:
+        bytes that do not hash to this push's digests) is named by the reply to RELAY_END; the
+        hops from it on then get the push again from this client, relayed among themselves, so
+        no relay upstream of them is trusted twice. A hop named twice, or that cannot be
+        reached, is dropped and the chain goes on after it. A server that keeps a cache fills
+        what it already holds (HAVE), so only what it lacks crosses the wire again.
+        """
         conn = self._conn()
         me = address_key(self.address)
         if not relay_usable(conn.minor):
@@ -459,40 +467,87 @@ class Client:
         prepared = None if isinstance(source, Mapping) else self._prepare(source, mine)
         if isinstance(source, Mapping):
             memory_tensors(source, o.select)
-        conn.send(conn.frame(Relay(tuple(hops))))
-        reply = conn.expect(RelayReply)
-        if not reply.ok:
+        if not self._relay_start(hops):
             if o.relay == "chain":
-                raise OptionError(f'push(relay="chain"): {me} does not relay: {reply.message}')
+                raise OptionError(f'push(relay="chain"): {me} does not relay')
             return None
         try:
-            if isinstance(source, Mapping):
-                result = self._push_memory(source, mine, digests=True)
-            else:
-                result = self._push_checkpoint(source, mine, digests=True, prepared=prepared)
-            conn = self._conn()
-            conn.send(conn.frame(RelayEnd()))
-            end = conn.expect(RelayReply)
+            result, end = self._relay_rest(source, mine, prepared, hops)
         except BaseException as e:
             not_reached = RemoteProtocolError(f"not reached: the push to {me}, the first hop of the relay, failed")
             raise PushError({me: e, **dict.fromkeys(hops, not_reached)}, {}) from e
-        results = {me: result}
-        failed = hops.index(end.failed) if not end.ok and end.failed in hops else len(hops)
-        for h in hops[:failed]:  # a relay's hop holds what the first hop holds, every tensor proven there
-            results[h] = PushResult(result.tensors, result.bytes, 0, 0, 0, result.seconds, verified=result.tensors)
-        if end.ok:
-            return results
+        return self._reroute(source, mine, prepared, hops, {me: result}, end)
+
+    def _reroute(
+        self,
+        source: Source | Tensors,
+        o: PushOptions,
+        prepared: tuple[builtins.list[TensorInfo], Reference | None] | None,
+        hops: builtins.list[str],
+        results: dict[str, PushResult],
+        end: RelayReply,
+    ) -> dict[str, PushResult]:
+        """Each hop's result from RELAY_END's ``end``; the hops from a failed one on pushed again
+        from this client (see :meth:`_push_relayed`); PushError naming every hop dropped."""
+        result = next(iter(results.values()))
         errors: dict[str, BaseException] = {}
-        for h in hops[failed:]:
-            why = (
-                f"relay to {h} failed: {end.message}"
-                if h == end.failed
-                else f"not reached: the relay to {end.failed} failed"
-            )
-            errors[h] = RemoteProtocolError(why + "; it holds the tensors that reached it before")
-        if not errors:  # a reply that names no hop of this push
-            errors[hops[-1]] = RemoteProtocolError(f"relay failed: {end.message}")
-        raise PushError(errors, results)
+        named: dict[str, int] = {}
+        chain = hops
+        while True:
+            failed = chain.index(end.failed) if not end.ok and end.failed in chain else len(chain)
+            for h in chain[:failed]:  # a relay's hop holds what its chain's first hop holds, each proven there
+                results[h] = PushResult(result.tensors, result.bytes, 0, 0, 0, result.seconds, verified=result.tensors)
+            if end.ok or failed == len(chain):
+                if not end.ok:  # a reply that names no hop of this chain
+                    errors[chain[-1]] = RemoteProtocolError(f"relay failed: {end.message}")
+                break
+            chain = chain[failed:]
+            named[chain[0]] = named.get(chain[0], 0) + 1
+            if named[chain[0]] > 1:  # failed again, from this client too: dropped
+                errors[chain[0]] = RemoteProtocolError(f"relay to {chain[0]} failed: {end.message}")
+                chain = chain[1:]
+            if not chain:
+                break
+            head, chain = chain[0], chain[1:]
+            try:
+                with self._sibling(head) as again:
+                    if not again._relay_start(chain):
+                        raise OptionError(f"{head} does not relay")
+                    result, end = again._relay_rest(source, o, prepared, chain)
+                results[head] = result
+            except Exception as e:  # noqa: BLE001 - this hop failed from this client too: dropped next round
+                end = RelayReply(False, failed=head, message=f"{type(e).__name__}: {e}")
+                named[head] = 1
+                chain = [head, *chain]
+        if errors:
+            raise PushError(errors, results)
+        return results
+
+    def _relay_start(self, hops: builtins.list[str]) -> bool:
+        """RELAY ``hops`` (none: a plain push); whether this client's server relays."""
+        if not hops:
+            return True
+        conn = self._conn()
+        conn.send(conn.frame(Relay(tuple(hops))))
+        return conn.expect(RelayReply).ok
+
+    def _relay_rest(
+        self,
+        source: Source | Tensors,
+        o: PushOptions,
+        prepared: tuple[builtins.list[TensorInfo], Reference | None] | None,
+        hops: builtins.list[str],
+    ) -> tuple[PushResult, RelayReply]:
+        """The push after RELAY, every ALLOC naming its digest, and RELAY_END's reply."""
+        if isinstance(source, Mapping):
+            result = self._push_memory(source, o, digests=True)
+        else:
+            result = self._push_checkpoint(source, o, digests=True, prepared=prepared)
+        if not hops:
+            return result, RelayReply(True, result.tensors, result.bytes)
+        conn = self._conn()
+        conn.send(conn.frame(RelayEnd()))
+        return result, conn.expect(RelayReply)
 
     # -- list / pull / free --------------------------------------------------------------------------
 
