@@ -5,6 +5,7 @@ every hop, and a hop that fails named."""
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import numpy as np
 import pytest
@@ -153,26 +154,53 @@ def test_a_relay_that_changes_a_byte_is_caught_and_routed_around(tmp_path, monke
 
 
 def test_a_relay_killed_mid_push_is_dropped_and_its_child_served_by_the_client(tmp_path, monkeypatch):
-    """The second server dies after the first has forwarded it two tensors: the client is told
-    which, and the third server, which had some tensors from it, gets every one from the client."""
+    """The second server dies once the first has forwarded it a batch: the client is told which,
+    and the third server gets every tensor from the client."""
     path, tensors = _model(tmp_path)
-    forward = relay_module.Relay.forward
+    push = relay_module.Relay._push
     with _fleet(3, token=TOKEN) as (servers, addrs):
-        sent = []
+        killed = []
 
-        def killing(self, name, dtype, shape, data, digest):
-            if self.rest:  # the first server's relay, to the second
-                sent.append(name)
-                if len(sent) == 3:
-                    servers[1].close()
-            forward(self, name, dtype, shape, data, digest)
+        def killing(self, client, batch):
+            push(self, client, batch)
+            if self.next == addrs[1] and not killed:  # the first server's relay, to the second
+                killed.append(len(batch))
+                servers[1].close()
 
-        monkeypatch.setattr(relay_module.Relay, "forward", killing)
+        monkeypatch.setattr(relay_module.Relay, "_push", killing)
         with Client(addrs[0], token=TOKEN) as c, pytest.raises(PushError) as e:
             c.push(path, to=addrs[1:])
+        assert killed
         assert set(e.value.errors) == {addrs[1]}
         assert set(e.value.results) == {addrs[0], addrs[2]}
         _holds(servers[0], tensors)
+        _holds(servers[2], tensors)
+
+
+def test_a_stalled_relay_is_timed_out_dropped_and_its_child_served_by_the_client(tmp_path, monkeypatch):
+    """The second server stops forwarding: the first gives up on it after RELAY_TIMEOUT, the
+    client tries it once itself, then drops it and pushes to the third directly."""
+    path, tensors = _model(tmp_path)
+    monkeypatch.setattr(relay_module, "RELAY_TIMEOUT", 1.0)
+    push = relay_module.Relay._push
+    release = threading.Event()
+
+    def stalling(self, client, batch):
+        if not self.rest and self.next == addrs[2]:  # the second server's relay, to the third
+            release.wait(30)
+        push(self, client, batch)
+
+    monkeypatch.setattr(relay_module.Relay, "_push", stalling)
+    with _fleet(3, token=TOKEN) as (servers, addrs):
+        try:
+            with Client(addrs[0], token=TOKEN, timeout=2.0) as c, pytest.raises(PushError) as e:
+                c.push(path, to=addrs[1:])
+        finally:
+            release.set()
+        assert set(e.value.errors) == {addrs[1]}
+        assert set(e.value.results) == {addrs[0], addrs[2]}
+        _holds(servers[0], tensors)
+        _holds(servers[1], tensors)  # it received everything; only its forwarding stalled
         _holds(servers[2], tensors)
 
 

@@ -175,6 +175,10 @@ class PushOptions:
         if self.to is not None and not isinstance(self.to, Mapping) and len(self.to) >= MAX_HOPS:
             raise OptionError(f"push(to=...) relays to fewer than {MAX_HOPS} servers; got {len(self.to)}")
         if isinstance(source, Mapping):
+            if self.to is not None and (self.base is not None or self.in_place):
+                raise OptionError(
+                    "push(to=..., base=..., in_place=...): a relayed push is no update; updates go to one server"
+                )
             if self.to is not None and not self.relayed:
                 raise OptionError(
                     'push(to=...) of tensors from memory relays them: a list of addresses, not relay="direct"'
@@ -413,6 +417,8 @@ class Client:
             if self.bases is not None:
                 self.bases.forget()  # the server holds some version of each: none is a sure base
             raise
+        if self.bases is not None and spec is None and digests:
+            self.bases.forget()  # a relayed push replaced the server's versions: none is a sure base
         if self.bases is not None and spec is not None:
             for t in infos:
                 self.bases.record(t.name, t.dtype, t.shape, spec.digests[t.name], host_bytes(t))

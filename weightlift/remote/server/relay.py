@@ -70,12 +70,13 @@ class Relay:
     returns the RELAY_REPLY; :meth:`close` gives up (the client went away).
     """
 
-    def __init__(self, config: ServerConfig, hops: tuple[str, ...], *, timeout: float = RELAY_TIMEOUT):
+    def __init__(self, config: ServerConfig, hops: tuple[str, ...], *, timeout: float | None = None):
         if not hops or len(hops) > MAX_HOPS:
             raise OptionError(f"a relay names between 1 and {MAX_HOPS} hops, got {len(hops)}")
         for h in hops:
             parse_address(h)  # OptionError now, not on the relay's thread
         self.next, self.rest = hops[0], hops[1:]
+        timeout = RELAY_TIMEOUT if timeout is None else timeout
         self.options = ClientOptions(token=config.peer_token, tls=config.peer_tls, timeout=timeout)
         self.tensors = self.nbytes = 0  # forwarded and proven at the next hop
         self.error: BaseException | None = None
