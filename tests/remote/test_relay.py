@@ -204,6 +204,21 @@ def test_a_stalled_relay_is_timed_out_dropped_and_its_child_served_by_the_client
         _holds(servers[2], tensors)
 
 
+def test_a_relaying_server_refuses_a_tensor_without_the_origins_digest(tmp_path):
+    """After RELAY every ALLOC must name its digest: a tensor a hop could not prove is neither
+    published nor forwarded."""
+    path, _ = _model(tmp_path)
+    with _fleet(2) as (servers, addrs), Client(addrs[0]) as c:
+        conn = c.connections[0]
+        conn.send(conn.frame(P.Relay((addrs[1],))))
+        assert conn.expect(P.RelayReply).ok
+        with pytest.raises(RemoteProtocolError, match="names every tensor's digest"):
+            c.push(path)  # a plain push: no digests to a server without a cache
+        conn.send(conn.frame(P.RelayEnd()))
+        assert conn.expect(P.RelayReply).ok  # nothing was forwarded, so nothing failed
+        assert set(servers[0].tensors()) == {"empty"} and set(servers[1].tensors()) == {"empty"}
+
+
 def test_chain_needs_servers_that_relay_and_auto_falls_back_to_direct(tmp_path):
     path, tensors = _model(tmp_path)
     with _fleet(2, protocol_minor=P.PREVIOUS_MINOR) as (servers, addrs):
