@@ -310,6 +310,16 @@ class Client:
         ``{address: PushResult}`` once every push has landed; if any failed, every push still
         runs to its end and :class:`~weightlift.errors.PushError` holds each error and result.
 
+        ``relay``: how a list of addresses (one selection; a checkpoint or tensors from memory)
+        is reached. "auto" (the default) and "chain": the client pushes to its own server only,
+        every tensor with its digest; each server proves each tensor against that digest, then
+        forwards it to the next address of the list (:mod:`weightlift.remote.server.relay`), so
+        the client sends each byte once (``PushResult.bytes_sent`` is 0 for the servers reached
+        through a relay). A hop that dies, stalls or forwards wrong bytes is routed around from
+        this client; one that fails from here too is named in PushError, whose results say who
+        holds everything. "auto" pushes directly where the first server cannot relay (protocol
+        minor 7, host memory); "chain" raises OptionError there. "direct": one push per server.
+
         ``verify``: the server hashes every tensor as it lands and reports the digests of what it
         stored; the client compares them with the published manifest (``manifest``, else the one
         published beside the checkpoint, :func:`~weightlift.digest.published.reference`), else

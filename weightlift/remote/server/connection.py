@@ -46,14 +46,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from weightlift.errors import (
-    AuthError,
-    LocalProtocolError,
-    OptionError,
-    RemoteProtocolError,
-    TransportError,
-    WeightliftError,
-)
+from weightlift.errors import AuthError, LocalProtocolError, RemoteProtocolError, TransportError, WeightliftError
 from weightlift.profile import Profiler
 from weightlift.remote import delta as codec
 from weightlift.remote.protocol import (
@@ -83,7 +76,6 @@ from weightlift.remote.protocol import (
     Message,
     Read,
     RelayEnd,
-    RelayReply,
     ServerSession,
     SessionState,
     Update,
@@ -99,13 +91,11 @@ from weightlift.remote.protocol import (
     verify_mac,
     verify_usable,
 )
-from weightlift.remote.protocol import (
-    Relay as RelayRequest,
-)
+from weightlift.remote.protocol import Relay as RelayRequest
 from weightlift.remote.server.admission import Context, Slot
 from weightlift.remote.server.reads import Outbox, Reads
 from weightlift.remote.server.receive import Destinations, DirectPath, NaivePath, PayloadPath, Receiver, Staging, Wire
-from weightlift.remote.server.relay import Relay
+from weightlift.remote.server.relay import Relays
 from weightlift.remote.server.store import Charge, MemoryFull, Store
 from weightlift.remote.server.updates.delta import Deltas
 from weightlift.remote.server.updates.switch import Switch
@@ -164,7 +154,7 @@ class Connection:
         self.reads = Reads(ctx, self.out, self.staging)
         self._done = False  # set by a handler when the connection is to end
         self.switch: Switch | None = None  # the open update (UPDATE to COMMIT)
-        self.relay: Relay | None = None  # where this connection's tensors go on to (RELAY to RELAY_END)
+        self.relays = Relays(ctx, self.rx, self.out.reply, self._event)  # RELAY to RELAY_END
         self.deltas = Deltas(
             self.store,
             self.rx,
@@ -189,8 +179,8 @@ class Connection:
             Delta: self.deltas.delta,
             Update: self._update,
             Commit: self._commit,
-            RelayRequest: self._relay,
-            RelayEnd: self._relay_end,
+            RelayRequest: self.relays.start,
+            RelayEnd: self.relays.end,
         }
 
     def _receiver(self) -> Receiver:
@@ -251,8 +241,7 @@ class Connection:
             self._close()
 
     def _close(self) -> None:
-        if self.relay is not None:  # ended without RELAY_END: the next hop gets what was handed over
-            self.relay.close()
+        self.relays.close()
         if self.switch is not None:  # ended mid-update: nothing it held becomes visible
             self.switch.abort()
             self.switch = None
@@ -321,33 +310,6 @@ class Connection:
         reply = switch.commit()
         self.out.reply(reply)
         self._event(logging.INFO, "commit", ok=reply.ok, tensors=reply.tensors, generation=reply.generation)
-
-    # -- relays ----------------------------------------------------------------------------------
-
-    def _relay(self, msg: RelayRequest) -> None:
-        if self.relay is not None or self.rx.pending:
-            raise RemoteProtocolError("RELAY after the push began, or twice on one connection")
-        if not self.ctx.pooled:
-            self.out.reply(RelayReply(False, message="this server does not relay: its tensors are not in host memory"))
-            return
-        try:
-            self.relay = Relay(self.ctx.config, msg.hops)
-        except OptionError as e:
-            self.out.reply(RelayReply(False, message=str(e)))
-            return
-        self.rx.forward = self.relay.forward
-        self.out.reply(RelayReply(True))
-        self._event(logging.INFO, "relay", hops=len(msg.hops), next=msg.hops[0])
-
-    def _relay_end(self, msg: RelayEnd) -> None:
-        relay, self.relay = self.relay, None
-        if relay is None:
-            raise RemoteProtocolError("RELAY_END without a RELAY")
-        self.rx.forward = None
-        reply = relay.end()
-        self.out.reply(reply)
-        level = logging.INFO if reply.ok else logging.WARNING
-        self._event(level, "relay_end", ok=reply.ok, tensors=reply.tensors, failed=reply.failed)
 
     def _fatal(self, code: ErrorCode, message: str) -> None:
         """Reply ERROR, then close without a reset, so the client can read why."""

@@ -34,25 +34,31 @@ hold the tensors that had passed before it failed.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from weightlift.errors import OptionError
+from weightlift.errors import OptionError, RemoteProtocolError
 from weightlift.formats import TensorInfo
 from weightlift.profile import Profiler
 from weightlift.remote.client.client import Client, ClientOptions
 from weightlift.remote.client.job import PIPELINE, Push
 from weightlift.remote.client.memory import MEMORY
-from weightlift.remote.protocol import MAX_HOPS, RelayEnd, RelayReply
+from weightlift.remote.protocol import MAX_HOPS, Message, RelayEnd, RelayReply
 from weightlift.remote.protocol import Relay as RelayMessage
 from weightlift.remote.server.config import ServerConfig
 from weightlift.remote.transport import parse_address
 
-__all__ = ["Relay", "RELAY_TIMEOUT", "BATCH_TENSORS"]
+if TYPE_CHECKING:
+    from weightlift.remote.server.admission import Context
+    from weightlift.remote.server.receive import Receiver
+
+__all__ = ["Relays", "Relay", "RELAY_TIMEOUT", "BATCH_TENSORS"]
 
 #: Seconds a hop may take to answer (its handshake, a BARRIER, its own RELAY_END) before this
 #: relay gives up on it and reports it as the hop that failed.
@@ -60,6 +66,48 @@ RELAY_TIMEOUT = 120.0
 #: Tensors pushed onward in one batch (one BARRIER): whatever has been proven since the last one,
 #: up to this many, so a hop is never more than a batch behind the one before it.
 BATCH_TENSORS = 256
+
+
+class Relays:
+    """One connection's relay, from RELAY to RELAY_END: ``rx`` (its receiver) forwards what it
+    proves while one is open; ``reply`` answers the client, ``event`` logs a line."""
+
+    def __init__(
+        self, ctx: Context, rx: Receiver, reply: Callable[[Message], None], event: Callable[..., None]
+    ) -> None:
+        self._ctx, self._rx, self._reply, self._event = ctx, rx, reply, event
+        self.relay: Relay | None = None
+
+    def start(self, msg: RelayMessage) -> None:
+        if self.relay is not None or self._rx.pending:
+            raise RemoteProtocolError("RELAY after the push began, or twice on one connection")
+        if not self._ctx.pooled:
+            self._reply(RelayReply(False, message="this server does not relay: its tensors are not in host memory"))
+            return
+        try:
+            self.relay = Relay(self._ctx.config, msg.hops)
+        except OptionError as e:
+            self._reply(RelayReply(False, message=str(e)))
+            return
+        self._rx.forward = self.relay.forward
+        self._reply(RelayReply(True))
+        self._event(logging.INFO, "relay", hops=len(msg.hops), next=msg.hops[0])
+
+    def end(self, msg: RelayEnd) -> None:
+        relay, self.relay = self.relay, None
+        if relay is None:
+            raise RemoteProtocolError("RELAY_END without a RELAY")
+        self._rx.forward = None
+        reply = relay.end()
+        self._reply(reply)
+        level = logging.INFO if reply.ok else logging.WARNING
+        self._event(level, "relay_end", ok=reply.ok, tensors=reply.tensors, failed=reply.failed)
+
+    def close(self) -> None:
+        """The connection ended: without RELAY_END, the next hop gets what was handed over."""
+        if self.relay is not None:
+            self.relay.close()
+            self.relay = None
 
 
 class Relay:
