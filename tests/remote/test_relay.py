@@ -62,6 +62,22 @@ def test_a_chain_delivers_every_byte_to_every_server_sending_it_once(tmp_path, n
         assert all(r.tensors == len(tensors) and r.bytes == model for r in results.values())
 
 
+def test_caching_servers_fill_a_second_relayed_push_from_what_they_hold(tmp_path):
+    path, tensors = _model(tmp_path)
+    model = sum(len(b) for b in tensors.values())
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(Server(cache_dir=tmp_path / f"cache{i}")) for i in range(3)]
+        addrs = [_key(s.address) for s in servers]
+        with Client(addrs[0]) as c:
+            first = c.push(path, to=addrs[1:])
+            again = c.push(path, to=addrs[1:])
+        assert first[addrs[0]].bytes_sent == model
+        assert again[addrs[0]].bytes_sent == 0 and again[addrs[0]].cached == len(tensors) - 1  # all but the empty
+        for s in servers:
+            _holds(s, tensors)
+            assert s.stats()["bytes_received"] == model  # the second push moved no payload on any hop
+
+
 def test_direct_pushes_each_server_from_the_client(tmp_path):
     path, tensors = _model(tmp_path)
     model = sum(len(b) for b in tensors.values())
@@ -151,6 +167,30 @@ def test_a_relay_that_changes_a_byte_is_caught_and_routed_around(tmp_path, monke
             _holds(s, tensors)
         # the third server's tensors came again from the client (no cache: all of them)
         assert results[addrs[2]].bytes_sent == model and results[addrs[0]].bytes_sent == model
+
+
+def test_routed_around_a_corrupting_relay_a_caching_hop_gets_only_what_it_lacks(tmp_path, monkeypatch):
+    path, tensors = _model(tmp_path)
+    forward = relay_module.Relay.forward
+    flipped: list[str] = []
+
+    def flipping(self, name, dtype, shape, data, digest):
+        if not self.rest and name == "big":  # the last tensor with bytes, on the last link
+            data = bytearray(data)
+            data[-1] ^= 1
+            flipped.append(name)
+        forward(self, name, dtype, shape, data, digest)
+
+    monkeypatch.setattr(relay_module.Relay, "forward", flipping)
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(Server(cache_dir=tmp_path / f"cache{i}")) for i in range(3)]
+        addrs = [_key(s.address) for s in servers]
+        with Client(addrs[0]) as c:
+            results = c.push(path, to=addrs[1:])
+        for s in servers:
+            _holds(s, tensors)
+        # the third server refused the changed tensor, kept the rest, and filled them again from memory
+        assert results[addrs[2]].bytes_sent == len(tensors[flipped[0]])
 
 
 def test_a_relay_killed_mid_push_is_dropped_and_its_child_served_by_the_client(tmp_path, monkeypatch):
