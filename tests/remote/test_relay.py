@@ -194,20 +194,28 @@ def test_routed_around_a_corrupting_relay_a_caching_hop_gets_only_what_it_lacks(
 
 
 def test_a_relay_killed_mid_push_is_dropped_and_its_child_served_by_the_client(tmp_path, monkeypatch):
-    """The second server dies once the first has forwarded it a batch: the client is told which,
+    """The second server dies once the first has sent it a batch: the client is told which,
     and the third server gets every tensor from the client."""
     path, tensors = _model(tmp_path)
     push = relay_module.Relay._push
+    on = threading.local()  # the relay's thread: which relay it runs
+
+    def marking(self, conn):
+        on.first = bool(self.rest)  # the first server's relay, to the second
+        push(self, conn)
+
     with _fleet(3, token=TOKEN) as (servers, addrs):
         killed = []
 
-        def killing(self, client, batch):
-            push(self, client, batch)
-            if self.next == addrs[1] and not killed:  # the first server's relay, to the second
-                killed.append(len(batch))
-                servers[1].close()
+        class Killing(relay_module.Pusher):
+            def send(self, plans):
+                super().send(plans)
+                if getattr(on, "first", False) and plans and not killed:
+                    killed.append(len(plans))
+                    servers[1].close()
 
-        monkeypatch.setattr(relay_module.Relay, "_push", killing)
+        monkeypatch.setattr(relay_module.Relay, "_push", marking)
+        monkeypatch.setattr(relay_module, "Pusher", Killing)
         with Client(addrs[0], token=TOKEN) as c, pytest.raises(PushError) as e:
             c.push(path, to=addrs[1:])
         assert killed
@@ -225,10 +233,10 @@ def test_a_stalled_relay_is_timed_out_dropped_and_its_child_served_by_the_client
     push = relay_module.Relay._push
     release = threading.Event()
 
-    def stalling(self, client, batch):
+    def stalling(self, conn):
         if not self.rest and self.next == addrs[2]:  # the second server's relay, to the third
             release.wait(30)
-        push(self, client, batch)
+        push(self, conn)
 
     monkeypatch.setattr(relay_module.Relay, "_push", stalling)
     with _fleet(3, token=TOKEN) as (servers, addrs):

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
-from weightlift.digest.blake import DigestPool
+from weightlift.digest.blake import DigestPool, hash_buffer
 from weightlift.digest.sidecar import hash_tensors
 from weightlift.disk.source import mapped
 from weightlift.dtypes import CODES, byte_length
@@ -165,6 +165,16 @@ class Hashing:
             return host_bytes(t)
         return mapped(t.file).view(t.offset, t.length)
 
+    def carry(self, plans: list[Plan]) -> None:
+        """Relayed tensors handed over after the push began: the digests they carry, as above;
+        an empty tensor, which carries none, the digest of no bytes."""
+        for p in plans:
+            digest = p.info.extra.get("relayed")
+            if digest is None and p.info.length == 0:
+                self.all[p.info.name] = _done(hash_buffer(b""))
+            elif digest is not None:
+                self.futures[p.info.name] = self.all[p.info.name] = _done(digest)
+
     def close(self, *, ok: bool) -> None:
         """After a push: wait for the workers (they save the manifests), or cancel on failure."""
         if self._pool is not None:
@@ -220,6 +230,16 @@ class Pusher:
         self.settled = True  # False while frames are out that no BARRIER reply has answered
 
     def run(self, plans: list[Plan]) -> None:
+        self.send(plans)
+        self._barrier()
+
+    def finish(self) -> None:
+        """The BARRIER that ends a push whose tensors went out by :meth:`send`."""
+        self._barrier()
+
+    def send(self, plans: list[Plan]) -> None:
+        """Every tensor of ``plans`` on the wire, without the BARRIER that ends a push: a relay
+        sends each batch as it is handed over, so the link never waits on an acknowledgment."""
         if plans:
             self.settled = False
         futures = self.hashing.futures
@@ -239,11 +259,12 @@ class Pusher:
                 futures[large[0].info.name].result()  # nothing else to send: wait for this hash
             if self.verify and self.since_barrier >= MAX_DIGESTS // 2:
                 self._barrier(last=False)
-        self._barrier()
 
     def _large(self, plans: list[Plan]) -> None:
         digests = [self.hashing.futures[p.info.name].result() for p in plans]
-        have = self._have(digests)
+        # a server without a cache holds nothing to fill from (a relayed push names every digest
+        # all the same); HAVE would only wait for what was sent before it to be received
+        have = self._have(digests) if self.conn.cache else (False,) * len(digests)
         for p, d, h in zip(plans, digests, have, strict=False):
             if h:
                 self._fill(p, d)

@@ -5,7 +5,7 @@ after a RELAY naming the others in order. Every ALLOC of that push names the ten
 origin's BLAKE3, hashed where the bytes come from), and the receiver proves the bytes that
 landed against it before the tensor is published (:mod:`~weightlift.remote.server.receive`). A
 proven tensor is handed to this connection's :class:`Relay` at once, which pushes it onward to
-the next hop with the client's own code (:class:`~weightlift.remote.client.job.Push` over a
+the next hop with the client's own code (:class:`~weightlift.remote.client.push.Pusher` over a
 :class:`~weightlift.remote.client.connection.Connection`): the tensor's memory as the payload,
 and in its ALLOC the digest the origin sent, never one the relay computed. That hop proves the
 bytes against the origin's digest in turn, publishes, and forwards to the hop after it, named by
@@ -43,12 +43,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from weightlift.errors import OptionError, RemoteProtocolError
+from weightlift.errors import IntegrityError, OptionError, RemoteProtocolError
 from weightlift.formats import TensorInfo
 from weightlift.profile import Profiler
 from weightlift.remote.client.client import Client, ClientOptions
-from weightlift.remote.client.job import PIPELINE, Push
+from weightlift.remote.client.connection import Connection
 from weightlift.remote.client.memory import MEMORY
+from weightlift.remote.client.push import Hashing, Pusher, Tally, wire_form
 from weightlift.remote.protocol import MAX_HOPS, Message, RelayEnd, RelayReply
 from weightlift.remote.protocol import Relay as RelayMessage
 from weightlift.remote.server.config import ServerConfig
@@ -63,8 +64,8 @@ __all__ = ["Relays", "Relay", "RELAY_TIMEOUT", "BATCH_TENSORS"]
 #: Seconds a hop may take to answer (its handshake, a BARRIER, its own RELAY_END) before this
 #: relay gives up on it and reports it as the hop that failed.
 RELAY_TIMEOUT = 120.0
-#: Tensors pushed onward in one batch (one BARRIER): whatever has been proven since the last one,
-#: up to this many, so a hop is never more than a batch behind the one before it.
+#: Tensors handed to the sender at once: whatever has been proven since it last took some, up to
+#: this many; batches follow one another on the wire with no BARRIER between them.
 BATCH_TENSORS = 256
 
 
@@ -168,15 +169,7 @@ class Relay:
                 reply = conn.expect(RelayReply)
                 if not reply.ok:
                     raise OptionError(f"{self.next} refuses to relay: {reply.message}")
-            done = False
-            while not done:
-                batch = [self._queue.get()]
-                while len(batch) < BATCH_TENSORS and not self._queue.empty():
-                    batch.append(self._queue.get())
-                done = batch[-1] is None or None in batch
-                tensors = [t for t in batch if t is not None]
-                if tensors:
-                    self._push(client, tensors)
+            self._push(conn)
             if self.rest:
                 conn.send(conn.frame(RelayEnd()))
                 self._downstream = conn.expect(RelayReply)
@@ -186,17 +179,23 @@ class Relay:
             if client is not None:
                 client.close()
 
-    def _push(self, client: Client, tensors: list[TensorInfo]) -> None:
-        job = Push(
-            tensors,
-            list(client.connections[:1]),
-            where=self.next,
-            how=PIPELINE,
-            profiler=Profiler(False),
-            hash_threshold=0,
-            verify=True,
-            digests=True,
-        )
-        result = job.run()
-        self.tensors += result.tensors
-        self.nbytes += result.bytes
+    def _push(self, conn: Connection) -> None:
+        """One push to the next hop, its tensors sent batch by batch as they are handed over
+        (one BARRIER at the end, and every MAX_DIGESTS / 2 tensors for their digests)."""
+        prof = Profiler(False)
+        tally = Tally()
+        hashing = Hashing([], threshold=0, prof=prof, enabled=True, verify=True)
+        pusher = Pusher(conn, prof=prof, tally=tally, hashing=hashing, threshold=0, verify=True)
+        done = False
+        while not done:
+            batch = [self._queue.get()]
+            while len(batch) < BATCH_TENSORS and not self._queue.empty():
+                batch.append(self._queue.get())
+            done = None in batch
+            plans = [wire_form(t) for t in batch if t is not None]
+            hashing.carry(plans)
+            pusher.send(plans)
+        pusher.finish()
+        if tally.differ:  # the hop stored other bytes than it proved: it refuses them itself first
+            raise IntegrityError(f"{self.next} reports other digests for " + ", ".join(tally.differ))
+        self.tensors, self.nbytes = tally.tensors, tally.bytes
