@@ -78,6 +78,18 @@ def test_caching_servers_fill_a_second_relayed_push_from_what_they_hold(tmp_path
             assert s.stats()["bytes_received"] == model  # the second push moved no payload on any hop
 
 
+def test_a_client_of_several_streams_relays_over_the_one_its_relay_was_asked_on(tmp_path):
+    path, tensors = _model(tmp_path)
+    with _fleet(3, token=TOKEN) as (servers, addrs):
+        with Client(addrs[0], token=TOKEN, streams=3) as c:
+            c.push(path, to=addrs[1:], relay="chain")
+            assert len(c.connections) == 1
+            c.push(path)  # a plain push still spreads over its streams
+            assert len(c.connections) == 3
+        for s in servers:
+            _holds(s, tensors)
+
+
 def test_direct_pushes_each_server_from_the_client(tmp_path):
     path, tensors = _model(tmp_path)
     model = sum(len(b) for b in tensors.values())

@@ -372,13 +372,16 @@ class Client:
         tensor's digest (a relayed push); ``prepared``: what :meth:`_prepare` returned."""
         tensors, ref = prepared if prepared is not None else self._prepare(source, o)
         self._conn()
-        while len(self._conns) < self.streams:
+        # a relayed push goes over the one connection its RELAY was sent on: a tensor sent over
+        # another would land on this server and be relayed to no one
+        streams = 1 if digests else self.streams
+        while len(self._conns) < streams:
             self._conns.append(self._connect())
         if self._own_profiler:
             self.profiler.reset()
         job = Push(
             tensors,
-            self._conns[: self.streams],
+            self._conns[:streams],
             where=address_key(self.address),
             how=self._strategy,
             profiler=self.profiler,
