@@ -279,6 +279,24 @@ def test_a_relaying_server_refuses_a_tensor_without_the_origins_digest(tmp_path)
         assert set(servers[0].tensors()) == {"empty"} and set(servers[1].tensors()) == {"empty"}
 
 
+def test_a_relay_and_an_update_do_not_mix_on_one_connection():
+    with _fleet(2) as (_, addrs):
+        with Client(addrs[0]) as c:
+            conn = c.connections[0]
+            conn.send(conn.frame(P.Update()))
+            conn.send(conn.frame(P.Relay((addrs[1],))))
+            with pytest.raises(RemoteProtocolError, match="inside an update"):
+                conn.expect(P.RelayReply)
+        with Client(addrs[0]) as c:
+            conn = c.connections[0]
+            conn.send(conn.frame(P.Relay((addrs[1],))))
+            assert conn.expect(P.RelayReply).ok
+            conn.send(conn.frame(P.Update()))
+            conn.send(conn.frame(P.Barrier()))
+            with pytest.raises(RemoteProtocolError, match="a relay is open"):
+                conn.expect(P.BarrierReply)
+
+
 def test_chain_needs_servers_that_relay_and_auto_falls_back_to_direct(tmp_path):
     path, tensors = _model(tmp_path)
     with _fleet(2, protocol_minor=P.PREVIOUS_MINOR) as (servers, addrs):

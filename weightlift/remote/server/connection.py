@@ -288,8 +288,8 @@ class Connection:
         return self.ctx.pooled and codec.available()
 
     def _update(self, msg: Update) -> None:
-        if self.switch is not None:
-            raise RemoteProtocolError("UPDATE while an update is open on this connection")
+        if self.switch is not None or self.relays.open:
+            raise RemoteProtocolError("UPDATE while an update or a relay is open on this connection")
         self.switch = Switch(self.store, in_place=bool(msg.flags & Update.FLAG_IN_PLACE), cache=self.ctx.cache)
         self.rx.publish = self.switch.hold
 

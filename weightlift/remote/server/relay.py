@@ -82,6 +82,8 @@ class Relays:
     def start(self, msg: RelayMessage) -> None:
         if self.relay is not None or self._rx.pending:
             raise RemoteProtocolError("RELAY after the push began, or twice on one connection")
+        if self._rx.publish != self._ctx.store.publish:  # an update's tensors are visible at its COMMIT only
+            raise RemoteProtocolError("RELAY inside an update: a relayed push is no update")
         if not self._ctx.pooled:
             self._reply(RelayReply(False, message="this server does not relay: its tensors are not in host memory"))
             return
@@ -103,6 +105,11 @@ class Relays:
         self._reply(reply)
         level = logging.INFO if reply.ok else logging.WARNING
         self._event(level, "relay_end", ok=reply.ok, tensors=reply.tensors, failed=reply.failed)
+
+    @property
+    def open(self) -> bool:
+        """Whether a RELAY is open (until RELAY_END)."""
+        return self.relay is not None
 
     def close(self) -> None:
         """The connection ended: without RELAY_END, the next hop gets what was handed over."""
