@@ -511,11 +511,16 @@ class Client:
         result = next(iter(results.values()))
         errors: dict[str, BaseException] = {}
         named: dict[str, int] = {}
+        skipped: dict[str, str] = {}  # hops a relay routed around: served from this client below
         chain = hops
         while True:
             failed = chain.index(end.failed) if not end.ok and end.failed in chain else len(chain)
+            skipped.update(dict.fromkeys((h for h in end.skipped if h in chain[:failed]), end.message))
             for h in chain[:failed]:  # a relay's hop holds what its chain's first hop holds, each proven there
-                results[h] = PushResult(result.tensors, result.bytes, 0, 0, 0, result.seconds, verified=result.tensors)
+                if h not in skipped:
+                    results[h] = PushResult(
+                        result.tensors, result.bytes, 0, 0, 0, result.seconds, verified=result.tensors
+                    )
             if end.ok or failed == len(chain):
                 if not end.ok:  # a reply that names no hop of this chain
                     errors[chain[-1]] = RemoteProtocolError(f"relay failed: {end.message}")
@@ -538,9 +543,33 @@ class Client:
                 end = RelayReply(False, failed=head, message=f"{type(e).__name__}: {e}")
                 named[head] = 1
                 chain = [head, *chain]
+        self._serve_skipped(source, o, prepared, skipped, results, errors)
         if errors:
             raise PushError(errors, results)
         return results
+
+    def _serve_skipped(
+        self,
+        source: Source | Tensors,
+        o: PushOptions,
+        prepared: tuple[builtins.list[TensorInfo], Reference | None] | None,
+        skipped: dict[str, str],
+        results: dict[str, PushResult],
+        errors: dict[str, BaseException],
+    ) -> None:
+        """Each hop a relay routed around (it died or stalled; the hops after it were served by
+        the relay) tried once more from this client, alone: its result, or its error."""
+        for h, why in skipped.items():
+            if h in results or h in errors:
+                continue
+            try:
+                with self._sibling(h) as one:
+                    results[h] = one._relay_rest(source, o, prepared, [])[0]
+            except Exception as e:  # noqa: BLE001 - named in PushError
+                errors[h] = RemoteProtocolError(
+                    f"relay to {h} failed ({why}), and from this client: {type(e).__name__}: {e}; "
+                    "it holds the tensors that reached it before"
+                )
 
     def _relay_start(self, hops: builtins.list[str]) -> bool:
         """RELAY ``hops`` (none: a plain push); whether this client's server relays."""

@@ -299,7 +299,9 @@ def _dec_relay(r: _Reader, lim: _Limits) -> Relay:
 def _dec_relay_reply(r: _Reader, lim: _Limits) -> RelayReply:
     ok, tensors, nbytes, n = r.unpack(RelayReply.LAYOUT, "RELAY_REPLY head")
     failed = r.text(n, MAX_NAME, "relay hop", empty_ok=True)
-    return RelayReply(bool(ok), tensors, nbytes, failed, r.name("message", empty_ok=True, limit=MAX_MESSAGE))
+    message = r.name("message", empty_ok=True, limit=MAX_MESSAGE)
+    count = r.count(Relay.LAYOUT, NAME_LAYOUT.size + 1, MAX_HOPS, "skipped hops")
+    return RelayReply(bool(ok), tensors, nbytes, failed, message, tuple(r.name("skipped hop") for _ in range(count)))
 
 
 def _dec_error(r: _Reader, lim: _Limits) -> Error:

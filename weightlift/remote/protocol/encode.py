@@ -242,7 +242,10 @@ def _enc_relay(m: Relay, minor: int) -> bytes:
 def _enc_relay_reply(m: RelayReply, minor: int) -> bytes:
     failed = _name(m.failed, "RELAY_REPLY hop") if m.failed else NAME_LAYOUT.pack(0)
     head = RelayReply.LAYOUT.pack(1 if m.ok else 0, m.tensors, m.nbytes, len(failed) - 2)
-    return head + failed[2:] + _text(m.message)
+    if len(m.skipped) > MAX_HOPS:
+        raise LocalProtocolError(f"RELAY_REPLY skips {len(m.skipped)} hops; the limit is {MAX_HOPS}")
+    skipped = Relay.LAYOUT.pack(len(m.skipped)) + b"".join(_name(h, "skipped hop") for h in m.skipped)
+    return head + failed[2:] + _text(m.message) + skipped
 
 
 def _enc_error(m: Error, minor: int) -> bytes:

@@ -612,9 +612,11 @@ class RelayEnd(Message):
 @dataclass(frozen=True, slots=True)
 class RelayReply(Message):
     """How a relay went. Wire: LAYOUT(ok, tensors, nbytes, failed_len) failed, message_len:u16
-    message. ``tensors`` and ``nbytes``: what the last hop that answered holds of this push;
-    ``failed``: the address of the first hop that did not get every tensor ("" when ``ok``);
-    ``message``: why."""
+    message, skipped_count:u16 skipped hops (name-encoded). ``tensors`` and ``nbytes``: what the
+    answering server forwarded; ``failed``: the first hop that did not get every tensor, it and
+    the hops after it holding what reached them ("" when ``ok``); ``skipped``: hops that died or
+    stalled and were routed around by the hop before them, the hops after them served from there
+    (each holds what reached it before); ``message``: why."""
 
     COMMAND = Command.RELAY_REPLY
     LAYOUT = struct.Struct("<BIQH")
@@ -624,6 +626,7 @@ class RelayReply(Message):
     nbytes: int = 0
     failed: str = ""
     message: str = ""
+    skipped: tuple[str, ...] = ()
 
 
 MESSAGE_TYPES: dict[Command, type[Message]] = {

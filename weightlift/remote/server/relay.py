@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from weightlift.errors import IntegrityError, OptionError, RemoteProtocolError
+from weightlift.errors import IntegrityError, OptionError, RemoteProtocolError, TransportError
 from weightlift.formats import TensorInfo
 from weightlift.profile import Profiler
 from weightlift.remote.client.client import Client, ClientOptions
@@ -124,6 +124,12 @@ class Relay:
 
     :meth:`forward` hands over a proven tensor (never blocks); :meth:`end` waits for every hop and
     returns the RELAY_REPLY; :meth:`close` gives up (the client went away).
+
+    A next hop that cannot be reached, dies or stalls (a transport failure) is skipped: the hop
+    after it gets every tensor handed over so far, then the rest, from here (a caching hop fills
+    what it already holds), and the reply names the skipped hop. A next hop that refuses what it
+    is sent (bytes that do not hash to the origin's digest) is not skipped: the fault may be this
+    relay's, so the reply names it as failed and the client serves it and the hops after it.
     """
 
     def __init__(self, config: ServerConfig, hops: tuple[str, ...], *, timeout: float | None = None):
@@ -136,7 +142,11 @@ class Relay:
         self.options = ClientOptions(token=config.peer_token, tls=config.peer_tls, timeout=timeout)
         self.tensors = self.nbytes = 0  # forwarded and proven at the next hop
         self.error: BaseException | None = None
+        self.skipped: list[str] = []  # hops routed around, in chain order
+        self._why: list[str] = []
         self._queue: queue.SimpleQueue[TensorInfo | None] = queue.SimpleQueue()
+        self._handed: list[TensorInfo] = []  # every tensor taken from the queue: sent again past a skipped hop
+        self._ended = False  # the queue's end was taken
         self._downstream: RelayReply | None = None
         self._thread = threading.Thread(target=self._run, name=f"weightlift-relay {self.next}", daemon=True)
         self._thread.start()
@@ -155,21 +165,39 @@ class Relay:
         """Every tensor has been handed over: wait for the onward push and the hops after it."""
         self._queue.put(None)
         self._thread.join()
+        why = "; ".join(self._why)
         if self.error is not None:
-            return RelayReply(False, self.tensors, self.nbytes, self.next, f"{type(self.error).__name__}: {self.error}")
-        down = self._downstream
-        if down is not None and not down.ok:
-            return down
-        return RelayReply(True, self.tensors, self.nbytes)
+            message = "; ".join([*self._why, f"{type(self.error).__name__}: {self.error}"])
+            return RelayReply(False, self.tensors, self.nbytes, self.next, message, tuple(self.skipped))
+        down = self._downstream or RelayReply(True)
+        skipped = (*self.skipped, *down.skipped)
+        message = "; ".join(m for m in (why, down.message) if m)
+        return RelayReply(down.ok, self.tensors, self.nbytes, down.failed, message, skipped)
 
     def close(self) -> None:
         """The connection ended without RELAY_END: stop after what was handed over."""
         self._queue.put(None)
 
     def _run(self) -> None:
-        client: Client | None = None
+        while True:
+            try:
+                self._deliver()
+                return
+            except TransportError as e:  # dead, stalled or unreachable: the hops after it are served from here
+                if not self.rest:
+                    self.error = e
+                    return
+                self.skipped.append(self.next)
+                self._why.append(f"{self.next} skipped: {e}")
+                self.next, self.rest = self.rest[0], self.rest[1:]
+            except BaseException as e:  # noqa: BLE001 - reported by RELAY_END, naming this hop
+                self.error = e
+                return
+
+    def _deliver(self) -> None:
+        """Connect to the next hop, RELAY the rest of the chain to it, push, and RELAY_END."""
+        client = Client.with_options(self.next, replace(self.options))
         try:
-            client = Client.with_options(self.next, replace(self.options))
             conn = client.connections[0]
             if self.rest:
                 conn.send(conn.frame(RelayMessage(self.rest)))
@@ -180,28 +208,33 @@ class Relay:
             if self.rest:
                 conn.send(conn.frame(RelayEnd()))
                 self._downstream = conn.expect(RelayReply)
-        except BaseException as e:  # noqa: BLE001 - reported by RELAY_END, naming this hop
-            self.error = e
         finally:
-            if client is not None:
-                client.close()
+            client.close()
 
     def _push(self, conn: Connection) -> None:
-        """One push to the next hop, its tensors sent batch by batch as they are handed over
-        (one BARRIER at the end, and every MAX_DIGESTS / 2 tensors for their digests)."""
+        """One push to the next hop: what was handed over before (to a hop after a skipped one),
+        then each batch as it is handed over (one BARRIER at the end, and every MAX_DIGESTS / 2
+        tensors for their digests)."""
         prof = Profiler(False)
         tally = Tally()
         hashing = Hashing([], threshold=0, prof=prof, enabled=True, verify=True)
         pusher = Pusher(conn, prof=prof, tally=tally, hashing=hashing, threshold=0, verify=True)
-        done = False
-        while not done:
-            batch = [self._queue.get()]
-            while len(batch) < BATCH_TENSORS and not self._queue.empty():
-                batch.append(self._queue.get())
-            done = None in batch
-            plans = [wire_form(t) for t in batch if t is not None]
+        batch = list(self._handed)
+        while True:
+            plans = [wire_form(t) for t in batch]
             hashing.carry(plans)
             pusher.send(plans)
+            if self._ended:
+                break
+            batch = []
+            item = self._queue.get()
+            while item is not None:
+                batch.append(item)
+                if len(batch) >= BATCH_TENSORS or self._queue.empty():
+                    break
+                item = self._queue.get()
+            self._ended = item is None
+            self._handed.extend(batch)
         pusher.finish()
         if tally.differ:  # the hop stored other bytes than it proved: it refuses them itself first
             raise IntegrityError(f"{self.next} reports other digests for " + ", ".join(tally.differ))
