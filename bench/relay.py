@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,17 +35,24 @@ from _common import MIB, ROOT, netns, parser, write_json
 def _client(argv: list[str]) -> int:
     """In the client's namespace: one push, its seconds and per-server results as JSON."""
     sys.path.insert(0, str(ROOT))
+    from weightlift.errors import PushError
     from weightlift.remote.client.client import Client
     from weightlift.remote.token import read_token
 
     path, token_file, arm, *addrs = argv
     token = read_token(token_file)
+    errors: dict[str, str] = {}
     t0 = time.perf_counter()
     with Client(addrs[0], token=token, timeout=300) as c:
-        results = c.push(path, to=addrs[1:], relay=arm) if len(addrs) > 1 else {addrs[0]: c.push(path)}
+        try:
+            results = c.push(path, to=addrs[1:], relay=arm) if len(addrs) > 1 else {addrs[0]: c.push(path)}
+        except PushError as e:  # a server killed on purpose: the others' results, and its error
+            results = e.results
+            errors = {k: str(v) for k, v in e.errors.items()}
     seconds = time.perf_counter() - t0
     sent = sum(r.bytes_sent for r in results.values())
-    print(json.dumps({"seconds": seconds, "bytes_sent": sent, "bytes": [r.bytes for r in results.values()]}))
+    held = [r.bytes for r in results.values()]
+    print(json.dumps({"seconds": seconds, "bytes_sent": sent, "bytes": held, "errors": errors}))
     return 0
 
 
@@ -68,6 +76,61 @@ def _cap(ns: str, dev: str, rate: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, timeout=30)
 
 
+def _one_run(
+    net: Any,
+    members: list[tuple[str, str, str]],
+    n: int,
+    arm: str,
+    rnd: int,
+    args: Any,
+    path: str,
+    token: Path,
+    model: int,
+    one_time: float,
+) -> dict[str, Any]:
+    """Fresh servers on the first ``n`` members after the client, one client run, its row."""
+    client_ns, client_dev, _ = members[0]
+    cache = Path(token).parent
+    servers = [
+        net.serve(
+            ns,
+            addr,
+            "--token-file",
+            str(token),
+            *(["--cache-dir", str(cache / f"c{n}{arm}{rnd}{k}")] if args.cache else []),
+        )
+        for k, (ns, _, addr) in enumerate(members[1 : n + 1])
+    ]
+    kill = None
+    if args.kill_at is not None and n >= 3 and one_time:  # the second server: a relay with hops after it
+        kill = threading.Timer(args.kill_at * one_time, servers[1][0].kill)
+        kill.start()
+    try:
+        before = _tx_bytes(client_ns, client_dev)
+        cmd = [sys.executable, __file__, "client", path, str(token), arm]
+        r = net.run(client_ns, cmd + [a for _, a in servers], timeout=args.timeout, cwd=ROOT)
+        tx = _tx_bytes(client_ns, client_dev) - before
+    finally:
+        if kill is not None:
+            kill.cancel()
+        for proc, _ in servers:
+            proc.kill()
+            proc.wait()
+    if r.returncode:
+        raise RuntimeError(f"N={n} {arm}: {r.stderr[-3000:]}")
+    res = json.loads(r.stdout.splitlines()[-1])
+    survivors = n - len(res["errors"])
+    if res["bytes"] != [model] * survivors or len(res["errors"]) > (1 if kill else 0):
+        raise RuntimeError(f"N={n} {arm}: servers hold {res['bytes']} of {model}: {res['errors']}")
+    print(
+        f"N={n} {arm:6s} {res['seconds']:7.2f} s  payload out {res['bytes_sent'] / model:.3f}x"
+        f"  interface tx {tx / model:.3f}x" + (f"  (a relay killed: {len(res['errors'])} lost)" if kill else ""),
+        flush=True,
+    )
+    row = {"n": n, "arm": arm, "round": rnd, "seconds": res["seconds"], "killed": bool(kill)}
+    return row | {"payload_sent": res["bytes_sent"], "tx_bytes": tx, "lost": len(res["errors"])}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["client"]:
@@ -81,6 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=1, help="rounds per N (default 1)")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--quick", action="store_true", help="64 MiB, N = 1, 2")
+    p.add_argument(
+        "--kill-at",
+        type=float,
+        default=None,
+        help="kill the second server (a relay) this far into one receiver's time (e.g. 0.3); the rest must hold all",
+    )
+    p.add_argument("--cache", action="store_true", help="servers keep a cache (a hop routed to fills what it holds)")
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     args = p.parse_args(argv)
     if args.quick:
@@ -101,37 +171,16 @@ def main(argv: list[str] | None = None) -> int:
             members = net.star(max(counts) + 1)
             for ns, dev, _ in members:
                 _cap(ns, dev, args.rate)
-            client_ns, client_dev, _ = members[0]
+            one_time = 0.0  # one receiver's time: when a relay is killed (--kill-at)
             for n in counts:
                 for rnd in range(args.runs):
                     for arm in arms if rnd % 2 == 0 else arms[::-1]:
                         if n == 1 and arm != arms[0]:
                             continue  # one receiver: nothing to relay, the arms are one push
-                        servers = [
-                            net.serve(ns, addr, "--token-file", str(token)) for ns, _, addr in members[1 : n + 1]
-                        ]
-                        try:
-                            before = _tx_bytes(client_ns, client_dev)
-                            cmd = [sys.executable, __file__, "client", path, str(token), arm]
-                            r = net.run(client_ns, cmd + [a for _, a in servers], timeout=args.timeout, cwd=ROOT)
-                            tx = _tx_bytes(client_ns, client_dev) - before
-                        finally:
-                            for proc, _ in servers:
-                                proc.kill()
-                                proc.wait()
-                        if r.returncode:
-                            raise RuntimeError(f"N={n} {arm}: {r.stderr[-3000:]}")
-                        res = json.loads(r.stdout.splitlines()[-1])
-                        if res["bytes"] != [model] * n:
-                            raise RuntimeError(f"N={n} {arm}: servers hold {res['bytes']} of {model} bytes")
-                        row = {"n": n, "arm": arm, "round": rnd, "seconds": res["seconds"]}
-                        row |= {"payload_sent": res["bytes_sent"], "tx_bytes": tx}
+                        row = _one_run(net, members, n, arm, rnd, args, path, token, model, one_time)
                         rows.append(row)
-                        print(
-                            f"N={n} {arm:6s} {res['seconds']:7.2f} s  payload out {res['bytes_sent'] / model:.3f}x"
-                            f"  interface tx {tx / model:.3f}x",
-                            flush=True,
-                        )
+                        if n == 1:
+                            one_time = row["seconds"]
     one = _median([r["seconds"] for r in rows if r["n"] == 1])
     print(f"\nmodel {model / MIB:.0f} MiB in {model // (args.tensor_mib * MIB)} tensors, uplinks {args.rate}")
     print(" N  arm      seconds  vs one  payload out  tx out")
