@@ -192,6 +192,7 @@ SERVER_LAYOUT = {
     "store.py": "the store",
     "cache": "the disk cache",
     "stats.py": "observation",
+    "relay.py": "relayed pushes",
 }
 #: The server modules one WRITE crosses, from the frame reader to the store: the frames are
 #: decoded by the protocol package, and with a cache (or VERIFY) the bytes are hashed on the way.

@@ -269,3 +269,23 @@ def test_a_systemd_units_command_line_runs_as_written(tmp_path):
     finally:
         _stop(proc)
     assert not ready.exists()
+
+
+def test_serve_peer_token_file_is_what_a_relay_presents_to_the_next_hop(tmp_path):
+    from weightlift.remote.server.server import Server
+
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    mine.write_text("the-first-servers-token-0123456789\n")
+    theirs.write_text("the-next-servers-token-0123456789\n")
+    for f in (mine, theirs):
+        f.chmod(0o600)
+    path = write(tmp_path / "m.safetensors", every_dtype())
+    with Server(token=theirs.read_text()) as nxt:
+        proc, _, address = _serve(tmp_path, "--token-file", str(mine), "--peer-token-file", str(theirs))
+        try:
+            with Client(address, token=mine.read_text()) as c:
+                c.push(str(path), to=["{}:{}".format(*nxt.address)], relay="chain")
+            assert len(nxt.tensors()) == len(every_dtype())
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=30)

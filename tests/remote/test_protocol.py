@@ -72,6 +72,9 @@ def test_command_values_are_pinned():
         "EXPECT": 23,
         "LAYOUT_REPLY": 0x94,
         "SKETCH_REPLY": 0x96,
+        "RELAY": 25,
+        "RELAY_END": 26,
+        "RELAY_REPLY": 0x99,
     }
     assert int(Capability.CACHE) == 1 and int(Capability.AUTH) == 2
     assert int(Capability.VERIFY) == 4 and int(Capability.MAC) == 8 and int(Capability.DELTA) == 16
@@ -84,9 +87,10 @@ def test_command_values_are_pinned():
 
 
 def test_versions_and_limits_are_pinned():
-    assert (P.PROTOCOL_MAJOR, P.PROTOCOL_MINOR, P.PREVIOUS_MINOR, P.REGIONS_SINCE) == (1, 6, 5, 6)
+    assert (P.PROTOCOL_MAJOR, P.PROTOCOL_MINOR, P.PREVIOUS_MINOR, P.REGIONS_SINCE) == (1, 7, 6, 6)
     assert P.MAX_REGION_BYTES == 64 << 20
     assert (P.MAX_MODEL_NAME, P.MAX_FIGURES, P.MAX_FIGURE_NAME, P.MAX_MODELS) == (255, 256, 64, 1024)
+    assert P.MAX_HOPS == 64
     assert (P.MAX_DIGESTS, P.MAC_SIZE) == (4096, 32)
     assert P.MAX_FRAME == 16 << 20
     assert (P.MAX_NAME, P.MAX_DIMS, P.MAX_TENSORS) == (4096, 64, 65536)
@@ -236,6 +240,15 @@ GOLDEN = [
     (
         BarrierReply(2, 4096, ("bad",), (5, 6)),
         "8900000025000000020000000010000000000000010000000300626164020000000500000006000000" + "00000000",
+    ),
+    # RELAY: count 2, then "a:1" and "bc:23" name-encoded
+    (P.Relay(("a:1", "bc:23")), "190000000e000000" + "0200" + "0300613a31" + "050062633a3233"),
+    (P.RelayEnd(), "1a00000000000000"),
+    # RELAY_REPLY: ok, tensors, bytes, failed hop (empty), message (empty)
+    (P.RelayReply(True, 3, 7), "9900000013000000" + "01" + "03000000" + "0700000000000000" + "0000" + "0000" + "0000"),
+    (
+        P.RelayReply(False, 1, 8, "h:9", "x", ("a:1",)),
+        "990000001c000000" + "00" + "01000000" + "0800000000000000" + "0300683a39" + "010078" + "0100" + "0300613a31",
     ),
     (
         BarrierReply(1, 8, (), (), ((7, D2),)),

@@ -144,7 +144,9 @@ def test_select_and_the_options_of_a_file_push_apply(tmp_path):
         assert r.deltas == 4
         _holds(srv, {n: a for n, a in stepped.items() if n.startswith("layer.")})
         with pytest.raises(OptionError):
-            c.push(tensors, to=["127.0.0.1:1"])
+            c.push(tensors, to=["127.0.0.1:1"], relay="direct")
+        with pytest.raises(OptionError, match="base"):
+            c.push(tensors, to=["127.0.0.1:1"], base=tensors)
         path = write(tmp_path / "m.safetensors", [("x", "U8", (3,), b"abc")])
         with pytest.raises(OptionError):
             c.push(path, base=tensors)

@@ -70,6 +70,16 @@ def _register_serve(sub: Any) -> None:
     s.add_argument("--tls-cert", metavar="F", help="speak TLS with this certificate (PEM; needs --tls-key)")
     s.add_argument("--tls-key", metavar="F", help="the private key of --tls-cert (PEM)")
     s.add_argument(
+        "--peer-token-file",
+        metavar="F",
+        help="the token this server presents to the next server of a relayed push (default: --token-file's)",
+    )
+    s.add_argument(
+        "--peer-tls-ca",
+        metavar="F",
+        help="speak TLS to the next server of a relayed push, trusting this CA (PEM) for its certificate",
+    )
+    s.add_argument(
         "--max-memory",
         metavar="BYTES",
         help="cap on bytes allocated for all clients (e.g. 8G; default: 90%% of physical RAM for cpu, the "
@@ -303,7 +313,7 @@ def _start_metrics(server: Any, where: str) -> None:
 
 def _cmd_serve(a: argparse.Namespace) -> int:
     from weightlift.remote.server.server import Server
-    from weightlift.remote.transport import server_tls_context
+    from weightlift.remote.transport import client_tls_context, server_tls_context
 
     framework = a.framework or ("numpy" if a.device == "cpu" else "torch")
     if (a.tls_cert is None) != (a.tls_key is None):
@@ -326,6 +336,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         min_frame_rate=a.min_frame_rate or None,
         tls=tls,
         **_shard_options(a),
+        peer_token=read_token(a.peer_token_file),
+        peer_tls=client_tls_context(a.peer_tls_ca) if a.peer_tls_ca is not None else None,
     )
     host, port = server.bind()
     if a.metrics:

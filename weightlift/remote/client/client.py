@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypedDict, overload
 
 from weightlift.checkpoint import Checkpoint, Select, open_checkpoint
-from weightlift.errors import LocalProtocolError, OptionError, StateError
+from weightlift.errors import LocalProtocolError, OptionError, PushError, RemoteProtocolError, StateError
 from weightlift.options import check_keywords, keyword_signature
 from weightlift.profile import Profiler
 from weightlift.remote.client.connection import MAX_TIMEOUT, Connection
@@ -35,14 +35,27 @@ from weightlift.remote.client.pull import (
 )
 from weightlift.remote.client.servers import Address, address_key, push_each
 from weightlift.remote.client.update import Bases, UpdateSpec, given_bases
-from weightlift.remote.protocol import MAX_TENSORS, PROTOCOL_MINOR, Free, FreeReply, Hello, Remove
+from weightlift.remote.protocol import (
+    MAX_HOPS,
+    MAX_TENSORS,
+    PROTOCOL_MINOR,
+    Free,
+    FreeReply,
+    Hello,
+    Relay,
+    RelayEnd,
+    RelayReply,
+    Remove,
+    relay_usable,
+)
 from weightlift.remote.token import token_bytes
 from weightlift.remote.transport import TCP, Backend, TlsBackend
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing's own from Python 3.11; only a checker reads it
 
-    from weightlift.digest.published import ManifestSource
+    from weightlift.digest.published import ManifestSource, Reference
+    from weightlift.formats import TensorInfo
 
 __all__ = [
     "Client",
@@ -59,6 +72,10 @@ __all__ = [
 ]
 
 Source = str | os.PathLike[str] | Checkpoint
+#: How ``push(to=[...])`` reaches the servers: "auto" and "chain" relay (the client sends each
+#: byte once, to its own server, which forwards to the next: :mod:`weightlift.remote.server.relay`;
+#: "auto" falls back to "direct" where a server cannot relay), "direct" pushes to each server.
+RELAYS = ("auto", "chain", "direct")
 #: What a push takes from memory: ``{name: numpy array or torch tensor}``.
 Tensors = Mapping[str, Any]
 
@@ -128,6 +145,7 @@ class PushKw(TypedDict, total=False):
     manifest: ManifestSource | None
     progress: ProgressCallback | None
     model: str | None
+    relay: str
 
 
 class MemoryPushKw(PushKw, total=False):
@@ -150,16 +168,32 @@ class PushOptions:
     manifest: ManifestSource | None = None
     progress: ProgressCallback | None = None
     model: str | None = None
+    relay: str = "auto"
+
+    @property
+    def relayed(self) -> bool:
+        """Whether ``to`` goes through a relay: one selection for every server, not "direct"."""
+        return self.to is not None and not isinstance(self.to, Mapping) and self.relay != "direct"
 
     def check(self, source: Source | Tensors) -> None:
         """OptionError for options that do not go together with each other or with ``source``,
         before any connection."""
         if self.manifest is not None and not self.verify:
             raise OptionError("push(manifest=...) is what verify=True checks against: pass verify=True too")
+        if self.relay not in RELAYS:
+            raise OptionError(f"push(relay=...) is one of {', '.join(map(repr, RELAYS))}, got {self.relay!r}")
+        if self.relay == "chain" and (self.to is None or isinstance(self.to, Mapping)):
+            raise OptionError('push(relay="chain") relays one selection: pass to= a list of addresses')
+        if self.to is not None and not isinstance(self.to, Mapping) and len(self.to) >= MAX_HOPS:
+            raise OptionError(f"push(to=...) relays to fewer than {MAX_HOPS} servers; got {len(self.to)}")
         if isinstance(source, Mapping):
-            if self.to is not None:
+            if self.to is not None and (self.base is not None or self.in_place):
                 raise OptionError(
-                    "push(to=...) takes a checkpoint; push tensors from memory to each server's own client"
+                    "push(to=..., base=..., in_place=...): a relayed push is no update; updates go to one server"
+                )
+            if self.to is not None and not self.relayed:
+                raise OptionError(
+                    'push(to=...) of tensors from memory relays them: a list of addresses, not relay="direct"'
                 )
             if self.manifest is not None:
                 raise OptionError(
@@ -292,6 +326,16 @@ class Client:
         ``{address: PushResult}`` once every push has landed; if any failed, every push still
         runs to its end and :class:`~weightlift.errors.PushError` holds each error and result.
 
+        ``relay``: how a list of addresses (one selection; a checkpoint or tensors from memory)
+        is reached. "auto" (the default) and "chain": the client pushes to its own server only,
+        every tensor with its digest; each server proves each tensor against that digest, then
+        forwards it to the next address of the list (:mod:`weightlift.remote.server.relay`), so
+        the client sends each byte once (``PushResult.bytes_sent`` is 0 for the servers reached
+        through a relay). A hop that dies, stalls or forwards wrong bytes is routed around from
+        this client; one that fails from here too is named in PushError, whose results say who
+        holds everything. "auto" pushes directly where the first server cannot relay (protocol
+        minor 7, host memory); "chain" raises OptionError there. "direct": one push per server.
+
         ``verify``: the server hashes every tensor as it lands and reports the digests of what it
         stored; the client compares them with the published manifest (``manifest``, else the one
         published beside the checkpoint, :func:`~weightlift.digest.published.reference`), else
@@ -324,20 +368,40 @@ class Client:
         o.check(source)
         if o.to is not None and o.progress is not None:
             raise OptionError("push(progress=...) reports one push: not with to=...")
+        if o.to is not None:
+            return self._push_to(source, o.to, o)
         if isinstance(source, Mapping):
             self._conn().use(o.model or "")
             return self._push_memory(source, o)
-        if o.to is not None:
-            return self._push_to(source, o.to, o)
+        return self._push_checkpoint(source, o)
+
+    def _prepare(self, source: Source, o: PushOptions) -> tuple[builtins.list[TensorInfo], Reference | None]:
+        """The selected tensors and, with ``verify``, their reference digests: every check of a
+        push before its first byte."""
         from weightlift.digest.published import reference  # a store's manifest: the store clients, on demand
 
         ck = source if isinstance(source, Checkpoint) else open_checkpoint(source)
         tensors = ck.select(o.select)
-        ref = reference(ck, tensors, o.manifest) if o.verify else None
+        return tensors, reference(ck, tensors, o.manifest) if o.verify else None
+
+    def _push_checkpoint(
+        self,
+        source: Source,
+        o: PushOptions,
+        *,
+        digests: bool = False,
+        prepared: tuple[builtins.list[TensorInfo], Reference | None] | None = None,
+    ) -> PushResult:
+        """One push of a checkpoint to this client's server; ``digests``: every ALLOC names its
+        tensor's digest (a relayed push); ``prepared``: what :meth:`_prepare` returned."""
+        tensors, ref = prepared if prepared is not None else self._prepare(source, o)
         self._conn()
-        while len(self._conns) < self.streams:
+        # a relayed push goes over the one connection its RELAY was sent on: a tensor sent over
+        # another would land on this server and be relayed to no one
+        streams = 1 if digests else self.streams
+        while len(self._conns) < streams:
             self._conns.append(self._connect())
-        conns = self._conns[: self.streams]
+        conns = self._conns[:streams]
         for c in conns:
             c.use(o.model or "")
         if self._own_profiler:
@@ -353,7 +417,8 @@ class Client:
             expected=ref.digests if ref is not None else None,
             manifest=ref.manifest if ref is not None else None,
             progress=o.progress,
-            unit=conns[0].session.models,
+            unit=conns[0].session.models and not digests,  # a relayed push publishes as it goes
+            digests=digests,
         )
         try:
             return job.run()
@@ -364,11 +429,11 @@ class Client:
                 self.close()
             raise
 
-    def _push_memory(self, tensors: Tensors, o: PushOptions) -> PushResult:
+    def _push_memory(self, tensors: Tensors, o: PushOptions, *, digests: bool = False) -> PushResult:
         infos = memory_tensors(tensors, o.select)
         conn = self._conn()
         spec = None
-        if conn.session.update:
+        if conn.session.update and not digests:  # a relayed push publishes as it goes, not at one switch
             bases = given_bases(o.base) if o.base is not None else (self.bases if self.bases is not None else {})
             spec = UpdateSpec(bases, in_place=o.in_place, delta=conn.session.delta)
         if self._own_profiler:
@@ -383,6 +448,7 @@ class Client:
             verify=o.verify,
             update=spec,
             progress=o.progress,
+            digests=digests,
         )
         try:
             result = job.run()
@@ -392,19 +458,27 @@ class Client:
             if self.bases is not None:
                 self.bases.forget()  # the server holds some version of each: none is a sure base
             raise
+        if self.bases is not None and spec is None and digests:
+            self.bases.forget()  # a relayed push replaced the server's versions: none is a sure base
         if self.bases is not None and spec is not None:
             for t in infos:
                 self.bases.record(t.name, t.dtype, t.shape, spec.digests[t.name], host_bytes(t))
         return result
 
     def _push_to(
-        self, source: Source, to: Mapping[Address, Select] | Sequence[Address], o: PushOptions
+        self, source: Source | Tensors, to: Mapping[Address, Select] | Sequence[Address], o: PushOptions
     ) -> dict[str, PushResult]:
         others = dict(to) if isinstance(to, Mapping) else {a: o.select for a in to}
         me = address_key(self.address)
         targets: dict[Address, Select] = {me: o.select, **{address_key(a): s for a, s in others.items()}}
         if len(targets) != len(others) + 1:
             raise OptionError("push(to=...): every server once, this client's own not again")
+        if o.relayed:
+            relayed = self._push_relayed(source, [address_key(a) for a in others], o)
+            if relayed is not None:
+                return relayed
+        if isinstance(source, Mapping):
+            raise OptionError("push(to=...) of tensors from memory needs servers that relay (protocol minor 7)")
         return push_each(
             source,
             targets,
@@ -414,6 +488,142 @@ class Client:
             verify=o.verify,
             manifest=o.manifest,
         )
+
+    def _push_relayed(
+        self, source: Source | Tensors, hops: builtins.list[str], o: PushOptions
+    ) -> dict[str, PushResult] | None:
+        """Push to this client's server, which relays every tensor along ``hops`` once it has
+        proven it against the digest this push names; None where the server cannot relay and
+        ``relay="auto"`` lets the caller push directly instead.
+
+        A hop that fails (dead, stalled past the timeout, or refusing what its parent forwards:
+        bytes that do not hash to this push's digests) is named by the reply to RELAY_END; the
+        hops from it on then get the push again from this client, relayed among themselves, so
+        no relay upstream of them is trusted twice. A hop named twice, or that cannot be
+        reached, is dropped and the chain goes on after it. A server that keeps a cache fills
+        what it already holds (HAVE), so only what it lacks crosses the wire again.
+        """
+        conn = self._conn()
+        me = address_key(self.address)
+        if not relay_usable(conn.minor):
+            if o.relay == "chain":
+                raise OptionError(f'push(relay="chain"): {me} speaks protocol 1.{conn.minor}; relays need 1.7')
+            return None
+        mine = replace(o, to=None, verify=True)  # each hop proves each tensor; so does this one
+        # every check a push makes before its first byte, made before the RELAY
+        prepared = None if isinstance(source, Mapping) else self._prepare(source, mine)
+        if isinstance(source, Mapping):
+            memory_tensors(source, o.select)
+        if not self._relay_start(hops):
+            if o.relay == "chain":
+                raise OptionError(f'push(relay="chain"): {me} does not relay')
+            return None
+        try:
+            result, end = self._relay_rest(source, mine, prepared, hops)
+        except BaseException as e:
+            not_reached = RemoteProtocolError(f"not reached: the push to {me}, the first hop of the relay, failed")
+            raise PushError({me: e, **dict.fromkeys(hops, not_reached)}, {}) from e
+        return self._reroute(source, mine, prepared, hops, {me: result}, end)
+
+    def _reroute(
+        self,
+        source: Source | Tensors,
+        o: PushOptions,
+        prepared: tuple[builtins.list[TensorInfo], Reference | None] | None,
+        hops: builtins.list[str],
+        results: dict[str, PushResult],
+        end: RelayReply,
+    ) -> dict[str, PushResult]:
+        """Each hop's result from RELAY_END's ``end``; the hops from a failed one on pushed again
+        from this client (see :meth:`_push_relayed`); PushError naming every hop dropped."""
+        result = next(iter(results.values()))
+        errors: dict[str, BaseException] = {}
+        named: dict[str, int] = {}
+        skipped: dict[str, str] = {}  # hops a relay routed around: served from this client below
+        chain = hops
+        while True:
+            failed = chain.index(end.failed) if not end.ok and end.failed in chain else len(chain)
+            skipped.update(dict.fromkeys((h for h in end.skipped if h in chain[:failed]), end.message))
+            for h in chain[:failed]:  # a relay's hop holds what its chain's first hop holds, each proven there
+                if h not in skipped:
+                    results[h] = PushResult(
+                        result.tensors, result.bytes, 0, 0, 0, result.seconds, verified=result.tensors
+                    )
+            if end.ok or failed == len(chain):
+                if not end.ok:  # a reply that names no hop of this chain
+                    errors[chain[-1]] = RemoteProtocolError(f"relay failed: {end.message}")
+                break
+            chain = chain[failed:]
+            named[chain[0]] = named.get(chain[0], 0) + 1
+            if named[chain[0]] > 1:  # failed again, from this client too: dropped
+                errors[chain[0]] = RemoteProtocolError(f"relay to {chain[0]} failed: {end.message}")
+                chain = chain[1:]
+            if not chain:
+                break
+            head, chain = chain[0], chain[1:]
+            try:
+                with self._sibling(head) as again:
+                    if not again._relay_start(chain):
+                        raise OptionError(f"{head} does not relay")
+                    result, end = again._relay_rest(source, o, prepared, chain)
+                results[head] = result
+            except Exception as e:  # noqa: BLE001 - this hop failed from this client too: dropped next round
+                end = RelayReply(False, failed=head, message=f"{type(e).__name__}: {e}")
+                named[head] = 1
+                chain = [head, *chain]
+        self._serve_skipped(source, o, prepared, skipped, results, errors)
+        if errors:
+            raise PushError(errors, results)
+        return results
+
+    def _serve_skipped(
+        self,
+        source: Source | Tensors,
+        o: PushOptions,
+        prepared: tuple[builtins.list[TensorInfo], Reference | None] | None,
+        skipped: dict[str, str],
+        results: dict[str, PushResult],
+        errors: dict[str, BaseException],
+    ) -> None:
+        """Each hop a relay routed around (it died or stalled; the hops after it were served by
+        the relay) tried once more from this client, alone: its result, or its error."""
+        for h, why in skipped.items():
+            if h in results or h in errors:
+                continue
+            try:
+                with self._sibling(h) as one:
+                    results[h] = one._relay_rest(source, o, prepared, [])[0]
+            except Exception as e:  # noqa: BLE001 - named in PushError
+                errors[h] = RemoteProtocolError(
+                    f"relay to {h} failed ({why}), and from this client: {type(e).__name__}: {e}; "
+                    "it holds the tensors that reached it before"
+                )
+
+    def _relay_start(self, hops: builtins.list[str]) -> bool:
+        """RELAY ``hops`` (none: a plain push); whether this client's server relays."""
+        if not hops:
+            return True
+        conn = self._conn()
+        conn.send(conn.frame(Relay(tuple(hops))))
+        return conn.expect(RelayReply).ok
+
+    def _relay_rest(
+        self,
+        source: Source | Tensors,
+        o: PushOptions,
+        prepared: tuple[builtins.list[TensorInfo], Reference | None] | None,
+        hops: builtins.list[str],
+    ) -> tuple[PushResult, RelayReply]:
+        """The push after RELAY, every ALLOC naming its digest, and RELAY_END's reply."""
+        if isinstance(source, Mapping):
+            result = self._push_memory(source, o, digests=True)
+        else:
+            result = self._push_checkpoint(source, o, digests=True, prepared=prepared)
+        if not hops:
+            return result, RelayReply(True, result.tensors, result.bytes)
+        conn = self._conn()
+        conn.send(conn.frame(RelayEnd()))
+        return result, conn.expect(RelayReply)
 
     # -- list / pull / free --------------------------------------------------------------------------
 

@@ -126,6 +126,7 @@ class Push:
         manifest: str | None = None,
         progress: ProgressCallback | None = None,
         unit: bool = False,
+        digests: bool = False,
     ):
         if verify and not all(c.verify for c in conns):
             raise LocalProtocolError(
@@ -138,6 +139,8 @@ class Push:
         self.how = how
         self.prof = profiler
         self.threshold = how.hash_threshold if hash_threshold is None else hash_threshold
+        if digests:  # a relayed push: every tensor is hashed where its bytes come from, to be proven at each hop
+            self.threshold = 0
         self.verify = verify or update is not None  # an update proves every tensor (see update)
         self.update = update  # an update (tensors from memory, minor 3): one connection, UPDATE to COMMIT
         if update is not None:
@@ -148,6 +151,7 @@ class Push:
         self.manifest = manifest  # where ``expected`` was published
         self.unit = unit and update is None  # a checkpoint as one update over every connection (minor 5)
         self._open = False  # the unit's update is open on the server
+        self.digests = digests  # every ALLOC names its tensor's digest (a relayed push: each hop proves it)
 
     @property
     def settled(self) -> bool:
@@ -186,7 +190,7 @@ class Push:
             [p for p in self.plans if p.info.name not in scanned],
             threshold=self.threshold,
             prof=self.prof,
-            enabled=self.how.hash_ahead and self.conns[0].cache,
+            enabled=self.digests or (self.how.hash_ahead and self.conns[0].cache),
             verify=self.verify,
             expected=self.expected,
         )

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
-from weightlift.digest.blake import DigestPool
+from weightlift.digest.blake import DigestPool, hash_buffer
 from weightlift.digest.sidecar import hash_tensors
 from weightlift.disk.source import mapped
 from weightlift.dtypes import CODES, byte_length
@@ -143,11 +143,19 @@ class Hashing:
         known = {t.name: _done(expected[t.name]) for t in wanted if expected and t.name in expected}
         asked = {t.name for t in chosen}
         wanted = [t for t in wanted if t.name not in known or t.name in asked]
+        # A relayed tensor carries the digest its origin sent: asked about and ALLOCated with that
+        # one, never hashed here, so the next hop proves the bytes against the origin's digest
+        # and not against whatever a relay would compute over what it holds.
+        carried = {p.info.name: _done(p.info.extra["relayed"]) for p in plans if p.info.extra.get("relayed")}
+        if carried:
+            chosen = [p.info for p in plans if p.info.name in carried]
+            wanted = [t for t in wanted if t.name not in carried]
+            known.update(carried)
         if wanted:
             self._pool = DigestPool(max(1, min(4, (os.cpu_count() or 2) // 2)), profiler=prof)
             files = not any(is_memory(t) for t in wanted)  # tensors in memory have no sidecar
             self.all = hash_tensors(wanted, view=self._view, pool=self._pool, threshold=0, manifests=files)
-        self.futures = {t.name: self.all[t.name] for t in chosen}
+        self.futures = {t.name: carried[t.name] if t.name in carried else self.all[t.name] for t in chosen}
         self.all.update(known)
         self.published = set(known)  # names whose digest a published manifest gave
 
@@ -156,6 +164,16 @@ class Hashing:
         if is_memory(t):
             return host_bytes(t)
         return mapped(t.file).view(t.offset, t.length)
+
+    def carry(self, plans: list[Plan]) -> None:
+        """Relayed tensors handed over after the push began: the digests they carry, as above;
+        an empty tensor, which carries none, the digest of no bytes."""
+        for p in plans:
+            digest = p.info.extra.get("relayed")
+            if digest is None and p.info.length == 0:
+                self.all[p.info.name] = _done(hash_buffer(b""))
+            elif digest is not None:
+                self.futures[p.info.name] = self.all[p.info.name] = _done(digest)
 
     def close(self, *, ok: bool) -> None:
         """After a push: wait for the workers (they save the manifests), or cancel on failure."""
@@ -212,6 +230,16 @@ class Pusher:
         self.settled = True  # False while frames are out that no BARRIER reply has answered
 
     def run(self, plans: list[Plan]) -> None:
+        self.send(plans)
+        self._barrier()
+
+    def finish(self) -> None:
+        """The BARRIER that ends a push whose tensors went out by :meth:`send`."""
+        self._barrier()
+
+    def send(self, plans: list[Plan]) -> None:
+        """Every tensor of ``plans`` on the wire, without the BARRIER that ends a push: a relay
+        sends each batch as it is handed over, so the link never waits on an acknowledgment."""
         if plans:
             self.settled = False
         futures = self.hashing.futures
@@ -231,11 +259,12 @@ class Pusher:
                 futures[large[0].info.name].result()  # nothing else to send: wait for this hash
             if self.verify and self.since_barrier >= MAX_DIGESTS // 2:
                 self._barrier(last=False)
-        self._barrier()
 
     def _large(self, plans: list[Plan]) -> None:
         digests = [self.hashing.futures[p.info.name].result() for p in plans]
-        have = self._have(digests)
+        # a server without a cache holds nothing to fill from (a relayed push names every digest
+        # all the same); HAVE would only wait for what was sent before it to be received
+        have = self._have(digests) if self.conn.cache else (False,) * len(digests)
         for p, d, h in zip(plans, digests, have, strict=False):
             if h:
                 self._fill(p, d)

@@ -1,7 +1,9 @@
 """Different selections of one checkpoint pushed to several tensor servers at once.
 
-The one way to push to several servers: ``Client.push(to=...)``,
-:func:`weightlift.distributed.push_many` and the split load all come here. Each server gets its
+The one way to push to several servers directly: ``Client.push(to=...)`` (a list of addresses
+with ``relay="direct"``, or where a server cannot relay: see
+:mod:`weightlift.remote.server.relay`), :func:`weightlift.distributed.push_many` and the split
+load all come here. Each server gets its
 own push on its own thread; the checkpoint is opened once and shared, and the page cache serves
 every reader after the first, so time to ready is the slowest push, not the sum. Every push runs
 to its end even when another fails; then :class:`~weightlift.errors.PushError` holds each error

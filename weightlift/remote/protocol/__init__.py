@@ -23,6 +23,7 @@ from weightlift.remote.protocol.session import (
     models_usable,
     planes_usable,
     regions_usable,
+    relay_usable,
     update_usable,
     verify_usable,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "models_usable",
     "planes_usable",
     "regions_usable",
+    "relay_usable",
     "update_usable",
     "verify_usable",
     "client_mac",

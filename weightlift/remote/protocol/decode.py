@@ -39,6 +39,7 @@ from weightlift.remote.protocol.messages import (
     MAX_FIGURE_NAME,
     MAX_FIGURES,
     MAX_FRAME,
+    MAX_HOPS,
     MAX_MESSAGE,
     MAX_MODEL_NAME,
     MAX_MODELS,
@@ -81,6 +82,9 @@ from weightlift.remote.protocol.messages import (
     Read,
     ReadReply,
     Region,
+    Relay,
+    RelayEnd,
+    RelayReply,
     Remove,
     SketchEntry,
     SketchReply,
@@ -343,6 +347,21 @@ def _dec_stats_reply(r: _Reader, lim: _Limits) -> StatsReply:
     return StatsReply(tuple(figures), tuple(models), total)
 
 
+def _dec_relay(r: _Reader, lim: _Limits) -> Relay:
+    n = r.count(Relay.LAYOUT, NAME_LAYOUT.size + 1, MAX_HOPS, "relay hops")
+    if n == 0:
+        raise r.fail("RELAY names no hop")
+    return Relay(tuple(r.name("relay hop") for _ in range(n)))
+
+
+def _dec_relay_reply(r: _Reader, lim: _Limits) -> RelayReply:
+    ok, tensors, nbytes, n = r.unpack(RelayReply.LAYOUT, "RELAY_REPLY head")
+    failed = r.text(n, MAX_NAME, "relay hop", empty_ok=True)
+    message = r.name("message", empty_ok=True, limit=MAX_MESSAGE)
+    count = r.count(Relay.LAYOUT, NAME_LAYOUT.size + 1, MAX_HOPS, "skipped hops")
+    return RelayReply(bool(ok), tensors, nbytes, failed, message, tuple(r.name("skipped hop") for _ in range(count)))
+
+
 def _dec_error(r: _Reader, lim: _Limits) -> Error:
     code, n = r.unpack(Error.LAYOUT, "ERROR head")
     return Error(code, r.text(n, MAX_MESSAGE, "message", empty_ok=True))
@@ -446,6 +465,9 @@ _DECODERS: dict[Command, Callable[[_Reader, _Limits], Message]] = {
     ),
     Command.EXPECT: lambda r, lim: Expect(_names(r, Expect.LAYOUT)),
     Command.SKETCH_REPLY: _dec_sketch_reply,
+    Command.RELAY: _dec_relay,
+    Command.RELAY_END: lambda r, lim: RelayEnd(),
+    Command.RELAY_REPLY: _dec_relay_reply,
 }
 
 

@@ -34,6 +34,7 @@ from weightlift.remote.protocol.messages import (
     MAX_FIGURE_NAME,
     MAX_FIGURES,
     MAX_FRAME,
+    MAX_HOPS,
     MAX_MESSAGE,
     MAX_MODEL_NAME,
     MAX_MODELS,
@@ -73,6 +74,9 @@ from weightlift.remote.protocol.messages import (
     Read,
     ReadReply,
     Region,
+    Relay,
+    RelayEnd,
+    RelayReply,
     Remove,
     SketchReply,
     SketchRequest,
@@ -333,6 +337,21 @@ def _enc_sketch_reply(m: SketchReply, minor: int) -> bytes:
     return b"".join(out)
 
 
+def _enc_relay(m: Relay, minor: int) -> bytes:
+    if not m.hops or len(m.hops) > MAX_HOPS:
+        raise LocalProtocolError(f"RELAY names {len(m.hops)} hops; between 1 and {MAX_HOPS}")
+    return Relay.LAYOUT.pack(len(m.hops)) + b"".join(_name(h, "relay hop") for h in m.hops)
+
+
+def _enc_relay_reply(m: RelayReply, minor: int) -> bytes:
+    failed = _name(m.failed, "RELAY_REPLY hop") if m.failed else NAME_LAYOUT.pack(0)
+    head = RelayReply.LAYOUT.pack(1 if m.ok else 0, m.tensors, m.nbytes, len(failed) - 2)
+    if len(m.skipped) > MAX_HOPS:
+        raise LocalProtocolError(f"RELAY_REPLY skips {len(m.skipped)} hops; the limit is {MAX_HOPS}")
+    skipped = Relay.LAYOUT.pack(len(m.skipped)) + b"".join(_name(h, "skipped hop") for h in m.skipped)
+    return head + failed[2:] + _text(m.message) + skipped
+
+
 def _enc_error(m: Error, minor: int) -> bytes:
     raw = _text(m.message)[NAME_LAYOUT.size :]
     return Error.LAYOUT.pack(m.code, len(raw)) + raw
@@ -374,6 +393,9 @@ _ENCODERS: dict[type, Callable[[Any, int], bytes]] = {
     ),
     SketchReply: _enc_sketch_reply,
     Expect: lambda m, minor: Expect.LAYOUT.pack(len(m.names)) + b"".join(_name(n, "tensor name") for n in m.names),
+    Relay: _enc_relay,
+    RelayEnd: lambda m, minor: b"",
+    RelayReply: _enc_relay_reply,
 }
 
 

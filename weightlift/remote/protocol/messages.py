@@ -117,6 +117,10 @@ __all__ = [
     "MAX_REGION_BYTES",
     "MAX_SKETCH_BYTES",
     "SKETCH_ENTRY_LAYOUT",
+    "Relay",
+    "RelayEnd",
+    "RelayReply",
+    "MAX_HOPS",
     "MESSAGE_TYPES",
     "HELLO_LAYOUT",
     "HELLO_LAYOUT_PREVIOUS",
@@ -134,8 +138,10 @@ PROTOCOL_MAJOR = 1
 # several connections), COMMIT's NO_ROOT flag and the BUSY error code. Minor 6 added sharded receivers:
 # LAYOUT (the slices a server holds), REGION (a box of an unsharded tensor, placed into the server's slice),
 # SKETCH (what the server assembled, with each tensor's linear sketch) and EXPECT (a set switched in at once).
-PROTOCOL_MINOR = 6
-PREVIOUS_MINOR = 5
+# Minor 7 added relayed pushes: RELAY (the hops a server forwards what it receives to), RELAY_END and
+# RELAY_REPLY.
+PROTOCOL_MINOR = 7
+PREVIOUS_MINOR = 6
 REGIONS_SINCE = 6  # the minor of LAYOUT, REGION, SKETCH and EXPECT
 
 # Limits checked by the decoder before anything is allocated from a length on the wire.
@@ -169,6 +175,7 @@ MAX_SKETCH_BYTES = 512 * 1024
 MAC_SIZE = 32  # the tag after every frame of a protected connection (keyed BLAKE3)
 DIGEST_SIZE = 32
 NONCE_SIZE = 32
+MAX_HOPS = 64  # addresses in one RELAY: the servers a push reaches through one chain
 
 PREFIX = struct.Struct("<B3xI")
 
@@ -194,6 +201,8 @@ class Command(IntEnum):
     STATS = 15  # minor 5
     MODEL = 16  # minor 5
     REMOVE = 17  # minor 5
+    RELAY = 25  # minor 7
+    RELAY_END = 26  # minor 7
     HAVE_REPLY = 0x84
     READ_REPLY = 0x86
     LIST_REPLY = 0x87
@@ -207,6 +216,7 @@ class Command(IntEnum):
     EXPECT = 23  # minor 6
     LAYOUT_REPLY = 0x94  # minor 6
     SKETCH_REPLY = 0x96  # minor 6
+    RELAY_REPLY = 0x99  # minor 7
 
 
 # The minor that introduced each command; a peer speaking an older minor never sees it.
@@ -227,6 +237,7 @@ COMMAND_SINCE.update(
         )
     }
 )
+COMMAND_SINCE.update({Command.RELAY: 7, Command.RELAY_END: 7, Command.RELAY_REPLY: 7})
 
 CLIENT_COMMANDS = frozenset(
     {
@@ -251,6 +262,8 @@ CLIENT_COMMANDS = frozenset(
         Command.REGION,
         Command.SKETCH,
         Command.EXPECT,
+        Command.RELAY,
+        Command.RELAY_END,
     }
 )
 SERVER_COMMANDS = frozenset(
@@ -267,6 +280,7 @@ SERVER_COMMANDS = frozenset(
         Command.STATS_REPLY,
         Command.LAYOUT_REPLY,
         Command.SKETCH_REPLY,
+        Command.RELAY_REPLY,
     }
 )
 PAYLOAD_COMMANDS = frozenset({Command.WRITE, Command.READ_REPLY, Command.DELTA, Command.REGION})
@@ -826,6 +840,49 @@ class Expect(Message):
     names: tuple[str, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Relay(Message):
+    """Forward every tensor this connection completes, once its bytes are proven against the
+    digest its ALLOC named, to ``hops[0]``, which forwards them to ``hops[1]``, and so on: the
+    server pushes onward with its own peer credentials (no secret crosses the wire). Sent before
+    the first ALLOC; answered by RELAY_REPLY (``ok`` false: the server does not relay, ``message``
+    says why). Wire: count:u16 then count addresses ("host:port"), each name-encoded."""
+
+    COMMAND = Command.RELAY
+    LAYOUT = struct.Struct("<H")
+
+    hops: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RelayEnd(Message):
+    """Every tensor of the relayed push has been sent (after its last BARRIER): answered by
+    RELAY_REPLY once every hop downstream holds them, or with the first hop that failed."""
+
+    COMMAND = Command.RELAY_END
+    LAYOUT = struct.Struct("<")
+
+
+@dataclass(frozen=True, slots=True)
+class RelayReply(Message):
+    """How a relay went. Wire: LAYOUT(ok, tensors, nbytes, failed_len) failed, message_len:u16
+    message, skipped_count:u16 skipped hops (name-encoded). ``tensors`` and ``nbytes``: what the
+    answering server forwarded; ``failed``: the first hop that did not get every tensor, it and
+    the hops after it holding what reached them ("" when ``ok``); ``skipped``: hops that died or
+    stalled and were routed around by the hop before them, the hops after them served from there
+    (each holds what reached it before); ``message``: why."""
+
+    COMMAND = Command.RELAY_REPLY
+    LAYOUT = struct.Struct("<BIQH")
+
+    ok: bool
+    tensors: int = 0
+    nbytes: int = 0
+    failed: str = ""
+    message: str = ""
+    skipped: tuple[str, ...] = ()
+
+
 MESSAGE_TYPES: dict[Command, type[Message]] = {
     m.COMMAND: m
     for m in (
@@ -860,5 +917,8 @@ MESSAGE_TYPES: dict[Command, type[Message]] = {
         SketchRequest,
         SketchReply,
         Expect,
+        Relay,
+        RelayEnd,
+        RelayReply,
     )
 }

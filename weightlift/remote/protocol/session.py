@@ -45,6 +45,7 @@ __all__ = [
     "regions_usable",
     "planes_usable",
     "models_usable",
+    "relay_usable",
 ]
 
 VERIFY_SINCE = 2  # ALLOC's VERIFY flag, BARRIER_REPLY's digests, READ_REPLY's digest
@@ -60,6 +61,9 @@ def models_usable(minor: int) -> bool:
     return minor >= MODELS_SINCE
 
 
+RELAY_SINCE = 7  # RELAY, RELAY_END, RELAY_REPLY
+
+
 def update_usable(minor: int) -> bool:
     """Whether a connection that speaks ``minor`` can send DELTA, UPDATE and COMMIT."""
     return minor >= UPDATE_SINCE
@@ -73,6 +77,11 @@ def planes_usable(minor: int) -> bool:
 def regions_usable(minor: int) -> bool:
     """Whether a connection that speaks ``minor`` can send LAYOUT, REGION and SKETCH (a sharded server)."""
     return minor >= REGIONS_SINCE
+
+
+def relay_usable(minor: int) -> bool:
+    """Whether a connection that speaks ``minor`` can ask its server to relay a push (RELAY)."""
+    return minor >= RELAY_SINCE
 
 
 def cache_usable(minor: int) -> bool:

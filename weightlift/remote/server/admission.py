@@ -124,7 +124,7 @@ class Acceptor:
                     target=self._serve_one, args=(stream, slot), name=f"weightlift-conn {stream.peer}", daemon=True
                 )
                 self._threads.add(t)
-            t.start()
+                t.start()  # under the lock: close() never sees a thread it cannot join yet
 
     def _out_of_descriptors(self, e: TransportError) -> None:
         """The process has no descriptor left for a new connection: say so in the log, and use

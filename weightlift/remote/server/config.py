@@ -187,6 +187,10 @@ class ServerConfig:
     profile: bool | None = None
     protocol_minor: int = PROTOCOL_MINOR
     backend: Backend = TCP
+    # what this server presents to the next hop of a relayed push: the fleet's token (its own
+    # by default) and a client TLS context; never taken from the wire
+    peer_token: bytes | None = field(default=None, repr=False)
+    peer_tls: ssl.SSLContext | None = None
     naive: bool = False
     slices: Slices | None = None  # Server(shard=...): the slices it holds, taken as REGIONs (minor 6)
 
@@ -259,6 +263,8 @@ class ServerOptions(TypedDict, total=False):
     tls: ssl.SSLContext | None
     shard: ShardRules | None
     fused: Mapping[str, Sequence[int]] | None
+    peer_token: str | bytes | None
+    peer_tls: ssl.SSLContext | None
 
 
 #: Options that are no field of the config: ``tls`` is folded into the backend, ``insecure``
@@ -292,6 +298,9 @@ def configure(host: str, port: int, options: ServerOptions) -> tuple[ServerConfi
     raw_token = token_bytes(o["token"])
     if raw_token is not None:
         check_token(raw_token)
+    peer_token = token_bytes(o.get("peer_token"))
+    if peer_token is not None:
+        check_token(peer_token)
     if not is_loopback(host):
         if raw_token is None and not o["insecure"]:
             raise OptionError(f"binding {host} exposes the server beyond this machine: pass a token, or insecure=True")
@@ -309,6 +318,7 @@ def configure(host: str, port: int, options: ServerOptions) -> tuple[ServerConfi
     settings.update(
         device=place.device,
         token=raw_token,
+        peer_token=peer_token if peer_token is not None else raw_token,
         max_memory=default_max_memory(place) if max_memory is None else max_memory,
         handshake_timeout=float(o["handshake_timeout"]),
         idle_timeout=None if o["idle_timeout"] is None else float(o["idle_timeout"]),

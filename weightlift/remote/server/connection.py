@@ -84,6 +84,7 @@ from weightlift.remote.protocol import (
     ModelStats,
     Read,
     Region,
+    RelayEnd,
     Remove,
     ServerSession,
     SessionState,
@@ -105,6 +106,7 @@ from weightlift.remote.protocol import (
     verify_mac,
     verify_usable,
 )
+from weightlift.remote.protocol import Relay as RelayRequest
 from weightlift.remote.server.admission import Context, RequestError, Slot
 from weightlift.remote.server.reads import Outbox, Reads
 from weightlift.remote.server.receive import (
@@ -117,6 +119,7 @@ from weightlift.remote.server.receive import (
     Staging,
     Wire,
 )
+from weightlift.remote.server.relay import Relays
 from weightlift.remote.server.store import Charge, MemoryFull, Store
 from weightlift.remote.server.updates.delta import Deltas
 from weightlift.remote.server.updates.switch import Switch
@@ -177,6 +180,7 @@ class Connection:
         self.model = ""  # the model this connection's requests name (MODEL, minor 5)
         self.switch: Switch | None = None  # the open update (UPDATE to COMMIT), or the one it joined
         self.joined = False  # ... opened on another connection (the opener commits it)
+        self.relays = Relays(ctx, self.rx, self.out.reply, self._event)  # RELAY to RELAY_END
         self.deltas = Deltas(
             self.store,
             self.rx,
@@ -209,6 +213,8 @@ class Connection:
             UseModel: self._use,
             Stats: self._stats,
             Remove: self._remove,
+            RelayRequest: self.relays.start,
+            RelayEnd: self.relays.end,
         }
 
     def _receiver(self) -> Receiver:
@@ -269,6 +275,7 @@ class Connection:
             self._close()
 
     def _close(self) -> None:
+        self.relays.close()
         if self.switch is not None and not self.switch.closed:  # ended mid-update: nothing it held shows
             why = "server stopping" if self.ctx.stopping.is_set() else "connection closed"
             self._rolled_back(self.switch, why)
@@ -326,6 +333,8 @@ class Connection:
         return self.ctx.pooled and codec.available() and self.ctx.config.slices is None
 
     def _update(self, msg: Update) -> None:
+        if self.relays.open:
+            raise RemoteProtocolError("UPDATE while a relay is open on this connection")
         if self.switch is not None and not self.switch.closed:
             raise RemoteProtocolError("UPDATE while an update is open on this connection")
         units = self.ctx.units

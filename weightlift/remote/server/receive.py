@@ -155,6 +155,8 @@ class Receiver:
         self._files: list[CacheWriter] = []  # cache writers made, some still holding a temporary file
         # where a complete tensor goes: the store, or an open update that publishes it at its switch
         self.publish: Callable[..., None] = self.store.publish
+        # with a RELAY: where a complete tensor also goes, proven (name, dtype, shape, host bytes, digest)
+        self.forward: Callable[[str, str, tuple[int, ...], Any, bytes | None], None] | None = None
 
     def _receiving(self) -> None:
         """Tell the cache's writer whether this connection has tensors in flight."""
@@ -193,6 +195,8 @@ class Receiver:
             raise RequestError(f"{a.name!r} is not a tensor name: safetensors reserves it for the file's metadata")
         if self.ctx.config.slices is not None:  # it holds slices: a whole tensor has no place here
             raise RequestError(f"tensor {a.name!r}: this server holds slices (shard=): send REGIONs, not whole tensors")
+        if self.forward is not None and a.digest is None and a.nbytes:
+            raise RequestError(f"tensor {a.name!r}: a relayed push names every tensor's digest in its ALLOC")
         p = _charged(self.store, a, pooled=self.staging.pooled, ahead=bool(self.pending))
         # A tensor named by digest may be filled from memory the server already holds: its
         # destination is made when the first byte needs a place, not here.
@@ -347,7 +351,8 @@ class Receiver:
         if not proven:
             return
         target = self.staging.target
-        if p.digest is not None and not p.proven and self.store.remembers_digests and target.memcpy_ok:
+        relayed = self.forward is not None
+        if p.digest is not None and not p.proven and (self.store.remembers_digests or relayed) and target.memcpy_ok:
             # not hashed as it arrived (WRITEs out of order, a cache write that failed): a tensor
             # named by digest is published only with its bytes proven
             if digest_of(target.host_view(p.dest)) != p.digest:
@@ -378,6 +383,8 @@ class Receiver:
                 if sealed is not None:  # not replaced already by another connection
                     cache.behind.on_error = self.cache_failed
                     cache.behind.submit(p.digest, dest, target.host_view(dest), sealed)
+        if self.forward is not None and (p.proven or p.digest is None):
+            self.forward(p.name, p.dtype, p.shape, target.host_view(dest), p.digest)
         self.outcomes.done_tensors += 1
         self.prof.count(tensors=1, nbytes=p.nbytes)
 
@@ -390,6 +397,10 @@ class Receiver:
         if p.hashed != p.nbytes:
             writer.abort()
         elif isinstance(writer, StreamHash):
+            if p.digest is not None and writer.value != p.digest:  # named by digest: held to it, cache or none
+                self._mismatch(p)
+                return False, None
+            p.proven = p.digest is not None
             return True, writer.value
         else:
             try:

@@ -122,6 +122,9 @@ class Server:
     ``tls``: a server ``ssl.SSLContext`` (:func:`~weightlift.remote.transport.server_tls_context`): every
     connection speaks TLS, its handshake bounded by ``handshake_timeout``. TLS gives confidentiality; clients
     are still authenticated by the token.
+    ``peer_token`` and ``peer_tls`` (a client ``ssl.SSLContext``): what this server presents to the next
+    server of a relayed push (:mod:`~weightlift.remote.server.relay`); ``peer_token`` defaults to ``token``
+    (a fleet's servers share one). Neither ever crosses the wire: a client names the hops, never a secret.
     ``protocol_minor`` makes the server speak an older minor version (compatibility tests).
     ``profile`` None reads WEIGHTLIFT_LOADPROF; with it on, each connection's report is printed to stderr when
     the connection closes. ``reserve`` (host memory only) faults that many bytes in on a background thread from
