@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import weightlift
+import weightlift.errors as errors_module
 from tests.checkpoints import write
 from weightlift.cli.main import main as cli
 from weightlift.digest.published import make_manifest, read_manifest
@@ -329,3 +330,56 @@ def test_a_torch_load_without_torch_says_how_to_install_it(tmp_path, monkeypatch
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(OptionError, match="framework='torch' needs torch"):
         weightlift.load(path, framework="torch")
+
+
+def _shadowed_handlers(source: str, namespace: dict, unresolved: list[str]) -> list[str]:
+    """Handlers of a try that an earlier handler of the same try already catches (never reached);
+    ``unresolved`` gets the names ``namespace`` (with the error tree's) does not hold."""
+    import ast
+    import builtins
+
+    namespace = {**vars(errors_module), **namespace}
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Try):
+            continue
+        earlier: list[type] = []
+        for h in node.handlers:
+            if h.type is None:
+                continue
+            names = h.type.elts if isinstance(h.type, ast.Tuple) else [h.type]
+            classes = []
+            for n in names:
+                try:
+                    classes.append(eval(ast.unparse(n), dict(namespace), vars(builtins)))
+                except (AttributeError, NameError):  # imported inside a function only
+                    unresolved.append(f"line {h.lineno}: {ast.unparse(n)}")
+            out += [
+                f"line {h.lineno}: {c.__name__} after {e.__name__}"
+                for c in classes
+                for e in earlier
+                if issubclass(c, e)
+            ]
+            earlier += classes
+    return out
+
+
+def test_no_except_in_the_package_is_shadowed_by_an_earlier_one():
+    # a built-in base added to an error must not put it under a handler above its own
+    import importlib
+
+    assert _shadowed_handlers("try:\n    pass\nexcept ValueError:\n    pass\nexcept FormatError:\n    pass\n", {}, [])
+    pkg = Path(weightlift.__file__).parent
+    found: list[str] = []
+    unresolved: list[str] = []
+    for path in sorted(pkg.rglob("*.py")):
+        source = path.read_text()
+        if source.count("except ") < 2:
+            continue
+        name = ".".join(path.relative_to(pkg.parent).with_suffix("").parts).removesuffix(".__init__")
+        try:
+            module = vars(importlib.import_module(name))
+        except ImportError:  # an integration whose host package is not installed: the tree's names only
+            module = {}
+        found += [f"{name}: {s}" for s in _shadowed_handlers(source, module, unresolved)]
+    assert found == []
