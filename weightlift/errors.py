@@ -5,15 +5,18 @@ file, socket errors, struct errors) are mapped at the boundary where they happen
 catch one root::
 
     WeightliftError                                          also a built-in:
-    ├── FormatError            a checkpoint file is malformed (names the file and tensor)
+    ├── FormatError            a checkpoint file is malformed         ValueError
+    │                          (names the file and tensor)
     ├── NotFoundError          a path, shard, tensor or remote name   FileNotFoundError
     │                          that does not exist
     ├── FileError              reading or writing a file failed: an   OSError
     │                          OSError, or a file ended early
     ├── OptionError            a bad argument or option from the      ValueError
     │                          caller (a bad type too)
-    ├── StateError             a call the object's state does not allow (closed, not started)
-    ├── IntegrityError         bytes differ from what was written or from their digest
+    ├── StateError             a call the object's state does not     RuntimeError
+    │                          allow (closed, not started, busy)
+    ├── IntegrityError         bytes differ from what was written     ValueError
+    │                          or from their digest
     ├── ProtocolError          the wire protocol was violated
     │   ├── LocalProtocolError   we were asked to send something invalid
     │   └── RemoteProtocolError  the peer sent something invalid, or reported an error
@@ -21,8 +24,10 @@ catch one root::
     ├── TransportError         a connection could not be made, broke  ConnectionError
     │   └── TransportTimeout   or timed out (a timeout: this one)     TimeoutError
     ├── CacheError             the content-addressed cache failed (never fatal to a load)
-    ├── DeviceError            a target device is missing or a copy to it failed
-    ├── GroupError             another rank of a process group failed (its own error says why)
+    ├── DeviceError            a target device is missing or a copy   RuntimeError
+    │                          to it failed
+    ├── GroupError             another rank of a process group        RuntimeError
+    │                          failed (its own error says why)
     └── PushError              some of several pushes failed (per server: error or result)
 
 The benchmark harness adds two of its own under the root (``ArmFailed``, ``ArmSkipped`` in
@@ -31,8 +36,10 @@ from weightlift and report through their exit line instead.
 
 Each error is also the built-in exception a Python user would catch for its kind of failure (the
 right-hand column), so code written for ``open()``, ``json`` or ``socket`` catches weightlift's too:
-``except FileNotFoundError`` a missing checkpoint, ``except ValueError`` a bad option, ``except
-ConnectionError`` a server gone. weightlift's own code never catches a built-in where one of these
+``except FileNotFoundError`` a missing checkpoint, ``except ValueError`` a bad option or a bad
+file (as for gguf-py's reader), ``except RuntimeError`` a closed object or a device failure (as for
+threading and torch), ``except ConnectionError`` a server gone. The classes without one (the
+protocol's, the cache's, PushError) say why in their docstrings. weightlift's own code never catches a built-in where one of these
 may pass through unless it means to (see :func:`os_error`). The OSError ones keep ``str(e)`` as
 the message alone, and carry ``errno`` (and ``filename``, where one is named) as an OSError does.
 
@@ -103,8 +110,11 @@ class _Located(WeightliftError):
         self.reason = message
 
 
-class FormatError(_Located):
-    """A checkpoint file is malformed; the message names the file and, where known, the tensor."""
+class FormatError(_Located, ValueError):
+    """A checkpoint file is malformed; the message names the file and, where known, the tensor.
+
+    Also a :class:`ValueError`: what gguf-py's ``GGUFReader`` and ``json`` raise for a bad file.
+    (safetensors' ``SafetensorError`` derives from ``Exception`` alone, so no built-in shares it.)"""
 
 
 class NotFoundError(_Located, FileNotFoundError):
@@ -150,24 +160,36 @@ class OptionError(WeightliftError, ValueError):
     """An argument or option passed by the caller is invalid (its value or its type); also a :class:`ValueError`."""
 
 
-class StateError(WeightliftError):
-    """The call is not allowed in the object's current state: it is closed, or not started yet."""
+class StateError(WeightliftError, RuntimeError):
+    """The call is not allowed in the object's current state: it is closed, or not started yet.
+
+    Also a :class:`RuntimeError`: what threading and concurrent.futures raise for a call their
+    state forbids (a thread started twice, a submit after shutdown)."""
 
 
-class IntegrityError(WeightliftError):
-    """Bytes that were read back differ from what was written, or from their recorded digest."""
+class IntegrityError(WeightliftError, ValueError):
+    """Bytes that were read back differ from what was written, or from their recorded digest.
+
+    Also a :class:`ValueError`: a file whose bytes are not the ones recorded is a bad file, caught
+    by the same ``except ValueError`` as a malformed one (:class:`FormatError`)."""
 
 
 class ProtocolError(WeightliftError):
-    """The wire protocol was violated."""
+    """The wire protocol was violated.
+
+    No built-in base: none means "the peer broke the protocol" (http.client, h11 and httpx keep
+    theirs apart too), and a ConnectionError would have the transport's handlers re-wrap it."""
 
 
 class LocalProtocolError(ProtocolError):
-    """We were asked to send a message that the protocol does not allow."""
+    """We were asked to send a message that the protocol does not allow (no built-in base, as :class:`ProtocolError`)."""
 
 
 class RemoteProtocolError(ProtocolError):
-    """The peer sent a malformed or forbidden message, or replied with an error."""
+    """The peer sent a malformed or forbidden message, or replied with an error.
+
+    No built-in base, as :class:`ProtocolError`: a server's refusal is neither a bad value of ours
+    nor a broken connection (that one is a :class:`TransportError`)."""
 
 
 class AuthError(WeightliftError, PermissionError):
@@ -195,19 +217,27 @@ class TransportTimeout(TransportError, TimeoutError):
 
 
 class CacheError(WeightliftError):
-    """The content-addressed cache failed; a load goes on without it."""
+    """The content-addressed cache failed; a load goes on without it.
+
+    No built-in base: it never reaches a caller's ``except``, the server handles it itself."""
 
 
-class DeviceError(WeightliftError):
-    """A target device is unavailable, or a copy to it failed."""
+class DeviceError(WeightliftError, RuntimeError):
+    """A target device is unavailable, or a copy to it failed.
+
+    Also a :class:`RuntimeError`: what torch raises for a CUDA failure (an out-of-memory too)."""
 
 
-class GroupError(WeightliftError):
-    """Another rank of a process group failed; this rank stops too, and that rank's error says why."""
+class GroupError(WeightliftError, RuntimeError):
+    """Another rank of a process group failed; this rank stops too, and that rank's error says why.
+
+    Also a :class:`RuntimeError`: what torch.distributed raises when a peer fails (``DistError``)."""
 
 
 class PushError(WeightliftError):
-    """One or more pushes of :func:`weightlift.distributed.push_many` failed; ``errors`` and ``results`` say which."""
+    """One or more pushes of :func:`weightlift.distributed.push_many` failed; ``errors`` and ``results`` say which.
+
+    No built-in base: its failures are of several kinds, and each in ``errors`` keeps its own."""
 
     def __init__(self, errors: dict[str, BaseException], results: dict[str, Any]):
         first = next(iter(errors.items()))

@@ -284,6 +284,17 @@ def test_the_description_rank_0_sends_round_trips_and_is_checked(stores):
         _parse(json.dumps(doc).encode(), url)
 
 
+def test_a_bad_url_of_this_rank_is_not_blamed_on_rank_0():
+    """The description parses against this rank's own URL: an error of that URL is said as
+    such (an OptionError, a ValueError too), not re-wrapped as a malformed description."""
+    from weightlift.distributed.fromstore import _FORMAT, _parse
+
+    desc = json.dumps({"format": _FORMAT, "objects": [], "tensors": [], "path": "m", "kind": "safetensors"})
+    with pytest.raises(OptionError) as got:
+        _parse(desc.encode(), "s3://")
+    assert str(got.value) == "'s3://' names no bucket"
+
+
 def test_verify_is_refused_where_it_cannot_check():
     with pytest.raises(OptionError, match="verify=True is not supported together with shard= or group= of local"):
         wl.load("m.safetensors", group=object(), verify=True)

@@ -197,6 +197,8 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
         m = Manifest(tuple(entries))
         if not isinstance(doc["digest"], str) or doc["digest"].lower() != m.digest:
             raise IntegrityError(f"{p}: the manifest's own digest does not match its tensors (edited or damaged)")
+    except IntegrityError:  # the checks above (a ValueError too), already saying what is wrong
+        raise
     except (KeyError, TypeError, ValueError) as e:
         raise IntegrityError(f"{p}: malformed manifest ({type(e).__name__}: {e})") from None
     return m

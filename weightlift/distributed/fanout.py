@@ -251,6 +251,6 @@ def _parse(desc: bytes) -> tuple[list[TensorInfo], list[int], int]:
             offs.append(off)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise RemoteProtocolError(f"the source's tensor list is malformed: {e}") from None
-    except Exception as e:  # noqa: BLE001 - byte_length raises our FormatError for a shape of partial bytes
+    except Exception as e:  # noqa: BLE001 - whatever else a malformed entry makes the checks above raise
         raise RemoteProtocolError(f"the source's tensor list is malformed: {e}") from None
     return infos, offs, total

@@ -47,7 +47,7 @@ from weightlift.digest.published import Reference
 from weightlift.distributed.comm import Comm
 from weightlift.distributed.reader import row_read_min
 from weightlift.distributed.shard import Rows
-from weightlift.errors import RemoteProtocolError
+from weightlift.errors import RemoteProtocolError, WeightliftError
 from weightlift.formats import TensorInfo
 from weightlift.memory.targets import as_bytes
 from weightlift.sources.load import plan_budget
@@ -157,6 +157,8 @@ def _parse(desc: bytes, url: str) -> Checkpoint:
         path, kind = doc["path"], doc["kind"]
         if not isinstance(path, str) or kind not in ("safetensors", "gguf"):
             raise ValueError("bad path or format")
+    except WeightliftError:  # Objects' own, saying what failed (several are ValueErrors too)
+        raise
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise RemoteProtocolError(f"rank 0's description of {url} is malformed: {e}") from None
     return Checkpoint(path, kind, [i.url for i in infos], tensors, source=objs)

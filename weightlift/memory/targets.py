@@ -19,7 +19,7 @@ from typing import Any, TypeAlias
 import numpy as np
 
 from weightlift.dtypes import DTYPES, byte_length, dtype_info, numpy_dtype, torch_dtype
-from weightlift.errors import DeviceError, OptionError
+from weightlift.errors import DeviceError, OptionError, install_hint
 from weightlift.formats import TensorInfo
 from weightlift.memory.fresh import before_kernel_copy as populate
 from weightlift.memory.fresh import fresh_host
@@ -638,6 +638,12 @@ def target_for(place: Placement, dtype: str | None = None) -> Target:
     """The target for a checked device/framework pair; ``dtype`` (a dtype name) casts on load."""
     if dtype is not None:
         dtype_info(dtype)
+    if place.framework == "torch":
+        # here, before any byte is read, rather than as an ImportError from the first tensor's view
+        try:
+            _import_torch()
+        except ImportError:
+            raise OptionError(f"framework='torch' needs torch: {install_hint('torch')}") from None
     if place.cuda:
         return CudaTarget(place, dtype)
     return CastTarget(place.framework, dtype) if dtype else HostTarget(place.framework)

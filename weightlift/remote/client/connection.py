@@ -65,7 +65,9 @@ class Replaced(StateError):
 
 
 class Busy(StateError):
-    """The server answered BUSY: a push to the model asked about is in flight (nothing changed)."""
+    """The server answered BUSY: a push to the model asked about is in flight (nothing changed).
+
+    A :class:`StateError`, so a :class:`RuntimeError`: the server's state refuses the call now."""
 
 
 ERRORS = {
