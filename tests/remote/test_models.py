@@ -251,3 +251,17 @@ def test_an_error_names_a_tensor_as_its_client_did():
         raw.send(P.WriteHeader(0, 0, 32), bytes(32))
         (error,) = _barrier(raw).errors
         assert "'w' (model 'm')" in error and "\\x00" not in error, error
+
+
+def test_reading_everything_gives_the_default_model_only(tmp_path):
+    # what the vLLM engine copies into the model (reading() with no names): a named model pushed
+    # to the same server must not come along under the store's NUL-marked keys
+    a, _ = _model(tmp_path, "a", 2, 100)
+    plain, plain_t = write_u8(tmp_path / "plain.safetensors", {"w": b"default"})
+    with Server() as s, Client(s.address) as c:
+        c.push(a, model="other")
+        c.push(plain)
+        with s.reading() as held:
+            assert {n: t.tobytes() for n, t in held.items()} == plain_t
+        with s.reading(["w"]) as held:
+            assert list(held) == ["w"]
