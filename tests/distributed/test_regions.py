@@ -536,3 +536,30 @@ def test_a_sender_killed_mid_update_leaves_the_old_version(ckpt):
         assert all(held[n].tobytes() == v2[n].tobytes() for n in v2)
     finally:
         server.close()
+
+
+def test_regions_are_refused_outside_the_default_model(ckpt):
+    # the assembly keeps the default model's tensors: a REGION after MODEL "m" would have landed
+    # there silently, and one named with the store's NUL mark inside another model's namespace
+    path, arrs = ckpt
+    server = wl.Server(port=0, shard=Shard(RULES, rank=0, world=1))
+    server.start()
+    try:
+        a = arrs["norm.weight"]
+        with wl.Client(server.address) as c:
+            lay = server_layout(c)
+            conn = c.connections[0]
+            conn.use("m")
+            with pytest.raises(RemoteProtocolError, match=r"model 'm': REGIONs fill the default model only"):
+                push_shards(c, {"norm.weight": a}, layout=lay, atomic=False)
+            conn.use("")
+            raw = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+            evil = "\x00m\x00norm.weight"
+            conn.send(conn.frame(Region(evil, "F32", a.shape, (0,), a.shape, raw.nbytes)), raw)
+            with pytest.raises(RemoteProtocolError, match=r"cannot begin with NUL"):
+                push_shards(c, {}, layout=lay)
+            assert server.tensors() == {} and server.tensors(model="m") == {}
+            push_shards(c, {"norm.weight": a}, layout=lay, atomic=False)  # still in step
+        assert server.tensors()["norm.weight"].tobytes() == a.tobytes()
+    finally:
+        server.close()

@@ -957,6 +957,16 @@ class NaivePath:
             charge.release()
 
 
+def _unplaced(model: str, names: tuple[str, ...]) -> str | None:
+    """Why REGIONs (or an EXPECT) of ``names`` cannot go into the assembly, which keeps the
+    default model's tensors under their own names (None: they can). A named model's would land
+    in the default one; a name beginning with NUL would land in another model's namespace."""
+    if model:
+        return f'model {model!r}: REGIONs fill the default model only (MODEL "" first)'
+    bad = next((n for n in names if n.startswith("\x00")), None)
+    return None if bad is None else f"tensor {bad!r}: a tensor name cannot begin with NUL"
+
+
 class Regions:
     """One connection's REGIONs into the server's shared :class:`~.store.Assembly` (None: the
     server holds no slices, and every REGION is refused). Refusals wait for the next SKETCH."""
@@ -979,10 +989,14 @@ class Regions:
         self._drain(m.length)
         self._frame_end()
 
-    def region(self, m: Region) -> None:
+    def region(self, m: Region, model: str = "") -> None:
         a = self.assembly
         if a is None:
             self._refuse(m, f"tensor {m.name!r}: this server holds no slices (started without shard=)")
+            return
+        why = _unplaced(model, (m.name,))
+        if why is not None:
+            self._refuse(m, why)
             return
         box = tuple(zip(m.start, m.stop, strict=True))
         try:
@@ -1017,9 +1031,13 @@ class Regions:
         else:
             self.dropped += 1
 
-    def expect(self, m: Expect) -> None:
+    def expect(self, m: Expect, model: str = "") -> None:
         if self.assembly is None:
             self._error("EXPECT: this server holds no slices (started without shard=)")
+            return
+        why = _unplaced(model, m.names)
+        if why is not None:
+            self._error(f"EXPECT: {why}")
             return
         self.assembly.expect(m.names)
 
