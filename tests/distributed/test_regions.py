@@ -563,3 +563,27 @@ def test_regions_are_refused_outside_the_default_model(ckpt):
         assert server.tensors()["norm.weight"].tobytes() == a.tobytes()
     finally:
         server.close()
+
+
+def test_the_open_set_of_names_is_bounded(ckpt, monkeypatch):
+    # every EXPECT added its names to the server's open set, without end: a client repeating
+    # EXPECT frames of 65536 names grew the server's memory past any limit it was started with
+    import weightlift.remote.server.store as store_mod
+    from weightlift.remote.protocol import Expect
+
+    monkeypatch.setattr(store_mod, "MAX_SET_BYTES", 1000)
+    path, arrs = ckpt
+    server = wl.Server(port=0, shard=Shard(RULES, rank=0, world=1))
+    server.start()
+    try:
+        with wl.Client(server.address) as c:
+            lay = server_layout(c)
+            conn = c.connections[0]
+            conn.send(conn.frame(Expect(tuple(f"x{i:03d}" for i in range(200)))))  # 800 characters: taken
+            conn.send(conn.frame(Expect(tuple(f"y{i:03d}" for i in range(100)))))  # past 1000: refused
+            with pytest.raises(RemoteProtocolError, match=r"EXPECT of 100 names: the open set"):
+                push_shards(c, {}, layout=lay)
+            conn.send(conn.frame(Expect(tuple(f"x{i:03d}" for i in range(200)))))  # names it holds: no growth
+            push_shards(c, {}, layout=lay)
+    finally:
+        server.close()

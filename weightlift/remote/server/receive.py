@@ -1039,7 +1039,10 @@ class Regions:
         if why is not None:
             self._error(f"EXPECT: {why}")
             return
-        self.assembly.expect(m.names)
+        try:
+            self.assembly.expect(m.names)
+        except RegionRefused as e:
+            self._error(str(e))
 
     def sketch(self, m: SketchRequest) -> SketchReply:
         entries = []
