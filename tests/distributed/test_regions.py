@@ -587,3 +587,21 @@ def test_the_open_set_of_names_is_bounded(ckpt, monkeypatch):
             push_shards(c, {}, layout=lay)
     finally:
         server.close()
+
+
+def test_a_tensor_larger_than_the_servers_memory_whose_slice_fits(ckpt):
+    # the decoder capped a REGION's unsharded tensor at the server's max_memory, as if it held it
+    # whole: a TP server whose slice of a large tensor fits its memory refused every box of it
+    from weightlift.remote.server.store import entry_cost
+
+    a = np.arange(4096 * 8, dtype=np.float32).reshape(4096, 8)  # 128 KiB whole, 64 KiB a slice
+    limit = entry_cost("w", a.nbytes // 2, 2) + 1024
+    server = wl.Server(port=0, shard=Shard({"*": 0}, rank=0, world=2), max_memory=limit)
+    server.start()
+    try:
+        with wl.Client(server.address) as c:
+            done = push_shards(c, {"w": a}, atomic=False)
+        assert done.status["w"].complete
+        assert server.tensors()["w"].tobytes() == a[:2048].tobytes()
+    finally:
+        server.close()
