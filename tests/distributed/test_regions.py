@@ -605,3 +605,26 @@ def test_a_tensor_larger_than_the_servers_memory_whose_slice_fits(ckpt):
         assert server.tensors()["w"].tobytes() == a[:2048].tobytes()
     finally:
         server.close()
+
+
+def test_a_box_staged_before_it_is_scattered_is_charged(ckpt):
+    # a box that is not one contiguous range of the slice is staged whole (up to 64 MiB) before
+    # it is scattered: that buffer is memory the server allocates for a client, charged like
+    # WRITE's staging, so a server at its limit refuses the box instead of allocating past it
+    from weightlift.remote.server.store import entry_cost
+
+    rows = 4096
+    slice_bytes = rows * 4 * 4  # (rows, 8) float32 split by columns over 2: (rows, 4) here
+    limit = entry_cost("w", slice_bytes, 2) + slice_bytes // 2 - 1  # the slice fits, slice + a half-box not
+    server = wl.Server(port=0, shard=Shard({"*": 1}, rank=0, world=2), max_memory=limit)
+    server.start()
+    try:
+        a = np.arange(rows * 8, dtype=np.float32).reshape(rows, 8)
+        with wl.Client(server.address) as c:
+            lay = server_layout(c)
+            left = ShardOf(np.ascontiguousarray(a[:, :2]), a.shape, (0, 0))  # columns 0..2 of 0..4: strided here
+            with pytest.raises(RemoteProtocolError, match=r"staging a box of \d+ bytes.*memory limit"):
+                push_shards(c, {"w": left}, layout=lay, atomic=False)
+            assert server.stats()["memory_used"] == entry_cost("w", slice_bytes, 2)  # the slice only
+    finally:
+        server.close()

@@ -1004,23 +1004,35 @@ class Regions:
         except RegionRefused as e:
             self._refuse(m, str(e))
             return
+        charge = None
+        if m.length and not dest.flags.c_contiguous:  # staged whole, then scattered: charged as WRITE's staging
+            try:
+                charge = self.store.charge(m.length)
+            except MemoryFull as e:
+                a.release(m.name, b, box)
+                self._refuse(m, f"tensor {m.name!r}: staging a box of {m.length} bytes: {e}")
+                return
         try:
-            if m.length and dest.flags.c_contiguous:  # one byte range of the slice: straight in
-                flat = dest.reshape(-1).view(np.uint8)
-                self._payload(flat.data)
-                landed = dest
-            else:
-                staged = np.empty(m.length, np.uint8)
-                if m.length:
-                    self._payload(staged.data)
-                landed = staged.view(dest.dtype).reshape(dest.shape)
-            self._frame_end()  # the frame is proven before any of its bytes count
-        except BaseException:
-            a.release(m.name, b, box)
-            raise
-        if landed is not dest:
-            dest[...] = landed
-        sketch = a.slices.sketch(landed, m.shape, box, m.name) if m.length else 0
+            try:
+                if m.length and dest.flags.c_contiguous:  # one byte range of the slice: straight in
+                    flat = dest.reshape(-1).view(np.uint8)
+                    self._payload(flat.data)
+                    landed = dest
+                else:
+                    staged = np.empty(m.length, np.uint8)
+                    if m.length:
+                        self._payload(staged.data)
+                    landed = staged.view(dest.dtype).reshape(dest.shape)
+                self._frame_end()  # the frame is proven before any of its bytes count
+            except BaseException:
+                a.release(m.name, b, box)
+                raise
+            if landed is not dest:
+                dest[...] = landed
+            sketch = a.slices.sketch(landed, m.shape, box, m.name) if m.length else 0
+        finally:
+            if charge is not None:
+                charge.release()  # the staged copy is dropped as this returns
         self.store.count("bytes_received", m.length)
         a.landed(m.name, b, m.length, sketch)
 
