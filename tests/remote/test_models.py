@@ -265,3 +265,17 @@ def test_reading_everything_gives_the_default_model_only(tmp_path):
             assert {n: t.tobytes() for n, t in held.items()} == plain_t
         with s.reading(["w"]) as held:
             assert list(held) == ["w"]
+
+
+def test_tensors_from_memory_pushed_into_a_named_model(tmp_path):
+    # a push from memory is an update whose COMMIT_REPLY states the set digest of the tensors it
+    # switched in: the server took it over its store keys ("\x00m\x00w"), the client over the
+    # names it pushed, so every such push into a named model failed as an IntegrityError
+    v1, v2 = np.arange(8, dtype=np.float32), np.arange(8, dtype=np.float32) * 3
+    with Server() as s, Client(s.address, keep_base=True) as c:
+        c.push({"w": v1}, model="m")
+        c.push({"w": v2}, model="m")  # the second as a delta against the first
+        assert s.tensors(model="m")["w"].tobytes() == v2.tobytes() and s.tensors() == {}
+        c.push({"w": v1})  # the default model's, a tensor of its own
+        assert s.tensors()["w"].tobytes() == v1.tobytes()
+        assert s.tensors(model="m")["w"].tobytes() == v2.tobytes()
