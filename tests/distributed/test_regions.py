@@ -628,3 +628,11 @@ def test_a_box_staged_before_it_is_scattered_is_charged(ckpt):
             assert server.stats()["memory_used"] == entry_cost("w", slice_bytes, 2)  # the slice only
     finally:
         server.close()
+
+
+def test_a_fused_tensor_of_more_parts_than_layout_reply_carries_is_refused_at_start():
+    # LAYOUT_REPLY carries a fused tensor's part sizes as dims (at most 64): a server started
+    # with more answered every LAYOUT with an internal error about a "shape" of 65 dimensions
+    with pytest.raises(OptionError, match=r"fused tensor 'experts\.w': 65 parts; a server takes at most 64"):
+        wl.Server(port=0, shard=Shard({"*": 0}, rank=0, world=2), fused={"experts.w": [2] * 65})
+    wl.Server(port=0, shard=Shard({"*": 0}, rank=0, world=2), fused={"experts.w": [2] * 64}).close()
