@@ -279,3 +279,20 @@ def test_tensors_from_memory_pushed_into_a_named_model(tmp_path):
         c.push({"w": v1})  # the default model's, a tensor of its own
         assert s.tensors()["w"].tobytes() == v1.tobytes()
         assert s.tensors(model="m")["w"].tobytes() == v2.tobytes()
+
+
+def test_an_update_fills_the_one_model_it_was_opened_in(tmp_path):
+    # a MODEL inside an open update sent its later tensors into another model under the first
+    # one's update: a REMOVE of that other model was not refused as busy, and the COMMIT then
+    # published into it; the server refuses it, as it refuses a JOIN from another model
+    with Server() as s:
+        raw = Raw.connected(s.address)
+        raw.send(P.UseModel("a"))
+        raw.send(P.Update(0, 0))
+        raw.send(P.UseModel("a"))  # the same model: nothing changes
+        raw.send(P.UseModel("b"))
+        reply = raw.recv()
+        assert isinstance(reply, P.Error) and reply.code == P.ErrorCode.PROTOCOL
+        assert "MODEL 'b' inside an update of model 'a'" in reply.message
+        raw.close()
+        wait_for(lambda: s.stats()["pushes_rolled_back"] == 1)

@@ -395,6 +395,9 @@ class Connection:
         return dataclasses.replace(msg, name=key) if key != msg.name else msg
 
     def _use(self, msg: UseModel) -> None:
+        switch = self.switch
+        if switch is not None and not switch.closed and msg.model != switch.model:  # one update, one model
+            raise RemoteProtocolError(f"MODEL {msg.model!r} inside an update of model {switch.model!r}")
         self.model = self.reads.model = msg.model
 
     def _stats(self, msg: Stats) -> None:
