@@ -536,3 +536,103 @@ def test_a_sender_killed_mid_update_leaves_the_old_version(ckpt):
         assert all(held[n].tobytes() == v2[n].tobytes() for n in v2)
     finally:
         server.close()
+
+
+def test_regions_are_refused_outside_the_default_model(ckpt):
+    # the assembly keeps the default model's tensors: a REGION after MODEL "m" would have landed
+    # there silently, and one named with the store's NUL mark inside another model's namespace
+    path, arrs = ckpt
+    server = wl.Server(port=0, shard=Shard(RULES, rank=0, world=1))
+    server.start()
+    try:
+        a = arrs["norm.weight"]
+        with wl.Client(server.address) as c:
+            lay = server_layout(c)
+            conn = c.connections[0]
+            conn.use("m")
+            with pytest.raises(RemoteProtocolError, match=r"model 'm': REGIONs fill the default model only"):
+                push_shards(c, {"norm.weight": a}, layout=lay, atomic=False)
+            conn.use("")
+            raw = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+            evil = "\x00m\x00norm.weight"
+            conn.send(conn.frame(Region(evil, "F32", a.shape, (0,), a.shape, raw.nbytes)), raw)
+            with pytest.raises(RemoteProtocolError, match=r"cannot begin with NUL"):
+                push_shards(c, {}, layout=lay)
+            assert server.tensors() == {} and server.tensors(model="m") == {}
+            push_shards(c, {"norm.weight": a}, layout=lay, atomic=False)  # still in step
+        assert server.tensors()["norm.weight"].tobytes() == a.tobytes()
+    finally:
+        server.close()
+
+
+def test_the_open_set_of_names_is_bounded(ckpt, monkeypatch):
+    # every EXPECT added its names to the server's open set, without end: a client repeating
+    # EXPECT frames of 65536 names grew the server's memory past any limit it was started with
+    import weightlift.remote.server.store as store_mod
+    from weightlift.remote.protocol import Expect
+
+    monkeypatch.setattr(store_mod, "MAX_SET_BYTES", 1000)
+    path, arrs = ckpt
+    server = wl.Server(port=0, shard=Shard(RULES, rank=0, world=1))
+    server.start()
+    try:
+        with wl.Client(server.address) as c:
+            lay = server_layout(c)
+            conn = c.connections[0]
+            conn.send(conn.frame(Expect(tuple(f"x{i:03d}" for i in range(200)))))  # 800 characters: taken
+            conn.send(conn.frame(Expect(tuple(f"y{i:03d}" for i in range(100)))))  # past 1000: refused
+            with pytest.raises(RemoteProtocolError, match=r"EXPECT of 100 names: the open set"):
+                push_shards(c, {}, layout=lay)
+            conn.send(conn.frame(Expect(tuple(f"x{i:03d}" for i in range(200)))))  # names it holds: no growth
+            push_shards(c, {}, layout=lay)
+    finally:
+        server.close()
+
+
+def test_a_tensor_larger_than_the_servers_memory_whose_slice_fits(ckpt):
+    # the decoder capped a REGION's unsharded tensor at the server's max_memory, as if it held it
+    # whole: a TP server whose slice of a large tensor fits its memory refused every box of it
+    from weightlift.remote.server.store import entry_cost
+
+    a = np.arange(4096 * 8, dtype=np.float32).reshape(4096, 8)  # 128 KiB whole, 64 KiB a slice
+    limit = entry_cost("w", a.nbytes // 2, 2) + 1024
+    server = wl.Server(port=0, shard=Shard({"*": 0}, rank=0, world=2), max_memory=limit)
+    server.start()
+    try:
+        with wl.Client(server.address) as c:
+            done = push_shards(c, {"w": a}, atomic=False)
+        assert done.status["w"].complete
+        assert server.tensors()["w"].tobytes() == a[:2048].tobytes()
+    finally:
+        server.close()
+
+
+def test_a_box_staged_before_it_is_scattered_is_charged(ckpt):
+    # a box that is not one contiguous range of the slice is staged whole (up to 64 MiB) before
+    # it is scattered: that buffer is memory the server allocates for a client, charged like
+    # WRITE's staging, so a server at its limit refuses the box instead of allocating past it
+    from weightlift.remote.server.store import entry_cost
+
+    rows = 4096
+    slice_bytes = rows * 4 * 4  # (rows, 8) float32 split by columns over 2: (rows, 4) here
+    limit = entry_cost("w", slice_bytes, 2) + slice_bytes // 2 - 1  # the slice fits, slice + a half-box not
+    server = wl.Server(port=0, shard=Shard({"*": 1}, rank=0, world=2), max_memory=limit)
+    server.start()
+    try:
+        a = np.arange(rows * 8, dtype=np.float32).reshape(rows, 8)
+        with wl.Client(server.address) as c:
+            lay = server_layout(c)
+            left = ShardOf(np.ascontiguousarray(a[:, :2]), a.shape, (0, 0))  # columns 0..2 of 0..4: strided here
+            with pytest.raises(RemoteProtocolError, match=r"staging a box of \d+ bytes.*memory limit"):
+                push_shards(c, {"w": left}, layout=lay, atomic=False)
+            assert server.stats()["memory_used"] == entry_cost("w", slice_bytes, 2)  # the slice only
+    finally:
+        server.close()
+
+
+def test_a_fused_tensor_of_more_parts_than_layout_reply_carries_is_refused_at_start():
+    # LAYOUT_REPLY carries a fused tensor's part sizes as dims (at most 64): a server started
+    # with more answered every LAYOUT with an internal error about a "shape" of 65 dimensions
+    with pytest.raises(OptionError, match=r"fused tensor 'experts\.w': 65 parts; a server takes at most 64"):
+        wl.Server(port=0, shard=Shard({"*": 0}, rank=0, world=2), fused={"experts.w": [2] * 65})
+    wl.Server(port=0, shard=Shard({"*": 0}, rank=0, world=2), fused={"experts.w": [2] * 64}).close()

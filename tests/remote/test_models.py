@@ -251,3 +251,48 @@ def test_an_error_names_a_tensor_as_its_client_did():
         raw.send(P.WriteHeader(0, 0, 32), bytes(32))
         (error,) = _barrier(raw).errors
         assert "'w' (model 'm')" in error and "\\x00" not in error, error
+
+
+def test_reading_everything_gives_the_default_model_only(tmp_path):
+    # what the vLLM engine copies into the model (reading() with no names): a named model pushed
+    # to the same server must not come along under the store's NUL-marked keys
+    a, _ = _model(tmp_path, "a", 2, 100)
+    plain, plain_t = write_u8(tmp_path / "plain.safetensors", {"w": b"default"})
+    with Server() as s, Client(s.address) as c:
+        c.push(a, model="other")
+        c.push(plain)
+        with s.reading() as held:
+            assert {n: t.tobytes() for n, t in held.items()} == plain_t
+        with s.reading(["w"]) as held:
+            assert list(held) == ["w"]
+
+
+def test_tensors_from_memory_pushed_into_a_named_model(tmp_path):
+    # a push from memory is an update whose COMMIT_REPLY states the set digest of the tensors it
+    # switched in: the server took it over its store keys ("\x00m\x00w"), the client over the
+    # names it pushed, so every such push into a named model failed as an IntegrityError
+    v1, v2 = np.arange(8, dtype=np.float32), np.arange(8, dtype=np.float32) * 3
+    with Server() as s, Client(s.address, keep_base=True) as c:
+        c.push({"w": v1}, model="m")
+        c.push({"w": v2}, model="m")  # the second as a delta against the first
+        assert s.tensors(model="m")["w"].tobytes() == v2.tobytes() and s.tensors() == {}
+        c.push({"w": v1})  # the default model's, a tensor of its own
+        assert s.tensors()["w"].tobytes() == v1.tobytes()
+        assert s.tensors(model="m")["w"].tobytes() == v2.tobytes()
+
+
+def test_an_update_fills_the_one_model_it_was_opened_in(tmp_path):
+    # a MODEL inside an open update sent its later tensors into another model under the first
+    # one's update: a REMOVE of that other model was not refused as busy, and the COMMIT then
+    # published into it; the server refuses it, as it refuses a JOIN from another model
+    with Server() as s:
+        raw = Raw.connected(s.address)
+        raw.send(P.UseModel("a"))
+        raw.send(P.Update(0, 0))
+        raw.send(P.UseModel("a"))  # the same model: nothing changes
+        raw.send(P.UseModel("b"))
+        reply = raw.recv()
+        assert isinstance(reply, P.Error) and reply.code == P.ErrorCode.PROTOCOL
+        assert "MODEL 'b' inside an update of model 'a'" in reply.message
+        raw.close()
+        wait_for(lambda: s.stats()["pushes_rolled_back"] == 1)

@@ -38,6 +38,7 @@ from weightlift.errors import IntegrityError, OptionError, RemoteProtocolError, 
 from weightlift.formats import TensorInfo
 from weightlift.remote.client.memory import host_bytes, memory_tensors
 from weightlift.remote.protocol import (
+    MAX_DIMS,
     MAX_REGION_BYTES,
     MAX_SKETCH_BYTES,
     MAX_TENSORS,
@@ -74,6 +75,9 @@ class Served:
         self._rank = shard.rank
         self.shard = shard
         self.parts = {k: tuple(int(n) for n in v) for k, v in (parts or {}).items()}
+        for name, sizes in self.parts.items():  # LAYOUT_REPLY carries them as dims
+            if len(sizes) > MAX_DIMS:
+                raise OptionError(f"fused tensor {name!r}: {len(sizes)} parts; a server takes at most {MAX_DIMS}")
         self.layout = Layout(shard, shard.world, parts=self.parts or None)
 
     @property

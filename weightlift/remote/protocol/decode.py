@@ -397,8 +397,10 @@ def _dec_region(r: _Reader, lim: _Limits) -> Region:
         full = byte_length(dtype, shape)
     except WeightliftError:
         raise r.fail(f"tensor {name!r}: {dtype} {shape} is not a whole number of bytes") from None
-    if full > lim.max_tensor_bytes:
-        raise r.fail(f"tensor {name!r}: {full} bytes exceed the limit of {lim.max_tensor_bytes}")
+    # the unsharded tensor is never held here, only the server's slice of it (charged as it is
+    # made): the protocol's bound, not the server's memory, which a slice of it may well fit
+    if full > MAX_TENSOR_BYTES:
+        raise r.fail(f"tensor {name!r}: {full} bytes exceed the limit of {MAX_TENSOR_BYTES}")
     for k, (a, b, n) in enumerate(zip(start, stop, shape, strict=True)):
         if not a <= b <= n:
             raise r.fail(f"tensor {name!r}: dimension {k} of the box, [{a}, {b}), is not inside [0, {n})")

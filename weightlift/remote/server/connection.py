@@ -207,8 +207,8 @@ class Connection:
             Update: self._update,
             Commit: self._commit,
             LayoutRequest: self._layout,
-            Region: self.regions.region,
-            Expect: self.regions.expect,
+            Region: lambda m: self.regions.region(m, self.model),
+            Expect: lambda m: self.regions.expect(m, self.model),
             SketchRequest: lambda m: self.out.reply(self.regions.sketch(m)),
             UseModel: self._use,
             Stats: self._stats,
@@ -404,6 +404,9 @@ class Connection:
         return dataclasses.replace(msg, name=key) if key != msg.name else msg
 
     def _use(self, msg: UseModel) -> None:
+        switch = self.switch
+        if switch is not None and not switch.closed and msg.model != switch.model:  # one update, one model
+            raise RemoteProtocolError(f"MODEL {msg.model!r} inside an update of model {switch.model!r}")
         self.model = self.reads.model = msg.model
 
     def _stats(self, msg: Stats) -> None:

@@ -968,6 +968,16 @@ class NaivePath:
             charge.release()
 
 
+def _unplaced(model: str, names: tuple[str, ...]) -> str | None:
+    """Why REGIONs (or an EXPECT) of ``names`` cannot go into the assembly, which keeps the
+    default model's tensors under their own names (None: they can). A named model's would land
+    in the default one; a name beginning with NUL would land in another model's namespace."""
+    if model:
+        return f'model {model!r}: REGIONs fill the default model only (MODEL "" first)'
+    bad = next((n for n in names if n.startswith("\x00")), None)
+    return None if bad is None else f"tensor {bad!r}: a tensor name cannot begin with NUL"
+
+
 class Regions:
     """One connection's REGIONs into the server's shared :class:`~.store.Assembly` (None: the
     server holds no slices, and every REGION is refused). Refusals wait for the next SKETCH."""
@@ -990,10 +1000,14 @@ class Regions:
         self._drain(m.length)
         self._frame_end()
 
-    def region(self, m: Region) -> None:
+    def region(self, m: Region, model: str = "") -> None:
         a = self.assembly
         if a is None:
             self._refuse(m, f"tensor {m.name!r}: this server holds no slices (started without shard=)")
+            return
+        why = _unplaced(model, (m.name,))
+        if why is not None:
+            self._refuse(m, why)
             return
         box = tuple(zip(m.start, m.stop, strict=True))
         try:
@@ -1001,23 +1015,35 @@ class Regions:
         except RegionRefused as e:
             self._refuse(m, str(e))
             return
+        charge = None
+        if m.length and not dest.flags.c_contiguous:  # staged whole, then scattered: charged as WRITE's staging
+            try:
+                charge = self.store.charge(m.length)
+            except MemoryFull as e:
+                a.release(m.name, b, box)
+                self._refuse(m, f"tensor {m.name!r}: staging a box of {m.length} bytes: {e}")
+                return
         try:
-            if m.length and dest.flags.c_contiguous:  # one byte range of the slice: straight in
-                flat = dest.reshape(-1).view(np.uint8)
-                self._payload(flat.data)
-                landed = dest
-            else:
-                staged = np.empty(m.length, np.uint8)
-                if m.length:
-                    self._payload(staged.data)
-                landed = staged.view(dest.dtype).reshape(dest.shape)
-            self._frame_end()  # the frame is proven before any of its bytes count
-        except BaseException:
-            a.release(m.name, b, box)
-            raise
-        if landed is not dest:
-            dest[...] = landed
-        sketch = a.slices.sketch(landed, m.shape, box, m.name) if m.length else 0
+            try:
+                if m.length and dest.flags.c_contiguous:  # one byte range of the slice: straight in
+                    flat = dest.reshape(-1).view(np.uint8)
+                    self._payload(flat.data)
+                    landed = dest
+                else:
+                    staged = np.empty(m.length, np.uint8)
+                    if m.length:
+                        self._payload(staged.data)
+                    landed = staged.view(dest.dtype).reshape(dest.shape)
+                self._frame_end()  # the frame is proven before any of its bytes count
+            except BaseException:
+                a.release(m.name, b, box)
+                raise
+            if landed is not dest:
+                dest[...] = landed
+            sketch = a.slices.sketch(landed, m.shape, box, m.name) if m.length else 0
+        finally:
+            if charge is not None:
+                charge.release()  # the staged copy is dropped as this returns
         self.store.count("bytes_received", m.length)
         a.landed(m.name, b, m.length, sketch)
 
@@ -1028,11 +1054,18 @@ class Regions:
         else:
             self.dropped += 1
 
-    def expect(self, m: Expect) -> None:
+    def expect(self, m: Expect, model: str = "") -> None:
         if self.assembly is None:
             self._error("EXPECT: this server holds no slices (started without shard=)")
             return
-        self.assembly.expect(m.names)
+        why = _unplaced(model, m.names)
+        if why is not None:
+            self._error(f"EXPECT: {why}")
+            return
+        try:
+            self.assembly.expect(m.names)
+        except RegionRefused as e:
+            self._error(str(e))
 
     def sketch(self, m: SketchRequest) -> SketchReply:
         entries = []

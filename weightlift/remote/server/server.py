@@ -71,7 +71,7 @@ from weightlift.remote.server.config import (
 )
 from weightlift.remote.server.connection import Connection
 from weightlift.remote.server.stats import ServerStats
-from weightlift.remote.server.store import ENTRY_OVERHEAD, Store
+from weightlift.remote.server.store import ENTRY_OVERHEAD, Store, key_model
 from weightlift.remote.transport import Listener, Stream
 
 if TYPE_CHECKING:
@@ -257,11 +257,14 @@ class Server:
 
     @contextmanager
     def reading(self, names: Iterable[str] | None = None) -> Iterator[dict[str, Array]]:
-        """The tensors of ``names`` (None: all) as :meth:`tensors` gives them, held off in-place
-        updates until the block ends, so a caller copying them out gets one version of each. Keep
-        it short: an in-place update waits for it (at most ``config.gate_timeout``, then it is refused). A
-        block may take tensors again inside it, in the same thread, without waiting for that update."""
+        """The tensors of ``names`` (None: all of the default model's) as :meth:`tensors` gives them,
+        held off in-place updates until the block ends, so a caller copying them out gets one
+        version of each. Keep it short: an in-place update waits for it (at most
+        ``config.gate_timeout``, then it is refused). A block may take tensors again inside it, in
+        the same thread, without waiting for that update."""
         with self._store.reading_entries(names) as entries:
+            if names is None:  # named models' tensors are kept under NUL-marked keys: not these
+                entries = {n: e for n, e in entries.items() if not key_model(n)[0]}
             yield self._store.handed_out(entries)
 
     def free(self, names: Iterable[str] | None = None) -> int:

@@ -704,6 +704,9 @@ def _hand_out(entry: Entry, writable: bool) -> Any:
 # -- a sharded server's slices, assembled from REGIONs ------------------------------------------------
 
 _MASK = (1 << 64) - 1
+# Characters of names the open set (EXPECT) holds at most: the largest checkpoints' names come to a
+# few MB, and without a bound a client repeating EXPECT would grow the server's memory without end.
+MAX_SET_BYTES = 64 * 1024 * 1024
 _BoxT = tuple[tuple[int, int], ...]
 
 
@@ -774,12 +777,21 @@ class Assembly:
         self._done: dict[str, SketchEntry] = {}
         self._geometry: dict[str, tuple[str, tuple[int, ...]]] = {}  # name -> dtype, unsharded shape
         self._set: set[str] = set()  # the open set's names (EXPECT), until it switches
+        self._set_bytes = 0  # their characters, at most MAX_SET_BYTES
         self._held: dict[str, Staged] = {}  # complete tensors of the open set, held back
 
     def expect(self, names: tuple[str, ...]) -> None:
-        """Add ``names`` to the open set (a new one if none is open)."""
+        """Add ``names`` to the open set (a new one if none is open); RegionRefused, nothing added,
+        where the set would hold more than MAX_SET_BYTES of names."""
         with self._lock:
-            self._set.update(names)
+            new = set(names) - self._set
+            size = sum(map(len, new))
+            if self._set_bytes + size > MAX_SET_BYTES:
+                raise RegionRefused(
+                    f"EXPECT of {len(names)} names: the open set would hold more than {MAX_SET_BYTES} characters of names"
+                )
+            self._set |= new
+            self._set_bytes += size
             ready = self._ready()
         if ready:
             self._switch(ready)
@@ -789,7 +801,7 @@ class Assembly:
         if not self._set or not self._set <= self._held.keys():
             return []
         staged = [self._held.pop(n) for n in sorted(self._set)]
-        self._set = set()
+        self._set, self._set_bytes = set(), 0
         return staged
 
     def _switch(self, staged: list[Staged]) -> None:

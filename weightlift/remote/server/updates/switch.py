@@ -42,7 +42,7 @@ from weightlift.remote import delta as codec
 from weightlift.remote.protocol import CommitReply
 from weightlift.remote.server.cache import TensorCache
 from weightlift.remote.server.cache.hashing import set_digest, tensor_digest
-from weightlift.remote.server.store import Charge, Entry, Replaced, Staged, Store
+from weightlift.remote.server.store import Charge, Entry, Replaced, Staged, Store, key_model
 
 __all__ = ["Switch", "InPlace", "Units"]
 
@@ -181,8 +181,12 @@ class Switch:
         if not root:
             return CommitReply(True, len(staged) + len(held), generation, bytes(32))
         if missing:
-            return CommitReply(True, len(staged) + len(held), generation, bytes(32), f"no digest for {missing[0]!r}")
-        return CommitReply(True, len(staged) + len(held), generation, set_digest(digests))  # type: ignore[arg-type]
+            return CommitReply(
+                True, len(staged) + len(held), generation, bytes(32), f"no digest for {key_model(missing[0])[1]!r}"
+            )
+        # over the names as the client pushed them, not the store's keys of a named model's tensors
+        named = {key_model(n)[1]: dg for n, dg in digests.items()}
+        return CommitReply(True, len(staged) + len(held), generation, set_digest(named))  # type: ignore[arg-type]
 
     def _undo(self, undo: codec.Undo, kept: Charge) -> None:
         """Every in-place change taken back, and what the update held given back: also where the
