@@ -86,7 +86,11 @@ def _facade(path: Path, tree: ast.Module) -> bool:
             continue
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and "__all__" in ast.dump(node):
             continue
-        if isinstance(node, ast.If):  # TYPE_CHECKING imports
+        if (
+            isinstance(node, ast.If)
+            and "TYPE_CHECKING" in ast.dump(node.test)
+            and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in node.body)
+        ):  # imports for the type checker only
             continue
         return False
     return True
