@@ -280,6 +280,7 @@ class Connection:
             why = "server stopping" if self.ctx.stopping.is_set() else "connection closed"
             self._rolled_back(self.switch, why)
         self.switch = None
+        self.regions.close()
         self.rx.close()
         self.frames.close()
         self.staging.close()
