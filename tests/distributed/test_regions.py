@@ -700,3 +700,23 @@ def test_an_abandoned_set_gives_way_to_the_next_update(ckpt):
         assert held["norm.weight"].tobytes() == (n + 2).tobytes() and held[name].tobytes() == (a + 2).tobytes()
     finally:
         server.close()
+
+
+def test_a_freed_or_removed_tensor_is_no_longer_sketched_complete(ckpt):
+    path, arrs = ckpt
+    (server,) = _servers(1)
+    try:
+        n = arrs["norm.weight"]
+        with wl.Client(server.address) as c:
+            push_shards(c, {"norm.weight": n, "embed_tokens.weight": arrs["embed_tokens.weight"]}, atomic=False)
+            server_sketches(c, ["norm.weight", "embed_tokens.weight"])
+            assert c.free("norm.weight") == 1
+            with pytest.raises(TransportTimeout, match=r"'norm\.weight' \(nothing\)"):
+                server_sketches(c, ["norm.weight"])
+            assert c.remove() == 1
+            with pytest.raises(TransportTimeout, match=r"'embed_tokens\.weight' \(nothing\)"):
+                server_sketches(c, ["embed_tokens.weight"])
+            push_shards(c, {"norm.weight": n}, atomic=False)  # pushed again, it shows again
+            server_sketches(c, ["norm.weight"])
+    finally:
+        server.close()

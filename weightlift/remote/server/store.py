@@ -50,7 +50,7 @@ import itertools
 import threading
 import weakref
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -342,6 +342,7 @@ class Store:
         self._gates = Gates(gate_timeout)  # how long an in-place change waits for its readers
         self._unowned: dict[int, int] = {}  # id -> cost of held tensors that take no weak references
         self._rewritten = _Rewritten()
+        self.on_free: Callable[[list[str]], None] | None = None  # told the names :meth:`free` dropped
         self._stats = {
             "connections": 0,
             "tensors": 0,
@@ -537,6 +538,7 @@ class Store:
 
     def free(self, names: tuple[str, ...], *, holding: dict[str, Any] | None = None) -> int:
         """Drop the named tensors (``holding``: only those still holding that memory); how many."""
+        gone: list[str] = []
         dropped = []  # released outside the lock's bookkeeping: their finalizers may run at once
         with self._lock:
             for n in names:
@@ -548,9 +550,12 @@ class Store:
                     self._unhold(n, entry)
                     self._drop(entry)
                     dropped.append(entry)
+                    gone.append(n)
         freed = len(dropped)
         del dropped
         self._tidy()
+        if gone and self.on_free is not None:
+            self.on_free(gone)
         return freed
 
     def _unhold(self, name: str, entry: Entry) -> None:
@@ -779,7 +784,7 @@ class Assembly:
     connection that joined it (EXPECT) has closed: when a fresh version of one of its tensors
     begins (as above, or a box of a tensor it holds complete) the set is dropped, its held
     tensors released unpublished, and the names EXPECTed since by open connections form the new
-    set."""
+    set. A tensor the store frees (FREE, REMOVE) is forgotten (:meth:`forget`)."""
 
     def __init__(self, store: Store, slices: Slices, framework: str):
         self.store, self.slices, self.framework = store, slices, framework
@@ -792,6 +797,7 @@ class Assembly:
         self._held: dict[str, Staged] = {}  # complete tensors of the open set, held back
         self._joined: dict[int, set[str]] = {}  # open connection -> the names it EXPECTed into the set
         self._abandoned = False  # every connection that joined the open set has closed
+        store.on_free = self.forget
 
     def leave(self, sender: int) -> None:
         """Connection ``sender`` closed: the builds and the set it alone kept alive are abandoned."""
@@ -824,6 +830,15 @@ class Assembly:
         # the lock is held; a box still landing in it (none: nobody that claimed one is open) counts nowhere
         del self._building[name]
         b.charge.release()
+
+    def forget(self, names: Iterable[str]) -> None:
+        """The store freed ``names``: a complete one is no longer reported (SKETCH)."""
+        with self._lock:
+            for n in names:
+                e = self._done.get(n)
+                if e is not None and e.complete:
+                    del self._done[n]
+                    self._geometry.pop(n, None)
 
     def expect(self, names: tuple[str, ...], sender: int = 0) -> None:
         """Add ``names`` (from connection ``sender``) to the open set (a new one if none is open);
