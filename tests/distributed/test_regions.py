@@ -720,3 +720,28 @@ def test_a_freed_or_removed_tensor_is_no_longer_sketched_complete(ckpt):
             server_sketches(c, ["norm.weight"])
     finally:
         server.close()
+
+
+def test_removing_the_default_model_during_a_sharded_build_is_refused(ckpt):
+    # REMOVE ignored the assembly: it succeeded, and the build published afterwards
+    from weightlift.remote.client.connection import Busy
+
+    path, arrs = ckpt
+    (server,) = _servers(1)
+    try:
+        name, a, n = "layers.0.q_proj.weight", arrs["layers.0.q_proj.weight"], arrs["norm.weight"]
+        with wl.Client(server.address) as c:
+            push_shards(c, {"norm.weight": n}, atomic=False)
+            with wl.Client(server.address) as sender:
+                push_shards(sender, {name: ShardOf(a[:5], a.shape, (0, 0))}, atomic=False)
+                with pytest.raises(Busy, match=r"'layers\.0\.q_proj\.weight' is being assembled"):
+                    c.remove()
+                assert set(server.tensors()) == {"norm.weight"}  # nothing removed
+            _closed(server, still_open=1)
+            assert c.remove() == 1  # its sender gone, the build is dropped with the model
+            push_shards(c, {name: ShardOf(a[5:], a.shape, (5, 0))}, atomic=False)
+            with pytest.raises(TransportTimeout, match=r"\(144 of 264 bytes\)"):
+                server_sketches(c, [name])
+        assert server.tensors() == {}
+    finally:
+        server.close()

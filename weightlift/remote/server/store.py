@@ -784,7 +784,9 @@ class Assembly:
     connection that joined it (EXPECT) has closed: when a fresh version of one of its tensors
     begins (as above, or a box of a tensor it holds complete) the set is dropped, its held
     tensors released unpublished, and the names EXPECTed since by open connections form the new
-    set. A tensor the store frees (FREE, REMOVE) is forgotten (:meth:`forget`)."""
+    set. A tensor the store frees (FREE, REMOVE) is forgotten (:meth:`forget`). REMOVE of the
+    default model is refused while a build or set has an open sender, and drops the abandoned
+    ones (:meth:`remove`)."""
 
     def __init__(self, store: Store, slices: Slices, framework: str):
         self.store, self.slices, self.framework = store, slices, framework
@@ -830,6 +832,20 @@ class Assembly:
         # the lock is held; a box still landing in it (none: nobody that claimed one is open) counts nowhere
         del self._building[name]
         b.charge.release()
+
+    def remove(self) -> str | None:
+        """Before REMOVE of the default model: why not (a build or set with an open sender), else
+        None, with every abandoned build and set dropped."""
+        with self._lock:
+            live = next((n for n, b in self._building.items() if b.senders), None)
+            if live is not None:
+                return f"tensor {live!r} is being assembled from REGIONs"
+            if self._set and self._joined:
+                return f"an EXPECT set of {len(self._set)} tensors is open"
+            for n, b in list(self._building.items()):
+                self._drop(n, b)
+            self._drop_set(set())
+            return None
 
     def forget(self, names: Iterable[str]) -> None:
         """The store freed ``names``: a complete one is no longer reported (SKETCH)."""
