@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import weightlift as wl
+from tests.waiting import wait_for
 from weightlift.distributed.regions import (
     ShardOf,
     ShardPush,
@@ -228,6 +229,7 @@ def test_refused_regions_change_nothing(ckpt):
             conn.send(conn.frame(Region(name, "F32", a.shape, (6, 0), (8, 6), bad.nbytes)), bad)
             with pytest.raises(RemoteProtocolError, match=r"not inside this server's slice"):
                 push_shards(c, {}, layout=lay)
+            assert servers[0].memory_used == 0  # the refused first box left no slice charged
             push_shards(c, {name: ShardOf(a[0:3], a.shape, (0, 0))}, layout=lay)
             # overlapping what came before: refused, the bytes already placed stay as they were
             with pytest.raises(RemoteProtocolError, match=r"overlaps box \[\[0, 3\], \[0, 6\]\]"):
@@ -636,3 +638,110 @@ def test_a_fused_tensor_of_more_parts_than_layout_reply_carries_is_refused_at_st
     with pytest.raises(OptionError, match=r"fused tensor 'experts\.w': 65 parts; a server takes at most 64"):
         wl.Server(port=0, shard=Shard({"*": 0}, rank=0, world=2), fused={"experts.w": [2] * 65})
     wl.Server(port=0, shard=Shard({"*": 0}, rank=0, world=2), fused={"experts.w": [2] * 64}).close()
+
+
+def _closed(server, still_open=0):
+    """Wait until the server has closed all but ``still_open`` connections (and let go of what they built)."""
+    wait_for(lambda: server.stats().open_connections == still_open)
+
+
+def test_a_build_its_senders_abandoned_gives_way_to_a_fresh_version(ckpt):
+    # a sender that died part-way kept its claims for good: a restarted sender pushing the next
+    # version whole was refused ("overlaps ... received before") and the slice stayed charged
+    path, arrs = ckpt
+    (server,) = _servers(1)
+    try:
+        name, a = "layers.0.q_proj.weight", arrs["layers.0.q_proj.weight"]
+        with wl.Client(server.address) as c:
+            push_shards(c, {name: ShardOf(a[:5], a.shape, (0, 0))}, atomic=False)
+            charged = server.memory_used
+            with wl.Client(server.address) as c2:  # while its sender is open the build stands
+                with pytest.raises(RemoteProtocolError, match=r"overlaps box \[\[0, 5\], \[0, 6\]\]"):
+                    push_shards(c2, {name: a + 1}, atomic=False)
+        _closed(server)
+        with wl.Client(server.address) as c:  # its sender gone: the next version, whole, starts afresh
+            done = push_shards(c, {name: a + 1}, atomic=False)
+        assert done.status[name].complete and done.status[name].received == a.nbytes
+        assert server.tensors()[name].tobytes() == (a + 1).tobytes()
+        assert server.memory_used == charged  # one slice charged: the abandoned one's went back
+        # a first box of the wrong dtype held the name the same way
+        n = arrs["norm.weight"]
+        with wl.Client(server.address) as c:
+            push_shards(c, {"norm.weight": ShardOf(n[:3].view(np.uint32), n.shape, (0,))}, atomic=False)
+        _closed(server)
+        with wl.Client(server.address) as c:
+            done = push_shards(c, {"norm.weight": n}, atomic=False)
+        assert done.status["norm.weight"].complete
+        assert server.tensors()["norm.weight"].tobytes() == n.tobytes()
+    finally:
+        server.close()
+
+
+def test_an_abandoned_set_gives_way_to_the_next_update(ckpt):
+    # the open set never expired: a name whose sender died before it arrived held back every
+    # later atomic push, whatever it named
+    path, arrs = ckpt
+    (server,) = _servers(1)
+    try:
+        name, a, n = "layers.0.q_proj.weight", arrs["layers.0.q_proj.weight"], arrs["norm.weight"]
+        with wl.Client(server.address) as c:  # one set of both; q_proj never completes
+            push_shards(c, {"norm.weight": n, name: ShardOf(a[:5], a.shape, (0, 0))})
+        _closed(server)
+        assert server.tensors() == {}
+        with wl.Client(server.address) as c:  # the next update names norm.weight only
+            push_shards(c, {"norm.weight": n + 1})
+            server_sketches(c, ["norm.weight"], timeout=5)
+        assert {k: t.tobytes() for k, t in server.tensors().items()} == {"norm.weight": (n + 1).tobytes()}
+        _closed(server)
+        with wl.Client(server.address) as c:  # a restarted trainer pushes both, whole
+            push_shards(c, {"norm.weight": n + 2, name: a + 2})
+            server_sketches(c, ["norm.weight", name], timeout=5)
+        held = server.tensors()
+        assert held["norm.weight"].tobytes() == (n + 2).tobytes() and held[name].tobytes() == (a + 2).tobytes()
+    finally:
+        server.close()
+
+
+def test_a_freed_or_removed_tensor_is_no_longer_sketched_complete(ckpt):
+    path, arrs = ckpt
+    (server,) = _servers(1)
+    try:
+        n = arrs["norm.weight"]
+        with wl.Client(server.address) as c:
+            push_shards(c, {"norm.weight": n, "embed_tokens.weight": arrs["embed_tokens.weight"]}, atomic=False)
+            server_sketches(c, ["norm.weight", "embed_tokens.weight"])
+            assert c.free("norm.weight") == 1
+            with pytest.raises(TransportTimeout, match=r"'norm\.weight' \(nothing\)"):
+                server_sketches(c, ["norm.weight"])
+            assert c.remove() == 1
+            with pytest.raises(TransportTimeout, match=r"'embed_tokens\.weight' \(nothing\)"):
+                server_sketches(c, ["embed_tokens.weight"])
+            push_shards(c, {"norm.weight": n}, atomic=False)  # pushed again, it shows again
+            server_sketches(c, ["norm.weight"])
+    finally:
+        server.close()
+
+
+def test_removing_the_default_model_during_a_sharded_build_is_refused(ckpt):
+    # REMOVE ignored the assembly: it succeeded, and the build published afterwards
+    from weightlift.remote.client.connection import Busy
+
+    path, arrs = ckpt
+    (server,) = _servers(1)
+    try:
+        name, a, n = "layers.0.q_proj.weight", arrs["layers.0.q_proj.weight"], arrs["norm.weight"]
+        with wl.Client(server.address) as c:
+            push_shards(c, {"norm.weight": n}, atomic=False)
+            with wl.Client(server.address) as sender:
+                push_shards(sender, {name: ShardOf(a[:5], a.shape, (0, 0))}, atomic=False)
+                with pytest.raises(Busy, match=r"'layers\.0\.q_proj\.weight' is being assembled"):
+                    c.remove()
+                assert set(server.tensors()) == {"norm.weight"}  # nothing removed
+            _closed(server, still_open=1)
+            assert c.remove() == 1  # its sender gone, the build is dropped with the model
+            push_shards(c, {name: ShardOf(a[5:], a.shape, (5, 0))}, atomic=False)
+            with pytest.raises(TransportTimeout, match=r"\(144 of 264 bytes\)"):
+                server_sketches(c, [name])
+        assert server.tensors() == {}
+    finally:
+        server.close()

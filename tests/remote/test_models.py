@@ -296,3 +296,18 @@ def test_an_update_fills_the_one_model_it_was_opened_in(tmp_path):
         assert "MODEL 'b' inside an update of model 'a'" in reply.message
         raw.close()
         wait_for(lambda: s.stats()["pushes_rolled_back"] == 1)
+
+
+def test_the_set_digest_of_a_model_takes_only_its_tensors(tmp_path):
+    # set_digest() with no names mixed every model's internal keys into the default model's digest
+    a, a_t = _model(tmp_path, "a", 3, 100)
+    b, b_t = _model(tmp_path, "b", 2, 100, seed=50)
+    with Server() as s, Client(s.address) as c:
+        c.push(a, model="m")
+        c.push(b)
+        assert s.set_digest() == s.set_digest(sorted(b_t))
+        assert s.set_digest(model="m") == s.set_digest(sorted(a_t), model="m") != s.set_digest()
+        with pytest.raises(KeyError, match="no tensor 't.002' in model 'x'"):
+            s.set_digest(["t.002"], model="x")
+        with pytest.raises(KeyError, match="no tensor 't.002'"):
+            s.set_digest(["t.002"])  # the default model holds two

@@ -280,6 +280,7 @@ class Connection:
             why = "server stopping" if self.ctx.stopping.is_set() else "connection closed"
             self._rolled_back(self.switch, why)
         self.switch = None
+        self.regions.close()
         self.rx.close()
         self.frames.close()
         self.staging.close()
@@ -425,6 +426,13 @@ class Connection:
             self._event(logging.WARNING, "remove_refused", model=msg.model, reason=why)
             self.out.reply(Error(ErrorCode.BUSY, why))
             return
+        if not msg.model and self.ctx.assembly is not None:  # REGIONs fill the default model
+            building = self.ctx.assembly.remove()
+            if building is not None:
+                why = f"model '': {building}: nothing removed"
+                self._event(logging.WARNING, "remove_refused", model=msg.model, reason=why)
+                self.out.reply(Error(ErrorCode.BUSY, why))
+                return
         freed = self.store.free(tuple(self.store.model_keys(msg.model)))
         self.store.count("removes")
         self.out.reply(FreeReply(freed))

@@ -1011,7 +1011,7 @@ class Regions:
             return
         box = tuple(zip(m.start, m.stop, strict=True))
         try:
-            b, dest = a.claim(m.name, m.dtype, m.shape, box)
+            b, dest = a.claim(m.name, m.dtype, m.shape, box, id(self))
         except RegionRefused as e:
             self._refuse(m, str(e))
             return
@@ -1047,6 +1047,11 @@ class Regions:
         self.store.count("bytes_received", m.length)
         a.landed(m.name, b, m.length, sketch)
 
+    def close(self) -> None:
+        """The connection closed: what it alone was building is abandoned (:meth:`Assembly.leave`)."""
+        if self.assembly is not None:
+            self.assembly.leave(id(self))
+
     def _error(self, why: str) -> None:
         self.store.count("errors")
         if len(self.errors) < MAX_ERRORS - 1:
@@ -1063,7 +1068,7 @@ class Regions:
             self._error(f"EXPECT: {why}")
             return
         try:
-            self.assembly.expect(m.names)
+            self.assembly.expect(m.names, id(self))
         except RegionRefused as e:
             self._error(str(e))
 

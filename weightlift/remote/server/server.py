@@ -71,7 +71,7 @@ from weightlift.remote.server.config import (
 )
 from weightlift.remote.server.connection import Connection
 from weightlift.remote.server.stats import ServerStats
-from weightlift.remote.server.store import ENTRY_OVERHEAD, Store, key_model
+from weightlift.remote.server.store import ENTRY_OVERHEAD, Store, key_model, model_key
 from weightlift.remote.transport import Listener, Stream
 
 if TYPE_CHECKING:
@@ -298,16 +298,23 @@ class Server:
                     queued += 1
         return queued
 
-    def set_digest(self, names: Iterable[str] | None = None) -> bytes:
+    def set_digest(self, names: Iterable[str] | None = None, *, model: str | None = None) -> bytes:
         """The set digest (:func:`weightlift.digest.setdigest.set_digest`) over the named tensors
-        (None: every one held), from one instant's view of the store: what an update's COMMIT
-        stated for its tensors. A tensor without a known digest is hashed; KeyError names one
-        not held."""
-        entries = self._store.entries(names)
-        if names is not None:
+        of ``model`` (None: the default model; no names: every one it holds), from one instant's
+        view of the store: what an update's COMMIT stated for its tensors. A tensor without a
+        known digest is hashed; KeyError names one not held."""
+        prefix = model_key(model or "", "")
+        if names is None:  # the model's own tensors only: others' keys never mix in
+            entries = {
+                key_model(k)[1]: e for k, e in self._store.entries(None).items() if key_model(k)[0] == (model or "")
+            }
+        else:
+            names = list(names)
+            held = self._store.entries([prefix + n for n in names])
+            entries = {n: held[prefix + n] for n in names if prefix + n in held}
             missing = [n for n in names if n not in entries]
             if missing:
-                raise KeyError(f"the server holds no tensor {missing[0]!r}")
+                raise KeyError(f"the server holds no tensor {missing[0]!r}" + (f" in model {model!r}" if model else ""))
         return set_digest({n: e.digest or tensor_digest(e.tensor) for n, e in entries.items()})
 
     @property

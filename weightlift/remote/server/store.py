@@ -50,7 +50,7 @@ import itertools
 import threading
 import weakref
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -342,6 +342,7 @@ class Store:
         self._gates = Gates(gate_timeout)  # how long an in-place change waits for its readers
         self._unowned: dict[int, int] = {}  # id -> cost of held tensors that take no weak references
         self._rewritten = _Rewritten()
+        self.on_free: Callable[[list[str]], None] | None = None  # told the names :meth:`free` dropped
         self._stats = {
             "connections": 0,
             "tensors": 0,
@@ -537,6 +538,7 @@ class Store:
 
     def free(self, names: tuple[str, ...], *, holding: dict[str, Any] | None = None) -> int:
         """Drop the named tensors (``holding``: only those still holding that memory); how many."""
+        gone: list[str] = []
         dropped = []  # released outside the lock's bookkeeping: their finalizers may run at once
         with self._lock:
             for n in names:
@@ -548,9 +550,12 @@ class Store:
                     self._unhold(n, entry)
                     self._drop(entry)
                     dropped.append(entry)
+                    gone.append(n)
         freed = len(dropped)
         del dropped
         self._tidy()
+        if gone and self.on_free is not None:
+            self.on_free(gone)
         return freed
 
     def _unhold(self, name: str, entry: Entry) -> None:
@@ -730,6 +735,7 @@ class _Building:
         "boxes",
         "received",
         "sketch",
+        "senders",
     )
 
     def __init__(self, dtype: str, shape: tuple[int, ...], local: tuple[int, ...], segs: Any, raw: Any, charge: Charge):
@@ -740,6 +746,7 @@ class _Building:
         self.boxes: list[_BoxT] = []
         self.received = 0
         self.sketch = 0
+        self.senders: set[int] = set()  # the open connections that claimed boxes of it (empty: abandoned)
 
 
 def _overlaps(a: _BoxT, b: _BoxT) -> bool:
@@ -767,8 +774,19 @@ class Assembly:
     entry, with the sketch of what landed, stays for SKETCH to report. A complete tensor is
     published at once, unless it belongs to the open set (EXPECT): those are held until the
     last of the set completes, then switched in together (:meth:`Store.switch`), so a reader sees
-    all of the set's new versions or none. A tensor that never completes keeps its charge until
-    a later version of it completes or the server closes."""
+    all of the set's new versions or none.
+
+    A build outlives a sender: another connection may send its missing boxes. Once every
+    connection that claimed boxes of an incomplete tensor has closed (:meth:`leave`) it is
+    abandoned, and a box it would refuse (one overlapping its claims, or of another dtype or
+    shape) starts a fresh version instead: the abandoned one's charge is released and its claims
+    forgotten, so a restarted sender is never locked out. Likewise the open set, once every
+    connection that joined it (EXPECT) has closed: when a fresh version of one of its tensors
+    begins (as above, or a box of a tensor it holds complete) the set is dropped, its held
+    tensors released unpublished, and the names EXPECTed since by open connections form the new
+    set. A tensor the store frees (FREE, REMOVE) is forgotten (:meth:`forget`). REMOVE of the
+    default model is refused while a build or set has an open sender, and drops the abandoned
+    ones (:meth:`remove`)."""
 
     def __init__(self, store: Store, slices: Slices, framework: str):
         self.store, self.slices, self.framework = store, slices, framework
@@ -779,10 +797,68 @@ class Assembly:
         self._set: set[str] = set()  # the open set's names (EXPECT), until it switches
         self._set_bytes = 0  # their characters, at most MAX_SET_BYTES
         self._held: dict[str, Staged] = {}  # complete tensors of the open set, held back
+        self._joined: dict[int, set[str]] = {}  # open connection -> the names it EXPECTed into the set
+        self._abandoned = False  # every connection that joined the open set has closed
+        store.on_free = self.forget
 
-    def expect(self, names: tuple[str, ...]) -> None:
-        """Add ``names`` to the open set (a new one if none is open); RegionRefused, nothing added,
-        where the set would hold more than MAX_SET_BYTES of names."""
+    def leave(self, sender: int) -> None:
+        """Connection ``sender`` closed: the builds and the set it alone kept alive are abandoned."""
+        with self._lock:
+            for b in self._building.values():
+                b.senders.discard(sender)
+            if self._joined.pop(sender, None) is not None and not self._joined and self._set:
+                self._abandoned = True
+
+    def _restart(self, name: str) -> None:
+        """A fresh version of ``name`` begins: drop the abandoned set if it holds ``name`` (the
+        lock held). The names EXPECTed since by open connections stay as the new set."""
+        if self._abandoned and name in self._set:
+            self._drop_set(set().union(*self._joined.values()))
+
+    def _drop_set(self, keep: set[str]) -> None:
+        # the lock is held: the open set's held tensors go unpublished; ``keep`` is the new set
+        for st in self._held.values():
+            if st.charge is not None:
+                st.charge.release()
+            e = self._done.get(st.name)
+            if e is not None and not e.complete:
+                del self._done[st.name]
+        self._held.clear()
+        self._set = keep
+        self._set_bytes = sum(map(len, self._set))
+        self._abandoned = False
+
+    def _drop(self, name: str, b: _Building) -> None:
+        # the lock is held; a box still landing in it (none: nobody that claimed one is open) counts nowhere
+        del self._building[name]
+        b.charge.release()
+
+    def remove(self) -> str | None:
+        """Before REMOVE of the default model: why not (a build or set with an open sender), else
+        None, with every abandoned build and set dropped."""
+        with self._lock:
+            live = next((n for n, b in self._building.items() if b.senders), None)
+            if live is not None:
+                return f"tensor {live!r} is being assembled from REGIONs"
+            if self._set and self._joined:
+                return f"an EXPECT set of {len(self._set)} tensors is open"
+            for n, b in list(self._building.items()):
+                self._drop(n, b)
+            self._drop_set(set())
+            return None
+
+    def forget(self, names: Iterable[str]) -> None:
+        """The store freed ``names``: a complete one is no longer reported (SKETCH)."""
+        with self._lock:
+            for n in names:
+                e = self._done.get(n)
+                if e is not None and e.complete:
+                    del self._done[n]
+                    self._geometry.pop(n, None)
+
+    def expect(self, names: tuple[str, ...], sender: int = 0) -> None:
+        """Add ``names`` (from connection ``sender``) to the open set (a new one if none is open);
+        RegionRefused, nothing added, where the set would hold more than MAX_SET_BYTES of names."""
         with self._lock:
             new = set(names) - self._set
             size = sum(map(len, new))
@@ -792,6 +868,7 @@ class Assembly:
                 )
             self._set |= new
             self._set_bytes += size
+            self._joined.setdefault(sender, set()).update(names)
             ready = self._ready()
         if ready:
             self._switch(ready)
@@ -801,7 +878,8 @@ class Assembly:
         if not self._set or not self._set <= self._held.keys():
             return []
         staged = [self._held.pop(n) for n in sorted(self._set)]
-        self._set, self._set_bytes = set(), 0
+        self._set, self._set_bytes, self._abandoned = set(), 0, False
+        self._joined.clear()
         return staged
 
     def _switch(self, staged: list[Staged]) -> None:
@@ -829,45 +907,70 @@ class Assembly:
         raw = self.store.take_host(nbytes)[0] if self.store.pool is not None else np.empty(nbytes, np.uint8)
         return _Building(dtype, shape, local, segs, raw, charge)
 
-    def claim(self, name: str, dtype: str, shape: tuple[int, ...], box: _BoxT) -> tuple[_Building, Any]:
-        """Check and claim ``box`` of ``name``: (the tensor, the box's place in its slice as a view
-        of unsigned elements). RegionRefused, with nothing claimed, where it cannot go."""
+    def claim(
+        self, name: str, dtype: str, shape: tuple[int, ...], box: _BoxT, sender: int = 0
+    ) -> tuple[_Building, Any]:
+        """Check and claim ``box`` of ``name`` for connection ``sender``: (the tensor, the box's
+        place in its slice as a view of unsigned elements). RegionRefused, with nothing claimed,
+        where it cannot go."""
         with self._lock:
             b = self._building.get(name)
+            if b is not None and not b.senders and self._refuses(b, dtype, shape, box):
+                self._drop(name, b)  # abandoned: this box begins a fresh version
+                self._restart(name)
+                b = None
             if b is None:
+                if name in self._held:
+                    self._restart(name)  # a second version of a tensor the abandoned set holds
                 b = self._begin(name, dtype, shape)
                 self._building[name] = b
             elif (b.dtype, b.shape) != (dtype, shape):
                 raise RegionRefused(
                     f"tensor {name!r}: a region of {dtype} {list(shape)}, but its slice is of {b.dtype} {list(b.shape)}"
                 )
-            empty = any(hi <= lo for lo, hi in box)
-            if empty:
-                if b.segs:
-                    raise RegionRefused(f"tensor {name!r}: an empty region, but this server's slice is not empty")
-                dest = b.elements
-            else:
-                seg = next(
-                    (
-                        sg
-                        for sg in b.segs
-                        if all(s0 <= lo and hi <= s1 for (lo, hi), (s0, s1) in zip(box, sg[0], strict=True))
-                    ),
-                    None,
-                )
-                if seg is None:
-                    raise RegionRefused(
-                        f"tensor {name!r}: box {[list(x) for x in box]} is not inside this server's slice "
-                        f"{[[list(x) for x in sg[0]] for sg in b.segs]} (rank {self.slices.rank})"
-                    )
-                clash = next((o for o in b.boxes if _overlaps(o, box)), None)
-                if clash is not None:
-                    raise RegionRefused(
-                        f"tensor {name!r}: box {[list(x) for x in box]} overlaps box {[list(x) for x in clash]} received before"
-                    )
-                dest = b.elements[_within(box, seg)]
-                b.boxes.append(box)
+            try:
+                dest = self._place(name, b, box)
+            except RegionRefused:
+                if not b.boxes and not b.senders:  # a refused first box leaves no build behind
+                    self._drop(name, b)
+                raise
+            b.senders.add(sender)
             return b, dest
+
+    def _place(self, name: str, b: _Building, box: _BoxT) -> Any:
+        """Where ``box`` goes in ``b``'s slice, claimed (the lock held); RegionRefused where it cannot go."""
+        empty = any(hi <= lo for lo, hi in box)
+        if empty:
+            if b.segs:
+                raise RegionRefused(f"tensor {name!r}: an empty region, but this server's slice is not empty")
+            dest = b.elements
+        else:
+            seg = next(
+                (
+                    sg
+                    for sg in b.segs
+                    if all(s0 <= lo and hi <= s1 for (lo, hi), (s0, s1) in zip(box, sg[0], strict=True))
+                ),
+                None,
+            )
+            if seg is None:
+                raise RegionRefused(
+                    f"tensor {name!r}: box {[list(x) for x in box]} is not inside this server's slice "
+                    f"{[[list(x) for x in sg[0]] for sg in b.segs]} (rank {self.slices.rank})"
+                )
+            clash = next((o for o in b.boxes if _overlaps(o, box)), None)
+            if clash is not None:
+                raise RegionRefused(
+                    f"tensor {name!r}: box {[list(x) for x in box]} overlaps box {[list(x) for x in clash]} received before"
+                )
+            dest = b.elements[_within(box, seg)]
+            b.boxes.append(box)
+        return dest
+
+    @staticmethod
+    def _refuses(b: _Building, dtype: str, shape: tuple[int, ...], box: _BoxT) -> bool:
+        """Whether ``b`` refuses a box for what it already holds (its dtype, shape, claims)."""
+        return (b.dtype, b.shape) != (dtype, shape) or any(_overlaps(o, box) for o in b.boxes)
 
     def release(self, name: str, b: _Building, box: _BoxT) -> None:
         """Give back a claimed box whose bytes never landed (the connection failed inside it)."""
