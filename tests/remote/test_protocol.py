@@ -75,6 +75,8 @@ def test_command_values_are_pinned():
         "RELAY": 25,
         "RELAY_END": 26,
         "RELAY_REPLY": 0x99,
+        "SWITCH": 27,
+        "SWITCH_REPLY": 0x9B,
     }
     assert int(Capability.CACHE) == 1 and int(Capability.AUTH) == 2
     assert int(Capability.VERIFY) == 4 and int(Capability.MAC) == 8 and int(Capability.DELTA) == 16
@@ -84,6 +86,8 @@ def test_command_values_are_pinned():
     assert (Alloc.FLAG_DIGEST, Alloc.FLAG_VERIFY, Barrier.FLAG_DIGESTS, Read.FLAG_DIGEST) == (1, 2, 1, 1)
     assert [int(c) for c in P.ErrorCode] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert (P.Update.FLAG_JOIN, P.Commit.FLAG_NO_ROOT) == (2, 2)
+    assert (P.Expect.FLAG_HOLD, P.Switch.FLAG_ABORT) == (1, 1)
+    assert (P.SketchReply.SET_NONE, P.SketchReply.SET_OPEN, P.SketchReply.SET_HELD) == (0, 1, 2)
 
 
 def test_versions_and_limits_are_pinned():
@@ -295,10 +299,12 @@ GOLDEN = [
     ),
     (P.SketchRequest(("a",)), "1600000008000000" + "01000000" + "010061" + "00"),
     (P.SketchRequest((), 1), "160000000500000000000000" + "01"),
-    (P.Expect(("a", "bc")), "170000000b000000" + "02000000" + "010061" + "02006263"),
+    # EXPECT: count, names, then (minor 7) flags and set id
+    (P.Expect(("a", "bc")), "1700000014000000" + "02000000" + "010061" + "02006263" + "00" + "0000000000000000"),
+    (P.Expect(("a",), 1, 7), "1700000010000000" + "01000000" + "010061" + "01" + "0700000000000000"),
     (
-        P.SketchReply((P.SketchEntry("a", True, 8, 16, 5),), ("no",)),
-        "9600000028000000"
+        P.SketchReply((P.SketchEntry("a", True, 8, 16, 5),), ("no",), P.SketchReply.SET_HELD, 9),
+        "9600000031000000"
         + "01000000"
         + "01000000"
         + "010061"
@@ -306,8 +312,16 @@ GOLDEN = [
         + "0800000000000000"
         + "1000000000000000"
         + "0500000000000000"
-        + "02006e6f",
+        + "02006e6f"
+        + "02"  # set state: held
+        + "0900000000000000",  # set id
     ),
+    # SWITCH: flags (1: ABORT), set id
+    (P.Switch(7), "1b00000009000000" + "00" + "0700000000000000"),
+    (P.Switch(7, 1), "1b00000009000000" + "01" + "0700000000000000"),
+    # SWITCH_REPLY: ok, tensors, generation, message
+    (P.SwitchReply(True, 3, 5), "9b0000000f000000" + "01" + "03000000" + "0500000000000000" + "0000"),
+    (P.SwitchReply(False, 0, 0, "no"), "9b00000011000000" + "00" + "00000000" + "0000000000000000" + "0200" + "6e6f"),
 ]
 
 
@@ -641,3 +655,42 @@ def test_client_session_refuses_what_it_must():
     old = ClientSession()
     assert old.server_hello(Hello(PROTOCOL_MAJOR, 0, Capability.CACHE, 0, 0, nonce)) is None
     assert not old.cache and not cache_usable(0) and cache_usable(PROTOCOL_MINOR)
+
+
+def test_the_two_phase_switch_is_minor_seven_and_its_fields_are_bounded():
+    # a minor-6 peer: EXPECT and SKETCH_REPLY without the set fields, no SWITCH at all
+    raw = bytes.fromhex("170000000b000000" + "02000000" + "010061" + "02006263")
+    assert send(P.Expect(("a", "bc")), minor=6) == raw
+    dec = Decoder(our_role="server", minor=6)
+    dec.feed(raw)
+    assert dec.next_event() == P.Expect(("a", "bc"), 0, 0)
+    with pytest.raises(LocalProtocolError, match="minor 7"):
+        send(P.Expect(("a",), 1, 7), minor=6)
+    assert send(P.SketchReply((), (), 2, 7), minor=6) == bytes.fromhex("9600000008000000" + "00" * 8)
+    for msg in (P.Switch(7), P.SwitchReply(True)):
+        with pytest.raises(LocalProtocolError, match="needs minor 7"):
+            send(msg, minor=6)
+    with pytest.raises(LocalProtocolError, match="non-zero"):
+        send(P.Expect(("a",), 1, 0))
+    with pytest.raises(LocalProtocolError, match="non-zero"):
+        send(P.Switch(0))
+    names = struct.pack("<I", 1) + b"\x01\x00a"
+    for cmd, body, why in (
+        (Command.EXPECT, names + struct.pack("<BQ", 1, 0), "non-zero set id"),
+        (Command.EXPECT, names + struct.pack("<BQ", 2, 7), "unknown flags"),
+        (Command.EXPECT, names + b"\x01\x07", "EXPECT set"),  # a field cut short
+        (Command.SWITCH, struct.pack("<BQ", 0, 0), "set id 0"),
+        (Command.SWITCH, struct.pack("<BQ", 4, 7), "unknown flags"),
+        (Command.SWITCH, struct.pack("<B", 0), "SWITCH head"),
+        (Command.SKETCH_REPLY, struct.pack("<IIBQ", 0, 0, 3, 7), "set state 3"),
+        (Command.SWITCH_REPLY, struct.pack("<BIQH", 1, 0, 0, 2000) + b"x" * 2000, "message"),
+    ):
+        role = "server" if cmd in P.CLIENT_COMMANDS else "client"
+        dec = Decoder(our_role=role)
+        dec.feed(P.PREFIX.pack(cmd, len(body)) + body)
+        with pytest.raises(RemoteProtocolError, match=why):
+            dec.next_event()
+    dec = Decoder(our_role="server", minor=6)  # an older server does not know SWITCH
+    dec.feed(P.PREFIX.pack(Command.SWITCH, 9) + struct.pack("<BQ", 0, 7))
+    with pytest.raises(RemoteProtocolError, match="not valid in this direction or minor"):
+        dec.next_event()

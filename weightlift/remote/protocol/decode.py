@@ -54,6 +54,7 @@ from weightlift.remote.protocol.messages import (
     PREFIX,
     PROTOCOL_MINOR,
     SERVER_COMMANDS,
+    SET_LAYOUT,
     SKETCH_ENTRY_LAYOUT,
     Alloc,
     Auth,
@@ -91,6 +92,8 @@ from weightlift.remote.protocol.messages import (
     SketchRequest,
     Stats,
     StatsReply,
+    Switch,
+    SwitchReply,
     Update,
     UseModel,
     WriteHeader,
@@ -419,7 +422,34 @@ def _dec_sketch_reply(r: _Reader, lim: _Limits) -> SketchReply:
         complete, received, needed, sk = r.unpack(SKETCH_ENTRY_LAYOUT, "sketch entry")
         entries.append(SketchEntry(name, bool(complete), received, needed, sk))
     errors = tuple(r.name("error message", limit=MAX_MESSAGE) for _ in range(n_err))
-    return SketchReply(tuple(entries), errors)
+    state, set_id = r.unpack(SET_LAYOUT, "SKETCH_REPLY set") if r.remaining else (0, 0)  # appended in minor 7
+    if state > SketchReply.SET_HELD:
+        raise r.fail(f"set state {state} is none of 0 (none), 1 (open), 2 (held)")
+    return SketchReply(tuple(entries), errors, state, set_id)
+
+
+def _dec_expect(r: _Reader, lim: _Limits) -> Expect:
+    names = _names(r, Expect.LAYOUT)
+    flags, set_id = r.unpack(SET_LAYOUT, "EXPECT set") if r.remaining else (0, 0)  # appended in minor 7
+    if flags & ~Expect.FLAG_HOLD:
+        raise r.fail(f"unknown flags {flags:#x}")
+    if flags & Expect.FLAG_HOLD and not set_id:
+        raise r.fail("a held set (HOLD) needs a non-zero set id")
+    return Expect(names, flags, set_id)
+
+
+def _dec_switch(r: _Reader, lim: _Limits) -> Switch:
+    flags, set_id = r.unpack(SET_LAYOUT, "SWITCH head")
+    if flags & ~Switch.FLAG_ABORT:
+        raise r.fail(f"unknown flags {flags:#x}")
+    if not set_id:
+        raise r.fail("set id 0 names no set")
+    return Switch(set_id, flags)
+
+
+def _dec_switch_reply(r: _Reader, lim: _Limits) -> SwitchReply:
+    ok, tensors, generation, n = r.unpack(SwitchReply.LAYOUT, "SWITCH_REPLY head")
+    return SwitchReply(bool(ok), tensors, generation, r.text(n, MAX_MESSAGE, "message", empty_ok=True))
 
 
 def _names(r: _Reader, layout: struct.Struct) -> tuple[str, ...]:
@@ -465,11 +495,13 @@ _DECODERS: dict[Command, Callable[[_Reader, _Limits], Message]] = {
     Command.SKETCH: lambda r, lim: SketchRequest(
         _names(r, SketchRequest.LAYOUT), r.unpack(FLAGS_LAYOUT, "SKETCH flags")[0] if r.remaining else 0
     ),
-    Command.EXPECT: lambda r, lim: Expect(_names(r, Expect.LAYOUT)),
+    Command.EXPECT: _dec_expect,
     Command.SKETCH_REPLY: _dec_sketch_reply,
     Command.RELAY: _dec_relay,
     Command.RELAY_END: lambda r, lim: RelayEnd(),
     Command.RELAY_REPLY: _dec_relay_reply,
+    Command.SWITCH: _dec_switch,
+    Command.SWITCH_REPLY: _dec_switch_reply,
 }
 
 

@@ -47,7 +47,9 @@ from weightlift.remote.protocol.messages import (
     PLACEMENT_LAYOUT,
     PREFIX,
     PROTOCOL_MINOR,
+    SET_LAYOUT,
     SKETCH_ENTRY_LAYOUT,
+    SWITCH_SINCE,
     Alloc,
     Auth,
     Barrier,
@@ -82,6 +84,8 @@ from weightlift.remote.protocol.messages import (
     SketchRequest,
     Stats,
     StatsReply,
+    Switch,
+    SwitchReply,
     Update,
     UseModel,
     WriteHeader,
@@ -334,7 +338,31 @@ def _enc_sketch_reply(m: SketchReply, minor: int) -> bytes:
     for e in m.entries:
         out.append(_name(e.name, "tensor name") + SKETCH_ENTRY_LAYOUT.pack(e.complete, e.received, e.needed, e.sketch))
     out.extend(_text(e) for e in m.errors)
+    if minor >= SWITCH_SINCE:  # an older peer cannot hold a set: it is not told of one
+        out.append(SET_LAYOUT.pack(m.set_state, m.set_id))
     return b"".join(out)
+
+
+def _enc_expect(m: Expect, minor: int) -> bytes:
+    out = Expect.LAYOUT.pack(len(m.names)) + b"".join(_name(n, "tensor name") for n in m.names)
+    if m.flags & ~Expect.FLAG_HOLD or (m.flags & Expect.FLAG_HOLD and not m.set_id):
+        raise LocalProtocolError(f"EXPECT: flags {m.flags} with set id {m.set_id} (HOLD needs a non-zero id)")
+    if minor >= SWITCH_SINCE:
+        return out + SET_LAYOUT.pack(m.flags, m.set_id)
+    if m.flags or m.set_id:
+        _since(minor, SWITCH_SINCE, "EXPECT's HOLD flag and set id")
+    return out
+
+
+def _enc_switch(m: Switch, minor: int) -> bytes:
+    if not m.set_id or m.flags & ~Switch.FLAG_ABORT:
+        raise LocalProtocolError(f"SWITCH: set id {m.set_id}, flags {m.flags} (a non-zero id, flags ABORT only)")
+    return SET_LAYOUT.pack(m.flags, m.set_id)
+
+
+def _enc_switch_reply(m: SwitchReply, minor: int) -> bytes:
+    raw = _text(m.message)[NAME_LAYOUT.size :]
+    return SwitchReply.LAYOUT.pack(1 if m.ok else 0, m.tensors, m.generation, len(raw)) + raw
 
 
 def _enc_relay(m: Relay, minor: int) -> bytes:
@@ -392,10 +420,12 @@ _ENCODERS: dict[type, Callable[[Any, int], bytes]] = {
         + FLAGS_LAYOUT.pack(m.flags)
     ),
     SketchReply: _enc_sketch_reply,
-    Expect: lambda m, minor: Expect.LAYOUT.pack(len(m.names)) + b"".join(_name(n, "tensor name") for n in m.names),
+    Expect: _enc_expect,
     Relay: _enc_relay,
     RelayEnd: lambda m, minor: b"",
     RelayReply: _enc_relay_reply,
+    Switch: _enc_switch,
+    SwitchReply: _enc_switch_reply,
 }
 
 

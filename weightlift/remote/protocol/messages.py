@@ -114,12 +114,16 @@ __all__ = [
     "SketchReply",
     "Expect",
     "REGIONS_SINCE",
+    "SWITCH_SINCE",
     "MAX_REGION_BYTES",
     "MAX_SKETCH_BYTES",
     "SKETCH_ENTRY_LAYOUT",
     "Relay",
     "RelayEnd",
     "RelayReply",
+    "Switch",
+    "SwitchReply",
+    "SET_LAYOUT",
     "MAX_HOPS",
     "MESSAGE_TYPES",
     "HELLO_LAYOUT",
@@ -139,10 +143,12 @@ PROTOCOL_MAJOR = 1
 # LAYOUT (the slices a server holds), REGION (a box of an unsharded tensor, placed into the server's slice),
 # SKETCH (what the server assembled, with each tensor's linear sketch) and EXPECT (a set switched in at once).
 # Minor 7 added relayed pushes: RELAY (the hops a server forwards what it receives to), RELAY_END and
-# RELAY_REPLY.
+# RELAY_REPLY; and the two-phase switch of a sharded update: EXPECT's HOLD flag and set id, SKETCH_REPLY's
+# set state, SWITCH (switch a held set in, or drop it) and SWITCH_REPLY.
 PROTOCOL_MINOR = 7
 PREVIOUS_MINOR = 6
 REGIONS_SINCE = 6  # the minor of LAYOUT, REGION, SKETCH and EXPECT
+SWITCH_SINCE = 7  # the minor of SWITCH, SWITCH_REPLY, EXPECT's HOLD and SKETCH_REPLY's set state
 
 # Limits checked by the decoder before anything is allocated from a length on the wire.
 MAX_FRAME = 16 * 1024 * 1024  # body bytes of one frame (payloads are not frames)
@@ -203,6 +209,7 @@ class Command(IntEnum):
     REMOVE = 17  # minor 5
     RELAY = 25  # minor 7
     RELAY_END = 26  # minor 7
+    SWITCH = 27  # minor 7
     HAVE_REPLY = 0x84
     READ_REPLY = 0x86
     LIST_REPLY = 0x87
@@ -217,6 +224,7 @@ class Command(IntEnum):
     LAYOUT_REPLY = 0x94  # minor 6
     SKETCH_REPLY = 0x96  # minor 6
     RELAY_REPLY = 0x99  # minor 7
+    SWITCH_REPLY = 0x9B  # minor 7
 
 
 # The minor that introduced each command; a peer speaking an older minor never sees it.
@@ -238,6 +246,7 @@ COMMAND_SINCE.update(
     }
 )
 COMMAND_SINCE.update({Command.RELAY: 7, Command.RELAY_END: 7, Command.RELAY_REPLY: 7})
+COMMAND_SINCE.update({Command.SWITCH: SWITCH_SINCE, Command.SWITCH_REPLY: SWITCH_SINCE})
 
 CLIENT_COMMANDS = frozenset(
     {
@@ -264,6 +273,7 @@ CLIENT_COMMANDS = frozenset(
         Command.EXPECT,
         Command.RELAY,
         Command.RELAY_END,
+        Command.SWITCH,
     }
 )
 SERVER_COMMANDS = frozenset(
@@ -281,6 +291,7 @@ SERVER_COMMANDS = frozenset(
         Command.LAYOUT_REPLY,
         Command.SKETCH_REPLY,
         Command.RELAY_REPLY,
+        Command.SWITCH_REPLY,
     }
 )
 PAYLOAD_COMMANDS = frozenset({Command.WRITE, Command.READ_REPLY, Command.DELTA, Command.REGION})
@@ -738,6 +749,8 @@ LAYOUT_HEAD = struct.Struct("<IIBBiII")
 PLACEMENT_LAYOUT = struct.Struct("<Bi")  # one rule's placement after its pattern: has_dim:u8 dim:i32
 PART_COUNT_LAYOUT = struct.Struct("<H")  # a fused tensor's part count after its name; u64 sizes follow
 SKETCH_ENTRY_LAYOUT = struct.Struct("<BQQQ")  # complete, received bytes, needed bytes, sketch
+# (minor 7) appended to EXPECT (flags, set id) and to SKETCH_REPLY (the open set's state, its id)
+SET_LAYOUT = struct.Struct("<BQ")
 
 
 @dataclass(frozen=True, slots=True)
@@ -823,21 +836,62 @@ class SketchReply(Message):
 
     COMMAND = Command.SKETCH_REPLY
     LAYOUT = struct.Struct("<II")
+    #: ``set_state`` (minor 7, appended SET_LAYOUT(state, set id)): no set open; a set open, some
+    #: tensor of it incomplete; a held set (EXPECT HOLD) complete, waiting for SWITCH.
+    SET_NONE: ClassVar[int] = 0
+    SET_OPEN: ClassVar[int] = 1
+    SET_HELD: ClassVar[int] = 2
 
     entries: tuple[SketchEntry, ...] = ()
     errors: tuple[str, ...] = ()
+    set_state: int = 0
+    set_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Expect(Message):
     """(minor 6) These tensors are one set: the server holds each as its slice completes and
     shows them all at once when the last one does (added to any set other connections opened,
-    until it switches). No reply. Wire: LAYOUT(count) name*count."""
+    until it switches). flags&1 (HOLD, minor 7): the complete set waits, charged and invisible,
+    for a SWITCH naming ``set_id`` (non-zero), so that several servers switch one update
+    together. No reply. Wire: LAYOUT(count) name*count, then (minor 7) SET_LAYOUT(flags, set id)."""
 
     COMMAND = Command.EXPECT
     LAYOUT = struct.Struct("<I")
+    FLAG_HOLD: ClassVar[int] = 1
 
     names: tuple[str, ...]
+    flags: int = 0
+    set_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Switch(Message):
+    """(minor 7) Switch the held set ``set_id`` (EXPECT HOLD) in at once, or with flags&1 (ABORT)
+    drop it, its tensors released unpublished. Answered by SWITCH_REPLY; a set not open under
+    that id, not held, or incomplete is refused there with nothing changed. Wire: SET_LAYOUT(flags, set id)."""
+
+    COMMAND = Command.SWITCH
+    LAYOUT = SET_LAYOUT
+    FLAG_ABORT: ClassVar[int] = 1
+
+    set_id: int
+    flags: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchReply(Message):
+    """(minor 7) Answer to SWITCH: ``ok``, the set's ``tensors``, the store ``generation`` after
+    the switch (0: nothing switched), ``message`` why not. Wire: LAYOUT(ok, tensors, generation,
+    message_len) message."""
+
+    COMMAND = Command.SWITCH_REPLY
+    LAYOUT = struct.Struct("<BIQH")
+
+    ok: bool
+    tensors: int = 0
+    generation: int = 0
+    message: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -920,5 +974,7 @@ MESSAGE_TYPES: dict[Command, type[Message]] = {
         Relay,
         RelayEnd,
         RelayReply,
+        Switch,
+        SwitchReply,
     )
 }
