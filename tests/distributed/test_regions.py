@@ -25,15 +25,17 @@ from tests.waiting import wait_for
 from weightlift.distributed.regions import (
     ShardOf,
     ShardPush,
+    abort_all,
     check_sketches,
     push_shards,
     server_layout,
     server_sketches,
+    switch_all,
 )
 from weightlift.distributed.reshard import sketch, sketch_base, sketch_part
 from weightlift.distributed.shard import Shard, chunk_bounds
 from weightlift.errors import IntegrityError, OptionError, RemoteProtocolError, TransportTimeout
-from weightlift.remote.protocol import Decoder, Region, send
+from weightlift.remote.protocol import Decoder, Expect, Region, SketchReply, SketchRequest, Switch, SwitchReply, send
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
@@ -743,5 +745,227 @@ def test_removing_the_default_model_during_a_sharded_build_is_refused(ckpt):
             with pytest.raises(TransportTimeout, match=r"\(144 of 264 bytes\)"):
                 server_sketches(c, [name])
         assert server.tensors() == {}
+    finally:
+        server.close()
+
+
+# -- the two-phase switch: every receiver of one update switches, or none --------------------------
+
+
+def _flip(arrs):
+    """Another version of every tensor, each of its bytes changed (slicing commutes with it)."""
+    return {n: (a.view(np.uint8) ^ 0x5A).view(a.dtype) for n, a in arrs.items()}
+
+
+def _bytes(held):
+    return {n: np.ascontiguousarray(t).tobytes() for n, t in held.items()}
+
+
+def _push_held(servers, states, set_id, *, skip=None):
+    """Every sender pushes its state to every server with ``set_id``; ``skip``: (sender, server,
+    tensor) that sender is killed before sending (its connection closes without it)."""
+    pushes = {}
+    for i, state in enumerate(states):
+        for r, server in enumerate(servers):
+            sent = {n: v for n, v in state.items() if skip is None or (i, r, n) != skip}
+            with wl.Client(server.address) as c:
+                pushes[(i, r)] = push_shards(c, sent, set_id=set_id, chunk=64)
+    return [[pushes[(i, r)] for i in range(len(states))] for r in range(len(servers))]
+
+
+class _Reader:
+    """Reads every tensor of a server (one snapshot under the store's lock) until stopped, and
+    records each snapshot that is neither all of ``old`` nor all of ``new``."""
+
+    def __init__(self, server, old, new):
+        self.mixed, self.seen = [], set()
+        self._stop = threading.Event()
+
+        def run():
+            while not self._stop.is_set():
+                got = _bytes(server.tensors())
+                kinds = {("old" if got[n] == old[n] else "new" if got[n] == new[n] else "other") for n in old}
+                self.seen |= kinds
+                if len(kinds) != 1:
+                    self.mixed.append(kinds)
+
+        self._t = threading.Thread(target=run)
+        self._t.start()
+
+    def stop(self):
+        self._stop.set()
+        self._t.join()
+
+
+def test_held_sets_switch_on_every_server_together(ckpt):
+    path, arrs = ckpt
+    servers = _servers(2)
+    try:
+        v2 = _flip(arrs)
+        _push_all(servers, [_fsdp(arrs, i, 2) for i in range(2)])
+        old = [_bytes(_expected(path, arrs, r, 2)) for r in range(2)]
+        new = [{n: (np.frombuffer(b, np.uint8) ^ 0x5A).tobytes() for n, b in o.items()} for o in old]
+        for r, s in enumerate(servers):
+            wait_for(lambda s=s, r=r: _bytes(s.tensors()) == old[r])
+        pushes = _push_held(servers, [_fsdp(v2, i, 2) for i in range(2)], set_id=2)
+        for r, s in enumerate(servers):  # complete everywhere, and shown nowhere
+            assert _bytes(s.tensors()) == old[r]
+            with wl.Client(s.address) as c:
+                held = server_sketches(c, list(arrs), set_id=2, timeout=5)
+            assert all(e.received == e.needed and not e.complete for e in held.values())
+        readers = [_Reader(s, old[r], new[r]) for r, s in enumerate(servers)]
+        clients = [wl.Client(s.address) for s in servers]
+        try:
+            generations = switch_all(clients, 2, list(arrs), pushes)
+            for c in clients:  # a second SWITCH: refused, nothing changed
+                conn = c.connections[0]
+                conn.send(conn.frame(Switch(2)))
+                assert "switched in already" in conn.expect(SwitchReply).message
+        finally:
+            for c in clients:
+                c.close()
+            for rd in readers:
+                rd.stop()
+        for r, s in enumerate(servers):
+            assert _bytes(s.tensors()) == new[r]  # v2, byte for byte, on both
+        assert all(rd.mixed == [] for rd in readers)  # a reader saw all of v1 or all of v2, never a mix
+        assert all(rd.seen <= {"old", "new"} for rd in readers)
+        assert all(g >= 2 for g in generations)
+    finally:
+        for s in servers:
+            s.close()
+
+
+def test_a_sender_killed_before_its_last_box_for_one_server_switches_neither(ckpt):
+    path, arrs = ckpt
+    servers = _servers(2)
+    try:
+        _push_all(servers, [_fsdp(arrs, i, 2) for i in range(2)])
+        old = [_bytes(_expected(path, arrs, r, 2)) for r in range(2)]
+        for r, s in enumerate(servers):
+            wait_for(lambda s=s, r=r: _bytes(s.tensors()) == old[r])
+        v2 = _flip(arrs)
+        name = "layers.0.o_proj.weight"
+        pushes = _push_held(servers, [_fsdp(v2, i, 2) for i in range(2)], set_id=5, skip=(1, 1, name))
+        with wl.Client(servers[0].address) as c:  # server A holds the complete set, unseen
+            assert server_sketches(c, list(arrs), set_id=5, timeout=5)
+        clients = [wl.Client(s.address) for s in servers]
+        try:
+            with pytest.raises(TransportTimeout, match=r"o_proj\.weight' \(\d+ of \d+ bytes\)"):
+                switch_all(clients, 5, list(arrs), pushes, timeout=0.3)
+            for c in clients:  # the set was dropped on both: nothing is open, nothing to switch
+                conn = c.connections[0]
+                conn.send(conn.frame(SketchRequest(())))
+                assert conn.expect(SketchReply).set_state == SketchReply.SET_NONE
+                conn.send(conn.frame(Switch(5)))
+                reply = conn.expect(SwitchReply)
+                assert not reply.ok and "no such held set" in reply.message
+        finally:
+            for c in clients:
+                c.close()
+        for r, s in enumerate(servers):
+            assert _bytes(s.tensors()) == old[r]  # both still serve v1, byte for byte
+        # the next update, with its own id, goes through on both
+        pushes = _push_held(servers, [_fsdp(v2, i, 2) for i in range(2)], set_id=6)
+        clients = [wl.Client(s.address) for s in servers]
+        try:
+            switch_all(clients, 6, list(arrs), pushes)
+        finally:
+            for c in clients:
+                c.close()
+        for r, s in enumerate(servers):
+            assert _bytes(s.tensors()) == {n: (np.frombuffer(b, np.uint8) ^ 0x5A).tobytes() for n, b in old[r].items()}
+    finally:
+        for s in servers:
+            s.close()
+
+
+def test_a_flipped_byte_on_one_server_switches_neither(ckpt):
+    from tests.remote.relay import Relay
+
+    servers = _servers(2)
+    v1 = np.zeros((8, 8), np.uint8)
+    v2 = np.arange(64, dtype=np.uint8).reshape(8, 8) + 100  # server B's rows 4..8 hold 132..163
+    relay = Relay(servers[1].address, tamper=("c2s", bytes(range(140, 156)), 5))
+    try:
+        for s in servers:
+            with wl.Client(s.address) as c:
+                push_shards(c, {"experts.w": v1})
+                server_sketches(c, ["experts.w"], timeout=5)
+
+        def push(set_id, via):
+            out = [[], []]
+            for i in range(2):  # two FSDP senders, rows 0..4 and 4..8
+                state = {"experts.w": ShardOf(v2[4 * i : 4 * i + 4], v2.shape, (4 * i, 0))}
+                for r in range(2):
+                    with wl.Client(via[r]) as c:
+                        out[r].append(push_shards(c, state, set_id=set_id))
+            return out
+
+        pushes = push(3, [servers[0].address, relay.address])
+        assert relay.flipped.is_set()
+        clients = [wl.Client(s.address) for s in servers]
+        try:
+            with pytest.raises(IntegrityError, match=r"experts\.w"):
+                switch_all(clients, 3, ["experts.w"], pushes)
+            for s in servers:
+                assert s.tensors()["experts.w"].tobytes() == v1[:4].tobytes()  # v1 on both
+            pushes = push(4, [s.address for s in servers])  # no false alarm without the flip
+            switch_all(clients, 4, ["experts.w"], pushes)
+        finally:
+            for c in clients:
+                c.close()
+        for r, s in enumerate(servers):
+            assert s.tensors()["experts.w"].tobytes() == v2[4 * r : 4 * r + 4].tobytes()
+    finally:
+        relay.close()
+        for s in servers:
+            s.close()
+
+
+def test_switch_refuses_what_it_cannot_switch_and_changes_nothing(ckpt):
+    path, arrs = ckpt
+    (server,) = _servers(1)
+    n, q = arrs["norm.weight"], arrs["layers.0.q_proj.weight"]
+    try:
+        with wl.Client(server.address) as c:
+            push_shards(c, {"norm.weight": n})
+            conn = c.connections[0]
+
+            def switch(set_id, flags=0):
+                conn.send(conn.frame(Switch(set_id, flags)))
+                return conn.expect(SwitchReply)
+
+            assert "no set is open" in switch(9).message  # an unknown set
+            assert "no set is open" in abort_all([c], 9)[0].message
+            # an incomplete held set: refused, nothing switched
+            push_shards(c, {"norm.weight": n + 1, "layers.0.q_proj.weight": ShardOf(q[:5], q.shape, (0, 0))}, set_id=9)
+            r = switch(9)
+            assert not r.ok and "1 of its 2 tensors incomplete, 'layers.0.q_proj.weight'" in r.message
+            assert server.tensors()["norm.weight"].tobytes() == n.tobytes()
+            assert "no such held set (set 9 (held) is open)" in switch(8).message  # another id
+            # another update's EXPECT while this set's sender is open: refused (reported at SKETCH)
+            with wl.Client(server.address) as c2:
+                c2.connections[0].send(c2.connections[0].frame(Expect(("norm.weight",), 1, 10)))
+                with pytest.raises(RemoteProtocolError, match=r"EXPECT of set 10 \(held\): set 9 \(held\) is open"):
+                    server_sketches(c2, ["norm.weight"])
+            push_shards(c, {"layers.0.q_proj.weight": ShardOf(q[5:], q.shape, (5, 0))}, set_id=9)
+            assert server.tensors()["norm.weight"].tobytes() == n.tobytes()  # complete, still held
+            r = switch(9)
+            assert r.ok and r.tensors == 2 and r.generation >= 2
+            assert server.tensors()["norm.weight"].tobytes() == (n + 1).tobytes()
+            r2 = switch(9)  # twice: refused
+            assert not r2.ok and "switched in already" in r2.message
+            assert server.tensors()["norm.weight"].tobytes() == (n + 1).tobytes()
+            # a server that holds no slices answers SWITCH with a refusal
+        plain = wl.Server(port=0)
+        plain.start()
+        try:
+            with wl.Client(plain.address) as c:
+                conn = c.connections[0]
+                conn.send(conn.frame(Switch(1)))
+                assert "holds no slices" in conn.expect(SwitchReply).message
+        finally:
+            plain.close()
     finally:
         server.close()

@@ -29,7 +29,9 @@ rank needs and where the bytes are:
 5. **Shards as a trainer holds them, into servers that hold slices** (:func:`push_shards`): each
    rank sends its DTensors (or :class:`ShardOf` boxes) to every ``Server(shard=...)``, only the
    intersection of what it holds with what that server needs; nothing is gathered, and the
-   linear sketch proves the result (:mod:`.regions`).
+   linear sketch proves the result (:mod:`.regions`). With a ``set_id`` every server holds the
+   complete update until :func:`switch_all` (after the sketches pass on every server) switches
+   all of them, or drops it on all: receivers of one update never disagree.
 
 Which to use: with shared storage and a group, (2) reads storage once and moves ``(world-1)/world``
 of the bytes over the network per rank. Without shared storage, (3) from the one machine that
@@ -48,7 +50,15 @@ from weightlift.distributed.fanout import BROADCAST_CHUNK, broadcast_load
 from weightlift.distributed.group import ROUND, STRIPE, distributed_load
 from weightlift.distributed.push import PushError, push_many
 from weightlift.distributed.reader import ROW_READ_MIN
-from weightlift.distributed.regions import ShardOf, ShardPush, check_sketches, push_shards, server_sketches
+from weightlift.distributed.regions import (
+    ShardOf,
+    ShardPush,
+    abort_all,
+    check_sketches,
+    push_shards,
+    server_sketches,
+    switch_all,
+)
 from weightlift.distributed.shard import Piece, Rows, Shard, chunk_bounds
 from weightlift.distributed.transfer import Resharded, Resharder, reshard_transfer, verify_resharded
 
@@ -74,4 +84,6 @@ __all__ = [
     "push_shards",
     "server_sketches",
     "check_sketches",
+    "switch_all",
+    "abort_all",
 ]

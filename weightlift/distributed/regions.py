@@ -44,6 +44,7 @@ from weightlift.remote.protocol import (
     MAX_TENSORS,
     REGIONS_SINCE,
     SKETCH_ENTRY_LAYOUT,
+    SWITCH_SINCE,
     Capability,
     Expect,
     LayoutReply,
@@ -52,12 +53,24 @@ from weightlift.remote.protocol import (
     SketchEntry,
     SketchReply,
     SketchRequest,
+    Switch,
+    SwitchReply,
 )
 
 if TYPE_CHECKING:
     from weightlift.remote.client import Client
 
-__all__ = ["Served", "ShardOf", "ShardPush", "push_shards", "server_sketches", "check_sketches", "REGION_CHUNK"]
+__all__ = [
+    "Served",
+    "ShardOf",
+    "ShardPush",
+    "push_shards",
+    "server_sketches",
+    "check_sketches",
+    "switch_all",
+    "abort_all",
+    "REGION_CHUNK",
+]
 
 Box = tuple[tuple[int, int], ...]
 #: Payload bytes of one REGION a sender makes: a box larger than this goes as several.
@@ -238,6 +251,7 @@ def push_shards(
     layout: Served | None = None,
     chunk: int = REGION_CHUNK,
     atomic: bool = True,
+    set_id: int = 0,
 ) -> ShardPush:
     """Send what this rank holds of ``tensors`` that ``client``'s server needs, as REGIONs.
 
@@ -247,19 +261,28 @@ def push_shards(
     set (EXPECT, sent first): the server shows all of them at once when every sender has sent
     its part of every one (the senders of one update pass the same names), and none of them if
     a sender fails; else each tensor becomes visible as its slice is covered.
-    :func:`server_sketches` waits for visibility. Errors the server
+    :func:`server_sketches` waits for visibility. ``set_id`` (non-zero, the same on every sender
+    of one update; a new one per update): the complete set is held, invisible, until
+    :func:`switch_all` switches it in on every server at once, or drops it. Errors the server
     found in these REGIONs raise :class:`~weightlift.errors.RemoteProtocolError` naming each.
     """
     if not 0 < chunk <= MAX_REGION_BYTES:
         raise OptionError(f"chunk must be in (0, {MAX_REGION_BYTES}], got {chunk}")
+    if set_id and not atomic:
+        raise OptionError("set_id holds the update's set: it needs atomic=True")
+    if not 0 <= set_id < 1 << 64:
+        raise OptionError(f"set_id must be in [0, 2**64), got {set_id}")
     t0 = time.perf_counter()
     rx = layout if layout is not None else server_layout(client)
     conn = _connection(client)
+    if set_id and conn.minor < SWITCH_SINCE:
+        raise OptionError(f"server {client.address}: it cannot hold a set (protocol minor {SWITCH_SINCE} needed)")
     out = ShardPush()
     names = tuple(tensors)
     if atomic:
+        hold = Expect.FLAG_HOLD if set_id else 0
         for batch in _batches(names) if names else ():
-            conn.send(conn.frame(Expect(batch)))
+            conn.send(conn.frame(Expect(batch, hold, set_id)))
     for name, value in tensors.items():
         held = _held(value)
         if held is None:
@@ -325,16 +348,25 @@ def _ask(conn: Any, names: tuple[str, ...], flags: int = 0) -> SketchReply:
         reply = conn.expect(SketchReply)
         entries.extend(reply.entries)
         errors.extend(reply.errors)
-    return SketchReply(tuple(entries), tuple(errors))
+    # the set's state as of the last batch: a set held then was complete for every batch before
+    return SketchReply(tuple(entries), tuple(errors), reply.set_state, reply.set_id)
 
 
 def server_sketches(
-    client: Client, names: Sequence[str], *, timeout: float = 0.0, poll: float = 0.01, recompute: bool = False
+    client: Client,
+    names: Sequence[str],
+    *,
+    timeout: float = 0.0,
+    poll: float = 0.01,
+    recompute: bool = False,
+    set_id: int = 0,
 ) -> dict[str, SketchEntry]:
     """The server's entry for each of ``names`` once all are complete (visible), waiting up to
     ``timeout`` seconds for other senders; TransportTimeout naming each tensor still incomplete
     (with its bytes received of needed) or never seen. ``recompute``: the server sketches each
-    tensor from the memory it is in now (a byte changed since it landed shows), not as it landed."""
+    tensor from the memory it is in now (a byte changed since it landed shows), not as it landed.
+    ``set_id``: wait instead until the held set of that id is complete (its tensors invisible
+    until SWITCH)."""
     conn = _connection(client)
     end = time.monotonic() + timeout
     while True:
@@ -342,7 +374,13 @@ def server_sketches(
         if reply.errors:
             raise RemoteProtocolError(f"server {client.address} refused regions: " + "; ".join(reply.errors))
         got = {e.name: e for e in reply.entries}
-        missing = [n for n in names if n not in got or not got[n].complete]
+        if set_id:
+            held = (reply.set_state, reply.set_id) == (SketchReply.SET_HELD, set_id)
+            missing = [] if held else [n for n in names if n not in got or got[n].received < got[n].needed]
+            if not held and not missing:  # every tensor named is in, but the set is not (yet) held
+                missing = [f"set {set_id} (the server's open set: {reply.set_id}, state {reply.set_state})"]
+        else:
+            missing = [n for n in names if n not in got or not got[n].complete]
         if not missing:
             return got
         if time.monotonic() >= end:
@@ -354,6 +392,8 @@ def server_sketches(
 
 
 def _progress(name: str, e: SketchEntry | None) -> str:
+    if name.startswith("set ") and e is None:
+        return name
     if e is None:
         return f"{name!r} (nothing)"
     if e.received == e.needed:
@@ -374,3 +414,70 @@ def check_sketches(pushes: Sequence[ShardPush], status: Mapping[str, SketchEntry
         raise IntegrityError(
             f"sketch mismatch (the server holds other bytes than were sent) for tensors: {sorted(bad)}"
         )
+
+
+def _switch(clients: Sequence[Client], set_id: int, flags: int) -> list[SwitchReply]:
+    """SWITCH sent to every server first, then every reply read: the servers switch within one
+    round trip of one another."""
+    conns = [_connection(c) for c in clients]
+    for c, conn in zip(clients, conns, strict=True):
+        if conn.minor < SWITCH_SINCE:
+            raise OptionError(f"server {c.address}: it cannot hold a set (protocol minor {SWITCH_SINCE} needed)")
+    for conn in conns:
+        conn.send(conn.frame(Switch(set_id, flags)))
+    return [conn.expect(SwitchReply) for conn in conns]
+
+
+def abort_all(clients: Sequence[Client], set_id: int) -> list[SwitchReply]:
+    """Drop the held set ``set_id`` on every server (SWITCH with ABORT): its tensors are released
+    unpublished, each server keeps the version it showed. A server where no such set is open
+    answers ``ok`` false; nothing changes there."""
+    return _switch(clients, set_id, Switch.FLAG_ABORT)
+
+
+def switch_all(
+    clients: Sequence[Client],
+    set_id: int,
+    names: Sequence[str],
+    pushes: Sequence[Sequence[ShardPush]],
+    *,
+    timeout: float = 30.0,
+) -> list[int]:
+    """The coordinator's half of a two-phase switch: every receiver of one update shows it, or
+    none does. ``clients``: one per server; ``pushes[i]``: what every sender's
+    :func:`push_shards` (with this ``set_id``) did to server ``i``; ``names``: the update's tensors.
+
+    Waits up to ``timeout`` seconds for each server to hold the complete set, checks each one's
+    sketches against the senders' (:func:`check_sketches`), and only when every server passes
+    sends SWITCH to all of them; each switches its set in at once. Returns each server's store
+    generation after its switch. Where a server does not get there (a sender died: TransportTimeout;
+    other bytes than were sent: IntegrityError; a refused region: RemoteProtocolError) the set is
+    dropped on every server (:func:`abort_all`) and the error raised: every receiver keeps the old
+    version. A SWITCH refused after the checks passed (a server restarted, or another update replaced
+    the set meanwhile) raises RemoteProtocolError naming which servers switched and which did not."""
+    if len(pushes) != len(clients):
+        raise OptionError(f"switch_all: {len(clients)} servers but pushes for {len(pushes)}")
+    if not 0 < set_id < 1 << 64:
+        raise OptionError(f"set_id must be in (0, 2**64), got {set_id}")
+    end = time.monotonic() + timeout
+    try:
+        for client, sent in zip(clients, pushes, strict=True):
+            status = server_sketches(client, names, timeout=max(0.0, end - time.monotonic()), set_id=set_id)
+            try:
+                check_sketches(sent, status)
+            except IntegrityError as e:
+                raise IntegrityError(f"server {client.address}: {e}") from None
+    except BaseException:
+        try:
+            abort_all(clients, set_id)
+        except Exception:  # noqa: S110 - the first error is the one to raise; a server that cannot be reached drops the set when its senders are gone
+            pass
+        raise
+    replies = _switch(clients, set_id, 0)
+    failed = [(c.address, r.message) for c, r in zip(clients, replies, strict=True) if not r.ok]
+    if failed:
+        done = [c.address for c, r in zip(clients, replies, strict=True) if r.ok]
+        raise RemoteProtocolError(
+            f"set {set_id}: switched on {done}, refused by " + "; ".join(f"{a}: {m}" for a, m in failed)
+        )
+    return [r.generation for r in replies]

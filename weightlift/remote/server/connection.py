@@ -107,6 +107,7 @@ from weightlift.remote.protocol import (
     verify_usable,
 )
 from weightlift.remote.protocol import Relay as RelayRequest
+from weightlift.remote.protocol import Switch as SwitchRequest
 from weightlift.remote.server.admission import Context, RequestError, Slot
 from weightlift.remote.server.reads import Outbox, Reads
 from weightlift.remote.server.receive import (
@@ -210,6 +211,7 @@ class Connection:
             Region: lambda m: self.regions.region(m, self.model),
             Expect: lambda m: self.regions.expect(m, self.model),
             SketchRequest: lambda m: self.out.reply(self.regions.sketch(m)),
+            SwitchRequest: lambda m: self.out.reply(self.regions.switch(m)),
             UseModel: self._use,
             Stats: self._stats,
             Remove: self._remove,

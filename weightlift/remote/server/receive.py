@@ -86,6 +86,8 @@ from weightlift.remote.protocol import (
     Region,
     SketchReply,
     SketchRequest,
+    Switch,
+    SwitchReply,
     WriteHeader,
 )
 from weightlift.remote.server.admission import Context, RequestError
@@ -1068,9 +1070,19 @@ class Regions:
             self._error(f"EXPECT: {why}")
             return
         try:
-            self.assembly.expect(m.names, id(self))
+            self.assembly.expect(m.names, id(self), hold=bool(m.flags & Expect.FLAG_HOLD), set_id=m.set_id)
         except RegionRefused as e:
             self._error(str(e))
+
+    def switch(self, m: Switch) -> SwitchReply:
+        """SWITCH: the held set switched in (or dropped, ABORT) at once, or why not, nothing changed."""
+        if self.assembly is None:
+            return SwitchReply(False, message="SWITCH: this server holds no slices (started without shard=)")
+        try:
+            tensors, generation = self.assembly.switch(m.set_id, abort=bool(m.flags & Switch.FLAG_ABORT))
+        except RegionRefused as e:
+            return SwitchReply(False, message=str(e)[:MAX_MESSAGE])
+        return SwitchReply(True, tensors, generation)
 
     def sketch(self, m: SketchRequest) -> SketchReply:
         entries = []
@@ -1085,4 +1097,5 @@ class Regions:
         if self.dropped:
             errors.append(f"and {self.dropped} more refused regions")
             self.dropped = 0
-        return SketchReply(tuple(entries), tuple(errors))
+        state, set_id = a.set_state() if a is not None else (SketchReply.SET_NONE, 0)
+        return SketchReply(tuple(entries), tuple(errors), state, set_id)

@@ -60,7 +60,7 @@ from weightlift.dtypes import byte_length, dtype_info
 from weightlift.errors import WeightliftError
 from weightlift.memory.pool import HostPool
 from weightlift.memory.targets import as_bytes, view_as
-from weightlift.remote.protocol import SketchEntry
+from weightlift.remote.protocol import SketchEntry, SketchReply
 from weightlift.remote.server.updates.gates import Gates, GateTimeout
 
 if TYPE_CHECKING:
@@ -799,6 +799,9 @@ class Assembly:
         self._held: dict[str, Staged] = {}  # complete tensors of the open set, held back
         self._joined: dict[int, set[str]] = {}  # open connection -> the names it EXPECTed into the set
         self._abandoned = False  # every connection that joined the open set has closed
+        self._hold = False  # the open set waits for SWITCH once complete (EXPECT HOLD) ...
+        self._set_id = 0  # ... naming this id
+        self._switched = 0  # the id of the last held set switched in (a second SWITCH of it is refused)
         store.on_free = self.forget
 
     def leave(self, sender: int) -> None:
@@ -827,6 +830,8 @@ class Assembly:
         self._set = keep
         self._set_bytes = sum(map(len, self._set))
         self._abandoned = False
+        if not keep:
+            self._hold, self._set_id = False, 0
 
     def _drop(self, name: str, b: _Building) -> None:
         # the lock is held; a box still landing in it (none: nobody that claimed one is open) counts nowhere
@@ -856,10 +861,22 @@ class Assembly:
                     del self._done[n]
                     self._geometry.pop(n, None)
 
-    def expect(self, names: tuple[str, ...], sender: int = 0) -> None:
+    def expect(self, names: tuple[str, ...], sender: int = 0, *, hold: bool = False, set_id: int = 0) -> None:
         """Add ``names`` (from connection ``sender``) to the open set (a new one if none is open);
-        RegionRefused, nothing added, where the set would hold more than MAX_SET_BYTES of names."""
+        RegionRefused, nothing added, where the set would hold more than MAX_SET_BYTES of names,
+        or where a set of another ``hold`` or ``set_id`` is open with a sender still connected (an
+        abandoned one gives way). ``hold``: the complete set waits for :meth:`switch` of ``set_id``."""
         with self._lock:
+            if self._set and (self._hold, self._set_id) != (hold, set_id):
+                if not self._abandoned:
+                    raise RegionRefused(
+                        f"EXPECT of set {set_id}{' (held)' if hold else ''}: "
+                        f"set {self._set_id}{' (held)' if self._hold else ''} is open"
+                    )
+                self._drop_set(set())
+                self._joined.clear()
+            if not self._set:
+                self._hold, self._set_id = hold, set_id
             new = set(names) - self._set
             size = sum(map(len, new))
             if self._set_bytes + size > MAX_SET_BYTES:
@@ -874,21 +891,67 @@ class Assembly:
             self._switch(ready)
 
     def _ready(self) -> list[Staged]:
-        """The open set's tensors, taken out, once every one is complete (the lock held)."""
-        if not self._set or not self._set <= self._held.keys():
+        """The open set's tensors, taken out, once every one is complete (the lock held); a held
+        set (EXPECT HOLD) waits for :meth:`switch`."""
+        if self._hold or not self._set or not self._set <= self._held.keys():
             return []
+        return self._take()
+
+    def _take(self) -> list[Staged]:
+        # the lock is held: the complete open set, taken out to be switched in
         staged = [self._held.pop(n) for n in sorted(self._set)]
         self._set, self._set_bytes, self._abandoned = set(), 0, False
+        self._hold, self._set_id = False, 0
         self._joined.clear()
         return staged
 
-    def _switch(self, staged: list[Staged]) -> None:
-        self.store.switch(staged, [])
+    def _switch(self, staged: list[Staged]) -> int:
+        generation = self.store.switch(staged, [])[0]
         with self._lock:
             for st in staged:
                 e = self._done.get(st.name)
                 if e is not None and not e.complete:
                     self._done[st.name] = SketchEntry(e.name, True, e.received, e.needed, e.sketch)
+        return generation
+
+    def set_state(self) -> tuple[int, int]:
+        """The open set as SKETCH_REPLY states it: (SET_NONE, SET_OPEN or SET_HELD, its id)."""
+        with self._lock:
+            if not self._set:
+                return SketchReply.SET_NONE, 0
+            held = self._hold and self._set <= self._held.keys()
+            return (SketchReply.SET_HELD if held else SketchReply.SET_OPEN), self._set_id
+
+    def switch(self, set_id: int, *, abort: bool = False) -> tuple[int, int]:
+        """Switch the held set ``set_id`` in at once: (its tensors, the store's generation after).
+        ``abort``: drop it instead, its complete tensors released unpublished and its builds
+        forgotten, so a box still to come starts afresh rather than showing alone: (its tensors,
+        0). RegionRefused, nothing changed, where no held set of that id is open, or (switching)
+        one of its tensors is incomplete or it was switched already."""
+        with self._lock:
+            if not (self._set and self._hold and self._set_id == set_id):
+                if not abort and set_id == self._switched:
+                    raise RegionRefused(f"SWITCH of set {set_id}: it was switched in already")
+                now = f"set {self._set_id}{' (held)' if self._hold else ''} is open" if self._set else "no set is open"
+                raise RegionRefused(f"{'ABORT' if abort else 'SWITCH'} of set {set_id}: no such held set ({now})")
+            count = len(self._set)
+            if abort:
+                for n in self._set:
+                    b = self._building.get(n)
+                    if b is not None:
+                        self._drop(n, b)
+                self._drop_set(set())
+                self._joined.clear()
+                return count, 0
+            missing = sorted(self._set - self._held.keys())
+            if missing:
+                raise RegionRefused(
+                    f"SWITCH of set {set_id}: {len(missing)} of its {count} tensors incomplete, "
+                    f"{', '.join(repr(n) for n in missing[:8])}"
+                )
+            self._switched = set_id
+            staged = self._take()
+        return count, self._switch(staged)
 
     def _begin(self, name: str, dtype: str, shape: tuple[int, ...]) -> _Building:
         bits = dtype_info(dtype).bits
