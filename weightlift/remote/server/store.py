@@ -774,7 +774,9 @@ class Assembly:
     entry, with the sketch of what landed, stays for SKETCH to report. A complete tensor is
     published at once, unless it belongs to the open set (EXPECT): those are held until the
     last of the set completes, then switched in together (:meth:`Store.switch`), so a reader sees
-    all of the set's new versions or none.
+    all of the set's new versions or none. A held set (EXPECT HOLD, with an id) is not switched
+    when complete but waits for :meth:`switch` of its id, or is dropped by it (ABORT): a
+    coordinator switches the servers of one update together, or none of them.
 
     A build outlives a sender: another connection may send its missing boxes. Once every
     connection that claimed boxes of an incomplete tensor has closed (:meth:`leave`) it is
