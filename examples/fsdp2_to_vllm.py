@@ -13,9 +13,10 @@ What it does:
    holds a dim-0 slice of every parameter, as a DTensor.
 3. Per optimizer step every rank calls ``weightlift.distributed.push_shards`` with its state
    dict (the DTensors cast to the checkpoint's bfloat16, never ``full_tensor()``): it sends the
-   bytes it owns straight to the engine's server, one set per step. Rank 0 gathers the ranks'
-   sketches and checks them against the server's (``check_sketches``): every byte the server
-   assembled is what some rank sent. Then the engine runs start / update / finish.
+   bytes it owns straight to the engine's server, one set per step, held there. Rank 0 gathers the
+   ranks' sketches and calls ``switch_all``: once every worker's server holds the step and its
+   sketches match what the ranks sent, all of them switch it in (else none does). Then the engine
+   runs start / update / finish.
 4. After the last step the trainer saves its weights (the full state dict on rank 0, for the save
    only) and a fresh engine started on that checkpoint must give the same greedy tokens as the
    engine that was updated in place.
@@ -161,7 +162,7 @@ def _trainer(
     from torch.distributed.fsdp import fully_shard
 
     import weightlift as wl
-    from weightlift.distributed import check_sketches, push_shards, server_sketches
+    from weightlift.distributed import push_shards, switch_all
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(rdv))
@@ -194,7 +195,8 @@ def _trainer(
                 state = {k: v.detach().to(torch.bfloat16) for k, v in net.state_dict().items() if k in names}
                 t1 = time.perf_counter()
                 state = _changed(state, kept)
-                pushed = [push_shards(c, state) for c in clients]  # each the bytes that worker holds
+                # each the bytes that worker holds, held there as set step + 1 until rank 0 switches it
+                pushed = [push_shards(c, state, set_id=step + 1) for c in clients]
                 stats["push_s"].append(time.perf_counter() - t1)
                 stats["bytes_sent"].append(sum(p.bytes_sent for p in pushed))
                 stats["owned"].append(sum(v.to_local().numel() * v.element_size() for v in state.values()))
@@ -202,9 +204,11 @@ def _trainer(
                 every: list[Any] = [None] * world if rank == 0 else []
                 dist.gather_object(pushed, every if rank == 0 else None, dst=0)
                 if rank == 0:
-                    # wait for every rank's regions, then: each server holds exactly what was sent
-                    for w, c in enumerate(clients):
-                        check_sketches([e[w] for e in every], server_sketches(c, list(state), timeout=60))
+                    # wait for every rank's regions; only if each server holds exactly what was sent
+                    # do all of them switch the step in (else none does)
+                    if state:
+                        sent = [[e[w] for e in every] for w in range(len(clients))]
+                        switch_all(clients, step + 1, list(state), sent, timeout=60)
                     chan.put(("pushed", step, loss.item()))
                     if chan.get_reply() != step:
                         raise RuntimeError("the engine did not take the update")
