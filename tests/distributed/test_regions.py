@@ -969,3 +969,25 @@ def test_switch_refuses_what_it_cannot_switch_and_changes_nothing(ckpt):
             plain.close()
     finally:
         server.close()
+
+
+def test_an_abandoned_held_set_gives_way_to_the_next_updates(ckpt):
+    # a coordinator that died before deciding leaves a held set behind: once its senders are gone
+    # the next update's EXPECT (another id) drops it instead of being refused for good
+    path, arrs = ckpt
+    (server,) = _servers(1)
+    n, q = arrs["norm.weight"], arrs["layers.0.q_proj.weight"]
+    try:
+        with wl.Client(server.address) as c:
+            push_shards(c, {"norm.weight": n})
+            push_shards(c, {"norm.weight": n + 1, "layers.0.q_proj.weight": ShardOf(q[:5], q.shape, (0, 0))}, set_id=7)
+        _closed(server)
+        with wl.Client(server.address) as c:
+            pushed = push_shards(c, {"norm.weight": n + 2}, set_id=8)
+            assert server.tensors()["norm.weight"].tobytes() == n.tobytes()  # 8 held, 7 gone unshown
+            assert "no such held set (set 8 (held) is open)" in abort_all([c], 7)[0].message
+            assert switch_all([c], 8, ["norm.weight"], [[pushed]])[0] >= 2
+        assert set(server.tensors()) == {"norm.weight"}
+        assert server.tensors()["norm.weight"].tobytes() == (n + 2).tobytes()
+    finally:
+        server.close()
