@@ -954,6 +954,8 @@ def test_switch_refuses_what_it_cannot_switch_and_changes_nothing(ckpt):
             r = switch(9)
             assert r.ok and r.tensors == 2 and r.generation >= 2
             assert server.tensors()["norm.weight"].tobytes() == (n + 1).tobytes()
+            with pytest.raises(TransportTimeout, match=r"set 9 not held \(the server's open set: 0, none\)"):
+                server_sketches(c, ["norm.weight"], set_id=9)  # every tensor in, but no set is held
             r2 = switch(9)  # twice: refused
             assert not r2.ok and "switched in already" in r2.message
             assert server.tensors()["norm.weight"].tobytes() == (n + 1).tobytes()

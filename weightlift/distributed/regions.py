@@ -377,14 +377,17 @@ def server_sketches(
         if set_id:
             held = (reply.set_state, reply.set_id) == (SketchReply.SET_HELD, set_id)
             missing = [] if held else [n for n in names if n not in got or got[n].received < got[n].needed]
-            if not held and not missing:  # every tensor named is in, but the set is not (yet) held
-                missing = [f"set {set_id} (the server's open set: {reply.set_id}, state {reply.set_state})"]
+            done = held
         else:
             missing = [n for n in names if n not in got or not got[n].complete]
-        if not missing:
+            done = not missing
+        if done:
             return got
         if time.monotonic() >= end:
             what = [_progress(n, got.get(n)) for n in missing]
+            if not what:  # every tensor named is in, but the set is not (yet) held
+                state = ("none", "open", "held")[reply.set_state]
+                what = [f"set {set_id} not held (the server's open set: {reply.set_id}, {state})"]
             raise TransportTimeout(
                 f"server {client.address}: tensors incomplete after {timeout:g} s: " + ", ".join(what)
             )
@@ -392,8 +395,6 @@ def server_sketches(
 
 
 def _progress(name: str, e: SketchEntry | None) -> str:
-    if name.startswith("set ") and e is None:
-        return name
     if e is None:
         return f"{name!r} (nothing)"
     if e.received == e.needed:
