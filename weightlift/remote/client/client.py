@@ -39,6 +39,8 @@ from weightlift.remote.protocol import (
     MAX_HOPS,
     MAX_TENSORS,
     PROTOCOL_MINOR,
+    Commit,
+    CommitReply,
     Free,
     FreeReply,
     Hello,
@@ -46,6 +48,7 @@ from weightlift.remote.protocol import (
     RelayEnd,
     RelayReply,
     Remove,
+    Update,
     relay_usable,
 )
 from weightlift.remote.token import token_bytes
@@ -614,16 +617,37 @@ class Client:
         prepared: tuple[builtins.list[TensorInfo], Reference | None] | None,
         hops: builtins.list[str],
     ) -> tuple[PushResult, RelayReply]:
-        """The push after RELAY, every ALLOC naming its digest, and RELAY_END's reply."""
-        if isinstance(source, Mapping):
-            result = self._push_memory(source, o, digests=True)
-        else:
-            result = self._push_checkpoint(source, o, digests=True, prepared=prepared)
+        """The push after RELAY, every ALLOC naming its digest, as one unit on every hop: RELAY
+        (or, with no ``hops``, UPDATE) opens it, RELAY_END's reply says every hop holds its
+        whole set (or names the first that does not), and COMMIT switches the hops that do in,
+        passed down the chain by each once it has switched (:mod:`weightlift.remote.server.relay`)."""
         if not hops:
-            return result, RelayReply(True, result.tensors, result.bytes)
+            conn = self._conn()
+            conn.send(conn.frame(Update()))
+        try:
+            if isinstance(source, Mapping):
+                result = self._push_memory(source, o, digests=True)
+            else:
+                result = self._push_checkpoint(source, o, digests=True, prepared=prepared)
+        except BaseException:
+            if not hops and self._conns:  # ended at a BARRIER: the unit is dropped, not left open
+                conn = self._conn()
+                conn.send(conn.frame(Commit(Commit.FLAG_ABORT)))
+                conn.expect(CommitReply)
+            raise
         conn = self._conn()
-        conn.send(conn.frame(RelayEnd()))
-        return result, conn.expect(RelayReply)
+        if hops:
+            conn.send(conn.frame(RelayEnd()))
+            end = conn.expect(RelayReply)
+            if not end.ok and end.failed not in hops:  # this hop's own set is not whole: dropped on every hop
+                raise StateError(f"relayed push to {address_key(self.address)} not held there: {end.message}")
+        else:
+            end = RelayReply(True, result.tensors, result.bytes)
+        conn.send(conn.frame(Commit(Commit.FLAG_NO_ROOT)))
+        done = conn.expect(CommitReply)
+        if not done.ok or done.message:
+            raise StateError(f"relayed push to {address_key(self.address)} not switched in: {done.message}")
+        return result, end
 
     # -- list / pull / free --------------------------------------------------------------------------
 
