@@ -14,6 +14,7 @@ from tests.checkpoints import write
 from tests.remote.test_tls import _self_signed
 from weightlift.errors import LocalProtocolError, OptionError, PushError, RemoteProtocolError
 from weightlift.remote import protocol as P
+from weightlift.remote.client import client as client_module
 from weightlift.remote.client.client import Client
 from weightlift.remote.server import relay as relay_module
 from weightlift.remote.server.server import Server
@@ -349,3 +350,176 @@ def test_relay_messages_need_minor_seven_and_name_a_hop():
     with pytest.raises(RemoteProtocolError, match="no hop"):
         dec.next_event()
     assert [P.relay_usable(m) for m in (4, 6, 7)] == [False, False, True]
+
+
+# -- a relayed push is one unit on every hop ------------------------------------------------------
+
+
+def _old(tensors: dict[str, bytes]) -> dict[str, np.ndarray]:
+    """An earlier version of ``tensors``: the same names, other bytes and sizes."""
+    return {n: np.full(7 + i, i + 1, dtype=np.uint8) for i, n in enumerate(tensors)}
+
+
+def _seen(address: str, tmp_path, tag: str) -> dict[str, bytes]:
+    """What a reader on another connection sees on ``address``: its LIST, and the bytes it pulls."""
+    from safetensors.numpy import load_file
+
+    with Client(address, token=TOKEN) as reader:
+        listed = {t.name: t.nbytes for t in reader.list()}
+        out = tmp_path / f"seen-{tag}.safetensors"
+        reader.pull(out, verify=True)
+    pulled = {n: a.tobytes() for n, a in load_file(str(out)).items()}
+    assert listed == {n: len(b) for n, b in pulled.items()}
+    return pulled
+
+
+def _stall_last_link(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """The relay to the last hop waits once it has pushed every tensor there (before that hop's
+    set is prepared): (stalled, release)."""
+    push = relay_module.Relay._push
+    stalled, release = threading.Event(), threading.Event()
+
+    def stalling(self, conn):
+        push(self, conn)
+        if not self.rest and not stalled.is_set():
+            stalled.set()
+            release.wait(30)
+
+    monkeypatch.setattr(relay_module.Relay, "_push", stalling)
+    return stalled, release
+
+
+def _stall_commit(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """The client waits once RELAY_END said every hop holds its whole set, before its COMMIT:
+    (stalled, release)."""
+    stalled, release = threading.Event(), threading.Event()
+
+    def commit(flags: int = 0) -> P.Commit:
+        if flags == P.Commit.FLAG_NO_ROOT and not stalled.is_set():
+            stalled.set()
+            release.wait(30)
+        return P.Commit(flags)
+
+    commit.FLAG_ABORT, commit.FLAG_NO_ROOT = P.Commit.FLAG_ABORT, P.Commit.FLAG_NO_ROOT  # type: ignore[attr-defined]
+    monkeypatch.setattr(client_module, "Commit", commit)
+    return stalled, release
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("kind", ["file", "memory"])
+@pytest.mark.parametrize("stall", [_stall_last_link, _stall_commit], ids=["last-link", "prepared"])
+def test_no_hop_shows_a_tensor_of_a_relayed_push_until_every_hop_holds_all_of_it(tmp_path, monkeypatch, n, kind, stall):
+    """Stalled with every tensor on every hop (the last hop's set not yet prepared), or with every
+    hop prepared and the client's COMMIT not yet sent: a reader on each hop sees the old version."""
+    path, tensors = _model(tmp_path)
+    old = {k: a.tobytes() for k, a in _old(tensors).items()}
+    source = path if kind == "file" else {k: np.frombuffer(b, dtype=np.uint8) for k, b in tensors.items()}
+    with _fleet(n, token=TOKEN) as (servers, addrs):
+        with Client(addrs[0], token=TOKEN) as c:
+            c.push(_old(tensors), to=addrs[1:])
+        stalled, release = stall(monkeypatch)
+        outcome: list[object] = []
+
+        def pushing():
+            try:
+                with Client(addrs[0], token=TOKEN) as c:
+                    outcome.append(c.push(source, to=addrs[1:]))
+            except BaseException as e:  # noqa: BLE001 - asserted below
+                outcome.append(e)
+
+        t = threading.Thread(target=pushing)
+        t.start()
+        try:
+            assert stalled.wait(30)  # every hop has every tensor of the new version, none prepared yet
+            for i, a in enumerate(addrs):
+                assert _seen(a, tmp_path, f"during{i}") == old, f"hop {i} shows part of the push in flight"
+        finally:
+            release.set()
+            t.join(60)
+        assert isinstance(outcome[0], dict) and list(outcome[0]) == addrs, outcome
+        with Server(token=TOKEN) as plain, Client(_key(plain.address), token=TOKEN) as c:
+            c.push(source)
+            used = plain.stats()["memory_used"]  # what the new version alone takes
+        for i, (s, a) in enumerate(zip(servers, addrs, strict=True)):
+            _holds(s, tensors)
+            assert _seen(a, tmp_path, f"after{i}") == tensors
+            assert s.stats()["memory_used"] == used  # the old version freed, nothing held left over
+
+
+def test_a_client_gone_mid_relay_leaves_every_hop_on_its_old_version(tmp_path, monkeypatch):
+    """The client goes away with every tensor held on every hop: no hop switches, each gives back
+    what it held."""
+    path, tensors = _model(tmp_path)
+    old = {k: a.tobytes() for k, a in _old(tensors).items()}
+    with _fleet(3, token=TOKEN) as (servers, addrs):
+        with Client(addrs[0], token=TOKEN) as c:
+            c.push(_old(tensors), to=addrs[1:])
+        used = [s.stats()["memory_used"] for s in servers]
+        stalled, release = _stall_last_link(monkeypatch)
+        gone: list[BaseException] = []
+        c = Client(addrs[0], token=TOKEN)
+
+        def pushing():
+            try:
+                c.push(path, to=addrs[1:])
+            except BaseException as e:  # noqa: BLE001 - asserted below
+                gone.append(e)
+
+        t = threading.Thread(target=pushing)
+        t.start()
+        try:
+            assert stalled.wait(30)
+            c.connections[0].stream.shutdown()  # the client's connection drops while every hop holds the set
+        finally:
+            release.set()
+            t.join(60)
+            c.close()
+        assert gone and isinstance(gone[0], PushError)
+        for s, a, u in zip(servers, addrs, used, strict=True):
+            _until(lambda s=s, u=u: s.stats()["memory_used"] == u and s.stats()["pushes_rolled_back"] >= 1)
+            assert _seen(a, tmp_path, a.replace(":", "-")) == old
+
+
+def _until(ok, seconds: float = 30.0) -> None:
+    """Wait for ``ok()`` (a connection's teardown runs on the server's thread, after the client sees it)."""
+    import time
+
+    end = time.monotonic() + seconds
+    while not ok():
+        assert time.monotonic() < end, "not reached"
+        time.sleep(0.02)
+
+
+def test_past_a_corrupting_relay_no_hop_shows_a_partial_set(tmp_path, monkeypatch):
+    """The second server flips a byte of the last tensor it forwards: the hops before the third
+    switch the whole set in; the third, which refused it, shows none of what it had taken before
+    it (its old version), until the client's own push to it switches in whole."""
+    path, tensors = _model(tmp_path)
+    old = {k: a.tobytes() for k, a in _old(tensors).items()}
+    forward = relay_module.Relay.forward
+
+    def flipping(self, name, dtype, shape, data, digest):
+        if not self.rest and name == "big":  # the last tensor with bytes, on the last link
+            data = bytearray(data)
+            data[-1] ^= 1
+        forward(self, name, dtype, shape, data, digest)
+
+    relay_rest = Client._relay_rest
+    before: dict[str, dict[str, bytes]] = {}
+
+    def seeing(self, source, o, prepared, hops):
+        if not before and hops == []:  # the client's own push to the third server, after the relay failed
+            before.update({a: _seen(a, tmp_path, a.replace(":", "-")) for a in addrs})
+        return relay_rest(self, source, o, prepared, hops)
+
+    with _fleet(3, token=TOKEN) as (servers, addrs):
+        with Client(addrs[0], token=TOKEN) as c:
+            c.push(_old(tensors), to=addrs[1:])
+        monkeypatch.setattr(relay_module.Relay, "forward", flipping)
+        monkeypatch.setattr(Client, "_relay_rest", seeing)
+        with Client(addrs[0], token=TOKEN) as c:
+            results = c.push(path, to=addrs[1:])
+        assert before == {addrs[0]: tensors, addrs[1]: tensors, addrs[2]: old}
+        assert results[addrs[2]].bytes_sent == sum(len(b) for b in tensors.values())
+        for s in servers:
+            _holds(s, tensors)
