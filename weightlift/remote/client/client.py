@@ -334,7 +334,9 @@ class Client:
         every tensor with its digest; each server proves each tensor against that digest, then
         forwards it to the next address of the list (:mod:`weightlift.remote.server.relay`), so
         the client sends each byte once (``PushResult.bytes_sent`` is 0 for the servers reached
-        through a relay). A hop that dies, stalls or forwards wrong bytes is routed around from
+        through a relay). The push is one unit on every hop: no server shows any of it until
+        every server holds all of it, then one COMMIT switches them in down the chain (one that
+        fails or goes away first leaves every server on its old version). A hop that dies, stalls or forwards wrong bytes is routed around from
         this client; one that fails from here too is named in PushError, whose results say who
         holds everything. "auto" pushes directly where the first server cannot relay (protocol
         minor 7, host memory); "chain" raises OptionError there. "direct": one push per server.
@@ -420,7 +422,7 @@ class Client:
             expected=ref.digests if ref is not None else None,
             manifest=ref.manifest if ref is not None else None,
             progress=o.progress,
-            unit=conns[0].session.models and not digests,  # a relayed push publishes as it goes
+            unit=conns[0].session.models and not digests,  # a relayed push's unit is opened by RELAY or UPDATE
             digests=digests,
         )
         try:
@@ -436,7 +438,7 @@ class Client:
         infos = memory_tensors(tensors, o.select)
         conn = self._conn()
         spec = None
-        if conn.session.update and not digests:  # a relayed push publishes as it goes, not at one switch
+        if conn.session.update and not digests:  # a relayed push's unit is opened by RELAY or UPDATE
             bases = given_bases(o.base) if o.base is not None else (self.bases if self.bases is not None else {})
             spec = UpdateSpec(bases, in_place=o.in_place, delta=conn.session.delta)
         if self._own_profiler:

@@ -3,18 +3,18 @@
 Theory of operation. A client pushing one selection to N servers sends it to the first only,
 after a RELAY naming the others in order. Every ALLOC of that push names the tensor's digest (the
 origin's BLAKE3, hashed where the bytes come from), and the receiver proves the bytes that
-landed against it before the tensor is published (:mod:`~weightlift.remote.server.receive`). A
+landed against it before the tensor is held (:mod:`~weightlift.remote.server.receive`). A
 proven tensor is handed to this connection's :class:`Relay` at once, which pushes it onward to
 the next hop with the client's own code (:class:`~weightlift.remote.client.push.Pusher` over a
 :class:`~weightlift.remote.client.connection.Connection`): the tensor's memory as the payload,
 and in its ALLOC the digest the origin sent, never one the relay computed. That hop proves the
-bytes against the origin's digest in turn, publishes, and forwards to the hop after it, named by
+bytes against the origin's digest in turn, holds them, and forwards to the hop after it, named by
 the RELAY this relay sent it. So a chain of N moves each tensor over N links, each of them once,
 while the next tensor is still arriving upstream: the client's egress is the model once, and the
 whole push takes about the time of one plus a tensor's time per hop.
 
 What a relay can and cannot do to the bytes: it can delay them or drop them (the client's
-RELAY_END then names it as the hop that failed), and it can forward other bytes, which the next
+RELAY_END then names it as the hop that failed), withhold the COMMIT, and it can forward other bytes, which the next
 hop refuses (they do not hash to the origin's digest) and reports, so nothing it changed becomes
 visible downstream. It cannot choose what a later hop accepts: the digests come from the origin
 over the authenticated, MACed connection of each hop, and a relay has no digest of its own to
@@ -26,10 +26,19 @@ server. The client's RELAY names addresses only: a token sent along the chain wo
 every relay could replay anywhere, and one taken from the wire would let any client make the
 server present credentials of the client's choosing.
 
-RELAY_END (after the client's last BARRIER, so every tensor of the push has been handed over)
-waits for the onward push to end, then for the next hop's own RELAY_END, and answers with the
-first hop that failed, if any: the hops before it hold every tensor, it and the hops after it
-hold the tensors that had passed before it failed.
+One unit on every hop, in two phases. RELAY opens an update on its connection (the
+connection's :class:`~weightlift.remote.server.updates.switch.Switch`): what it proves is held,
+invisible and charged, not published; a relay opens the last hop's with UPDATE. RELAY_END (after
+the client's last BARRIER, so every tensor of the push has been handed over) is the prepare: it
+waits for the onward push, then for the next hop's own RELAY_END (the last hop's BARRIER_REPLY),
+and answers ``ok`` once every hop downstream holds its whole set, or with the first hop that
+does not: the hops before it are prepared, it and the hops after it dropped theirs. The relay's
+thread then keeps its onward connection open for the decision: the COMMIT that reaches this
+connection switches this hop in and is passed on (:meth:`Relays.decide`), each hop answering
+once the next has; a drop (ABORT, a failed switch here, the connection ending first) closes the
+onward connection without a COMMIT, so each hop after drops its set in turn (the minor 5
+rollback of a connection that ends mid-update). A relay can withhold the COMMIT: the hops after
+it then keep their old version, never part of the new.
 """
 
 from __future__ import annotations
