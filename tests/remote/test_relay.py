@@ -523,3 +523,23 @@ def test_past_a_corrupting_relay_no_hop_shows_a_partial_set(tmp_path, monkeypatc
         assert results[addrs[2]].bytes_sent == sum(len(b) for b in tensors.values())
         for s in servers:
             _holds(s, tensors)
+
+
+def test_a_relayed_push_refused_at_a_barrier_is_dropped_on_every_hop(tmp_path):
+    """The first server refuses a tensor over its memory limit: the client drops the unit (no
+    hop shows any of the push, none keeps what it held) and its connection stays usable."""
+    path, tensors = _model(tmp_path)
+    old = {k: a.tobytes() for k, a in _old(tensors).items()}
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(Server(token=TOKEN, max_memory=3 << 20))]
+        servers += [stack.enter_context(Server(token=TOKEN)) for _ in range(2)]
+        addrs = [_key(s.address) for s in servers]
+        with Client(addrs[0], token=TOKEN) as c:
+            c.push(_old(tensors), to=addrs[1:])
+            used = [s.stats()["memory_used"] for s in servers]
+            with pytest.raises(PushError):
+                c.push(path, to=addrs[1:])
+            assert {t.name: t.nbytes for t in c.list()} == {n: len(b) for n, b in old.items()}
+            for s, a, u in zip(servers, addrs, used, strict=True):  # with the client's connection still open
+                _until(lambda s=s, u=u: s.stats()["memory_used"] == u, seconds=10)
+                assert _seen(a, tmp_path, a.replace(":", "-")) == old

@@ -632,10 +632,8 @@ class Client:
             else:
                 result = self._push_checkpoint(source, o, digests=True, prepared=prepared)
         except BaseException:
-            if not hops and self._conns:  # ended at a BARRIER: the unit is dropped, not left open
-                conn = self._conn()
-                conn.send(conn.frame(Commit(Commit.FLAG_ABORT)))
-                conn.expect(CommitReply)
+            if self._conns:  # ended at a BARRIER: the unit is dropped on every hop, not left open
+                self._drop_relayed(hops)
             raise
         conn = self._conn()
         if hops:
@@ -650,6 +648,21 @@ class Client:
         if not done.ok or done.message:
             raise StateError(f"relayed push to {address_key(self.address)} not switched in: {done.message}")
         return result, end
+
+    def _drop_relayed(self, hops: builtins.list[str]) -> None:
+        """A relayed push that failed at a BARRIER: its unit dropped on every hop (RELAY_END, then
+        COMMIT with ABORT where it is still held), or the connection closed, which drops it too."""
+        conn = self._conn()
+        try:
+            if hops:
+                conn.send(conn.frame(RelayEnd()))
+                end = conn.expect(RelayReply)
+                if not end.ok and end.failed not in hops:  # not whole here: dropped already
+                    return
+            conn.send(conn.frame(Commit(Commit.FLAG_ABORT)))
+            conn.expect(CommitReply)
+        except Exception:  # noqa: BLE001 - the push's own error is raised; closing drops the unit
+            self.close()
 
     # -- list / pull / free --------------------------------------------------------------------------
 
