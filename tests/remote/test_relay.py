@@ -543,3 +543,39 @@ def test_a_relayed_push_refused_at_a_barrier_is_dropped_on_every_hop(tmp_path):
             for s, a, u in zip(servers, addrs, used, strict=True):  # with the client's connection still open
                 _until(lambda s=s, u=u: s.stats()["memory_used"] == u, seconds=10)
                 assert _seen(a, tmp_path, a.replace(":", "-")) == old
+
+
+def test_a_hop_dead_between_its_prepare_and_the_commit_switches_nothing_after_it(tmp_path, monkeypatch):
+    """Every hop holds its set, then the third of four dies before the COMMIT reaches it: the
+    first two switch in, the fourth (whose parent died) keeps its old version, and the client is
+    told which hop did not switch."""
+    path, tensors = _model(tmp_path)
+    old = {k: a.tobytes() for k, a in _old(tensors).items()}
+    with _fleet(4, token=TOKEN) as (servers, addrs):
+        with Client(addrs[0], token=TOKEN) as c:
+            c.push(_old(tensors), to=addrs[1:])
+        stalled, release = _stall_commit(monkeypatch)
+        outcome: list[BaseException] = []
+
+        def pushing():
+            try:
+                with Client(addrs[0], token=TOKEN) as c:
+                    c.push(path, to=addrs[1:])
+            except BaseException as e:  # noqa: BLE001 - asserted below
+                outcome.append(e)
+
+        t = threading.Thread(target=pushing)
+        t.start()
+        try:
+            assert stalled.wait(30)  # RELAY_END said every hop holds its whole set
+            servers[2].close()
+        finally:
+            release.set()
+            t.join(60)
+        assert outcome and isinstance(outcome[0], PushError)
+        said = str(outcome[0].errors[addrs[0]])
+        assert f"{addrs[2]} did not switch" in said and f"{addrs[1]} did not switch" not in said, said
+        for i in (0, 1):
+            _holds(servers[i], tensors)
+        _until(lambda: servers[3].stats()["pushes_rolled_back"] >= 1, seconds=10)
+        assert _seen(addrs[3], tmp_path, "fourth") == old

@@ -645,8 +645,12 @@ class Client:
             end = RelayReply(True, result.tensors, result.bytes)
         conn.send(conn.frame(Commit(Commit.FLAG_NO_ROOT)))
         done = conn.expect(CommitReply)
-        if not done.ok or done.message:
+        if not done.ok:
             raise StateError(f"relayed push to {address_key(self.address)} not switched in: {done.message}")
+        if done.message:  # a hop after this one died, or failed to switch, after it held its set
+            raise StateError(
+                f"relayed push switched in at {address_key(self.address)}, not at every hop: {done.message}"
+            )
         return result, end
 
     def _drop_relayed(self, hops: builtins.list[str]) -> None:

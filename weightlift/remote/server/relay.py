@@ -138,6 +138,8 @@ class Relays:
             or (down is not None and down.ok and not down.message)
         ):
             return reply
+        if down is not None and down.ok:  # the next hop switched; one after it did not, as it says
+            return replace(reply, message=down.message)
         why = down.message if down is not None else relay.commit_error or "no reply"
         return replace(reply, message=f"switched here; {relay.next} did not switch: {why}")
 
