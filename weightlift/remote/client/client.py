@@ -75,6 +75,10 @@ __all__ = [
 ]
 
 Source = str | os.PathLike[str] | Checkpoint
+#: How a COMMIT_REPLY of a relayed push begins where a hop after the answering one did not switch
+#: in ("switched here; HOST:PORT did not switch: why", :mod:`weightlift.remote.server.relay`).
+NOT_SWITCHED = "switched here; "
+
 #: How ``push(to=[...])`` reaches the servers: "auto" and "chain" relay (the client sends each
 #: byte once, to its own server, which forwards to the next: :mod:`weightlift.remote.server.relay`;
 #: "auto" falls back to "direct" where a server cannot relay), "direct" pushes to each server.
@@ -648,9 +652,13 @@ class Client:
         if not done.ok:
             raise StateError(f"relayed push to {address_key(self.address)} not switched in: {done.message}")
         if done.message:  # a hop after this one died, or failed to switch, after it held its set
-            raise StateError(
-                f"relayed push switched in at {address_key(self.address)}, not at every hop: {done.message}"
-            )
+            hop = done.message.removeprefix(NOT_SWITCHED).partition(" did not switch: ")[0]
+            if not done.message.startswith(NOT_SWITCHED) or hop not in hops:
+                raise StateError(
+                    f"relayed push switched in at {address_key(self.address)}, not at every hop: {done.message}"
+                )
+            # the hops before it switched; it and the hops after it hold their old version: as a failed hop
+            return result, RelayReply(False, end.tensors, end.nbytes, hop, done.message, end.skipped)
         return result, end
 
     def _drop_relayed(self, hops: builtins.list[str]) -> None:

@@ -55,7 +55,7 @@ import numpy as np
 from weightlift.errors import IntegrityError, OptionError, RemoteProtocolError, TransportError
 from weightlift.formats import TensorInfo
 from weightlift.profile import Profiler
-from weightlift.remote.client.client import Client, ClientOptions
+from weightlift.remote.client.client import NOT_SWITCHED, Client, ClientOptions
 from weightlift.remote.client.connection import Connection
 from weightlift.remote.client.memory import MEMORY
 from weightlift.remote.client.push import Hashing, Pusher, Tally, wire_form
@@ -141,7 +141,7 @@ class Relays:
         if down is not None and down.ok:  # the next hop switched; one after it did not, as it says
             return replace(reply, message=down.message)
         why = down.message if down is not None else relay.commit_error or "no reply"
-        return replace(reply, message=f"switched here; {relay.next} did not switch: {why}")
+        return replace(reply, message=f"{NOT_SWITCHED}{relay.next} did not switch: {why}")
 
     @property
     def open(self) -> bool:
