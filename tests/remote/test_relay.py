@@ -207,8 +207,9 @@ def test_routed_around_a_corrupting_relay_a_caching_hop_gets_only_what_it_lacks(
 
 
 def test_a_relay_killed_mid_push_is_dropped_and_its_child_served_by_the_client(tmp_path, monkeypatch):
-    """The second server dies once the first has sent it a batch: the client is told which,
-    and the third server gets every tensor from the client."""
+    """The second server dies once the first has sent it a batch: the client is told which, the
+    third server gets every tensor, and neither the first nor the third shows any before the
+    COMMIT."""
     path, tensors = _model(tmp_path)
     push = relay_module.Relay._push
     on = threading.local()  # the relay's thread: which relay it runs
@@ -219,6 +220,7 @@ def test_a_relay_killed_mid_push_is_dropped_and_its_child_served_by_the_client(t
 
     with _fleet(3, token=TOKEN) as (servers, addrs):
         killed = []
+        shown: list[str] = []
 
         class Killing(relay_module.Pusher):
             def send(self, plans):
@@ -226,12 +228,14 @@ def test_a_relay_killed_mid_push_is_dropped_and_its_child_served_by_the_client(t
                 if getattr(on, "first", False) and plans and not killed:
                     killed.append(len(plans))
                     servers[1].close()
+                    # the first server has proven what it forwarded, the third taken some: neither shows any
+                    shown.extend(n for i in (0, 2) for n in servers[i].tensors())
 
         monkeypatch.setattr(relay_module.Relay, "_push", marking)
         monkeypatch.setattr(relay_module, "Pusher", Killing)
         with Client(addrs[0], token=TOKEN) as c, pytest.raises(PushError) as e:
             c.push(path, to=addrs[1:])
-        assert killed
+        assert killed and shown == []
         assert set(e.value.errors) == {addrs[1]}
         assert set(e.value.results) == {addrs[0], addrs[2]}
         _holds(servers[0], tensors)
