@@ -196,7 +196,7 @@ class PushOptions:
         if isinstance(source, Mapping):
             if self.to is not None and (self.base is not None or self.in_place):
                 raise OptionError(
-                    "push(to=..., base=..., in_place=...): a relayed push is no update; updates go to one server"
+                    "push(to=..., base=..., in_place=...): a relayed push sends whole tensors; deltas go to one server"
                 )
             if self.to is not None and not self.relayed:
                 raise OptionError(

@@ -93,7 +93,7 @@ class Relays:
         if self.relay is not None or self._rx.pending:
             raise RemoteProtocolError("RELAY after the push began, or twice on one connection")
         if self._rx.publish != self._ctx.store.publish:  # an update's tensors are visible at its COMMIT only
-            raise RemoteProtocolError("RELAY inside an update: a relayed push is no update")
+            raise RemoteProtocolError("RELAY inside an update: a relayed push is an update of its own")
         if not self._ctx.pooled:
             self._reply(RelayReply(False, message="this server does not relay: its tensors are not in host memory"))
             return
