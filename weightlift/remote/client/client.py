@@ -39,6 +39,8 @@ from weightlift.remote.protocol import (
     MAX_HOPS,
     MAX_TENSORS,
     PROTOCOL_MINOR,
+    Commit,
+    CommitReply,
     Free,
     FreeReply,
     Hello,
@@ -46,6 +48,7 @@ from weightlift.remote.protocol import (
     RelayEnd,
     RelayReply,
     Remove,
+    Update,
     relay_usable,
 )
 from weightlift.remote.token import token_bytes
@@ -72,6 +75,10 @@ __all__ = [
 ]
 
 Source = str | os.PathLike[str] | Checkpoint
+#: How a COMMIT_REPLY of a relayed push begins where a hop after the answering one did not switch
+#: in ("switched here; HOST:PORT did not switch: why", :mod:`weightlift.remote.server.relay`).
+NOT_SWITCHED = "switched here; "
+
 #: How ``push(to=[...])`` reaches the servers: "auto" and "chain" relay (the client sends each
 #: byte once, to its own server, which forwards to the next: :mod:`weightlift.remote.server.relay`;
 #: "auto" falls back to "direct" where a server cannot relay), "direct" pushes to each server.
@@ -189,7 +196,7 @@ class PushOptions:
         if isinstance(source, Mapping):
             if self.to is not None and (self.base is not None or self.in_place):
                 raise OptionError(
-                    "push(to=..., base=..., in_place=...): a relayed push is no update; updates go to one server"
+                    "push(to=..., base=..., in_place=...): a relayed push sends whole tensors; deltas go to one server"
                 )
             if self.to is not None and not self.relayed:
                 raise OptionError(
@@ -331,7 +338,9 @@ class Client:
         every tensor with its digest; each server proves each tensor against that digest, then
         forwards it to the next address of the list (:mod:`weightlift.remote.server.relay`), so
         the client sends each byte once (``PushResult.bytes_sent`` is 0 for the servers reached
-        through a relay). A hop that dies, stalls or forwards wrong bytes is routed around from
+        through a relay). The push is one unit on every hop: no server shows any of it until
+        every server holds all of it, then one COMMIT switches them in down the chain (one that
+        fails or goes away first leaves every server on its old version). A hop that dies, stalls or forwards wrong bytes is routed around from
         this client; one that fails from here too is named in PushError, whose results say who
         holds everything. "auto" pushes directly where the first server cannot relay (protocol
         minor 7, host memory); "chain" raises OptionError there. "direct": one push per server.
@@ -417,7 +426,7 @@ class Client:
             expected=ref.digests if ref is not None else None,
             manifest=ref.manifest if ref is not None else None,
             progress=o.progress,
-            unit=conns[0].session.models and not digests,  # a relayed push publishes as it goes
+            unit=conns[0].session.models and not digests,  # a relayed push's unit is opened by RELAY or UPDATE
             digests=digests,
         )
         try:
@@ -433,7 +442,7 @@ class Client:
         infos = memory_tensors(tensors, o.select)
         conn = self._conn()
         spec = None
-        if conn.session.update and not digests:  # a relayed push publishes as it goes, not at one switch
+        if conn.session.update and not digests:  # a relayed push's unit is opened by RELAY or UPDATE
             bases = given_bases(o.base) if o.base is not None else (self.bases if self.bases is not None else {})
             spec = UpdateSpec(bases, in_place=o.in_place, delta=conn.session.delta)
         if self._own_profiler:
@@ -614,16 +623,58 @@ class Client:
         prepared: tuple[builtins.list[TensorInfo], Reference | None] | None,
         hops: builtins.list[str],
     ) -> tuple[PushResult, RelayReply]:
-        """The push after RELAY, every ALLOC naming its digest, and RELAY_END's reply."""
-        if isinstance(source, Mapping):
-            result = self._push_memory(source, o, digests=True)
-        else:
-            result = self._push_checkpoint(source, o, digests=True, prepared=prepared)
+        """The push after RELAY, every ALLOC naming its digest, as one unit on every hop: RELAY
+        (or, with no ``hops``, UPDATE) opens it, RELAY_END's reply says every hop holds its
+        whole set (or names the first that does not), and COMMIT switches the hops that do in,
+        passed down the chain by each once it has switched (:mod:`weightlift.remote.server.relay`)."""
         if not hops:
-            return result, RelayReply(True, result.tensors, result.bytes)
+            conn = self._conn()
+            conn.send(conn.frame(Update()))
+        try:
+            if isinstance(source, Mapping):
+                result = self._push_memory(source, o, digests=True)
+            else:
+                result = self._push_checkpoint(source, o, digests=True, prepared=prepared)
+        except BaseException:
+            if self._conns:  # ended at a BARRIER: the unit is dropped on every hop, not left open
+                self._drop_relayed(hops)
+            raise
         conn = self._conn()
-        conn.send(conn.frame(RelayEnd()))
-        return result, conn.expect(RelayReply)
+        if hops:
+            conn.send(conn.frame(RelayEnd()))
+            end = conn.expect(RelayReply)
+            if not end.ok and end.failed not in hops:  # this hop's own set is not whole: dropped on every hop
+                raise StateError(f"relayed push to {address_key(self.address)} not held there: {end.message}")
+        else:
+            end = RelayReply(True, result.tensors, result.bytes)
+        conn.send(conn.frame(Commit(Commit.FLAG_NO_ROOT)))
+        done = conn.expect(CommitReply)
+        if not done.ok:
+            raise StateError(f"relayed push to {address_key(self.address)} not switched in: {done.message}")
+        if done.message:  # a hop after this one died, or failed to switch, after it held its set
+            hop = done.message.removeprefix(NOT_SWITCHED).partition(" did not switch: ")[0]
+            if not done.message.startswith(NOT_SWITCHED) or hop not in hops:
+                raise StateError(
+                    f"relayed push switched in at {address_key(self.address)}, not at every hop: {done.message}"
+                )
+            # the hops before it switched; it and the hops after it hold their old version: as a failed hop
+            return result, RelayReply(False, end.tensors, end.nbytes, hop, done.message, end.skipped)
+        return result, end
+
+    def _drop_relayed(self, hops: builtins.list[str]) -> None:
+        """A relayed push that failed at a BARRIER: its unit dropped on every hop (RELAY_END, then
+        COMMIT with ABORT where it is still held), or the connection closed, which drops it too."""
+        conn = self._conn()
+        try:
+            if hops:
+                conn.send(conn.frame(RelayEnd()))
+                end = conn.expect(RelayReply)
+                if not end.ok and end.failed not in hops:  # not whole here: dropped already
+                    return
+            conn.send(conn.frame(Commit(Commit.FLAG_ABORT)))
+            conn.expect(CommitReply)
+        except Exception:  # noqa: BLE001 - the push's own error is raised; closing drops the unit
+            self.close()
 
     # -- list / pull / free --------------------------------------------------------------------------
 

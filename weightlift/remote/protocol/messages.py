@@ -898,7 +898,9 @@ class SwitchReply(Message):
 class Relay(Message):
     """Forward every tensor this connection completes, once its bytes are proven against the
     digest its ALLOC named, to ``hops[0]``, which forwards them to ``hops[1]``, and so on: the
-    server pushes onward with its own peer credentials (no secret crosses the wire). Sent before
+    server pushes onward with its own peer credentials (no secret crosses the wire). It opens
+    an update: what the connection completes is held until COMMIT (after RELAY_END), which the
+    server passes down the chain once it has switched in. Sent before
     the first ALLOC; answered by RELAY_REPLY (``ok`` false: the server does not relay, ``message``
     says why). Wire: count:u16 then count addresses ("host:port"), each name-encoded."""
 
@@ -911,7 +913,8 @@ class Relay(Message):
 @dataclass(frozen=True, slots=True)
 class RelayEnd(Message):
     """Every tensor of the relayed push has been sent (after its last BARRIER): answered by
-    RELAY_REPLY once every hop downstream holds them, or with the first hop that failed."""
+    RELAY_REPLY once every hop holds its whole set, waiting for the COMMIT (the prepare), or with
+    the first hop that does not (it and the hops after it dropped theirs)."""
 
     COMMAND = Command.RELAY_END
     LAYOUT = struct.Struct("<")
@@ -922,9 +925,10 @@ class RelayReply(Message):
     """How a relay went. Wire: LAYOUT(ok, tensors, nbytes, failed_len) failed, message_len:u16
     message, skipped_count:u16 skipped hops (name-encoded). ``tensors`` and ``nbytes``: what the
     answering server forwarded; ``failed``: the first hop that did not get every tensor, it and
-    the hops after it holding what reached them ("" when ``ok``); ``skipped``: hops that died or
-    stalled and were routed around by the hop before them, the hops after them served from there
-    (each holds what reached it before); ``message``: why."""
+    the hops after it holding nothing of the push ("" when ``ok``, and when the answering server
+    itself does not hold its whole set); ``skipped``: hops that died or stalled and were routed
+    around by the hop before them, the hops after them served from there (each holds nothing of
+    the push); ``message``: why."""
 
     COMMAND = Command.RELAY_REPLY
     LAYOUT = struct.Struct("<BIQH")

@@ -215,8 +215,8 @@ class Connection:
             UseModel: self._use,
             Stats: self._stats,
             Remove: self._remove,
-            RelayRequest: self.relays.start,
-            RelayEnd: self.relays.end,
+            RelayRequest: self._relay,
+            RelayEnd: self._relay_end,
         }
 
     def _receiver(self) -> Receiver:
@@ -355,8 +355,40 @@ class Connection:
             self.switch, self.joined = switch, False
         self.rx.publish = switch.hold
 
+    def _relay(self, msg: RelayRequest) -> None:
+        """RELAY: forward what this connection proves, and hold it as one unit (an update that
+        RELAY_END prepares and COMMIT switches in, here and down the chain)."""
+        if self.switch is not None and not self.switch.closed:
+            raise RemoteProtocolError("RELAY inside an update: a relayed push is an update of its own")
+        self.relays.start(msg)
+        if self.relays.open:
+            switch = Switch(self.store, in_place=False, cache=self.ctx.cache, model=self.model)
+            self.ctx.units.opened(switch)
+            self.switch, self.joined = switch, False
+            self.rx.publish = switch.hold
+
+    def _relay_end(self, msg: RelayEnd) -> None:
+        """RELAY_END: the unit prepared here (every tensor held, none in flight or refused) and,
+        through the relay, at every hop downstream; the reply says so or names the hop that is not."""
+        switch = self.switch
+        why = ""
+        if switch is None or switch.closed:
+            why = "its update was dropped"
+        elif self.rx.pending:
+            why = f"{len(self.rx.pending)} tensors still in flight (BARRIER first)"
+        elif switch.refused:
+            why = "a limit refused part of the push"
+        if why and switch is not None:  # no COMMIT follows: nothing of it shows here or downstream
+            self.switch = None
+            self.rx.publish = self.store.publish
+            if not switch.closed:
+                self._rolled_back(switch, why)
+        self.relays.end(msg, refused=why)
+
     def _commit(self, msg: Commit) -> None:
         switch = self.switch
+        if self.relays.open:
+            raise RemoteProtocolError("COMMIT of a relayed push before its RELAY_END")
         if switch is None or switch.closed or self.joined:
             why = "of an update opened on another connection" if self.joined else "without an open update"
             raise RemoteProtocolError(f"COMMIT {why}")
@@ -365,14 +397,18 @@ class Connection:
         if self.rx.pending:  # a tensor still in flight would miss the switch: refuse the whole set
             why = f"update not switched: {len(self.rx.pending)} tensors still in flight (BARRIER first)"
             self._rolled_back(switch, why)
+            self.relays.decide(False)
             self.out.reply(CommitReply(False, 0, self.store.generation, bytes(32), why))
             return
         if msg.flags & Commit.FLAG_ABORT:
             self._rolled_back(switch, "aborted by the client")
+            self.relays.decide(False)
             self.out.reply(CommitReply(False, 0, self.store.generation, bytes(32), "update aborted"))
             return
         reply = switch.commit(root=not msg.flags & Commit.FLAG_NO_ROOT)
         self.ctx.units.ended(switch)
+        # a relayed push: the decision goes down the chain once this hop has switched (or failed to)
+        reply = self.relays.decide(reply.ok, reply) or reply
         self.out.reply(reply)
         if reply.ok:
             self.store.count("pushes_committed")
