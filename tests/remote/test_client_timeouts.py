@@ -30,6 +30,8 @@ from weightlift.remote.protocol import (
     Barrier,
     BarrierReply,
     Capability,
+    Commit,
+    CommitReply,
     Decoder,
     Error,
     ErrorCode,
@@ -335,6 +337,8 @@ def test_the_cli_escapes_the_errors_of_a_barrier_reply(fake, capsys, one_tensor)
         while (msg := _next(conn, dec)) is not None:
             if isinstance(msg, Barrier):
                 conn.sendall(send(BarrierReply(0, 0, (EVIL,))))
+            elif isinstance(msg, Commit):  # the push's unit, aborted after the refusal
+                conn.sendall(send(CommitReply(False, 0, 0, bytes(32), "aborted")))
 
     s = fake(behave)
     assert cli.main(["push", str(one_tensor), "--to", s.address]) == 2
