@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +27,7 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 import weightlift as wl  # noqa: E402
 from tests.checkpoints import byte_length, every_dtype, raw_bytes, write, write_sharded  # noqa: E402
+from tests.distributed.ranks import KILLED, free_port, run_ranks  # noqa: E402
 from weightlift.distributed import Shard, chunk_bounds, push_many  # noqa: E402
 from weightlift.distributed.push import PushError  # noqa: E402
 from weightlift.errors import OptionError  # noqa: E402
@@ -253,7 +252,7 @@ def test_push_many_sends_independent_selections(ckpts):
 def test_push_many_reports_every_failure(ckpts):
     with wl.Server(port=0) as a:
         ha, pa = a.start()
-        port = _free_port()  # nothing listens there
+        port = free_port()  # nothing listens there
         with pytest.raises(PushError) as ei:
             push_many(ckpts["st"], {f"{ha}:{pa}": "l0.*", f"127.0.0.1:{port}": "emb.*"}, timeout=5)
     assert set(ei.value.errors) == {f"127.0.0.1:{port}"} and set(ei.value.results) == {f"{ha}:{pa}"}
@@ -262,7 +261,7 @@ def test_push_many_reports_every_failure(ckpts):
 def test_push_many_reports_a_first_server_that_is_down(ckpts):
     with wl.Server(port=0) as a:
         ha, pa = a.start()
-        port = _free_port()
+        port = free_port()
         with pytest.raises(PushError) as ei:
             push_many(ckpts["st"], {f"127.0.0.1:{port}": "emb.*", f"{ha}:{pa}": "l0.*"}, timeout=5)
         got = a.tensors()
@@ -297,12 +296,6 @@ def test_client_push_to_refuses_its_own_server_twice(ckpts):
 # -- gloo groups of processes --------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_group(
     world: int,
     scenario: str,
@@ -314,38 +307,10 @@ def run_group(
 ) -> list[dict | None]:
     """Run ``scenario`` on ``world`` ranks; each rank's JSON report (None for a rank in ``may_die``
     that left without one; any other rank must report)."""
-    port = _free_port()
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    procs = []
-    for rank in range(world):
-        args = [
-            sys.executable,
-            "-m",
-            "tests.distributed.test_distributed",
-            "--worker",
-            scenario,
-            str(rank),
-            str(world),
-            str(port),
-            str(tmp),
-            json.dumps(paths),
-        ]
-        procs.append(subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    end = time.monotonic() + deadline
-    logs = []
-    try:
-        for p in procs:
-            try:
-                out, _ = p.communicate(timeout=max(0.1, end - time.monotonic()))
-                logs.append(out.decode(errors="replace"))
-            except subprocess.TimeoutExpired:
-                logs.append("(killed at the deadline)")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    hung = [r for r, log in enumerate(logs) if log == "(killed at the deadline)"]
+    port = free_port()
+    argvs = [[scenario, str(rank), str(world), str(port), str(tmp), json.dumps(paths)] for rank in range(world)]
+    logs = run_ranks("tests.distributed.test_distributed", argvs, deadline)
+    hung = [r for r, log in enumerate(logs) if log == KILLED]
     assert not hung, f"ranks {hung} of {scenario} still ran after {deadline} s: a hang"
     reports = []
     for rank in range(world):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,8 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 import weightlift as wl  # noqa: E402
 from tests.checkpoints import every_dtype, raw_bytes, write, write_sharded  # noqa: E402
-from tests.distributed.test_distributed import RULES, _free_port, _tensors, check_slices  # noqa: E402
+from tests.distributed.ranks import KILLED, free_port, run_ranks  # noqa: E402
+from tests.distributed.test_distributed import RULES, _tensors, check_slices  # noqa: E402
 from tests.sources.conftest import BUCKET  # noqa: E402
 from weightlift.distributed import Shard  # noqa: E402
 from weightlift.errors import OptionError  # noqa: E402
@@ -118,33 +118,10 @@ def stores(s3, nginx_counted, files, monkeypatch):
 
 def run_group(world: int, scenario: str, tmp: Path, config: dict, *, may_die: tuple[int, ...] = ()) -> list:
     """Run ``scenario`` on ``world`` ranks; each rank's JSON report (None for a rank in ``may_die``)."""
-    port = _free_port()
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    args = [sys.executable, "-m", "tests.distributed.test_fromstore", "--worker", scenario]
-    procs = [
-        subprocess.Popen(
-            [*args, str(rank), str(world), str(port), str(tmp), json.dumps(config)],
-            env=env,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for rank in range(world)
-    ]
-    end = time.monotonic() + DEADLINE
-    logs = []
-    try:
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=max(0.1, end - time.monotonic()))[0].decode(errors="replace"))
-            except subprocess.TimeoutExpired:
-                logs.append("(killed at the deadline)")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert "(killed at the deadline)" not in logs, f"{scenario} still ran after {DEADLINE} s: a hang"
+    port = free_port()
+    argvs = [[scenario, str(rank), str(world), str(port), str(tmp), json.dumps(config)] for rank in range(world)]
+    logs = run_ranks("tests.distributed.test_fromstore", argvs, DEADLINE)
+    assert KILLED not in logs, f"{scenario} still ran after {DEADLINE} s: a hang"
     reports = []
     for rank in range(world):
         f = tmp / f"{scenario}.{rank}.json"

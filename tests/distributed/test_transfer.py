@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 import traceback
@@ -31,6 +29,7 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 import weightlift as wl  # noqa: E402
 from tests.checkpoints import byte_length, raw_bytes, write  # noqa: E402
+from tests.distributed.ranks import free_port, run_ranks  # noqa: E402
 from weightlift.distributed import Shard, reshard_transfer, verify_resharded  # noqa: E402
 from weightlift.errors import IntegrityError, OptionError  # noqa: E402
 
@@ -80,39 +79,10 @@ def _tensors(seed: int = 0) -> list[tuple[str, str, tuple[int, ...], bytes]]:
 # -- the groups -------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _group(scenario: str, tmp: Path, path: Path) -> list[dict]:
-    port = _free_port()
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    mod = "tests.distributed.test_transfer"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", mod, "--worker", scenario, str(r), str(port), str(tmp), str(path)],
-            env=env,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(WORLD)
-    ]
-    end = time.monotonic() + DEADLINE
-    logs = []
-    try:
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=max(0.1, end - time.monotonic()))[0].decode(errors="replace"))
-            except subprocess.TimeoutExpired:
-                logs.append("(killed at the deadline)")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    port = free_port()
+    argvs = [[scenario, str(r), str(port), str(tmp), str(path)] for r in range(WORLD)]
+    logs = run_ranks("tests.distributed.test_transfer", argvs, DEADLINE)
     out = []
     for r in range(WORLD):
         f = tmp / f"{scenario}.{r}.json"

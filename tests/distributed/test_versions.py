@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -29,7 +27,8 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 import weightlift as wl  # noqa: E402
 from tests.checkpoints import write  # noqa: E402
-from tests.distributed.test_transfer import ENGINE, PARTS, WORLD, _compare, _free_port, _reference, _tensors  # noqa: E402
+from tests.distributed.ranks import free_port, run_ranks  # noqa: E402
+from tests.distributed.test_transfer import ENGINE, PARTS, WORLD, _compare, _reference, _tensors  # noqa: E402
 from weightlift.distributed import Resharder, Shard  # noqa: E402
 from weightlift.errors import IntegrityError, TransportError  # noqa: E402
 
@@ -69,32 +68,9 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _group(scenario: str, tmp: Path, ckpts: Path) -> list[dict]:
-    port = _free_port()
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.distributed.test_versions", "--worker", scenario, str(r), str(port)]
-            + [str(tmp), str(ckpts)],
-            env=env,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(WORLD)
-    ]
-    end = time.monotonic() + DEADLINE
-    logs = []
-    try:
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=max(0.1, end - time.monotonic()))[0].decode(errors="replace"))
-            except subprocess.TimeoutExpired:
-                logs.append("(killed at the deadline)")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    port = free_port()
+    argvs = [[scenario, str(r), str(port), str(tmp), str(ckpts)] for r in range(WORLD)]
+    logs = run_ranks("tests.distributed.test_versions", argvs, DEADLINE)
     out = []
     for r in range(WORLD):
         f = tmp / f"{scenario}.{r}.json"
